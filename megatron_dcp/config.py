@@ -1,0 +1,206 @@
+"""`DCPConfig`: the one source of every DCP setting.
+
+The same dataclass has three faces, all generated from the fields below and their docstrings:
+
+* CLI / DeepSpeed flags: ``DCPConfig.add_arguments(parser)`` gives ``--dcp``, ``--dcp_max_degree`` ...
+  (DeepSpeed's underscore style, like ``--deepspeed_config``);
+* Megatron flags: ``DCPConfig.add_arguments(parser, style="megatron")`` gives ``--dcp``,
+  ``--dcp-max-degree`` ... (Megatron's dashed style; argparse dest is the same);
+* DeepSpeed JSON: the ``"dcp"`` section, ``DCPConfig.from_dict(cfg["dcp"])``; unknown keys are an error.
+
+Pure Python: importable without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+POLICIES = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp")
+LAYOUTS = ("auto", "ulysses", "ring", "hybrid")
+CHECKPOINT_POLICIES = ("auto", "none", "full")
+LOSS_REDUCTIONS = ("token", "sequence")
+OVERSIZE_POLICIES = ("error", "truncate", "skip")
+
+
+class DCPConfigError(ValueError):
+    """A DCP setting is invalid (unknown key, value out of range, bad combination)."""
+
+
+@dataclass
+class DCPConfig:
+    """Data-centric parallel settings; see each field's docstring (also the ``--help`` text)."""
+
+    enabled: bool = False
+    """Turn data-centric parallel on (flag: ``--dcp``)."""
+
+    policy: str = "dcp"
+    """Planner: dcp (inter+intra), dcp-inter, dcp-intra, or a baseline: bucket, packed, static, greedy-cp."""
+
+    max_degree: Optional[int] = None
+    """Largest sequence-parallel degree (ranks per sequence) the planner may use; default: the DCP world."""
+
+    attention_layout: str = "auto"
+    """Sequence-parallel attention: auto (ulysses where heads divide, else hybrid/ring), ulysses, ring, hybrid."""
+
+    checkpoint_policy: str = "auto"
+    """Activation recompute: auto (fewest recomputed layers that fit memory), none, full (every layer)."""
+
+    memory_budget_gb: Optional[float] = None
+    """Memory per rank the planner may fill, in GiB; default: the hardware's memory x memory_fraction."""
+
+    memory_fraction: float = 0.9
+    """Share of device memory usable when memory_budget_gb is not given."""
+
+    hardware: str = "h200"
+    """Cost-model hardware: a preset name (h200, h100, a100) or a profile JSON written by tools/profile.py."""
+
+    ranks_per_node: Optional[int] = None
+    """Ranks per node for the cost model's link speeds; default: the hardware preset's value."""
+
+    pack_tokens: Optional[int] = None
+    """Token budget of one packed task of short sequences; default: chosen by the planner from memory."""
+
+    loss_reduction: str = "token"
+    """Loss normalisation: token (sum over the global batch / its target tokens, exact) or sequence (mean of per-sequence means)."""
+
+    oversize_policy: str = "error"
+    """A sequence that fits no degree in memory: error (name it), truncate (to the largest that fits), skip."""
+
+    seed: int = 0
+    """Seed of the planner's deterministic choices (ties, ordering)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        def one_of(name: str, allowed: tuple) -> None:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise DCPConfigError(f"dcp.{name}={value!r}: must be one of {', '.join(allowed)}")
+
+        one_of("policy", POLICIES)
+        one_of("attention_layout", LAYOUTS)
+        one_of("checkpoint_policy", CHECKPOINT_POLICIES)
+        one_of("loss_reduction", LOSS_REDUCTIONS)
+        one_of("oversize_policy", OVERSIZE_POLICIES)
+        if self.max_degree is not None and (not isinstance(self.max_degree, int) or self.max_degree < 1):
+            raise DCPConfigError(f"dcp.max_degree={self.max_degree!r}: must be a positive integer")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise DCPConfigError(f"dcp.memory_budget_gb={self.memory_budget_gb!r}: must be > 0")
+        if not 0 < self.memory_fraction <= 1:
+            raise DCPConfigError(f"dcp.memory_fraction={self.memory_fraction!r}: must be in (0, 1]")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise DCPConfigError(f"dcp.ranks_per_node={self.ranks_per_node!r}: must be >= 1")
+        if self.pack_tokens is not None and self.pack_tokens < 1:
+            raise DCPConfigError(f"dcp.pack_tokens={self.pack_tokens!r}: must be >= 1")
+
+    def check_world(self, dcp_world_size: int) -> None:
+        """Errors that need the DCP world size (known once the job runs)."""
+        if self.max_degree is not None and self.max_degree > dcp_world_size:
+            raise DCPConfigError(
+                f"dcp.max_degree={self.max_degree} exceeds the DCP world size {dcp_world_size}"
+            )
+
+    # ------------------------------------------------------------------ dict / JSON face
+    @classmethod
+    def from_dict(cls, section: dict[str, Any]) -> "DCPConfig":
+        """Build from DeepSpeed's ``"dcp"`` JSON section. ``"enabled"`` defaults to True there."""
+        if not isinstance(section, dict):
+            raise DCPConfigError(f'the "dcp" config section must be an object, got {type(section).__name__}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise DCPConfigError(
+                f'unknown key(s) in the "dcp" config section: {", ".join(unknown)}; '
+                f"known keys: {', '.join(sorted(known))}"
+            )
+        values = {"enabled": True, **section}
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def replace(self, **changes: Any) -> "DCPConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ argparse face
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, style: str = "deepspeed") -> argparse.ArgumentParser:
+        """Add ``--dcp`` and its knobs to ``parser``.
+
+        ``style="deepspeed"``: ``--dcp_max_degree``; ``style="megatron"``: ``--dcp-max-degree``.
+        Every flag's dest is ``dcp`` / ``dcp_<field>`` in both styles.
+        """
+        if style not in ("deepspeed", "megatron"):
+            raise ValueError(f"style must be 'deepspeed' or 'megatron', got {style!r}")
+        sep = "_" if style == "deepspeed" else "-"
+        group = parser.add_argument_group("DCP", "Data-centric parallel (megatron-dcp)")
+        docs = _field_docs()
+        for f in fields(cls):
+            help_text = docs.get(f.name, "")
+            if f.name == "enabled":
+                group.add_argument("--dcp", dest="dcp", action="store_true", help=help_text)
+                continue
+            flag = "--dcp" + sep + f.name.replace("_", sep)
+            dest = "dcp_" + f.name
+            kind = _field_type(f)
+            kwargs: dict[str, Any] = dict(dest=dest, default=None, help=f"{help_text} (default: {f.default})")
+            choices = _CHOICES.get(f.name)
+            if choices:
+                kwargs["choices"] = choices
+            group.add_argument(flag, type=kind, **kwargs)
+        return parser
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, base: Optional["DCPConfig"] = None) -> "DCPConfig":
+        """Config from parsed flags; flags given override ``base`` (e.g. the JSON section)."""
+        values = (base or cls()).to_dict()
+        if getattr(args, "dcp", False):
+            values["enabled"] = True
+        for f in fields(cls):
+            if f.name == "enabled":
+                continue
+            v = getattr(args, "dcp_" + f.name, None)
+            if v is not None:
+                values[f.name] = v
+        return cls(**values)
+
+
+_CHOICES = {
+    "policy": POLICIES,
+    "attention_layout": LAYOUTS,
+    "checkpoint_policy": CHECKPOINT_POLICIES,
+    "loss_reduction": LOSS_REDUCTIONS,
+    "oversize_policy": OVERSIZE_POLICIES,
+}
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def _field_docs() -> dict[str, str]:
+    """Field docstrings (the string literal under each field), read from this file's source."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(DCPConfig))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = str(nxt.value.value).strip()  # type: ignore[attr-defined]
+    return docs

@@ -1,0 +1,181 @@
+"""`Task` and `Plan`: what every planner produces and every runtime executes.
+
+A plan assigns every sequence of one global batch to exactly one task. A task is a set of
+sequences (packed, varlen) run together by a group of ranks with one attention layout
+(``ulysses`` x ``ring`` = group size) and one checkpoint depth. Every rank runs its tasks in
+``(start, id)`` order, so two tasks that share ranks are ordered the same on all of them.
+
+Group layout convention (shared by planner, cost model and runtime): group-local rank ``g`` of a
+task is ``ranks[g]``; its ring index is ``g // ulysses`` and its Ulysses index ``g % ulysses``.
+Ulysses sub-groups are therefore contiguous slices of ``ranks`` (intra-node when ranks are),
+ring sub-groups are strided (``ranks[i::ulysses]``).
+
+The JSON format (``Plan.to_json`` / ``Plan.from_json``) is documented in docs/PLAN_FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of work: sequences ``seqs`` run by ``ranks`` with one layout and checkpoint depth."""
+
+    id: int
+    ranks: tuple[int, ...]
+    """Ranks of the group, in group order (position = group-local rank)."""
+    seqs: tuple[int, ...]
+    """Indices into the global batch (``Plan.lengths``), in packing order."""
+    ulysses: int = 1
+    """Ulysses (all-to-all, head-sharded) degree."""
+    ring: int = 1
+    """Ring (P2P, zigzag) degree; ``ulysses * ring == len(ranks)``."""
+    ckpt_layers: int = 0
+    """Number of transformer layers whose activations are recomputed in backward."""
+    start: float = 0.0
+    """Predicted start time within the step, seconds (orders the tasks)."""
+    duration: float = 0.0
+    """Predicted run time, seconds."""
+    memory: float = 0.0
+    """Predicted peak memory per rank while the task runs, bytes (static memory included)."""
+
+    @property
+    def degree(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.duration
+
+    def ulysses_group(self, g: int) -> tuple[int, ...]:
+        """Ranks of the Ulysses sub-group containing group-local rank ``g``."""
+        j = g // self.ulysses
+        return self.ranks[j * self.ulysses : (j + 1) * self.ulysses]
+
+    def ring_group(self, g: int) -> tuple[int, ...]:
+        """Ranks of the ring sub-group containing group-local rank ``g``."""
+        return self.ranks[g % self.ulysses :: self.ulysses]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ranks"] = list(self.ranks)
+        d["seqs"] = list(self.seqs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Task":
+        return cls(
+            id=int(d["id"]),
+            ranks=tuple(int(r) for r in d["ranks"]),
+            seqs=tuple(int(s) for s in d["seqs"]),
+            ulysses=int(d.get("ulysses", 1)),
+            ring=int(d.get("ring", len(d["ranks"]) // int(d.get("ulysses", 1)))),
+            ckpt_layers=int(d.get("ckpt_layers", 0)),
+            start=float(d.get("start", 0.0)),
+            duration=float(d.get("duration", 0.0)),
+            memory=float(d.get("memory", 0.0)),
+        )
+
+
+@dataclass
+class Plan:
+    """All tasks of one iteration (one global batch)."""
+
+    tasks: tuple[Task, ...]
+    lengths: tuple[int, ...]
+    """Token count of every sequence of the global batch (after any truncation)."""
+    world_size: int
+    policy: str = "dcp"
+    skipped: tuple[int, ...] = ()
+    """Sequences left out by the oversize policy ``skip``."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form, not part of the digest (planner timings, notes)."""
+
+    def __post_init__(self) -> None:
+        self.tasks = tuple(sorted(self.tasks, key=lambda t: (t.start, t.id)))
+        self.lengths = tuple(int(n) for n in self.lengths)
+        self.skipped = tuple(self.skipped)
+
+    @property
+    def target_tokens(self) -> int:
+        """T of the per-token loss: next-token targets of the sequences the plan runs.
+
+        A sequence of n tokens has n - 1 targets (its last token has none).
+        """
+        return sum(self.lengths[s] - 1 for t in self.tasks for s in t.seqs)
+
+    def tasks_for_rank(self, rank: int) -> list[Task]:
+        """This rank's tasks in execution order ``(start, id)``."""
+        return [t for t in self.tasks if rank in t.ranks]
+
+    @property
+    def makespan(self) -> float:
+        return max((t.end for t in self.tasks), default=0.0)
+
+    def digest(self) -> str:
+        """Hex digest of everything that decides execution (not ``meta``)."""
+        payload = json.dumps(
+            {
+                "lengths": list(self.lengths),
+                "world_size": self.world_size,
+                "skipped": list(self.skipped),
+                "tasks": [
+                    [t.id, list(t.ranks), list(t.seqs), t.ulysses, t.ring, t.ckpt_layers, round(t.start, 9)]
+                    for t in self.tasks
+                ],
+            },
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": PLAN_FORMAT_VERSION,
+            "policy": self.policy,
+            "world_size": self.world_size,
+            "lengths": list(self.lengths),
+            "skipped": list(self.skipped),
+            "tasks": [t.to_dict() for t in self.tasks],
+            "meta": self.meta,
+        }
+
+    def to_json(self, indent: Optional[int] = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        version = d.get("format_version", PLAN_FORMAT_VERSION)
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(f"plan format_version {version} is not supported (expected {PLAN_FORMAT_VERSION})")
+        for key in ("world_size", "lengths", "tasks"):
+            if key not in d:
+                raise ValueError(f"plan JSON lacks the key {key!r}")
+        return cls(
+            tasks=tuple(Task.from_dict(t) for t in d["tasks"]),
+            lengths=tuple(d["lengths"]),
+            world_size=int(d["world_size"]),
+            policy=str(d.get("policy", "external")),
+            skipped=tuple(d.get("skipped", ())),
+            meta=dict(d.get("meta", {})),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+
+def single_task_plan(lengths: Sequence[int], world_size: int, ranks: Optional[Sequence[int]] = None,
+                     ulysses: int = 1, ring: Optional[int] = None, ckpt_layers: int = 0) -> Plan:
+    """A plan with one task holding every sequence (useful for tests and references)."""
+    ranks = tuple(ranks) if ranks is not None else tuple(range(world_size))
+    ring = ring if ring is not None else len(ranks) // ulysses
+    task = Task(id=0, ranks=ranks, seqs=tuple(range(len(lengths))), ulysses=ulysses, ring=ring,
+                ckpt_layers=ckpt_layers)
+    return Plan(tasks=(task,), lengths=tuple(lengths), world_size=world_size, policy="single")
