@@ -1,0 +1,61 @@
+"""`ModelShape`: what the cost model and planner need to know about a transformer.
+
+Presets (``gpt-1b``, ``llama-7b`` ...) and JSON loading live in `megatron_dcp.plan.presets`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shape of a decoder (or video DiT) transformer."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    num_kv_heads: Optional[int] = None
+    """Key/value heads (GQA); default: ``num_heads``."""
+    gated_mlp: bool = True
+    """SwiGLU-style MLP (three FFN matrices) rather than two."""
+    causal: bool = True
+    """Causal (decoder) attention; a video DiT is bidirectional."""
+    max_position: Optional[int] = None
+    """Longest sequence the model supports (positions); ``None``: unbounded (RoPE)."""
+    frame_tokens: Optional[int] = None
+    """Video DiT: tokens per frame (height x width). Its layers alternate spatial attention
+    (within a frame) and temporal attention (same spatial position across frames)."""
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{key}={value!r}: must be a positive integer")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"model.num_heads={self.num_heads} is not divisible by num_kv_heads={self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelShape":
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model shape key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
