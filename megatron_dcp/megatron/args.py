@@ -1,0 +1,117 @@
+"""Megatron-LM argument flags for DCP and their validation against Megatron's own arguments.
+
+``add_dcp_args`` is a Megatron-LM ``extra_args_provider``::
+
+    from megatron.training import pretrain
+    pretrain(..., extra_args_provider=add_dcp_args)
+
+The flags (``--dcp``, ``--dcp-policy``, ``--dcp-max-degree`` ...) are generated from the one
+`megatron_dcp.config.DCPConfig`; see docs/MEGATRON.md for how they relate to Megatron-LM's
+``--hybrid-context-parallel`` / ``--dynamic-context-parallel`` and ``--max-seqlen-per-dp-cp-rank``.
+``validate_dcp_args(args)`` turns the parsed flags into a `DCPConfig` and rejects combinations
+that cannot work, at start, with a message naming the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from megatron_dcp.config import DCPConfig, DCPConfigError
+
+
+class DCPArgumentError(DCPConfigError):
+    """A combination of Megatron and DCP flags that cannot work together."""
+
+
+def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--dcp`` and its knobs (Megatron's dashed style) to ``parser``; returns ``parser``."""
+    return DCPConfig.add_arguments(parser, style="megatron")
+
+
+def _get(args: argparse.Namespace, name: str, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def dcp_world_size(args: argparse.Namespace, world_size: Optional[int] = None) -> int:
+    """Ranks of one DCP world: Megatron's data-parallel size (world / (tp x pp x cp))."""
+    world = world_size if world_size is not None else _get(args, "world_size")
+    if world is None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+    model_parallel = (_get(args, "tensor_model_parallel_size", 1)
+                      * _get(args, "pipeline_model_parallel_size", 1)
+                      * _get(args, "context_parallel_size", 1))
+    if world % model_parallel:
+        raise DCPArgumentError(f"world size {world} is not divisible by tensor x pipeline x context "
+                               f"parallel size {model_parallel}")
+    return world // model_parallel
+
+
+def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None) -> DCPConfig:
+    """Check DCP flags against Megatron's and return the `DCPConfig` (``enabled`` = ``--dcp``).
+
+    Raises `DCPArgumentError` naming the offending flags. Without ``--dcp`` only a misuse of the
+    ``--dcp-*`` knobs is an error (they would be silently ignored otherwise).
+    """
+    config = DCPConfig.from_args(args)
+    if not config.enabled:
+        given = sorted(k for k, v in vars(args).items() if k.startswith("dcp_") and v is not None)
+        if given:
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise DCPArgumentError(f"{flags} given without --dcp (add --dcp to turn DCP on)")
+        return config
+
+    problems = []
+    if _get(args, "pipeline_model_parallel_size", 1) > 1:
+        problems.append("--dcp does not support --pipeline-model-parallel-size > 1: DCP ranks run "
+                        "different numbers of micro-steps, which a pipeline schedule cannot")
+    if _get(args, "virtual_pipeline_model_parallel_size", None):
+        problems.append("--dcp does not support --num-layers-per-virtual-pipeline-stage / "
+                        "virtual pipeline parallelism")
+    if _get(args, "context_parallel_size", 1) > 1:
+        problems.append("--dcp replaces Megatron's static context parallelism: use "
+                        "--context-parallel-size 1; DCP regroups the data-parallel ranks per "
+                        "sequence (cap the degree with --dcp-max-degree)")
+    for flag in ("hybrid_context_parallel", "dynamic_context_parallel"):
+        if _get(args, flag, False):
+            problems.append(f"--dcp and --{flag.replace('_', '-')} both schedule variable-length "
+                            "context parallelism: choose one")
+    if not _get(args, "calculate_per_token_loss", False):
+        problems.append("--dcp needs --calculate-per-token-loss: Megatron's DDP must SUM gradients "
+                        "over data-parallel ranks, DCP scales every loss by 1/T of the global batch")
+    if _get(args, "sequence_parallel", False):
+        problems.append("--dcp does not support --sequence-parallel yet (a DCP shard's length is "
+                        "not a multiple of the tensor-parallel size)")
+    granularity = _get(args, "recompute_granularity", None)
+    if granularity == "selective" and config.checkpoint_policy != "none":
+        problems.append("--recompute-granularity selective is fixed when the model is built; DCP "
+                        "sets a recompute depth per task: use --recompute-granularity full "
+                        "--recompute-method block, or --dcp-checkpoint-policy none")
+    if granularity == "full" and _get(args, "recompute_method", "block") != "block":
+        problems.append("--dcp with --recompute-granularity full needs --recompute-method block "
+                        "(DCP sets the number of recomputed layers per task)")
+    tp = _get(args, "tensor_model_parallel_size", 1)
+    heads = _get(args, "num_attention_heads", None)
+    groups = _get(args, "num_query_groups", None) if _get(args, "group_query_attention", True) \
+        else None
+    if config.attention_layout == "ulysses" and heads is not None and config.max_degree:
+        kv = groups or heads
+        if (heads // tp) % config.max_degree or (kv // tp) % config.max_degree:
+            problems.append(f"--dcp-attention-layout ulysses with --dcp-max-degree "
+                            f"{config.max_degree}: heads per tensor-parallel rank ({heads // tp} "
+                            f"query, {kv // tp} key/value) must be divisible by the degree")
+    if problems:
+        raise DCPArgumentError("invalid DCP arguments:\n  - " + "\n  - ".join(problems))
+
+    # Megatron's per-rank token cap maps to DCP's pack budget unless that is given explicitly.
+    max_per_rank = _get(args, "max_seqlen_per_dp_cp_rank", None)
+    if max_per_rank and config.pack_tokens is None:
+        config = config.replace(pack_tokens=int(max_per_rank))
+    try:
+        config.check_world(dcp_world_size(args, world_size))
+    except DCPConfigError as err:
+        raise DCPArgumentError(f"{err} (the data-parallel size)") from None
+    return config

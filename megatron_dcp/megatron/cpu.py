@@ -1,0 +1,122 @@
+"""CPU-only patches that let megatron-core 0.16 run forward/backward without CUDA (tests, CPU runs).
+
+Never needed on GPUs: `enable_cpu()` refuses to patch anything when CUDA is available. Each patch
+is named, version-checked (see ``_patching.SUPPORTED_MEGATRON_CORE``) and undone by
+``disable_cpu()`` or at the end of ``with cpu_patches():``. What and why (../shared/ENVIRONMENT.md):
+
+* ``torch.cuda.current_device``: Megatron allocates buffers (RoPE ``inv_freq``, DDP grad buffers,
+  TP layers, GlobalMemoryBuffer) with ``device=torch.cuda.current_device()``; on CPU it returns
+  ``"cpu"``.
+* ``get_default_causal_mask`` / ``get_sliding_window_causal_mask`` (transformer/utils.py, bound by
+  name in fusions/fused_softmax.py): built with ``device="cuda"``; here on the CPU.
+* ``get_pos_emb_on_this_cp_rank`` (rope_utils.py): ``pin_memory`` + ``.cuda()``; here the same
+  index selection on the CPU (only reached with Megatron's own cp > 1).
+* RNG tracker: `seed_rng` seeds Megatron's tracker the CPU-safe way (inference tracker, reset).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+
+from megatron_dcp.megatron._patching import PatchSet, check_megatron_version
+
+_ACTIVE: Optional[PatchSet] = None
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+def _causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    mu = torch.triu(m, diagonal=skv - sq - window_size[0])
+    return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    # Megatron's load-balanced CP order: this rank holds chunks r and 2*cp - r - 1.
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    shape = pos_emb.shape
+    pos_emb = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, index)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+def enable_cpu() -> PatchSet:
+    """Apply the CPU patches (idempotent). Raises on a GPU machine or an unchecked version."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        return _ACTIVE
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_dcp.megatron.cpu: CUDA is available; the CPU patches are for "
+                           "CPU-only runs and tests, do not enable them on a GPU machine")
+    check_megatron_version("megatron_dcp.megatron.cpu")
+    # Import the modules whose by-name aliases must be patched too, before patching.
+    import megatron.core.fusions.fused_softmax  # noqa: F401
+    import megatron.core.models.common.embeddings.rotary_pos_embedding  # noqa: F401
+    import megatron.core.transformer.dot_product_attention  # noqa: F401
+
+    patches = PatchSet("cpu")
+    try:
+        patches.replace("torch.cuda", "current_device", _cpu_current_device, aliases=False)
+        patches.replace("megatron.core.transformer.utils", "get_default_causal_mask", _causal_mask,
+                        check=callable)
+        patches.replace("megatron.core.transformer.utils", "get_sliding_window_causal_mask",
+                        _sliding_window_causal_mask, check=callable)
+        patches.replace("megatron.core.models.common.embeddings.rope_utils",
+                        "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank, check=callable)
+    except Exception:
+        patches.undo()
+        raise
+    _ACTIVE = patches
+    return patches
+
+
+def disable_cpu() -> None:
+    """Undo `enable_cpu` (no-op when not enabled)."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.undo()
+        _ACTIVE = None
+
+
+def cpu_enabled() -> bool:
+    """Whether the CPU patches are active."""
+    return _ACTIVE is not None
+
+
+@contextmanager
+def cpu_patches() -> Iterator[PatchSet]:
+    """``with cpu_patches():`` the CPU patches, undone on exit (unless enabled before)."""
+    already = _ACTIVE is not None
+    patches = enable_cpu()
+    try:
+        yield patches
+    finally:
+        if not already:
+            disable_cpu()
+
+
+def seed_rng(seed: int) -> None:
+    """Seed torch and Megatron's model-parallel RNG tracker; works on CPU and GPU.
+
+    On CPU Megatron's default tracker forks CUDA RNG states; the inference tracker (a no-op fork)
+    with a forced reset keeps initialisation deterministic without CUDA. Call after
+    ``parallel_state.initialize_model_parallel``.
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    cpu = not torch.cuda.is_available()
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=cpu, force_reset_rng=cpu)

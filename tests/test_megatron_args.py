@@ -1,0 +1,92 @@
+"""Megatron flags for DCP: generation from DCPConfig, validation against Megatron's arguments,
+and the CPU patches being reversible."""
+
+import argparse
+
+import pytest
+
+from megatron_dcp.config import DCPConfig
+from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
+
+
+def megatron_like_parser() -> argparse.ArgumentParser:
+    """The Megatron-LM flags validate_dcp_args looks at, with Megatron's defaults."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--hybrid-context-parallel", action="store_true")
+    p.add_argument("--calculate-per-token-loss", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--recompute-granularity", default=None)
+    p.add_argument("--recompute-method", default=None)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None)
+    return add_dcp_args(p)
+
+
+def parse(line: str) -> argparse.Namespace:
+    return megatron_like_parser().parse_args(line.split())
+
+
+def test_flags_are_generated_from_dcp_config():
+    args = parse("--dcp --dcp-policy dcp-inter --dcp-max-degree 4 --calculate-per-token-loss")
+    config = validate_dcp_args(args, world_size=8)
+    assert config == DCPConfig(enabled=True, policy="dcp-inter", max_degree=4)
+    # every DCPConfig field has a dashed flag
+    help_text = megatron_like_parser().format_help()
+    for name in DCPConfig.__dataclass_fields__:
+        if name != "enabled":
+            assert "--dcp-" + name.replace("_", "-") in help_text
+
+
+def test_disabled_is_fine_but_knobs_without_dcp_fail():
+    assert validate_dcp_args(parse(""), world_size=2).enabled is False
+    with pytest.raises(DCPArgumentError, match="--dcp-max-degree given without --dcp"):
+        validate_dcp_args(parse("--dcp-max-degree 2"), world_size=2)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--dcp", "--calculate-per-token-loss"),
+    ("--dcp --calculate-per-token-loss --pipeline-model-parallel-size 2",
+     "--pipeline-model-parallel-size"),
+    ("--dcp --calculate-per-token-loss --context-parallel-size 2", "--context-parallel-size 1"),
+    ("--dcp --calculate-per-token-loss --hybrid-context-parallel", "--hybrid-context-parallel"),
+    ("--dcp --calculate-per-token-loss --sequence-parallel", "--sequence-parallel"),
+    ("--dcp --calculate-per-token-loss --recompute-granularity selective", "selective"),
+    ("--dcp --calculate-per-token-loss --dcp-max-degree 8", "exceeds the DCP world size 4"),
+    ("--dcp --calculate-per-token-loss --tensor-model-parallel-size 2 --dcp-attention-layout "
+     "ulysses --dcp-max-degree 4 --num-attention-heads 4", "divisible by the degree"),
+])
+def test_bad_combinations_fail_with_a_clear_message(line, message):
+    with pytest.raises(DCPArgumentError, match=message):
+        validate_dcp_args(parse(line), world_size=4 if "tensor" not in line else 8)
+
+
+def test_max_seqlen_per_dp_cp_rank_becomes_the_pack_budget():
+    args = parse("--dcp --calculate-per-token-loss --max-seqlen-per-dp-cp-rank 4096")
+    assert validate_dcp_args(args, world_size=2).pack_tokens == 4096
+    args = parse("--dcp --calculate-per-token-loss --max-seqlen-per-dp-cp-rank 4096 "
+                 "--dcp-pack-tokens 100")
+    assert validate_dcp_args(args, world_size=2).pack_tokens == 100
+
+
+def test_cpu_patches_are_reversible():
+    import torch
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    from megatron_dcp.megatron.cpu import cpu_enabled, cpu_patches
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU patches are refused on a GPU machine")
+    original_mask, original_device = utils.get_default_causal_mask, torch.cuda.current_device
+    with cpu_patches():
+        assert cpu_enabled()
+        assert fused_softmax.get_default_causal_mask(3).tolist() == [
+            [False, True, True], [False, False, True], [False, False, False]]
+        assert torch.cuda.current_device() == "cpu"
+    assert not cpu_enabled()
+    assert utils.get_default_causal_mask is original_mask
+    assert fused_softmax.get_default_causal_mask is original_mask
+    assert torch.cuda.current_device is original_device
