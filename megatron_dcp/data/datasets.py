@@ -1,0 +1,64 @@
+"""Token datasets: the embedded corpus, Megatron indexed datasets, and one opener for both."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+
+from megatron_dcp.data.indexed import IndexedDataset
+from megatron_dcp.data.tokenizer import ByteTokenizer
+
+EMBEDDED_CORPUS = Path(__file__).parent / "corpus" / "pystdlib.jsonl.gz"
+
+
+class TokenDataset(Protocol):
+    """What the sampler and training scripts need: ``len``, ``ds[i]`` (token ids), ``lengths``."""
+
+    lengths: np.ndarray
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> np.ndarray: ...
+
+
+class InMemoryTokenDataset:
+    """Documents already tokenized, held in memory (the embedded corpus, tests)."""
+
+    def __init__(self, documents: Sequence[np.ndarray], name: str = "in-memory") -> None:
+        self.documents = [np.asarray(d) for d in documents]
+        self.lengths = np.array([len(d) for d in self.documents], dtype=np.int64)
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.documents[i]
+
+
+@lru_cache(maxsize=1)
+def embedded_corpus_texts() -> tuple[str, ...]:
+    """The texts of the embedded corpus (see corpus/README.md), in file order."""
+    with gzip.open(EMBEDDED_CORPUS, "rt", encoding="utf-8") as f:
+        return tuple(json.loads(line)["text"] for line in f if line.strip())
+
+
+def embedded_dataset(tokenizer: Optional[ByteTokenizer] = None) -> InMemoryTokenDataset:
+    """The embedded corpus tokenized (byte-level, EOD appended): ~5.8k documents, long-tailed."""
+    tokenizer = tokenizer or ByteTokenizer()
+    docs = [tokenizer.encode(t) for t in embedded_corpus_texts()]
+    return InMemoryTokenDataset(docs, name="embedded:pystdlib")
+
+
+def open_dataset(data_path: Optional[str] = None) -> TokenDataset:
+    """``--data-path PREFIX`` (a Megatron ``.bin/.idx`` pair) or, when None, the embedded corpus."""
+    if data_path is None:
+        return embedded_dataset()
+    if data_path.endswith((".bin", ".idx")):
+        data_path = data_path[:-4]
+    return IndexedDataset(data_path)

@@ -1,0 +1,96 @@
+"""`GlobalBatchSampler`: global batches filled up to a token budget, deterministic and resumable.
+
+Every rank builds the same sampler and gets the same list of document indices per step (the
+planner then decides which rank runs what). Documents are visited in a seeded permutation per
+epoch (``numpy`` PCG64 of ``(seed, epoch)``: identical on every machine); a batch takes documents
+in that order while the budget allows, at least one. Documents are truncated to ``max_seq_len``
+tokens, and documents with fewer than ``min_seq_len`` tokens are skipped (a 1-token document has no
+next-token target). ``state_dict()`` / ``load_state_dict()`` resume exactly where a run stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+
+class GlobalBatchSampler:
+    """Yields lists of document indices, each a global batch of at most ``tokens_per_batch`` tokens."""
+
+    def __init__(self, lengths: Sequence[int], tokens_per_batch: int, *, seed: int = 0,
+                 max_seq_len: Optional[int] = None, min_seq_len: int = 2, shuffle: bool = True) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if max_seq_len is not None and max_seq_len < min_seq_len:
+            raise ValueError(f"max_seq_len={max_seq_len} is below min_seq_len={min_seq_len}")
+        if max_seq_len is not None and tokens_per_batch < max_seq_len:
+            raise ValueError(f"tokens_per_batch={tokens_per_batch} is below max_seq_len={max_seq_len}: "
+                             "the longest sequence would not fit a global batch")
+        if tokens_per_batch < 1:
+            raise ValueError(f"tokens_per_batch={tokens_per_batch} must be positive")
+        self.tokens_per_batch = int(tokens_per_batch)
+        self.max_seq_len = max_seq_len
+        self.min_seq_len = int(min_seq_len)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.usable = np.flatnonzero(self.lengths >= self.min_seq_len)
+        if len(self.usable) == 0:
+            raise ValueError(f"no document has at least {self.min_seq_len} tokens")
+        self.epoch = 0
+        self.position = 0
+        self.batches = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return self.usable
+        rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+        return self.usable[rng.permutation(len(self.usable))]
+
+    def sequence_length(self, doc: int) -> int:
+        """Tokens of document ``doc`` after truncation to ``max_seq_len``."""
+        n = int(self.lengths[doc])
+        return min(n, self.max_seq_len) if self.max_seq_len else n
+
+    def next_batch(self) -> list[int]:
+        """Document indices of the next global batch (advances the state)."""
+        batch: list[int] = []
+        total = 0
+        while True:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._permutation(self.epoch)
+            doc = int(self._order[self.position])
+            n = self.sequence_length(doc)
+            if batch and total + n > self.tokens_per_batch:
+                break
+            batch.append(doc)
+            total += n
+            self.position += 1
+            if total >= self.tokens_per_batch:
+                break
+        self.batches += 1
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue with the same batches (plain ints: JSON-safe)."""
+        return {"epoch": self.epoch, "position": self.position, "batches": self.batches,
+                "seed": self.seed, "tokens_per_batch": self.tokens_per_batch,
+                "max_seq_len": self.max_seq_len, "num_documents": int(len(self.lengths))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume; a state from a different dataset or budget is an error, not a silent change."""
+        for key, mine in (("seed", self.seed), ("tokens_per_batch", self.tokens_per_batch),
+                          ("max_seq_len", self.max_seq_len), ("num_documents", int(len(self.lengths)))):
+            if state.get(key) != mine:
+                raise ValueError(f"sampler state has {key}={state.get(key)!r} but this run has {mine!r}; "
+                                 "resume with the same data and batch settings")
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self.batches = int(state["batches"])
+        self._order = self._permutation(self.epoch)

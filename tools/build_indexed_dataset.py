@@ -1,0 +1,49 @@
+"""Build a Megatron indexed dataset (PREFIX.bin / PREFIX.idx) from text or jsonl, byte-tokenized.
+
+  python tools/build_indexed_dataset.py --input docs.jsonl --output-prefix data/my_corpus
+  python tools/build_indexed_dataset.py --input book.txt --output-prefix data/book   # paragraphs
+  python tools/build_indexed_dataset.py --embedded --output-prefix data/pystdlib     # the default corpus
+
+Train on it with ``examples/pretrain.py --data-path data/my_corpus``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from megatron_dcp.data import (ByteTokenizer, IndexedDatasetWriter, best_dtype, embedded_corpus_texts,
+                               read_documents)
+
+
+def main(argv=None) -> int:
+    """Command-line entry point."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", nargs="+", help="jsonl(.gz) or text files; jsonl by extension")
+    src.add_argument("--embedded", action="store_true", help="the embedded corpus (megatron_dcp/data/corpus)")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument("--json-key", default="text", help="field of each jsonl object holding the text")
+    p.add_argument("--no-eod", action="store_true", help="do not append the end-of-document token")
+    args = p.parse_args(argv)
+
+    tokenizer = ByteTokenizer()
+    start = time.time()
+    docs = tokens = 0
+    with IndexedDatasetWriter(args.output_prefix, best_dtype(tokenizer.vocab_size)) as writer:
+        sources = [embedded_corpus_texts()] if args.embedded else [
+            read_documents(path, args.json_key) for path in args.input]
+        for texts in sources:
+            for text in texts:
+                ids = tokenizer.encode(text, append_eod=not args.no_eod)
+                writer.add_document(ids)
+                docs += 1
+                tokens += len(ids)
+    print(f"wrote {args.output_prefix}.bin/.idx: {docs} documents, {tokens} tokens "
+          f"in {time.time() - start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
