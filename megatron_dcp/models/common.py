@@ -1,0 +1,91 @@
+"""Pieces shared by the reference models: RMSNorm, rotary embedding, token losses, init.
+
+Tensor names: ``T`` tokens (of the local shard inside a task), ``H`` heads, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_dcp.runtime.context import current_task
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale (no bias)."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dim of ``x``."""
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[T, 1, D]`` of rotary embedding at the given positions (not 0..T-1: a shard of
+    a sequence holds positions from anywhere in it)."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, device=position_ids.device,
+                                             dtype=torch.float64) / half))
+    angles = position_ids.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (rotate-half convention)."""
+    half = x_THD.shape[-1] // 2
+    rotated = torch.cat([-x_THD[..., half:], x_THD[..., :half]], dim=-1)
+    return x_THD * cos + rotated * sin
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of every token ``[T]`` (0 where ``labels == -100``)."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def check_positions(position_ids: torch.Tensor, max_position: Optional[int], model: str) -> None:
+    """Raise a clear error when a position is beyond what the model supports.
+
+    Names the task and the sequence (global batch index) when run inside a task.
+    """
+    if max_position is None or position_ids.numel() == 0:
+        return
+    top = int(position_ids.max())
+    if top < max_position:
+        return
+    where = ""
+    ctx = current_task()
+    if ctx is not None and ctx.layout is not None:
+        at = int(torch.nonzero(position_ids == top)[0, 0])
+        local_seq = int(ctx.layout.seq_ids[at])
+        global_seq = ctx.task.seqs[local_seq]
+        where = (f" in sequence {global_seq} (length {ctx.layout.seq_lengths[local_seq]}) "
+                 f"of task {ctx.task.id}")
+    raise ValueError(f"{model}: position {top}{where} is beyond max_position={max_position}; "
+                     f"sequences may have at most {max_position} tokens")
+
+
+def init_weights(module: nn.Module, std: float, seed: Optional[int]) -> None:
+    """Normal(0, std) for every matrix and embedding, ones for norms; from ``seed`` if given
+    (so every rank builds the same model without touching the global RNG)."""
+    gen = None
+    if seed is not None:
+        gen = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * std)
+            elif name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()

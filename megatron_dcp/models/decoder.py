@@ -1,0 +1,140 @@
+"""Reference decoder: RoPE, GQA, SwiGLU, RMSNorm, no dropout; DCP enters only through two calls.
+
+The model never takes DCP arguments. Inside a task, its input is the local shard of a task's
+packed sequences (``input_ids`` and the original ``position_ids`` of those tokens, which RoPE
+uses); `dcp_attention` reads the task context and attends within each sequence across the
+group; `run_layer` recomputes the first ``ckpt_layers`` layers of the task. Outside a task the
+same code is a plain single-sequence decoder: that is the single-process reference of the tests.
+
+Tensor names: ``T`` tokens, ``E`` hidden size, ``H`` heads, ``D`` head dim, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_dcp.models.common import (RMSNorm, apply_rope, check_positions, init_weights,
+                                        rope_tables, token_losses)
+from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.runtime.attention import dcp_attention
+from megatron_dcp.runtime.checkpoint import run_layer
+
+
+@dataclass
+class DecoderConfig:
+    """Size of a `Decoder`."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: Optional[int] = None
+    """Key/value heads (GQA); default ``num_heads``."""
+    ffn_hidden_size: Optional[int] = None
+    """SwiGLU inner size; default ``8/3 * hidden`` rounded up to a multiple of 8."""
+    max_position: int = 4096
+    """Longest sequence (tokens); longer input raises an error naming the sequence."""
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = -(-(8 * self.hidden_size // 3) // 8) * 8
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"DecoderConfig: hidden {self.hidden_size} must divide by heads "
+                             f"{self.num_heads}, which must divide by kv heads {self.num_kv_heads}")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(f"DecoderConfig: head dim {self.hidden_size // self.num_heads} "
+                             "must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        """Hidden size per head."""
+        return self.hidden_size // self.num_heads
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: causal GQA attention with RoPE, then a SwiGLU MLP."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e, d = cfg.hidden_size, cfg.head_dim
+        self.attn_norm = RMSNorm(e, cfg.norm_eps)
+        self.wq = nn.Linear(e, cfg.num_heads * d, bias=False)
+        self.wk = nn.Linear(e, cfg.num_kv_heads * d, bias=False)
+        self.wv = nn.Linear(e, cfg.num_kv_heads * d, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * d, e, bias=False)
+        self.mlp_norm = RMSNorm(e, cfg.norm_eps)
+        self.w_gate = nn.Linear(e, cfg.ffn_hidden_size, bias=False)
+        self.w_up = nn.Linear(e, cfg.ffn_hidden_size, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden_size, e, bias=False)
+
+    def forward(self, x_TE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One block on the local tokens."""
+        t, d = x_TE.shape[0], self.cfg.head_dim
+        h = self.attn_norm(x_TE)
+        q = apply_rope(self.wq(h).view(t, self.cfg.num_heads, d), cos, sin)
+        k = apply_rope(self.wk(h).view(t, self.cfg.num_kv_heads, d), cos, sin)
+        v = self.wv(h).view(t, self.cfg.num_kv_heads, d)
+        attn = dcp_attention(q, k, v, causal=True)
+        x_TE = x_TE + self.wo(attn.reshape(t, -1))
+        h = self.mlp_norm(x_TE)
+        return x_TE + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+
+class Decoder(nn.Module):
+    """Decoder-only language model; ``model(input_ids, position_ids) -> logits [T, V]``."""
+
+    def __init__(self, config: DecoderConfig, seed: Optional[int] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = None
+        if not config.tie_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        init_weights(self, config.init_std, seed)
+
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
+        0..T-1: one whole sequence)."""
+        if input_ids.dim() != 1:
+            raise ValueError(f"Decoder: input_ids must be 1-D [tokens], got {tuple(input_ids.shape)}")
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
+        check_positions(position_ids, self.config.max_position, "Decoder")
+        x = self.embed(input_ids)
+        cos, sin = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = run_layer(i, layer, x, cos, sin)
+        x = self.norm(x)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight)
+
+    def loss(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
+             labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        """Cross-entropy of the tokens: ``"sum"`` over labels != -100, or ``"none"`` (``[T]``).
+        This is the ``forward_step`` the executor needs."""
+        losses = token_losses(self(input_ids, position_ids), labels)
+        return losses.sum() if reduction == "sum" else losses
+
+    def shape(self) -> ModelShape:
+        """The model's shape for the planner's cost model."""
+        c = self.config
+        return ModelShape(num_layers=c.num_layers, hidden_size=c.hidden_size,
+                          num_heads=c.num_heads, ffn_hidden_size=c.ffn_hidden_size,
+                          vocab_size=c.vocab_size, num_kv_heads=c.num_kv_heads, gated_mlp=True,
+                          causal=True, max_position=c.max_position, name="decoder")

@@ -1,0 +1,96 @@
+"""Per-task activation recomputation: how many layers recompute is read at every forward.
+
+A DCP plan gives every task its own checkpoint depth (``Task.ckpt_layers``): a long sequence at a
+low degree recomputes many layers, a packed task of short sequences none. The model is built once;
+each layer call goes through `run_layer`, which looks up the depth of the task being run
+(``current_task().ckpt_layers``) and wraps the first ``depth`` layers in non-reentrant
+``torch.utils.checkpoint``. So the depth changes every micro-step without rebuilding anything.
+
+Recomputation happens during backward. The executor runs backward inside the task context, but
+on CUDA the autograd engine runs the backward of device ops on its own worker threads, where a
+``ContextVar`` set by the caller is not visible. The recompute therefore re-enters the task
+context captured at forward time (``context_fn``), so the recomputed attention uses the same
+group and layout as the original forward on every device.
+
+Outside a task the depth is 0, or what `checkpoint_depth` sets (single-process references,
+profiling).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.utils.checkpoint
+
+from megatron_dcp.runtime.context import TaskContext, current_task, task_context
+
+_DEPTH_OUTSIDE_TASK: ContextVar[int] = ContextVar("megatron_dcp_ckpt_depth", default=0)
+
+
+@contextmanager
+def checkpoint_depth(depth: int) -> Iterator[int]:
+    """Recompute the first ``depth`` layers of forwards run outside a task (inside a task the
+    task's own ``ckpt_layers`` wins)."""
+    if depth < 0:
+        raise ValueError(f"checkpoint depth must be >= 0, got {depth}")
+    token = _DEPTH_OUTSIDE_TASK.set(int(depth))
+    try:
+        yield depth
+    finally:
+        _DEPTH_OUTSIDE_TASK.reset(token)
+
+
+def current_depth() -> int:
+    """Number of leading layers to recompute in the forward being run now."""
+    ctx = current_task()
+    if ctx is not None:
+        return int(ctx.ckpt_layers)
+    return _DEPTH_OUTSIDE_TASK.get()
+
+
+def _recompute_contexts(ctx: Optional[TaskContext]) -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` for checkpoint: nothing extra in forward, the captured task in recompute."""
+
+    def make() -> tuple[Any, Any]:
+        return contextlib.nullcontext(), task_context(ctx)
+
+    return make
+
+
+def run_layer(index: int, layer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """Run ``layer(*args)``, recomputing its activations in backward if ``index < depth``.
+
+    ``index`` is the layer's position in the model (0 = first). Recomputation is only used when
+    autograd records the forward (no effect under ``torch.no_grad``).
+    """
+    if index < current_depth() and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(
+            layer, *args, use_reentrant=False, context_fn=_recompute_contexts(current_task())
+        )
+    return layer(*args)
+
+
+class RecomputeCounter:
+    """Counts forward calls of wrapped callables: a test hook that shows which layers recomputed.
+
+    ``counter.wrap(i, fn)`` returns a callable that increments ``counter.calls[i]`` per call; a
+    recomputed layer is called twice per step (forward + recompute), any other layer once.
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[int, int] = {}
+        self.contexts: dict[int, list[Optional[TaskContext]]] = {}
+
+    def wrap(self, index: int, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """A callable that records the call (and the task context it ran under), then runs fn."""
+
+        def counted(*args: Any) -> torch.Tensor:
+            self.calls[index] = self.calls.get(index, 0) + 1
+            self.contexts.setdefault(index, []).append(current_task())
+            return fn(*args)
+
+        return counted

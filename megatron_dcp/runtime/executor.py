@@ -1,0 +1,316 @@
+"""`run_plan`: run this rank's tasks of a plan, with an exact per-token (or per-sequence) loss.
+
+For each task of this rank, in plan order ``(start, id)``:
+
+1. build the task's `ShardLayout` and cut this rank's shard of the packed input ids, position ids,
+   labels and loss weights. Labels are next-token targets computed on each *whole* sequence before
+   sharding, so the last token of a shard keeps its target from the next shard; a sequence's last
+   token and padding get -100;
+2. enter the task context (group, sub-groups, layout, checkpoint depth) and call
+   ``forward_step(input_ids, position_ids, labels)``;
+3. weight the loss: ``token`` reduction scales the summed token losses by ``1 / T``
+   (``T = plan.target_tokens``, the target tokens of the *global* batch), ``sequence`` weights
+   every token by ``1 / (S * targets of its sequence)``; the SUM of gradients over the DCP world
+   then equals the gradient of single-device training on the whole batch;
+4. call ``backward(weighted_loss)`` still inside the task context (recomputation and the
+   attention's backward collectives need it).
+
+Before anything else one tiny collective checks that every rank holds the same plan (its digest)
+and that no rank found a problem in its input; a mismatch raises on every rank, naming the ranks,
+instead of hanging in a later collective. Gradient reduction is left to the engine;
+`reduce_gradients` does it for plain torch (SUM over the DCP world, once per step, also on a
+rank that ran no task).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.runtime.context import task_context
+from megatron_dcp.runtime.groups import GroupPool
+from megatron_dcp.runtime.layout import ShardLayout
+
+IGNORE_INDEX = -100
+LOSS_REDUCTIONS = ("token", "sequence")
+
+ForwardStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks of the DCP world hold different plans (or one of them found bad input)."""
+
+
+class BatchError(ValueError):
+    """The global batch does not fit the plan or the model (names the sequence)."""
+
+
+class TaskError(RuntimeError):
+    """A task failed on this rank; the message names the rank, the task and its sequences."""
+
+    def __init__(self, rank: int, task: Task, lengths: Sequence[int], cause: BaseException) -> None:
+        self.rank, self.task = rank, task
+        text = str(cause)
+        hint = ""
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            hint = (f" (a collective of this task timed out: another rank of ranks {task.ranks} "
+                    "did not reach it: it failed earlier, runs another plan, or is too slow)")
+        seqs = ", ".join(f"{s} ({lengths[s]} tokens)" for s in task.seqs[:8])
+        more = f", ... {len(task.seqs)} in all" if len(task.seqs) > 8 else ""
+        super().__init__(
+            f"rank {rank}: task {task.id} (ranks {task.ranks}, ulysses {task.ulysses} x ring "
+            f"{task.ring}, ckpt_layers {task.ckpt_layers}; sequences {seqs}{more}) failed{hint}: "
+            f"{type(cause).__name__}: {text}")
+
+
+@dataclass
+class TaskStats:
+    """What one task did on this rank and how long it took."""
+
+    task_id: int
+    degree: int
+    ulysses: int
+    ring: int
+    ckpt_layers: int
+    num_seqs: int
+    tokens: int
+    """Tokens of the task's sequences (whole task, unpadded)."""
+    local_tokens: int
+    """Rows of this rank's shard (padding included)."""
+    forward_s: float
+    backward_s: float
+    predicted_s: float
+    """The plan's predicted duration (``Task.duration``)."""
+
+    @property
+    def total_s(self) -> float:
+        """Forward plus backward seconds."""
+        return self.forward_s + self.backward_s
+
+
+@dataclass
+class StepStats:
+    """Result of `run_plan` on one rank."""
+
+    loss: float
+    """Loss of the global batch (the reduced value being optimised; all-reduced over ranks)."""
+    tokens: int
+    """Target tokens of the global batch (``T``)."""
+    local_loss: float
+    """This rank's share of ``loss`` (0 for a rank with no task)."""
+    local_tokens: int
+    """Target tokens in this rank's shards."""
+    tasks: list[TaskStats] = field(default_factory=list)
+    wall_s: float = 0.0
+    digest: str = ""
+    groups_created: int = 0
+
+
+# ---------------------------------------------------------------------- checks before running
+def _digest_pieces(digest: str) -> list[int]:
+    """The 64-bit hex digest as 4 non-negative 16-bit integers (exact in any dtype used)."""
+    value = int(digest, 16)
+    return [(value >> (16 * i)) & 0xFFFF for i in range(4)]
+
+
+def _local_problems(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
+                    max_position: Optional[int]) -> list[str]:
+    """Problems this rank can see without talking to the others."""
+    problems = []
+    if not 0 <= rank < plan.world_size:
+        return [f"rank {rank} is outside the plan's world of {plan.world_size} ranks"]
+    if len(sequences) != len(plan.lengths):
+        return [f"the batch has {len(sequences)} sequences, the plan {len(plan.lengths)}"]
+    for task in plan.tasks:
+        if task.ulysses * task.ring != task.degree:
+            problems.append(f"task {task.id}: ulysses {task.ulysses} x ring {task.ring} != "
+                            f"{task.degree} ranks {task.ranks}")
+        for s in task.seqs:
+            n = plan.lengths[s]
+            if max_position is not None and n > max_position:
+                problems.append(f"sequence {s} has {n} tokens, more than the model's "
+                                f"max_position {max_position} (task {task.id}, ranks {task.ranks})")
+            if rank in task.ranks:
+                seq = sequences[s]
+                if seq is None or seq.dim() != 1 or seq.shape[0] != n:
+                    got = "None" if seq is None else f"shape {tuple(seq.shape)}"
+                    problems.append(f"sequence {s} of task {task.id}: the plan says {n} tokens, "
+                                    f"the batch holds {got}")
+    return problems
+
+
+def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
+               device: Optional[torch.device] = None) -> str:
+    """Collective: check every rank of the DCP world holds the same plan and none has problems.
+
+    One all-reduce (MIN) of the digest pieces, their negatives and the problem flag; only on
+    a mismatch a second collective gathers the digests and messages to name the ranks. Raises
+    `PlanMismatchError` on every rank alike, so no rank is left waiting.
+    """
+    digest = plan.digest()
+    pieces = _digest_pieces(digest)
+    flag = 1 if problems else 0
+    t = torch.tensor(pieces + [-p for p in pieces] + [-flag], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pool.world_group)
+    low, high, any_problem = t[:4].tolist(), [-v for v in t[4:8].tolist()], -int(t[8])
+    if low == high and not any_problem:
+        return digest
+    gathered: list[Any] = [None] * pool.world_size
+    dist.all_gather_object(gathered, (digest, list(problems)), group=pool.world_group)
+    lines = []
+    digests = [d for d, _ in gathered]
+    if len(set(digests)) > 1:
+        common = max(set(digests), key=digests.count)
+        odd = [r for r, d in enumerate(digests) if d != common]
+        lines.append(f"plan digest differs on rank(s) {odd} (theirs: "
+                     f"{', '.join(digests[r] for r in odd)}; the other ranks: {common}): every "
+                     "rank must build the same plan (same lengths, config, iteration, seed)")
+    for r, (_, msgs) in enumerate(gathered):
+        for m in msgs:
+            lines.append(f"rank {r}: {m}")
+    raise PlanMismatchError(f"rank {pool.rank}: plan check failed before running any task:\n  "
+                            + "\n  ".join(lines))
+
+
+# ---------------------------------------------------------------------- building shards
+def _packed_inputs(plan: Plan, task: Task, sequences: Sequence[torch.Tensor], weight_of: Callable,
+                   device: Optional[torch.device]) -> tuple[torch.Tensor, ...]:
+    """Packed ids, next-token labels and per-token loss weights of a task (whole sequences)."""
+    ids, labels, weights = [], [], []
+    for s in task.seqs:
+        seq = sequences[s].to(device=device, dtype=torch.long)
+        ids.append(seq)
+        labels.append(torch.cat([seq[1:], seq.new_full((1,), IGNORE_INDEX)]))
+        w = torch.full((seq.shape[0],), weight_of(s), dtype=torch.float64, device=device)
+        w[-1] = 0.0
+        weights.append(w)
+    return torch.cat(ids), torch.cat(labels), torch.cat(weights)
+
+
+def _weighting(plan: Plan, loss_reduction: str) -> Callable[[int], float]:
+    """Loss weight of every target token of sequence ``s``."""
+    if loss_reduction == "token":
+        total = plan.target_tokens
+        return lambda s: 1.0 / total if total else 0.0
+    with_targets = [s for t in plan.tasks for s in t.seqs if plan.lengths[s] > 1]
+    count = len(with_targets)
+    return lambda s: 1.0 / (count * (plan.lengths[s] - 1)) if plan.lengths[s] > 1 else 0.0
+
+
+def _weighted_loss(out: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                   loss_reduction: str, task: Task, total: int) -> torch.Tensor:
+    """Apply the loss weights to what ``forward_step`` returned (a sum or per-token losses)."""
+    if out.dim() == 0:
+        if loss_reduction != "token":
+            raise ValueError(f"loss_reduction={loss_reduction!r} needs forward_step to return "
+                             "per-token losses [T_local] (0 where labels == -100), not a sum")
+        return out * (1.0 / total if total else 0.0)
+    if out.shape != labels.shape:
+        raise ValueError(f"forward_step returned shape {tuple(out.shape)}; expected a scalar "
+                         f"(sum of token losses) or per-token losses {tuple(labels.shape)}")
+    return (out * weights.to(out.dtype)).sum()
+
+
+# ---------------------------------------------------------------------- the executor
+def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
+             forward_step: ForwardStep, *, pool: GroupPool,
+             backward: Optional[Callable[[torch.Tensor], Any]] = None,
+             loss_reduction: str = "token", max_position: Optional[int] = None,
+             device: Optional[torch.device] = None, reduce_loss: bool = True) -> StepStats:
+    """Run DCP rank ``rank``'s tasks of ``plan`` (forward + backward); see the module docstring.
+
+    ``sequences``: the global batch, 1-D token id tensors indexed like ``plan.lengths`` (entries
+    no task of this rank uses may be ``None``). ``forward_step(input_ids, position_ids, labels)``
+    returns the sum of the local token losses (labels -100 ignored), or the per-token losses
+    ``[T_local]`` (needed for ``loss_reduction="sequence"``). ``backward`` defaults to
+    ``loss.backward()``. ``max_position``: longest sequence the model accepts (checked for every
+    sequence before any task runs). ``device``: where shards go (default: the sequences').
+    Collective over the DCP world of ``pool``: every rank calls it once per step, also a rank
+    without a task. Gradients are not reduced here (`reduce_gradients`, or the engine).
+    """
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction={loss_reduction!r}: must be one of {LOSS_REDUCTIONS}")
+    t_start = time.perf_counter()
+    device = torch.device(device) if device is not None else None
+    cuda = device is not None and device.type == "cuda"
+    comm_device = device if cuda else None
+    digest = check_plan(plan, pool, _local_problems(plan, sequences, rank, max_position),
+                        comm_device)
+    created = pool.ensure(plan)
+    backward = backward or (lambda loss: loss.backward())
+    weight_of = _weighting(plan, loss_reduction)
+    total = plan.target_tokens
+
+    local_loss = torch.zeros((), dtype=torch.float64)
+    local_tokens = 0
+    stats: list[TaskStats] = []
+    for task in plan.tasks_for_rank(rank):
+        try:
+            g = task.ranks.index(rank)
+            layout = ShardLayout.build([plan.lengths[s] for s in task.seqs], task.ulysses,
+                                       task.ring, g)
+            ids, labels, weights = _packed_inputs(plan, task, sequences, weight_of, device)
+            ids_l = layout.shard(ids, 0)
+            labels_l = layout.shard(labels, IGNORE_INDEX)
+            weights_l = layout.shard(weights, 0.0)
+            pos_l = layout.position_ids.to(ids_l.device)
+            ctx = pool.context_for(task, rank, layout)
+            with task_context(ctx):
+                _sync(cuda)
+                t0 = time.perf_counter()
+                out = forward_step(ids_l, pos_l, labels_l)
+                loss = _weighted_loss(out, labels_l, weights_l, loss_reduction, task, total)
+                _sync(cuda)
+                t1 = time.perf_counter()
+                backward(loss)
+                _sync(cuda)
+                t2 = time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - re-raised with rank / task / sequences
+            raise TaskError(rank, task, plan.lengths, exc) from exc
+        local_loss += loss.detach().to("cpu", torch.float64)
+        local_tokens += int((labels_l != IGNORE_INDEX).sum())
+        stats.append(TaskStats(task.id, task.degree, task.ulysses, task.ring, task.ckpt_layers,
+                               len(task.seqs), layout.num_packed, layout.num_tokens, t1 - t0,
+                               t2 - t1, task.duration))
+
+    global_loss = float(local_loss)
+    if reduce_loss:
+        both = torch.tensor([float(local_loss), float(local_tokens)], dtype=torch.float64,
+                            device=comm_device)
+        dist.all_reduce(both, group=pool.world_group)
+        global_loss = float(both[0])
+    return StepStats(loss=global_loss, tokens=total, local_loss=float(local_loss),
+                     local_tokens=local_tokens, tasks=stats, wall_s=time.perf_counter() - t_start,
+                     digest=digest, groups_created=created)
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def reduce_gradients(params: Sequence[torch.nn.Parameter], group: Any = None) -> None:
+    """SUM all-reduce the gradients of ``params`` over ``group`` (the DCP world), coalesced.
+
+    A parameter without a gradient (a rank with no task, or an unused parameter) contributes
+    zeros and receives the sum. Call exactly once per step on every rank.
+    """
+    params = [p for p in params if p.requires_grad]
+    buckets: dict[tuple, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for _, members in sorted(buckets.items(), key=lambda kv: str(kv[0])):
+        flat = torch.cat([p.grad.reshape(-1) for p in members])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for p in members:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n

@@ -1,0 +1,179 @@
+"""`GroupPool`: the process groups of the DCP world, created collectively and looked up by ranks.
+
+A plan uses, per task, the task's group and (for hybrid layouts) its Ulysses and ring sub-groups
+(`megatron_dcp.plan.plan` documents the layout convention). Process groups must be created by
+every member in the same order, so ``ensure(plan)`` is collective over the DCP world: every rank
+computes the same sorted list of groups the plan needs and the pool lacks, and creates them in
+that order. Groups are cached by their rank tuple (in group order: position = group-local rank),
+so after the first steps an ``ensure`` creates nothing. ``ensure_all(vocabulary)`` creates a
+bounded vocabulary up front, which is what large jobs should do: every NCCL communicator costs
+creation time and device memory, and ``len(pool)`` / ``pool.report()`` say how many exist.
+
+Ranks here are DCP-world ranks (``0 .. world_size - 1``, what plans use). When the DCP world is
+a subset of the job (tensor or pipeline parallelism), pass ``world_ranks`` (the global rank of
+each DCP rank); groups are then created with local synchronisation, by their members only.
+The backend is the default process group's (gloo on CPU, NCCL on CUDA) unless given.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from datetime import timedelta
+from typing import Any, Iterable, Optional, Sequence
+
+import torch.distributed as dist
+
+from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.runtime.context import TaskContext
+
+DEFAULT_GROUP_TIMEOUT = timedelta(seconds=120)
+
+# torch >= 2.6 can keep the rank order of a group; older versions sort it.
+_HAS_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def groups_of_task(task: Task) -> list[tuple[int, ...]]:
+    """Every multi-rank group ``task`` uses: its own group, its Ulysses and ring sub-groups."""
+    needed: set[tuple[int, ...]] = set()
+    if task.degree > 1:
+        needed.add(tuple(task.ranks))
+    for g in range(task.degree):
+        for sub in (task.ulysses_group(g), task.ring_group(g)):
+            if len(sub) > 1:
+                needed.add(tuple(sub))
+    return sorted(needed)
+
+
+def groups_of_plan(plan: Plan) -> list[tuple[int, ...]]:
+    """Every multi-rank group of ``plan``, in a canonical order (size, then ranks)."""
+    needed: set[tuple[int, ...]] = set()
+    for task in plan.tasks:
+        needed.update(groups_of_task(task))
+    return sorted(needed, key=lambda r: (len(r), r))
+
+
+class GroupPool:
+    """Process groups of one DCP world, keyed by DCP-rank tuples in group order."""
+
+    def __init__(self, world_ranks: Optional[Sequence[int]] = None, *,
+                 timeout: timedelta = DEFAULT_GROUP_TIMEOUT, backend: Optional[str] = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("GroupPool needs torch.distributed to be initialised "
+                               "(call dist.init_process_group first)")
+        job_world = dist.get_world_size()
+        self.world_ranks = tuple(world_ranks) if world_ranks is not None else tuple(range(job_world))
+        if len(set(self.world_ranks)) != len(self.world_ranks) or \
+                any(not 0 <= r < job_world for r in self.world_ranks):
+            raise ValueError(f"world_ranks {self.world_ranks} must be distinct global ranks "
+                             f"in 0..{job_world - 1}")
+        global_rank = dist.get_rank()
+        if global_rank not in self.world_ranks:
+            raise ValueError(f"global rank {global_rank} is not in this DCP world {self.world_ranks}")
+        self.rank = self.world_ranks.index(global_rank)
+        """This process's rank in the DCP world (the rank plans use)."""
+        self.timeout = timeout
+        self.backend = backend
+        self._whole_job = self.world_ranks == tuple(range(job_world))
+        self._groups: dict[tuple[int, ...], Any] = {}
+        self.creation_s = 0.0
+        """Seconds spent creating groups so far."""
+        if self._whole_job and backend is None:
+            self.world_group = dist.group.WORLD
+        else:
+            self.world_group = self._new_group(tuple(range(len(self.world_ranks))))
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the DCP world."""
+        return len(self.world_ranks)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, ranks: Sequence[int]) -> bool:
+        return tuple(ranks) in self._groups
+
+    def _new_group(self, ranks: tuple[int, ...]) -> Any:
+        global_ranks = [self.world_ranks[r] for r in ranks]
+        kwargs: dict[str, Any] = dict(timeout=self.timeout, backend=self.backend)
+        if _HAS_SORT_RANKS:
+            kwargs["sort_ranks"] = False
+        elif list(global_ranks) != sorted(global_ranks):
+            raise ValueError(f"group {ranks}: ranks not in increasing order need torch >= 2.6 "
+                             "(new_group(sort_ranks=False)); this torch sorts them")
+        if not self._whole_job:
+            # Only members call: other DCP worlds of the job create their own groups meanwhile.
+            if self.world_ranks[self.rank] not in global_ranks:
+                return None
+            kwargs["use_local_synchronization"] = True
+        return dist.new_group(global_ranks, **kwargs)
+
+    def ensure_groups(self, groups: Iterable[Sequence[int]]) -> int:
+        """Create any of ``groups`` not in the pool; collective over the DCP world. Returns the
+        number created. Every rank must pass the same groups (any order)."""
+        wanted = {tuple(int(r) for r in g) for g in groups}
+        missing = sorted((g for g in wanted if len(g) > 1 and g not in self._groups),
+                         key=lambda r: (len(r), r))
+        t0 = time.perf_counter()
+        for ranks in missing:
+            if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.world_size for r in ranks):
+                raise ValueError(f"group {ranks}: ranks must be distinct DCP ranks in "
+                                 f"0..{self.world_size - 1}")
+            self._groups[ranks] = self._new_group(ranks)
+        self.creation_s += time.perf_counter() - t0
+        return len(missing)
+
+    def ensure(self, plan: Plan) -> int:
+        """Create the groups ``plan`` needs that the pool lacks (collective; same order on every
+        rank). Returns the number created."""
+        if plan.world_size != self.world_size:
+            raise ValueError(f"plan is for a DCP world of {plan.world_size} ranks, this pool has "
+                             f"{self.world_size}")
+        return self.ensure_groups(groups_of_plan(plan))
+
+    def ensure_all(self, vocabulary: Iterable[Sequence[int]]) -> int:
+        """Create a whole vocabulary of task groups (and their sub-groups for every Ulysses
+        degree dividing their size) up front. Collective. Returns the number created."""
+        groups: set[tuple[int, ...]] = set()
+        for ranks in vocabulary:
+            ranks = tuple(ranks)
+            for u in range(1, len(ranks) + 1):
+                if len(ranks) % u == 0:
+                    task = Task(id=0, ranks=ranks, seqs=(), ulysses=u, ring=len(ranks) // u)
+                    groups.update(groups_of_task(task))
+        return self.ensure_groups(groups)
+
+    def get(self, ranks: Sequence[int]) -> Any:
+        """The process group of ``ranks`` (DCP ranks, group order); ``None`` for a single rank."""
+        key = tuple(int(r) for r in ranks)
+        if len(key) == 1:
+            return None
+        try:
+            return self._groups[key]
+        except KeyError:
+            raise KeyError(f"no process group for ranks {key} in the pool ({len(self)} groups); "
+                           "call pool.ensure(plan) on every rank first") from None
+
+    def context_for(self, task: Task, rank: int, layout: Any = None) -> TaskContext:
+        """The `TaskContext` of DCP rank ``rank`` running ``task`` with shard ``layout``."""
+        if rank not in task.ranks:
+            raise ValueError(f"rank {rank} is not in task {task.id} (ranks {task.ranks})")
+        g = task.ranks.index(rank)
+        return TaskContext(
+            task=task,
+            group_rank=g,
+            group=self.get(task.ranks),
+            ulysses_group=self.get(task.ulysses_group(g)),
+            ring_group=self.get(task.ring_group(g)),
+            layout=layout,
+            ckpt_layers=task.ckpt_layers,
+        )
+
+    def report(self) -> dict[str, Any]:
+        """How many groups exist, by size, and the time spent creating them."""
+        by_size: dict[int, int] = {}
+        for ranks in self._groups:
+            by_size[len(ranks)] = by_size.get(len(ranks), 0) + 1
+        return {"groups": len(self), "by_size": dict(sorted(by_size.items())),
+                "creation_s": round(self.creation_s, 4)}

@@ -1,0 +1,183 @@
+"""Shared pieces of the executor / model tests: tiny models, data, reference, per-rank runner.
+
+The reference is single-process training on the whole global batch: every sequence alone
+(positions 0..n-1), the summed next-token losses divided by T (or the mean of per-sequence
+means), one backward. A distributed run executes a plan with `run_plan` on every rank, SUM-reduces
+the gradients and returns the loss and the gradients for comparison.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+def _install_attention_stand_in() -> None:
+    """Until megatron_dcp.runtime.attention lands: a local (degree-1 only) attention for tests.
+
+    Test-only: the package never carries it. It supports a task of one rank (packed varlen
+    sequences via the layout's seq_ids / position_ids) and plain attention outside a task.
+    """
+    try:
+        import megatron_dcp.runtime.attention  # noqa: F401
+        return
+    except ImportError:
+        pass
+    from megatron_dcp.runtime.context import current_task
+
+    def dcp_attention(q, k, v, *, causal=True, softmax_scale=None, group_of_position=None):
+        ctx = current_task()
+        t = q.shape[0]
+        if ctx is None:
+            pos = torch.arange(t)
+            seq = torch.zeros(t, dtype=torch.long)
+            valid = torch.ones(t, dtype=torch.bool)
+        else:
+            if ctx.degree != 1:
+                raise NotImplementedError("attention stand-in: degree 1 only")
+            pos, seq, valid = ctx.layout.position_ids, ctx.layout.seq_ids, ctx.layout.valid
+        mask = (seq[:, None] == seq[None, :]) & valid[None, :]
+        if causal:
+            mask &= pos[None, :] <= pos[:, None]
+        if group_of_position is not None:
+            grp = group_of_position(pos)
+            mask &= grp[:, None] == grp[None, :]
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        scale = softmax_scale or q.shape[-1] ** -0.5
+        scores = torch.einsum("thd,shd->hts", q, k) * scale
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        return torch.einsum("hts,shd->thd", probs, v)
+
+    mod = types.ModuleType("megatron_dcp.runtime.attention")
+    mod.dcp_attention = dcp_attention
+    mod.STAND_IN = True
+    sys.modules["megatron_dcp.runtime.attention"] = mod
+
+
+_install_attention_stand_in()
+
+from megatron_dcp.models import Decoder, DecoderConfig, DiTConfig, VideoDiT  # noqa: E402
+from megatron_dcp.plan.plan import Plan, Task  # noqa: E402
+
+ATTENTION_STAND_IN = getattr(sys.modules["megatron_dcp.runtime.attention"], "STAND_IN", False)
+
+# Four query heads, two KV heads: Ulysses degrees 1 and 2 divide both, 3 and 4 need ring/hybrid.
+DECODER = dict(vocab_size=48, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2,
+               ffn_hidden_size=24, max_position=64)
+DIT = dict(vocab_size=32, hidden_size=16, num_layers=2, num_heads=4, ffn_hidden_size=32,
+           height=2, width=3, max_frames=8)
+SEED = 1234
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    """The tiny model of ``kind`` ("decoder", "decoder-tied" or "dit"), same weights everywhere."""
+    if kind == "decoder":
+        return Decoder(DecoderConfig(**DECODER), seed=SEED)
+    if kind == "decoder-tied":
+        return Decoder(DecoderConfig(**DECODER, tie_embeddings=True), seed=SEED)
+    if kind == "dit":
+        return VideoDiT(DiTConfig(**DIT), seed=SEED)
+    raise ValueError(kind)
+
+
+def make_batch(lengths: Sequence[int], vocab: int, seed: int = 7) -> list[torch.Tensor]:
+    """Random token sequences of the given lengths (deterministic)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
+
+
+def reference(kind: str, lengths: Sequence[int], seqs: Optional[Sequence[int]] = None,
+              loss_reduction: str = "token") -> tuple[float, dict[str, torch.Tensor]]:
+    """Single-process loss and gradients on the sequences ``seqs`` (default all) of the batch."""
+    model = build_model(kind)
+    batch = make_batch(lengths, model.config.vocab_size)
+    seqs = list(range(len(lengths))) if seqs is None else list(seqs)
+    total = sum(lengths[s] - 1 for s in seqs)
+    count = sum(1 for s in seqs if lengths[s] > 1)
+    loss = torch.zeros(())
+    for s in seqs:
+        ids = batch[s]
+        labels = torch.cat([ids[1:], torch.tensor([-100])])
+        seq_loss = model.loss(ids, None, labels)
+        if loss_reduction == "token":
+            loss = loss + seq_loss / total
+        elif lengths[s] > 1:
+            loss = loss + seq_loss / (count * (lengths[s] - 1))
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def run_cases(rank: int, world_size: int, cases: list[dict]) -> dict[str, Any]:
+    """Per-rank body: run every case's plan, reduce gradients, return loss / grads / stats."""
+    import torch.distributed as dist
+
+    from megatron_dcp.runtime.checkpoint import RecomputeCounter
+    from megatron_dcp.runtime.executor import reduce_gradients, run_plan
+    from megatron_dcp.runtime.groups import GroupPool
+
+    pool = GroupPool()
+    out: dict[str, Any] = {}
+    for case in cases:
+        plan = Plan.from_dict(case["plan"])
+        model = build_model(case["model"])
+        counter = RecomputeCounter()
+        layers = model.layers if hasattr(model, "layers") else model.blocks
+        for i, layer in enumerate(layers):
+            layer.forward = counter.wrap(i, layer.forward)
+        batch = make_batch(plan.lengths, model.config.vocab_size)
+        reduction = case.get("loss_reduction", "token")
+        mode = "none" if reduction == "sequence" else "sum"
+        stats = run_plan(plan, batch, rank, lambda i, p, l: model.loss(i, p, l, reduction=mode),
+                         pool=pool, loss_reduction=reduction,
+                         max_position=model.config.max_position)
+        reduce_gradients(list(model.parameters()), pool.world_group)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out[case["name"]] = {
+            "loss": stats.loss, "tokens": stats.tokens, "ntasks": len(stats.tasks),
+            "calls": dict(counter.calls),
+            "grads": grads if rank == 0 else None,
+            "grad_sum": sum(float(g.double().sum()) for g in grads.values()),
+        }
+    out["_pool"] = pool.report()
+    dist.barrier()
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / max(||b||, tiny)."""
+    return float((a - b).double().norm() / max(float(b.double().norm()), 1e-30))
+
+
+def assert_matches(name: str, results: list[dict], ref: tuple[float, dict], tol: float = 1e-5):
+    """Every rank's loss and rank 0's reduced gradients equal the reference."""
+    ref_loss, ref_grads = ref
+    for rank, res in enumerate(results):
+        got = res[name]
+        assert abs(got["loss"] - ref_loss) <= tol * abs(ref_loss), \
+            f"{name}: rank {rank} loss {got['loss']} vs reference {ref_loss}"
+    grads = results[0][name]["grads"]
+    for pname, g in ref_grads.items():
+        err = rel_err(grads[pname], g)
+        assert err <= tol, f"{name}: gradient of {pname} rel. error {err:.2e}"
+    sums = [res[name]["grad_sum"] for res in results]
+    assert max(sums) - min(sums) <= 1e-9 * max(1.0, abs(sums[0])), \
+        f"{name}: ranks hold different reduced gradients {sums}"
+
+
+def task(i: int, ranks: Sequence[int], seqs: Sequence[int], ulysses: int = 1,
+         ckpt: int = 0, start: float = 0.0) -> Task:
+    """A hand-built task (ring = degree / ulysses)."""
+    return Task(id=i, ranks=tuple(ranks), seqs=tuple(seqs), ulysses=ulysses,
+                ring=len(ranks) // ulysses, ckpt_layers=ckpt, start=start)
+
+
+def plan_dict(tasks: Sequence[Task], lengths: Sequence[int], world: int) -> dict:
+    """A plan as a picklable dict (``Plan.from_dict`` on the other side)."""
+    return Plan(tasks=tuple(tasks), lengths=tuple(lengths), world_size=world,
+                policy="manual").to_dict()
