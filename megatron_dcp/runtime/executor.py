@@ -150,7 +150,9 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
 
     One all-reduce (MIN) of the digest pieces, their negatives and the problem flag; only on
     a mismatch a second collective gathers the digests and messages to name the ranks. Raises
-    `PlanMismatchError` on every rank alike, so no rank is left waiting.
+    on every rank alike, so no rank is left waiting: `PlanMismatchError` when digests differ,
+    else `BatchError` with every rank's problems (e.g. a sequence longer than the model's
+    positions).
     """
     digest = plan.digest()
     pieces = _digest_pieces(digest)
@@ -164,8 +166,10 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
     dist.all_gather_object(gathered, (digest, list(problems)), group=pool.world_group)
     lines = []
     digests = [d for d, _ in gathered]
-    if len(set(digests)) > 1:
-        common = max(set(digests), key=digests.count)
+    mismatch = len(set(digests)) > 1
+    if mismatch:
+        # The majority's digest is the reference; on a tie, the one of the lowest rank.
+        common = min(set(digests), key=lambda d: (-digests.count(d), digests.index(d)))
         odd = [r for r, d in enumerate(digests) if d != common]
         lines.append(f"plan digest differs on rank(s) {odd} (theirs: "
                      f"{', '.join(digests[r] for r in odd)}; the other ranks: {common}): every "
@@ -173,8 +177,9 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
     for r, (_, msgs) in enumerate(gathered):
         for m in msgs:
             lines.append(f"rank {r}: {m}")
-    raise PlanMismatchError(f"rank {pool.rank}: plan check failed before running any task:\n  "
-                            + "\n  ".join(lines))
+    error = PlanMismatchError if mismatch else BatchError
+    raise error(f"rank {pool.rank}: plan check failed before running any task:\n  "
+                + "\n  ".join(lines))
 
 
 # ---------------------------------------------------------------------- building shards
