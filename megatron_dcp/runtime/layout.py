@@ -56,15 +56,22 @@ class TokenMeta:
     positions: torch.Tensor
     seq_ids: torch.Tensor
     valid: torch.Tensor
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    """Derived data the kernels compute once per token set (sort orders, device copies)."""
 
     def __len__(self) -> int:
         return int(self.positions.shape[0])
 
     def to(self, device: torch.device) -> "TokenMeta":
         """The same metadata on ``device``."""
-        if self.positions.device == torch.device(device):
+        device = torch.device(device)
+        if self.positions.device == device:
             return self
-        return TokenMeta(self.positions.to(device), self.seq_ids.to(device), self.valid.to(device))
+        key = ("device", str(device))
+        if key not in self.cache:
+            self.cache[key] = TokenMeta(self.positions.to(device), self.seq_ids.to(device),
+                                        self.valid.to(device))
+        return self.cache[key]
 
     @staticmethod
     def contiguous(num_tokens: int, device: Optional[torch.device] = None) -> "TokenMeta":
@@ -159,8 +166,10 @@ class ShardLayout:
         return tuple(padded_length(n, self.ulysses, self.ring) for n in self.seq_lengths)
 
     def meta(self) -> TokenMeta:
-        """Metadata of the local shard (positions, sequence ids, validity)."""
-        return TokenMeta(self.position_ids, self.seq_ids, self.valid)
+        """Metadata of the local shard (positions, sequence ids, validity); one object per layout."""
+        if "local" not in self._portions:
+            self._portions["local"] = TokenMeta(self.position_ids, self.seq_ids, self.valid)
+        return self._portions["local"]
 
     # ------------------------------------------------------------------ sharding
     def shard(self, x_packed: torch.Tensor, pad_value: float | int = 0) -> torch.Tensor:
