@@ -1,0 +1,22 @@
+"""Planning layer (pure Python, no torch): workload, cost model, planners, validation, simulator.
+
+``make_plan(lengths, world_size=..., model=..., config=...)`` is the entry point; see
+docs/PLAN_FORMAT.md for the plan JSON and ../DESIGN for the method.
+"""
+
+from megatron_dcp.plan.cost import CostModel, PlanError
+from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
+from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.plan.planners import build_cost_model, make_plan
+from megatron_dcp.plan.presets import ModelPresetError, load_model
+from megatron_dcp.plan.simulate import SimResult, lower_bound, simulate
+from megatron_dcp.plan.validate import validate_plan
+from megatron_dcp.plan.vocabulary import Vocabulary
+from megatron_dcp.plan.workload import WorkloadError
+
+__all__ = [
+    "CostModel", "Hardware", "HardwareError", "ModelPresetError", "ModelShape", "Plan", "PlanError",
+    "SimResult", "Task", "Vocabulary", "WorkloadError", "build_cost_model", "load_hardware",
+    "load_model", "lower_bound", "make_plan", "simulate", "validate_plan",
+]

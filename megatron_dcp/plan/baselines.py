@@ -1,0 +1,234 @@
+"""Baseline planners in the same framework: bucket, packed, static and greedy-cp.
+
+All share one choice: the fixed sequence-parallel degree ``D`` of the run is the smallest group
+size (powers of two first) at which the longest sequence fits memory with the baseline's
+checkpointing, and the DCP world is tiled by the vocabulary's groups of ``D`` ranks (ranks no group
+covers stay idle). Checkpointing: ``bucket`` recomputes every layer (the paper's baseline); the
+others use one depth for the whole run, the fewest layers that fit their largest micro-batch (what a
+practitioner tunes once); ``checkpoint_policy`` none/full overrides both.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from typing import Optional
+
+from megatron_dcp.plan.cost import Layout, PlanError
+from megatron_dcp.plan.schedule import Draft, PlanContext, padded, retime
+
+
+def fixed_degree(ctx: PlanContext, mode: str) -> int:
+    """Smallest tiling group size (powers of two first) where the longest sequence fits."""
+    longest = max(ctx.lengths[i] for i in ctx.active)
+    sizes = ctx.vocab.sizes
+    pow2 = [s for s in sizes if s & (s - 1) == 0]
+    for group in (pow2, sizes):
+        for s in group:
+            if ctx.ckpt_for(padded(longest, s), s, mode) is not None:
+                return s
+    raise PlanError(f"the longest sequence ({longest} tokens) fits no group size")
+
+
+def _groups(ctx: PlanContext, degree: int) -> list[int]:
+    return list(ctx.vocab.starts(degree))
+
+
+def _run_depth(ctx: PlanContext, degree: int, max_tokens: int) -> int:
+    """One checkpoint depth for the run: fewest layers that fit the largest micro-batch."""
+    mode = ctx.baseline_mode()
+    if ctx.ckpt_policy == "auto":
+        mode = "min"
+    c = ctx.ckpt_for(max_tokens, degree, mode)
+    if c is None:
+        c = ctx.cm.model.num_layers
+    return c
+
+
+def plan_bucket(ctx: PlanContext) -> list[Draft]:
+    """Bucket parallel: one degree, length buckets (powers of two), per-bucket batch size chosen so
+    each micro-batch takes about as long as one longest sequence, every group in lockstep."""
+    mode = ctx.baseline_mode()
+    degree = fixed_degree(ctx, mode)
+    n_layers = ctx.cm.model.num_layers
+    ckpt = n_layers if mode == "full" else 0
+    starts = _groups(ctx, degree)
+    cm = ctx.cm
+    buckets: dict[int, list[int]] = {}
+    for i in ctx.active:
+        buckets.setdefault(max(0, math.ceil(math.log2(ctx.lengths[i]))), []).append(i)
+    longest = max(ctx.lengths[i] for i in ctx.active)
+    t_ref = cm.best_time(longest, cm.attn_pairs(longest), degree, ckpt)[0]
+    cap = cm.max_tokens(degree, ckpt)
+    drafts: list[Draft] = []
+    clock = 0.0
+    for k in sorted(buckets, reverse=True):
+        seqs = sorted(buckets[k], key=lambda i: (-ctx.lengths[i], i))
+        upper = min(2 ** k, longest)
+        t_one = cm.best_time(upper, cm.attn_pairs(upper), degree, ckpt)[0]
+        batch = max(1, min(int(t_ref // t_one), cap // max(1, padded(upper, degree))))
+        micro = [seqs[j:j + batch] for j in range(0, len(seqs), batch)]
+        for r in range(0, len(micro), len(starts)):
+            round_end = clock
+            for start, mb in zip(starts, micro[r:r + len(starts)]):
+                d = ctx.draft(start, degree, mb, ckpt, release=clock)
+                d.start = clock
+                drafts.append(d)
+                round_end = max(round_end, clock + d.duration)
+            clock = round_end
+    return drafts
+
+
+def _best_fit(ctx: PlanContext, order: list[int], budget: int, degree: int) -> list[list[int]]:
+    """Best-fit decreasing of sequences into bins of ``budget`` padded tokens."""
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # sorted (remaining, bin index)
+    for i in order:
+        need = padded(ctx.lengths[i], degree)
+        k = bisect.bisect_left(room, (need, -1))
+        if k < len(room):
+            remaining, b = room.pop(k)
+            bins[b].append(i)
+            bisect.insort(room, (remaining - need, b))
+        else:
+            bins.append([i])
+            bisect.insort(room, (max(0, budget - need), len(bins) - 1))
+    return bins
+
+
+def _equal_count(ctx: PlanContext, bins: list[list[int]], starts: list[int]) -> list[list[list[int]]]:
+    """Bins to groups: the same number per group (up to one), balancing tokens greedily."""
+    per_group = -(-len(bins) // len(starts))
+    heap = [(0, g) for g in range(len(starts))]
+    counts = [0] * len(starts)
+    out: list[list[list[int]]] = [[] for _ in starts]
+    for b in sorted(bins, key=lambda b: -sum(ctx.lengths[i] for i in b)):
+        skipped = []
+        while True:
+            load, g = heapq.heappop(heap)
+            if counts[g] < per_group:
+                break
+            skipped.append((load, g))
+        out[g].append(b)
+        counts[g] += 1
+        heapq.heappush(heap, (load + sum(ctx.lengths[i] for i in b), g))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return out
+
+
+def _sequential(ctx: PlanContext, per_group: list[list[list[int]]], starts: list[int], degree: int,
+                ckpt: int, layout: Optional[Layout] = None) -> list[Draft]:
+    drafts = []
+    for start, group_bins in zip(starts, per_group):
+        for b in group_bins:
+            drafts.append(ctx.draft(start, degree, b, ckpt, layout=layout))
+    retime(drafts, ctx.world)
+    return drafts
+
+
+def plan_packed(ctx: PlanContext) -> list[Draft]:
+    """One degree, sequences packed (best-fit decreasing) into micro-batches of a fixed token budget
+    (``pack_tokens``, default: the longest sequence), the same number of micro-batches per group."""
+    degree = fixed_degree(ctx, ctx.baseline_mode())
+    longest = max(padded(ctx.lengths[i], degree) for i in ctx.active)
+    budget = max(ctx.pack_tokens or longest, longest)
+    budget = min(budget, max(longest, ctx.cm.max_tokens(degree, ctx.cm.model.num_layers)))
+    order = sorted(ctx.active, key=lambda i: (-ctx.lengths[i], i))
+    bins = _best_fit(ctx, order, budget, degree)
+    starts = _groups(ctx, degree)
+    biggest = max(sum(padded(ctx.lengths[i], degree) for i in b) for b in bins)
+    ckpt = _run_depth(ctx, degree, biggest)
+    return _sequential(ctx, _equal_count(ctx, bins, starts), starts, degree, ckpt)
+
+
+def plan_static(ctx: PlanContext) -> list[Draft]:
+    """Megatron-style static context parallelism: ring attention at one CP size, THD micro-batches
+    packed in data order up to the longest sequence, handed out round-robin to the DP groups."""
+    degree = fixed_degree(ctx, ctx.baseline_mode())
+    budget = max(padded(ctx.lengths[i], degree) for i in ctx.active)
+    bins: list[list[int]] = []
+    used = budget
+    for i in ctx.active:
+        need = padded(ctx.lengths[i], degree)
+        if used + need > budget:
+            bins.append([])
+            used = 0
+        bins[-1].append(i)
+        used += need
+    starts = _groups(ctx, degree)
+    per_group: list[list[list[int]]] = [[] for _ in starts]
+    for j, b in enumerate(bins):
+        per_group[j % len(starts)].append(b)
+    ckpt = _run_depth(ctx, degree, budget)
+    ring_only = Layout(1, degree, True, degree <= ctx.cm.ranks_per_node)
+    return _sequential(ctx, per_group, starts, degree, ckpt, layout=ring_only)
+
+
+def plan_greedy_cp(ctx: PlanContext) -> list[Draft]:
+    """The shape of Megatron-LM's dynamic (hybrid) context parallel: per sequence a power-of-two CP
+    size from a tokens-per-rank cap, workload estimate L^2/cp, greedy filling of lockstep rounds in
+    which the ranks are partitioned into CP groups."""
+    vocab, cm = ctx.vocab, ctx.cm
+    pow2 = [s for s in vocab.sizes if s & (s - 1) == 0]
+    depth = _run_depth(ctx, 1, padded(max(ctx.lengths[i] for i in ctx.active), 1))
+    depth = max(depth, _run_depth(ctx, 1, 1))
+    cap = max(1, cm.max_tokens(1, depth))
+    size_of = {}
+    for i in ctx.active:
+        want = 1 << max(0, math.ceil(math.log2(max(1, -(-ctx.lengths[i] // cap)))))
+        fits = [s for s in pow2 if s >= want and ctx.ckpt_for(padded(ctx.lengths[i], s), s, "min") is not None]
+        if not fits:
+            fits = [s for s in vocab.sizes if ctx.ckpt_for(padded(ctx.lengths[i], s), s, "min") is not None]
+        size_of[i] = fits[0]
+    work = {i: ctx.lengths[i] ** 2 / size_of[i] for i in ctx.active}
+    remaining = sorted(ctx.active, key=lambda i: (-work[i], i))
+    drafts: list[Draft] = []
+    clock = 0.0
+    while remaining:
+        busy = [False] * ctx.world
+        pointer: dict[int, int] = {}
+        open_blocks: dict[int, list[list]] = {}  # size -> heap of [load, start, seqs, tokens]
+        limit = work[remaining[0]]
+        left = []
+        for i in remaining:
+            size = size_of[i]
+            need = padded(ctx.lengths[i], size)
+            heap = open_blocks.setdefault(size, [])
+            best = heap[0] if heap else None
+            if best is not None and not (best[0] + work[i] <= limit * 1.0000001
+                                         and best[3] + need <= cap * size):
+                best = None
+            if best is None:
+                starts = vocab.starts(size)
+                p = pointer.get(size, 0)
+                while p < len(starts) and any(busy[starts[p]:starts[p] + size]):
+                    p += 1
+                pointer[size] = p
+                if p < len(starts):
+                    for r in range(starts[p], starts[p] + size):
+                        busy[r] = True
+                    fresh = [work[i], starts[p], [i], need]
+                    heapq.heappush(heap, fresh)
+                    continue
+            if best is None:
+                left.append(i)
+                continue
+            best[0] += work[i]
+            best[2].append(i)
+            best[3] += need
+            heapq.heapreplace(heap, best)
+        round_end = clock
+        for size, blocks in sorted(open_blocks.items()):
+            for _, start, seqs, tokens in blocks:
+                c = depth if ctx.ckpt_for(tokens, size, "min") is not None else None
+                if c is None or cm.memory_of(tokens, size, c) > cm.budget:
+                    c = ctx.ckpt_for(tokens, size, "min") or cm.model.num_layers
+                d = ctx.draft(start, size, seqs, c, release=clock)
+                d.start = clock
+                drafts.append(d)
+                round_end = max(round_end, clock + d.duration)
+        clock = round_end
+        remaining = left
+    return drafts

@@ -1,0 +1,109 @@
+"""`make_plan`: one entry point for every policy (dcp, dcp-inter, dcp-intra and the baselines)."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+from megatron_dcp.config import DCPConfig
+from megatron_dcp.plan.baselines import plan_bucket, plan_greedy_cp, plan_packed, plan_static
+from megatron_dcp.plan.cost import CostModel, PlanError
+from megatron_dcp.plan.dcp import plan_dcp
+from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
+from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.plan.plan import Plan
+from megatron_dcp.plan.schedule import PlanContext, padded, retime, to_plan
+from megatron_dcp.plan.vocabulary import Vocabulary
+from megatron_dcp.plan.workload import WorkloadError, validate_lengths
+
+BASELINES = {"bucket": plan_bucket, "packed": plan_packed, "static": plan_static,
+             "greedy-cp": plan_greedy_cp}
+
+
+def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
+                     hardware: "Hardware | str | None" = None, zero_stage: int = 1) -> CostModel:
+    """The cost model ``make_plan`` uses for these settings."""
+    try:
+        hw = load_hardware(hardware if hardware is not None else config.hardware)
+    except HardwareError as err:
+        raise PlanError(str(err)) from None
+    budget = config.memory_budget_gb * 2**30 if config.memory_budget_gb is not None else None
+    return CostModel(model, hw, world_size=world_size, zero_stage=zero_stage,
+                     ranks_per_node=config.ranks_per_node, memory_budget=budget,
+                     memory_fraction=config.memory_fraction, attention_layout=config.attention_layout)
+
+
+def _oversize(ctx: PlanContext, policy: str) -> list[int]:
+    """Apply the oversize policy; returns skipped sequence indices (lengths are truncated in place)."""
+    sizes = ctx.vocab.sizes
+    top = sizes[-1]
+    mode = "none" if ctx.ckpt_policy == "none" else "full"
+    cap = ctx.cm.max_tokens(top, ctx.cm.model.num_layers if mode == "full" else 0)
+    largest = (cap // (2 * top)) * (2 * top) if top > 1 else cap
+    limit = ctx.cm.model.max_position
+    skipped = []
+    for i, n in enumerate(ctx.lengths):
+        too_long_model = limit is not None and n > limit
+        fits = not too_long_model and ctx.ckpt_for(padded(n, top), top, mode) is not None
+        if fits:
+            continue
+        fit_len = min(largest, limit) if limit is not None else largest
+        if policy == "truncate" and fit_len >= 1:
+            ctx.lengths[i] = fit_len
+            ctx.pairs[i] = ctx.cm.attn_pairs(fit_len)
+        elif policy == "skip":
+            skipped.append(i)
+        else:
+            why = (f"exceeds the model's max_position {limit}" if too_long_model else
+                   f"fits no group of at most {top} ranks in {ctx.cm.budget / 2**30:.1f} GiB per rank")
+            raise PlanError(
+                f"sequence {i} has {n} tokens and {why}; the largest length that fits is {max(fit_len, 0)} "
+                "tokens (set dcp.oversize_policy to truncate or skip, raise the memory budget, the ZeRO "
+                "stage or max_degree)"
+            )
+    return skipped
+
+
+def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, config: DCPConfig,
+              iteration: int = 0, hardware: "Hardware | str | None" = None, zero_stage: int = 1,
+              cost_model: Optional[CostModel] = None) -> Plan:
+    """Plan one global batch with ``config.policy``; deterministic in its inputs.
+
+    ``hardware``: a `Hardware` or preset/profile; default ``config.hardware``. ``zero_stage`` sets
+    the static memory (ZeRO 0-3 over the DCP world). ``iteration`` is recorded in ``plan.meta``.
+    Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
+    """
+    t0 = time.perf_counter()
+    try:
+        clean = validate_lengths(lengths)
+    except WorkloadError as err:
+        raise PlanError(str(err)) from None
+    if not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"world_size={world_size!r}: must be a positive integer")
+    config.check_world(world_size)
+    cm = cost_model or build_cost_model(model, config, world_size, hardware, zero_stage)
+    vocab = Vocabulary(world_size, cm.ranks_per_node, config.max_degree)
+    ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab, ckpt_policy=config.checkpoint_policy,
+                      pack_tokens=config.pack_tokens)
+    skipped = _oversize(ctx, config.oversize_policy)
+    skip = set(skipped)
+    ctx.active = [i for i in range(len(clean)) if i not in skip]
+    policy = config.policy
+    meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name, "zero_stage": cm.zero_stage,
+            "vocabulary_groups": len(vocab)}
+    if not ctx.active:
+        plan = Plan(tasks=(), lengths=tuple(clean), world_size=world_size, policy=policy,
+                    skipped=tuple(skipped), meta=meta)
+        plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
+        return plan
+    if policy in BASELINES:
+        drafts = BASELINES[policy](ctx)
+        retime(drafts, world_size, barriers=True)
+    elif policy == "dcp-intra":
+        drafts, meta["candidate"] = plan_dcp(ctx, inter=False, intra=True, baselines={"bucket": plan_bucket})
+    else:
+        drafts, meta["candidate"] = plan_dcp(ctx, inter=policy in ("dcp", "dcp-inter"),
+                                             intra=policy == "dcp", baselines=BASELINES)
+    plan = to_plan(ctx, drafts, policy, skipped, meta)
+    plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
+    return plan

@@ -1,0 +1,181 @@
+"""Shared pieces of every planner: the planning context, draft tasks, placement and re-timing."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from megatron_dcp.plan.cost import CostModel, Layout, PlanError
+from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.plan.vocabulary import Vocabulary
+
+
+def padded(length: int, degree: int) -> int:
+    """Tokens of a sequence after padding to a multiple of ``2 * degree`` (zigzag ring split)."""
+    if degree == 1:
+        return length
+    step = 2 * degree
+    return -(-length // step) * step
+
+
+@dataclass
+class Draft:
+    """A task before it becomes a `Task`: contiguous ranks ``[start_rank, start_rank + size)``."""
+
+    start_rank: int
+    size: int
+    seqs: list[int]
+    ckpt: int
+    layout: Layout
+    duration: float
+    release: float = 0.0
+    """Earliest start (a lockstep baseline's round barrier); 0 for free-running plans."""
+    tokens: int = 0
+    start: float = 0.0
+
+
+@dataclass
+class PlanContext:
+    """Everything a planner needs for one global batch."""
+
+    lengths: list[int]
+    active: list[int]
+    """Sequences to plan (skipped ones are left out)."""
+    cm: CostModel
+    vocab: Vocabulary
+    ckpt_policy: str
+    """auto, none or full (from DCPConfig.checkpoint_policy)."""
+    pack_tokens: Optional[int] = None
+    pairs: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.pairs:
+            self.pairs = [self.cm.attn_pairs(n) for n in self.lengths]
+
+    @property
+    def world(self) -> int:
+        return self.vocab.world_size
+
+    def ckpt_for(self, padded_tokens: int, degree: int, mode: str) -> Optional[int]:
+        """Checkpoint depth of a task under ``mode`` (min, full, none); ``None``: it does not fit."""
+        cm = self.cm
+        n = cm.model.num_layers
+        if mode == "none":
+            return 0 if cm.memory_of(padded_tokens, degree, 0) <= cm.budget else None
+        if mode == "full":
+            return n if cm.memory_of(padded_tokens, degree, n) <= cm.budget else None
+        return cm.min_ckpt(padded_tokens, degree)
+
+    def baseline_mode(self) -> str:
+        """A baseline's checkpointing: full unless the config says none."""
+        return "none" if self.ckpt_policy == "none" else "full"
+
+    def dcp_mode(self) -> str:
+        """DCP-intra's checkpointing: fewest recomputed layers unless the config fixes it."""
+        return {"auto": "min"}.get(self.ckpt_policy, self.ckpt_policy)
+
+    def draft(self, start_rank: int, size: int, seqs: list[int], ckpt: int, release: float = 0.0,
+              layout: Optional[Layout] = None) -> Draft:
+        """A draft task with its best layout and predicted duration."""
+        tokens = sum(self.lengths[s] for s in seqs)
+        pairs = sum(self.pairs[s] for s in seqs)
+        if layout is None:
+            duration, layout = self.cm.best_time(tokens, pairs, size, ckpt)
+        else:
+            duration = self.cm.time_of(tokens, pairs, layout, ckpt)
+        return Draft(start_rank, size, list(seqs), ckpt, layout, duration, release, tokens)
+
+
+def retime(drafts: Sequence[Draft], world: int, barriers: "bool | str" = True) -> float:
+    """Set every draft's start: in list order, when all its ranks are free. ``barriers=True``: not
+    before its release; ``"rounds"``: drafts with equal release form a lockstep round that starts
+    when the previous round has ended (releases are recomputed); ``False``: no barriers.
+    Returns the makespan."""
+    avail = [0.0] * world
+    end_max = 0.0
+    round_key = None
+    round_start = 0.0
+    for d in drafts:
+        if barriers == "rounds" and d.release != round_key:
+            round_key = d.release
+            round_start = end_max
+        a, b = d.start_rank, d.start_rank + d.size
+        start = max(avail[a:b]) if b - a > 1 else avail[a]
+        if barriers == "rounds":
+            start = max(start, round_start)
+        elif barriers and d.release > start:
+            start = d.release
+        d.start = start
+        end = start + d.duration
+        for r in range(a, b):
+            avail[r] = end
+        if end > end_max:
+            end_max = end
+    if barriers == "rounds":
+        for d in drafts:
+            d.release = d.start if d.release else 0.0
+    return end_max
+
+
+class BlockClock:
+    """Rank availability with, per group size, a lazy heap of blocks keyed by their free time."""
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        self.vocab = vocab
+        self.avail = [0.0] * vocab.world_size
+        self.heaps: dict[int, list[tuple[float, int]]] = {}
+
+    def place(self, size: int, duration: float) -> tuple[int, float]:
+        """Put a task of ``size`` ranks on the block that frees first; returns (start rank, start)."""
+        heap = self.heaps.get(size)
+        if heap is None:
+            heap = [(0.0, s) for s in self.vocab.starts(size)]
+            if not heap:
+                raise PlanError(f"no group of {size} ranks in the vocabulary")
+            heapq.heapify(heap)
+            self.heaps[size] = heap
+        avail = self.avail
+        while True:
+            key, start = heap[0]
+            actual = max(avail[start:start + size]) if size > 1 else avail[start]
+            if actual <= key:
+                break
+            heapq.heapreplace(heap, (actual, start))
+        end = actual + duration
+        for r in range(start, start + size):
+            avail[r] = end
+        heapq.heapreplace(heap, (end, start))
+        return start, actual
+
+
+def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Sequence[int],
+            meta: Optional[dict] = None) -> Plan:
+    """Turn timed drafts into a `Plan` (task ids in start order)."""
+    order = sorted(range(len(drafts)), key=lambda k: (drafts[k].start, drafts[k].start_rank, k))
+    tasks = []
+    cm = ctx.cm
+    for tid, k in enumerate(order):
+        d = drafts[k]
+        tokens = sum(padded(ctx.lengths[s], d.size) for s in d.seqs)
+        tasks.append(Task(id=tid, ranks=tuple(range(d.start_rank, d.start_rank + d.size)),
+                          seqs=tuple(d.seqs), ulysses=d.layout.ulysses, ring=d.layout.ring,
+                          ckpt_layers=d.ckpt, start=d.start, duration=d.duration,
+                          memory=cm.memory_of(tokens, d.size, d.ckpt)))
+    return Plan(tasks=tuple(tasks), lengths=tuple(ctx.lengths), world_size=ctx.world, policy=policy,
+                skipped=tuple(skipped), meta=dict(meta or {}))
+
+
+def lighten(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
+    """DCP-intra on a finished structure: every task gets the fewest recomputed layers that fit
+    (same ranks, sequences and order)."""
+    result = []
+    for d in drafts:
+        tokens = sum(padded(ctx.lengths[s], d.size) for s in d.seqs)
+        ckpt = ctx.ckpt_for(tokens, d.size, ctx.dcp_mode())
+        if ckpt is None or ckpt >= d.ckpt:
+            result.append(Draft(d.start_rank, d.size, d.seqs, d.ckpt, d.layout, d.duration, d.release,
+                                d.tokens, d.start))
+        else:
+            result.append(ctx.draft(d.start_rank, d.size, d.seqs, ckpt, d.release))
+    return result

@@ -1,0 +1,85 @@
+"""`validate_plan`: the invariants every plan must hold before a runtime may execute it."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_dcp.plan.cost import CostModel, PlanError
+from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.plan.plan import Plan
+
+_EPS = 1e-9
+
+
+def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *, cost_model: Optional[CostModel] = None,
+                  check_times: bool = True) -> None:
+    """Raise `PlanError` naming the first violated rule.
+
+    Rules: task ids unique; ranks within the world, no duplicates; ``ulysses * ring == len(ranks)``;
+    every sequence (except ``skipped``) in exactly one task; with ``model``: Ulysses degree divides
+    the heads and KV heads; with ``cost_model``: every task fits its memory budget; with
+    ``check_times``: no rank in two tasks at once (by predicted start and duration), and tasks that
+    share ranks are ordered the same on all of them (guaranteed by the global (start, id) order,
+    checked on the per-rank lists).
+    """
+    model = model or (cost_model.model if cost_model else None)
+    n = len(plan.lengths)
+    world = plan.world_size
+    if world < 1:
+        raise PlanError(f"plan world_size {world} must be >= 1")
+    seen: dict[int, int] = {}
+    ids = set()
+    skipped = set(plan.skipped)
+    for s in skipped:
+        if not 0 <= s < n:
+            raise PlanError(f"skipped sequence {s} is not in the batch of {n} sequences")
+    for t in plan.tasks:
+        if t.id in ids:
+            raise PlanError(f"task id {t.id} appears twice")
+        ids.add(t.id)
+        if not t.ranks:
+            raise PlanError(f"task {t.id} has no ranks")
+        if len(set(t.ranks)) != len(t.ranks):
+            raise PlanError(f"task {t.id} lists a rank twice: {list(t.ranks)}")
+        bad = [r for r in t.ranks if not 0 <= r < world]
+        if bad:
+            raise PlanError(f"task {t.id} uses rank(s) {bad} outside the world of {world}")
+        if t.ulysses < 1 or t.ring < 1 or t.ulysses * t.ring != len(t.ranks):
+            raise PlanError(f"task {t.id}: ulysses {t.ulysses} x ring {t.ring} != {len(t.ranks)} ranks")
+        if t.ckpt_layers < 0 or (model is not None and t.ckpt_layers > model.num_layers):
+            raise PlanError(f"task {t.id}: ckpt_layers {t.ckpt_layers} out of range")
+        if model is not None and (model.num_heads % t.ulysses or model.kv_heads % t.ulysses):
+            raise PlanError(f"task {t.id}: Ulysses degree {t.ulysses} does not divide the {model.num_heads} "
+                            f"heads and {model.kv_heads} KV heads of {model.name}")
+        if not t.seqs:
+            raise PlanError(f"task {t.id} has no sequences")
+        for s in t.seqs:
+            if not 0 <= s < n:
+                raise PlanError(f"task {t.id} names sequence {s}, not in the batch of {n} sequences")
+            if s in skipped:
+                raise PlanError(f"sequence {s} is skipped but task {t.id} runs it")
+            if s in seen:
+                raise PlanError(f"sequence {s} is in task {seen[s]} and task {t.id}")
+            seen[s] = t.id
+        if t.duration < 0 or t.start < 0:
+            raise PlanError(f"task {t.id}: negative start or duration")
+    missing = [s for s in range(n) if s not in seen and s not in skipped]
+    if missing:
+        raise PlanError(f"sequence(s) {missing[:10]} are in no task (and not skipped)")
+    if cost_model is not None:
+        for t in plan.tasks:
+            mem = cost_model.memory(t, plan.lengths)
+            if mem > cost_model.budget * (1 + 1e-9):
+                raise PlanError(f"task {t.id} needs {mem / 2**30:.2f} GiB per rank, above the budget "
+                                f"{cost_model.budget / 2**30:.2f} GiB")
+    if check_times:
+        order = sorted(plan.tasks, key=lambda t: (t.start, t.id))
+        last_end = [0.0] * world
+        last_task = [-1] * world
+        for t in order:
+            for r in t.ranks:
+                if t.start + _EPS * max(1.0, t.start) < last_end[r]:
+                    raise PlanError(f"rank {r} is in task {last_task[r]} and task {t.id} at the same time "
+                                    f"(starts at {t.start:.6f} s before {last_end[r]:.6f} s)")
+                last_end[r] = t.start + t.duration
+                last_task[r] = t.id

@@ -1,0 +1,186 @@
+"""Workloads: the sequence lengths of one global batch.
+
+* text: one token count per sequence;
+* video: ``frames x height x width`` (latent patches) per sequence, ``video_lengths`` turns them
+  into token counts (the model's ``frame_tokens`` gives the attention pattern);
+* built-in distributions (``DISTRIBUTIONS``), sampled until a global-batch token budget is met:
+
+  ========== =================================================================================
+  ``short``    short-dominated: 90 % of sequences 256-4k tokens (log-uniform), 8 % 4k-32k,
+               2 % 32k-``max_len`` (the long tail of web / code corpora)
+  ``balanced`` log-uniform over 256-``max_len``: every length scale holds the same number of
+               sequences
+  ``long``     long-dominated: 70 % of sequences ``max_len``/8-``max_len``, 30 % 1k-16k
+               (long-context continued pre-training)
+  ``uniform``  uniform over 1-``max_len`` tokens
+  ========== =================================================================================
+
+  ``max_len`` defaults to 131,072 (128k). Sampling is deterministic given the seed.
+* files: one token count per line (``#`` comments and blank lines ignored), or a Megatron indexed
+  dataset ``.idx`` (its sequence-lengths array; see `read_idx_lengths`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import struct
+from typing import Iterable, Sequence
+
+IDX_MAGIC = b"MMIDIDX\x00\x00"
+DEFAULT_MAX_LEN = 131072
+
+
+class WorkloadError(ValueError):
+    """Bad sequence lengths or an unreadable workload file."""
+
+
+def validate_lengths(lengths: Iterable, where: str = "lengths") -> list[int]:
+    """Lengths as a list of positive ints; non-integers, non-positive values, an empty batch raise."""
+    result: list[int] = []
+    for i, value in enumerate(lengths):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__index__"):
+            raise WorkloadError(f"{where}: sequence {i} has length {value!r}, not an integer")
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise WorkloadError(f"{where}: sequence {i} has length {value!r}, not an integer")
+            value = int(value)
+        value = int(value)
+        if value < 1:
+            raise WorkloadError(f"{where}: sequence {i} has length {value}; lengths must be >= 1")
+        result.append(value)
+    if not result:
+        raise WorkloadError(f"{where}: the global batch is empty (no sequences)")
+    return result
+
+
+def video_lengths(shapes: Sequence[Sequence[int]]) -> list[int]:
+    """Token counts of videos given as ``(frames, height, width)`` in latent patches."""
+    result = []
+    for i, shape in enumerate(shapes):
+        if len(shape) != 3 or any(int(x) != x or x < 1 for x in shape):
+            raise WorkloadError(f"video {i}: shape {tuple(shape)!r} must be three positive integers "
+                                "(frames, height, width)")
+        frames, height, width = (int(x) for x in shape)
+        result.append(frames * height * width)
+    return result
+
+
+def _log_uniform(rng: random.Random, low: float, high: float) -> int:
+    return int(round(math.exp(rng.uniform(math.log(low), math.log(high)))))
+
+
+def _short(rng: random.Random, max_len: int) -> int:
+    u = rng.random()
+    if u < 0.90:
+        return _log_uniform(rng, 256, min(4096, max_len))
+    if u < 0.98:
+        return _log_uniform(rng, min(4096, max_len), min(32768, max_len))
+    return _log_uniform(rng, min(32768, max_len), max_len)
+
+
+def _balanced(rng: random.Random, max_len: int) -> int:
+    return _log_uniform(rng, min(256, max_len), max_len)
+
+
+def _long(rng: random.Random, max_len: int) -> int:
+    if rng.random() < 0.7:
+        return _log_uniform(rng, max(1, max_len // 8), max_len)
+    return _log_uniform(rng, min(1024, max_len), min(16384, max_len))
+
+
+def _uniform(rng: random.Random, max_len: int) -> int:
+    return rng.randint(1, max_len)
+
+
+DISTRIBUTIONS = {"short": _short, "balanced": _balanced, "long": _long, "uniform": _uniform}
+
+
+def sample_lengths(dist: str, global_batch_tokens: int, *, seed: int = 0,
+                   max_len: int = DEFAULT_MAX_LEN) -> list[int]:
+    """Lengths drawn from a built-in distribution until ``global_batch_tokens`` is reached (the last
+    sequence is cut so the total is exact)."""
+    if dist not in DISTRIBUTIONS:
+        raise WorkloadError(f"unknown distribution {dist!r}: choose one of {', '.join(DISTRIBUTIONS)}")
+    if global_batch_tokens < 1:
+        raise WorkloadError(f"global batch tokens {global_batch_tokens} must be >= 1")
+    if max_len < 1:
+        raise WorkloadError(f"max_len {max_len} must be >= 1")
+    rng = random.Random(f"{dist}:{seed}")
+    draw = DISTRIBUTIONS[dist]
+    lengths: list[int] = []
+    total = 0
+    while total < global_batch_tokens:
+        n = max(1, min(max_len, draw(rng, max_len), global_batch_tokens - total))
+        lengths.append(n)
+        total += n
+    return lengths
+
+
+def read_lengths_file(path: str) -> list[int]:
+    """One token count per line; blank lines and ``#`` comments are ignored."""
+    if path.endswith(".idx"):
+        return read_idx_lengths(path)
+    try:
+        with open(path) as handle:
+            lines = handle.readlines()
+    except OSError as err:
+        raise WorkloadError(f"cannot read lengths file {path!r}: {err.strerror or err}") from None
+    values = []
+    for number, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            raise WorkloadError(f"{path}:{number}: {text!r} is not an integer token count") from None
+        if value < 1:
+            raise WorkloadError(f"{path}:{number}: length {value} must be >= 1")
+        values.append(value)
+    if not values:
+        raise WorkloadError(f"{path}: no sequence lengths (the file is empty)")
+    return values
+
+
+def read_idx_lengths(path: str) -> list[int]:
+    """Sequence lengths of a Megatron indexed dataset index (``.idx``).
+
+    Layout: 9-byte magic ``MMIDIDX\\x00\\x00``, ``<Q`` version (1), ``<B`` dtype code, ``<Q``
+    sequence count, ``<Q`` document count, then ``int32`` sequence lengths (then pointers and
+    document indices, not read here).
+    """
+    header = 9 + 8 + 1 + 8 + 8
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as handle:
+            head = handle.read(header)
+            if len(head) < header or head[:9] != IDX_MAGIC:
+                raise WorkloadError(f"{path}: not a Megatron indexed dataset index (bad magic or too short)")
+            (version,) = struct.unpack("<Q", head[9:17])
+            if version != 1:
+                raise WorkloadError(f"{path}: index version {version} is not supported (expected 1)")
+            (count,) = struct.unpack("<Q", head[18:26])
+            if header + 4 * count > size:
+                raise WorkloadError(f"{path}: truncated: header says {count} sequences")
+            data = handle.read(4 * count)
+    except OSError as err:
+        raise WorkloadError(f"cannot read index {path!r}: {err.strerror or err}") from None
+    lengths = list(struct.unpack(f"<{count}i", data))
+    return validate_lengths(lengths, where=path)
+
+
+def write_idx_lengths(path: str, lengths: Sequence[int], dtype_code: int = 4) -> None:
+    """Write a minimal ``.idx`` holding ``lengths`` (for tests; pointers and doc index included)."""
+    count = len(lengths)
+    with open(path, "wb") as handle:
+        handle.write(IDX_MAGIC + struct.pack("<Q", 1) + struct.pack("<B", dtype_code))
+        handle.write(struct.pack("<Q", count) + struct.pack("<Q", count + 1))
+        handle.write(struct.pack(f"<{count}i", *lengths))
+        pointers, offset = [], 0
+        for n in lengths:
+            pointers.append(offset)
+            offset += 4 * n
+        handle.write(struct.pack(f"<{count}q", *pointers))
+        handle.write(struct.pack(f"<{count + 1}q", *range(count + 1)))
