@@ -39,7 +39,8 @@ def _degree1_cases(world: int) -> list[dict]:
 def _check(world: int, cases: list[dict]) -> list[dict]:
     results = run_distributed(run_cases, world, args=(cases,))
     for case in cases:
-        ref = reference(case["model"], LENGTHS_A, loss_reduction=case.get("loss_reduction", "token"))
+        ref = reference(case["model"], case["plan"]["lengths"],
+                        loss_reduction=case.get("loss_reduction", "token"))
         assert_matches(case["name"], results, ref)
     return results
 
@@ -51,3 +52,57 @@ def test_degree1_plans_match_reference(world):
     # Checkpoint control: a task with ckpt_layers=c recomputes layers < c (two calls each).
     calls = results[0]["all-on-rank0"]["calls"]
     assert calls == {0: 3 + 2, 1: 3 + 1, 2: 3 + 1}, calls
+
+
+# Video lengths (frames of 2 x 3 patches = 6 tokens; 7 and 23 end in a partial frame).
+LENGTHS_V = (12, 18, 30, 6, 24, 7, 23)
+
+
+def _world2_cases() -> list[dict]:
+    L, V = LENGTHS_A, LENGTHS_V
+    mixed = [task(0, [0, 1], [3, 6], ulysses=2, ckpt=0, start=0.0),
+             task(1, [0], [0, 2], ckpt=1, start=1.0),
+             task(2, [1], [4, 5], ckpt=2, start=1.0),
+             task(3, [1, 0], [1], ulysses=1, ckpt=3, start=2.0)]   # ring 2, reversed rank order
+    dit = [task(0, [0, 1], [2], ulysses=2, ckpt=1), task(1, [0, 1], [4, 6], ulysses=1, ckpt=0,
+                                                           start=1.0),
+           task(2, [1], [0, 1, 3, 5], ckpt=2, start=2.0)]
+    return [dict(name="w2-mixed", model="decoder", plan=plan_dict(mixed, L, 2)),
+            dict(name="w2-mixed-seq", model="decoder", loss_reduction="sequence",
+                 plan=plan_dict(mixed, L, 2)),
+            dict(name="w2-dit", model="dit", plan=plan_dict(dit, V, 2))]
+
+
+def _world4_cases() -> list[dict]:
+    L, V = LENGTHS_A, LENGTHS_V
+    mixed = [task(0, [0, 1, 2, 3], [3], ulysses=2, ckpt=2, start=0.0),       # hybrid 2 x 2
+             task(1, [1, 2, 3], [6, 0], ulysses=1, ckpt=1, start=1.0),       # ring 3
+             task(2, [0], [1], ckpt=3, start=1.0),
+             task(3, [3, 0], [4], ulysses=2, ckpt=0, start=2.0),             # Ulysses 2
+             task(4, [0], [2, 5], ckpt=0, start=3.0)]
+    idle = [task(0, [0, 1, 2, 3], [3, 1], ulysses=1, ckpt=3, start=0.0),     # ring 4
+            task(1, [2, 1], [6], ulysses=1, ckpt=1, start=1.0),               # ring 2
+            task(2, [0], [0, 2, 4, 5], ckpt=2, start=1.0)]                    # rank 3: one task
+    dit = [task(0, [0, 1, 2, 3], [2], ulysses=2, ckpt=1, start=0.0),         # hybrid 2 x 2
+           task(1, [0, 1, 2], [4, 6], ulysses=1, ckpt=2, start=1.0),          # ring 3
+           task(2, [3], [0, 1, 3, 5], ckpt=0, start=1.0)]
+    no_task = [task(0, [0, 1, 2], [3, 6], ulysses=1, ckpt=0),                # rank 3 idle
+               task(1, [0, 2], [0, 1, 2, 4, 5], ulysses=2, ckpt=3, start=1.0)]
+    return [dict(name="w4-mixed", model="decoder", plan=plan_dict(mixed, L, 4)),
+            dict(name="w4-ring", model="decoder-tied", plan=plan_dict(idle, L, 4)),
+            dict(name="w4-idle-rank", model="decoder", plan=plan_dict(no_task, L, 4)),
+            dict(name="w4-dit", model="dit", plan=plan_dict(dit, V, 4))]
+
+
+@needs_attention
+@pytest.mark.timeout(200)
+def test_world2_mixed_layouts_match_reference():
+    _check(2, _world2_cases())
+
+
+@needs_attention
+@pytest.mark.timeout(240)
+def test_world4_mixed_degrees_match_reference():
+    results = _check(4, _world4_cases())
+    assert results[3]["w4-idle-rank"]["ntasks"] == 0
+    assert results[0]["_pool"]["groups"] >= 6
