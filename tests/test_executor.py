@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_distributed
-from executor_cases import (ATTENTION_STAND_IN, assert_matches, plan_dict, reference, run_cases,
-                            task)
+from executor_cases import (ATTENTION_STAND_IN, assert_matches, build_model, plan_dict, reference,
+                            run_cases, task)
 
 needs_attention = pytest.mark.skipif(ATTENTION_STAND_IN,
                                      reason="megatron_dcp.runtime.attention has not landed")
@@ -58,6 +58,27 @@ def test_degree1_plans_match_reference(world):
 LENGTHS_V = (12, 18, 30, 6, 24, 7, 23)
 
 
+LENGTHS_P = (60, 9, 17, 5, 30, 12, 2, 23, 44, 3, 8, 51)
+LENGTHS_PV = (48, 12, 30, 7, 42, 18, 6, 23)
+
+
+def _planned(kind: str, lengths, world: int, policy: str = "dcp", free_tokens: int = 12) -> dict:
+    """A plan from `make_plan` with a memory budget of ``free_tokens`` activation tokens per rank
+    beyond static memory, so long sequences need degree > 1 and recomputation."""
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.plan import CostModel, load_hardware, make_plan
+    from megatron_dcp.plan.cost import RESERVE_BYTES
+
+    shape = build_model(kind).shape()
+    hw = load_hardware("h200")
+    base = CostModel(shape, hw, world_size=world)
+    budget = base.static_memory + RESERVE_BYTES + free_tokens * base.token_bytes(0)
+    cm = CostModel(shape, hw, world_size=world, memory_budget=budget)
+    plan = make_plan(list(lengths), world_size=world, model=shape,
+                     config=DCPConfig(policy=policy), cost_model=cm)
+    return dict(name=f"w{world}-{kind}-{policy}-planned", model=kind, plan=plan.to_dict())
+
+
 def _world2_cases() -> list[dict]:
     L, V = LENGTHS_A, LENGTHS_V
     mixed = [task(0, [0, 1], [3, 6], ulysses=2, ckpt=0, start=0.0),
@@ -67,7 +88,8 @@ def _world2_cases() -> list[dict]:
     dit = [task(0, [0, 1], [2], ulysses=2, ckpt=1), task(1, [0, 1], [4, 6], ulysses=1, ckpt=0,
                                                            start=1.0),
            task(2, [1], [0, 1, 3, 5], ckpt=2, start=2.0)]
-    return [dict(name="w2-mixed", model="decoder", plan=plan_dict(mixed, L, 2)),
+    return [_planned("decoder", LENGTHS_P, 2, free_tokens=20),
+            dict(name="w2-mixed", model="decoder", plan=plan_dict(mixed, L, 2)),
             dict(name="w2-mixed-seq", model="decoder", loss_reduction="sequence",
                  plan=plan_dict(mixed, L, 2)),
             dict(name="w2-dit", model="dit", plan=plan_dict(dit, V, 2))]
@@ -88,7 +110,9 @@ def _world4_cases() -> list[dict]:
            task(2, [3], [0, 1, 3, 5], ckpt=0, start=1.0)]
     no_task = [task(0, [0, 1, 2], [3, 6], ulysses=1, ckpt=0),                # rank 3 idle
                task(1, [0, 2], [0, 1, 2, 4, 5], ulysses=2, ckpt=3, start=1.0)]
-    return [dict(name="w4-mixed", model="decoder", plan=plan_dict(mixed, L, 4)),
+    return [_planned("decoder", LENGTHS_P, 4), _planned("dit", LENGTHS_PV, 4),
+            _planned("decoder", LENGTHS_P, 4, policy="greedy-cp"),
+            dict(name="w4-mixed", model="decoder", plan=plan_dict(mixed, L, 4)),
             dict(name="w4-ring", model="decoder-tied", plan=plan_dict(idle, L, 4)),
             dict(name="w4-idle-rank", model="decoder", plan=plan_dict(no_task, L, 4)),
             dict(name="w4-dit", model="dit", plan=plan_dict(dit, V, 4))]
