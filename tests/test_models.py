@@ -1,0 +1,148 @@
+"""Reference models and checkpoint control in one process (no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_cases import build_model, make_batch
+from megatron_dcp.models import Decoder, DecoderConfig, DiTConfig, VideoDiT
+from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.plan.plan import Task
+from megatron_dcp.runtime.checkpoint import RecomputeCounter, checkpoint_depth
+from megatron_dcp.runtime.context import TaskContext, task_context
+from megatron_dcp.runtime.layout import ShardLayout
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["decoder", "decoder-tied", "dit"])
+def test_forward_shapes_and_shape(kind):
+    model = build_model(kind)
+    ids = make_batch([17], model.config.vocab_size)[0]
+    logits = model(ids)
+    assert logits.shape == (17, model.config.vocab_size)
+    shape = model.shape()
+    assert isinstance(shape, ModelShape)
+    assert shape.causal == (kind != "dit")
+    if kind == "dit":
+        assert shape.frame_tokens == 6
+    if kind == "decoder-tied":
+        assert model.lm_head is None
+
+
+def test_same_seed_same_weights_and_untied_differs():
+    a, b = build_model("decoder"), build_model("decoder")
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), n
+    assert sum(p.numel() for p in build_model("decoder-tied").parameters()) < \
+        sum(p.numel() for p in a.parameters())
+
+
+def test_decoder_is_causal_and_uses_positions():
+    model = build_model("decoder")
+    ids = make_batch([12], model.config.vocab_size)[0]
+    full = model(ids)
+    prefix = model(ids[:7])
+    torch.testing.assert_close(full[:7], prefix, rtol=1e-5, atol=1e-6)
+    # RoPE is relative: shifting every position changes nothing, stretching them does.
+    shifted = model(ids, torch.arange(12) + 5)
+    torch.testing.assert_close(full, shifted, rtol=1e-4, atol=1e-6)
+    stretched = model(ids, torch.arange(12) * 3)
+    assert not torch.allclose(full, stretched, rtol=1e-4, atol=1e-6)
+
+
+def test_dit_spatial_and_temporal_mixing():
+    """A change at (frame 0, cell 0) reaches the same frame and the same cell, then everything."""
+    cfg = DiTConfig(vocab_size=16, hidden_size=16, num_layers=1, num_heads=2, height=2, width=2,
+                    max_frames=4)
+    one = VideoDiT(cfg, seed=3)
+    ids = torch.randint(0, 16, (16,), generator=torch.Generator().manual_seed(0))
+    other = ids.clone()
+    other[0] = (ids[0] + 1) % 16
+    changed = (one(ids) - one(other)).abs().sum(-1) > 1e-7
+    # One spatial layer: only frame 0 (tokens 0..3) is affected.
+    assert changed[:4].all() and not changed[4:].any()
+    two = VideoDiT(DiTConfig(**{**cfg.__dict__, "num_layers": 2}), seed=3)
+    changed = (two(ids) - two(other)).abs().sum(-1) > 1e-7
+    assert changed.all()  # spatial then temporal: every token sees (frame 0, cell 0)
+
+
+def test_positions_beyond_max_raise_clearly():
+    model = Decoder(DecoderConfig(vocab_size=8, hidden_size=8, num_heads=2, max_position=10))
+    with pytest.raises(ValueError, match="position 10 is beyond max_position=10"):
+        model(torch.zeros(11, dtype=torch.long))
+    dit = build_model("dit")
+    with pytest.raises(ValueError, match="VideoDiT: position 48 is beyond max_position=48"):
+        dit(torch.zeros(49, dtype=torch.long))
+
+
+def test_error_names_sequence_inside_a_task():
+    model = Decoder(DecoderConfig(vocab_size=8, hidden_size=8, num_heads=2, max_position=10))
+    task = Task(id=4, ranks=(0,), seqs=(7, 2))
+    layout = ShardLayout.build([5, 12], 1, 1, 0)
+    with task_context(TaskContext(task=task, group_rank=0, layout=layout)):
+        with pytest.raises(ValueError, match="in sequence 2 .length 12. of task 4"):
+            model(torch.zeros(17, dtype=torch.long), layout.position_ids)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="kv heads"):
+        DecoderConfig(hidden_size=16, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="must be even for RoPE"):
+        DecoderConfig(hidden_size=12, num_heads=4)
+
+
+@pytest.mark.parametrize("kind", ["decoder", "dit"])
+def test_checkpoint_depth_changes_per_forward_not_the_gradient(kind):
+    model = build_model(kind)
+    layers = model.layers if kind != "dit" else model.blocks
+    counter = RecomputeCounter()
+    for i, layer in enumerate(layers):
+        layer.forward = counter.wrap(i, layer.forward)
+    ids = make_batch([20], model.config.vocab_size)[0]
+    labels = torch.cat([ids[1:], torch.tensor([-100])])
+    ref = None
+    for depth in range(len(layers) + 1):
+        counter.calls.clear()
+        model.zero_grad()
+        with checkpoint_depth(depth):
+            model.loss(ids, None, labels).backward()
+        assert counter.calls == {i: 2 if i < depth else 1 for i in range(len(layers))}
+        grads = _grads(model)
+        if ref is None:
+            ref = grads
+        for n in ref:
+            torch.testing.assert_close(grads[n], ref[n], rtol=1e-6, atol=1e-9)
+
+
+def test_recompute_sees_the_task_even_if_backward_runs_outside():
+    """Recomputation re-enters the task context captured at forward (CUDA runs backward on
+    autograd worker threads, where the caller's context is not visible)."""
+    model = build_model("decoder")
+    lengths = [9, 14]
+    batch = make_batch(lengths, model.config.vocab_size)
+    ids = torch.cat(batch)
+    labels = torch.cat([torch.cat([b[1:], torch.tensor([-100])]) for b in batch])
+    layout = ShardLayout.build(lengths, 1, 1, 0)
+    results = []
+    for depth, outside in ((0, False), (3, True)):
+        model.zero_grad()
+        counter = RecomputeCounter()
+        layer0 = model.layers[0]
+        original = layer0.forward
+        layer0.forward = counter.wrap(0, original)
+        task = Task(id=0, ranks=(0,), seqs=(0, 1), ckpt_layers=depth)
+        with task_context(TaskContext(task=task, group_rank=0, layout=layout, ckpt_layers=depth)):
+            loss = model.loss(ids, layout.position_ids, labels)
+            if not outside:
+                loss.backward()
+        if outside:
+            loss.backward()
+        layer0.forward = original
+        assert all(c is not None and c.task.id == 0 for c in counter.contexts[0])
+        results.append(_grads(model))
+    for n in results[0]:
+        torch.testing.assert_close(results[1][n], results[0][n], rtol=1e-6, atol=1e-9)
