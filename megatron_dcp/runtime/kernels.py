@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from megatron_dcp.runtime.layout import TokenMeta
 
-QUERY_CHUNK = 1024
-"""Query rows per dense score block: bounds the exact kernels' memory to ``H x 1024 x n``."""
+QUERY_CHUNK = 256
+"""Query rows per dense score block: bounds the exact kernels' memory to ``H x 256 x n``."""
 
 try:  # optional: never required, only used on CUDA for half precision
     from flash_attn import flash_attn_varlen_func as _flash_varlen
@@ -150,7 +150,8 @@ def block_forward(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, causal: bool
                   q_groups=None, k_groups=None):
     """Exact attention of ``q`` against one K/V block: ``(out, lse)`` in the compute dtype.
 
-    Differentiable through autograd (used so by `local_attention`'s exact backend).
+    Differentiable through autograd too, but `ExactAttention` (its backward is `block_backward`)
+    keeps only ``out`` and ``lse`` instead of every probability block.
     """
     cdt = compute_dtype(q.dtype)
     tq, hq, dim = q.shape
@@ -213,6 +214,25 @@ def merge_block(out, lse, blk_out, blk_lse):
     return merged, new
 
 
+class ExactAttention(torch.autograd.Function):
+    """Exact local attention whose backward recomputes probabilities from ``lse`` (saves memory)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, meta: TokenMeta, causal: bool, scale: float, groups):
+        out, lse = block_forward(q, k, v, meta, meta, causal=causal, scale=scale, q_groups=groups,
+                                 k_groups=groups)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta, ctx.causal, ctx.scale, ctx.groups = meta, causal, scale, groups
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, ctx.meta, ctx.meta, causal=ctx.causal,
+                                    scale=ctx.scale, q_groups=ctx.groups, k_groups=ctx.groups)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
 # ---------------------------------------------------------------------- local attention
 def _varlen_order(meta: TokenMeta):
     """Valid tokens sorted by (sequence, position) and their cu_seqlens, or ``None``.
@@ -273,9 +293,7 @@ def local_attention(q, k, v, meta: TokenMeta, *, causal: bool = True,
     if varlen is None:
         backend = "torch"
     if backend == "torch":
-        out, _ = block_forward(q, k, v, meta, meta, causal=causal, scale=scale, q_groups=groups,
-                               k_groups=groups)
-        return out.to(q.dtype)
+        return ExactAttention.apply(q, k, v, meta, causal, scale, groups)
     rows, cu, counts = varlen
     if rows.numel() == 0:
         return q.new_zeros(q.shape)
