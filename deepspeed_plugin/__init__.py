@@ -1,0 +1,87 @@
+"""DeepSpeed plugin of megatron-dcp: ``--dcp`` flags, the ``"dcp"`` config section, and
+``initialize``, a drop-in for ``deepspeed.initialize`` whose engine runs one DCP plan per step.
+
+    parser = argparse.ArgumentParser()
+    deepspeed.add_config_arguments(parser)
+    deepspeed_plugin.add_dcp_arguments(parser)
+    args = parser.parse_args()
+    engine, optimizer, _, scheduler = deepspeed_plugin.initialize(
+        args=args, model=model, model_parameters=model.parameters())
+    for sequences in global_batches:              # lists of 1-D token id tensors
+        result = engine.train_step(sequences)    # plan, micro-steps, one reduction, one step
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from datetime import timedelta
+from typing import Any, Optional
+
+from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_config_from, load_ds_config,
+                                     prepare_config)
+from deepspeed_plugin.engine import DCPEngine, StepResult, data_parallel_split, stage3_slots
+from megatron_dcp.config import DCPConfig, DCPConfigError
+
+PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
+
+__all__ = ["DCPConfig", "DCPConfigError", "DCPEngine", "StepResult", "add_dcp_arguments", "initialize",
+           "data_parallel_split", "stage3_slots"]
+
+
+def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, optimizer: Any = None,
+               model_parameters: Any = None, lr_scheduler: Any = None, config: Any = None, *,
+               dcp_config: Optional[DCPConfig] = None, model_shape: Any = None, hardware: Any = None,
+               **deepspeed_kwargs: Any) -> tuple[DCPEngine, Any, Any, Any]:
+    """``deepspeed.initialize`` with DCP: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    The DeepSpeed config comes from ``config`` (path or dict) or ``args.deepspeed_config``; its
+    ``"dcp"`` section and the ``--dcp*`` flags in ``args`` give the `DCPConfig` (or pass
+    ``dcp_config``). ``model_shape`` (a `ModelShape`; default ``model.shape()``) feeds the cost
+    model, ``hardware`` overrides ``dcp.hardware``. Bad combinations raise `DCPConfigError` here,
+    before any step. With DCP off the engine runs plain data parallel on the same global batches.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from deepspeed_plugin import patches
+
+    if model is None:
+        raise ValueError("deepspeed_plugin.initialize requires a model")
+    patches.apply_all()
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    ds_config = load_ds_config(config)
+    dcp = dcp_config if dcp_config is not None else dcp_config_from(ds_config, args)
+
+    accelerator = get_accelerator()
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
+                               timeout=PROCESS_GROUP_TIMEOUT)
+    import torch.distributed as dist
+
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    check_supported(ds_config, dcp, world_size, model)
+    cpu = accelerator.device_name() == "cpu"
+    ds_ready, notices = prepare_config(ds_config, world_size, cpu=cpu)
+    if rank == 0:
+        for line in notices:
+            print(f"[megatron-dcp] {line}", flush=True)
+
+    ds_args = None
+    if args is not None:
+        ds_args = copy.copy(args)
+        ds_args.deepspeed_config = None  # the config travels as a dict (the "dcp" section removed)
+    engine, ds_optimizer, dataloader, scheduler = deepspeed.initialize(
+        args=ds_args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler, config=ds_ready, **deepspeed_kwargs)
+
+    pool = None
+    if dcp.enabled:
+        from megatron_dcp.runtime.groups import GroupPool
+
+        pool = GroupPool(timeout=PROCESS_GROUP_TIMEOUT)
+        if model_shape is None and hasattr(model, "shape"):
+            model_shape = model.shape()
+    wrapper = DCPEngine(engine, dcp, model_shape=model_shape, pool=pool, hardware=hardware,
+                        notices=notices)
+    return wrapper, ds_optimizer, dataloader, scheduler

@@ -1,0 +1,79 @@
+"""DeepSpeed plugin, no launch: flags, the "dcp" section, start-up checks, config preparation,
+ZeRO-3 slot assignment and the data-parallel split."""
+
+import argparse
+
+import pytest
+
+from deepspeed_plugin import add_dcp_arguments, data_parallel_split, stage3_slots
+from deepspeed_plugin.config import check_supported, dcp_config_from, prepare_config
+from megatron_dcp.config import DCPConfig, DCPConfigError
+from megatron_dcp.plan.plan import Plan, Task
+
+
+def test_flags_generated_from_dcpconfig():
+    parser = argparse.ArgumentParser()
+    add_dcp_arguments(parser)
+    args = parser.parse_args(["--dcp", "--dcp_max_degree", "2", "--dcp_attention_layout", "ring"])
+    cfg = dcp_config_from({"dcp": {"checkpoint_policy": "none"}}, args)
+    assert cfg.enabled and cfg.max_degree == 2 and cfg.attention_layout == "ring"
+    assert cfg.checkpoint_policy == "none"  # from the JSON section; flags given override it
+    help_text = parser.format_help()
+    assert "--dcp_memory_budget_gb" in help_text and "Largest sequence-parallel degree" in help_text
+
+
+def test_unknown_dcp_key_is_an_error():
+    with pytest.raises(DCPConfigError, match="unknown key.*max_degre"):
+        dcp_config_from({"dcp": {"max_degre": 2}})
+
+
+def test_start_checks():
+    on = DCPConfig(enabled=True, max_degree=4)
+    with pytest.raises(DCPConfigError, match="max_degree=4 exceeds the DCP world size 2"):
+        check_supported({}, on, world_size=2)
+    ok = DCPConfig(enabled=True)
+    with pytest.raises(DCPConfigError, match="sequence_parallel_size=2"):
+        check_supported({"sequence_parallel_size": 2}, ok, world_size=2)
+    with pytest.raises(DCPConfigError, match="pipeline"):
+        check_supported({"pipeline": {"stages": 2}}, ok, world_size=2)
+    pipe = pytest.importorskip("deepspeed.pipe")
+
+    class FakePipe(pipe.PipelineModule):
+        def __init__(self):  # no process groups needed for the isinstance check
+            pass
+
+    with pytest.raises(DCPConfigError, match="PipelineModule"):
+        check_supported({}, ok, world_size=2, model=FakePipe())
+    check_supported({"sequence_parallel_size": 2}, DCPConfig(), world_size=2)  # DCP off: no check
+
+
+def test_prepare_config_makes_defaults_explicit():
+    cfg, notices = prepare_config({"gradient_accumulation_steps": 4, "dcp": {},
+                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+                                  world_size=4, cpu=True)
+    assert "dcp" not in cfg
+    assert cfg["gradient_accumulation_steps"] == 1 and cfg["train_batch_size"] == 4
+    assert cfg["gradient_clipping"] == 1.0
+    assert cfg["optimizer"]["params"]["torch_adam"] is True
+    assert any("gradient_clipping" in n for n in notices)
+    assert any("gradient_accumulation_steps=4" in n for n in notices)
+    cfg, notices = prepare_config({"gradient_clipping": 0.0}, world_size=2, cpu=False)
+    assert cfg["gradient_clipping"] == 0.0 and not notices
+
+
+def test_stage3_slots_keep_order_and_align_shared_tasks():
+    tasks = (Task(0, (0, 1), (0,), ulysses=2, start=0.0), Task(1, (0,), (1,), start=1.0),
+             Task(2, (0,), (2,), start=2.0), Task(3, (1, 2), (3,), ring=2, start=1.5),
+             Task(4, (2,), (4,), start=0.0))
+    plan = Plan(tasks=tasks, lengths=(8, 4, 4, 8, 4), world_size=3)
+    slots, count = stage3_slots(plan)
+    for rank in range(3):
+        mine = [slots[t.id] for t in plan.tasks_for_rank(rank)]
+        assert mine == sorted(set(mine))  # increasing: order kept, no shared slot
+    assert slots[3] >= 1 and count == 3
+
+
+def test_data_parallel_split():
+    assert data_parallel_split(5, 2, 0) == ([0, 2, 4], 3)
+    assert data_parallel_split(5, 2, 1) == ([1, 3], 3)
+    assert data_parallel_split(1, 4, 3) == ([], 1)
