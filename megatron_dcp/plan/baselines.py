@@ -13,22 +13,44 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron_dcp.plan.cost import Layout, PlanError
 from megatron_dcp.plan.schedule import Draft, PlanContext, padded, retime
 
 
-def fixed_degree(ctx: PlanContext, mode: str) -> int:
-    """Smallest tiling group size (powers of two first) where the longest sequence fits."""
+def candidate_degrees(ctx: PlanContext, mode: str) -> list[int]:
+    """Power-of-two group sizes at which the longest sequence fits (smallest first); the smallest
+    other size if no power of two fits."""
     longest = max(ctx.lengths[i] for i in ctx.active)
     sizes = ctx.vocab.sizes
     pow2 = [s for s in sizes if s & (s - 1) == 0]
     for group in (pow2, sizes):
-        for s in group:
-            if ctx.ckpt_for(padded(longest, s), s, mode) is not None:
-                return s
+        fit = [s for s in group if ctx.ckpt_for(padded(longest, s), s, mode) is not None]
+        if fit:
+            return fit if group is pow2 else fit[:1]
     raise PlanError(f"the longest sequence ({longest} tokens) fits no group size")
+
+
+def tuned(planner: Callable[[PlanContext, int], list[Draft]]) -> Callable[[PlanContext], list[Draft]]:
+    """The baseline at its best fixed degree: a practitioner tunes the SP degree once for the data
+    set, so the baseline gets every power-of-two degree at which the longest sequence fits and
+    keeps the fastest (lockstep barriers included)."""
+
+    def run(ctx: PlanContext, degree: Optional[int] = None) -> list[Draft]:
+        if degree is not None:
+            return planner(ctx, degree)
+        best = None
+        for d in candidate_degrees(ctx, ctx.baseline_mode()):
+            drafts = planner(ctx, d)
+            makespan = retime(drafts, ctx.world, barriers=True)
+            if best is None or makespan < best[0]:
+                best = (makespan, drafts)
+        return best[1]
+
+    run.__name__ = planner.__name__
+    run.__doc__ = planner.__doc__
+    return run
 
 
 def _groups(ctx: PlanContext, degree: int) -> list[int]:
@@ -46,11 +68,11 @@ def _run_depth(ctx: PlanContext, degree: int, max_tokens: int) -> int:
     return c
 
 
-def plan_bucket(ctx: PlanContext) -> list[Draft]:
+@tuned
+def plan_bucket(ctx: PlanContext, degree: int) -> list[Draft]:
     """Bucket parallel: one degree, length buckets (powers of two), per-bucket batch size chosen so
     each micro-batch takes about as long as one longest sequence, every group in lockstep."""
     mode = ctx.baseline_mode()
-    degree = fixed_degree(ctx, mode)
     n_layers = ctx.cm.model.num_layers
     ckpt = n_layers if mode == "full" else 0
     starts = _groups(ctx, degree)
@@ -128,10 +150,10 @@ def _sequential(ctx: PlanContext, per_group: list[list[list[int]]], starts: list
     return drafts
 
 
-def plan_packed(ctx: PlanContext) -> list[Draft]:
+@tuned
+def plan_packed(ctx: PlanContext, degree: int) -> list[Draft]:
     """One degree, sequences packed (best-fit decreasing) into micro-batches of a fixed token budget
     (``pack_tokens``, default: the longest sequence), the same number of micro-batches per group."""
-    degree = fixed_degree(ctx, ctx.baseline_mode())
     longest = max(padded(ctx.lengths[i], degree) for i in ctx.active)
     budget = max(ctx.pack_tokens or longest, longest)
     budget = min(budget, max(longest, ctx.cm.max_tokens(degree, ctx.cm.model.num_layers)))
@@ -143,10 +165,10 @@ def plan_packed(ctx: PlanContext) -> list[Draft]:
     return _sequential(ctx, _equal_count(ctx, bins, starts), starts, degree, ckpt)
 
 
-def plan_static(ctx: PlanContext) -> list[Draft]:
+@tuned
+def plan_static(ctx: PlanContext, degree: int) -> list[Draft]:
     """Megatron-style static context parallelism: ring attention at one CP size, THD micro-batches
     packed in data order up to the longest sequence, handed out round-robin to the DP groups."""
-    degree = fixed_degree(ctx, ctx.baseline_mode())
     budget = max(padded(ctx.lengths[i], degree) for i in ctx.active)
     bins: list[list[int]] = []
     used = budget
@@ -169,12 +191,27 @@ def plan_static(ctx: PlanContext) -> list[Draft]:
 def plan_greedy_cp(ctx: PlanContext) -> list[Draft]:
     """The shape of Megatron-LM's dynamic (hybrid) context parallel: per sequence a power-of-two CP
     size from a tokens-per-rank cap, workload estimate L^2/cp, greedy filling of lockstep rounds in
-    which the ranks are partitioned into CP groups."""
+    which the ranks are partitioned into CP groups. The cap (Megatron's max tokens per rank) is
+    tuned: the memory limit at the run's checkpoint depth and halvings of it, fastest kept."""
+    cm = ctx.cm
+    depth = _run_depth(ctx, 1, padded(max(ctx.lengths[i] for i in ctx.active), 1))
+    mem_cap = max(1, cm.max_tokens(1, depth))
+    floor = max(1, sum(ctx.lengths[i] for i in ctx.active) // (4 * ctx.world))
+    best = None
+    cap = mem_cap
+    while True:
+        drafts = _greedy_cp(ctx, cap, depth)
+        makespan = retime(drafts, ctx.world, barriers=True)
+        if best is None or makespan < best[0]:
+            best = (makespan, drafts)
+        cap //= 2
+        if cap < floor or cap < 1:
+            return best[1]
+
+
+def _greedy_cp(ctx: PlanContext, cap: int, depth: int) -> list[Draft]:
     vocab, cm = ctx.vocab, ctx.cm
     pow2 = [s for s in vocab.sizes if s & (s - 1) == 0]
-    depth = _run_depth(ctx, 1, padded(max(ctx.lengths[i] for i in ctx.active), 1))
-    depth = max(depth, _run_depth(ctx, 1, 1))
-    cap = max(1, cm.max_tokens(1, depth))
     size_of = {}
     for i in ctx.active:
         want = 1 << max(0, math.ceil(math.log2(max(1, -(-ctx.lengths[i] // cap)))))

@@ -118,6 +118,7 @@ class CostModel:
                 f"{world_size}, {RESERVE_BYTES / 2**30:.1f} GiB reserve): raise the budget or the ZeRO stage"
             )
         self._layouts: dict[int, list[Layout]] = {}
+        self._best_layout: dict[tuple, Layout] = {}
 
     # ------------------------------------------------------------------ memory
     def _static_memory(self) -> float:
@@ -226,7 +227,30 @@ class CostModel:
         return linear + attn + other
 
     def best_time(self, tokens: float, pairs: float, degree: int, ckpt: int) -> tuple[float, Layout]:
-        """Fastest allowed layout of an aligned group of ``degree`` ranks."""
+        """Fastest allowed layout of an aligned group of ``degree`` ranks.
+
+        The layout is chosen on a canonical representative of the task's size class (tokens and
+        attention intensity pairs/tokens on a log grid) and cached, then timed exactly: fast, and
+        independent of earlier calls (plans stay deterministic when a cost model is reused).
+        """
+        layouts = self.layouts(degree)
+        if len(layouts) == 1:
+            return self.time_of(tokens, pairs, layouts[0], ckpt), layouts[0]
+        if not layouts:
+            raise PlanError(f"no attention layout allows degree {degree} for {self.model.name}")
+        t_class = max(0, int(math.log2(max(tokens, 1.0)) * 2))
+        r_class = int(math.log2(1.0 + pairs / max(tokens, 1.0)) * 4)
+        key = (degree, ckpt, t_class, r_class)
+        lay = self._best_layout.get(key)
+        if lay is None:
+            rep_tokens = 2.0 ** (t_class / 2)
+            rep_pairs = rep_tokens * (2.0 ** (r_class / 4) - 1.0)
+            lay = min(layouts, key=lambda x: self.time_of(rep_tokens, rep_pairs, x, ckpt))
+            self._best_layout[key] = lay
+        return self.time_of(tokens, pairs, lay, ckpt), lay
+
+    def exact_best_time(self, tokens: float, pairs: float, degree: int, ckpt: int) -> tuple[float, Layout]:
+        """`best_time` over every layout for this exact task (slower)."""
         best = None
         for lay in self.layouts(degree):
             t = self.time_of(tokens, pairs, lay, ckpt)

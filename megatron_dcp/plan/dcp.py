@@ -28,6 +28,13 @@ from typing import Callable, Optional
 from megatron_dcp.plan.schedule import BlockClock, Draft, PlanContext, lighten, padded, retime
 
 
+DEBUG = False
+MAX_WORK_GROWTH = 1.3
+"""A task is not widened past the degree where its work (ranks x time) grows by more than this."""
+BASELINE_CANDIDATE_LIMIT = 20_000
+"""Sequences x ranks up to which the baselines' plans join DCP's candidates."""
+
+
 class _SeqInfo:
     __slots__ = ("i", "length", "pairs", "degree", "ckpt", "time", "fits")
 
@@ -47,6 +54,21 @@ def _options(ctx: PlanContext, info: _SeqInfo, mode: str, start_at: int = 0) -> 
             info.fits.append((d, c))
 
 
+def _raised(ctx: PlanContext, info: _SeqInfo, mode: str, floor: int) -> _SeqInfo:
+    """A copy of ``info`` at degree ``floor`` or more (fewer degrees mean less fragmentation)."""
+    if info.degree >= floor:
+        return info
+    out = _SeqInfo(info.i, info.length, info.pairs)
+    for d in ctx.vocab.sizes:
+        if d >= floor:
+            c = ctx.ckpt_for(padded(info.length, d), d, mode)
+            if c is not None:
+                out.degree, out.ckpt = d, c
+                out.time = ctx.cm.best_time(info.length, info.pairs, d, c)[0]
+                return out
+    return info
+
+
 def _degree_choice(ctx: PlanContext, infos: list[_SeqInfo], mode: str) -> tuple[float, float]:
     """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
     cm = ctx.cm
@@ -60,67 +82,120 @@ def _degree_choice(ctx: PlanContext, infos: list[_SeqInfo], mode: str) -> tuple[
                 info.degree, info.ckpt = d, c
                 break
         info.time = cm.best_time(info.length, info.pairs, info.degree, info.ckpt)[0]
+        if info.ckpt:
+            # recompute costs work: more ranks (less recompute) may do the sequence with less work
+            _options(ctx, info, mode, info.degree)
+            work = info.degree * info.time
+            for d, c in info.fits[1:]:
+                t = cm.best_time(info.length, info.pairs, d, c)[0]
+                if d * t >= work * 0.98:
+                    break  # less than 2 % less work is not worth a wider (more fragmenting) group
+                info.degree, info.ckpt, info.time, work = d, c, t, d * t
         total += info.degree * max(info.time - overhead, 0.0)
     per_rank = total / ctx.world
     longest = 0.0
-    for info in infos:
-        if info.time > per_rank * 0.5 or info.time > longest:
+    for info in sorted(infos, key=lambda x: -x.time):
+        if info.time <= max(per_rank, longest):
+            break  # its fastest time is at most its current time: cannot raise the bound
+        if not info.fits:
             _options(ctx, info, mode, info.degree)
-            best = min(cm.best_time(info.length, info.pairs, d, c)[0] for d, c in info.fits)
-            longest = max(longest, best)
+        fastest = info.time
+        for d, c in info.fits:
+            t = cm.best_time(info.length, info.pairs, d, c)[0]
+            fastest = min(fastest, t)
+        longest = max(longest, fastest)
     return per_rank, longest
 
 
-def _build(ctx: PlanContext, infos: list[_SeqInfo], mode: str, target: float, grain: float) -> list[Draft]:
+def _pack(ctx: PlanContext, infos: list[_SeqInfo], mode: str, limit: float) -> list[list]:
+    """Tasks as [seqs, tokens, pairs, min degree, min-degree time]: sequences whose time at their
+    minimal degree is at most ``limit`` are packed (next-fit, longest first) up to ``limit``."""
     cm = ctx.cm
-    by_degree: dict[int, list[tuple[_SeqInfo, int, int]]] = {}
+    tasks: list[list] = []
+    by_degree: dict[int, list[_SeqInfo]] = {}
     for info in infos:
-        degree, ckpt = info.degree, info.ckpt
-        if info.time > target:
-            if not info.fits:
-                _options(ctx, info, mode, info.degree)
-            best = None
-            for d, c in info.fits:
-                t = cm.best_time(info.length, info.pairs, d, c)[0]
-                if best is None or t < best[0]:
-                    best = (t, d, c)
-                if t <= target:
-                    best = (t, d, c)
-                    break
-            degree, ckpt = best[1], best[2]
-        by_degree.setdefault(degree, []).append((info, degree, ckpt))
-    limit = grain * target
-    tasks: list[tuple[int, float, list[int], int]] = []
+        if info.time > limit:
+            tasks.append([[info.i], padded(info.length, info.degree), info.pairs, info.degree, info.time])
+        else:
+            by_degree.setdefault(info.degree, []).append(info)
     for degree, items in by_degree.items():
-        items.sort(key=lambda x: (-x[0].length, x[0].i))
-        cap = cm.max_tokens(degree, 0) if mode == "min" else None
-        seqs: list[int] = []
-        tokens = pairs = 0.0
-        ckpt = 0
-        time = 0.0
-        for info, _, c in items:
-            new_tokens = tokens + padded(info.length, degree)
-            if seqs:
-                c_new = ctx.ckpt_for(int(new_tokens), degree, mode) if (cap is None or new_tokens > cap) else 0
-                if c_new is not None:
-                    t_new = cm.best_time(new_tokens, pairs + info.pairs, degree, c_new)[0]
-                    if t_new <= limit:
-                        seqs.append(info.i)
-                        tokens, pairs, ckpt, time = new_tokens, pairs + info.pairs, c_new, t_new
+        items.sort(key=lambda x: (-x.length, x.i))
+        cur: list = []
+        for info in items:
+            tokens = padded(info.length, degree)
+            if cur:
+                new_tokens, new_pairs = cur[1] + tokens, cur[2] + info.pairs
+                c = ctx.ckpt_for(new_tokens, degree, mode)
+                if c is not None:
+                    t = cm.best_time(new_tokens, new_pairs, degree, c)[0]
+                    if t <= limit:
+                        cur[0].append(info.i)
+                        cur[1], cur[2], cur[4] = new_tokens, new_pairs, t
                         continue
-                tasks.append((degree, time, seqs, ckpt))
-            seqs = [info.i]
-            tokens, pairs, ckpt = float(padded(info.length, degree)), info.pairs, c
-            time = cm.best_time(tokens, pairs, degree, ckpt)[0]
-        if seqs:
-            tasks.append((degree, time, seqs, ckpt))
-    tasks.sort(key=lambda t: (-t[0], -t[1], t[2][0]))
+                tasks.append(cur)
+            cur = [[info.i], tokens, info.pairs, degree, info.time]
+        if cur:
+            tasks.append(cur)
+    return tasks
+
+
+def _options_for(ctx: PlanContext, task: list, mode: str):
+    """(degree, ckpt, time) of a packed task for every vocabulary degree from its minimum on."""
+    seqs, tokens, pairs, d_min, t_min = task
+    lengths = ctx.lengths
+    raw = tokens if d_min == 1 else sum(lengths[s] for s in seqs)
+    for d in ctx.vocab.sizes:
+        if d < d_min:
+            continue
+        padded_tokens = raw if d == 1 else sum(padded(lengths[s], d) for s in seqs)
+        c = ctx.ckpt_for(padded_tokens, d, mode)
+        if c is None:
+            continue
+        t = t_min if d == d_min else ctx.cm.best_time(raw, pairs, d, c)[0]
+        yield d, c, t
+
+
+def _build(ctx: PlanContext, tasks: list[list], mode: str, target: float) -> list[Draft]:
+    """Moldable list scheduling, longest first: each task on the smallest degree whose earliest
+    finish meets ``target``, on the group of that size that frees first. Tasks that meet the target
+    nowhere wait until all others are placed (so short tasks fill the gaps first), then take the
+    degree with the earliest finish."""
     clock = BlockClock(ctx.vocab)
     drafts = []
-    for degree, time, seqs, ckpt in tasks:
-        d = ctx.draft(0, degree, seqs, ckpt)
-        d.start_rank, d.start = clock.place(degree, d.duration)
-        drafts.append(d)
+    deferred = []
+
+    def put(task: list, d: int, c: int, start_rank: int, at: float) -> None:
+        draft = ctx.draft(start_rank, d, task[0], c)
+        draft.start = at
+        clock.occupy(start_rank, d, at + draft.duration)
+        drafts.append(draft)
+
+    for task in sorted(tasks, key=lambda t: (-t[4], t[0][0])):
+        work = None
+        for d, c, t in _options_for(ctx, task, mode):
+            start_rank, at = clock.peek(d)
+            if at + t <= target:
+                put(task, d, c, start_rank, at)
+                break
+            if work is None:
+                work = d * t
+            elif d * t > MAX_WORK_GROWTH * work:
+                deferred.append(task)
+                break
+        else:
+            deferred.append(task)
+    for task in sorted(deferred, key=lambda t: (-t[4], t[0][0])):
+        best = None
+        work = None
+        for d, c, t in _options_for(ctx, task, mode):
+            if work is None:
+                work = d * t
+            elif d * t > MAX_WORK_GROWTH * work:
+                break  # wider groups would waste more than they save
+            start_rank, at = clock.peek(d)
+            if best is None or at + t < best[0]:
+                best = (at + t, d, c, start_rank, at)
+        put(task, *best[1:])
     drafts.sort(key=lambda d: (d.start, d.start_rank))
     return drafts
 
@@ -135,17 +210,20 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
         infos = [_SeqInfo(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
         per_rank, longest = _degree_choice(ctx, infos, mode)
         bound = max(per_rank, longest)
-        tried = set()
-        for factor, grain in ((1.0, 0.25), (1.0, 0.1), (0.7, 0.25), (1.0, 0.5)):
+        rpn = ctx.vocab.ranks_per_node
+        passes = [(rpn, 1.0, 0.02), (1, 1.0, 0.05), (1, 1.05, 0.05), (rpn, 1.0, 0.1), (1, 1.0, 0.2),
+                  (2, 1.0, 0.05)]
+        passes = [p for p in passes if p[0] in ctx.vocab.sizes]
+        size = len(ctx.active) * ctx.world
+        count = 2 if size > 2_000_000 else 4 if size > 10_000 else len(passes)
+        for floor, factor, grain in passes[:count]:
             target = max(bound * factor, longest)
-            key = (round(target, 12), grain)
-            if key in tried:
-                continue
-            tried.add(key)
-            drafts = _build(ctx, infos, mode, target, grain)
-            candidates.append((retime(drafts, ctx.world, barriers=False), f"dcp(M={factor},g={grain})", drafts))
-            if len(ctx.active) * ctx.world > 2_000_000:
-                break  # very large inputs: one pass keeps the planner within its latency budget
+            use = infos if floor == 1 else [_raised(ctx, info, mode, floor) for info in infos]
+            drafts = _build(ctx, _pack(ctx, use, mode, grain * target), mode, target)
+            makespan = retime(drafts, ctx.world, barriers=False)
+            candidates.append((makespan, f"dcp(floor={floor},M={factor},g={grain})", drafts))
+    if inter and len(ctx.active) * ctx.world > BASELINE_CANDIDATE_LIMIT:
+        baselines = {}  # large inputs: the planner's latency budget has no room for them
     for name, planner in (baselines or {}).items():
         drafts = planner(ctx)
         if intra:
@@ -153,5 +231,7 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
         makespan = retime(drafts, ctx.world, barriers=False if inter else "rounds")
         candidates.append((makespan, f"{name}+intra" if intra else name, drafts))
     candidates.sort(key=lambda c: c[0])
+    if DEBUG:
+        print([(round(c[0], 3), c[1]) for c in candidates], "bound", bound if inter else None)
     _, name, drafts = candidates[0]
     return drafts, name

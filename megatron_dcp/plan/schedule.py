@@ -6,7 +6,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from megatron_dcp.plan.cost import CostModel, Layout, PlanError
+from megatron_dcp.plan.cost import RESERVE_BYTES, CostModel, Layout, PlanError
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.plan.vocabulary import Vocabulary
 
@@ -50,6 +50,12 @@ class PlanContext:
     pairs: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        cm = self.cm
+        self._layers = cm.model.num_layers
+        # most local tokens per rank without / with full recompute (memory_of == budget)
+        free = cm.budget - cm.static_memory - RESERVE_BYTES
+        self._local0 = int(free // cm.token_bytes(0))
+        self._local_full = int(free // cm.token_bytes(self._layers))
         if not self.pairs:
             self.pairs = [self.cm.attn_pairs(n) for n in self.lengths]
 
@@ -59,13 +65,16 @@ class PlanContext:
 
     def ckpt_for(self, padded_tokens: int, degree: int, mode: str) -> Optional[int]:
         """Checkpoint depth of a task under ``mode`` (min, full, none); ``None``: it does not fit."""
-        cm = self.cm
-        n = cm.model.num_layers
+        local = -(-padded_tokens // degree)
         if mode == "none":
-            return 0 if cm.memory_of(padded_tokens, degree, 0) <= cm.budget else None
+            return 0 if local <= self._local0 else None
         if mode == "full":
-            return n if cm.memory_of(padded_tokens, degree, n) <= cm.budget else None
-        return cm.min_ckpt(padded_tokens, degree)
+            return self._layers if local <= self._local_full else None
+        if local <= self._local0:
+            return 0
+        if local > self._local_full:
+            return None
+        return self.cm.min_ckpt(padded_tokens, degree)
 
     def baseline_mode(self) -> str:
         """A baseline's checkpointing: full unless the config says none."""
@@ -126,8 +135,8 @@ class BlockClock:
         self.avail = [0.0] * vocab.world_size
         self.heaps: dict[int, list[tuple[float, int]]] = {}
 
-    def place(self, size: int, duration: float) -> tuple[int, float]:
-        """Put a task of ``size`` ranks on the block that frees first; returns (start rank, start)."""
+    def peek(self, size: int) -> tuple[int, float]:
+        """The group of ``size`` ranks that frees first: (start rank, time all its ranks are free)."""
         heap = self.heaps.get(size)
         if heap is None:
             heap = [(0.0, s) for s in self.vocab.starts(size)]
@@ -140,13 +149,23 @@ class BlockClock:
             key, start = heap[0]
             actual = max(avail[start:start + size]) if size > 1 else avail[start]
             if actual <= key:
-                break
+                return start, actual
             heapq.heapreplace(heap, (actual, start))
-        end = actual + duration
+
+    def occupy(self, start: int, size: int, end: float) -> None:
+        """Mark ranks ``[start, start + size)`` busy until ``end``."""
+        avail = self.avail
         for r in range(start, start + size):
             avail[r] = end
-        heapq.heapreplace(heap, (end, start))
-        return start, actual
+        heap = self.heaps[size]
+        if heap[0][1] == start:
+            heapq.heapreplace(heap, (end, start))
+
+    def place(self, size: int, duration: float) -> tuple[int, float]:
+        """Put a task of ``size`` ranks on the group that frees first; returns (start rank, start)."""
+        start, at = self.peek(size)
+        self.occupy(start, size, at + duration)
+        return start, at
 
 
 def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Sequence[int],
