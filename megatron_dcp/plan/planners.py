@@ -66,11 +66,13 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
 
 def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, config: DCPConfig,
               iteration: int = 0, hardware: "Hardware | str | None" = None, zero_stage: int = 1,
-              cost_model: Optional[CostModel] = None) -> Plan:
+              cost_model: Optional[CostModel] = None, baseline_degree: str = "tuned") -> Plan:
     """Plan one global batch with ``config.policy``; deterministic in its inputs.
 
     ``hardware``: a `Hardware` or preset/profile; default ``config.hardware``. ``zero_stage`` sets
     the static memory (ZeRO 0-3 over the DCP world). ``iteration`` is recorded in ``plan.meta``.
+    ``cost_model``: reuse one (must match the other arguments). ``baseline_degree``: ``tuned`` or
+    ``min`` fixed degree of the baselines (see `megatron_dcp.plan.baselines`).
     Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
     """
     t0 = time.perf_counter()
@@ -84,7 +86,9 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     cm = cost_model or build_cost_model(model, config, world_size, hardware, zero_stage)
     vocab = Vocabulary(world_size, cm.ranks_per_node, config.max_degree)
     ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab, ckpt_policy=config.checkpoint_policy,
-                      pack_tokens=config.pack_tokens)
+                      pack_tokens=config.pack_tokens, baseline_degree=baseline_degree)
+    if baseline_degree not in ("tuned", "min"):
+        raise PlanError(f"baseline_degree={baseline_degree!r}: must be tuned or min")
     skipped = _oversize(ctx, config.oversize_policy)
     skip = set(skipped)
     ctx.active = [i for i in range(len(clean)) if i not in skip]

@@ -47,6 +47,9 @@ class PlanContext:
     ckpt_policy: str
     """auto, none or full (from DCPConfig.checkpoint_policy)."""
     pack_tokens: Optional[int] = None
+    baseline_degree: str = "tuned"
+    """Fixed degree of the baselines: tuned (fastest power of two at which the longest sequence
+    fits) or min (the smallest such degree, the paper's literal bucket setting)."""
     pairs: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,229 @@
+#!/usr/bin/env python
+"""What-if and benchmark tool: plan one global batch with every policy and simulate each plan.
+
+Examples::
+
+    python tools/simulate.py --gpus 32 --gpus-per-node 8 --model llama-7b --hardware h200 \\
+        --dist short --global-batch-tokens 2097152 --policy all
+    python tools/simulate.py --gpus 32 --lengths batch.txt --json
+    python tools/simulate.py --gpus 32 --lengths data/corpus_text_document.idx --policy dcp,bucket
+    python tools/simulate.py --gpus 32 --dist long --save-plan dcp.json --plot timeline.png
+    python tools/simulate.py --plan other_scheduler.json --policy dcp,bucket
+
+``--json`` prints one object: ``{"lower_bound_s", "tokens", "policies": {NAME: {"step_time_s",
+"tokens_per_s", "efficiency", "imbalance", "plan_ms", "mfu", ...}}}``. Bad input: a one-line
+``error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_dcp.config import POLICIES, DCPConfig, DCPConfigError  # noqa: E402
+from megatron_dcp.plan import (PlanError, build_cost_model, load_model, lower_bound,  # noqa: E402
+                               make_plan, simulate, validate_plan)
+from megatron_dcp.plan.hardware import HardwareError  # noqa: E402
+from megatron_dcp.plan.plan import Plan  # noqa: E402
+from megatron_dcp.plan.presets import ModelPresetError  # noqa: E402
+from megatron_dcp.plan.workload import (DEFAULT_MAX_LEN, DISTRIBUTIONS, WorkloadError,  # noqa: E402
+                                        read_lengths_file, sample_lengths)
+
+ORDER = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=None, help="DCP world size (default 32, or the --plan's)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: hardware's)")
+    p.add_argument("--model", default="llama-7b", help="model preset or ModelShape JSON (default llama-7b)")
+    p.add_argument("--hardware", default="h200", help="hardware preset or profile JSON (default h200)")
+    p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default 1)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", help="file: one token count per line, or a Megatron .idx")
+    src.add_argument("--idx", help="a Megatron indexed dataset .idx (its sequence lengths)")
+    src.add_argument("--dist", choices=sorted(DISTRIBUTIONS), help="built-in length distribution")
+    src.add_argument("--plan", help="evaluate this plan JSON (docs/PLAN_FORMAT.md) beside the policies")
+    p.add_argument("--global-batch-tokens", type=int, default=None,
+                   help="tokens of the sampled global batch (default 65536 per GPU)")
+    p.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN, help="longest sampled sequence")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--policy", default="all", help="all, or a comma list of: " + ", ".join(ORDER))
+    p.add_argument("--memory-budget-gb", type=float, default=None, help="GiB per rank for the planner")
+    p.add_argument("--checkpoint-policy", default="auto", choices=("auto", "none", "full"))
+    p.add_argument("--oversize-policy", default="error", choices=("error", "truncate", "skip"))
+    p.add_argument("--max-degree", type=int, default=None, help="largest group size")
+    p.add_argument("--baseline-degree", default="tuned", choices=("tuned", "min"),
+                   help="baselines' fixed SP degree: tuned (fastest that fits) or min (smallest that fits)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", help="PNG: DCP plan timeline beside the bucket plan (needs matplotlib)")
+    p.add_argument("--save-plan", help="write the DCP plan (else the first policy's) as JSON")
+    return p.parse_args(argv)
+
+
+def load_workload(args: argparse.Namespace, world: int) -> list[int]:
+    if args.lengths:
+        return read_lengths_file(args.lengths)
+    if args.idx:
+        if not args.idx.endswith(".idx"):
+            raise WorkloadError(f"--idx {args.idx!r}: expected a .idx file")
+        return read_lengths_file(args.idx)
+    tokens = args.global_batch_tokens if args.global_batch_tokens is not None else 65536 * world
+    return sample_lengths(args.dist or "short", tokens, seed=args.seed, max_len=args.max_len)
+
+
+def policies_of(text: str) -> list[str]:
+    if text == "all":
+        return list(ORDER)
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in POLICIES]
+    if bad or not names:
+        raise DCPConfigError(f"--policy {text!r}: unknown {', '.join(bad) or 'empty'}; choose all or "
+                             f"from {', '.join(ORDER)}")
+    return names
+
+
+def run(args: argparse.Namespace) -> dict:
+    external = None
+    if args.plan:
+        try:
+            with open(args.plan) as handle:
+                external = Plan.from_json(handle.read())
+        except OSError as err:
+            raise WorkloadError(f"cannot read plan {args.plan!r}: {err.strerror or err}") from None
+        except (ValueError, KeyError, TypeError) as err:
+            raise PlanError(f"plan {args.plan!r} is not a valid plan JSON: {err}") from None
+        if args.gpus is not None and args.gpus != external.world_size:
+            raise PlanError(f"--gpus {args.gpus} differs from the plan's world_size {external.world_size}")
+    world = external.world_size if external else (args.gpus if args.gpus is not None else 32)
+    if world < 1:
+        raise PlanError(f"--gpus {world}: must be >= 1")
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise PlanError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1")
+    model = load_model(args.model)
+    lengths = list(external.lengths) if external else load_workload(args, world)
+    names = policies_of(args.policy)
+    base = DCPConfig(hardware=args.hardware, ranks_per_node=args.gpus_per_node,
+                     memory_budget_gb=args.memory_budget_gb, checkpoint_policy=args.checkpoint_policy,
+                     oversize_policy=args.oversize_policy, max_degree=args.max_degree)
+    cm = build_cost_model(model, base, world, zero_stage=args.zero_stage)
+    plans: dict[str, Plan] = {}
+    for name in names:
+        t0 = time.perf_counter()
+        plans[name] = make_plan(lengths, world_size=world, model=model, config=base.replace(policy=name),
+                                zero_stage=args.zero_stage, cost_model=cm,
+                                baseline_degree=args.baseline_degree)
+        plans[name].meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
+    if external is not None:
+        validate_plan(external, model, cost_model=cm, check_times=False)
+        plans["plan:" + os.path.basename(args.plan)] = external
+    first = next(iter(plans.values()))
+    ran = [first.lengths[s] for t in first.tasks for s in t.seqs]
+    bound = lower_bound(ran, cm, world_size=world, max_degree=args.max_degree,
+                        ckpt_policy=args.checkpoint_policy)
+    results = {}
+    for name, plan in plans.items():
+        results[name] = simulate(plan, cm, bound=bound)
+    ref = results.get("bucket")
+    out = {
+        "lower_bound_s": bound + cm.sync_time(), "tokens": sum(ran), "sequences": len(lengths),
+        "world_size": world, "ranks_per_node": cm.ranks_per_node, "model": model.name,
+        "hardware": cm.hw.name, "zero_stage": args.zero_stage, "sync_s": cm.sync_time(),
+        "vocabulary_groups": plans[names[0]].meta.get("vocabulary_groups"), "policies": {},
+    }
+    for name, r in results.items():
+        plan = plans[name]
+        out["policies"][name] = {
+            "step_time_s": r.step_time_s, "tokens_per_s": r.tokens_per_s, "efficiency": r.efficiency,
+            "imbalance": r.imbalance, "plan_ms": plan.meta.get("plan_ms", 0.0), "mfu": r.mfu,
+            "speedup_vs_bucket": (ref.step_time_s / r.step_time_s) if ref else None,
+            "comm_share": r.comm_share, "recompute_share": r.recompute_share, "tasks": r.num_tasks,
+            "skipped": len(plan.skipped), "candidate": plan.meta.get("candidate"), "digest": plan.digest(),
+        }
+    if args.save_plan:
+        chosen = plans.get("dcp") or first
+        with open(args.save_plan, "w") as handle:
+            handle.write(chosen.to_json(indent=1))
+    if args.plot:
+        shown = [(n, plans[n], results[n]) for n in ("dcp", "bucket") if n in plans] or \
+            [(n, p, results[n]) for n, p in list(plans.items())[:2]]
+        plot_plans(shown, args.plot, cm)
+    return out
+
+
+def plot_plans(shown: list, path: str, cm) -> None:
+    """Timelines side by side: one row per rank, tasks coloured by degree, recompute hatched."""
+    import matplotlib  # lazy: only --plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    degrees = sorted({t.degree for _, plan, _ in shown for t in plan.tasks})
+    cmap = plt.get_cmap("viridis", max(2, len(degrees)))
+    colour = {d: cmap(i) for i, d in enumerate(degrees)}
+    world = shown[0][1].world_size
+    fig, axes = plt.subplots(1, len(shown), figsize=(7 * len(shown), 1.5 + min(world, 128) * 0.12),
+                             sharey=True, squeeze=False)
+    for ax, (name, plan, result) in zip(axes[0], shown):
+        for task, start, duration in zip(plan.tasks, result.starts, result.durations):
+            hatch = "//" if task.ckpt_layers else None
+            for r in task.ranks:
+                ax.broken_barh([(start, duration)], (r - 0.4, 0.8), facecolors=colour[task.degree],
+                               edgecolor="white", linewidth=0.3, hatch=hatch)
+        ax.set_title(f"{name}: step {result.step_time_s:.2f} s, efficiency {result.efficiency:.2f}")
+        ax.set_xlabel("seconds")
+        ax.set_xlim(0, max(r.makespan_s for _, _, r in shown) * 1.02)
+    axes[0][0].set_ylabel("rank")
+    axes[0][0].invert_yaxis()
+    handles = [Patch(facecolor=colour[d], label=f"degree {d}") for d in degrees]
+    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="recompute"))
+    fig.legend(handles=handles, loc="upper right", fontsize="small")
+    fig.tight_layout(rect=(0, 0, 0.93, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(out: dict) -> None:
+    print(f"{out['sequences']} sequences, {out['tokens']} tokens on {out['world_size']} ranks "
+          f"({out['ranks_per_node']}/node), {out['model']} on {out['hardware']}, ZeRO {out['zero_stage']}; "
+          f"lower bound {out['lower_bound_s']:.3f} s (incl. {out['sync_s']:.3f} s gradient sync)")
+    head = f"{'policy':<14}{'step s':>9}{'tokens/s':>11}{'vs bucket':>10}{'effic.':>8}{'imbal.':>8}" \
+           f"{'MFU':>6}{'recomp':>8}{'comm':>6}{'tasks':>7}{'plan ms':>9}"
+    print(head)
+    print("-" * len(head))
+    for name, r in out["policies"].items():
+        speed = f"{r['speedup_vs_bucket']:.2f}x" if r["speedup_vs_bucket"] else "-"
+        print(f"{name:<14}{r['step_time_s']:>9.3f}{r['tokens_per_s']:>11.0f}{speed:>10}{r['efficiency']:>8.3f}"
+              f"{r['imbalance']:>8.3f}{r['mfu']:>6.2f}{r['recompute_share']:>8.2f}{r['comm_share']:>6.2f}"
+              f"{r['tasks']:>7}{r['plan_ms']:>9.1f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        out = run(args)
+    except (PlanError, WorkloadError, HardwareError, ModelPresetError, DCPConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ImportError as err:
+        print(f"error: --plot needs matplotlib ({err})", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print_table(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
