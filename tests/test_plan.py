@@ -1,0 +1,307 @@
+"""Planning layer: presets, hardware, workloads, cost model, vocabulary, planners, validation."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from megatron_dcp.config import DCPConfig
+from megatron_dcp.plan import (CostModel, Hardware, PlanError, build_cost_model, load_hardware,
+                               load_model, lower_bound, make_plan, simulate, validate_plan)
+from megatron_dcp.plan.hardware import HardwareError
+from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.plan.presets import ModelPresetError
+from megatron_dcp.plan.vocabulary import Vocabulary
+from megatron_dcp.plan.workload import (WorkloadError, read_idx_lengths, read_lengths_file,
+                                        sample_lengths, validate_lengths, video_lengths,
+                                        write_idx_lengths)
+
+LLAMA = load_model("llama-7b")
+POLICIES = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp")
+
+
+def plan_for(lengths, world=8, policy="dcp", model=LLAMA, **config):
+    return make_plan(lengths, world_size=world, model=model, config=DCPConfig(policy=policy, **config))
+
+
+def test_plan_imports_and_plans_without_torch():
+    code = (
+        "import sys\n"
+        "from megatron_dcp.plan import make_plan, load_model\n"
+        "from megatron_dcp.config import DCPConfig\n"
+        "p = make_plan([100, 5000, 70000], world_size=8, model=load_model('llama-7b'), config=DCPConfig())\n"
+        "assert p.tasks\n"
+        "assert 'torch' not in sys.modules, 'megatron_dcp.plan imported torch'\n"
+        "assert 'torch.distributed' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---------------------------------------------------------------------------- presets and hardware
+def test_model_presets():
+    assert (LLAMA.num_layers, LLAMA.hidden_size, LLAMA.num_heads, LLAMA.ffn_hidden_size,
+            LLAMA.vocab_size) == (32, 4096, 32, 11008, 32000)
+    assert load_model("llama-70b").kv_heads == 8
+    dit = load_model("video-dit")
+    assert dit.frame_tokens and not dit.causal
+    for name in ("gpt-1b", "llama-13b"):
+        assert load_model(name).name == name
+    with pytest.raises(ModelPresetError, match="unknown model 'llama-8b'"):
+        load_model("llama-8b")
+
+
+def test_model_json(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"base": "llama-7b", "num_layers": 4}))
+    assert load_model(str(path)).num_layers == 4
+    path.write_text(json.dumps({"num_layers": 2, "hidden_size": 64, "num_heads": 4,
+                                "ffn_hidden_size": 128, "vocab_size": 100, "num_kv_heads": 2}))
+    assert load_model(str(path)).kv_heads == 2
+    path.write_text(json.dumps({"num_layers": 2, "hidden": 64}))
+    with pytest.raises(ModelPresetError, match="unknown model shape key"):
+        load_model(str(path))
+
+
+def test_hardware_presets_and_profile(tmp_path):
+    for name in ("h200", "h100", "a100"):
+        hw = load_hardware(name)
+        assert hw.linear_flops < hw.peak_flops and hw.inter_bandwidth < hw.intra_bandwidth
+    with pytest.raises(HardwareError, match="unknown hardware 'b300'"):
+        load_hardware("b300")
+    path = tmp_path / "cpu.json"
+    path.write_text(json.dumps({"name": "cpu", "base": "a100", "linear_flops": 1e11,
+                                "attention_flops": 5e10, "task_overhead_s": 0.01}))
+    hw = load_hardware(str(path))
+    assert hw.linear_flops == 1e11 and hw.task_overhead_s == 0.01 and hw.hbm_bytes == 80e9
+    assert Hardware(**{k: v for k, v in hw.to_dict().items() if k != "format_version"}) == hw
+    path.write_text(json.dumps({"name": "x", "peak_flops": 1e12}))
+    with pytest.raises(HardwareError, match="missing field"):
+        load_hardware(str(path))
+    path.write_text(json.dumps({"base": "h100", "linear_flops": -1}))
+    with pytest.raises(HardwareError, match="linear_flops"):
+        load_hardware(str(path))
+    with pytest.raises(HardwareError, match="does not exist"):
+        load_hardware(str(tmp_path / "nope.json"))
+
+
+# ---------------------------------------------------------------------------- workloads
+def test_distributions_are_deterministic_and_exact():
+    for dist in ("short", "balanced", "long", "uniform"):
+        a = sample_lengths(dist, 500_000, seed=3)
+        assert a == sample_lengths(dist, 500_000, seed=3)
+        assert sum(a) == 500_000 and min(a) >= 1
+    short = sample_lengths("short", 2_000_000)
+    long = sample_lengths("long", 2_000_000)
+    assert sorted(short)[len(short) // 2] < 4096 < sorted(long)[len(long) // 2]
+    with pytest.raises(WorkloadError, match="unknown distribution"):
+        sample_lengths("zipf", 10)
+
+
+def test_lengths_validation(tmp_path):
+    assert validate_lengths([1, 2.0, 3]) == [1, 2, 3]
+    for bad, msg in (([], "empty"), ([3, 0], "sequence 1 has length 0"), ([2.5], "not an integer"),
+                     (["7"], "not an integer"), ([-4], "length -4")):
+        with pytest.raises(WorkloadError, match=msg):
+            validate_lengths(bad)
+    path = tmp_path / "l.txt"
+    path.write_text("# batch\n10\n\n20  # second\n")
+    assert read_lengths_file(str(path)) == [10, 20]
+    path.write_text("10\nabc\n")
+    with pytest.raises(WorkloadError, match=r"l.txt:2: 'abc'"):
+        read_lengths_file(str(path))
+    path.write_text("\n")
+    with pytest.raises(WorkloadError, match="empty"):
+        read_lengths_file(str(path))
+    assert video_lengths([(16, 32, 32), (1, 2, 3)]) == [16384, 6]
+    with pytest.raises(WorkloadError, match="video 0"):
+        video_lengths([(0, 2, 2)])
+
+
+def test_idx_reader(tmp_path):
+    path = str(tmp_path / "d.idx")
+    write_idx_lengths(path, [5, 17, 4096])
+    assert read_idx_lengths(path) == [5, 17, 4096]
+    assert read_lengths_file(path) == [5, 17, 4096]
+    with open(path, "r+b") as handle:
+        handle.write(b"NOTMAGIC!")
+    with pytest.raises(WorkloadError, match="bad magic"):
+        read_idx_lengths(path)
+
+
+# ---------------------------------------------------------------------------- cost model
+def test_cost_model_memory_and_time():
+    hw = load_hardware("h200")
+    cm = CostModel(LLAMA, hw, world_size=32, zero_stage=1)
+    statics = [CostModel(LLAMA, hw, world_size=32, zero_stage=z, memory_budget=1e15).static_memory
+               for z in range(4)]
+    assert statics == sorted(statics, reverse=True)
+    assert 6e9 < cm.params < 7e9
+    # more recompute: less memory, more time
+    assert cm.memory_of(50_000, 1, 32) < cm.memory_of(50_000, 1, 0)
+    assert cm.best_time(8000, cm.attn_pairs(8000), 1, 32)[0] > cm.best_time(8000, cm.attn_pairs(8000), 1, 0)[0]
+    # fewest recomputed layers that fit
+    for tokens in (1000, 60_000, 150_000):
+        c = cm.min_ckpt(tokens, 1)
+        if c is not None:
+            assert cm.memory_of(tokens, 1, c) <= cm.budget
+            if c > 0:
+                assert cm.memory_of(tokens, 1, c - 1) > cm.budget
+    # a long sequence gets faster with more ranks; attention is quadratic
+    n = 131072
+    times = [cm.best_time(n, cm.attn_pairs(n), d, cm.min_ckpt(n, d))[0] for d in (2, 4, 8)]
+    assert times == sorted(times, reverse=True)
+    assert cm.attn_pairs(2000) > 3.9 * cm.attn_pairs(1000)
+    # inter-node ring is slower than intra-node
+    from megatron_dcp.plan.cost import Layout
+    intra, inter = Layout(1, 8, True, True), Layout(1, 8, True, False)
+    assert cm.time_of(4096, cm.attn_pairs(4096), inter, 0) > cm.time_of(4096, cm.attn_pairs(4096), intra, 0)
+
+
+def test_budget_below_static_memory():
+    with pytest.raises(PlanError, match="below the static memory"):
+        plan_for([100], world=8, memory_budget_gb=10.0)
+
+
+def test_ulysses_layouts_respect_heads():
+    cm = build_cost_model(load_model("llama-70b"), DCPConfig(), 64, zero_stage=3)
+    assert all(lay.ulysses <= 8 and 8 % lay.ulysses == 0 for d in (3, 6, 16, 64) for lay in cm.layouts(d))
+    assert any(lay.ulysses == 1 and lay.ring == 3 for lay in cm.layouts(3))
+
+
+# ---------------------------------------------------------------------------- vocabulary
+def test_vocabulary():
+    v = Vocabulary(32, 8)
+    assert v.sizes == (1, 2, 3, 4, 6, 8, 16, 24, 32)
+    assert (0, 1, 2, 3) in v and (1, 2, 3, 4) not in v and tuple(range(8, 24)) not in v
+    assert len(v) == sum(1 for _ in v.groups())
+    big = Vocabulary(1024, 8)
+    assert len(big) < 3000 and big.max_groups_per_rank() < 25
+    assert Vocabulary(5, 8).sizes[-1] == 5
+
+
+# ---------------------------------------------------------------------------- planners
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_gives_a_valid_plan(policy):
+    lengths = sample_lengths("short", 8 * 40_000, seed=1)
+    plan = plan_for(lengths, world=16, policy=policy)
+    cm = build_cost_model(LLAMA, DCPConfig(), 16)
+    validate_plan(plan, LLAMA, cost_model=cm)
+    assert plan.policy == policy
+    assert plan.digest() == plan_for(lengths, world=16, policy=policy).digest()
+    again = Plan.from_json(plan.to_json())
+    assert again.digest() == plan.digest()
+    assert simulate(plan, cm).step_time_s > 0
+
+
+@pytest.mark.parametrize("dist", ["short", "balanced", "long"])
+def test_dcp_beats_baselines_and_is_near_the_bound(dist):
+    lengths = sample_lengths(dist, 32 * 65536, seed=0)
+    cm = build_cost_model(LLAMA, DCPConfig(), 32)
+    times = {p: simulate(plan_for(lengths, world=32, policy=p), cm).step_time_s for p in POLICIES}
+    assert all(times["dcp"] <= t * (1 + 1e-9) for t in times.values()), times
+    assert times["bucket"] / times["dcp"] > 1.3
+    eff = simulate(plan_for(lengths, world=32), cm).efficiency
+    assert eff >= 0.9, eff
+
+
+def test_dcp_uses_variable_degrees_and_per_rank_task_counts():
+    lengths = sample_lengths("short", 32 * 65536, seed=0)
+    plan = plan_for(lengths, world=32)
+    degrees = {t.degree for t in plan.tasks}
+    assert len(degrees) > 1 and max(degrees) > 1
+    counts = {len(plan.tasks_for_rank(r)) for r in range(32)}
+    assert len(counts) > 1
+    assert any(len(t.seqs) > 1 for t in plan.tasks)  # short sequences packed
+
+
+def test_checkpoint_depth_is_fewest_that_fit():
+    cm = build_cost_model(LLAMA, DCPConfig(), 8)
+    plan = plan_for([200_000, 1000], world=8, policy="dcp")
+    for t in plan.tasks:
+        tokens = sum(plan.lengths[s] for s in t.seqs)
+        assert t.ckpt_layers == 0 or cm.memory(replace(t, ckpt_layers=t.ckpt_layers - 1), plan.lengths) > cm.budget \
+            or cm.min_ckpt(tokens, t.degree) == t.ckpt_layers
+    full = plan_for([200_000, 1000], world=8, policy="dcp", checkpoint_policy="full")
+    assert all(t.ckpt_layers == LLAMA.num_layers for t in full.tasks)
+
+
+def test_oversize_policies():
+    with pytest.raises(PlanError) as err:
+        plan_for([1000, 3_000_000], world=2)
+    text = str(err.value)
+    assert "sequence 1 has 3000000 tokens" in text and "largest length that fits is" in text
+    largest = int(text.split("largest length that fits is ")[1].split()[0])
+    assert 0 < largest < 3_000_000
+    truncated = plan_for([1000, 3_000_000], world=2, oversize_policy="truncate")
+    assert truncated.lengths[1] == largest
+    validate_plan(truncated, LLAMA)
+    skipped = plan_for([1000, 3_000_000], world=2, oversize_policy="skip")
+    assert skipped.skipped == (1,) and all(1 not in t.seqs for t in skipped.tasks)
+    validate_plan(skipped, LLAMA)
+    assert plan_for([largest], world=2).tasks
+
+
+def test_bad_lengths_are_plan_errors():
+    for bad in ([], [0], [1.5], [10, -1]):
+        with pytest.raises(PlanError):
+            plan_for(bad)
+
+
+def test_video_dit_plan():
+    dit = load_model("video-dit")
+    lengths = video_lengths([(f, 32, 32) for f in (4, 16, 64, 128, 8, 8, 2)])
+    plan = plan_for(lengths, world=8, model=dit)
+    validate_plan(plan, dit)
+    cm = build_cost_model(dit, DCPConfig(), 8)
+    # bidirectional frame-local attention: cheaper than full causal over the same tokens
+    assert cm.attn_pairs(131072) < 131072 ** 2 / 2
+
+
+def test_gqa_plan_never_splits_kv_heads():
+    model = load_model("llama-70b")
+    lengths = sample_lengths("long", 64 * 40_000, seed=2)
+    plan = make_plan(lengths, world_size=64, model=model, config=DCPConfig(), zero_stage=3)
+    validate_plan(plan, model)
+    assert all(model.kv_heads % t.ulysses == 0 for t in plan.tasks)
+
+
+def test_lower_bound_below_every_plan():
+    lengths = sample_lengths("balanced", 16 * 65536, seed=5)
+    cm = build_cost_model(LLAMA, DCPConfig(), 16)
+    bound = lower_bound(lengths, cm)
+    for policy in POLICIES:
+        assert simulate(plan_for(lengths, world=16, policy=policy), cm).makespan_s >= bound * (1 - 1e-9)
+
+
+# ---------------------------------------------------------------------------- validation
+def _tiny_plan():
+    tasks = (Task(id=0, ranks=(0, 1), seqs=(0,), ulysses=2, ring=1, duration=1.0),
+             Task(id=1, ranks=(2, 3), seqs=(1, 2), ulysses=1, ring=2, duration=1.0),
+             Task(id=2, ranks=(0,), seqs=(3,), start=1.0, duration=1.0))
+    return Plan(tasks=tasks, lengths=(10, 20, 30, 40), world_size=4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda ts: ts[:2], r"sequence\(s\) \[3\] are in no task"),
+    (lambda ts: ts[:2] + (replace(ts[2], seqs=(0,)),), "sequence 0 is in task 0 and task 2"),
+    (lambda ts: ts[:2] + (replace(ts[2], start=0.5),), "rank 0 is in task 0 and task 2 at the same time"),
+    (lambda ts: (replace(ts[0], ring=2),) + ts[1:], "ulysses 2 x ring 2 != 2 ranks"),
+    (lambda ts: (replace(ts[0], ranks=(0, 9)),) + ts[1:], "outside the world"),
+    (lambda ts: (replace(ts[0], ranks=(0, 2, 1), ulysses=3),) + ts[1:], "does not divide the 32 heads"),
+    (lambda ts: ts[:2] + (replace(ts[2], id=1),), "task id 1 appears twice"),
+])
+def test_validate_plan_names_the_problem(change, message):
+    good = _tiny_plan()
+    validate_plan(good, LLAMA)
+    bad = Plan(tasks=change(good.tasks), lengths=good.lengths, world_size=4)
+    with pytest.raises(PlanError, match=message):
+        validate_plan(bad, LLAMA)
+
+
+def test_validate_plan_checks_memory():
+    cm = build_cost_model(LLAMA, DCPConfig(), 4)
+    plan = Plan(tasks=(Task(id=0, ranks=(0,), seqs=(0,)),), lengths=(400_000,), world_size=4)
+    with pytest.raises(PlanError, match="task 0 needs .* above the budget"):
+        validate_plan(plan, LLAMA, cost_model=cm)
