@@ -14,7 +14,7 @@ from test_attention import reference
 @pytest.mark.parametrize("ring", [2, 3])
 def test_blocks_merge_to_full_attention(monkeypatch, causal, ring):
     """Split keys into zigzag ring portions; merged forward and summed block grads are exact."""
-    monkeypatch.setattr(kernels, "QUERY_CHUNK", 3)  # many query chunks per sequence
+    monkeypatch.setattr(kernels, "SCORE_BLOCK", 1)  # 16-row query chunks
     lengths = (11, 4, 17)
     metas = [ShardLayout.build(lengths, 1, ring, j).meta() for j in range(ring)]
     qmeta = TokenMeta(*(torch.cat([getattr(m, f) for m in metas])

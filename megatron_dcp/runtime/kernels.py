@@ -36,8 +36,9 @@ import torch.nn.functional as F
 
 from megatron_dcp.runtime.layout import TokenMeta
 
-QUERY_CHUNK = 256
-"""Query rows per dense score block: bounds the exact kernels' memory to ``H x 256 x n``."""
+SCORE_BLOCK = 1 << 20
+"""Score elements per dense block of the exact kernels (query rows x keys x heads): bounds their
+memory and keeps every elementwise pass over the scores inside the CPU caches."""
 
 try:  # optional: never required, only used on CUDA for half precision
     from flash_attn import flash_attn_varlen_func as _flash_varlen
@@ -107,14 +108,15 @@ def _rows_by_seq(meta: TokenMeta) -> dict[int, torch.Tensor]:
     return dict(zip(ids.tolist(), torch.split(idx, counts.tolist())))
 
 
-def _pairs(q_meta: TokenMeta, k_meta: TokenMeta, causal: bool):
+def _pairs(q_meta: TokenMeta, k_meta: TokenMeta, causal: bool, heads: int):
     """(query rows, key rows) of every query chunk of every sequence present in both sets."""
     q_rows, k_rows = _rows_by_seq(q_meta), _rows_by_seq(k_meta)
     for s, qi in q_rows.items():
         ki = k_rows.get(s)
         if ki is None:
             continue
-        for qc in torch.split(qi, QUERY_CHUNK):
+        rows = max(16, SCORE_BLOCK // (heads * ki.numel()))
+        for qc in torch.split(qi, rows):
             kc = ki
             if causal:  # keys after the chunk's last query are invisible: skip them
                 kc = ki[k_meta.positions[ki] <= q_meta.positions[qc].max()]
@@ -156,7 +158,7 @@ def block_forward(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, causal: bool
     cdt = compute_dtype(q.dtype)
     tq, hq, dim = q.shape
     rows, outs, lses = [], [], []
-    for qc, kc in _pairs(q_meta, k_meta, causal):
+    for qc, kc in _pairs(q_meta, k_meta, causal, q.shape[1]):
         _, s = _scores(q, k, qc, kc, q_meta, k_meta, q_groups, k_groups, causal, scale, cdt)
         lse = torch.logsumexp(s, dim=-1)  # [Hkv, G, n]
         p = _probs(s, lse)
@@ -187,7 +189,7 @@ def block_backward(dout, q, k, v, out, lse, q_meta: TokenMeta, k_meta: TokenMeta
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
     dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
-    for qc, kc in _pairs(q_meta, k_meta, causal):
+    for qc, kc in _pairs(q_meta, k_meta, causal, q.shape[1]):
         qs, s = _scores(q, k, qc, kc, q_meta, k_meta, q_groups, k_groups, causal, scale, cdt)
         n = qc.numel()
         lse_c = lse[qc].to(cdt).transpose(0, 1).unflatten(0, (hkv, -1))  # [Hkv, G, n]
