@@ -141,7 +141,7 @@ def _launch_body(rank, world_size, cases):
 
 
 def bad_heads_case(rank, case, groups, errors):
-    """KV heads not divisible by the Ulysses degree: a clear error on every rank, no hang."""
+    """Bad heads or attention groups: a clear error on every rank before any collective."""
     ranks = case["ranks"]
     task = Task(id=5, ranks=tuple(ranks), seqs=(0,), ulysses=len(ranks), ring=1)
     g = ranks.index(rank)
@@ -157,6 +157,14 @@ def bad_heads_case(rank, case, groups, errors):
         msg = str(e)
         if "task 5" not in msg or "key/value heads (1)" not in msg:
             errors.append(f"rank {rank}: unclear error: {msg}")
+    kv = torch.randn(layout.num_tokens, 2, 8)
+    try:
+        with task_context(ctx):
+            dcp_attention(q, kv, kv, group_of_position=lambda pos: pos[:1])
+        errors.append(f"rank {rank}: no error for a bad group_of_position")
+    except ValueError as e:
+        if "group_of_position" not in str(e):
+            errors.append(f"rank {rank}: unclear error: {e}")
     ok = torch.ones(1)
     dist.all_reduce(ok, group=group)  # the group still works: nothing was half-sent
     if ok.item() != len(ranks):
@@ -170,6 +178,14 @@ def _check(results):
 
 F32 = torch.float32
 VIDEO_S, VIDEO_T = ("spatial", 4), ("temporal", 4)
+
+
+@pytest.mark.timeout(120)
+def test_world1_degree1():
+    cases = [{"name": "w1", "tasks": [{"ranks": [0]}]},
+             {"name": "w1-nc-video-f32", "tasks": [{"ranks": [0], "causal": False,
+                                                   "video": VIDEO_S, "dtype": F32}]}]
+    _check(run_distributed(_launch_body, 1, args=(cases,), timeout_s=110))
 
 
 @pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""Unit tests of `megatron_dcp.runtime.layout`: every token exactly once, positions follow tokens."""
+"""Unit tests of `megatron_dcp.runtime.layout`: each token once, positions follow."""
 
 import pytest
 import torch

@@ -87,20 +87,20 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     _check_shapes(q, k, v, f"task {ctx.task.id}")
     task, layout = ctx.task, ctx.layout
     u, r = task.ulysses, task.ring
+    # Metadata and attention groups first: a bad group_of_position fails before any collective.
+    metas = [layout.portion(j).to(q.device) for j in range(r)]
+    groups = [attention_groups(group_of_position, m) for m in metas]
     if u > 1:
         comm = UlyssesComm(ctx.ulysses_group if ctx.ulysses_group is not None else ctx.group,
                            task.ulysses_group(ctx.group_rank))
         q, k, v = SeqToHeadQKV.apply(comm, q, k, v)
     if r == 1:
-        meta = layout.portion().to(q.device)
-        out = local_attention(q, k, v, meta, causal=causal, softmax_scale=scale,
-                              groups=attention_groups(group_of_position, meta))
+        out = local_attention(q, k, v, metas[0], causal=causal, softmax_scale=scale,
+                              groups=groups[0])
     else:
         ring = RingComm(ctx.ring_group if ctx.ring_group is not None else ctx.group,
                         task.ring_group(ctx.group_rank), layout.ring_rank)
-        metas = [layout.portion(j).to(q.device) for j in range(r)]
-        out = ring_attention(q, k, v, ring, metas, causal=causal, scale=scale,
-                             group_of_position=group_of_position)
+        out = ring_attention(q, k, v, ring, metas, groups, causal=causal, scale=scale)
     if u > 1:
         out = HeadToSeq.apply(comm, out)
     return out

@@ -166,7 +166,7 @@ class ShardLayout:
         return tuple(padded_length(n, self.ulysses, self.ring) for n in self.seq_lengths)
 
     def meta(self) -> TokenMeta:
-        """Metadata of the local shard (positions, sequence ids, validity); one object per layout."""
+        """Metadata of the local shard (positions, sequence ids, validity), cached."""
         if "local" not in self._portions:
             self._portions["local"] = TokenMeta(self.position_ids, self.seq_ids, self.valid)
         return self._portions["local"]

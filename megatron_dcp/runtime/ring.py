@@ -14,13 +14,12 @@ task's, whatever order the process group keeps its ranks in.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.runtime.kernels import (attention_groups, block_backward, block_forward,
-                                          compute_dtype, merge_block)
+from megatron_dcp.runtime.kernels import block_backward, block_forward, compute_dtype, merge_block
 from megatron_dcp.runtime.layout import TokenMeta
 
 _TAG_KV, _TAG_DKV = 11, 12
@@ -37,7 +36,7 @@ class RingComm:
         self.prev = ring_ranks[(ring_rank - 1) % self.size]
 
     def shift(self, x: torch.Tensor, tag: int):
-        """Start sending ``x`` to the next rank and receiving a same-shaped tensor from the previous.
+        """Start sending ``x`` to the next rank and receiving its like from the previous.
 
         Returns ``(works, buffer)``; wait on every work before reading ``buffer``.
         """
@@ -56,10 +55,9 @@ class RingAttention(torch.autograd.Function):
     """Exact ring attention of this rank's queries over the K/V of the whole ring portion set."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: RingComm, metas: list, causal: bool, scale: float,
-                group_of_position: Optional[Callable]):
+    def forward(ctx, q, k, v, comm: RingComm, metas: list, groups: list, causal: bool,
+                scale: float):
         j, r, hkv = comm.rank, comm.size, k.shape[1]
-        groups = [attention_groups(group_of_position, m) for m in metas]
         kv = torch.cat([k, v], dim=1).contiguous()
         out = lse = None
         for step in range(r):
@@ -115,7 +113,13 @@ class RingAttention(torch.autograd.Function):
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None)
 
 
-def ring_attention(q, k, v, comm: RingComm, metas: list[TokenMeta], *, causal: bool,
-                   scale: float, group_of_position: Optional[Callable] = None) -> torch.Tensor:
-    """Ring attention over ``comm``; ``metas[j]`` describes the tokens of ring rank ``j``."""
-    return RingAttention.apply(q, k, v, comm, metas, causal, scale, group_of_position)
+def ring_attention(q, k, v, comm: RingComm, metas: list[TokenMeta],
+                   groups: Optional[list[Optional[torch.Tensor]]] = None, *, causal: bool,
+                   scale: float) -> torch.Tensor:
+    """Ring attention over ``comm``.
+
+    ``metas[j]`` describes the tokens of ring rank ``j``; ``groups[j]`` (optional) their
+    attention-group ids (`megatron_dcp.runtime.kernels.attention_groups`).
+    """
+    groups = groups if groups is not None else [None] * len(metas)
+    return RingAttention.apply(q, k, v, comm, metas, groups, causal, scale)
