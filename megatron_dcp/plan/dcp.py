@@ -88,9 +88,10 @@ def _degree_choice(ctx: PlanContext, infos: list[_SeqInfo], mode: str) -> tuple[
             work = info.degree * info.time
             for d, c in info.fits[1:]:
                 t = cm.best_time(info.length, info.pairs, d, c)[0]
-                if d * t >= work * 0.98:
-                    break  # less than 2 % less work is not worth a wider (more fragmenting) group
-                info.degree, info.ckpt, info.time, work = d, c, t, d * t
+                if d * t < work * 0.98:  # under 2 % less work is not worth a wider group
+                    info.degree, info.ckpt, info.time, work = d, c, t, d * t
+                if c == 0:
+                    break  # no recompute left to save: wider groups only add communication
         total += info.degree * max(info.time - overhead, 0.0)
     per_rank = total / ctx.world
     longest = 0.0
