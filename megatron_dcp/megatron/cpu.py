@@ -11,6 +11,8 @@ is named, version-checked (see ``_patching.SUPPORTED_MEGATRON_CORE``) and undone
   name in fusions/fused_softmax.py): built with ``device="cuda"``; here on the CPU.
 * ``get_pos_emb_on_this_cp_rank`` (rope_utils.py): ``pin_memory`` + ``.cuda()``; here the same
   index selection on the CPU (only reached with Megatron's own cp > 1).
+* ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (tensor_parallel/random.py, used by activation
+  recompute and the RNG tracker): on CPU the device generator is the CPU generator.
 * RNG tracker: `seed_rng` seeds Megatron's tracker the CPU-safe way (inference tracker, reset).
 """
 
@@ -52,6 +54,14 @@ def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> t
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
 
+def _get_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
 def enable_cpu() -> PatchSet:
     """Apply the CPU patches (idempotent). Raises on a GPU machine or an unchecked version."""
     global _ACTIVE
@@ -75,6 +85,10 @@ def enable_cpu() -> PatchSet:
                         _sliding_window_causal_mask, check=callable)
         patches.replace("megatron.core.models.common.embeddings.rope_utils",
                         "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank, check=callable)
+        patches.replace("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+                        _get_rng_state, check=callable)
+        patches.replace("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+                        _set_rng_state, check=callable)
     except Exception:
         patches.undo()
         raise
