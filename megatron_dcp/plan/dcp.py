@@ -29,6 +29,8 @@ from megatron_dcp.plan.schedule import BlockClock, Draft, PlanContext, lighten, 
 
 
 DEBUG = False
+OVERHEAD_TASKS = 2
+"""Packed tasks are allowed to grow to this many times the fixed per-task cost."""
 MAX_WORK_GROWTH = 1.3
 """A task is not widened past the degree where its work (ranks x time) grows by more than this."""
 BASELINE_CANDIDATE_LIMIT = 20_000
@@ -201,6 +203,33 @@ def _build(ctx: PlanContext, tasks: list[list], mode: str, target: float) -> lis
     return drafts
 
 
+def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]:
+    """Merge back-to-back tasks of the same group into one packed task where that is not slower
+    (scheduling fine-grained, then packing what landed together, saves the per-task cost without
+    losing balance). ``drafts`` must be in start order; returns them in the same order."""
+    last: list[Optional[int]] = [None] * ctx.world  # index into ``out`` of each rank's last task
+    out: list[Draft] = []
+    for d in drafts:
+        a, b = d.start_rank, d.start_rank + d.size
+        k = last[a]
+        prev = out[k] if k is not None else None
+        if prev is not None and prev.start_rank == a and prev.size == d.size and \
+                all(last[r] == k for r in range(a, b)):
+            seqs = prev.seqs + d.seqs
+            tokens = sum(padded(ctx.lengths[s], d.size) for s in seqs)
+            c = ctx.ckpt_for(tokens, d.size, mode)
+            if c is not None:
+                merged = ctx.draft(a, d.size, seqs, c)
+                if merged.duration <= prev.duration + d.duration:
+                    merged.start = prev.start
+                    out[k] = merged
+                    continue
+        out.append(d)
+        for r in range(a, b):
+            last[r] = len(out) - 1
+    return out
+
+
 def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
              baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None
              ) -> tuple[list[Draft], str]:
@@ -212,15 +241,17 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
         per_rank, longest = _degree_choice(ctx, infos, mode)
         bound = max(per_rank, longest)
         rpn = ctx.vocab.ranks_per_node
-        passes = [(rpn, 1.0, 0.02), (1, 1.0, 0.05), (1, 1.05, 0.05), (rpn, 1.0, 0.1), (1, 1.0, 0.2),
-                  (2, 1.0, 0.05)]
+        passes = [(rpn, 1.0, 0.02), (1, 1.0, 0.05), (1, 1.05, 0.05), (1, 1.03, 0.5), (rpn, 1.0, 0.1),
+                  (1, 1.0, 0.2), (2, 1.0, 0.05), (1, 1.03, 0.34)]
         passes = [p for p in passes if p[0] in ctx.vocab.sizes]
         size = len(ctx.active) * ctx.world
         count = 2 if size > 2_000_000 else 4 if size > 10_000 else len(passes)
         for floor, factor, grain in passes[:count]:
             target = max(bound * factor, longest)
             use = infos if floor == 1 else [_raised(ctx, info, mode, floor) for info in infos]
-            drafts = _build(ctx, _pack(ctx, use, mode, grain * target), mode, target)
+            # tasks of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
+            limit = max(grain * target, OVERHEAD_TASKS * ctx.cm.task_overhead)
+            drafts = _merge_runs(ctx, _build(ctx, _pack(ctx, use, mode, limit), mode, target), mode)
             makespan = retime(drafts, ctx.world, barriers=False)
             candidates.append((makespan, f"dcp(floor={floor},M={factor},g={grain})", drafts))
     if inter and len(ctx.active) * ctx.world > BASELINE_CANDIDATE_LIMIT:
