@@ -92,30 +92,30 @@ def test_model_names_position_beyond_max():
 
 def _timeout_body(rank: int, world_size: int) -> str:
     """Rank 1 never runs its share of a degree-2 task: rank 0's collective times out."""
+    import torch.distributed as dist
+
     from megatron_dcp.plan.plan import Plan
-    from megatron_dcp.runtime.executor import TaskError
+    import megatron_dcp.runtime.executor as ex
     from megatron_dcp.runtime.groups import GroupPool
 
     pool = GroupPool(timeout=timedelta(seconds=3))
     model = build_model("decoder")
-    plan = Plan.from_dict(plan_dict([task(5, [0, 1], [0, 1], ulysses=2)], (12, 8), 2))
+    # Ranks (1, 0): a group of its own with the pool's 3 s timeout (not the world group).
+    plan = Plan.from_dict(plan_dict([task(5, [1, 0], [0, 1], ulysses=2)], (12, 8), 2))
     pool.ensure(plan)
     if rank == 1:
-        time.sleep(8)  # stay alive so that rank 0 sees a timeout, not a closed connection
+        dist.barrier()  # wait (on the world group) until rank 0 has seen its timeout
         return "skipped"
     try:
-        from megatron_dcp.runtime.executor import run_plan
-
-        batch = make_batch(plan.lengths, 48)
         # Skip the digest check (its collective is on the world group): go straight to the task.
-        import megatron_dcp.runtime.executor as ex
-
         ex.check_plan = lambda *a, **k: plan.digest()
-        run_plan(plan, batch, rank, lambda i, p, l: model.loss(i, p, l), pool=pool,
-                 reduce_loss=False)
+        ex.run_plan(plan, make_batch(plan.lengths, 48), rank, lambda i, p, l: model.loss(i, p, l),
+                    pool=pool, reduce_loss=False)
         return "no error"
-    except TaskError as exc:
+    except ex.TaskError as exc:
         return str(exc)
+    finally:
+        dist.barrier()
 
 
 @pytest.mark.timeout(90)
@@ -126,5 +126,5 @@ def test_collective_timeout_names_rank_and_task():
     except DistributedError as exc:  # a poisoned gloo group may also abort at teardown
         pytest.fail(str(exc))
     msg = results[0]
-    assert msg.startswith("rank 0: task 5 (ranks (0, 1), ulysses 2 x ring 1"), msg
+    assert msg.startswith("rank 0: task 5 (ranks (1, 0), ulysses 2 x ring 1"), msg
     assert "timed out" in msg, msg

@@ -10,8 +10,10 @@ bounded vocabulary up front, which is what large jobs should do: every NCCL comm
 creation time and device memory, and ``len(pool)`` / ``pool.report()`` say how many exist.
 
 Ranks here are DCP-world ranks (``0 .. world_size - 1``, what plans use). When the DCP world is
-a subset of the job (tensor or pipeline parallelism), pass ``world_ranks`` (the global rank of
-each DCP rank); groups are then created with local synchronisation, by their members only.
+a subset of the job (tensor or pipeline parallelism), pass ``all_worlds``: the global ranks of
+every DCP world of the job. Every job rank then creates each group for every world, in the same
+order (torch names a group by the count of groups a process belongs to, so creating groups with
+local synchronisation only among members breaks once members have different histories).
 The backend is the default process group's (gloo on CPU, NCCL on CUDA) unless given.
 """
 
@@ -57,31 +59,49 @@ class GroupPool:
     """Process groups of one DCP world, keyed by DCP-rank tuples in group order."""
 
     def __init__(self, world_ranks: Optional[Sequence[int]] = None, *,
+                 all_worlds: Optional[Sequence[Sequence[int]]] = None,
                  timeout: timedelta = DEFAULT_GROUP_TIMEOUT, backend: Optional[str] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GroupPool needs torch.distributed to be initialised "
                                "(call dist.init_process_group first)")
-        job_world = dist.get_world_size()
-        self.world_ranks = tuple(world_ranks) if world_ranks is not None else tuple(range(job_world))
-        if len(set(self.world_ranks)) != len(self.world_ranks) or \
-                any(not 0 <= r < job_world for r in self.world_ranks):
-            raise ValueError(f"world_ranks {self.world_ranks} must be distinct global ranks "
-                             f"in 0..{job_world - 1}")
-        global_rank = dist.get_rank()
-        if global_rank not in self.world_ranks:
-            raise ValueError(f"global rank {global_rank} is not in this DCP world {self.world_ranks}")
-        self.rank = self.world_ranks.index(global_rank)
+        job_world, global_rank = dist.get_world_size(), dist.get_rank()
+        if all_worlds is None:
+            world = tuple(world_ranks) if world_ranks is not None else tuple(range(job_world))
+            if sorted(world) != list(range(job_world)):
+                raise ValueError(
+                    f"GroupPool: the DCP world {world} is a subset of the job's {job_world} "
+                    "ranks; pass all_worlds=[...] (every DCP world of the job, e.g. one per "
+                    "tensor-parallel rank): process groups are created by all ranks together")
+            worlds = [world]
+        else:
+            worlds = [tuple(int(r) for r in w) for w in all_worlds]
+            flat = sorted(r for w in worlds for r in w)
+            if flat != list(range(job_world)) or len({len(w) for w in worlds}) != 1:
+                raise ValueError(f"GroupPool: all_worlds {worlds} must split the job's "
+                                 f"{job_world} ranks into disjoint DCP worlds of equal size")
+            mine = [w for w in worlds if global_rank in w]
+            if world_ranks is not None and tuple(world_ranks) != mine[0]:
+                raise ValueError(f"GroupPool: world_ranks {tuple(world_ranks)} is not the DCP "
+                                 f"world of rank {global_rank} in all_worlds ({mine[0]})")
+            world = mine[0]
+        self.world_ranks = world
+        """Global rank of every DCP rank of this process's DCP world."""
+        self.all_worlds = worlds
+        self.rank = world.index(global_rank)
         """This process's rank in the DCP world (the rank plans use)."""
         self.timeout = timeout
         self.backend = backend
-        self._whole_job = self.world_ranks == tuple(range(job_world))
         self._groups: dict[tuple[int, ...], Any] = {}
         self.creation_s = 0.0
         """Seconds spent creating groups so far."""
-        if self._whole_job and backend is None:
+        everyone = tuple(range(len(world)))
+        if len(worlds) == 1 and world == tuple(range(job_world)) and backend is None:
             self.world_group = dist.group.WORLD
         else:
-            self.world_group = self._new_group(tuple(range(len(self.world_ranks))))
+            self.world_group = self._new_group(everyone)
+        if len(everyone) > 1:
+            # A task over the whole DCP world in rank order reuses this group.
+            self._groups[everyone] = self.world_group
 
     @property
     def world_size(self) -> int:
@@ -95,34 +115,53 @@ class GroupPool:
         return tuple(ranks) in self._groups
 
     def _new_group(self, ranks: tuple[int, ...]) -> Any:
-        global_ranks = [self.world_ranks[r] for r in ranks]
+        """Create the group ``ranks`` of every DCP world (all job ranks call, same order);
+        return this world's."""
         kwargs: dict[str, Any] = dict(timeout=self.timeout, backend=self.backend)
         if _HAS_SORT_RANKS:
             kwargs["sort_ranks"] = False
-        elif list(global_ranks) != sorted(global_ranks):
-            raise ValueError(f"group {ranks}: ranks not in increasing order need torch >= 2.6 "
-                             "(new_group(sort_ranks=False)); this torch sorts them")
-        if not self._whole_job:
-            # Only members call: other DCP worlds of the job create their own groups meanwhile.
-            if self.world_ranks[self.rank] not in global_ranks:
-                return None
-            kwargs["use_local_synchronization"] = True
-        return dist.new_group(global_ranks, **kwargs)
+        mine = None
+        for world in self.all_worlds:
+            global_ranks = [world[r] for r in ranks]
+            if not _HAS_SORT_RANKS and global_ranks != sorted(global_ranks):
+                raise ValueError(f"group {ranks}: ranks not in increasing order need torch >= "
+                                 "2.6 (new_group(sort_ranks=False)); this torch sorts them")
+            group = dist.new_group(global_ranks, **kwargs)
+            if world == self.world_ranks:
+                mine = group
+        return mine
 
     def ensure_groups(self, groups: Iterable[Sequence[int]]) -> int:
-        """Create any of ``groups`` not in the pool; collective over the DCP world. Returns the
-        number created. Every rank must pass the same groups (any order)."""
+        """Create any of ``groups`` not in the pool; collective over the job. Returns the number
+        created. With one DCP world every rank must pass the same groups (any order); with
+        several, the union of what the worlds lack is created (one small extra collective)."""
         wanted = {tuple(int(r) for r in g) for g in groups}
-        missing = sorted((g for g in wanted if len(g) > 1 and g not in self._groups),
-                         key=lambda r: (len(r), r))
-        t0 = time.perf_counter()
-        for ranks in missing:
+        for ranks in wanted:
             if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.world_size for r in ranks):
                 raise ValueError(f"group {ranks}: ranks must be distinct DCP ranks in "
                                  f"0..{self.world_size - 1}")
+        missing = {g for g in wanted if len(g) > 1 and g not in self._groups}
+        if len(self.all_worlds) > 1:
+            missing = self._union_over_worlds(missing)
+        t0 = time.perf_counter()
+        for ranks in sorted(missing, key=lambda r: (len(r), r)):
             self._groups[ranks] = self._new_group(ranks)
         self.creation_s += time.perf_counter() - t0
         return len(missing)
+
+    def _union_over_worlds(self, missing: set) -> set:
+        """Groups some DCP world lacks (all worlds must create every group together)."""
+        import torch
+
+        count = torch.tensor([len(missing)], dtype=torch.int64)
+        if dist.get_backend() == "nccl":
+            count = count.cuda()
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        if int(count.item()) == 0:
+            return set()
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(missing))
+        return {tuple(g) for part in gathered for g in part if tuple(g) not in self._groups}
 
     def ensure(self, plan: Plan) -> int:
         """Create the groups ``plan`` needs that the pool lacks (collective; same order on every
