@@ -127,12 +127,15 @@ def run(args: argparse.Namespace) -> dict:
     ran = [first.lengths[s] for t in first.tasks for s in t.seqs]
     bound = lower_bound(ran, cm, world_size=world, max_degree=args.max_degree,
                         ckpt_policy=args.checkpoint_policy)
+    mold = lower_bound(ran, cm, world_size=world, max_degree=args.max_degree,
+                       ckpt_policy=args.checkpoint_policy, moldable=True)
     results = {}
     for name, plan in plans.items():
-        results[name] = simulate(plan, cm, bound=bound)
+        results[name] = simulate(plan, cm, bound=bound, moldable_bound=mold)
     ref = results.get("bucket")
     out = {
-        "lower_bound_s": bound + cm.sync_time(), "tokens": sum(ran), "sequences": len(lengths),
+        "lower_bound_s": bound + cm.sync_time(), "moldable_lower_bound_s": mold + cm.sync_time(),
+        "tokens": sum(ran), "sequences": len(lengths),
         "world_size": world, "ranks_per_node": cm.ranks_per_node, "model": model.name,
         "hardware": cm.hw.name, "zero_stage": args.zero_stage, "sync_s": cm.sync_time(),
         "vocabulary_groups": plans[names[0]].meta.get("vocabulary_groups"), "policies": {},
@@ -143,6 +146,7 @@ def run(args: argparse.Namespace) -> dict:
             "step_time_s": r.step_time_s, "tokens_per_s": r.tokens_per_s, "efficiency": r.efficiency,
             "imbalance": r.imbalance, "plan_ms": plan.meta.get("plan_ms", 0.0), "mfu": r.mfu,
             "speedup_vs_bucket": (ref.step_time_s / r.step_time_s) if ref else None,
+            "moldable_efficiency": r.moldable_efficiency,
             "comm_share": r.comm_share, "recompute_share": r.recompute_share, "tasks": r.num_tasks,
             "skipped": len(plan.skipped), "candidate": plan.meta.get("candidate"), "digest": plan.digest(),
         }
@@ -193,14 +197,16 @@ def plot_plans(shown: list, path: str, cm) -> None:
 def print_table(out: dict) -> None:
     print(f"{out['sequences']} sequences, {out['tokens']} tokens on {out['world_size']} ranks "
           f"({out['ranks_per_node']}/node), {out['model']} on {out['hardware']}, ZeRO {out['zero_stage']}; "
-          f"lower bound {out['lower_bound_s']:.3f} s (incl. {out['sync_s']:.3f} s gradient sync)")
-    head = f"{'policy':<14}{'step s':>9}{'tokens/s':>11}{'vs bucket':>10}{'effic.':>8}{'imbal.':>8}" \
+          f"lower bound {out['lower_bound_s']:.3f} s (moldable {out['moldable_lower_bound_s']:.3f} s; both "
+          f"incl. {out['sync_s']:.3f} s gradient sync)")
+    head = f"{'policy':<14}{'step s':>9}{'tokens/s':>11}{'vs bucket':>10}{'effic.':>8}{'(mold.)':>8}{'imbal.':>8}" \
            f"{'MFU':>6}{'recomp':>8}{'comm':>6}{'tasks':>7}{'plan ms':>9}"
     print(head)
     print("-" * len(head))
     for name, r in out["policies"].items():
         speed = f"{r['speedup_vs_bucket']:.2f}x" if r["speedup_vs_bucket"] else "-"
         print(f"{name:<14}{r['step_time_s']:>9.3f}{r['tokens_per_s']:>11.0f}{speed:>10}{r['efficiency']:>8.3f}"
+              f"{r['moldable_efficiency']:>8.3f}"
               f"{r['imbalance']:>8.3f}{r['mfu']:>6.2f}{r['recompute_share']:>8.2f}{r['comm_share']:>6.2f}"
               f"{r['tasks']:>7}{r['plan_ms']:>9.1f}")
 

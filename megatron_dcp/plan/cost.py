@@ -226,6 +226,32 @@ class CostModel:
             other += calls * (local * self._a2a_bytes * (u - 1) / u / bw + 4 * lat)
         return linear + attn + other
 
+    def marginal_time(self, tokens: float, pairs: float, layout: Layout, ckpt: int,
+                      hidden: float = 1.0) -> float:
+        """The part of ``time_of`` that grows with the task's sequences (GEMM FLOPs, attention,
+        element-wise work, all-to-all volume), without per-task costs (launches, weight streaming,
+        latencies). Ring tasks count ``hidden x attention + (1 - hidden) x ring traffic`` (their
+        time has ``max(attention, traffic)``, which any fixed mix stays below). For one ``hidden``,
+        the sum over a task's sequences never exceeds the task's time: valid lower bounds."""
+        n = self.model.num_layers
+        d = layout.ulysses * layout.ring
+        rc = ckpt / n
+        passes = 3.0 + rc
+        local = tokens / d
+        t = local * (n * self._lin_layer * passes + self._lin_head)
+        attn = pairs / d * n * self._attn_layer * (3.5 + rc)
+        if layout.ring > 1 and hidden < 1.0:
+            bw = self.hw.intra_bandwidth if layout.ring_intra else self.hw.inter_bandwidth
+            ring = (layout.ring - 1) * n * passes * local * self._ring_bytes / bw
+            attn = hidden * attn + (1.0 - hidden) * ring
+        t += attn
+        t += local * n * self._token_layer * passes / 3.0
+        if layout.ulysses > 1:
+            bw = self.hw.intra_bandwidth if layout.ulysses_intra else self.hw.inter_bandwidth
+            u = layout.ulysses
+            t += n * (2.0 + rc) * local * self._a2a_bytes * (u - 1) / u / bw
+        return t
+
     def best_time(self, tokens: float, pairs: float, degree: int, ckpt: int) -> tuple[float, Layout]:
         """Fastest allowed layout of an aligned group of ``degree`` ranks.
 

@@ -242,7 +242,8 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
         bound = max(per_rank, longest)
         rpn = ctx.vocab.ranks_per_node
         passes = [(rpn, 1.0, 0.02), (1, 1.0, 0.05), (1, 1.05, 0.05), (1, 1.03, 0.5), (rpn, 1.0, 0.1),
-                  (1, 1.0, 0.2), (2, 1.0, 0.05), (1, 1.03, 0.34)]
+                  (1, 1.0, 0.2), (2, 1.0, 0.05), (1, 1.03, 0.34), (1, 1.2, 0.05), (2, 1.2, 0.05),
+                  (4, 1.3, 0.05), (1, 1.3, 0.05)]
         passes = [p for p in passes if p[0] in ctx.vocab.sizes]
         size = len(ctx.active) * ctx.world
         count = 2 if size > 2_000_000 else 4 if size > 10_000 else len(passes)

@@ -8,6 +8,7 @@ ends with one gradient reduction and optimizer step (``sync_s``, the same for ev
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
@@ -33,6 +34,9 @@ class SimResult:
     comm_share: float
     recompute_share: float
     mfu: float
+    moldable_lower_bound_s: float = 0.0
+    """Tighter bound (`lower_bound` with ``moldable=True``) + sync."""
+    moldable_efficiency: float = 0.0
     busy_s: list[float] = field(default_factory=list)
     idle_s: list[float] = field(default_factory=list)
     num_tasks: int = 0
@@ -48,9 +52,23 @@ class SimResult:
 
 
 def lower_bound(lengths: Sequence[int], cm: CostModel, *, world_size: Optional[int] = None,
-                max_degree: Optional[int] = None, ckpt_policy: str = "auto") -> float:
-    """``max(longest sequence at its fastest degree, total minimal work / ranks)`` (seconds, without
-    the step's ``sync_time``). Work excludes the per-task overhead that packing can share."""
+                max_degree: Optional[int] = None, ckpt_policy: str = "auto", moldable: bool = False) -> float:
+    """The larger of `_bound` with ring traffic fully hidden and half hidden (both valid)."""
+    return max(_bound(lengths, cm, world_size, max_degree, ckpt_policy, moldable, hidden)
+               for hidden in (1.0, 0.5))
+
+
+def _bound(lengths: Sequence[int], cm: CostModel, world_size: Optional[int], max_degree: Optional[int],
+           ckpt_policy: str, moldable: bool, hidden: float) -> float:
+    """Seconds (without the step's ``sync_time``) that no plan over the vocabulary's group sizes
+    can beat: ``max(longest sequence at its fastest degree, total minimal work / ranks)``, work =
+    ranks x `CostModel.marginal_time` at the least-work degree (per-task costs can be shared by
+    packing, so they are left out).
+
+    ``moldable=True`` tightens it: a step of length T must run every sequence at a degree where it
+    takes at most T, so its work is the least among those degrees; the bound is the smallest T with
+    total work / ranks <= T (a sequence that must be spread for time costs extra work).
+    """
     world = world_size or cm.world_size
     vocab = Vocabulary(world, cm.ranks_per_node, max_degree)
     n_layers = cm.model.num_layers
@@ -62,41 +80,65 @@ def lower_bound(lengths: Sequence[int], cm: CostModel, *, world_size: Optional[i
             return n_layers if cm.memory_of(tokens, d, n_layers) <= cm.budget else None
         return cm.min_ckpt(tokens, d)
 
-    overhead = cm.task_overhead
-    work = 0.0
-    first: list[tuple[int, int, float, int, int]] = []
-    for n in lengths:
-        pairs = cm.attn_pairs(n)
-        best = None
+    def options(n: int, pairs: float, stop_at_no_recompute: bool):
+        """(time, work) per fitting degree, exact best layout."""
         for d in vocab.sizes:
             c = ckpt(padded(n, d), d)
             if c is None:
                 continue
-            w = d * max(cm.best_time(n, pairs, d, c)[0] - overhead, 0.0)
-            if best is not None and w >= best[0]:
-                break
-            best = (w, d, c)
+            yield d, min(cm.time_of(n, pairs, lay, c) for lay in cm.layouts(d)), \
+                d * min(cm.marginal_time(n, pairs, lay, c, hidden) for lay in cm.layouts(d))
+            if stop_at_no_recompute and c == 0:
+                return  # wider groups only add communication work
+
+    work = 0.0
+    seqs: list[tuple[int, float, float, float]] = []  # length, pairs, min work, time at it
+    for n in lengths:
+        pairs = cm.attn_pairs(n)
+        best = None
+        for d, t, w in options(n, pairs, True):
+            if best is None or w < best[0]:
+                best = (w, t)
         if best is None:
             continue
         work += best[0]
-        first.append((n, best[1], pairs, best[0], best[2]))
+        seqs.append((n, pairs, best[0], best[1]))
     per_rank = work / world
     longest = 0.0
-    for n, d0, pairs, w, c0 in first:
-        if w / d0 + overhead <= max(per_rank, longest):
-            continue  # its fastest time is at most its time at d0: cannot raise the bound
-        fastest = w / d0 + overhead
-        for d in vocab.sizes:
-            c = ckpt(padded(n, d), d)
-            if c is not None:
-                fastest = min(fastest, cm.best_time(n, pairs, d, c)[0])
-        longest = max(longest, fastest)
-    return max(per_rank, longest)
+    for n, pairs, w, t in sorted(seqs, key=lambda x: -x[3]):
+        if t <= max(per_rank, longest):
+            break  # its fastest time is at most t: cannot raise the bound
+        longest = max(longest, min(t for _, t, _ in options(n, pairs, False)))
+    bound = max(per_rank, longest)
+    if not moldable:
+        return bound
+    # sequences whose least-work time exceeds the bound trade work for time
+    frontier, fixed = [], work
+    for n, pairs, w, t in seqs:
+        if t > bound:
+            fixed -= w
+            frontier.append(sorted((t_d, w_d) for _, t_d, w_d in options(n, pairs, False)))
+
+    def feasible(limit: float) -> bool:
+        total = fixed
+        for opts in frontier:
+            total += min((w_d for t_d, w_d in opts if t_d <= limit), default=math.inf)
+        return total <= world * limit
+
+    low, high = bound, max([bound] + [opts[-1][0] for opts in frontier] + [o[0] for f in frontier for o in f])
+    if not frontier or feasible(low):
+        return low
+    for _ in range(60):
+        mid = 0.5 * (low + high)
+        low, high = (low, mid) if feasible(mid) else (mid, high)
+    return low
 
 
-def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None, max_degree: Optional[int] = None,
+def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
+             moldable_bound: Optional[float] = None, max_degree: Optional[int] = None,
              ckpt_policy: str = "auto") -> SimResult:
-    """Simulate ``plan`` (see module doc); ``bound``: a precomputed `lower_bound`."""
+    """Simulate ``plan`` (see module doc); ``bound`` / ``moldable_bound``: precomputed
+    `lower_bound` values without sync (computed from the plan's sequences when not given)."""
     world = plan.world_size
     avail = [0.0] * world
     busy = [0.0] * world
@@ -121,9 +163,12 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None, max_de
     tokens = sum(plan.lengths[s] for s in seqs)
     sync = cm.sync_time()
     step = end_max + sync
+    ran = [plan.lengths[s] for s in seqs]
     if bound is None:
-        bound = lower_bound([plan.lengths[s] for s in seqs], cm, world_size=world, max_degree=max_degree,
-                            ckpt_policy=ckpt_policy)
+        bound = lower_bound(ran, cm, world_size=world, max_degree=max_degree, ckpt_policy=ckpt_policy)
+    if moldable_bound is None:
+        moldable_bound = lower_bound(ran, cm, world_size=world, max_degree=max_degree,
+                                     ckpt_policy=ckpt_policy, moldable=True)
     mean_busy = sum(busy) / world
     flops = cm.model_flops([plan.lengths[s] for s in seqs])
     return SimResult(
@@ -133,6 +178,8 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None, max_de
         imbalance=(max(busy) / mean_busy - 1.0) if mean_busy > 0 else 0.0,
         comm_share=comm / total if total else 0.0, recompute_share=recompute / total if total else 0.0,
         mfu=flops / (step * world * cm.hw.peak_flops) if step > 0 else 0.0,
+        moldable_lower_bound_s=moldable_bound + sync,
+        moldable_efficiency=(moldable_bound + sync) / step if step > 0 else 1.0,
         busy_s=busy, idle_s=[end_max - b for b in busy], num_tasks=len(plan.tasks),
         starts=starts, durations=durations,
     )
