@@ -1,24 +1,27 @@
-"""The DCP planner: DCP-inter (per-sequence degree, packing, heterogeneous groups, per-rank number of
-micro-steps) and DCP-intra (per-task checkpoint depth).
+"""The DCP planner: DCP-inter (per-sequence degree, heterogeneous groups running at once, short
+sequences packed, a different number of micro-steps per rank) and DCP-intra (per-task checkpoint
+depth: the fewest recomputed layers that fit; a wider group where that needs less work).
 
-Algorithm (one pass for a target makespan ``M`` and a packing grain ``g``; a few (M, g) pairs are
-tried and the shortest plan is kept):
+One *pass* of the planner, for a degree floor ``f``, a target makespan ``M`` and a packing grain
+``g``:
 
-1. Per sequence, the smallest vocabulary degree at which it fits memory (with the fewest recomputed
-   layers under DCP-intra, full recompute under DCP-inter alone).
-2. A sequence whose time at that degree exceeds ``M`` gets the smallest larger degree at which it
-   takes at most ``M`` (or its fastest degree): long sequences must not set the critical path.
-3. Within each degree, sequences are packed (next-fit, longest first) into tasks of at most
-   ``g x M`` predicted seconds and the memory budget: packing amortises the per-task cost of short
-   sequences, the grain keeps tasks small enough to balance.
-4. Tasks are placed largest degree first, longest first (LPT), each on the vocabulary group of its
-   size that frees first; its start is when all its ranks are free. Ranks end up with different
-   numbers of tasks; one gradient reduction ends the step.
+1. Degree per sequence: the smallest vocabulary size at which it fits memory, widened while that
+   cuts its work (ranks x time) by at least 2 % (less recompute), and at least ``f`` (uniform wide
+   groups fragment the ranks less when long sequences dominate).
+2. Packing: sequences faster than ``g x M`` at their degree are packed (next-fit, longest first)
+   into tasks of at most ``g x M`` seconds that fit memory.
+3. Moldable list scheduling, longest task first: each task takes the smallest degree at which its
+   earliest finish meets ``M``, on the vocabulary group of that size that frees first; tasks that
+   meet ``M`` nowhere wait until the others are placed (short tasks fill the gaps first), then take
+   the degree with the earliest finish (not wider than where work grows 30 %).
+4. Back-to-back tasks of the same group are merged into one packed task when that is not slower
+   (fine-grained balance, then the per-task cost paid once).
 
-``M`` starts at the lower bound ``max(longest sequence at its fastest degree, total work / ranks)``.
-Finally the baselines' plans, lightened by DCP-intra (fewest recomputed layers per task, barriers
-dropped, same order, which can only make them shorter), join the candidates, so DCP is never slower
-than a baseline under the cost model.
+``M`` starts at ``max(longest sequence at its fastest degree, total work / ranks)``. Up to twelve
+passes (fewer for large inputs, to stay within the latency budget) are tried and the shortest plan
+is kept. For inputs up to ``BASELINE_CANDIDATE_LIMIT`` sequences x ranks, the baselines' own plans,
+lightened by DCP-intra (fewest recomputed layers per task, barriers dropped, same order: never
+longer), are candidates too, so DCP is never slower than a baseline there by construction.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from typing import Callable, Optional
 from megatron_dcp.plan.schedule import BlockClock, Draft, PlanContext, lighten, padded, retime
 
 
-DEBUG = False
 OVERHEAD_TASKS = 2
 """Packed tasks are allowed to grow to this many times the fixed per-task cost."""
 MAX_WORK_GROWTH = 1.3
@@ -232,8 +234,9 @@ def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]
 
 def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
              baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None
-             ) -> tuple[list[Draft], str]:
-    """DCP drafts and the name of the candidate that won (``dcp`` or ``<baseline>+intra``)."""
+             ) -> tuple[list[Draft], str, dict[str, float]]:
+    """DCP drafts, the name of the candidate that won (``dcp(...)`` or ``<baseline>+intra``) and
+    every candidate's predicted makespan."""
     mode = ctx.dcp_mode() if intra else ctx.baseline_mode()
     candidates: list[tuple[float, str, list[Draft]]] = []
     if inter:
@@ -263,8 +266,6 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
             drafts = lighten(ctx, drafts)
         makespan = retime(drafts, ctx.world, barriers=False if inter else "rounds")
         candidates.append((makespan, f"{name}+intra" if intra else name, drafts))
-    candidates.sort(key=lambda c: c[0])
-    if DEBUG:
-        print([(round(c[0], 3), c[1]) for c in candidates], "bound", bound if inter else None)
+    candidates.sort(key=lambda c: c[0])  # stable: ties keep the pass order
     _, name, drafts = candidates[0]
-    return drafts, name
+    return drafts, name, {c[1]: round(c[0], 6) for c in candidates}

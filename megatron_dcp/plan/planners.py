@@ -69,6 +69,11 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
               cost_model: Optional[CostModel] = None, baseline_degree: str = "tuned") -> Plan:
     """Plan one global batch with ``config.policy``; deterministic in its inputs.
 
+    Policies: ``dcp`` (DCP-inter + DCP-intra, `megatron_dcp.plan.dcp`), ``dcp-inter`` (the same
+    passes with the baselines' checkpointing: every layer recomputed), ``dcp-intra`` (the bucket
+    plan, lockstep rounds kept, each task with the fewest recomputed layers that fit), and the
+    baselines ``bucket``, ``packed``, ``static``, ``greedy-cp`` (`megatron_dcp.plan.baselines`).
+
     ``hardware``: a `Hardware` or preset/profile; default ``config.hardware``. ``zero_stage`` sets
     the static memory (ZeRO 0-3 over the DCP world). ``iteration`` is recorded in ``plan.meta``.
     ``cost_model``: reuse one (must match the other arguments). ``baseline_degree``: ``tuned`` or
@@ -104,10 +109,11 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
         drafts = BASELINES[policy](ctx)
         retime(drafts, world_size, barriers=True)
     elif policy == "dcp-intra":
-        drafts, meta["candidate"] = plan_dcp(ctx, inter=False, intra=True, baselines={"bucket": plan_bucket})
+        drafts, meta["candidate"], meta["candidates"] = plan_dcp(ctx, inter=False, intra=True,
+                                                                 baselines={"bucket": plan_bucket})
     else:
-        drafts, meta["candidate"] = plan_dcp(ctx, inter=policy in ("dcp", "dcp-inter"),
-                                             intra=policy == "dcp", baselines=BASELINES)
+        drafts, meta["candidate"], meta["candidates"] = plan_dcp(
+            ctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=BASELINES)
     plan = to_plan(ctx, drafts, policy, skipped, meta)
     plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
     return plan
