@@ -100,9 +100,10 @@ def run_case_tasks(rank, case, groups, errors):
                           else None,
                           ring_group=groups.get(tuple(sorted(task.ring_group(g)))) if r > 1
                           else None)
-        with task_context(ctx):
+        backend = spec.get("backend", kernels.selected_backend())
+        with task_context(ctx), kernels.forced_backend(backend):
             out = dcp_attention(ql, kl, vl, causal=causal, group_of_position=gfn)
-        out.backward(local[3])
+            out.backward(local[3])
         tol = 1e-10 if dtype == torch.float64 else 1e-5
         keep, idx = layout.valid, layout.index[layout.valid]
         for label, got, want in (("out", out.detach(), ref.detach()), ("dq", ql.grad, ref_grads[0]),
@@ -217,6 +218,8 @@ def test_world3_ring():
         {"name": "ring3", "gather": True, "tasks": [{"ranks": [0, 1, 2], "ring": 3}]},
         {"name": "ring3-odd-order-nc", "tasks": [{"ranks": [2, 0, 1], "ring": 3,
                                                   "causal": False}]},
+        {"name": "ring3-exact-kernel", "tasks": [{"ranks": [0, 1, 2], "ring": 3,
+                                                  "backend": "torch"}]},
         {"name": "ring3-video", "tasks": [{"ranks": [0, 1, 2], "ring": 3, "video": VIDEO_T,
                                            "lengths": (40, 9)}]},
     ]
@@ -228,6 +231,8 @@ def test_world4_hybrid_and_degree4():
     cases = [
         {"name": "hybrid2x2", "gather": True,
          "tasks": [{"ranks": [0, 1, 2, 3], "ulysses": 2, "ring": 2}]},
+        {"name": "hybrid2x2-exact-kernel",
+         "tasks": [{"ranks": [0, 1, 2, 3], "ulysses": 2, "ring": 2, "backend": "torch"}]},
         {"name": "hybrid2x2-shuffled-nc",
          "tasks": [{"ranks": [3, 1, 0, 2], "ulysses": 2, "ring": 2, "causal": False}]},
         {"name": "hybrid2x2-video-f32",

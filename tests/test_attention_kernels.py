@@ -64,3 +64,47 @@ def test_float32_computes_lse_in_float32():
     q = torch.randn(7, 2, 4, dtype=torch.bfloat16)
     out, lse = kernels.block_forward(q, q, q, meta, meta, causal=True, scale=0.5)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
+
+
+def _ring_blocks(lengths, ulysses, ring, causal, backend, dtype=torch.float64):
+    """Merged out/lse and per-block grads of every ring rank, computed with ``backend``."""
+    lay = ShardLayout.build(lengths, ulysses, ring, 0)
+    metas = [lay.portion(j) for j in range(ring)]
+    gen = torch.Generator().manual_seed(1)
+    data = [[torch.randn(len(m), h, 8, generator=gen, dtype=dtype) for h in (4, 2, 2, 4)]
+            for m in metas]
+    results = []
+    with kernels.forced_backend(backend), torch.no_grad():
+        for j in range(ring):
+            q, dout = data[j][0], data[j][3]
+            out = lse = None
+            for src in range(ring):
+                o, l = kernels.block_forward(q, data[src][1], data[src][2], metas[j], metas[src],
+                                             causal=causal, scale=0.3)
+                out, lse = kernels.merge_block(out, lse, o, l)
+            grads = [kernels.block_backward(dout, q, data[src][1], data[src][2], out, lse,
+                                            metas[j], metas[src], causal=causal, scale=0.3)
+                     for src in range(ring)]
+            results.append((out, lse, grads))
+    return metas, results
+
+
+@pytest.mark.parametrize("lengths,ulysses,ring", [((13, 6, 21), 1, 2), ((40, 9), 1, 3),
+                                                  ((32, 11), 2, 2), ((5,), 1, 4)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_pairs_match_exact_blocks(lengths, ulysses, ring, causal):
+    """Zigzag blocks decompose into full/diagonal run pairs; the fused path equals the exact."""
+    metas, exact = _ring_blocks(lengths, ulysses, ring, causal, "torch")
+    for j in range(ring):
+        for src in range(ring):
+            assert kernels._pairs_mod.run_pairs(metas[j], metas[src], causal) is not None
+    if not kernels._pairs_mod.available(torch.device("cpu")):
+        pytest.skip("no fused CPU attention op in this torch")
+    _, fused = _ring_blocks(lengths, ulysses, ring, causal, "sdpa")
+    for (o1, l1, g1), (o2, l2, g2) in zip(exact, fused):
+        assert torch.allclose(o1, o2, atol=1e-12, rtol=0)
+        assert torch.equal(torch.isinf(l1), torch.isinf(l2))
+        assert torch.allclose(l1[~torch.isinf(l1)], l2[~torch.isinf(l2)], atol=1e-12, rtol=0)
+        for a, b in zip(g1, g2):
+            for x, y in zip(a, b):
+                assert torch.allclose(x, y, atol=1e-12, rtol=0)

@@ -34,6 +34,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_dcp.runtime import pairs as _pairs_mod
 from megatron_dcp.runtime.layout import TokenMeta
 
 SCORE_BLOCK = 1 << 20
@@ -108,7 +109,7 @@ def _rows_by_seq(meta: TokenMeta) -> dict[int, torch.Tensor]:
     return dict(zip(ids.tolist(), torch.split(idx, counts.tolist())))
 
 
-def _pairs(q_meta: TokenMeta, k_meta: TokenMeta, causal: bool, heads: int):
+def _chunks(q_meta: TokenMeta, k_meta: TokenMeta, causal: bool, heads: int):
     """(query rows, key rows) of every query chunk of every sequence present in both sets."""
     q_rows, k_rows = _rows_by_seq(q_meta), _rows_by_seq(k_meta)
     for s, qi in q_rows.items():
@@ -148,6 +149,14 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(s - safe[..., None])
 
 
+def _fused_pairs(q, q_meta, k_meta, causal, q_groups):
+    """Run pairs for the fused kernel when this process uses one and the block allows it."""
+    if (q_groups is not None or selected_backend() == "torch" or not _pairs_mod.available(q.device)
+            or q.dtype not in (torch.float32, torch.float64, torch.bfloat16)):
+        return None
+    return _pairs_mod.run_pairs(q_meta, k_meta, causal)
+
+
 def block_forward(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, causal: bool, scale: float,
                   q_groups=None, k_groups=None):
     """Exact attention of ``q`` against one K/V block: ``(out, lse)`` in the compute dtype.
@@ -156,9 +165,13 @@ def block_forward(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, causal: bool
     keeps only ``out`` and ``lse`` instead of every probability block.
     """
     cdt = compute_dtype(q.dtype)
+    if not torch.is_grad_enabled():  # the fused kernel has no autograd: only inside Functions
+        pairs = _fused_pairs(q, q_meta, k_meta, causal, q_groups)
+        if pairs is not None:
+            return _pairs_mod.pair_forward(q, k, v, pairs, scale, cdt)
     tq, hq, dim = q.shape
     rows, outs, lses = [], [], []
-    for qc, kc in _pairs(q_meta, k_meta, causal, q.shape[1]):
+    for qc, kc in _chunks(q_meta, k_meta, causal, q.shape[1]):
         _, s = _scores(q, k, qc, kc, q_meta, k_meta, q_groups, k_groups, causal, scale, cdt)
         lse = torch.logsumexp(s, dim=-1)  # [Hkv, G, n]
         p = _probs(s, lse)
@@ -183,13 +196,16 @@ def block_backward(dout, q, k, v, out, lse, q_meta: TokenMeta, k_meta: TokenMeta
     every block.
     """
     cdt = compute_dtype(q.dtype)
+    pairs = _fused_pairs(q, q_meta, k_meta, causal, q_groups)
+    if pairs is not None:
+        return _pairs_mod.pair_backward(dout, q, k, v, out, lse, pairs, scale, cdt)
     hkv = k.shape[1]
     if delta is None:
         delta = (dout.to(cdt) * out.to(cdt)).sum(-1)
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
     dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
-    for qc, kc in _pairs(q_meta, k_meta, causal, q.shape[1]):
+    for qc, kc in _chunks(q_meta, k_meta, causal, q.shape[1]):
         qs, s = _scores(q, k, qc, kc, q_meta, k_meta, q_groups, k_groups, causal, scale, cdt)
         n = qc.numel()
         lse_c = lse[qc].to(cdt).transpose(0, 1).unflatten(0, (hkv, -1))  # [Hkv, G, n]
