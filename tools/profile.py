@@ -1,0 +1,341 @@
+#!/usr/bin/env python
+"""Measure the cost model's coefficients on this machine and write a hardware profile JSON.
+
+    python tools/profile.py --out runs/cpu-profile.json            # this CPU, 1 thread per rank
+    python tools/profile.py --device cuda --out gpu.json          # a GPU where one is lent
+    python tools/simulate.py ... --hardware runs/cpu-profile.json # plans use measured costs
+
+What is measured (the cost model's terms, see `megatron_dcp.plan.cost`):
+
+* ``linear_flops``: FLOP/s of the reference decoder's GEMMs (its weight shapes, forward and
+  backward), timed alone;
+* ``attention_flops``, ``token_overhead_s``, ``task_overhead_s``: fitted (non-negative least
+  squares on relative error) to the forward+backward time of the whole reference `Decoder` over
+  a grid of sequence lengths and checkpoint depths, with ``linear_flops`` fixed;
+* ``hbm_bandwidth``: a large tensor copy; ``hbm_bytes``: memory per rank;
+* ``intra_bandwidth`` / ``intra_latency``: all-to-all between ``--ranks`` processes on this
+  machine (gloo on CPU, NCCL on CUDA), fitted as ``latency + bytes / bandwidth``;
+* ``peak_flops``: the fastest GEMM seen (no data sheet for a CPU).
+
+Every raw measurement and the fit's per-point error are kept under ``"measured"``. One node:
+the inter-node numbers are copies of the intra-node ones.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# This file is named like the standard library's `profile` (which cProfile, and so torch._dynamo,
+# imports): drop tools/ from the import path so that `import profile` finds the real one.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from datetime import timedelta
+from typing import Callable, Optional
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from megatron_dcp.models import Decoder, DecoderConfig  # noqa: E402
+from megatron_dcp.plan.cost import CostModel  # noqa: E402
+from megatron_dcp.plan.hardware import Hardware, hardware_from_dict  # noqa: E402
+from megatron_dcp.runtime.checkpoint import checkpoint_depth  # noqa: E402
+
+
+# ---------------------------------------------------------------------- timing helpers
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], None], device: torch.device, repeat: int, min_s: float = 0.05) -> float:
+    """Median seconds of ``fn`` (one warm-up call; more repeats while calls are short, unless
+    ``min_s`` is 0: collectives need the same number of calls on every rank)."""
+    fn()
+    _sync(device)
+    times = []
+    while len(times) < repeat or (sum(times) < min_s and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by active-set elimination (few unknowns, no scipy needed)."""
+    free = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while free:
+        sol, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+        if (sol >= 0).all():
+            x[free] = sol
+            break
+        free.pop(int(np.argmin(sol)))
+    return x
+
+
+# ---------------------------------------------------------------------- measurements
+def measure_gemm(cfg: DecoderConfig, device: torch.device, dtype: torch.dtype,
+                 tokens: int, repeat: int) -> dict:
+    """FLOP/s of the decoder's layer GEMMs (forward + both backward GEMMs) at ``tokens`` rows."""
+    e, f, kv = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_kv_heads * cfg.head_dim
+    shapes = [(e, e), (e, kv), (e, kv), (e, e), (e, f), (e, f), (f, e)]
+    weights = [torch.randn(i, o, device=device, dtype=dtype) for i, o in shapes]
+    inputs = {i: torch.randn(tokens, i, device=device, dtype=dtype) for i, _ in shapes}
+    grads = {o: torch.randn(tokens, o, device=device, dtype=dtype) for _, o in shapes}
+
+    def run() -> None:
+        for w, (i, o) in zip(weights, shapes):
+            inputs[i] @ w                      # forward
+            grads[o] @ w.t()                   # input gradient
+            inputs[i].t() @ grads[o]           # weight gradient
+
+    seconds = timed(run, device, repeat)
+    flops = sum(3 * 2 * tokens * i * o for i, o in shapes)
+    return {"tokens": tokens, "seconds": seconds, "flops": flops, "flop_s": flops / seconds}
+
+
+def measure_copy(device: torch.device, mbytes: int, repeat: int) -> float:
+    """Bytes/s of a large copy (read + write)."""
+    n = mbytes * 2**20 // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, repeat)
+    return 2 * src.numel() * 4 / seconds
+
+
+def measure_model(cfg: DecoderConfig, lengths: list[int], depths: list[int],
+                  device: torch.device, dtype: torch.dtype, repeat: int) -> list[dict]:
+    """Forward+backward seconds of the whole decoder on one sequence per (length, depth)."""
+    model = Decoder(cfg, seed=0).to(device=device, dtype=dtype)
+    points = []
+    for n in lengths:
+        ids = torch.randint(0, cfg.vocab_size, (n,), device=device)
+        labels = torch.roll(ids, -1)
+        for depth in depths:
+            def step() -> None:
+                with checkpoint_depth(depth):
+                    model.loss(ids, None, labels).backward()
+                model.zero_grad(set_to_none=True)
+
+            points.append({"length": n, "ckpt": depth,
+                           "seconds": timed(step, device, repeat)})
+            print(f"  model fwd+bwd  length {n:6d}  ckpt {depth}: {points[-1]['seconds']:.4f} s",
+                  flush=True)
+    return points
+
+
+def _comm_worker(rank: int, world: int, port: int, sizes: list[int], repeat: int,
+                 backend: str, out_path: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    try:
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        results = []
+        for nbytes in sizes:
+            x = torch.zeros(max(world, nbytes // 4 // world * world), device=device)
+            y = torch.empty_like(x)
+            dist.barrier()
+            seconds = timed(lambda: dist.all_to_all_single(y, x), device, max(repeat, 5), 0.0)
+            # Bytes each rank sends to the others (the cost model's (u-1)/u of its volume).
+            results.append({"bytes": x.numel() * 4 * (world - 1) / world, "seconds": seconds})
+        times = torch.tensor([r["seconds"] for r in results], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            for r, t in zip(results, times.tolist()):
+                r["seconds"] = t
+            with open(out_path, "w") as handle:
+                json.dump(results, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_comm(ranks: int, device: torch.device, repeat: int, quick: bool) -> list[dict]:
+    """All-to-all time over ``ranks`` local processes for a range of message sizes."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    sizes = [4096, 65536, 1 << 20] if quick else [4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "comm.json")
+        mp.spawn(_comm_worker, args=(ranks, port, sizes, repeat, backend, path), nprocs=ranks)
+        with open(path) as handle:
+            return json.load(handle)
+
+
+# ---------------------------------------------------------------------- fitting
+def fit_profile(cfg: DecoderConfig, points: list[dict], linear_flops: float,
+                hbm_bandwidth: float) -> tuple[dict, list[dict]]:
+    """attention_flops, token_overhead_s, task_overhead_s from the model timings (see module doc).
+
+    Uses the cost model's own formulas: the features are what `CostModel.time_of` multiplies
+    each coefficient by at degree 1, so the fitted numbers reproduce its predictions.
+    """
+    shape = Decoder(cfg).shape()
+    n, h, v = shape.num_layers, shape.hidden_size, shape.vocab_size
+    probe = CostModel(shape, _placeholder(linear_flops, hbm_bandwidth), world_size=1,
+                      memory_budget=1e15)
+    rows, target = [], []
+    for p in points:
+        length, c = p["length"], p["ckpt"]
+        passes = 3.0 + c / n
+        linear = length * (n * probe._lin_layer * passes + probe._lin_head)
+        pairs = probe.attn_pairs(length)
+        rows.append([pairs * n * 4 * h * (3.5 + c / n),   # x 1 / attention_flops
+                     length * n * passes / 3.0,            # x token_overhead_s
+                     1.0])                                 # x task_overhead_s
+        target.append(p["seconds"] - linear)
+    a, b = np.array(rows), np.array(target)
+    weight = 1.0 / np.array([p["seconds"] for p in points])   # fit relative error
+    x = nnls(a * weight[:, None], b * weight)
+    inv_attn, token_s, task_s = (float(v) for v in x)
+    attention_flops = 1.0 / inv_attn if inv_attn > 0 else linear_flops
+    coeffs = {"attention_flops": attention_flops, "token_overhead_s": token_s,
+              "task_overhead_s": task_s}
+    fitted = _placeholder(linear_flops, hbm_bandwidth, **coeffs)
+    cm = CostModel(shape, fitted, world_size=1, memory_budget=1e15)
+    report = []
+    for p in points:
+        lay = cm.layouts(1)[0]
+        pred = cm.time_of(p["length"], cm.attn_pairs(p["length"]), lay, p["ckpt"])
+        report.append({**p, "predicted": pred, "rel_error": pred / p["seconds"] - 1.0})
+    del v
+    return coeffs, report
+
+
+def _placeholder(linear_flops: float, hbm_bandwidth: float, **extra) -> Hardware:
+    """A Hardware with the measured compute numbers and neutral links (for fitting only)."""
+    values = dict(name="fit", peak_flops=linear_flops, linear_flops=linear_flops,
+                  attention_flops=extra.pop("attention_flops", linear_flops), hbm_bytes=1e12,
+                  hbm_bandwidth=hbm_bandwidth, intra_bandwidth=1e9, intra_latency=1e-5,
+                  inter_bandwidth=1e9, inter_latency=1e-5, ranks_per_node=1,
+                  token_overhead_s=extra.pop("token_overhead_s", 0.0),
+                  task_overhead_s=extra.pop("task_overhead_s", 0.0))
+    return Hardware(**values)
+
+
+def fit_comm(points: list[dict]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of ``seconds = latency + bytes / bandwidth``."""
+    a = np.array([[1.0, p["bytes"]] for p in points])
+    b = np.array([p["seconds"] for p in points])
+    weight = 1.0 / b
+    lat, inv_bw = nnls(a * weight[:, None], b * weight)
+    bw = 1.0 / inv_bw if inv_bw > 0 else max(p["bytes"] / p["seconds"] for p in points)
+    return float(bw), float(max(lat, 1e-7))
+
+
+def _memory_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+# ---------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags (model size of the timing runs, grid, output)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/profile.json", help="profile JSON to write")
+    p.add_argument("--name", default=None, help="hardware name in the profile")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (CPU)")
+    p.add_argument("--ranks", type=int, default=2, help="processes of the communication test "
+                   "(and ranks per node in the profile); 0 skips it")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=688)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--lengths", default="128,256,512,1024,2048",
+                   help="comma-separated sequence lengths of the model timings")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="tiny grid (tests)")
+    return p
+
+
+def profile(args: argparse.Namespace) -> dict:
+    """Run every measurement and return the profile JSON object."""
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.quick:
+        lengths = lengths[:3]
+    cfg = DecoderConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                        num_heads=args.heads, num_kv_heads=args.kv_heads,
+                        ffn_hidden_size=args.ffn, max_position=max(lengths))
+    t0 = time.perf_counter()
+    gemm = [measure_gemm(cfg, device, dtype, t, args.repeat) for t in (256, 1024)]
+    linear_flops = max(g["flop_s"] for g in gemm)
+    print(f"GEMM: {linear_flops / 1e9:.2f} GFLOP/s", flush=True)
+    hbm_bandwidth = measure_copy(device, 16 if args.quick else 256, args.repeat)
+    print(f"copy: {hbm_bandwidth / 1e9:.2f} GB/s", flush=True)
+    depths = sorted({0, args.layers})
+    points = measure_model(cfg, lengths, depths, device, dtype, args.repeat)
+    coeffs, report = fit_profile(cfg, points, linear_flops, hbm_bandwidth)
+    comm = measure_comm(args.ranks, device, args.repeat, args.quick) if args.ranks > 1 else []
+    if comm:
+        bandwidth, latency = fit_comm(comm)
+    else:
+        bandwidth, latency = hbm_bandwidth / 4, 2e-5
+    ranks_per_node = max(1, args.ranks)
+    name = args.name or f"{device.type}-{platform.node() or 'host'}-{args.threads}t"
+    data = {
+        "format_version": 1, "name": name, "peak_flops": linear_flops,
+        "linear_flops": linear_flops, "attention_flops": coeffs["attention_flops"],
+        "hbm_bytes": _memory_bytes(device) / (ranks_per_node if device.type == "cpu" else 1),
+        "hbm_bandwidth": hbm_bandwidth,
+        "intra_bandwidth": bandwidth, "intra_latency": latency,
+        "inter_bandwidth": bandwidth, "inter_latency": latency,
+        "ranks_per_node": ranks_per_node,
+        "token_overhead_s": coeffs["token_overhead_s"],
+        "task_overhead_s": coeffs["task_overhead_s"],
+        "measured": {
+            "device": str(device), "dtype": args.dtype, "threads": args.threads,
+            "torch": torch.__version__, "model": Decoder(cfg).shape().to_dict(),
+            "gemm": gemm, "model_points": report, "all_to_all": comm,
+            "fit_max_rel_error": max(abs(r["rel_error"]) for r in report),
+            "seconds": time.perf_counter() - t0,
+        },
+    }
+    hardware_from_dict(data)  # the planner must accept it
+    return data
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point: measure, fit, write the JSON, print a summary."""
+    args = build_parser().parse_args(argv)
+    data = profile(args)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as handle:
+        json.dump(data, handle, indent=1)
+    m = data["measured"]
+    print(f"wrote {args.out}: linear {data['linear_flops'] / 1e9:.2f} GFLOP/s, attention "
+          f"{data['attention_flops'] / 1e9:.2f} GFLOP/s, token overhead "
+          f"{data['token_overhead_s'] * 1e6:.2f} us, task overhead "
+          f"{data['task_overhead_s'] * 1e3:.2f} ms, all-to-all {data['intra_bandwidth'] / 1e9:.2f}"
+          f" GB/s + {data['intra_latency'] * 1e6:.0f} us; fit max error "
+          f"{m['fit_max_rel_error'] * 100:.1f} % ({m['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
