@@ -264,13 +264,14 @@ class CostModel:
             return self.time_of(tokens, pairs, layouts[0], ckpt), layouts[0]
         if not layouts:
             raise PlanError(f"no attention layout allows degree {degree} for {self.model.name}")
-        t_class = max(0, int(math.log2(max(tokens, 1.0)) * 2))
-        r_class = int(math.log2(1.0 + pairs / max(tokens, 1.0)) * 4)
+        # classes: tokens and pairs/token within a factor of two (bit lengths: cheap)
+        t_class = int(tokens).bit_length()
+        r_class = int(4.0 * pairs / (tokens or 1.0)).bit_length()
         key = (degree, ckpt, t_class, r_class)
         lay = self._best_layout.get(key)
         if lay is None:
-            rep_tokens = 2.0 ** (t_class / 2)
-            rep_pairs = rep_tokens * (2.0 ** (r_class / 4) - 1.0)
+            rep_tokens = 1.5 * 2.0 ** (t_class - 1) if t_class else 1.0
+            rep_pairs = rep_tokens * (1.5 * 2.0 ** (r_class - 1) if r_class else 0.0) / 4.0
             lay = min(layouts, key=lambda x: self.time_of(rep_tokens, rep_pairs, x, ckpt))
             self._best_layout[key] = lay
         return self.time_of(tokens, pairs, lay, ckpt), lay
