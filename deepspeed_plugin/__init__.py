@@ -20,13 +20,13 @@ from typing import Any, Optional
 
 from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_config_from, load_ds_config,
                                      prepare_config)
-from deepspeed_plugin.engine import DCPEngine, StepResult, data_parallel_split, stage3_slots
+from deepspeed_plugin.engine import DCPEngine, StepResult, data_parallel_split
 from megatron_dcp.config import DCPConfig, DCPConfigError
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
 
 __all__ = ["DCPConfig", "DCPConfigError", "DCPEngine", "StepResult", "add_dcp_arguments", "initialize",
-           "data_parallel_split", "stage3_slots"]
+           "data_parallel_split"]
 
 
 def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, optimizer: Any = None,
@@ -62,7 +62,8 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     world_size, rank = dist.get_world_size(), dist.get_rank()
     check_supported(ds_config, dcp, world_size, model)
     cpu = accelerator.device_name() == "cpu"
-    ds_ready, notices = prepare_config(ds_config, world_size, cpu=cpu)
+    largest = max((p.numel() for p in model.parameters()), default=0)
+    ds_ready, notices = prepare_config(ds_config, world_size, cpu=cpu, dcp=dcp, largest_param_numel=largest)
     if rank == 0:
         for line in notices:
             print(f"[megatron-dcp] {line}", flush=True)
@@ -76,6 +77,8 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
         lr_scheduler=lr_scheduler, config=ds_ready, **deepspeed_kwargs)
 
     pool = None
+    if dcp.enabled and int(engine.zero_optimization_stage()) == 3:
+        patches.zero3_untraced_coordinator(engine)
     if dcp.enabled:
         from megatron_dcp.runtime.groups import GroupPool
 

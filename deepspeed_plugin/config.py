@@ -11,7 +11,9 @@ rejects combinations DCP does not support, and returns the DeepSpeed config to h
   engine wrapper drives them, so DeepSpeed's own accumulation counter must not divide the loss;
 * ``gradient_clipping``: DeepSpeed silently clips at 1.0 when the key is absent; the value in
   effect is written into the config and reported;
-* ``optimizer.params.torch_adam = true`` on the CPU accelerator (FusedAdam JIT-compiles there).
+* ``optimizer.params.torch_adam = true`` on the CPU accelerator (FusedAdam JIT-compiles there);
+* ZeRO-3 with DCP: ``stage3_param_persistence_threshold`` = the largest parameter, so parameters
+  stay gathered through the step (see `deepspeed_plugin.engine` for why and what it costs).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 from typing import Any, Optional, Union
 
 from megatron_dcp.config import DCPConfig, DCPConfigError
@@ -76,11 +79,26 @@ def check_supported(ds_config: dict[str, Any], dcp: DCPConfig, world_size: int, 
         raise DCPConfigError(f"zero_optimization.stage={stage!r}: must be 0, 1, 2 or 3")
 
 
-def prepare_config(ds_config: dict[str, Any], world_size: int, *, cpu: bool) -> tuple[dict[str, Any], list[str]]:
+def prepare_config(ds_config: dict[str, Any], world_size: int, *, cpu: bool, dcp: Optional[DCPConfig] = None,
+                   largest_param_numel: int = 0) -> tuple[dict[str, Any], list[str]]:
     """The config DeepSpeed gets (``"dcp"`` removed, DCP's needs made explicit) and notices."""
     cfg = copy.deepcopy(ds_config)
     cfg.pop("dcp", None)
     notices: list[str] = []
+    zero = cfg.get("zero_optimization", {})
+    if dcp is not None and dcp.enabled and zero.get("stage", 0) == 3:
+        # ZeRO-3 gathers parameters in every forward (and prefetches by a recorded trace), so
+        # ranks with different micro-steps or recompute depths would meet in different
+        # all-gathers. Persistent parameters are gathered once and kept: gradients and optimizer
+        # states stay sharded; each rank holds the full parameters (ZeRO-2's parameter memory).
+        threshold = zero.get("stage3_param_persistence_threshold")
+        if threshold is None or threshold < largest_param_numel:
+            zero["stage3_param_persistence_threshold"] = int(largest_param_numel)
+            zero["stage3_model_persistence_threshold"] = sys.maxsize
+            notices.append("ZeRO-3 with DCP keeps parameters gathered for the step "
+                           f"(stage3_param_persistence_threshold={largest_param_numel}): ranks run "
+                           "different micro-steps; gradients and optimizer states stay partitioned")
+        cfg["zero_optimization"] = zero
     gas = cfg.get("gradient_accumulation_steps", 1)
     if gas not in (1, "auto"):
         notices.append(f"gradient_accumulation_steps={gas} replaced by 1: the plan sets each rank's "

@@ -26,16 +26,22 @@ stage      approach                                                             
 0, 1       ``set_gradient_accumulation_boundary(False)`` on every micro-step    none: one
            but the rank's last (True): gradients accumulate locally and the     all-reduce (0) /
            boundary reduction runs once per rank, in its last backward          reduce (1) per step
-2          ``engine.coalesce_grad_reduction()`` around the rank's micro-steps    full-size local
+2          ``engine.coalesce_grad_reduction()`` around the rank's micro-steps    a full-size local
            (GAS = 1): backward leaves gradients on the parameters; one          gradient between
-           reduce-scatter when the block exits                                  micro-steps (as 1)
-3          parameters are gathered by every forward over all ranks, so every   idle ranks run
-           rank runs the same number S of forwards: each task gets a slot       empty 2-token
-           (micro-step index) shared by all its ranks, free slots run an        micro-steps; S >=
-           empty 2-token micro-step; reduction coalesced as in stage 2          max tasks per rank
+           reduce-scatter when the block exits                                  micro-steps
+3          as stage 2, and parameters kept gathered for the step (ZeRO-3's      full parameters on
+           persistence threshold = the largest parameter, set in config.py):    every rank (ZeRO-2's
+           ZeRO-3 all-gathers parameters in every forward and prefetches by a   parameter memory);
+           recorded trace, so ranks with different micro-steps or recompute     no per-layer
+           depths would wait in different all-gathers (measured: a hang)        all-gathers
 =========  ==================================================================  ==================
 
-A rank without a task runs one empty micro-step (stages 0-2) so that it joins the reduction
+The alternative for ZeRO-3 models whose parameters do not fit one rank, equal forward counts
+(every task in one micro-step slot on all its ranks, idle slots running empty micro-steps), hung
+here: one rank waited in a backward parameter all-gather while the other had finished, since
+recomputation depth and trace-based prefetching change which all-gathers a backward issues.
+
+A rank without a task runs one empty micro-step so that it joins the reduction
 exactly once. The empty micro-step's loss is ``0 * logits.sum()``: zero gradients, same graph.
 """
 
@@ -80,22 +86,6 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
-def stage3_slots(plan: Plan) -> tuple[dict[int, int], int]:
-    """Micro-step slot of every task (equal on all its ranks) and the slot count S (ZeRO-3).
-
-    Tasks in plan order take the first slot after every one of their ranks' previous tasks, so
-    each rank's order is kept and two tasks sharing a rank never share a slot.
-    """
-    next_free = [0] * plan.world_size
-    slot_of: dict[int, int] = {}
-    for task in plan.tasks:
-        slot = max(next_free[r] for r in task.ranks)
-        slot_of[task.id] = slot
-        for r in task.ranks:
-            next_free[r] = slot + 1
-    return slot_of, max(max(next_free, default=0), 1)
-
-
 def data_parallel_split(num_sequences: int, world_size: int, rank: int) -> tuple[list[int], int]:
     """Plain data parallel: this rank's sequences (``i % world == rank``) and the micro-step
     count every rank runs (the largest share)."""
@@ -138,7 +128,7 @@ class DCPEngine:
                              "(Decoder.shape() gives it) or give the model a .shape() method")
         return make_plan(list(lengths), world_size=self.world_size, model=self.model_shape,
                          config=self.dcp, iteration=self.iteration if iteration is None else iteration,
-                         hardware=self.hardware)
+                         hardware=self.hardware, zero_stage=self.zero_stage)
 
     # ------------------------------------------------------------------ micro-step pieces
     def _forward_loss_sum(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -193,60 +183,38 @@ class DCPEngine:
         return self._train_step_data_parallel(sequences)
 
     def _train_step_dcp(self, sequences: Sequence[torch.Tensor], plan: Optional[Plan]) -> StepResult:
-        from megatron_dcp.runtime.context import current_task
         from megatron_dcp.runtime.executor import run_plan
 
         t0 = time.perf_counter()
         plan = plan if plan is not None else self.make_plan([int(s.shape[0]) for s in sequences])
         plan_s = time.perf_counter() - t0
         my_tasks = plan.tasks_for_rank(self.rank)
-        empty = 0
-        if self.zero_stage == 3:
-            slot_of, num_slots = stage3_slots(plan)
-            my_slots = [slot_of[t.id] for t in my_tasks]
-            total_steps = num_slots
-        else:
-            num_slots, my_slots = 0, []
-            total_steps = max(len(my_tasks), 1)
-        state = {"done": 0, "slot": 0, "task": None}
-
-        def run_empty_until(slot: int) -> None:
-            nonlocal empty
-            while state["slot"] < slot:
-                self._set_boundary(state["done"] == total_steps - 1)
-                self._empty_micro_step()
-                state["done"] += 1
-                state["slot"] += 1
-                empty += 1
+        total_steps = max(len(my_tasks), 1)
+        done = 0
 
         def forward_step(input_ids, position_ids, labels):
-            ctx = current_task()
-            if self.zero_stage == 3 and ctx is not None and ctx.task.id != state["task"]:
-                state["task"] = ctx.task.id
-                run_empty_until(slot_of[ctx.task.id])  # idle slots before this task's slot
-                state["slot"] += 1
             return self._forward_loss_sum(input_ids, position_ids, labels)
 
         def backward(scaled_loss):
-            self._set_boundary(state["done"] == total_steps - 1)
+            nonlocal done
+            self._set_boundary(done == total_steps - 1)
             self._backward(scaled_loss)
-            state["done"] += 1
+            done += 1
 
         with self._reduction_scope():
             stats = run_plan(plan, sequences, self.rank, forward_step, pool=self.pool,
                              backward=backward, loss_reduction=self.dcp.loss_reduction,
                              device=self.device, reduce_loss=False)
-            if self.zero_stage == 3:
-                run_empty_until(num_slots)
-            elif not my_tasks:
-                run_empty_until(1)
+            if not my_tasks:  # join the reduction exactly once
+                self._set_boundary(True)
+                self._empty_micro_step()
+                done += 1
         grad_norm = self._finish_step()
         loss = self._global_loss(stats.local_loss)
         return StepResult(loss=loss, tokens=plan.target_tokens, sequences=len(sequences),
-                          wall_s=time.perf_counter() - t0, micro_steps=state["done"],
-                          empty_micro_steps=empty, plan=plan, plan_s=plan_s,
-                          predicted_s=plan.makespan, grad_norm=grad_norm, stats=stats,
-                          extra={"slots": num_slots, "tasks": len(my_tasks)})
+                          wall_s=time.perf_counter() - t0, micro_steps=done,
+                          empty_micro_steps=0 if my_tasks else 1, plan=plan, plan_s=plan_s,
+                          predicted_s=plan.makespan, grad_norm=grad_norm, stats=stats)
 
     def _train_step_data_parallel(self, sequences: Sequence[torch.Tensor]) -> StepResult:
         t0 = time.perf_counter()
@@ -284,7 +252,9 @@ class DCPEngine:
         """``engine.save_checkpoint`` with DCP's state added under ``client_state["dcp"]``."""
         state = dict(client_state or {})
         state["dcp_engine"] = self.state_dict()
-        return self.engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
+        saved = self.engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
+        dist.barrier()  # rank 0 writes the "latest" tag file; nobody may load before it exists
+        return saved
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, **kwargs: Any) -> tuple[Any, dict]:
         """``engine.load_checkpoint``; restores the iteration; returns ``(path, client_state)``."""

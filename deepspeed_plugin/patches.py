@@ -9,6 +9,15 @@ attribute fails loudly here instead of misbehaving later. ``applied()`` lists wh
   Replacing ``deepspeed.comm.torch.build_shm_op`` with a no-op skips it (training is unaffected).
   (``import deepspeed.comm.torch as m`` binds the wrong module: ``deepspeed.comm`` re-exports a
   ``torch`` name, so the module is fetched with ``importlib``.)
+* ``zero3_untraced_coordinator(engine)`` (per engine, DCP with ZeRO-3 only): ZeRO-3's parameter
+  coordinator records the sequence of sub-modules of a forward+backward and, at the start of every
+  forward (``reset_step``), compares the trace with every other rank (``assert_ints_same_as_
+  other_ranks``: collectives) until a trace is complete, and invalidates it whenever the module
+  order changes. With DCP ranks run different numbers of forwards and recompute different layers,
+  so these collectives never line up (measured: a hang in the second step). The patched
+  ``reset_step`` resets the per-step state without collectives and keeps the trace INVALID, which
+  turns off trace-based prefetching; parameters are persistent under DCP (config.py), so nothing
+  is left to prefetch.
 """
 
 from __future__ import annotations
@@ -52,6 +61,44 @@ def skip_shm_op_build() -> None:
         module.build_shm_op = original
 
     _APPLIED[name] = undo
+
+
+def zero3_untraced_coordinator(engine: Any) -> None:
+    """Replace ``reset_step`` of ``engine``'s ZeRO-3 parameter coordinator (see the docstring)."""
+    name = "zero3_untraced_coordinator"
+    _check_version(name)
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+
+    cls = ppc.PartitionedParameterCoordinator
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    coordinator = offload.get_param_coordinator() if offload is not None else None
+    prefix = "_PartitionedParameterCoordinator__"
+    needed = ("trace_mode", "param_queue", "most_recent_step_id_param_fetched_for",
+              "step_id_module_fetched_for", "step_id", "n_available_params", "profiler",
+              "ongoing_fetch_leaf_module_events")
+    if not isinstance(coordinator, cls) or any(not hasattr(coordinator, prefix + n) for n in needed) \
+            or not hasattr(coordinator, "_clean_inflight_param_registry"):
+        raise RuntimeError(f"megatron-dcp patch {name}: DeepSpeed {_deepspeed_version()}'s ZeRO-3 "
+                           "parameter coordinator differs from the one this patch was written for; "
+                           "update deepspeed_plugin/patches.py")
+    import collections
+
+    def reset_step() -> None:
+        coordinator._clean_inflight_param_registry()
+        setattr(coordinator, prefix + "trace_mode", ppc.ZeRoTraceMode.INVALID)
+        setattr(coordinator, prefix + "param_queue", collections.deque())
+        setattr(coordinator, prefix + "most_recent_step_id_param_fetched_for",
+                collections.defaultdict(lambda: int(-1e10)))
+        setattr(coordinator, prefix + "step_id_module_fetched_for",
+                collections.defaultdict(collections.deque))
+        setattr(coordinator, prefix + "step_id", 0)
+        setattr(coordinator, prefix + "n_available_params", 0)
+        getattr(coordinator, prefix + "profiler").reset_events()
+        getattr(coordinator, prefix + "ongoing_fetch_leaf_module_events").clear()
+
+    coordinator.reset_step = reset_step  # instance attribute: only this engine, undo = delete
+    setattr(coordinator, prefix + "trace_mode", ppc.ZeRoTraceMode.INVALID)
+    _APPLIED[f"{name}@{id(engine)}"] = lambda: coordinator.__dict__.pop("reset_step", None)
 
 
 def apply_all() -> list[str]:

@@ -5,10 +5,9 @@ import argparse
 
 import pytest
 
-from deepspeed_plugin import add_dcp_arguments, data_parallel_split, stage3_slots
+from deepspeed_plugin import add_dcp_arguments, data_parallel_split
 from deepspeed_plugin.config import check_supported, dcp_config_from, prepare_config
 from megatron_dcp.config import DCPConfig, DCPConfigError
-from megatron_dcp.plan.plan import Plan, Task
 
 
 def test_flags_generated_from_dcpconfig():
@@ -61,16 +60,14 @@ def test_prepare_config_makes_defaults_explicit():
     assert cfg["gradient_clipping"] == 0.0 and not notices
 
 
-def test_stage3_slots_keep_order_and_align_shared_tasks():
-    tasks = (Task(0, (0, 1), (0,), ulysses=2, start=0.0), Task(1, (0,), (1,), start=1.0),
-             Task(2, (0,), (2,), start=2.0), Task(3, (1, 2), (3,), ring=2, start=1.5),
-             Task(4, (2,), (4,), start=0.0))
-    plan = Plan(tasks=tasks, lengths=(8, 4, 4, 8, 4), world_size=3)
-    slots, count = stage3_slots(plan)
-    for rank in range(3):
-        mine = [slots[t.id] for t in plan.tasks_for_rank(rank)]
-        assert mine == sorted(set(mine))  # increasing: order kept, no shared slot
-    assert slots[3] >= 1 and count == 3
+def test_zero3_keeps_parameters_gathered_with_dcp():
+    cfg, notices = prepare_config({"zero_optimization": {"stage": 3}}, world_size=2, cpu=False,
+                                  dcp=DCPConfig(enabled=True), largest_param_numel=12345)
+    assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 12345
+    assert any("ZeRO-3" in n for n in notices)
+    cfg, _ = prepare_config({"zero_optimization": {"stage": 3}}, world_size=2, cpu=False,
+                            dcp=DCPConfig(), largest_param_numel=12345)
+    assert "stage3_param_persistence_threshold" not in cfg["zero_optimization"]
 
 
 def test_data_parallel_split():

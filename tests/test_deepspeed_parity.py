@@ -1,0 +1,216 @@
+"""DeepSpeed + DCP, launched the way users launch (the ``deepspeed`` launcher, gloo on CPU).
+
+One launch per world size runs this file as the training script: in one job it calls
+``examples/pretrain.py``'s ``main`` several times (DeepSpeed initialised afresh each time) and
+compares, on rank 0, the loss of every iteration with ``--dcp`` against plain DeepSpeed data
+parallel on the same global batches, for each ZeRO stage (fp32, relative error <= 1e-5). The
+memory budget is the smallest in which the planner fits the longest (512-token) sequence, so it
+must use sequence-parallel groups, activation checkpointing and a different number of
+micro-steps per rank. The world-size-2 launch also
+checks stop-and-resume from a checkpoint and the start-up errors for bad input; one more launch
+runs ``examples/pretrain.py`` itself with a bad flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ITERS = 5
+REL_TOL = 1e-5
+COMMON = ["--train-iters", str(ITERS), "--global-batch-tokens", "2048", "--seq-length", "512",
+          "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seed", "7", "--quiet"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world_size: int, script_args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size),
+           "--master_port", str(_free_port())] + script_args
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------- the driver (in the job)
+def _records(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _losses(path: str) -> list[float]:
+    return [r["loss"] for r in _records(path)]
+
+
+def _run(pretrain, args: list[str]) -> None:
+    pretrain.main(args)
+
+
+def _tight_budget(world: int, stage: int) -> str:
+    """The smallest memory budget (GiB) in which the planner fits a 512-token sequence at all
+    (bisection on make_plan): the longest sequences then need every rank, shorter ones fewer."""
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.models.decoder import DecoderConfig
+    from megatron_dcp.plan import make_plan
+    from megatron_dcp.plan.model import ModelShape
+
+    c = DecoderConfig(vocab_size=257, hidden_size=32, num_layers=2, num_heads=4, max_position=512)
+    shape = ModelShape(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=c.ffn_hidden_size,
+                       vocab_size=257, num_kv_heads=4, max_position=512, name="decoder")
+
+    def fits(gib: float) -> bool:
+        try:
+            make_plan([512], world_size=world, model=shape, zero_stage=stage,
+                      config=DCPConfig(enabled=True, memory_budget_gb=gib))
+            return True
+        except Exception:  # noqa: BLE001 - any PlanError: does not fit
+            return False
+
+    low, high = 0.5, 64.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return repr(high * (1 + 1e-7))
+
+
+def _driver(stages: list[int], out: str, resume: bool, bad_input: bool) -> None:
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import pretrain
+
+    from megatron_dcp.config import DCPConfigError
+
+    work = out + ".d"  # shared by the ranks (checkpoints: rank 0 writes the "latest" tag)
+    os.makedirs(work, exist_ok=True)
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    report: dict = {"stages": {}}
+    for stage in stages:
+        budget = ["--dcp_memory_budget_gb", _tight_budget(world, stage)]
+        logs = {}
+        for mode in ("dcp", "dp"):
+            log = os.path.join(work, f"s{stage}_{mode}.jsonl")
+            flags = ["--dcp", *budget] if mode == "dcp" else []
+            _run(pretrain, COMMON + ["--zero-stage", str(stage), "--log-json", log, *flags])
+            logs[mode] = log
+        if rank == 0:
+            report["stages"][stage] = {m: _losses(p) for m, p in logs.items()}
+            report["stages"][stage]["plans"] = [r["plan"] for r in _records(logs["dcp"])]
+    if resume:
+        budget = ["--dcp_memory_budget_gb", _tight_budget(world, 1)]
+        ckpt = os.path.join(work, "ckpt")
+        log = os.path.join(work, "resume.jsonl")
+        stop = ["--train-iters", "3"]
+        _run(pretrain, COMMON + stop + ["--zero-stage", "1", "--dcp", *budget, "--save", ckpt,
+                                        "--log-json", log])
+        _run(pretrain, COMMON + ["--zero-stage", "1", "--dcp", *budget, "--load", ckpt, "--log-json", log])
+        if rank == 0:
+            report["resume"] = _losses(log)
+    if bad_input:
+        errors = {}
+        cases = {
+            "unknown_key": {"gradient_clipping": 1.0, "dcp": {"max_degre": 2}},
+            "degree_cap": {"gradient_clipping": 1.0, "dcp": {"max_degree": world * 2}},
+            "sequence_parallel": {"gradient_clipping": 1.0, "sequence_parallel_size": 2, "dcp": {}},
+        }
+        for name, cfg in cases.items():
+            path = os.path.join(work, f"{name}.json")
+            with open(path, "w") as f:
+                json.dump(cfg, f)
+            try:
+                _run(pretrain, COMMON + ["--deepspeed_config", path])
+                errors[name] = None
+            except DCPConfigError as e:
+                errors[name] = str(e)
+        report["errors"] = errors
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+
+
+# ---------------------------------------------------------------------- the tests (pytest side)
+def _check_parity(report: dict, stages: list[int], require_uneven: bool) -> None:
+    for stage in stages:
+        got = report["stages"][str(stage)]
+        dcp, dp = got["dcp"], got["dp"]
+        assert len(dcp) == len(dp) == ITERS, got
+        for i, (a, b) in enumerate(zip(dcp, dp)):
+            assert abs(a - b) <= REL_TOL * abs(b), f"ZeRO {stage} iteration {i + 1}: dcp {a} vs dp {b}"
+        assert dcp[-1] < dcp[0]  # it trains
+        plans = got["plans"]  # the planner really regrouped: SP degrees > 1, uneven micro-steps
+        assert any(int(d) > 1 for p in plans for d in p["degrees"]), plans
+        if require_uneven:
+            assert any(len(set(p["micro_steps_per_rank"])) > 1 for p in plans), plans
+
+
+def _launch_driver(world_size: int, stages: list[int], resume: bool, bad_input: bool, timeout: int) -> dict:
+    out = tempfile.mktemp(suffix=".json")
+    flags = ["--stages", ",".join(map(str, stages)), "--out", out]
+    flags += ["--resume"] if resume else []
+    flags += ["--bad-input"] if bad_input else []
+    proc = _launch(world_size, [__file__, *flags], timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+@pytest.mark.timeout(400)
+def test_parity_resume_and_bad_input_world_size_2():
+    stages = [0, 1, 2]
+    report = _launch_driver(2, stages, resume=True, bad_input=True, timeout=380)
+    _check_parity(report, stages, require_uneven=False)
+    # stop after 3 iterations, resume from the checkpoint: the same losses as without stopping
+    resumed, straight = report["resume"], report["stages"]["1"]["dcp"]
+    assert len(resumed) == ITERS
+    for a, b in zip(resumed, straight):
+        assert abs(a - b) <= REL_TOL * abs(b), (resumed, straight)
+    errors = report["errors"]
+    assert "unknown key(s)" in errors["unknown_key"] and "max_degre" in errors["unknown_key"]
+    assert "exceeds the DCP world size 2" in errors["degree_cap"]
+    assert "sequence_parallel_size=2" in errors["sequence_parallel"]
+
+
+@pytest.mark.timeout(400)
+def test_parity_world_size_4():
+    stages = [int(s) for s in os.environ.get("DCP_TEST_WS4_STAGES", "0,2").split(",")]
+    report = _launch_driver(4, stages, resume=False, bad_input=False, timeout=380)
+    _check_parity(report, stages, require_uneven=True)
+
+
+@pytest.mark.timeout(120)
+def test_pretrain_bad_flag_fails_at_start():
+    proc = _launch(2, ["examples/pretrain.py", "--dcp", "--dcp_max_degree", "3", *COMMON], timeout=110)
+    assert proc.returncode != 0
+    assert "dcp.max_degree=3 exceeds the DCP world size 2" in proc.stdout + proc.stderr
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--out", required=True)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--bad-input", action="store_true")
+    a = p.parse_args()
+    try:
+        _driver([int(s) for s in a.stages.split(",")], a.out, a.resume, a.bad_input)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
