@@ -8,64 +8,12 @@ the gradients and returns the loss and the gradients for comparison.
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any, Optional, Sequence
 
 import torch
 
-
-def _install_attention_stand_in() -> None:
-    """Until megatron_dcp.runtime.attention lands: a local (degree-1 only) attention for tests.
-
-    Test-only: the package never carries it. It supports a task of one rank (packed varlen
-    sequences via the layout's seq_ids / position_ids) and plain attention outside a task.
-    """
-    try:
-        import megatron_dcp.runtime.attention  # noqa: F401
-        return
-    except ImportError:
-        pass
-    from megatron_dcp.runtime.context import current_task
-
-    def dcp_attention(q, k, v, *, causal=True, softmax_scale=None, group_of_position=None):
-        ctx = current_task()
-        t = q.shape[0]
-        if ctx is None:
-            pos = torch.arange(t)
-            seq = torch.zeros(t, dtype=torch.long)
-            valid = torch.ones(t, dtype=torch.bool)
-        else:
-            if ctx.degree != 1:
-                raise NotImplementedError("attention stand-in: degree 1 only")
-            pos, seq, valid = ctx.layout.position_ids, ctx.layout.seq_ids, ctx.layout.valid
-        mask = (seq[:, None] == seq[None, :]) & valid[None, :]
-        if causal:
-            mask &= pos[None, :] <= pos[:, None]
-        if group_of_position is not None:
-            grp = group_of_position(pos)
-            mask &= grp[:, None] == grp[None, :]
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        scale = softmax_scale or q.shape[-1] ** -0.5
-        scores = torch.einsum("thd,shd->hts", q, k) * scale
-        scores = scores.masked_fill(~mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        return torch.einsum("hts,shd->thd", probs, v)
-
-    mod = types.ModuleType("megatron_dcp.runtime.attention")
-    mod.dcp_attention = dcp_attention
-    mod.STAND_IN = True
-    sys.modules["megatron_dcp.runtime.attention"] = mod
-
-
-_install_attention_stand_in()
-
-from megatron_dcp.models import Decoder, DecoderConfig, DiTConfig, VideoDiT  # noqa: E402
-from megatron_dcp.plan.plan import Plan, Task  # noqa: E402
-
-ATTENTION_STAND_IN = getattr(sys.modules["megatron_dcp.runtime.attention"], "STAND_IN", False)
+from megatron_dcp.models import Decoder, DecoderConfig, DiTConfig, VideoDiT
+from megatron_dcp.plan.plan import Plan, Task
 
 # Four query heads, two KV heads: Ulysses degrees 1 and 2 divide both, 3 and 4 need ring/hybrid.
 DECODER = dict(vocab_size=48, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2,

@@ -10,11 +10,9 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_distributed
-from executor_cases import (ATTENTION_STAND_IN, assert_matches, build_model, plan_dict, reference,
+from executor_cases import (assert_matches, build_model, plan_dict, reference,
                             run_cases, task)
 
-needs_attention = pytest.mark.skipif(ATTENTION_STAND_IN,
-                                     reason="megatron_dcp.runtime.attention has not landed")
 
 LENGTHS_A = (9, 17, 5, 30, 12, 2, 23)
 
@@ -118,13 +116,11 @@ def _world4_cases() -> list[dict]:
             dict(name="w4-dit", model="dit", plan=plan_dict(dit, V, 4))]
 
 
-@needs_attention
 @pytest.mark.timeout(200)
 def test_world2_mixed_layouts_match_reference():
     _check(2, _world2_cases())
 
 
-@needs_attention
 @pytest.mark.timeout(240)
 def test_world4_mixed_degrees_match_reference():
     results = _check(4, _world4_cases())

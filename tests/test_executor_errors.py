@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import DistributedError, run_distributed
-from executor_cases import (ATTENTION_STAND_IN, build_model, make_batch, plan_dict, reference,
+from executor_cases import (build_model, make_batch, plan_dict, reference,
                             run_cases, task)
 
 
@@ -119,7 +119,6 @@ def _timeout_body(rank: int, world_size: int) -> str:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(ATTENTION_STAND_IN, reason="megatron_dcp.runtime.attention has not landed")
 def test_collective_timeout_names_rank_and_task():
     try:
         results = run_distributed(_timeout_body, 2, group_timeout_s=30)
