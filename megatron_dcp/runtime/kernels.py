@@ -280,9 +280,11 @@ def _sdpa(q, k, v, rows, counts, causal, scale, groups, positions):
     outs = []
     gqa = q.shape[1] // k.shape[1]
     for r in torch.split(rows, counts):
-        qs, ks, vs = (t[r].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
+        # [1, H, n, D]: torch's fused CPU kernel takes only 4-D inputs (3-D falls back to the
+        # unfused math path, 4x slower here).
+        qs, ks, vs = (t[r].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if gqa > 1:  # repeat rather than enable_gqa: the math backend on CPU lacks it in old torch
-            ks, vs = ks.repeat_interleave(gqa, 0), vs.repeat_interleave(gqa, 0)
+            ks, vs = ks.repeat_interleave(gqa, 1), vs.repeat_interleave(gqa, 1)
         mask, is_causal = None, causal
         if groups is not None:
             g = groups[r]
@@ -291,7 +293,7 @@ def _sdpa(q, k, v, rows, counts, causal, scale, groups, positions):
                 mask = mask & (positions[r][None, :] <= positions[r][:, None])
             is_causal = False
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=is_causal,
-                                                   scale=scale).transpose(0, 1))
+                                                   scale=scale)[0].transpose(0, 1))
     return torch.cat(outs)
 
 
