@@ -23,7 +23,8 @@ POLICIES = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "gree
 
 
 def plan_for(lengths, world=8, policy="dcp", model=LLAMA, **config):
-    return make_plan(lengths, world_size=world, model=model, config=DCPConfig(policy=policy, **config))
+    config = DCPConfig(policy=policy, **config)
+    return make_plan(lengths, world_size=world, model=model, config=config)
 
 
 def test_plan_imports_and_plans_without_torch():
@@ -31,7 +32,8 @@ def test_plan_imports_and_plans_without_torch():
         "import sys\n"
         "from megatron_dcp.plan import make_plan, load_model\n"
         "from megatron_dcp.config import DCPConfig\n"
-        "p = make_plan([100, 5000, 70000], world_size=8, model=load_model('llama-7b'), config=DCPConfig())\n"
+        "p = make_plan([100, 5000, 70000], world_size=8, model=load_model('llama-7b'), "
+        "config=DCPConfig())\n"
         "assert p.tasks\n"
         "assert 'torch' not in sys.modules, 'megatron_dcp.plan imported torch'\n"
         "assert 'torch.distributed' not in sys.modules\n"
@@ -140,7 +142,8 @@ def test_cost_model_memory_and_time():
     assert 6e9 < cm.params < 7e9
     # more recompute: less memory, more time
     assert cm.memory_of(50_000, 1, 32) < cm.memory_of(50_000, 1, 0)
-    assert cm.best_time(8000, cm.attn_pairs(8000), 1, 32)[0] > cm.best_time(8000, cm.attn_pairs(8000), 1, 0)[0]
+    pairs = cm.attn_pairs(8000)
+    assert cm.best_time(8000, pairs, 1, 32)[0] > cm.best_time(8000, pairs, 1, 0)[0]
     # fewest recomputed layers that fit
     for tokens in (1000, 60_000, 150_000):
         c = cm.min_ckpt(tokens, 1)
@@ -156,7 +159,8 @@ def test_cost_model_memory_and_time():
     # inter-node ring is slower than intra-node
     from megatron_dcp.plan.cost import Layout
     intra, inter = Layout(1, 8, True, True), Layout(1, 8, True, False)
-    assert cm.time_of(4096, cm.attn_pairs(4096), inter, 0) > cm.time_of(4096, cm.attn_pairs(4096), intra, 0)
+    pairs = cm.attn_pairs(4096)
+    assert cm.time_of(4096, pairs, inter, 0) > cm.time_of(4096, pairs, intra, 0)
 
 
 def test_budget_below_static_memory():
@@ -166,7 +170,8 @@ def test_budget_below_static_memory():
 
 def test_ulysses_layouts_respect_heads():
     cm = build_cost_model(load_model("llama-70b"), DCPConfig(), 64, zero_stage=3)
-    assert all(lay.ulysses <= 8 and 8 % lay.ulysses == 0 for d in (3, 6, 16, 64) for lay in cm.layouts(d))
+    layouts = [lay for d in (3, 6, 16, 64) for lay in cm.layouts(d)]
+    assert all(lay.ulysses <= 8 and 8 % lay.ulysses == 0 for lay in layouts)
     assert any(lay.ulysses == 1 and lay.ring == 3 for lay in cm.layouts(3))
 
 
@@ -221,7 +226,8 @@ def test_checkpoint_depth_is_fewest_that_fit():
     plan = plan_for([200_000, 1000], world=8, policy="dcp")
     for t in plan.tasks:
         tokens = sum(plan.lengths[s] for s in t.seqs)
-        assert t.ckpt_layers == 0 or cm.memory(replace(t, ckpt_layers=t.ckpt_layers - 1), plan.lengths) > cm.budget \
+        assert t.ckpt_layers == 0 or cm.memory(replace(t, ckpt_layers=t.ckpt_layers - 1),
+                                               plan.lengths) > cm.budget \
             or cm.min_ckpt(tokens, t.degree) == t.ckpt_layers
     full = plan_for([200_000, 1000], world=8, policy="dcp", checkpoint_policy="full")
     assert all(t.ckpt_layers == LLAMA.num_layers for t in full.tasks)
@@ -274,7 +280,8 @@ def test_lower_bound_below_every_plan():
     tighter = lower_bound(lengths, cm, moldable=True)
     assert tighter >= bound
     for policy in POLICIES:
-        assert simulate(plan_for(lengths, world=16, policy=policy), cm).makespan_s >= tighter * (1 - 1e-9)
+        assert simulate(plan_for(lengths, world=16, policy=policy),
+                        cm).makespan_s >= tighter * (1 - 1e-9)
 
 
 # ---------------------------------------------------------------------------- validation
@@ -288,10 +295,12 @@ def _tiny_plan():
 @pytest.mark.parametrize("change, message", [
     (lambda ts: ts[:2], r"sequence\(s\) \[3\] are in no task"),
     (lambda ts: ts[:2] + (replace(ts[2], seqs=(0,)),), "sequence 0 is in task 0 and task 2"),
-    (lambda ts: ts[:2] + (replace(ts[2], start=0.5),), "rank 0 is in task 0 and task 2 at the same time"),
+    (lambda ts: ts[:2] + (replace(ts[2], start=0.5),), "rank 0 is in task 0 and task 2 at the "
+                                                       "same time"),
     (lambda ts: (replace(ts[0], ring=2),) + ts[1:], "ulysses 2 x ring 2 != 2 ranks"),
     (lambda ts: (replace(ts[0], ranks=(0, 9)),) + ts[1:], "outside the world"),
-    (lambda ts: (replace(ts[0], ranks=(0, 2, 1), ulysses=3),) + ts[1:], "does not divide the 32 heads"),
+    (lambda ts: (replace(ts[0], ranks=(0, 2, 1), ulysses=3),) + ts[1:], "does not divide the 32 "
+                                                                        "heads"),
     (lambda ts: ts[:2] + (replace(ts[2], id=1),), "task id 1 appears twice"),
 ])
 def test_validate_plan_names_the_problem(change, message):

@@ -22,9 +22,10 @@ def shapes(draw):
     kv = draw(st.sampled_from([1, 2, 4, 8]))
     heads = kv * draw(st.sampled_from([1, 2, 3, 5]))
     head_dim = draw(st.sampled_from([16, 64, 128]))
-    return ModelShape(num_layers=draw(st.integers(1, 48)), hidden_size=heads * head_dim, num_heads=heads,
-                      ffn_hidden_size=draw(st.integers(64, 8192)), vocab_size=draw(st.integers(100, 64000)),
-                      num_kv_heads=kv, gated_mlp=draw(st.booleans()), causal=draw(st.booleans()))
+    return ModelShape(num_layers=draw(st.integers(1, 48)), hidden_size=heads * head_dim,
+                      num_heads=heads, ffn_hidden_size=draw(st.integers(64, 8192)),
+                      vocab_size=draw(st.integers(100, 64000)), num_kv_heads=kv,
+                      gated_mlp=draw(st.booleans()), causal=draw(st.booleans()))
 
 
 @st.composite
@@ -55,10 +56,12 @@ def test_random_inputs_give_valid_deterministic_plans(case):
     event("planned")
     plans = {}
     for policy in ("dcp",) + BASELINES:
-        plan = make_plan(lengths, world_size=world, model=model, config=config.replace(policy=policy),
+        plan = make_plan(lengths, world_size=world, model=model,
+                         config=config.replace(policy=policy),
                          zero_stage=3)
         validate_plan(plan, model, cost_model=cm)
-        again = make_plan(lengths, world_size=world, model=model, config=config.replace(policy=policy),
+        again = make_plan(lengths, world_size=world, model=model,
+                          config=config.replace(policy=policy),
                           zero_stage=3)
         assert plan.digest() == again.digest()
         plans[policy] = plan
@@ -79,7 +82,8 @@ def test_dcp_ablations_are_valid_and_dcp_is_not_slower(lengths, world):
     cm = build_cost_model(model, config, world)
     times = {}
     for policy in ("dcp", "dcp-inter", "dcp-intra", "bucket"):
-        plan = make_plan(lengths, world_size=world, model=model, config=config.replace(policy=policy))
+        plan = make_plan(lengths, world_size=world, model=model,
+                         config=config.replace(policy=policy))
         validate_plan(plan, model, cost_model=cm)
         times[policy] = simulate(plan, cm, bound=0.0).step_time_s
     assert times["dcp"] <= times["bucket"] * (1 + 1e-9)

@@ -17,7 +17,8 @@ SMALL = ["--gpus", "8", "--gpus-per-node", "4", "--global-batch-tokens", "300000
 
 def run_tool(*args, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True,
+                          timeout=timeout,
                           env=env, cwd=ROOT)
 
 
@@ -31,7 +32,8 @@ def test_table_for_every_policy():
 
 def test_json_schema_and_saved_plan_round_trip(tmp_path):
     plan_path = str(tmp_path / "dcp.json")
-    proc = run_tool(*SMALL, "--dist", "balanced", "--json", "--save-plan", plan_path, "--policy", "dcp,bucket")
+    proc = run_tool(*SMALL, "--dist", "balanced", "--json", "--save-plan", plan_path, "--policy",
+                    "dcp,bucket")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert isinstance(out["lower_bound_s"], float) and isinstance(out["tokens"], int)
@@ -48,7 +50,8 @@ def test_json_schema_and_saved_plan_round_trip(tmp_path):
     assert proc.returncode == 0, proc.stderr
     again = json.loads(proc.stdout)["policies"]
     assert again["plan:dcp.json"]["step_time_s"] == pytest.approx(again["dcp"]["step_time_s"])
-    assert again["plan:dcp.json"]["step_time_s"] == pytest.approx(out["policies"]["dcp"]["step_time_s"])
+    expected = out["policies"]["dcp"]["step_time_s"]
+    assert again["plan:dcp.json"]["step_time_s"] == pytest.approx(expected)
 
 
 def test_lengths_file_idx_and_plot(tmp_path):
@@ -64,7 +67,8 @@ def test_lengths_file_idx_and_plot(tmp_path):
     digests = {json.loads(p.stdout)["policies"]["dcp"]["digest"] for p in (a, b, c)}
     assert len(digests) == 1
     png = tmp_path / "t.png"
-    proc = run_tool("--gpus", "4", "--lengths", str(lengths), "--policy", "dcp,bucket", "--plot", str(png))
+    proc = run_tool("--gpus", "4", "--lengths", str(lengths), "--policy", "dcp,bucket", "--plot",
+                    str(png))
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -40,29 +40,38 @@ ORDER = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=None, help="DCP world size (default 32, or the --plan's)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: hardware's)")
-    p.add_argument("--model", default="llama-7b", help="model preset or ModelShape JSON (default llama-7b)")
-    p.add_argument("--hardware", default="h200", help="hardware preset or profile JSON (default h200)")
-    p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3), help="ZeRO stage (default 1)")
+    p.add_argument("--gpus", type=int, default=None, help="DCP world size (default 32, or the "
+                                                          "--plan's)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: "
+                                                                   "hardware's)")
+    p.add_argument("--model", default="llama-7b", help="model preset or ModelShape JSON (default "
+                                                       "llama-7b)")
+    p.add_argument("--hardware", default="h200", help="hardware preset or profile JSON (default "
+                                                      "h200)")
+    p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
+                   help="ZeRO stage (default 1)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", help="file: one token count per line, or a Megatron .idx")
     src.add_argument("--idx", help="a Megatron indexed dataset .idx (its sequence lengths)")
     src.add_argument("--dist", choices=sorted(DISTRIBUTIONS), help="built-in length distribution")
-    src.add_argument("--plan", help="evaluate this plan JSON (docs/PLAN_FORMAT.md) beside the policies")
+    src.add_argument("--plan", help="evaluate this plan JSON (docs/PLAN_FORMAT.md) beside the "
+                                    "policies")
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens of the sampled global batch (default 65536 per GPU)")
     p.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN, help="longest sampled sequence")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--policy", default="all", help="all, or a comma list of: " + ", ".join(ORDER))
-    p.add_argument("--memory-budget-gb", type=float, default=None, help="GiB per rank for the planner")
+    p.add_argument("--memory-budget-gb", type=float, default=None, help="GiB per rank for the "
+                                                                        "planner")
     p.add_argument("--checkpoint-policy", default="auto", choices=("auto", "none", "full"))
     p.add_argument("--oversize-policy", default="error", choices=("error", "truncate", "skip"))
     p.add_argument("--max-degree", type=int, default=None, help="largest group size")
     p.add_argument("--baseline-degree", default="tuned", choices=("tuned", "min"),
-                   help="baselines' fixed SP degree: tuned (fastest that fits) or min (smallest that fits)")
+                   help="baselines' fixed SP degree: tuned (fastest that fits) or min (smallest "
+                        "that fits)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--plot", help="PNG: DCP plan timeline beside the bucket plan (needs matplotlib)")
+    p.add_argument("--plot", help="PNG: DCP plan timeline beside the bucket plan (needs "
+                                  "matplotlib)")
     p.add_argument("--save-plan", help="write the DCP plan (else the first policy's) as JSON")
     return p.parse_args(argv)
 
@@ -84,7 +93,8 @@ def policies_of(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in names if x not in POLICIES]
     if bad or not names:
-        raise DCPConfigError(f"--policy {text!r}: unknown {', '.join(bad) or 'empty'}; choose all or "
+        raise DCPConfigError(f"--policy {text!r}: unknown {', '.join(bad) or 'empty'}; choose all "
+                             "or "
                              f"from {', '.join(ORDER)}")
     return names
 
@@ -100,7 +110,8 @@ def run(args: argparse.Namespace) -> dict:
         except (ValueError, KeyError, TypeError) as err:
             raise PlanError(f"plan {args.plan!r} is not a valid plan JSON: {err}") from None
         if args.gpus is not None and args.gpus != external.world_size:
-            raise PlanError(f"--gpus {args.gpus} differs from the plan's world_size {external.world_size}")
+            raise PlanError(f"--gpus {args.gpus} differs from the plan's world_size "
+                            f"{external.world_size}")
     world = external.world_size if external else (args.gpus if args.gpus is not None else 32)
     if world < 1:
         raise PlanError(f"--gpus {world}: must be >= 1")
@@ -110,13 +121,15 @@ def run(args: argparse.Namespace) -> dict:
     lengths = list(external.lengths) if external else load_workload(args, world)
     names = policies_of(args.policy)
     base = DCPConfig(hardware=args.hardware, ranks_per_node=args.gpus_per_node,
-                     memory_budget_gb=args.memory_budget_gb, checkpoint_policy=args.checkpoint_policy,
+                     memory_budget_gb=args.memory_budget_gb,
+                     checkpoint_policy=args.checkpoint_policy,
                      oversize_policy=args.oversize_policy, max_degree=args.max_degree)
     cm = build_cost_model(model, base, world, zero_stage=args.zero_stage)
     plans: dict[str, Plan] = {}
     for name in names:
         t0 = time.perf_counter()
-        plans[name] = make_plan(lengths, world_size=world, model=model, config=base.replace(policy=name),
+        plans[name] = make_plan(lengths, world_size=world, model=model,
+                                config=base.replace(policy=name),
                                 zero_stage=args.zero_stage, cost_model=cm,
                                 baseline_degree=args.baseline_degree)
         plans[name].meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
@@ -143,12 +156,14 @@ def run(args: argparse.Namespace) -> dict:
     for name, r in results.items():
         plan = plans[name]
         out["policies"][name] = {
-            "step_time_s": r.step_time_s, "tokens_per_s": r.tokens_per_s, "efficiency": r.efficiency,
+            "step_time_s": r.step_time_s, "tokens_per_s": r.tokens_per_s,
+            "efficiency": r.efficiency,
             "imbalance": r.imbalance, "plan_ms": plan.meta.get("plan_ms", 0.0), "mfu": r.mfu,
             "speedup_vs_bucket": (ref.step_time_s / r.step_time_s) if ref else None,
             "moldable_efficiency": r.moldable_efficiency,
             "comm_share": r.comm_share, "recompute_share": r.recompute_share, "tasks": r.num_tasks,
-            "skipped": len(plan.skipped), "candidate": plan.meta.get("candidate"), "digest": plan.digest(),
+            "skipped": len(plan.skipped), "candidate": plan.meta.get("candidate"),
+            "digest": plan.digest(),
         }
     if args.save_plan:
         chosen = plans.get("dcp") or first
@@ -196,18 +211,23 @@ def plot_plans(shown: list, path: str, cm) -> None:
 
 def print_table(out: dict) -> None:
     print(f"{out['sequences']} sequences, {out['tokens']} tokens on {out['world_size']} ranks "
-          f"({out['ranks_per_node']}/node), {out['model']} on {out['hardware']}, ZeRO {out['zero_stage']}; "
-          f"lower bound {out['lower_bound_s']:.3f} s (moldable {out['moldable_lower_bound_s']:.3f} s; both "
+          f"({out['ranks_per_node']}/node), {out['model']} on {out['hardware']}, ZeRO "
+          f"{out['zero_stage']}; "
+          f"lower bound {out['lower_bound_s']:.3f} s (moldable "
+          f"{out['moldable_lower_bound_s']:.3f} s; both "
           f"incl. {out['sync_s']:.3f} s gradient sync)")
-    head = f"{'policy':<14}{'step s':>9}{'tokens/s':>11}{'vs bucket':>10}{'effic.':>8}{'(mold.)':>8}{'imbal.':>8}" \
+    head = f"{'policy':<14}{'step s':>9}{'tokens/s':>11}{'vs bucket':>10}{'effic.':>8}" \
+           f"{'(mold.)':>8}{'imbal.':>8}" \
            f"{'MFU':>6}{'recomp':>8}{'comm':>6}{'tasks':>7}{'plan ms':>9}"
     print(head)
     print("-" * len(head))
     for name, r in out["policies"].items():
         speed = f"{r['speedup_vs_bucket']:.2f}x" if r["speedup_vs_bucket"] else "-"
-        print(f"{name:<14}{r['step_time_s']:>9.3f}{r['tokens_per_s']:>11.0f}{speed:>10}{r['efficiency']:>8.3f}"
+        print(f"{name:<14}{r['step_time_s']:>9.3f}{r['tokens_per_s']:>11.0f}{speed:>10}"
+              f"{r['efficiency']:>8.3f}"
               f"{r['moldable_efficiency']:>8.3f}"
-              f"{r['imbalance']:>8.3f}{r['mfu']:>6.2f}{r['recompute_share']:>8.2f}{r['comm_share']:>6.2f}"
+              f"{r['imbalance']:>8.3f}{r['mfu']:>6.2f}{r['recompute_share']:>8.2f}"
+              f"{r['comm_share']:>6.2f}"
               f"{r['tasks']:>7}{r['plan_ms']:>9.1f}")
 
 

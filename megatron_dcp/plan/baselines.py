@@ -5,7 +5,8 @@ the longest sequence fits memory with the baseline's checkpointing. By default (
 such degree is tried and the fastest kept, as a practitioner tunes the SP degree once for a data
 set: a strong baseline. ``baseline_degree="min"`` takes the smallest one (the paper's literal "what
 the longest sequence needs"). The DCP world is tiled by the vocabulary's groups of ``D`` ranks
-(ranks no group covers stay idle). Checkpointing: ``bucket`` recomputes every layer (the paper's baseline); the
+(ranks no group covers stay idle). Checkpointing: ``bucket`` recomputes every layer (the paper's
+baseline); the
 others use one depth for the whole run, the fewest layers that fit their largest micro-batch (what a
 practitioner tunes once); ``checkpoint_policy`` none/full overrides both.
 """
@@ -34,7 +35,10 @@ def candidate_degrees(ctx: PlanContext, mode: str) -> list[int]:
     raise PlanError(f"the longest sequence ({longest} tokens) fits no group size")
 
 
-def tuned(planner: Callable[[PlanContext, int], list[Draft]]) -> Callable[[PlanContext], list[Draft]]:
+Planner = Callable[[PlanContext], list[Draft]]
+
+
+def tuned(planner: Callable[[PlanContext, int], list[Draft]]) -> Planner:
     """The baseline at its best fixed degree: a practitioner tunes the SP degree once for the data
     set, so the baseline gets every power-of-two degree at which the longest sequence fits and
     keeps the fastest (lockstep barriers included)."""
@@ -124,7 +128,8 @@ def _best_fit(ctx: PlanContext, order: list[int], budget: int, degree: int) -> l
     return bins
 
 
-def _equal_count(ctx: PlanContext, bins: list[list[int]], starts: list[int]) -> list[list[list[int]]]:
+def _equal_count(ctx: PlanContext, bins: list[list[int]],
+                 starts: list[int]) -> list[list[list[int]]]:
     """Bins to groups: the same number per group (up to one), balancing tokens greedily."""
     per_group = -(-len(bins) // len(starts))
     heap = [(0, g) for g in range(len(starts))]
@@ -220,9 +225,11 @@ def _greedy_cp(ctx: PlanContext, cap: int, depth: int) -> list[Draft]:
     size_of = {}
     for i in ctx.active:
         want = 1 << max(0, math.ceil(math.log2(max(1, -(-ctx.lengths[i] // cap)))))
-        fits = [s for s in pow2 if s >= want and ctx.ckpt_for(padded(ctx.lengths[i], s), s, "min") is not None]
+        fits = [s for s in pow2 if s >= want and ctx.ckpt_for(padded(ctx.lengths[i], s), s,
+                                                              "min") is not None]
         if not fits:
-            fits = [s for s in vocab.sizes if ctx.ckpt_for(padded(ctx.lengths[i], s), s, "min") is not None]
+            fits = [s for s in vocab.sizes if ctx.ckpt_for(padded(ctx.lengths[i], s), s,
+                                                           "min") is not None]
         size_of[i] = fits[0]
     work = {i: ctx.lengths[i] ** 2 / size_of[i] for i in ctx.active}
     remaining = sorted(ctx.active, key=lambda i: (-work[i], i))

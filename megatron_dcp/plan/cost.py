@@ -8,7 +8,7 @@ video DiT), degree ``d = ulysses * ring`` and ``c`` recomputed layers of ``N``::
     linear   = max(T/d * N * 2*P_layer * passes + T/d * 2*V*h * 3) / linear_flops,
                    weight bytes * passes / hbm_bandwidth)          GEMMs, or weight streaming
     attn     = U/d * N * 4*h * (3.5 + c/N) / attention_flops     flash bwd ~2.5x fwd
-    ring     = (r-1) * (T/d) * 2*kv_dim*2 B * N * (3 + c/N) / bw  overlapped with attn: max(attn, ring)
+    ring     = (r-1) * (T/d) * 2*kv_dim*2 B * N * (3 + c/N) / bw   hidden by attn: max(attn, ring)
     ulysses  = T/d * (2h + 2*kv_dim)*2 B * (u-1)/u * N * (2 + c/N) / bw   not overlapped
     other    = T/d * N * token_overhead * passes/3 + task_overhead
 
@@ -37,12 +37,12 @@ BF16 = 2
 RESERVE_BYTES = 4e9
 """Memory per rank not available to the planner: CUDA context, NCCL buffers, fragmentation."""
 LAUNCH_S_PER_LAYER = 90 * 2e-6
-"""Analytic task overhead: about 90 kernels per layer (fwd+bwd) at 2 us each when kernels are short."""
+"""Analytic task overhead: ~90 kernels per layer (fwd+bwd), 2 us each when kernels are short."""
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How a degree is split: ``ulysses * ring`` ranks and whether each sub-group is inside a node."""
+    """A degree split into ``ulysses * ring`` ranks, and whether each sub-group is inside a node."""
 
     ulysses: int
     ring: int
@@ -72,7 +72,8 @@ class PlanError(ValueError):
 class CostModel:
     """Time and memory of tasks for one model on one hardware at one DCP world size."""
 
-    def __init__(self, model: ModelShape, hardware: Hardware, *, world_size: int, zero_stage: int = 1,
+    def __init__(self, model: ModelShape, hardware: Hardware, *, world_size: int,
+                 zero_stage: int = 1,
                  ranks_per_node: Optional[int] = None, memory_budget: Optional[float] = None,
                  memory_fraction: float = 0.9, attention_layout: str = "auto") -> None:
         if zero_stage not in (0, 1, 2, 3):
@@ -100,7 +101,7 @@ class CostModel:
         self._attn_layer = 4 * h / hardware.attention_flops
         self._weights_pass = BF16 * self.params / hardware.hbm_bandwidth
         tok = hardware.token_overhead_s
-        self._token_layer = (tok if tok is not None else 2 * self.act_bytes / hardware.hbm_bandwidth)
+        self._token_layer = tok if tok is not None else 2 * self.act_bytes / hardware.hbm_bandwidth
         ovh = hardware.task_overhead_s
         self.task_overhead = ovh if ovh is not None else n * LAUNCH_S_PER_LAYER
         self._a2a_bytes = BF16 * (2 * h + 2 * kv_dim)
@@ -115,7 +116,8 @@ class CostModel:
                 f"memory budget {self.budget / 2**30:.1f} GiB per rank is below the static memory "
                 f"{(self.static_memory + RESERVE_BYTES) / 2**30:.1f} GiB of {m.name} "
                 f"({self.params / 1e9:.2f}B parameters, ZeRO stage {zero_stage}, DCP world "
-                f"{world_size}, {RESERVE_BYTES / 2**30:.1f} GiB reserve): raise the budget or the ZeRO stage"
+                f"{world_size}, {RESERVE_BYTES / 2**30:.1f} GiB reserve): raise the budget or the "
+                "ZeRO stage"
             )
         self._layouts: dict[int, list[Layout]] = {}
         self._best_layout: dict[tuple, Layout] = {}
@@ -135,12 +137,14 @@ class CostModel:
     def token_bytes(self, ckpt: int) -> float:
         """Activation bytes per local token with ``ckpt`` recomputed layers."""
         n = self.model.num_layers
-        return (n - ckpt) * self.act_bytes + ckpt * self.ckpt_bytes + (self.act_bytes if ckpt else 0) \
-            + self.logit_bytes
+        recompute_buffer = self.act_bytes if ckpt else 0
+        kept = (n - ckpt) * self.act_bytes + ckpt * self.ckpt_bytes
+        return kept + recompute_buffer + self.logit_bytes
 
     def memory_of(self, tokens: int, degree: int, ckpt: int) -> float:
         """Peak bytes per rank of a task with ``tokens`` tokens over ``degree`` ranks."""
-        return self.static_memory + RESERVE_BYTES + math.ceil(tokens / degree) * self.token_bytes(ckpt)
+        local = math.ceil(tokens / degree)
+        return self.static_memory + RESERVE_BYTES + local * self.token_bytes(ckpt)
 
     def min_ckpt(self, tokens: int, degree: int) -> Optional[int]:
         """Fewest recomputed layers for which the task fits the budget; ``None``: none does."""
@@ -173,7 +177,8 @@ class CostModel:
         """Link kinds of a placed group with a given Ulysses degree."""
         rpn = self.ranks_per_node
         ring = len(ranks) // ulysses
-        u_intra = all(ranks[j] // rpn == ranks[j + ulysses - 1] // rpn for j in range(0, len(ranks), ulysses))
+        u_intra = all(ranks[j] // rpn == ranks[j + ulysses - 1] // rpn
+                      for j in range(0, len(ranks), ulysses))
         first = ranks[0] // rpn
         r_intra = all(r // rpn == first for r in ranks)
         return Layout(ulysses, ring, u_intra, r_intra)
@@ -208,7 +213,8 @@ class CostModel:
         rc = ckpt / n
         passes = 3.0 + rc
         local = tokens / d
-        linear = max(local * (n * self._lin_layer * passes + self._lin_head), self._weights_pass * passes)
+        linear = max(local * (n * self._lin_layer * passes + self._lin_head),
+                     self._weights_pass * passes)
         attn = pairs / d * n * self._attn_layer * (3.5 + rc)
         if layout.ring > 1:
             hw = self.hw
@@ -252,7 +258,8 @@ class CostModel:
             t += n * (2.0 + rc) * local * self._a2a_bytes * (u - 1) / u / bw
         return t
 
-    def best_time(self, tokens: float, pairs: float, degree: int, ckpt: int) -> tuple[float, Layout]:
+    def best_time(self, tokens: float, pairs: float, degree: int,
+                  ckpt: int) -> tuple[float, Layout]:
         """Fastest allowed layout of an aligned group of ``degree`` ranks.
 
         The layout is chosen on a canonical representative of the task's size class (tokens and
@@ -276,7 +283,8 @@ class CostModel:
             self._best_layout[key] = lay
         return self.time_of(tokens, pairs, lay, ckpt), lay
 
-    def exact_best_time(self, tokens: float, pairs: float, degree: int, ckpt: int) -> tuple[float, Layout]:
+    def exact_best_time(self, tokens: float, pairs: float, degree: int,
+                        ckpt: int) -> tuple[float, Layout]:
         """`best_time` over every layout for this exact task (slower)."""
         best = None
         for lay in self.layouts(degree):
@@ -312,12 +320,14 @@ class CostModel:
     def time(self, task: Task, lengths: Sequence[int]) -> float:
         """Predicted seconds of ``task`` placed on its ranks."""
         tokens, pairs = self._task_sizes(task, lengths)
-        return self.time_of(tokens, pairs, self.group_layout(task.ranks, task.ulysses), task.ckpt_layers)
+        return self.time_of(tokens, pairs, self.group_layout(task.ranks, task.ulysses),
+                            task.ckpt_layers)
 
     def task_breakdown(self, task: Task, lengths: Sequence[int]) -> TimeBreakdown:
         """`breakdown` of a placed task."""
         tokens, pairs = self._task_sizes(task, lengths)
-        return self.breakdown(tokens, pairs, self.group_layout(task.ranks, task.ulysses), task.ckpt_layers)
+        return self.breakdown(tokens, pairs, self.group_layout(task.ranks, task.ulysses),
+                              task.ckpt_layers)
 
     def memory(self, task: Task, lengths: Sequence[int]) -> float:
         """Predicted peak bytes per rank of ``task`` (static memory included)."""
@@ -329,7 +339,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ step level
     def sync_time(self) -> float:
-        """Gradient reduction (and parameter gather for ZeRO >= 1) plus optimizer step, once per step."""
+        """Gradient reduction (+ parameter gather for ZeRO >= 1) and optimizer step, once a step."""
         w = self.world_size
         if w == 1:
             comm = 0.0

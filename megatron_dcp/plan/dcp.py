@@ -120,7 +120,8 @@ def _pack(ctx: PlanContext, infos: list[_SeqInfo], mode: str, limit: float) -> l
     by_degree: dict[int, list[_SeqInfo]] = {}
     for info in infos:
         if info.time > limit:
-            tasks.append([[info.i], padded(info.length, info.degree), info.pairs, info.degree, info.time])
+            tasks.append([[info.i], padded(info.length, info.degree), info.pairs, info.degree,
+                          info.time])
         else:
             by_degree.setdefault(info.degree, []).append(info)
     for degree, items in by_degree.items():
@@ -244,9 +245,10 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
         per_rank, longest = _degree_choice(ctx, infos, mode)
         bound = max(per_rank, longest)
         rpn = ctx.vocab.ranks_per_node
-        passes = [(rpn, 1.0, 0.02), (1, 1.0, 0.05), (1, 1.05, 0.05), (1, 1.03, 0.5), (rpn, 1.0, 0.1),
-                  (1, 1.0, 0.2), (2, 1.0, 0.05), (1, 1.03, 0.34), (1, 1.2, 0.05), (2, 1.2, 0.05),
-                  (4, 1.3, 0.05), (1, 1.3, 0.05)]
+        # (degree floor, target factor, packing grain), most useful first
+        passes = [(rpn, 1.0, 0.02), (1, 1.0, 0.05), (1, 1.05, 0.05), (1, 1.03, 0.5),
+                  (rpn, 1.0, 0.1), (1, 1.0, 0.2), (2, 1.0, 0.05), (1, 1.03, 0.34),
+                  (1, 1.2, 0.05), (2, 1.2, 0.05), (4, 1.3, 0.05), (1, 1.3, 0.05)]
         passes = [p for p in passes if p[0] in ctx.vocab.sizes]
         size = len(ctx.active) * ctx.world
         count = 2 if size > 2_000_000 else 4 if size > 10_000 else len(passes)

@@ -16,7 +16,7 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
       "attention_flops": 4.5e14,       # measured FLOP/s of the attention kernel (fwd+bwd average)
       "hbm_bytes": 8.0e10,             # device memory per rank, bytes
       "hbm_bandwidth": 3.35e12,        # device memory bandwidth, bytes/s
-      "intra_bandwidth": 3.0e11,       # achievable per-rank all-to-all / P2P bandwidth inside a node, bytes/s
+      "intra_bandwidth": 3.0e11,       # achievable per-rank all-to-all / P2P bytes/s inside a node
       "intra_latency": 5e-6,           # per-collective latency inside a node, s
       "inter_bandwidth": 4.0e10,       # achievable per-rank bandwidth between nodes, bytes/s
       "inter_latency": 1.5e-5,         # per-collective latency between nodes, s
@@ -24,7 +24,7 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
       "token_overhead_s": null,        # measured seconds per token per layer of non-GEMM work
                                        # (norms, rotary, activation, loss), fwd+bwd; null: analytic
       "task_overhead_s": null,         # measured fixed seconds per task (micro-step) besides
-                                       # weight streaming: kernel launches, optimizer hooks; null: analytic
+                                       # weight streaming: kernel launches, hooks; null: analytic
       "measured": {...}                # free-form raw measurements, kept but not used
     }
 
@@ -82,7 +82,8 @@ class Hardware:
                 continue
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise HardwareError(f"hardware {self.name!r}: {f.name}={value!r} must be a positive number")
+                raise HardwareError(f"hardware {self.name!r}: {f.name}={value!r} must be a "
+                                    "positive number")
         if int(self.ranks_per_node) != self.ranks_per_node:
             raise HardwareError(f"hardware {self.name!r}: ranks_per_node must be an integer")
         for key in ("token_overhead_s", "task_overhead_s"):
@@ -113,7 +114,8 @@ PRESETS: dict[str, Hardware] = {
         attention_flops=989e12 * 0.45,
         hbm_bytes=141e9,  # data sheet: 141 GB HBM3e
         hbm_bandwidth=4.8e12,  # data sheet: 4.8 TB/s
-        intra_bandwidth=300e9,  # NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction, ~2/3 achieved
+        intra_bandwidth=300e9,
+        # NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction, ~2/3 achieved
         intra_latency=5e-6,  # nccl-tests small-message latency inside an HGX node
         inter_bandwidth=40e9,  # 8x ConnectX-7 400 Gb/s per node = 50 GB/s per GPU, ~80 % achieved
         inter_latency=15e-6,  # InfiniBand NDR + NCCL protocol latency
@@ -139,7 +141,8 @@ PRESETS: dict[str, Hardware] = {
         attention_flops=312e12 * 0.50,  # FlashAttention-2 paper: 50-73 % fwd, less bwd on A100
         hbm_bytes=80e9,  # A100 80GB
         hbm_bandwidth=2.039e12,  # data sheet: 2,039 GB/s
-        intra_bandwidth=200e9,  # NVLink 3: 600 GB/s bidirectional = 300 per direction, ~2/3 achieved
+        intra_bandwidth=200e9,
+        # NVLink 3: 600 GB/s bidirectional = 300 per direction, ~2/3 achieved
         intra_latency=6e-6,
         inter_bandwidth=20e9,  # DGX A100: 8x HDR 200 Gb/s = 25 GB/s per GPU, ~80 % achieved
         inter_latency=15e-6,
@@ -153,7 +156,8 @@ def load_hardware(name_or_path: "str | Hardware") -> Hardware:
     if isinstance(name_or_path, Hardware):
         return name_or_path
     if not isinstance(name_or_path, str) or not name_or_path:
-        raise HardwareError(f"hardware must be a preset name or a profile JSON path, got {name_or_path!r}")
+        raise HardwareError("hardware must be a preset name or a profile JSON path, got "
+                            f"{name_or_path!r}")
     key = name_or_path.lower()
     if key in PRESETS:
         return PRESETS[key]
@@ -186,17 +190,21 @@ def hardware_from_dict(data: dict[str, Any], where: str = "hardware profile") ->
     known = {f.name for f in fields(Hardware)}
     unknown = sorted(set(data) - known - {"format_version", "base"})
     if unknown:
-        raise HardwareError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise HardwareError(f"{where}: unknown key(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(sorted(known))}")
     values: dict[str, Any] = {}
     base = data.get("base")
     if base is not None:
         if str(base).lower() not in PRESETS:
-            raise HardwareError(f"{where}: unknown base preset {base!r} (presets: {', '.join(PRESETS)})")
+            raise HardwareError(f"{where}: unknown base preset {base!r} (presets: "
+                                f"{', '.join(PRESETS)})")
         values.update(asdict(PRESETS[str(base).lower()]))
     values.update({k: v for k, v in data.items() if k in known})
     values.setdefault("name", os.path.basename(where))
     missing = sorted(f.name for f in fields(Hardware) if f.name not in values
-                     and f.name not in ("ranks_per_node", "token_overhead_s", "task_overhead_s", "measured"))
+                     and f.name not in ("ranks_per_node", "token_overhead_s", "task_overhead_s",
+                                        "measured"))
     if missing:
-        raise HardwareError(f"{where}: missing field(s) {', '.join(missing)} (or give \"base\": a preset)")
+        raise HardwareError(f"{where}: missing field(s) {', '.join(missing)} (or give \"base\": a "
+                            "preset)")
     return Hardware(**values)

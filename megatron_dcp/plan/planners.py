@@ -30,11 +30,12 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
     budget = config.memory_budget_gb * 2**30 if config.memory_budget_gb is not None else None
     return CostModel(model, hw, world_size=world_size, zero_stage=zero_stage,
                      ranks_per_node=config.ranks_per_node, memory_budget=budget,
-                     memory_fraction=config.memory_fraction, attention_layout=config.attention_layout)
+                     memory_fraction=config.memory_fraction,
+                     attention_layout=config.attention_layout)
 
 
 def _oversize(ctx: PlanContext, policy: str) -> list[int]:
-    """Apply the oversize policy; returns skipped sequence indices (lengths are truncated in place)."""
+    """Apply the oversize policy: returns the skipped sequences (truncation is done in place)."""
     sizes = ctx.vocab.sizes
     top = sizes[-1]
     mode = "none" if ctx.ckpt_policy == "none" else "full"
@@ -54,12 +55,13 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
         elif policy == "skip":
             skipped.append(i)
         else:
+            budget_gib = ctx.cm.budget / 2**30
             why = (f"exceeds the model's max_position {limit}" if too_long_model else
-                   f"fits no group of at most {top} ranks in {ctx.cm.budget / 2**30:.1f} GiB per rank")
+                   f"fits no group of at most {top} ranks in {budget_gib:.1f} GiB per rank")
             raise PlanError(
-                f"sequence {i} has {n} tokens and {why}; the largest length that fits is {max(fit_len, 0)} "
-                "tokens (set dcp.oversize_policy to truncate or skip, raise the memory budget, the ZeRO "
-                "stage or max_degree)"
+                f"sequence {i} has {n} tokens and {why}; the largest length that fits is "
+                f"{max(fit_len, 0)} tokens (set dcp.oversize_policy to truncate or skip, raise "
+                "the memory budget, the ZeRO stage or max_degree)"
             )
     return skipped
 
@@ -90,7 +92,8 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     config.check_world(world_size)
     cm = cost_model or build_cost_model(model, config, world_size, hardware, zero_stage)
     vocab = Vocabulary(world_size, cm.ranks_per_node, config.max_degree)
-    ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab, ckpt_policy=config.checkpoint_policy,
+    ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab,
+                      ckpt_policy=config.checkpoint_policy,
                       pack_tokens=config.pack_tokens, baseline_degree=baseline_degree)
     if baseline_degree not in ("tuned", "min"):
         raise PlanError(f"baseline_degree={baseline_degree!r}: must be tuned or min")
@@ -98,7 +101,8 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     skip = set(skipped)
     ctx.active = [i for i in range(len(clean)) if i not in skip]
     policy = config.policy
-    meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name, "zero_stage": cm.zero_stage,
+    meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
+            "zero_stage": cm.zero_stage,
             "vocabulary_groups": len(vocab)}
     if not ctx.active:
         plan = Plan(tasks=(), lengths=tuple(clean), world_size=world_size, policy=policy,

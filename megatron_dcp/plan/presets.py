@@ -60,7 +60,8 @@ def load_model(name_or_path: "str | ModelShape | dict[str, Any]") -> ModelShape:
         except FileNotFoundError:
             raise ModelPresetError(f"model JSON {name_or_path!r} does not exist") from None
         except (OSError, json.JSONDecodeError) as err:
-            raise ModelPresetError(f"model JSON {name_or_path!r} is not readable JSON: {err}") from None
+            raise ModelPresetError(
+                f"model JSON {name_or_path!r} is not readable JSON: {err}") from None
         return _from_dict(data, name_or_path)
     raise ModelPresetError(
         f"unknown model {name_or_path!r}: use a preset ({', '.join(MODEL_PRESETS)}) or a JSON file "
@@ -76,7 +77,8 @@ def _from_dict(data: Any, where: str) -> ModelShape:
     try:
         if base is not None:
             if str(base).lower() not in MODEL_PRESETS:
-                raise ModelPresetError(f"{where}: unknown base preset {base!r} ({', '.join(MODEL_PRESETS)})")
+                raise ModelPresetError(f"{where}: unknown base preset {base!r} "
+                                       f"({', '.join(MODEL_PRESETS)})")
             unknown = sorted(set(data) - set(ModelShape.__dataclass_fields__))
             if unknown:
                 raise ModelPresetError(f"{where}: unknown model shape key(s) {', '.join(unknown)}")

@@ -67,7 +67,7 @@ class PlanContext:
         return self.vocab.world_size
 
     def ckpt_for(self, padded_tokens: int, degree: int, mode: str) -> Optional[int]:
-        """Checkpoint depth of a task under ``mode`` (min, full, none); ``None``: it does not fit."""
+        """Checkpoint depth of a task under ``mode`` (min, full, none); ``None``: does not fit."""
         local = -(-padded_tokens // degree)
         if mode == "none":
             return 0 if local <= self._local0 else None
@@ -139,7 +139,7 @@ class BlockClock:
         self.heaps: dict[int, list[tuple[float, int]]] = {}
 
     def peek(self, size: int) -> tuple[int, float]:
-        """The group of ``size`` ranks that frees first: (start rank, time all its ranks are free)."""
+        """The group of ``size`` ranks that frees first: (start rank, when all of it is free)."""
         heap = self.heaps.get(size)
         if heap is None:
             heap = [(0.0, s) for s in self.vocab.starts(size)]
@@ -165,7 +165,7 @@ class BlockClock:
             heapq.heapreplace(heap, (end, start))
 
     def place(self, size: int, duration: float) -> tuple[int, float]:
-        """Put a task of ``size`` ranks on the group that frees first; returns (start rank, start)."""
+        """Put a task of ``size`` ranks on the group that frees first: (start rank, start)."""
         start, at = self.peek(size)
         self.occupy(start, size, at + duration)
         return start, at
@@ -196,7 +196,8 @@ def lighten(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
         tokens = sum(padded(ctx.lengths[s], d.size) for s in d.seqs)
         ckpt = ctx.ckpt_for(tokens, d.size, ctx.dcp_mode())
         if ckpt is None or ckpt >= d.ckpt:
-            result.append(Draft(d.start_rank, d.size, d.seqs, d.ckpt, d.layout, d.duration, d.release,
+            result.append(Draft(d.start_rank, d.size, d.seqs, d.ckpt, d.layout, d.duration,
+                                d.release,
                                 d.tokens, d.start))
         else:
             result.append(ctx.draft(d.start_rank, d.size, d.seqs, ckpt, d.release))

@@ -52,13 +52,15 @@ class SimResult:
 
 
 def lower_bound(lengths: Sequence[int], cm: CostModel, *, world_size: Optional[int] = None,
-                max_degree: Optional[int] = None, ckpt_policy: str = "auto", moldable: bool = False) -> float:
+                max_degree: Optional[int] = None, ckpt_policy: str = "auto",
+                moldable: bool = False) -> float:
     """The larger of `_bound` with ring traffic fully hidden and half hidden (both valid)."""
     return max(_bound(lengths, cm, world_size, max_degree, ckpt_policy, moldable, hidden)
                for hidden in (1.0, 0.5))
 
 
-def _bound(lengths: Sequence[int], cm: CostModel, world_size: Optional[int], max_degree: Optional[int],
+def _bound(lengths: Sequence[int], cm: CostModel, world_size: Optional[int],
+           max_degree: Optional[int],
            ckpt_policy: str, moldable: bool, hidden: float) -> float:
     """Seconds (without the step's ``sync_time``) that no plan over the vocabulary's group sizes
     can beat: ``max(longest sequence at its fastest degree, total minimal work / ranks)``, work =
@@ -125,7 +127,8 @@ def _bound(lengths: Sequence[int], cm: CostModel, world_size: Optional[int], max
             total += min((w_d for t_d, w_d in opts if t_d <= limit), default=math.inf)
         return total <= world * limit
 
-    low, high = bound, max([bound] + [opts[-1][0] for opts in frontier] + [o[0] for f in frontier for o in f])
+    high = max([bound] + [t_d for opts in frontier for t_d, _ in opts])
+    low = bound
     if not frontier or feasible(low):
         return low
     for _ in range(60):
@@ -165,7 +168,8 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
     step = end_max + sync
     ran = [plan.lengths[s] for s in seqs]
     if bound is None:
-        bound = lower_bound(ran, cm, world_size=world, max_degree=max_degree, ckpt_policy=ckpt_policy)
+        bound = lower_bound(ran, cm, world_size=world, max_degree=max_degree,
+                            ckpt_policy=ckpt_policy)
     if moldable_bound is None:
         moldable_bound = lower_bound(ran, cm, world_size=world, max_degree=max_degree,
                                      ckpt_policy=ckpt_policy, moldable=True)
@@ -176,7 +180,8 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
         tokens_per_s=tokens / step if step > 0 else 0.0,
         lower_bound_s=bound + sync, efficiency=(bound + sync) / step if step > 0 else 1.0,
         imbalance=(max(busy) / mean_busy - 1.0) if mean_busy > 0 else 0.0,
-        comm_share=comm / total if total else 0.0, recompute_share=recompute / total if total else 0.0,
+        comm_share=comm / total if total else 0.0,
+        recompute_share=recompute / total if total else 0.0,
         mfu=flops / (step * world * cm.hw.peak_flops) if step > 0 else 0.0,
         moldable_lower_bound_s=moldable_bound + sync,
         moldable_efficiency=(moldable_bound + sync) / step if step > 0 else 1.0,

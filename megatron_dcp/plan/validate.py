@@ -11,7 +11,8 @@ from megatron_dcp.plan.plan import Plan
 _EPS = 1e-9
 
 
-def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *, cost_model: Optional[CostModel] = None,
+def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
+                  cost_model: Optional[CostModel] = None,
                   check_times: bool = True) -> None:
     """Raise `PlanError` naming the first violated rule.
 
@@ -45,17 +46,20 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *, cost_model:
         if bad:
             raise PlanError(f"task {t.id} uses rank(s) {bad} outside the world of {world}")
         if t.ulysses < 1 or t.ring < 1 or t.ulysses * t.ring != len(t.ranks):
-            raise PlanError(f"task {t.id}: ulysses {t.ulysses} x ring {t.ring} != {len(t.ranks)} ranks")
+            raise PlanError(f"task {t.id}: ulysses {t.ulysses} x ring {t.ring} != {len(t.ranks)} "
+                            "ranks")
         if t.ckpt_layers < 0 or (model is not None and t.ckpt_layers > model.num_layers):
             raise PlanError(f"task {t.id}: ckpt_layers {t.ckpt_layers} out of range")
         if model is not None and (model.num_heads % t.ulysses or model.kv_heads % t.ulysses):
-            raise PlanError(f"task {t.id}: Ulysses degree {t.ulysses} does not divide the {model.num_heads} "
+            raise PlanError(f"task {t.id}: Ulysses degree {t.ulysses} does not divide the "
+                            f"{model.num_heads} "
                             f"heads and {model.kv_heads} KV heads of {model.name}")
         if not t.seqs:
             raise PlanError(f"task {t.id} has no sequences")
         for s in t.seqs:
             if not 0 <= s < n:
-                raise PlanError(f"task {t.id} names sequence {s}, not in the batch of {n} sequences")
+                raise PlanError(f"task {t.id} names sequence {s}, not in the batch of {n} "
+                                "sequences")
             if s in skipped:
                 raise PlanError(f"sequence {s} is skipped but task {t.id} runs it")
             if s in seen:
@@ -70,7 +74,8 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *, cost_model:
         for t in plan.tasks:
             mem = cost_model.memory(t, plan.lengths)
             if mem > cost_model.budget * (1 + 1e-9):
-                raise PlanError(f"task {t.id} needs {mem / 2**30:.2f} GiB per rank, above the budget "
+                raise PlanError(f"task {t.id} needs {mem / 2**30:.2f} GiB per rank, above the "
+                                "budget "
                                 f"{cost_model.budget / 2**30:.2f} GiB")
     if check_times:
         order = sorted(plan.tasks, key=lambda t: (t.start, t.id))
@@ -79,7 +84,8 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *, cost_model:
         for t in order:
             for r in t.ranks:
                 if t.start + _EPS * max(1.0, t.start) < last_end[r]:
-                    raise PlanError(f"rank {r} is in task {last_task[r]} and task {t.id} at the same time "
+                    raise PlanError(f"rank {r} is in task {last_task[r]} and task {t.id} at the "
+                                    "same time "
                                     f"(starts at {t.start:.6f} s before {last_end[r]:.6f} s)")
                 last_end[r] = t.start + t.duration
                 last_task[r] = t.id

@@ -30,9 +30,11 @@ def _nice(k: int) -> bool:
 class Vocabulary:
     """Allowed groups of a DCP world of ``world_size`` ranks, ``ranks_per_node`` per node."""
 
-    def __init__(self, world_size: int, ranks_per_node: int, max_degree: Optional[int] = None) -> None:
+    def __init__(self, world_size: int, ranks_per_node: int,
+                 max_degree: Optional[int] = None) -> None:
         if world_size < 1 or ranks_per_node < 1:
-            raise ValueError(f"world_size={world_size} and ranks_per_node={ranks_per_node} must be >= 1")
+            raise ValueError(f"world_size={world_size} and ranks_per_node={ranks_per_node} must "
+                             "be >= 1")
         self.world_size = world_size
         self.ranks_per_node = rpn = min(ranks_per_node, world_size)
         cap = max_degree or world_size
@@ -44,7 +46,8 @@ class Vocabulary:
                 if not starts or starts[-1] != start:
                     starts.append(start)
 
-        intra = sorted({s for s in range(1, rpn + 1) if (s & (s - 1)) == 0 or s == rpn or s in ODD_SIZES})
+        intra = sorted({s for s in range(1, rpn + 1)
+                        if (s & (s - 1)) == 0 or s == rpn or s in ODD_SIZES})
         for node_start in range(0, world_size, rpn):
             node_size = min(rpn, world_size - node_start)
             for s in intra:
@@ -60,7 +63,7 @@ class Vocabulary:
         self.sizes: tuple[int, ...] = tuple(self._starts)
 
     def starts(self, size: int) -> tuple[int, ...]:
-        """First ranks of the groups of ``size`` ranks (empty if the size is not in the vocabulary)."""
+        """First ranks of groups of ``size`` ranks (empty: the size is not in the vocabulary)."""
         return self._starts.get(size, ())
 
     def groups(self) -> Iterator[tuple[int, ...]]:
@@ -76,7 +79,8 @@ class Vocabulary:
         if not ranks:
             return False
         start, size = ranks[0], len(ranks)
-        return tuple(ranks) == tuple(range(start, start + size)) and start in self._starts.get(size, ())
+        return tuple(ranks) == tuple(range(start,
+                                           start + size)) and start in self._starts.get(size, ())
 
     def max_groups_per_rank(self) -> int:
         """Most groups any one rank belongs to (communicators it holds)."""

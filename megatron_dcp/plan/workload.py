@@ -37,10 +37,11 @@ class WorkloadError(ValueError):
 
 
 def validate_lengths(lengths: Iterable, where: str = "lengths") -> list[int]:
-    """Lengths as a list of positive ints; non-integers, non-positive values, an empty batch raise."""
+    """Lengths as a list of positive ints; non-integers, non-positive values or no values raise."""
     result: list[int] = []
     for i, value in enumerate(lengths):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__index__"):
+        integer_like = isinstance(value, (int, float)) or hasattr(value, "__index__")
+        if isinstance(value, bool) or not integer_like:
             raise WorkloadError(f"{where}: sequence {i} has length {value!r}, not an integer")
         if isinstance(value, float):
             if not value.is_integer():
@@ -60,7 +61,8 @@ def video_lengths(shapes: Sequence[Sequence[int]]) -> list[int]:
     result = []
     for i, shape in enumerate(shapes):
         if len(shape) != 3 or any(int(x) != x or x < 1 for x in shape):
-            raise WorkloadError(f"video {i}: shape {tuple(shape)!r} must be three positive integers "
+            raise WorkloadError(f"video {i}: shape {tuple(shape)!r} must be three positive "
+                                "integers "
                                 "(frames, height, width)")
         frames, height, width = (int(x) for x in shape)
         result.append(frames * height * width)
@@ -102,7 +104,8 @@ def sample_lengths(dist: str, global_batch_tokens: int, *, seed: int = 0,
     """Lengths drawn from a built-in distribution until ``global_batch_tokens`` is reached (the last
     sequence is cut so the total is exact)."""
     if dist not in DISTRIBUTIONS:
-        raise WorkloadError(f"unknown distribution {dist!r}: choose one of {', '.join(DISTRIBUTIONS)}")
+        raise WorkloadError(f"unknown distribution {dist!r}: choose one of "
+                            f"{', '.join(DISTRIBUTIONS)}")
     if global_batch_tokens < 1:
         raise WorkloadError(f"global batch tokens {global_batch_tokens} must be >= 1")
     if max_len < 1:
@@ -135,7 +138,8 @@ def read_lengths_file(path: str) -> list[int]:
         try:
             value = int(text)
         except ValueError:
-            raise WorkloadError(f"{path}:{number}: {text!r} is not an integer token count") from None
+            raise WorkloadError(
+                f"{path}:{number}: {text!r} is not an integer token count") from None
         if value < 1:
             raise WorkloadError(f"{path}:{number}: length {value} must be >= 1")
         values.append(value)
@@ -157,10 +161,12 @@ def read_idx_lengths(path: str) -> list[int]:
         with open(path, "rb") as handle:
             head = handle.read(header)
             if len(head) < header or head[:9] != IDX_MAGIC:
-                raise WorkloadError(f"{path}: not a Megatron indexed dataset index (bad magic or too short)")
+                raise WorkloadError(f"{path}: not a Megatron indexed dataset index (bad magic or "
+                                    "too short)")
             (version,) = struct.unpack("<Q", head[9:17])
             if version != 1:
-                raise WorkloadError(f"{path}: index version {version} is not supported (expected 1)")
+                raise WorkloadError(f"{path}: index version {version} is not supported (expected "
+                                    "1)")
             (count,) = struct.unpack("<Q", head[18:26])
             if header + 4 * count > size:
                 raise WorkloadError(f"{path}: truncated: header says {count} sequences")
