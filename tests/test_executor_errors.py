@@ -62,7 +62,14 @@ def _bad_inputs(rank: int, world_size: int) -> dict:
         out["batch"] = "no error"
     except BatchError as exc:
         out["batch"] = str(exc)
-    # 4. The group is not poisoned: a good plan still runs.
+    # 4. A structurally invalid plan (sequence 2 in no task): every rank raises.
+    holes = Plan.from_dict(plan_dict([task(0, [0], [0, 1])], lengths, world_size))
+    try:
+        _run(holes, rank, model, pool)
+        out["invalid"] = "no error"
+    except BatchError as exc:
+        out["invalid"] = str(exc)
+    # 5. The group is not poisoned: a good plan still runs.
     model.zero_grad()
     out["after"] = _run(good, rank, model, pool).loss
     return out
@@ -79,6 +86,7 @@ def test_bad_input_raises_on_every_rank():
         assert "max_position 64" in res["too_long"]
         assert "rank 1: sequence 2 of task 1" in res["batch"], res["batch"]
         assert "holds shape (5,)" in res["batch"]
+        assert "invalid plan: sequence(s) [2] are in no task" in res["invalid"], res["invalid"]
     ref_loss, _ = reference("decoder", (10, 20, 7))
     assert abs(results[0]["after"] - ref_loss) <= 1e-5 * ref_loss
 
