@@ -233,6 +233,16 @@ def test_checkpoint_depth_is_fewest_that_fit():
     assert all(t.ckpt_layers == LLAMA.num_layers for t in full.tasks)
 
 
+def test_pack_tokens_caps_packed_tasks():
+    lengths = sample_lengths("short", 8 * 40_000, seed=4)
+    plan = plan_for(lengths, world=8, pack_tokens=4096)
+    validate_plan(plan, LLAMA)
+    for t in plan.tasks:
+        if len(t.seqs) > 1:
+            assert sum(plan.lengths[s] for s in t.seqs) <= 4096
+    assert any(len(t.seqs) > 1 for t in plan.tasks)
+
+
 def test_oversize_policies():
     with pytest.raises(PlanError) as err:
         plan_for([1000, 3_000_000], world=2)

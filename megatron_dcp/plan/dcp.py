@@ -21,7 +21,8 @@ One *pass* of the planner, for a degree floor ``f``, a target makespan ``M`` and
 passes (fewer for large inputs, to stay within the latency budget) are tried and the shortest plan
 is kept. For inputs up to ``BASELINE_CANDIDATE_LIMIT`` sequences x ranks, the baselines' own plans,
 lightened by DCP-intra (fewest recomputed layers per task, barriers dropped, same order: never
-longer), are candidates too, so DCP is never slower than a baseline there by construction.
+longer), are candidates too, so DCP is never slower than a baseline there by construction
+(unless ``pack_tokens`` is set: a baseline plan that packs beyond it is not a candidate).
 """
 
 from __future__ import annotations
@@ -114,8 +115,10 @@ def _degree_choice(ctx: PlanContext, infos: list[_SeqInfo], mode: str) -> tuple[
 
 def _pack(ctx: PlanContext, infos: list[_SeqInfo], mode: str, limit: float) -> list[list]:
     """Tasks as [seqs, tokens, pairs, min degree, min-degree time]: sequences whose time at their
-    minimal degree is at most ``limit`` are packed (next-fit, longest first) up to ``limit``."""
+    minimal degree is at most ``limit`` are packed (next-fit, longest first) up to ``limit`` (and
+    ``pack_tokens`` tokens when the config sets it)."""
     cm = ctx.cm
+    token_cap = ctx.pack_tokens or float("inf")
     tasks: list[list] = []
     by_degree: dict[int, list[_SeqInfo]] = {}
     for info in infos:
@@ -131,7 +134,7 @@ def _pack(ctx: PlanContext, infos: list[_SeqInfo], mode: str, limit: float) -> l
             tokens = padded(info.length, degree)
             if cur:
                 new_tokens, new_pairs = cur[1] + tokens, cur[2] + info.pairs
-                c = ctx.ckpt_for(new_tokens, degree, mode)
+                c = ctx.ckpt_for(new_tokens, degree, mode) if new_tokens <= token_cap else None
                 if c is not None:
                     t = cm.best_time(new_tokens, new_pairs, degree, c)[0]
                     if t <= limit:
@@ -220,7 +223,8 @@ def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]
                 all(last[r] == k for r in range(a, b)):
             seqs = prev.seqs + d.seqs
             tokens = sum(padded(ctx.lengths[s], d.size) for s in seqs)
-            c = ctx.ckpt_for(tokens, d.size, mode)
+            fits_cap = tokens <= (ctx.pack_tokens or tokens)
+            c = ctx.ckpt_for(tokens, d.size, mode) if fits_cap else None
             if c is not None:
                 merged = ctx.draft(a, d.size, seqs, c)
                 if merged.duration <= prev.duration + d.duration:
@@ -264,6 +268,8 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
         baselines = {}  # large inputs: the planner's latency budget has no room for them
     for name, planner in (baselines or {}).items():
         drafts = planner(ctx)
+        if ctx.pack_tokens and any(len(d.seqs) > 1 and d.tokens > ctx.pack_tokens for d in drafts):
+            continue  # packs beyond the configured token budget
         if intra:
             drafts = lighten(ctx, drafts)
         makespan = retime(drafts, ctx.world, barriers=False if inter else "rounds")
