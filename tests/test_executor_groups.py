@@ -38,6 +38,11 @@ def _pool_body(rank: int, world_size: int) -> dict:
         out["missing"] = str(exc)
     out["vocab_created"] = pool.ensure_all([(0, 1), (2, 3), (0, 1, 2, 3)])
     out["report"] = pool.report()
+    from megatron_dcp.plan import Vocabulary
+
+    vocab = Vocabulary(4, 4)
+    pool.ensure_all(vocab)
+    out["vocab_all"] = all(tuple(g) in pool for g in vocab.groups() if len(g) > 1)
     # Two DCP worlds (like tensor parallelism 2): (0, 2) and (1, 3). Only world (0, 2) needs a
     # ring group; the other world creates it along (creation is job-wide).
     sub = GroupPool(all_worlds=[(0, 2), (1, 3)])
@@ -68,6 +73,7 @@ def test_group_pool_world4():
     # sub-groups of (0,1,2,3) at u=2: (0,1), (2,3), (0,2), (1,3) -> 4 new groups
     assert r0["vocab_created"] == 4
     assert r0["report"]["groups"] == 1 + 6 + 4
+    assert all(res["vocab_all"] for res in results)
     assert [res["sub_sum"] for res in results] == [2.0, 4.0, 2.0, 4.0]
     assert [res["sub_created"] for res in results] == [1, 1, 1, 1]
     assert [res["sub_rank"] for res in results] == [(0, 1), (0, 1), (1, 0), (1, 0)]

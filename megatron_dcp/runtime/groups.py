@@ -171,9 +171,13 @@ class GroupPool:
                              f"{self.world_size}")
         return self.ensure_groups(groups_of_plan(plan))
 
-    def ensure_all(self, vocabulary: Iterable[Sequence[int]]) -> int:
+    def ensure_all(self, vocabulary: Any) -> int:
         """Create a whole vocabulary of task groups (and their sub-groups for every Ulysses
-        degree dividing their size) up front. Collective. Returns the number created."""
+        degree dividing their size) up front. Collective. Returns the number created.
+
+        ``vocabulary``: rank tuples, or the planner's `megatron_dcp.plan.Vocabulary`."""
+        if hasattr(vocabulary, "groups"):
+            vocabulary = vocabulary.groups()
         groups: set[tuple[int, ...]] = set()
         for ranks in vocabulary:
             ranks = tuple(ranks)
