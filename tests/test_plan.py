@@ -326,3 +326,13 @@ def test_validate_plan_checks_memory():
     plan = Plan(tasks=(Task(id=0, ranks=(0,), seqs=(0,)),), lengths=(400_000,), world_size=4)
     with pytest.raises(PlanError, match="task 0 needs .* above the budget"):
         validate_plan(plan, LLAMA, cost_model=cm)
+
+
+
+def test_validate_plan_checks_the_vocabulary():
+    good = _tiny_plan()
+    validate_plan(good, LLAMA, vocabulary=Vocabulary(4, 4))
+    odd = Plan(tasks=(replace(good.tasks[0], ranks=(1, 2)),) + good.tasks[1:], lengths=good.lengths,
+               world_size=4)
+    with pytest.raises(PlanError, match=r"group \[1, 2\], which is not in the group vocabulary"):
+        validate_plan(odd, LLAMA, vocabulary=Vocabulary(4, 4), check_times=False)

@@ -9,6 +9,7 @@ from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan import PlanError, build_cost_model, make_plan, simulate, validate_plan
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.presets import MODEL_PRESETS
+from megatron_dcp.plan.vocabulary import Vocabulary
 
 BASELINES = ("bucket", "packed", "static", "greedy-cp")
 FAST = settings(max_examples=60, deadline=None, derandomize=True,
@@ -54,12 +55,13 @@ def test_random_inputs_give_valid_deterministic_plans(case):
         event("budget below static memory")
         return
     event("planned")
+    vocab = Vocabulary(world, cm.ranks_per_node, config.max_degree)
     plans = {}
     for policy in ("dcp",) + BASELINES:
         plan = make_plan(lengths, world_size=world, model=model,
                          config=config.replace(policy=policy),
                          zero_stage=3)
-        validate_plan(plan, model, cost_model=cm)
+        validate_plan(plan, model, cost_model=cm, vocabulary=vocab)
         again = make_plan(lengths, world_size=world, model=model,
                           config=config.replace(policy=policy),
                           zero_stage=3)

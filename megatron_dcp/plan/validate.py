@@ -7,13 +7,14 @@ from typing import Optional
 from megatron_dcp.plan.cost import CostModel, PlanError
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Plan
+from megatron_dcp.plan.vocabulary import Vocabulary
 
 _EPS = 1e-9
 
 
 def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
-                  cost_model: Optional[CostModel] = None,
-                  check_times: bool = True) -> None:
+                  cost_model: Optional[CostModel] = None, check_times: bool = True,
+                  vocabulary: Optional[Vocabulary] = None) -> None:
     """Raise `PlanError` naming the first violated rule.
 
     Rules: task ids unique; ranks within the world, no duplicates; ``ulysses * ring == len(ranks)``;
@@ -21,7 +22,7 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
     the heads and KV heads; with ``cost_model``: every task fits its memory budget; with
     ``check_times``: no rank in two tasks at once (by predicted start and duration), and tasks that
     share ranks are ordered the same on all of them (guaranteed by the global (start, id) order,
-    checked on the per-rank lists).
+    checked on the per-rank lists); with ``vocabulary``: every group is one of its groups.
     """
     model = model or (cost_model.model if cost_model else None)
     n = len(plan.lengths)
@@ -54,6 +55,9 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
             raise PlanError(f"task {t.id}: Ulysses degree {t.ulysses} does not divide the "
                             f"{model.num_heads} "
                             f"heads and {model.kv_heads} KV heads of {model.name}")
+        if vocabulary is not None and t.ranks not in vocabulary:
+            raise PlanError(f"task {t.id} uses the group {list(t.ranks)}, which is not in the "
+                            "group vocabulary (the runtime's pool would have to create it)")
         if not t.seqs:
             raise PlanError(f"task {t.id} has no sequences")
         for s in t.seqs:
