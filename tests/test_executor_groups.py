@@ -53,6 +53,10 @@ def _pool_body(rank: int, world_size: int) -> dict:
     dist.all_reduce(t, group=sub.get((1, 0)))
     out["sub_sum"] = float(t)
     out["sub_rank"] = (sub.rank, dist.get_rank(sub.get((1, 0))))
+    # The same worlds given as this rank's world only (the pool gathers the others).
+    sub2 = GroupPool(world_ranks=(0, 2) if rank in (0, 2) else (1, 3))
+    sub2.ensure(sub_plan)
+    out["sub2_worlds"] = sub2.all_worlds
     dist.barrier()
     return out
 
@@ -76,4 +80,5 @@ def test_group_pool_world4():
     assert all(res["vocab_all"] for res in results)
     assert [res["sub_sum"] for res in results] == [2.0, 4.0, 2.0, 4.0]
     assert [res["sub_created"] for res in results] == [1, 1, 1, 1]
+    assert all(res["sub2_worlds"] == [(0, 2), (1, 3)] for res in results)
     assert [res["sub_rank"] for res in results] == [(0, 1), (0, 1), (1, 0), (1, 0)]

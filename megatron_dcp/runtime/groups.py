@@ -10,9 +10,10 @@ bounded vocabulary up front, which is what large jobs should do: every NCCL comm
 creation time and device memory, and ``len(pool)`` / ``pool.report()`` say how many exist.
 
 Ranks here are DCP-world ranks (``0 .. world_size - 1``, what plans use). When the DCP world is
-a subset of the job (tensor or pipeline parallelism), pass ``all_worlds``: the global ranks of
-every DCP world of the job. Every job rank then creates each group for every world, in the same
-order (torch names a group by the count of groups a process belongs to, so creating groups with
+a subset of the job (tensor or pipeline parallelism), pass ``world_ranks`` (this world's global
+ranks; the pool then learns the other worlds with one all-gather, so every job rank must build
+its pool at the same point) or ``all_worlds`` (every DCP world of the job). Every job rank then
+creates each group for every world, in the same order (torch names a group by the count of groups a process belongs to, so creating groups with
 local synchronisation only among members breaks once members have different histories).
 The backend is the default process group's (gloo on CPU, NCCL on CUDA) unless given.
 """
@@ -67,23 +68,24 @@ class GroupPool:
         job_world, global_rank = dist.get_world_size(), dist.get_rank()
         if all_worlds is None:
             world = tuple(world_ranks) if world_ranks is not None else tuple(range(job_world))
-            if sorted(world) != list(range(job_world)):
-                raise ValueError(
-                    f"GroupPool: the DCP world {world} is a subset of the job's {job_world} "
-                    "ranks; pass all_worlds=[...] (every DCP world of the job, e.g. one per "
-                    "tensor-parallel rank): process groups are created by all ranks together")
-            worlds = [world]
-        else:
-            worlds = [tuple(int(r) for r in w) for w in all_worlds]
-            flat = sorted(r for w in worlds for r in w)
-            if flat != list(range(job_world)) or len({len(w) for w in worlds}) != 1:
-                raise ValueError(f"GroupPool: all_worlds {worlds} must split the job's "
-                                 f"{job_world} ranks into disjoint DCP worlds of equal size")
-            mine = [w for w in worlds if global_rank in w]
-            if world_ranks is not None and tuple(world_ranks) != mine[0]:
-                raise ValueError(f"GroupPool: world_ranks {tuple(world_ranks)} is not the DCP "
-                                 f"world of rank {global_rank} in all_worlds ({mine[0]})")
-            world = mine[0]
+            if sorted(world) == list(range(job_world)):
+                all_worlds = [world]
+            else:
+                # Learn the other DCP worlds of the job (collective: every job rank builds its
+                # pool at the same point, as Megatron's data-parallel groups are built).
+                gathered: list[Any] = [None] * job_world
+                dist.all_gather_object(gathered, world)
+                all_worlds = sorted({tuple(w) for w in gathered}, key=min)
+        worlds = [tuple(int(r) for r in w) for w in all_worlds]
+        flat = sorted(r for w in worlds for r in w)
+        if flat != list(range(job_world)) or len({len(w) for w in worlds}) != 1:
+            raise ValueError(f"GroupPool: all_worlds {worlds} must split the job's "
+                             f"{job_world} ranks into disjoint DCP worlds of equal size")
+        mine = [w for w in worlds if global_rank in w]
+        if world_ranks is not None and tuple(world_ranks) != mine[0]:
+            raise ValueError(f"GroupPool: world_ranks {tuple(world_ranks)} is not the DCP "
+                             f"world of rank {global_rank} in all_worlds ({mine[0]})")
+        world = mine[0]
         self.world_ranks = world
         """Global rank of every DCP rank of this process's DCP world."""
         self.all_worlds = worlds
