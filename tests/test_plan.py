@@ -328,7 +328,6 @@ def test_validate_plan_checks_memory():
         validate_plan(plan, LLAMA, cost_model=cm)
 
 
-
 def test_validate_plan_checks_the_vocabulary():
     good = _tiny_plan()
     validate_plan(good, LLAMA, vocabulary=Vocabulary(4, 4))
