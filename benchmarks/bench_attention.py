@@ -99,6 +99,59 @@ class _null:
         return False
 
 
+def kernel_table(args) -> None:
+    """One process, no communication: the attention work of one rank of each 2-rank layout."""
+    from megatron_dcp.runtime import kernels
+
+    torch.set_num_threads(1)
+    causal, scale = not args.non_causal, args.head_dim ** -0.5
+
+    def timed(fn) -> list[float]:
+        """Median time of ``fn`` with the exact and with the fused backend."""
+        result = []
+        for backend in ("torch", "sdpa"):
+            with kernels.forced_backend(backend):
+                fn()  # warm-up
+                ts = []
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    fn()
+                    ts.append(time.perf_counter() - start)
+            result.append(statistics.median(ts))
+        return result
+
+    def rand(t, h):
+        return torch.randn(t, h, args.head_dim, requires_grad=True)
+
+    print("| tokens | work | exact kernel (s) | fused kernel (s) |\n| --- | --- | --- | --- |")
+    for n in args.lengths:
+        meta = ShardLayout.build([n], 1, 1, 0).meta()
+        rows = []
+        for label, heads, kv in (("degree 1 (all heads)", args.heads, args.kv_heads),
+                                 ("ulysses 2 rank (half the heads)", args.heads // 2,
+                                  args.kv_heads // 2)):
+            q, k, v = rand(n, heads), rand(n, kv), rand(n, kv)
+            rows.append((label, timed(lambda: kernels.local_attention(
+                q, k, v, meta, causal=causal).sum().backward())))
+        metas = [ShardLayout.build([n], 1, 2, j).meta() for j in range(2)]
+        q, k, v = rand(n // 2, args.heads), rand(n // 2, args.kv_heads), rand(n // 2, args.kv_heads)
+
+        def ring_rank0():
+            """Ring rank 0 of 2: its zigzag half against both K/V blocks, forward + backward."""
+            with torch.no_grad():
+                out = lse = None
+                for src in range(2):
+                    o, l = kernels.block_forward(q, k, v, metas[0], metas[src], causal=causal,
+                                                 scale=scale)
+                    out, lse = kernels.merge_block(out, lse, o, l)
+                for src in range(2):
+                    kernels.block_backward(out, q, k, v, out, lse, metas[0], metas[src],
+                                           causal=causal, scale=scale)
+        rows.append(("ring 2 rank 0 (zigzag half, 2 blocks)", timed(ring_rank0)))
+        for label, (exact, fused) in rows:
+            print(f"| {n} | {label} | {exact:.3f} | {fused:.3f} |")
+
+
 def main(argv=None) -> None:
     """Parse arguments, run all layouts in one launch, print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -111,7 +164,11 @@ def main(argv=None) -> None:
     p.add_argument("--non-causal", action="store_true")
     p.add_argument("--backend", choices=["torch", "sdpa"], default=None,
                    help="force the local backend (default: the process's choice)")
+    p.add_argument("--kernels", action="store_true",
+                   help="one process: per-rank attention work of each layout, exact vs fused")
     args = p.parse_args(argv)
+    if args.kernels:
+        return kernel_table(args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
