@@ -30,16 +30,17 @@ stage      approach                                                             
            (GAS = 1): backward leaves gradients on the parameters; one          gradient between
            reduce-scatter when the block exits                                  micro-steps
 3          as stage 2, and parameters kept gathered for the step (ZeRO-3's      full parameters on
-           persistence threshold = the largest parameter, set in config.py):    every rank (ZeRO-2's
-           ZeRO-3 all-gathers parameters in every forward and prefetches by a   parameter memory);
-           recorded trace, so ranks with different micro-steps or recompute     no per-layer
-           depths would wait in different all-gathers (measured: a hang)        all-gathers
+           persistence threshold = the largest parameter, config.py), and the   every rank (ZeRO-2's
+           parameter coordinator untraced (patches.py): ZeRO-3 all-gathers      parameter memory);
+           parameters in forwards and backwards and compares its module trace   no per-layer
+           across ranks with collectives at every forward, so ranks with        all-gathers, no
+           different micro-steps or recompute depths wait in different          prefetching
+           collectives (measured here: a hang, or gloo's size-mismatch abort)
 =========  ==================================================================  ==================
 
-The alternative for ZeRO-3 models whose parameters do not fit one rank, equal forward counts
-(every task in one micro-step slot on all its ranks, idle slots running empty micro-steps), hung
-here: one rank waited in a backward parameter all-gather while the other had finished, since
-recomputation depth and trace-based prefetching change which all-gathers a backward issues.
+With parameters that do not fit one rank, ZeRO-3 would need every rank to run the same number of
+forwards in lockstep (empty micro-steps for idle slots) *and* the same recompute depth per slot;
+this plugin does not do that: use ZeRO-1/2 for DCP there, or ZeRO-3 with parameters kept.
 
 A rank without a task runs one empty micro-step so that it joins the reduction
 exactly once. The empty micro-step's loss is ``0 * logits.sum()``: zero gradients, same graph.

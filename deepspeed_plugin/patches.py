@@ -17,7 +17,10 @@ attribute fails loudly here instead of misbehaving later. ``applied()`` lists wh
   so these collectives never line up (measured: a hang in the second step). The patched
   ``reset_step`` resets the per-step state without collectives and keeps the trace INVALID, which
   turns off trace-based prefetching; parameters are persistent under DCP (config.py), so nothing
-  is left to prefetch.
+  is left to prefetch. Without a complete trace ``release_sub_module`` releases every parameter
+  of a module after its forward, persistent ones included (DeepSpeed checks ``ds_persist`` only
+  on the traced path): the patched one keeps persistent parameters, so after the first forward
+  of a step no rank all-gathers again until the optimizer step re-gathers them (once, on all).
 """
 
 from __future__ import annotations
@@ -96,9 +99,30 @@ def zero3_untraced_coordinator(engine: Any) -> None:
         getattr(coordinator, prefix + "profiler").reset_events()
         getattr(coordinator, prefix + "ongoing_fetch_leaf_module_events").clear()
 
-    coordinator.reset_step = reset_step  # instance attribute: only this engine, undo = delete
+    release = coordinator.release_sub_module
+
+    def release_sub_module(submodule: Any, forward: bool = False) -> None:
+        # Mark persistent parameters external for the call: the untraced path then skips them.
+        kept = [p for p in list(submodule.parameters()) + list(getattr(submodule, "ds_recompute_parameters", ()))
+                if getattr(p, "ds_persist", False) and not getattr(p, "is_external_param", False)]
+        for p in kept:
+            p.is_external_param = True
+        try:
+            release(submodule, forward=forward)
+        finally:
+            for p in kept:
+                p.is_external_param = False
+
+    # instance attributes: only this engine's coordinator changes; undo deletes them
+    coordinator.reset_step = reset_step
+    coordinator.release_sub_module = release_sub_module
     setattr(coordinator, prefix + "trace_mode", ppc.ZeRoTraceMode.INVALID)
-    _APPLIED[f"{name}@{id(engine)}"] = lambda: coordinator.__dict__.pop("reset_step", None)
+
+    def undo() -> None:
+        coordinator.__dict__.pop("reset_step", None)
+        coordinator.__dict__.pop("release_sub_module", None)
+
+    _APPLIED[f"{name}@{id(engine)}"] = undo
 
 
 def apply_all() -> list[str]:
