@@ -112,7 +112,8 @@ def measure_copy(device: torch.device, mbytes: int, repeat: int) -> float:
 
 
 def measure_model(cfg: DecoderConfig, lengths: list[int], depths: list[int],
-                  device: torch.device, dtype: torch.dtype, repeat: int) -> list[dict]:
+                  device: torch.device, dtype: torch.dtype, repeat: int,
+                  verbose: bool = True) -> list[dict]:
     """Forward+backward seconds of the whole decoder on one sequence per (length, depth)."""
     model = Decoder(cfg, seed=0).to(device=device, dtype=dtype)
     points = []
@@ -127,9 +128,43 @@ def measure_model(cfg: DecoderConfig, lengths: list[int], depths: list[int],
 
             points.append({"length": n, "ckpt": depth,
                            "seconds": timed(step, device, repeat)})
-            print(f"  model fwd+bwd  length {n:6d}  ckpt {depth}: {points[-1]['seconds']:.4f} s",
-                  flush=True)
+            if verbose:
+                print(f"  model fwd+bwd  length {n:6d}  ckpt {depth}: "
+                      f"{points[-1]['seconds']:.4f} s", flush=True)
     return points
+
+
+def _model_worker(rank: int, cfg: DecoderConfig, lengths: list[int], depths: list[int],
+                  device_name: str, dtype_name: str, repeat: int, threads: int,
+                  out_dir: str) -> None:
+    """One of several processes timing the model at the same time (see ``--concurrent``)."""
+    torch.set_num_threads(threads)
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    points = measure_model(cfg, lengths, depths, device, getattr(torch, dtype_name), repeat,
+                           verbose=rank == 0)
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as handle:
+        json.dump(points, handle)
+
+
+def measure_model_concurrently(cfg: DecoderConfig, lengths: list[int], depths: list[int],
+                               args: argparse.Namespace) -> list[dict]:
+    """Model timings with ``--ranks`` processes timing at once (as ranks of a job share the
+    machine's cores, caches and memory bandwidth); the slowest process's time per point."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_model_worker, args=(cfg, lengths, depths, args.device, args.dtype, args.repeat,
+                                      args.threads, tmp), nprocs=args.ranks)
+        runs = []
+        for r in range(args.ranks):
+            with open(os.path.join(tmp, f"{r}.json")) as handle:
+                runs.append(json.load(handle))
+    return [{**points[0], "seconds": max(p["seconds"] for p in points),
+             "per_process": [p["seconds"] for p in points]} for points in zip(*runs)]
 
 
 def _comm_worker(rank: int, world: int, port: int, sizes: list[int], repeat: int,
@@ -266,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="128,256,512,1024,2048",
                    help="comma-separated sequence lengths of the model timings")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--concurrent", action="store_true",
+                   help="time the model in --ranks processes at once (what a job's ranks see "
+                        "when they share a machine); default: one process alone")
     p.add_argument("--quick", action="store_true", help="tiny grid (tests)")
     return p
 
@@ -289,7 +327,10 @@ def profile(args: argparse.Namespace) -> dict:
     hbm_bandwidth = measure_copy(device, 16 if args.quick else 256, args.repeat)
     print(f"copy: {hbm_bandwidth / 1e9:.2f} GB/s", flush=True)
     depths = sorted({0, args.layers})
-    points = measure_model(cfg, lengths, depths, device, dtype, args.repeat)
+    if args.concurrent and args.ranks > 1:
+        points = measure_model_concurrently(cfg, lengths, depths, args)
+    else:
+        points = measure_model(cfg, lengths, depths, device, dtype, args.repeat)
     coeffs, report = fit_profile(cfg, points, linear_flops, hbm_bandwidth)
     comm = measure_comm(args.ranks, device, args.repeat, args.quick) if args.ranks > 1 else []
     if comm:
@@ -310,6 +351,7 @@ def profile(args: argparse.Namespace) -> dict:
         "task_overhead_s": coeffs["task_overhead_s"],
         "measured": {
             "device": str(device), "dtype": args.dtype, "threads": args.threads,
+            "concurrent_processes": args.ranks if args.concurrent else 1,
             "torch": torch.__version__, "model": Decoder(cfg).shape().to_dict(),
             "gemm": gemm, "model_points": report, "all_to_all": comm,
             "fit_max_rel_error": max(abs(r["rel_error"]) for r in report),
