@@ -1,0 +1,305 @@
+"""GPT pretraining with megatron-core, with or without data-centric parallel (``--dcp``).
+
+  torchrun --nproc_per_node 2 examples/pretrain_megatron.py --dcp --calculate-per-token-loss
+  torchrun --nproc_per_node 2 examples/pretrain_megatron.py --calculate-per-token-loss  # plain DP
+  torchrun --nproc_per_node 4 examples/pretrain_megatron.py --dcp --calculate-per-token-loss \\
+      --tensor-model-parallel-size 2 --data-path data/my_corpus
+
+Model: a megatron-core ``GPTModel`` (RoPE, GQA, SwiGLU, RMSNorm) wrapped in Megatron's DDP.
+With ``--dcp`` its core attention is DCP's (`get_gpt_layer_dcp_spec`) and every step runs the
+plan of the global batch through `DCPForwardBackward`; without it, Megatron's own local spec and
+its ``forward_backward_no_pipelining`` run the global batch split over the data-parallel ranks
+(one sequence per micro-batch, so nothing is padded and the two modes see the same math).
+Data: the embedded corpus or ``--data-path PREFIX`` (Megatron ``.bin/.idx``), byte tokens,
+global batches of up to ``--global-batch-tokens`` tokens, identical in both modes. The optimizer
+is torch AdamW on Megatron DDP's ``main_grad`` (Megatron's optimizer wrapper needs CUDA).
+Output per iteration as examples/pretrain.py (DeepSpeed); ``--log-json`` writes one JSON object
+per iteration (iteration, loss, tokens, tokens_per_s, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from collections import Counter
+from datetime import timedelta
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_dcp.data import GlobalBatchSampler, open_dataset
+from megatron_dcp.data.tokenizer import ByteTokenizer
+from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Megatron-style training flags plus the --dcp flags."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("training (Megatron-LM names)")
+    g.add_argument("--data-path", default=None, help="indexed dataset PREFIX; default: embedded")
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--seq-length", type=int, default=1024, help="longest sequence; longer are cut")
+    g.add_argument("--global-batch-tokens", type=int, default=8192,
+                   help="token budget of one global batch (DCP: the planner splits it)")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-query-groups", type=int, default=None, help="GQA key/value heads")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--calculate-per-token-loss", action="store_true")
+    g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"))
+    g.add_argument("--recompute-method", default=None, choices=("uniform", "block"))
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None)
+    g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--quiet", action="store_true", help="only the final line")
+    add_dcp_args(p)
+    args = p.parse_args(argv)
+    args.group_query_attention = args.num_query_groups is not None
+    return args
+
+
+def init_distributed(args) -> None:
+    """Process group (gloo on CPU, NCCL on CUDA), Megatron parallel state, RNG, CPU patches."""
+    from megatron.core import parallel_state
+
+    from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        enable_cpu()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size)
+    seed_rng(args.seed)
+
+
+def build_model(args, dcp: bool):
+    """A megatron-core GPTModel in Megatron DDP, and the planner's ModelShape of it."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
+    from megatron_dcp.plan.model import ModelShape
+
+    vocab = ByteTokenizer.vocab_size
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    groups = args.num_query_groups or args.num_attention_heads
+    cuda = torch.cuda.is_available()
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=ffn,
+        num_attention_heads=args.num_attention_heads, num_query_groups=groups,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, use_cpu_initialization=not cuda,
+        params_dtype=torch.float32, normalization="RMSNorm", gated_linear_unit=True,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers)
+    spec = get_gpt_layer_dcp_spec() if dcp else get_gpt_layer_local_spec(normalization="RMSNorm")
+    model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=args.seq_length,
+                     position_embedding_type="rope")
+    if cuda:
+        model.cuda()
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), module=model)
+    shape = ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_heads=args.num_attention_heads, ffn_hidden_size=ffn, vocab_size=vocab,
+                       num_kv_heads=groups, max_position=args.seq_length, name="megatron-gpt")
+    return ddp, shape
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's per-token form: (sum of token losses, tokens, report)."""
+    losses = output_tensor.view(-1).float()
+    loss = (losses * loss_mask.view(-1).float()).sum()
+    tokens = loss_mask.sum().to(torch.int)
+    return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float().detach()])}
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward_step_func: one micro-batch dict -> (per-token losses, loss_func)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def plain_micro_batches(sequences, dp_rank: int, dp_size: int, device):
+    """Megatron plain data parallel: this rank's sequences, one unpadded micro-batch each."""
+    for seq in sequences[dp_rank::dp_size]:
+        n = seq.numel()
+        ids = seq.to(device).view(1, -1)
+        labels = torch.cat([seq[1:], seq.new_zeros(1)]).to(device).view(1, -1)
+        mask = torch.ones(1, n, device=device)
+        mask[0, -1] = 0.0  # the last token has no next-token target
+        yield {"tokens": ids, "labels": labels, "loss_mask": mask, "attention_mask": None,
+               "position_ids": torch.arange(n, device=device).view(1, -1)}
+
+
+def plain_step(ddp, sequences, args, device):
+    """One step of Megatron plain data parallel over this rank's share of the global batch.
+
+    On CUDA: Megatron's own ``forward_backward_no_pipelining``. On CPU that schedule allocates its
+    token counter on "cuda" (schedules.py, per-token path), so the same steps run here: every
+    micro-batch under DDP's ``no_sync``, backward of the token-loss sum, then
+    ``finalize_model_grads(num_tokens)`` (DP all-reduce, scaling by 1/tokens of the batch).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    count = len(sequences[dp_rank::dp_size])
+    if count == 0:
+        raise ValueError(f"global batch of {len(sequences)} sequences leaves data-parallel rank "
+                         f"{dp_rank} without any: raise --global-batch-tokens")
+    micro_batches = plain_micro_batches(sequences, dp_rank, dp_size, device)
+    if torch.cuda.is_available():
+        ddp.config.finalize_model_grads_func = finalize_model_grads
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=micro_batches, model=[ddp],
+            num_microbatches=count, seq_length=args.seq_length, micro_batch_size=1)
+    reports, num_tokens = [], torch.zeros((), dtype=torch.int)
+    with ddp.no_sync():
+        for _ in range(count):
+            output, loss_fn = forward_step(micro_batches, ddp)
+            loss, tokens, report = loss_fn(output)
+            loss.backward()
+            num_tokens += tokens
+            reports.append(report)
+    finalize_model_grads([ddp], num_tokens if args.calculate_per_token_loss else None)
+    return reports
+
+
+def plan_summary(plan, micro_steps, dp_size: int) -> dict:
+    """Degrees used, micro-steps per rank, checkpointed layers, predicted step time."""
+    if plan is None:
+        return {"mode": "data-parallel", "micro_steps_per_rank": micro_steps}
+    degrees = Counter(t.degree for t in plan.tasks)
+    return {"mode": "dcp", "degrees": {str(k): v for k, v in sorted(degrees.items())},
+            "micro_steps_per_rank": [len(plan.tasks_for_rank(r)) for r in range(dp_size)],
+            "ckpt_layers": sorted({t.ckpt_layers for t in plan.tasks}),
+            "predicted_s": round(plan.makespan, 6)}
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """``[#####.....]`` for ``done`` of ``total``."""
+    filled = int(width * done / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def main(argv=None) -> int:
+    """Train; returns the process exit code."""
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dcp_config = validate_dcp_args(args, world_size=world)  # bad flags fail here, before anything
+    from megatron.core import parallel_state
+
+    from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
+
+    torch.manual_seed(args.seed)
+    init_distributed(args)
+    rank = dist.get_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    ddp, shape = build_model(args, dcp_config.enabled)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    step_fn = DCPForwardBackward(dcp_config, model_shape=shape) if dcp_config.enabled else None
+
+    dataset = open_dataset(args.data_path)
+    sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
+                                 max_seq_len=args.seq_length)
+    log = open(args.log_json, "w") if (args.log_json and rank == 0) else None
+    mode = "dcp" if dcp_config.enabled else "data-parallel"
+    if rank == 0 and not args.quiet:
+        print(f"pretrain_megatron: {mode}, {world} ranks (tp {args.tensor_model_parallel_size}, "
+              f"dp {dp_size}), data {args.data_path or 'embedded corpus'} ({len(dataset)} "
+              f"documents), model {args.num_layers}x{args.hidden_size}", flush=True)
+    total_tokens, total_s = 0, 0.0
+    for it in range(args.train_iters):
+        t0 = time.perf_counter()
+        docs = sampler.next_batch()
+        sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad(set_to_none=True)
+        if step_fn is not None:
+            reports = step_fn(forward_step_func=forward_step,
+                              data_iterator=iter([GlobalBatch(sequences)]), model=[ddp],
+                              num_microbatches=1, seq_length=args.seq_length, micro_batch_size=1)
+        else:
+            reports = plain_step(ddp, sequences, args, device)
+        # Megatron's loss reduction: sum (loss, tokens) over micro-steps and data-parallel ranks
+        summed = torch.stack([r["lm loss"].to(device) for r in reports]).sum(0).double()
+        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+        loss = float(summed[0] / summed[1])
+        for p in params:
+            p.grad = p.main_grad
+        optimizer.step()
+        wall = time.perf_counter() - t0
+        tokens = sum(int(s.numel()) for s in sequences)
+        total_tokens += tokens
+        total_s += wall
+        plan = step_fn.last_plan if step_fn is not None else None
+        micro = [len(sequences[r::dp_size]) for r in range(dp_size)]
+        record = {"iteration": it + 1, "loss": loss, "tokens": tokens,
+                  "tokens_per_s": tokens / wall, "step_s": wall, "sequences": len(sequences),
+                  "plan": plan_summary(plan, micro, dp_size)}
+        if log:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+        if rank == 0 and not args.quiet:
+            s = record["plan"]
+            plan_text = (f"degrees {s['degrees']} micro-steps/rank {s['micro_steps_per_rank']} "
+                         f"ckpt {s['ckpt_layers']} predicted {s['predicted_s'] * 1e3:.1f} ms"
+                         if s["mode"] == "dcp" else f"micro-steps/rank {s['micro_steps_per_rank']}")
+            print(f"{progress_bar(it + 1, args.train_iters)} iter {it + 1}/{args.train_iters} "
+                  f"loss {loss:.4f} tokens {tokens} {record['tokens_per_s']:.0f} tok/s "
+                  f"step {wall * 1e3:.0f} ms | {plan_text}", flush=True)
+    if rank == 0:
+        rate = total_tokens / total_s if total_s else 0.0
+        print(f"done: {mode}, {args.train_iters} iterations, {total_tokens} tokens, "
+              f"{rate:.0f} tokens/s", flush=True)
+    if log:
+        log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    code = 1
+    try:
+        code = main()
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                from megatron.core import parallel_state
+
+                parallel_state.destroy_model_parallel()
+            finally:
+                dist.destroy_process_group()
+    sys.exit(code)
