@@ -127,6 +127,7 @@ def _dcp_step(rank, world_size, tp, plan_dict, state):
 
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
+    from megatron_dcp.runtime.context import current_task
 
     model = _build(tp, dcp=True)
     _load_full_state(model, state, parallel_state.get_tensor_model_parallel_rank(), tp)
@@ -139,7 +140,16 @@ def _dcp_step(rank, world_size, tp, plan_dict, state):
         tokens = loss_mask.sum().to(torch.int)
         return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
 
+    cp_seen = []
+
     def forward_step(data_iterator, model):
+        # Megatron code asking for the CP group inside a task gets the task's (parallel.py)
+        ctx = current_task()
+        attention = ddp.module.decoder.layers[0].self_attention
+        cp_seen.append((parallel_state.get_context_parallel_world_size() == ctx.degree,
+                        parallel_state.get_context_parallel_rank() == ctx.group_rank,
+                        ctx.degree == 1 or attention.pg_collection.cp is ctx.group,
+                        ctx.degree == 1 or parallel_state.get_context_parallel_group() is ctx.group))
         b = next(data_iterator)
         out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
         return out, partial(loss_func, b["loss_mask"])
@@ -151,6 +161,10 @@ def _dcp_step(rank, world_size, tp, plan_dict, state):
     grads = {name: _gather_tp(name, p, p.main_grad.detach().clone(), tp)
              for name, p in model.named_parameters()}
     reported = torch.stack([r["lm loss"] for r in reports]).sum(0)
+    assert cp_seen and all(all(c) for c in cp_seen), cp_seen
+    # outside a task: Megatron's own (a one-rank CP group)
+    assert parallel_state.get_context_parallel_world_size() == 1
+    assert ddp.module.decoder.layers[0].self_attention.pg_collection.cp.size() == 1
     parallel_state.destroy_model_parallel()
     return step.last_stats.loss, grads, reported
 
