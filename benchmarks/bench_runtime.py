@@ -182,6 +182,7 @@ def summarise(raw: dict, world: int) -> dict:
                               "ckpt": t.ckpt_layers, "predicted_s": t.duration, "measured_s": m})
         step = statistics.median(steps)
         out[name] = {"step_s": step, "tokens_per_s": tokens / step, "tasks": len(plan.tasks),
+                     "loss": raw["records"][0][name][0]["loss"],
                      "degrees": sorted({t.degree for t in plan.tasks}),
                      "predicted_makespan_s": plan.makespan,
                      "mean_abs_task_error": statistics.mean(abs(e) for e in errors),
@@ -239,6 +240,8 @@ def main(argv=None) -> int:
         json.dump({"args": vars(args), "summary": summary, "wall_s": time.perf_counter() - t0},
                   handle, indent=1)
     dcp = summary["dcp"]["tokens_per_s"]
+    print("losses (equal: every plan computes the same step): "
+          + ", ".join(f"{n} {row['loss']:.6f}" for n, row in summary.items()))
     print("\n| plan | tasks | degrees | step (s) | tokens/s | vs DCP | predicted makespan (s) | "
           "task time error mean / max | after one scale factor |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
