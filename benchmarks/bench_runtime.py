@@ -151,8 +151,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
         dist.all_gather_object(gathered, records)
         if rank == 0:
             with open(out_path, "w") as handle:
-                json.dump({"records": gathered, "plans": {n: p.to_dict() for n, p in plans.items()}},
-                          handle)
+                json.dump({"records": gathered,
+                           "plans": {n: p.to_dict() for n, p in plans.items()}}, handle)
     finally:
         dist.destroy_process_group()
 
@@ -178,7 +178,8 @@ def summarise(raw: dict, world: int) -> dict:
             slowest = [max(vals[k::per_step]) for k in range(per_step)] if per_step else vals
             m = statistics.median(slowest)
             errors.append(t.duration / m - 1.0)
-            task_rows.append({"id": t.id, "degree": t.degree, "tokens": sum(plan.lengths[s] for s in t.seqs),
+            task_rows.append({"id": t.id, "degree": t.degree,
+                              "tokens": sum(plan.lengths[s] for s in t.seqs),
                               "ckpt": t.ckpt_layers, "predicted_s": t.duration, "measured_s": m})
         step = statistics.median(steps)
         out[name] = {"step_s": step, "tokens_per_s": tokens / step, "tasks": len(plan.tasks),

@@ -23,11 +23,12 @@ def _degree1_cases(world: int) -> list[dict]:
     cases = []
     # All sequences on rank 0 in 3 packed tasks; other ranks idle.
     cases.append(dict(name="all-on-rank0", model="decoder", plan=plan_dict(
-        [task(0, [0], [0, 1], ckpt=0), task(1, [0], [2, 3, 4], ckpt=3), task(2, [0], [5, 6], ckpt=1)],
+        [task(0, [0], [0, 1], ckpt=0), task(1, [0], [2, 3, 4], ckpt=3),
+         task(2, [0], [5, 6], ckpt=1)],
         L, world)))
     # Round-robin, ranks get different numbers of tasks, the last rank none (world > 1).
     busy = max(1, world - 1)
-    tasks = [task(i, [i % busy], [s], ckpt=i % 4, start=0.1 * i) for i, s in enumerate(range(len(L)))]
+    tasks = [task(i, [i % busy], [i], ckpt=i % 4, start=0.1 * i) for i in range(len(L))]
     cases.append(dict(name="round-robin", model="decoder", plan=plan_dict(tasks, L, world)))
     cases.append(dict(name="tied-seq-mean", model="decoder-tied", loss_reduction="sequence",
                       plan=plan_dict(tasks, L, world)))

@@ -112,7 +112,8 @@ class Decoder(nn.Module):
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
         0..T-1: one whole sequence)."""
         if input_ids.dim() != 1:
-            raise ValueError(f"Decoder: input_ids must be 1-D [tokens], got {tuple(input_ids.shape)}")
+            raise ValueError(f"Decoder: input_ids must be 1-D [tokens], "
+                             f"got {tuple(input_ids.shape)}")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
         check_positions(position_ids, self.config.max_position, "Decoder")

@@ -1,4 +1,5 @@
-"""Reference video DiT-style model: frames x height x width patch tokens, spatial + temporal attention.
+"""Reference video DiT-style model: frames x height x width patch tokens, spatial + temporal
+attention.
 
 A sequence is one video: its tokens are its patches in frame-major order, so the token at
 position ``p`` is frame ``p // frame_tokens`` and spatial cell ``p % frame_tokens`` (row-major
@@ -139,7 +140,8 @@ class VideoDiT(nn.Module):
         """Logits ``[T, V]`` of patch tokens ``input_ids [T]`` at ``position_ids [T]`` (position
         in the video, frame-major; default 0..T-1: one whole video)."""
         if input_ids.dim() != 1:
-            raise ValueError(f"VideoDiT: input_ids must be 1-D [tokens], got {tuple(input_ids.shape)}")
+            raise ValueError(f"VideoDiT: input_ids must be 1-D [tokens], "
+                             f"got {tuple(input_ids.shape)}")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
         check_positions(position_ids, self.config.max_position, "VideoDiT")

@@ -13,8 +13,9 @@ Ranks here are DCP-world ranks (``0 .. world_size - 1``, what plans use). When t
 a subset of the job (tensor or pipeline parallelism), pass ``world_ranks`` (this world's global
 ranks; the pool then learns the other worlds with one all-gather, so every job rank must build
 its pool at the same point) or ``all_worlds`` (every DCP world of the job). Every job rank then
-creates each group for every world, in the same order (torch names a group by the count of groups a process belongs to, so creating groups with
-local synchronisation only among members breaks once members have different histories).
+creates each group for every world, in the same order (torch names a group by the count of
+groups a process belongs to, so creating groups with local synchronisation only among members
+breaks once members have different histories).
 The backend is the default process group's (gloo on CPU, NCCL on CUDA) unless given.
 """
 
