@@ -69,7 +69,16 @@ def _bad_inputs(rank: int, world_size: int) -> dict:
         out["invalid"] = "no error"
     except BatchError as exc:
         out["invalid"] = str(exc)
-    # 5. The group is not poisoned: a good plan still runs.
+    # 5. Per-sequence mean needs per-token losses from forward_step, not their sum.
+    from megatron_dcp.runtime.executor import TaskError
+
+    try:
+        run_plan(good, make_batch(lengths, 48), rank, lambda i, p, l: model.loss(i, p, l),
+                 pool=pool, loss_reduction="sequence")
+        out["sequence"] = "no error"
+    except TaskError as exc:
+        out["sequence"] = str(exc)
+    # 6. The group is not poisoned: a good plan still runs.
     model.zero_grad()
     out["after"] = _run(good, rank, model, pool).loss
     return out
@@ -87,6 +96,8 @@ def test_bad_input_raises_on_every_rank():
         assert "rank 1: sequence 2 of task 1" in res["batch"], res["batch"]
         assert "holds shape (5,)" in res["batch"]
         assert "invalid plan: sequence(s) [2] are in no task" in res["invalid"], res["invalid"]
+        assert "needs forward_step to return per-token losses" in res["sequence"], res["sequence"]
+        assert res["sequence"].startswith(f"rank {rank}: task {rank}"), res["sequence"]
     ref_loss, _ = reference("decoder", (10, 20, 7))
     assert abs(results[0]["after"] - ref_loss) <= 1e-5 * ref_loss
 
