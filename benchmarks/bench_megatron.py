@@ -2,6 +2,7 @@
 
   python benchmarks/bench_megatron.py                    # 2 ranks, 10 measured iterations
   python benchmarks/bench_megatron.py --iters 20 --out runs/bench_megatron.json
+  python benchmarks/bench_megatron.py --simulate     # DCP vs Megatron's own hybrid-CP scheduler
 
 One torchrun job (2 ranks, gloo on CPU) builds one Megatron DDP model per mode from the same
 initial weights and, every iteration, runs the same global batch through each mode in turn (order
@@ -125,6 +126,36 @@ def _inside(args) -> None:
     dist.destroy_process_group()
 
 
+def simulate_vs_megatron(args) -> dict:
+    """Simulated step time of DCP's plan vs Megatron's real ``BalancedCPScheduler`` (same cost
+    model): llama-7b, 32 H200 (8 per node), 1M-token global batches, 3 seeds per distribution."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.megatron.hybrid_cp_baseline import hybrid_cp_plan
+    from megatron_dcp.plan import build_cost_model, load_model, make_plan, simulate
+    from megatron_dcp.plan.workload import sample_lengths
+
+    model, world, cap = load_model("llama-7b"), 32, 32768
+    config = DCPConfig(enabled=True, hardware="h200", ranks_per_node=8)
+    cm = build_cost_model(model, config, world_size=world)
+    out = {"model": "llama-7b", "world": world, "max_seqlen_per_dp_cp_rank": cap, "runs": []}
+    for dist_name in ("short", "long"):
+        for seed in range(3):
+            lengths = sample_lengths(dist_name, world * cap, seed=seed)
+            dcp = simulate(make_plan(lengths, world_size=world, model=model, config=config), cm)
+            mg = simulate(hybrid_cp_plan(lengths, world, cap, cost_model=cm), cm)
+            out["runs"].append({"dist": dist_name, "seed": seed, "sequences": len(lengths),
+                                "longest": max(lengths), "dcp_step_s": dcp.step_time_s,
+                                "megatron_step_s": mg.step_time_s,
+                                "speedup": mg.step_time_s / dcp.step_time_s,
+                                "dcp_efficiency": dcp.efficiency,
+                                "megatron_efficiency": mg.efficiency})
+    print(json.dumps(out, indent=2), flush=True)
+    return out
+
+
 def main() -> int:
     """Launch the job (or, with --inside, be one of its ranks)."""
     p = argparse.ArgumentParser(description=__doc__,
@@ -141,7 +172,12 @@ def main() -> int:
     p.add_argument("--global-batch-tokens", type=int, default=8192)
     p.add_argument("--hardware", default=None, help="cost-model hardware; CPU: measured once")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_megatron.json"))
+    p.add_argument("--simulate", action="store_true",
+                   help="only the simulated comparison with Megatron's hybrid-CP scheduler")
     args = p.parse_args()
+    if args.simulate:
+        simulate_vs_megatron(args)
+        return 0
     if args.inside:
         _inside(args)
         return 0
