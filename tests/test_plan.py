@@ -241,6 +241,12 @@ def test_pack_tokens_caps_packed_tasks():
         if len(t.seqs) > 1:
             assert sum(plan.lengths[s] for s in t.seqs) <= 4096
     assert any(len(t.seqs) > 1 for t in plan.tasks)
+    # dcp-intra is the bucket plan lightened: it plans (bucket ignores pack_tokens) instead of
+    # failing when the bucket plan packs beyond the budget
+    mixed = [10_000] + [100] * 50
+    intra = plan_for(mixed, world=8, policy="dcp-intra", pack_tokens=150)
+    validate_plan(intra, LLAMA)
+    assert any(len(t.seqs) > 1 for t in intra.tasks)
 
 
 def test_oversize_policies():

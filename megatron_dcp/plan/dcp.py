@@ -22,7 +22,8 @@ passes (fewer for large inputs, to stay within the latency budget) are tried and
 is kept. For inputs up to ``BASELINE_CANDIDATE_LIMIT`` sequences x ranks, the baselines' own plans,
 lightened by DCP-intra (fewest recomputed layers per task, barriers dropped, same order: never
 longer), are candidates too, so DCP is never slower than a baseline there by construction
-(unless ``pack_tokens`` is set: a baseline plan that packs beyond it is not a candidate).
+(unless ``pack_tokens`` is set: a baseline plan that packs beyond it is not a candidate of
+``dcp``/``dcp-inter``; ``dcp-intra`` keeps the bucket plan, which ignores ``pack_tokens``).
 """
 
 from __future__ import annotations
@@ -268,8 +269,11 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
         baselines = {}  # large inputs: the planner's latency budget has no room for them
     for name, planner in (baselines or {}).items():
         drafts = planner(ctx)
-        if ctx.pack_tokens and any(len(d.seqs) > 1 and d.tokens > ctx.pack_tokens for d in drafts):
-            continue  # packs beyond the configured token budget
+        # DCP-inter has its own candidates, so a baseline plan that packs beyond the configured
+        # token budget is dropped; DCP-intra alone keeps the bucket plan as the bucket policy does
+        if inter and ctx.pack_tokens and any(len(d.seqs) > 1 and d.tokens > ctx.pack_tokens
+                                             for d in drafts):
+            continue
         if intra:
             drafts = lighten(ctx, drafts)
         makespan = retime(drafts, ctx.world, barriers=False if inter else "rounds")
