@@ -175,6 +175,15 @@ def test_ulysses_layouts_respect_heads():
     assert any(lay.ulysses == 1 and lay.ring == 3 for lay in cm.layouts(3))
 
 
+@pytest.mark.parametrize("policy", ["dcp", "static"])
+def test_attention_layout_setting_is_honoured(policy):
+    # static's ring layout used to win DCP's candidates although the config asked for Ulysses
+    plan = plan_for([300_000], world=8, policy=policy, attention_layout="ulysses")
+    assert [(t.ulysses, t.ring) for t in plan.tasks] == [(8, 1)]
+    ring = plan_for([300_000], world=8, policy=policy, attention_layout="ring")
+    assert [(t.ulysses, t.ring) for t in ring.tasks] == [(1, 8)]
+
+
 # ---------------------------------------------------------------------------- vocabulary
 def test_vocabulary():
     v = Vocabulary(32, 8)

@@ -177,8 +177,9 @@ def plan_packed(ctx: PlanContext, degree: int) -> list[Draft]:
 
 @tuned
 def plan_static(ctx: PlanContext, degree: int) -> list[Draft]:
-    """Megatron-style static context parallelism: ring attention at one CP size, THD micro-batches
-    packed in data order up to the longest sequence, handed out round-robin to the DP groups."""
+    """Megatron-style static context parallelism: ring attention at one CP size (unless
+    ``attention_layout`` forbids ring there), THD micro-batches packed in data order up to the
+    longest sequence, handed out round-robin to the DP groups."""
     budget = max(padded(ctx.lengths[i], degree) for i in ctx.active)
     bins: list[list[int]] = []
     used = budget
@@ -194,7 +195,9 @@ def plan_static(ctx: PlanContext, degree: int) -> list[Draft]:
     for j, b in enumerate(bins):
         per_group[j % len(starts)].append(b)
     ckpt = _run_depth(ctx, degree, budget)
-    ring_only = Layout(1, degree, True, degree <= ctx.cm.ranks_per_node)
+    # ring unless the configured attention_layout rules it out (then its best allowed layout)
+    ring_allowed = any(lay.ulysses == 1 for lay in ctx.cm.layouts(degree))
+    ring_only = Layout(1, degree, True, degree <= ctx.cm.ranks_per_node) if ring_allowed else None
     return _sequential(ctx, per_group, starts, degree, ckpt, layout=ring_only)
 
 
