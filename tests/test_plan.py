@@ -163,6 +163,17 @@ def test_cost_model_memory_and_time():
     assert cm.time_of(4096, pairs, inter, 0) > cm.time_of(4096, pairs, intra, 0)
 
 
+def test_reused_cost_model_must_match():
+    cm = build_cost_model(LLAMA, DCPConfig(), 8, zero_stage=3)
+    plan = make_plan([100, 5000], world_size=8, model=LLAMA, config=DCPConfig(), cost_model=cm)
+    assert plan.meta["zero_stage"] == 3
+    for kwargs in ({"world_size": 16}, {"world_size": 8, "zero_stage": 1},
+                   {"world_size": 8, "model": load_model("gpt-1b")}):
+        args = {"model": LLAMA, **kwargs}
+        with pytest.raises(PlanError, match="cost_model is for llama-7b, DCP world 8, ZeRO stage 3"):
+            make_plan([100], config=DCPConfig(), cost_model=cm, **args)
+
+
 def test_budget_below_static_memory():
     with pytest.raises(PlanError, match="below the static memory"):
         plan_for([100], world=8, memory_budget_gb=10.0)

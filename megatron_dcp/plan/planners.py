@@ -67,8 +67,9 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
 
 
 def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, config: DCPConfig,
-              iteration: int = 0, hardware: "Hardware | str | None" = None, zero_stage: int = 1,
-              cost_model: Optional[CostModel] = None, baseline_degree: str = "tuned") -> Plan:
+              iteration: int = 0, hardware: "Hardware | str | None" = None,
+              zero_stage: Optional[int] = None, cost_model: Optional[CostModel] = None,
+              baseline_degree: str = "tuned") -> Plan:
     """Plan one global batch with ``config.policy``; deterministic in its inputs.
 
     Policies: ``dcp`` (DCP-inter + DCP-intra, `megatron_dcp.plan.dcp`), ``dcp-inter`` (the same
@@ -77,8 +78,9 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     baselines ``bucket``, ``packed``, ``static``, ``greedy-cp`` (`megatron_dcp.plan.baselines`).
 
     ``hardware``: a `Hardware` or preset/profile; default ``config.hardware``. ``zero_stage`` sets
-    the static memory (ZeRO 0-3 over the DCP world). ``iteration`` is recorded in ``plan.meta``.
-    ``cost_model``: reuse one (must match the other arguments). ``baseline_degree``: ``tuned`` or
+    the static memory (ZeRO 0-3 over the DCP world; default 1, or the given cost model's).
+    ``iteration`` is recorded in ``plan.meta``. ``cost_model``: reuse one (its model, world size
+    and ZeRO stage must match the arguments: checked). ``baseline_degree``: ``tuned`` or
     ``min`` fixed degree of the baselines (see `megatron_dcp.plan.baselines`).
     Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
     """
@@ -90,7 +92,16 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     if not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world_size={world_size!r}: must be a positive integer")
     config.check_world(world_size)
-    cm = cost_model or build_cost_model(model, config, world_size, hardware, zero_stage)
+    if cost_model is None:
+        cm = build_cost_model(model, config, world_size, hardware,
+                              1 if zero_stage is None else zero_stage)
+    else:
+        cm = cost_model
+        given = (model, world_size, cm.zero_stage if zero_stage is None else zero_stage)
+        if (cm.model, cm.world_size, cm.zero_stage) != given:
+            raise PlanError(f"cost_model is for {cm.model.name}, DCP world {cm.world_size}, ZeRO "
+                            f"stage {cm.zero_stage}; the call asks for {model.name}, world "
+                            f"{world_size}, ZeRO stage {given[2]}")
     vocab = Vocabulary(world_size, cm.ranks_per_node, config.max_degree)
     ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab,
                       ckpt_policy=config.checkpoint_policy,
