@@ -1,0 +1,69 @@
+"""DCPCoreAttention outside a task (bshd and Megatron THD packing) and DCPRotaryEmbedding inside a
+task, single process (the distributed cases are in test_megatron.py)."""
+
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+
+def _config():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4,
+                             num_query_groups=2, use_cpu_initialization=True,
+                             attention_dropout=0.0)
+
+
+def _attention():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_dcp.megatron.spec import DCPCoreAttention
+
+    return DCPCoreAttention(_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                            attention_type="self")
+
+
+def test_thd_packing_equals_each_sequence_alone():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    torch.manual_seed(0)
+    attn = _attention()
+    lengths = [5, 3, 7]
+    q, k, v = torch.randn(15, 4, 4), torch.randn(15, 2, 4), torch.randn(15, 2, 4)
+    cu = torch.tensor([0, 5, 8, 15], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=7, max_seqlen_kv=7)
+    packed = attn(q, k, v, None, packed_seq_params=params)
+    assert packed.shape == (15, 16)
+    start = 0
+    for n in lengths:
+        part = slice(start, start + n)
+        alone = attn(q[part, None], k[part, None], v[part, None], None)  # bshd, batch 1
+        assert torch.allclose(packed[part], alone[:, 0], atol=1e-6)
+        start += n
+
+
+def test_rotary_follows_the_shard_positions():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_dcp.megatron.cpu import cpu_patches
+    from megatron_dcp.megatron.spec import DCPRotaryEmbedding
+    from megatron_dcp.plan.plan import Task
+    from megatron_dcp.runtime.context import TaskContext, task_context
+    from megatron_dcp.runtime.layout import ShardLayout
+
+    with cpu_patches():
+        inner = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True,
+                                cp_group=None)
+        rope = DCPRotaryEmbedding(inner)
+        full = inner.get_emb(20)
+        assert torch.equal(rope(20), inner(20))  # outside a task: Megatron's own
+        layout = ShardLayout.build([11, 6], ulysses=1, ring=2, group_rank=1)
+        task = Task(id=0, ranks=(0, 1), seqs=(0, 1), ring=2)
+        with task_context(TaskContext(task=task, group_rank=1, layout=layout)):
+            table = rope(layout.num_tokens)
+        positions = layout.position_ids.clamp(min=0)
+        assert table.shape == (layout.num_tokens, 1, 1, 8)
+        assert torch.equal(table, full[positions])
