@@ -361,3 +361,10 @@ def test_validate_plan_checks_the_vocabulary():
                world_size=4)
     with pytest.raises(PlanError, match=r"group \[1, 2\], which is not in the group vocabulary"):
         validate_plan(odd, LLAMA, vocabulary=Vocabulary(4, 4), check_times=False)
+
+
+def test_plan_json_that_is_not_an_object_is_a_clear_error():
+    # tools/simulate.py --plan reports ValueError as "not a valid plan JSON" (was AttributeError)
+    for text in ("[]", "5", '"plan"'):
+        with pytest.raises(ValueError, match="a plan JSON must be an object"):
+            Plan.from_json(text)

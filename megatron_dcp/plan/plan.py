@@ -151,6 +151,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        if not isinstance(d, dict):
+            raise ValueError(f"a plan JSON must be an object, got {type(d).__name__}")
         version = d.get("format_version", PLAN_FORMAT_VERSION)
         if version != PLAN_FORMAT_VERSION:
             raise ValueError(f"plan format_version {version} is not supported (expected {PLAN_FORMAT_VERSION})")
