@@ -283,18 +283,6 @@ class CostModel:
             self._best_layout[key] = lay
         return self.time_of(tokens, pairs, lay, ckpt), lay
 
-    def exact_best_time(self, tokens: float, pairs: float, degree: int,
-                        ckpt: int) -> tuple[float, Layout]:
-        """`best_time` over every layout for this exact task (slower)."""
-        best = None
-        for lay in self.layouts(degree):
-            t = self.time_of(tokens, pairs, lay, ckpt)
-            if best is None or t < best[0]:
-                best = (t, lay)
-        if best is None:
-            raise PlanError(f"no attention layout allows degree {degree} for {self.model.name}")
-        return best
-
     def breakdown(self, tokens: float, pairs: float, layout: Layout, ckpt: int) -> TimeBreakdown:
         """Parts of ``time_of`` (for the simulator's shares)."""
         total = self.time_of(tokens, pairs, layout, ckpt)

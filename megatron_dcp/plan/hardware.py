@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 HARDWARE_FORMAT_VERSION = 1
@@ -94,12 +94,6 @@ class Hardware:
     def to_dict(self) -> dict[str, Any]:
         """The profile JSON form of this hardware."""
         return {"format_version": HARDWARE_FORMAT_VERSION, **asdict(self)}
-
-    def with_ranks_per_node(self, ranks_per_node: Optional[int]) -> "Hardware":
-        """The same hardware with another node size (``None`` keeps it)."""
-        if ranks_per_node is None or ranks_per_node == self.ranks_per_node:
-            return self
-        return replace(self, ranks_per_node=int(ranks_per_node))
 
 
 # Achievable fractions: dense GEMMs of a 7B-70B model reach 60-65 % of peak on Hopper (Megatron-LM
