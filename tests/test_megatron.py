@@ -160,13 +160,19 @@ def _dcp_step(rank, world_size, tp, plan_dict, state):
                    plan)]), model=[ddp], num_microbatches=1, seq_length=0, micro_batch_size=1)
     grads = {name: _gather_tp(name, p, p.main_grad.detach().clone(), tp)
              for name, p in model.named_parameters()}
+    train_loss = step.last_stats.loss
+    # evaluation through the same step: no gradients, same loss, cached groups reused
+    step(forward_step_func=forward_step, data_iterator=iter([GlobalBatch(_sequences(), plan)]),
+         model=[ddp], forward_only=True)
+    assert step.last_stats.groups_created == 0
+    assert abs(step.last_stats.loss - train_loss) <= 1e-6 * abs(train_loss)
     reported = torch.stack([r["lm loss"] for r in reports]).sum(0)
     assert cp_seen and all(all(c) for c in cp_seen), cp_seen
     # outside a task: Megatron's own (a one-rank CP group)
     assert parallel_state.get_context_parallel_world_size() == 1
     assert ddp.module.decoder.layers[0].self_attention.pg_collection.cp.size() == 1
     parallel_state.destroy_model_parallel()
-    return step.last_stats.loss, grads, reported
+    return train_loss, grads, reported
 
 
 def _rel(a, b):
