@@ -41,10 +41,10 @@ def _check_shapes(q, k, v, where: str) -> None:
                          f"key/value heads {k.shape[1]} (GQA)")
 
 
-def _check_task(ctx: TaskContext, q, k) -> None:
+def _check_task(ctx: TaskContext, q, k, v) -> None:
     task, layout = ctx.task, ctx.layout
     where = f"task {task.id}, ranks {task.ranks}, group rank {ctx.group_rank}"
-    _check_shapes(q, k, k, where)
+    _check_shapes(q, k, v, where)
     if layout is None:
         raise ValueError(f"dcp_attention ({where}): the task context has no layout")
     if (layout.ulysses, layout.ring) != (task.ulysses, task.ring):
@@ -83,8 +83,7 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         meta = TokenMeta.contiguous(q.shape[0], q.device)
         return local_attention(q, k, v, meta, causal=causal, softmax_scale=scale,
                                groups=attention_groups(group_of_position, meta))
-    _check_task(ctx, q, k)
-    _check_shapes(q, k, v, f"task {ctx.task.id}")
+    _check_task(ctx, q, k, v)
     task, layout = ctx.task, ctx.layout
     u, r = task.ulysses, task.ring
     # Metadata and attention groups first: a bad group_of_position fails before any collective.
