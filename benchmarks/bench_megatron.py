@@ -1,4 +1,4 @@
-"""Megatron-core GPT with and without --dcp on the long-tailed embedded corpus: tokens/s side by side.
+"""Megatron-core GPT with and without --dcp on the long-tailed embedded corpus: tokens/s, one job.
 
   python benchmarks/bench_megatron.py                    # 2 ranks, 10 measured iterations
   python benchmarks/bench_megatron.py --iters 20 --out runs/bench_megatron.json
@@ -10,7 +10,8 @@ rotating), so machine load hits every mode alike. Modes: ``dp`` (Megatron plain 
 ``examples/pretrain_megatron.py`` without --dcp: sequence i on rank i % 2, one unpadded sequence
 per micro-batch, Megatron's local spec), ``dp-dcpattn`` (the same plain data parallel with DCP's
 core attention outside any task: the same local attention kernel as DCP, so the ratio
-``dcp / dp-dcpattn`` is the scheduling gain alone), ``dcp`` (planner policy dcp, DCP core attention) and
+``dcp / dp-dcpattn`` is the scheduling gain alone), ``dcp`` (planner policy dcp, DCP core attention)
+and
 ``dcp-d1`` (policy dcp with ``max_degree=1``: packing and balance across ranks, no sequence
 parallelism). Each step includes planning, forward/backward, gradient finalisation and the
 optimizer. Warm-up iterations are not counted. On CPU the planner gets this machine's numbers

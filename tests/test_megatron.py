@@ -76,7 +76,8 @@ def _reference(rank, world_size):
         part = (token_losses.view(-1) * mask).sum() / total_targets
         part.backward()
         loss += float(part)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()
+             if "_extra_state" not in k}
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     parallel_state.destroy_model_parallel()
     return state, loss, grads
@@ -111,7 +112,8 @@ def _gather_tp(name, p, grad, tp: int):
     if tp == 1 or not getattr(p, "tensor_model_parallel", False):
         return grad
     parts = [torch.empty_like(grad) for _ in range(tp)]
-    dist.all_gather(parts, grad.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(parts, grad.contiguous(),
+                    group=parallel_state.get_tensor_model_parallel_group())
     if _is_glu_fc1(name):
         halves = [part.chunk(2, dim=0) for part in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
@@ -149,7 +151,8 @@ def _dcp_step(rank, world_size, tp, plan_dict, state):
         cp_seen.append((parallel_state.get_context_parallel_world_size() == ctx.degree,
                         parallel_state.get_context_parallel_rank() == ctx.group_rank,
                         ctx.degree == 1 or attention.pg_collection.cp is ctx.group,
-                        ctx.degree == 1 or parallel_state.get_context_parallel_group() is ctx.group))
+                        ctx.degree == 1
+                        or parallel_state.get_context_parallel_group() is ctx.group))
         b = next(data_iterator)
         out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
         return out, partial(loss_func, b["loss_mask"])

@@ -61,7 +61,8 @@ class PatchSet:
             raise MegatronVersionError(f"patch {self.name}: {module_name}.{attr} does not exist")
         original = getattr(module, attr)
         if check is not None and not check(original):
-            raise MegatronVersionError(f"patch {self.name}: {module_name}.{attr} is not as expected")
+            raise MegatronVersionError(
+                f"patch {self.name}: {module_name}.{attr} is not as expected")
         self._set(module, attr, new)
         if aliases:
             for mod_name, mod in list(sys.modules.items()):

@@ -45,8 +45,8 @@ def dcp_world_size(args: argparse.Namespace, world_size: Optional[int] = None) -
                       * _get(args, "pipeline_model_parallel_size", 1)
                       * _get(args, "context_parallel_size", 1))
     if world % model_parallel:
-        raise DCPArgumentError(f"world size {world} is not divisible by tensor x pipeline x context "
-                               f"parallel size {model_parallel}")
+        raise DCPArgumentError(f"world size {world} is not divisible by tensor x pipeline x "
+                               f"context parallel size {model_parallel}")
     return world // model_parallel
 
 
@@ -81,7 +81,8 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
                             "context parallelism: choose one")
     if not _get(args, "calculate_per_token_loss", False):
         problems.append("--dcp needs --calculate-per-token-loss: Megatron's DDP must SUM gradients "
-                        "over data-parallel ranks, DCP scales every loss by 1/T of the global batch")
+                        "over data-parallel ranks; DCP scales every loss by 1/T of the global "
+                        "batch")
     if _get(args, "sequence_parallel", False):
         problems.append("--dcp does not support --sequence-parallel yet (a DCP shard's length is "
                         "not a multiple of the tensor-parallel size)")

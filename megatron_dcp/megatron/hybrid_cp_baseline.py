@@ -45,8 +45,8 @@ def megatron_groups(lengths: Sequence[int], world_size: int,
                          f"({max_seqlen_per_rank}) must be positive")
     longest = max(lengths, default=0)
     if longest > max_seqlen_per_rank * world_size:
-        raise ValueError(f"a sequence of {longest} tokens needs more than the {world_size} ranks at "
-                         f"max_seqlen_per_dp_cp_rank={max_seqlen_per_rank}")
+        raise ValueError(f"a sequence of {longest} tokens needs more than the {world_size} "
+                         f"ranks at max_seqlen_per_dp_cp_rank={max_seqlen_per_rank}")
     scheduler = BalancedCPScheduler(max_seqlen_per_rank, _SizeOnlyGroup(world_size))
     _, sample_id_groups = scheduler.get_groups_and_subsamples(
         [(i, int(n)) for i, n in enumerate(lengths)], None)

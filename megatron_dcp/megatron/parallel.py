@@ -1,4 +1,4 @@
-"""While a DCP task runs, Megatron-core code that asks for the context-parallel group gets the task's.
+"""While a DCP task runs, Megatron-core code asking for the context-parallel group gets the task's.
 
 Two entry points, both small, reversible and version-checked:
 
@@ -41,7 +41,9 @@ def _task_group():
 
 def _cp_group(check_initialized: bool = True):
     group = _task_group()
-    return group if group is not None else _ORIGINAL["get_context_parallel_group"](check_initialized)
+    if group is not None:
+        return group
+    return _ORIGINAL["get_context_parallel_group"](check_initialized)
 
 
 def _cp_world_size() -> int:

@@ -90,7 +90,8 @@ class DCPCoreAttention(_megatron_module()):
         self.causal = attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else 1.0 / math.sqrt(head_dim))
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type=None,

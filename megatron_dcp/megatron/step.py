@@ -47,7 +47,7 @@ from megatron_dcp.runtime.groups import GroupPool
 
 @dataclass
 class GlobalBatch:
-    """The sequences of one optimizer step (index = plan sequence index) and, optionally, its plan."""
+    """The sequences of one optimizer step (index = plan sequence index) and optionally its plan."""
 
     sequences: Sequence[torch.Tensor]
     plan: Optional[Plan] = None
