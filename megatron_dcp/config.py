@@ -70,9 +70,6 @@ class DCPConfig:
     oversize_policy: str = "error"
     """A sequence that fits no degree in memory: error (name it), truncate (to the largest that fits), skip."""
 
-    seed: int = 0
-    """Seed of the planner's deterministic choices (ties, ordering)."""
-
     def __post_init__(self) -> None:
         self.validate()
 
