@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden")
     g.add_argument("--num-attention-heads", type=int, default=4)
     g.add_argument("--num-query-groups", type=int, default=None, help="GQA key/value heads")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x tensor-parallel size")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
@@ -102,7 +104,8 @@ def build_model(args, dcp: bool):
     from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
     from megatron_dcp.plan.model import ModelShape
 
-    vocab = ByteTokenizer.vocab_size
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    vocab = -(-ByteTokenizer.vocab_size // multiple) * multiple  # Megatron-LM's padding
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     groups = args.num_query_groups or args.num_attention_heads
     cuda = torch.cuda.is_available()
