@@ -94,6 +94,24 @@ def init_distributed(args) -> None:
     seed_rng(args.seed)
 
 
+def padded_vocab_size(args) -> int:
+    """The byte vocabulary padded like Megatron-LM (multiple of divisible-by x TP size)."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-ByteTokenizer.vocab_size // multiple) * multiple
+
+
+def model_shape(args):
+    """The planner's `ModelShape` of the GPT model these flags build."""
+    from megatron_dcp.plan.model import ModelShape
+
+    return ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_heads=args.num_attention_heads,
+                      ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+                      vocab_size=padded_vocab_size(args),
+                      num_kv_heads=args.num_query_groups or args.num_attention_heads,
+                      max_position=args.seq_length, name="megatron-gpt")
+
+
 def build_model(args, dcp: bool):
     """A megatron-core GPTModel in Megatron DDP, and the planner's ModelShape of it."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -102,10 +120,8 @@ def build_model(args, dcp: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
-    from megatron_dcp.plan.model import ModelShape
 
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    vocab = -(-ByteTokenizer.vocab_size // multiple) * multiple  # Megatron-LM's padding
+    vocab = padded_vocab_size(args)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     groups = args.num_query_groups or args.num_attention_heads
     cuda = torch.cuda.is_available()
@@ -127,10 +143,7 @@ def build_model(args, dcp: bool):
     if cuda:
         model.cuda()
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), module=model)
-    shape = ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_heads=args.num_attention_heads, ffn_hidden_size=ffn, vocab_size=vocab,
-                       num_kv_heads=groups, max_position=args.seq_length, name="megatron-gpt")
-    return ddp, shape
+    return ddp, model_shape(args)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -22,6 +22,18 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
+def _budget_gb(tokens: int) -> float:
+    """Memory per rank (GiB) the cost model gives a degree-1 task of ``tokens`` tokens."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    import pretrain_megatron
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.plan import build_cost_model
+
+    shape = pretrain_megatron.model_shape(pretrain_megatron.parse_args(COMMON))
+    cost = build_cost_model(shape, DCPConfig(), world_size=2)
+    return cost.memory_of(tokens, 1, 0) / 2**30
+
+
 def _train(tmp_path: Path, name: str, extra: list[str]) -> list[dict]:
     log = tmp_path / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -34,11 +46,11 @@ def _train(tmp_path: Path, name: str, extra: list[str]) -> list[dict]:
 
 @pytest.mark.timeout(320)
 def test_dcp_loss_per_iteration_equals_plain_data_parallel(tmp_path):
-    # A budget just above the cost model's fixed 4e9-byte reserve and a small pack budget make
-    # the planner use degree 2 and recompute for the long sequences, degree 1 for the rest, and
-    # tasks on both ranks.
+    # A memory budget that holds 200 tokens at degree 1 without recompute, and a small pack
+    # budget, make the planner use degree 2 and/or recompute for the long sequences, degree 1
+    # for the rest, and tasks on both ranks.
     dcp = _train(tmp_path, "dcp", ["--dcp", "--dcp-pack-tokens", "256",
-                                   "--dcp-memory-budget-gb", "3.7262"])
+                                   "--dcp-memory-budget-gb", f"{_budget_gb(200):.6f}"])
     plain = _train(tmp_path, "plain", [])
     assert [r["iteration"] for r in dcp] == [1, 2]
     for a, b in zip(dcp, plain):
