@@ -32,7 +32,6 @@ Differences to Megatron's schedules, all on purpose:
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -81,24 +80,6 @@ def recompute_layers(config, num_layers: int) -> Iterator[None]:
          config.recompute_num_layers) = saved
 
 
-class GlobalRankGroupPool(GroupPool):
-    """`GroupPool` whose task contexts name ranks globally.
-
-    The runtime's Ulysses and ring communicators address peers by *global* rank
-    (``task.ulysses_group(g)``, ``task.ring_group(g)``), while plans use DCP-world ranks. They
-    coincide when the DCP world is the whole job; with tensor parallelism it is a subset
-    (Megatron's data-parallel ranks), so the context's task gets its ranks translated.
-    """
-
-    def context_for(self, task, rank, layout=None):
-        """The task context of DCP rank ``rank``, its task's ranks translated to global ranks."""
-        ctx = super().context_for(task, rank, layout)
-        if self.world_ranks != tuple(range(len(self.world_ranks))):
-            ctx.task = dataclasses.replace(
-                task, ranks=tuple(self.world_ranks[r] for r in task.ranks))
-        return ctx
-
-
 class DCPForwardBackward:
     """Megatron ``forward_backward_func`` replacement that executes one DCP plan per call.
 
@@ -135,7 +116,7 @@ class DCPForwardBackward:
             from megatron.core import parallel_state
 
             dp_group = parallel_state.get_data_parallel_group()
-            self.pool = GlobalRankGroupPool(world_ranks=dist.get_process_group_ranks(dp_group))
+            self.pool = GroupPool(world_ranks=dist.get_process_group_ranks(dp_group))
         return self.pool
 
     # ------------------------------------------------------------------ the step

@@ -21,6 +21,8 @@ The backend is the default process group's (gloo on CPU, NCCL on CUDA) unless gi
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import time
 from datetime import timedelta
@@ -206,8 +208,15 @@ class GroupPool:
         if rank not in task.ranks:
             raise ValueError(f"rank {rank} is not in task {task.id} (ranks {task.ranks})")
         g = task.ranks.index(rank)
+        # The context names ranks globally: the Ulysses and ring communicators address peers by
+        # global rank, while plans use DCP-world ranks (a subset of the job under tensor
+        # parallelism). Group lookup above still uses the plan's ranks.
+        if self.world_ranks != tuple(range(len(self.world_ranks))):
+            global_task = dataclasses.replace(task, ranks=tuple(self.world_ranks[r] for r in task.ranks))
+        else:
+            global_task = task
         return TaskContext(
-            task=task,
+            task=global_task,
             group_rank=g,
             group=self.get(task.ranks),
             ulysses_group=self.get(task.ulysses_group(g)),
