@@ -85,11 +85,16 @@ class DCPForwardBackward:
 
     ``config``: the DCP settings (planner policy ...); ``model_shape``: `ModelShape` for the
     planner (needed unless every `GlobalBatch` carries its plan); ``pool``: a
-    `megatron_dcp.runtime.groups.GroupPool` over the data-parallel ranks (built on first use).
+    `megatron_dcp.runtime.groups.GroupPool` over the data-parallel ranks (built on first use);
+    ``zero_stage``: 1 with Megatron's distributed optimizer, else 0 (the planner's memory model).
     """
 
-    def __init__(self, config: DCPConfig, *, model_shape=None, pool=None, hardware=None) -> None:
+    def __init__(self, config: DCPConfig, *, model_shape=None, pool=None, hardware=None,
+                 zero_stage: int = 0) -> None:
         self.config = config
+        # Memory the planner counts per rank for optimizer states: 0 = every rank holds them all
+        # (Megatron's default), 1 = sharded over the data-parallel ranks (--use-distributed-optimizer).
+        self.zero_stage = zero_stage
         self.model_shape = model_shape
         self.pool = pool
         self.hardware = hardware
@@ -107,7 +112,8 @@ class DCPForwardBackward:
             raise ValueError("DCPForwardBackward: model_shape is needed to plan (or give "
                              "GlobalBatch(plan=...))")
         return make_plan(list(lengths), world_size=world_size, model=self.model_shape,
-                         config=self.config, iteration=self.iteration, hardware=self.hardware)
+                         config=self.config, iteration=self.iteration, hardware=self.hardware,
+                         zero_stage=self.zero_stage)
 
     def _group_pool(self):
         """The pool of the data-parallel ranks (this rank's DCP world), built on first use."""
