@@ -30,7 +30,7 @@ def _budget_gb(tokens: int) -> float:
     from megatron_dcp.plan import build_cost_model
 
     shape = pretrain_megatron.model_shape(pretrain_megatron.parse_args(COMMON))
-    cost = build_cost_model(shape, DCPConfig(), world_size=2)
+    cost = build_cost_model(shape, DCPConfig(), world_size=2, zero_stage=0)  # as DCPForwardBackward
     return cost.memory_of(tokens, 1, 0) / 2**30
 
 
