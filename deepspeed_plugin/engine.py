@@ -110,8 +110,7 @@ class DCPEngine:
         self.zero_stage = int(engine.zero_optimization_stage())
         self.iteration = 0
         """Optimizer steps taken (the planner's ``iteration``); saved in checkpoints."""
-        self.device = next(engine.module.parameters()).device if any(True for _ in engine.module.parameters()) \
-            else torch.device("cpu")
+        self.device = torch.device(getattr(engine, "device", None) or "cpu")
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names this wrapper lacks: the DeepSpeed engine's API stays reachable.
@@ -161,7 +160,7 @@ class DCPEngine:
         return contextlib.nullcontext()
 
     def _global_loss(self, local_loss: float) -> float:
-        t = torch.tensor([local_loss], dtype=torch.float64)
+        t = torch.tensor([local_loss], dtype=torch.float64, device=self.device)  # NCCL: on the GPU
         dist.all_reduce(t)
         return float(t[0])
 

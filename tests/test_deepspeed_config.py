@@ -74,3 +74,17 @@ def test_data_parallel_split():
     assert data_parallel_split(5, 2, 0) == ([0, 2, 4], 3)
     assert data_parallel_split(5, 2, 1) == ([1, 3], 3)
     assert data_parallel_split(1, 4, 3) == ([], 1)
+
+
+def test_patches_are_named_and_reversible():
+    import importlib
+
+    from deepspeed_plugin import patches
+
+    module = importlib.import_module("deepspeed.comm.torch")
+    original = module.build_shm_op
+    patches.apply_all()
+    assert "skip_shm_op_build" in patches.applied()
+    assert module.build_shm_op() is None and module.build_shm_op is not original
+    patches.undo_all()
+    assert module.build_shm_op is original and patches.applied() == []
