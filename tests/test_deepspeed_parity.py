@@ -205,6 +205,48 @@ def test_parity_world_size_4():
     _check_parity(report, stages, require_uneven=True)
 
 
+@pytest.mark.timeout(240)
+def test_kill_and_resume_across_processes(tmp_path):
+    """Kill a running job after its iteration-3 checkpoint; a new job resumes from it and
+    reproduces the losses of an uninterrupted job (same data position, optimizer, planner)."""
+    import signal
+    import time
+
+    budget = ["--dcp_memory_budget_gb", _tight_budget(2, 2)]
+    args = COMMON + ["--dcp", *budget, "--zero-stage", "2", "--train-iters", "6"]
+    straight = tmp_path / "straight.jsonl"
+    proc = _launch(2, ["examples/pretrain.py", *args, "--log-json", str(straight)], timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    ckpt, killed = tmp_path / "ckpt", tmp_path / "killed.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+           str(_free_port()), "examples/pretrain.py", *args, "--save", str(ckpt), "--save-interval", "3",
+           "--log-json", str(killed)]
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True)
+    try:
+        deadline = time.time() + 100
+        while time.time() < deadline and job.poll() is None:
+            if (ckpt / "latest").exists():
+                break
+            time.sleep(0.05)
+        assert (ckpt / "latest").exists(), "no checkpoint written"
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)  # this job's own process group
+        job.wait()
+    resumed = tmp_path / "resumed.jsonl"
+    proc = _launch(2, ["examples/pretrain.py", *args, "--load", str(ckpt), "--log-json", str(resumed)],
+                   timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = {r["iteration"]: r["loss"] for r in _records(str(straight))}
+    got = _records(str(resumed))
+    assert [r["iteration"] for r in got] == [4, 5, 6]
+    for r in got:
+        assert abs(r["loss"] - want[r["iteration"]]) <= REL_TOL * want[r["iteration"]], (got, want)
+
+
 @pytest.mark.timeout(120)
 def test_pretrain_bad_flag_fails_at_start():
     proc = _launch(2, ["examples/pretrain.py", "--dcp", "--dcp_max_degree", "3", *COMMON], timeout=110)
