@@ -9,7 +9,8 @@ initial weights and, every iteration, runs the same global batch through each mo
 (order alternating), so machine load hits every mode alike. Modes: ``dp`` (plain DeepSpeed data
 parallel: sequence i on rank i % 2, one sequence per micro-step), ``dcp`` (the planner, policy
 dcp), ``dcp-d1`` (policy dcp with ``max_degree=1``: packing and balancing across ranks, no
-sequence parallelism) and ``dcp-packed`` (the planner's ``packed`` baseline policy), all ZeRO-1. Warm-up iterations are not counted.
+sequence parallelism) and ``dcp-packed`` (the planner's ``packed`` baseline policy), all ZeRO-1.
+Warm-up iterations are not counted.
 Memory: one job per (ZeRO stage, mode), a larger model (hidden 512, 4 layers: ~13M parameters, so
 the fp32 states of about 200 MB are visible above the ~400 MB of the Python/torch runtime),
 sequences up to 1024 tokens; each rank reports its peak resident set size (RSS) and the RSS just
@@ -71,7 +72,8 @@ def _batches(args):
     sampler = GlobalBatchSampler(data.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
     for _ in range(args.iters + args.warmup):
-        yield [torch.from_numpy(data[d][: args.seq_length].astype("int64")) for d in sampler.next_batch()]
+        docs = sampler.next_batch()
+        yield [torch.from_numpy(data[d][: args.seq_length].astype("int64")) for d in docs]
 
 
 def worker_throughput(args) -> dict:
@@ -99,11 +101,12 @@ def worker_throughput(args) -> dict:
                     predicted[m][1] += result.wall_s
             losses[m].append(result.loss)
     rates = {m: tok / sec for m, (tok, sec) in totals.items()}
+    ratios = {m: r / rates["dp"] for m, r in rates.items()} if "dp" in rates else None
+    diffs = [abs(a - b) / abs(b) for m in modes for a, b in zip(losses[m], losses[modes[0]])]
     return {"tokens_per_s": rates, "seconds": {m: v[1] for m, v in totals.items()},
-            "tokens": {m: v[0] for m, v in totals.items()},
-            "ratio_over_dp": {m: r / rates["dp"] for m, r in rates.items()} if "dp" in rates else None,
+            "tokens": {m: v[0] for m, v in totals.items()}, "ratio_over_dp": ratios,
             "predicted_over_measured": {m: p / w for m, (p, w) in predicted.items() if w},
-            "max_rel_loss_diff": max(abs(a - b) / abs(b) for m in modes for a, b in zip(losses[m], losses[modes[0]]))}
+            "max_rel_loss_diff": max(diffs)}
 
 
 def worker_memory(args) -> dict:
@@ -136,9 +139,11 @@ def launch(args, part: str, modes: str, stage: int, out: str) -> dict:
     """Run one DeepSpeed job of this script; returns the JSON rank 0 wrote."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
-           "--master_port", str(_free_port()), __file__, "--worker", "--part", part, "--modes", modes,
+           "--master_port", str(_free_port()), __file__, "--worker", "--part", part, "--modes",
+           modes,
            "--zero-stage", str(stage), "--out", out]
-    for key in ("iters", "warmup", "seq_length", "global_batch_tokens", "hidden", "layers", "heads", "seed",
+    for key in ("iters", "warmup", "seq_length", "global_batch_tokens", "hidden", "layers",
+                "heads", "seed",
                 "pack_tokens"):
         if getattr(args, key) is not None:
             cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
@@ -146,14 +151,16 @@ def launch(args, part: str, modes: str, stage: int, out: str) -> dict:
         cmd += ["--hardware", args.hardware]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
-        raise RuntimeError(f"{part} {modes} ZeRO {stage} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{part} {modes} ZeRO {stage} "
+                           f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     with open(out) as f:
         return json.load(f)
 
 
 def main() -> int:
     """Parse flags; run inside the job (``--worker``) or drive the jobs."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--part", default="all", choices=("all", "throughput", "memory"))
@@ -163,7 +170,8 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=16)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--memory-iters", type=int, default=3)
-    p.add_argument("--memory-hidden", type=int, default=512, help="memory part: a larger model (states visible)")
+    p.add_argument("--memory-hidden", type=int, default=512,
+                   help="memory part: a larger model (states visible)")
     p.add_argument("--memory-layers", type=int, default=4)
     p.add_argument("--memory-heads", type=int, default=8)
     p.add_argument("--seq-length", type=int, default=4096)
@@ -172,7 +180,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--pack-tokens", type=int, default=None, help="dcp modes: token budget of a packed task")
+    p.add_argument("--pack-tokens", type=int, default=None,
+                   help="dcp modes: token budget of a packed task")
     p.add_argument("--hardware", default=None, help="planner hardware; default: CPU profile / h200")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_deepspeed.json"))
     args = p.parse_args()
@@ -186,18 +195,23 @@ def main() -> int:
     if args.hardware is None and not torch.cuda.is_available():
         profile = ROOT / "runs" / "hardware_cpu.json"
         if not profile.exists():
-            subprocess.run([sys.executable, "tools/profile.py", "--out", str(profile), "--device", "cpu",
+            subprocess.run([sys.executable, "tools/profile.py", "--out", str(profile), "--device",
+                            "cpu",
                             "--dtype", "float32", "--threads", "1", "--ranks", "2", "--hidden",
-                            str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
+                            str(args.hidden), "--layers", str(args.layers), "--heads",
+                            str(args.heads),
                             "--vocab", "257", "--quick"], cwd=ROOT, check=True, capture_output=True)
         args.hardware = str(profile)
-    report: dict = {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "local_rank")}}
+    report: dict = {"args": {k: v for k, v in vars(args).items() if k not in ("worker",
+                                                                              "local_rank")}}
     if args.part in ("all", "throughput"):
-        report["throughput"] = launch(args, "throughput", args.modes, args.zero_stage, args.out + ".tp")
+        report["throughput"] = launch(args, "throughput", args.modes, args.zero_stage,
+                                      args.out + ".tp")
         print(json.dumps(report["throughput"], indent=1), flush=True)
     if args.part in ("all", "memory"):
         args.iters, args.warmup = args.memory_iters, 0
-        args.hidden, args.layers, args.heads = args.memory_hidden, args.memory_layers, args.memory_heads
+        args.hidden, args.layers = args.memory_hidden, args.memory_layers
+        args.heads = args.memory_heads
         args.seq_length, args.global_batch_tokens = 1024, 4096
         report["memory"] = {}
         for stage in (0, 1, 2, 3):

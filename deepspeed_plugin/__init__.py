@@ -18,20 +18,23 @@ import copy
 from datetime import timedelta
 from typing import Any, Optional
 
-from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_config_from, load_ds_config,
+from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_config_from,
+                                     load_ds_config,
                                      prepare_config)
 from deepspeed_plugin.engine import DCPEngine, StepResult, data_parallel_split
 from megatron_dcp.config import DCPConfig, DCPConfigError
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
 
-__all__ = ["DCPConfig", "DCPConfigError", "DCPEngine", "StepResult", "add_dcp_arguments", "initialize",
+__all__ = ["DCPConfig", "DCPConfigError", "DCPEngine", "StepResult", "add_dcp_arguments",
+           "initialize",
            "data_parallel_split"]
 
 
 def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, optimizer: Any = None,
                model_parameters: Any = None, lr_scheduler: Any = None, config: Any = None, *,
-               dcp_config: Optional[DCPConfig] = None, model_shape: Any = None, hardware: Any = None,
+               dcp_config: Optional[DCPConfig] = None, model_shape: Any = None,
+               hardware: Any = None,
                **deepspeed_kwargs: Any) -> tuple[DCPEngine, Any, Any, Any]:
     """``deepspeed.initialize`` with DCP: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
@@ -63,7 +66,8 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     check_supported(ds_config, dcp, world_size, model)
     cpu = accelerator.device_name() == "cpu"
     largest = max((p.numel() for p in model.parameters()), default=0)
-    ds_ready, notices = prepare_config(ds_config, world_size, cpu=cpu, dcp=dcp, largest_param_numel=largest)
+    ds_ready, notices = prepare_config(ds_config, world_size, cpu=cpu, dcp=dcp,
+                                       largest_param_numel=largest)
     if rank == 0:
         for line in notices:
             print(f"[megatron-dcp] {line}", flush=True)

@@ -30,7 +30,8 @@ DEEPSPEED_DEFAULT_CLIPPING = 1.0
 
 
 def add_dcp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--dcp`` and its knobs (``--dcp_max_degree`` ...), like ``deepspeed.add_config_arguments``."""
+    """Add ``--dcp`` and its knobs (``--dcp_max_degree`` ...), like
+    ``deepspeed.add_config_arguments``."""
     return DCPConfig.add_arguments(parser, style="deepspeed")
 
 
@@ -49,14 +50,16 @@ def load_ds_config(config: Union[str, dict, None]) -> dict[str, Any]:
         raise DCPConfigError(f"DeepSpeed config {config} is not valid JSON: {e}") from None
 
 
-def dcp_config_from(ds_config: dict[str, Any], args: Optional[argparse.Namespace] = None) -> DCPConfig:
+def dcp_config_from(ds_config: dict[str, Any],
+                    args: Optional[argparse.Namespace] = None) -> DCPConfig:
     """DCPConfig from the ``"dcp"`` section (validated) with command-line flags on top."""
     section = ds_config.get("dcp")
     base = DCPConfig.from_dict(section) if section is not None else DCPConfig()
     return DCPConfig.from_args(args, base) if args is not None else base
 
 
-def check_supported(ds_config: dict[str, Any], dcp: DCPConfig, world_size: int, model: Any = None) -> None:
+def check_supported(ds_config: dict[str, Any], dcp: DCPConfig, world_size: int,
+                    model: Any = None) -> None:
     """Errors at start for what DCP cannot combine with (names the setting)."""
     if not dcp.enabled:
         return
@@ -64,14 +67,16 @@ def check_supported(ds_config: dict[str, Any], dcp: DCPConfig, world_size: int, 
     sp = ds_config.get("sequence_parallel_size", 1)
     if sp not in (None, 1):
         raise DCPConfigError(
-            f"--dcp with DeepSpeed sequence parallel (sequence_parallel_size={sp}) is not supported: "
-            "DCP chooses each sequence's parallel degree itself; remove sequence_parallel_size")
+            f"--dcp with DeepSpeed sequence parallel (sequence_parallel_size={sp}) is not "
+            "supported: DCP chooses each sequence's parallel degree itself; remove "
+            "sequence_parallel_size")
     if model is not None:
         from deepspeed.pipe import PipelineModule
 
         if isinstance(model, PipelineModule):
-            raise DCPConfigError("--dcp with DeepSpeed's pipeline engine (a PipelineModule model) is not "
-                                 "supported: DCP regroups the data-parallel ranks of a plain engine")
+            raise DCPConfigError("--dcp with DeepSpeed's pipeline engine (a PipelineModule model) "
+                                 "is not supported: DCP regroups the data-parallel ranks of a "
+                                 "plain engine")
     if ds_config.get("pipeline", {}).get("stages", 1) not in (1, "auto"):
         raise DCPConfigError("--dcp with DeepSpeed pipeline stages is not supported")
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
@@ -79,7 +84,8 @@ def check_supported(ds_config: dict[str, Any], dcp: DCPConfig, world_size: int, 
         raise DCPConfigError(f"zero_optimization.stage={stage!r}: must be 0, 1, 2 or 3")
 
 
-def prepare_config(ds_config: dict[str, Any], world_size: int, *, cpu: bool, dcp: Optional[DCPConfig] = None,
+def prepare_config(ds_config: dict[str, Any], world_size: int, *, cpu: bool,
+                   dcp: Optional[DCPConfig] = None,
                    largest_param_numel: int = 0) -> tuple[dict[str, Any], list[str]]:
     """The config DeepSpeed gets (``"dcp"`` removed, DCP's needs made explicit) and notices."""
     cfg = copy.deepcopy(ds_config)
@@ -101,14 +107,15 @@ def prepare_config(ds_config: dict[str, Any], world_size: int, *, cpu: bool, dcp
         cfg["zero_optimization"] = zero
     gas = cfg.get("gradient_accumulation_steps", 1)
     if gas not in (1, "auto"):
-        notices.append(f"gradient_accumulation_steps={gas} replaced by 1: the plan sets each rank's "
-                       "micro-steps and one optimizer step follows every global batch")
+        notices.append(f"gradient_accumulation_steps={gas} replaced by 1: the plan sets each "
+                       "rank's micro-steps and one optimizer step follows every global batch")
     cfg["gradient_accumulation_steps"] = 1
     cfg["train_micro_batch_size_per_gpu"] = 1
     cfg["train_batch_size"] = world_size
     if "gradient_clipping" not in cfg:
         cfg["gradient_clipping"] = DEEPSPEED_DEFAULT_CLIPPING
-        notices.append(f"gradient_clipping not set: using DeepSpeed's default {DEEPSPEED_DEFAULT_CLIPPING} "
+        notices.append("gradient_clipping not set: using DeepSpeed's default "
+                       f"{DEEPSPEED_DEFAULT_CLIPPING} "
                        "explicitly (set 0 to disable); clipping uses the norm of the full gradient")
     opt = cfg.get("optimizer")
     if cpu and isinstance(opt, dict) and str(opt.get("type", "")).lower() in ("adam", "adamw"):

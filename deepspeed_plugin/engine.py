@@ -127,7 +127,8 @@ class DCPEngine:
             raise ValueError("DCP needs the model's shape: pass model_shape= to initialize "
                              "(Decoder.shape() gives it) or give the model a .shape() method")
         return make_plan(list(lengths), world_size=self.world_size, model=self.model_shape,
-                         config=self.dcp, iteration=self.iteration if iteration is None else iteration,
+                         config=self.dcp,
+                         iteration=self.iteration if iteration is None else iteration,
                          hardware=self.hardware, zero_stage=self.zero_stage)
 
     # ------------------------------------------------------------------ micro-step pieces
@@ -167,11 +168,13 @@ class DCPEngine:
     def _finish_step(self) -> Optional[float]:
         self.engine.step()
         self.iteration += 1
-        norm = self.engine.get_global_grad_norm() if hasattr(self.engine, "get_global_grad_norm") else None
+        get_norm = getattr(self.engine, "get_global_grad_norm", None)
+        norm = get_norm() if get_norm is not None else None
         return float(norm) if norm is not None else None
 
     # ------------------------------------------------------------------ one optimizer step
-    def train_step(self, sequences: Sequence[torch.Tensor], plan: Optional[Plan] = None) -> StepResult:
+    def train_step(self, sequences: Sequence[torch.Tensor],
+                   plan: Optional[Plan] = None) -> StepResult:
         """Forward, backward, one gradient reduction and one optimizer step on a global batch.
 
         ``sequences``: the global batch (1-D token id tensors), identical on every rank.
@@ -182,7 +185,8 @@ class DCPEngine:
             return self._train_step_dcp(sequences, plan)
         return self._train_step_data_parallel(sequences)
 
-    def _train_step_dcp(self, sequences: Sequence[torch.Tensor], plan: Optional[Plan]) -> StepResult:
+    def _train_step_dcp(self, sequences: Sequence[torch.Tensor],
+                        plan: Optional[Plan]) -> StepResult:
         from megatron_dcp.runtime.executor import run_plan
 
         t0 = time.perf_counter()
@@ -228,7 +232,8 @@ class DCPEngine:
                 continue
             seq = sequences[mine[k]].to(self.device, torch.long)
             labels = torch.cat([seq[1:], seq.new_full((1,), IGNORE_INDEX)])
-            loss = self._forward_loss_sum(seq, torch.arange(seq.shape[0], device=self.device), labels)
+            loss = self._forward_loss_sum(seq, torch.arange(seq.shape[0], device=self.device),
+                                          labels)
             scaled = loss / total
             self._backward(scaled)
             local += float(scaled.detach())
@@ -256,7 +261,8 @@ class DCPEngine:
         dist.barrier()  # rank 0 writes the "latest" tag file; nobody may load before it exists
         return saved
 
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None, **kwargs: Any) -> tuple[Any, dict]:
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
+                        **kwargs: Any) -> tuple[Any, dict]:
         """``engine.load_checkpoint``; restores the iteration; returns ``(path, client_state)``."""
         path, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
         if path is None:

@@ -55,8 +55,9 @@ def skip_shm_op_build() -> None:
     _check_version(name)
     module: Any = importlib.import_module("deepspeed.comm.torch")
     if not hasattr(module, "build_shm_op"):
-        raise RuntimeError(f"megatron-dcp patch {name}: deepspeed.comm.torch.build_shm_op does not exist "
-                           f"in DeepSpeed {_deepspeed_version()}; update deepspeed_plugin/patches.py")
+        raise RuntimeError(f"megatron-dcp patch {name}: deepspeed.comm.torch.build_shm_op does "
+                           f"not exist in DeepSpeed {_deepspeed_version()}; update "
+                           "deepspeed_plugin/patches.py")
     original = module.build_shm_op
     module.build_shm_op = lambda: None
 
@@ -79,8 +80,9 @@ def zero3_untraced_coordinator(engine: Any) -> None:
     needed = ("trace_mode", "param_queue", "most_recent_step_id_param_fetched_for",
               "step_id_module_fetched_for", "step_id", "n_available_params", "profiler",
               "ongoing_fetch_leaf_module_events")
-    if not isinstance(coordinator, cls) or any(not hasattr(coordinator, prefix + n) for n in needed) \
-            or not hasattr(coordinator, "_clean_inflight_param_registry"):
+    missing = [n for n in needed if not hasattr(coordinator, prefix + n)]
+    if not isinstance(coordinator, cls) or missing or \
+            not hasattr(coordinator, "_clean_inflight_param_registry"):
         raise RuntimeError(f"megatron-dcp patch {name}: DeepSpeed {_deepspeed_version()}'s ZeRO-3 "
                            "parameter coordinator differs from the one this patch was written for; "
                            "update deepspeed_plugin/patches.py")
@@ -103,7 +105,9 @@ def zero3_untraced_coordinator(engine: Any) -> None:
 
     def release_sub_module(submodule: Any, forward: bool = False) -> None:
         # Mark persistent parameters external for the call: the untraced path then skips them.
-        kept = [p for p in list(submodule.parameters()) + list(getattr(submodule, "ds_recompute_parameters", ()))
+        owned = list(submodule.parameters())
+        owned += list(getattr(submodule, "ds_recompute_parameters", ()))
+        kept = [p for p in owned
                 if getattr(p, "ds_persist", False) and not getattr(p, "is_external_param", False)]
         for p in kept:
             p.is_external_param = True

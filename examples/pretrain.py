@@ -36,16 +36,20 @@ DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Training flags, DeepSpeed's flags and the --dcp flags."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     g = p.add_argument_group("training")
-    g.add_argument("--data-path", default=None, help="Megatron indexed dataset PREFIX; default: embedded corpus")
+    g.add_argument("--data-path", default=None,
+                   help="Megatron indexed dataset PREFIX; default: embedded corpus")
     g.add_argument("--train-iters", type=int, default=10)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
                    help="override zero_optimization.stage of the DeepSpeed config")
-    g.add_argument("--seq-length", type=int, default=1024, help="longest sequence; longer documents are cut")
-    g.add_argument("--global-batch-tokens", type=int, default=8192, help="token budget of one global batch")
+    g.add_argument("--seq-length", type=int, default=1024,
+                   help="longest sequence; longer documents are cut")
+    g.add_argument("--global-batch-tokens", type=int, default=8192,
+                   help="token budget of one global batch")
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--num-heads", type=int, default=4)
@@ -53,8 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lr", type=float, default=None, help="override the optimizer's lr")
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
     g.add_argument("--save", default=None, help="checkpoint directory")
-    g.add_argument("--save-interval", type=int, default=0, help="save every N iterations (0: at the end)")
-    g.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
+    g.add_argument("--save-interval", type=int, default=0,
+                   help="save every N iterations (0: at the end)")
+    g.add_argument("--load", default=None,
+                   help="resume from the latest checkpoint in this directory")
     g.add_argument("--quiet", action="store_true", help="only the final line")
     deepspeed.add_config_arguments(p)
     deepspeed_plugin.add_dcp_arguments(p)
@@ -70,7 +76,8 @@ def plan_summary(result, world_size: int) -> dict:
     degrees = Counter(t.degree for t in plan.tasks)
     steps = [len(plan.tasks_for_rank(r)) for r in range(world_size)]
     return {"mode": "dcp", "degrees": {str(k): v for k, v in sorted(degrees.items())},
-            "micro_steps_per_rank": steps, "ckpt_layers": sorted({t.ckpt_layers for t in plan.tasks}),
+            "micro_steps_per_rank": steps,
+            "ckpt_layers": sorted({t.ckpt_layers for t in plan.tasks}),
             "predicted_s": round(plan.makespan, 6), "plan_ms": round(result.plan_s * 1e3, 2)}
 
 
@@ -143,10 +150,12 @@ def main(argv=None) -> int:
                   f"step {result.wall_s * 1e3:.0f} ms | {plan_text}", flush=True)
         if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
             engine.save_checkpoint(args.save, tag=f"iter_{it + 1}",
-                                   client_state={"sampler": sampler.state_dict(), "iteration": it + 1})
+                                   client_state={"sampler": sampler.state_dict(),
+                                                 "iteration": it + 1})
     if args.save and not args.save_interval and result is not None:
         engine.save_checkpoint(args.save, tag=f"iter_{args.train_iters}",
-                               client_state={"sampler": sampler.state_dict(), "iteration": args.train_iters})
+                               client_state={"sampler": sampler.state_dict(),
+                                             "iteration": args.train_iters})
     if rank == 0:
         rate = total_tokens / total_s if total_s else 0.0
         print(f"done: {mode}, {args.train_iters - start} iterations, {total_tokens} tokens, "

@@ -8,8 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_dcp.data import (ByteTokenizer, GlobalBatchSampler, IndexedDataset, IndexedDatasetWriter,
-                               embedded_corpus_texts, embedded_dataset, open_dataset, read_documents)
+from megatron_dcp.data import (ByteTokenizer, GlobalBatchSampler, IndexedDataset,
+                               IndexedDatasetWriter,
+                               embedded_corpus_texts, embedded_dataset, open_dataset,
+                               read_documents)
 
 
 def test_embedded_corpus_is_long_tailed():

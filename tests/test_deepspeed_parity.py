@@ -116,19 +116,23 @@ def _driver(stages: list[int], out: str, resume: bool, bad_input: bool) -> None:
         stop = ["--train-iters", "3"]
         _run(pretrain, COMMON + stop + ["--zero-stage", "1", "--dcp", *budget, "--save", ckpt,
                                         "--log-json", log])
-        _run(pretrain, COMMON + ["--zero-stage", "1", "--dcp", *budget, "--load", ckpt, "--log-json", log])
+        _run(pretrain, COMMON + ["--zero-stage", "1", "--dcp", *budget, "--load", ckpt,
+                                 "--log-json", log])
         if rank == 0:
             report["resume"] = _losses(log)
     if resume:  # bf16 (DeepSpeed's mixed-precision optimizer path) with DCP runs and agrees
         cfg = os.path.join(work, "bf16.json")
         with open(cfg, "w") as f:
             json.dump({"gradient_clipping": 1.0, "bf16": {"enabled": True},
-                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}, f)
+                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}},
+                       f)
         bf16 = {}
         for mode in ("dcp", "dp"):
             log = os.path.join(work, f"bf16_{mode}.jsonl")
-            flags = ["--dcp", "--dcp_memory_budget_gb", _tight_budget(world, 2)] if mode == "dcp" else []
-            _run(pretrain, COMMON + ["--zero-stage", "2", "--deepspeed_config", cfg, "--log-json", log, *flags])
+            flags = ["--dcp", "--dcp_memory_budget_gb", _tight_budget(world,
+                                                                      2)] if mode == "dcp" else []
+            _run(pretrain, COMMON + ["--zero-stage", "2", "--deepspeed_config", cfg, "--log-json",
+                                     log, *flags])
             bf16[mode] = _losses(log) if rank == 0 else []
         report["bf16"] = bf16
     if bad_input:
@@ -161,7 +165,8 @@ def _check_parity(report: dict, stages: list[int], require_uneven: bool) -> None
         dcp, dp = got["dcp"], got["dp"]
         assert len(dcp) == len(dp) == ITERS, got
         for i, (a, b) in enumerate(zip(dcp, dp)):
-            assert abs(a - b) <= REL_TOL * abs(b), f"ZeRO {stage} iteration {i + 1}: dcp {a} vs dp {b}"
+            assert abs(a - b) <= REL_TOL * abs(b), \
+                f"ZeRO {stage} iteration {i + 1}: dcp {a} vs dp {b}"
         assert dcp[-1] < dcp[0]  # it trains
         plans = got["plans"]  # the planner really regrouped: SP degrees > 1, uneven micro-steps
         assert any(int(d) > 1 for p in plans for d in p["degrees"]), plans
@@ -169,7 +174,8 @@ def _check_parity(report: dict, stages: list[int], require_uneven: bool) -> None
             assert any(len(set(p["micro_steps_per_rank"])) > 1 for p in plans), plans
 
 
-def _launch_driver(world_size: int, stages: list[int], resume: bool, bad_input: bool, timeout: int) -> dict:
+def _launch_driver(world_size: int, stages: list[int], resume: bool, bad_input: bool,
+                   timeout: int) -> dict:
     out = tempfile.mktemp(suffix=".json")
     flags = ["--stages", ",".join(map(str, stages)), "--out", out]
     flags += ["--resume"] if resume else []
@@ -191,7 +197,8 @@ def test_parity_resume_and_bad_input_world_size_2():
     for a, b in zip(resumed, straight):
         assert abs(a - b) <= REL_TOL * abs(b), (resumed, straight)
     bf16 = report["bf16"]  # bf16 rounding differs between plans: a loose tolerance
-    assert len(bf16["dcp"]) == ITERS and all(abs(a - b) <= 5e-3 * b for a, b in zip(bf16["dcp"], bf16["dp"]))
+    assert len(bf16["dcp"]) == ITERS and all(abs(a - b) <= 5e-3 * b for a, b in zip(bf16["dcp"],
+                                                                                    bf16["dp"]))
     errors = report["errors"]
     assert "unknown key(s)" in errors["unknown_key"] and "max_degre" in errors["unknown_key"]
     assert "exceeds the DCP world size 2" in errors["degree_cap"]
@@ -221,9 +228,11 @@ def test_kill_and_resume_across_processes(tmp_path):
     ckpt, killed = tmp_path / "ckpt", tmp_path / "killed.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-           str(_free_port()), "examples/pretrain.py", *args, "--save", str(ckpt), "--save-interval", "3",
+           str(_free_port()), "examples/pretrain.py", *args, "--save", str(ckpt),
+           "--save-interval", "3",
            "--log-json", str(killed)]
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL,
                            start_new_session=True)
     try:
         deadline = time.time() + 100
@@ -237,7 +246,8 @@ def test_kill_and_resume_across_processes(tmp_path):
             os.killpg(job.pid, signal.SIGKILL)  # this job's own process group
         job.wait()
     resumed = tmp_path / "resumed.jsonl"
-    proc = _launch(2, ["examples/pretrain.py", *args, "--load", str(ckpt), "--log-json", str(resumed)],
+    proc = _launch(2, ["examples/pretrain.py", *args, "--load", str(ckpt), "--log-json",
+                       str(resumed)],
                    timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = {r["iteration"]: r["loss"] for r in _records(str(straight))}
@@ -249,7 +259,8 @@ def test_kill_and_resume_across_processes(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_pretrain_bad_flag_fails_at_start():
-    proc = _launch(2, ["examples/pretrain.py", "--dcp", "--dcp_max_degree", "3", *COMMON], timeout=110)
+    proc = _launch(2, ["examples/pretrain.py", "--dcp", "--dcp_max_degree", "3", *COMMON],
+                   timeout=110)
     assert proc.returncode != 0
     assert "dcp.max_degree=3 exceeds the DCP world size 2" in proc.stdout + proc.stderr
 

@@ -2,7 +2,7 @@
 
   python tools/build_indexed_dataset.py --input docs.jsonl --output-prefix data/my_corpus
   python tools/build_indexed_dataset.py --input book.txt --output-prefix data/book   # paragraphs
-  python tools/build_indexed_dataset.py --embedded --output-prefix data/pystdlib     # the default corpus
+  python tools/build_indexed_dataset.py --embedded --output-prefix data/pystdlib  # embedded corpus
 
 Train on it with ``examples/pretrain.py --data-path data/my_corpus``.
 """
@@ -13,16 +13,19 @@ import argparse
 import sys
 import time
 
-from megatron_dcp.data import (ByteTokenizer, IndexedDatasetWriter, best_dtype, embedded_corpus_texts,
+from megatron_dcp.data import (ByteTokenizer, IndexedDatasetWriter, best_dtype,
+                               embedded_corpus_texts,
                                read_documents)
 
 
 def main(argv=None) -> int:
     """Command-line entry point."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", help="jsonl(.gz) or text files; jsonl by extension")
-    src.add_argument("--embedded", action="store_true", help="the embedded corpus (megatron_dcp/data/corpus)")
+    src.add_argument("--embedded", action="store_true",
+                     help="the embedded corpus (megatron_dcp/data/corpus)")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--json-key", default="text", help="field of each jsonl object holding the text")
     p.add_argument("--no-eod", action="store_true", help="do not append the end-of-document token")

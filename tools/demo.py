@@ -6,7 +6,8 @@ for a few iterations: each line shows the plan (sequence-parallel degrees, micro
 checkpointed layers, predicted step time), the loss and tokens/s. Works on CPU (gloo) and GPUs.
 On a machine without CUDA the planner's cost model needs this machine's numbers (the presets
 describe GPUs): the first run measures them once with ``tools/profile.py --quick`` (~15 s) into
-runs/hardware_cpu.json and passes it as ``--dcp_hardware``. Extra arguments are passed to examples/pretrain.py (e.g. ``--train-iters 20 --zero-stage 2``).
+runs/hardware_cpu.json and passes it as ``--dcp_hardware``. Extra arguments are passed to
+examples/pretrain.py (e.g. ``--train-iters 20 --zero-stage 2``).
 """
 
 import os
@@ -34,22 +35,27 @@ def main() -> int:
            "--master_port", str(free_port()), "examples/pretrain.py", "--dcp",
            "--deepspeed_config", "examples/ds_config.json", "--train-iters", "6",
            "--seq-length", "2048", "--global-batch-tokens", "8192", "--num-layers", "2",
-           "--hidden-size", "64", "--num-heads", "4", "--log-json", "runs/demo.jsonl", *sys.argv[1:]]
+           "--hidden-size", "64", "--num-heads", "4", "--log-json", "runs/demo.jsonl",
+           *sys.argv[1:]]
     (ROOT / "runs").mkdir(exist_ok=True)
     import torch
 
     if not torch.cuda.is_available():
         profile = ROOT / "runs" / "hardware_cpu.json"
         if not profile.exists():
-            print("+ python tools/profile.py --quick (this machine's cost-model numbers, once)", flush=True)
-            code = subprocess.call([sys.executable, "tools/profile.py", "--out", str(profile), "--device",
+            print("+ python tools/profile.py --quick (this machine's cost-model numbers, once)",
+                  flush=True)
+            code = subprocess.call([sys.executable, "tools/profile.py", "--out", str(profile),
+                                    "--device",
                                     "cpu", "--dtype", "float32", "--threads", "1", "--ranks", "2",
-                                    "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab", "257",
+                                    "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab",
+                                    "257",
                                     "--quick"], cwd=ROOT, env=env)
             if code:
                 return code
         cmd += ["--dcp_hardware", str(profile)]
-    print("+ deepspeed --num_gpus 2 " + " ".join(cmd[cmd.index("examples/pretrain.py"):]), flush=True)
+    print("+ deepspeed --num_gpus 2 " + " ".join(cmd[cmd.index("examples/pretrain.py"):]),
+          flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
 
 

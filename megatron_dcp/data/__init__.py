@@ -9,7 +9,9 @@ from megatron_dcp.data.sampler import GlobalBatchSampler
 from megatron_dcp.data.tokenizer import ByteTokenizer
 
 __all__ = [
-    "EMBEDDED_CORPUS", "ByteTokenizer", "GlobalBatchSampler", "InMemoryTokenDataset", "IndexedDataset",
-    "IndexedDatasetWriter", "TokenDataset", "best_dtype", "embedded_corpus_texts", "embedded_dataset",
+    "EMBEDDED_CORPUS", "ByteTokenizer", "GlobalBatchSampler", "InMemoryTokenDataset",
+    "IndexedDataset",
+    "IndexedDatasetWriter", "TokenDataset", "best_dtype", "embedded_corpus_texts",
+    "embedded_dataset",
     "open_dataset", "read_documents", "read_jsonl", "read_text_documents",
 ]

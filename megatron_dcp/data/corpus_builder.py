@@ -72,12 +72,14 @@ def build_documents(stdlib: str | None = None) -> list[dict]:
 def write_corpus(out: str, docs: list[dict]) -> None:
     """Gzip-compressed jsonl with a fixed mtime so the bytes are reproducible."""
     payload = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs).encode()
-    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as gz:
+    with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9,
+                                               mtime=0) as gz:
         gz.write(payload)
 
 
 if __name__ == "__main__":
-    target = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent / "corpus" / "pystdlib.jsonl.gz")
+    default = Path(__file__).parent / "corpus" / "pystdlib.jsonl.gz"
+    target = sys.argv[1] if len(sys.argv) > 1 else str(default)
     documents = build_documents()
     write_corpus(target, documents)
     print(f"wrote {len(documents)} documents to {target} ({os.path.getsize(target)} bytes)")

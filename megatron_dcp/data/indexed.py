@@ -50,7 +50,8 @@ class IndexedDatasetWriter:
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF_DTYPE:
-            raise ValueError(f"dtype {self.dtype} is not one of the MMIDIDX dtypes {sorted(map(str, CODE_OF_DTYPE))}")
+            raise ValueError(f"dtype {self.dtype} is not one of the MMIDIDX dtypes "
+                             f"{sorted(map(str, CODE_OF_DTYPE))}")
         directory = os.path.dirname(os.path.abspath(prefix))
         os.makedirs(directory, exist_ok=True)
         self._bin = open(prefix + ".bin", "wb")
@@ -61,11 +62,13 @@ class IndexedDatasetWriter:
         """Append one document (one sequence) of token ids."""
         array = np.asarray(ids)
         if array.ndim != 1:
-            raise ValueError(f"a document must be a 1-D sequence of token ids, got shape {array.shape}")
+            raise ValueError("a document must be a 1-D sequence of token ids, got shape "
+                             f"{array.shape}")
         if array.size and self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
             if array.min() < info.min or array.max() > info.max:
-                raise ValueError(f"token ids {array.min()}..{array.max()} do not fit dtype {self.dtype}")
+                raise ValueError(f"token ids {array.min()}..{array.max()} do not fit dtype "
+                                 f"{self.dtype}")
         self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(array.size))
 
@@ -105,14 +108,16 @@ class IndexedDataset:
         idx_path, bin_path = prefix + ".idx", prefix + ".bin"
         for path in (idx_path, bin_path):
             if not os.path.exists(path):
-                raise FileNotFoundError(f"indexed dataset file {path} does not exist (--data-path {prefix})")
+                raise FileNotFoundError(f"indexed dataset file {path} does not exist (--data-path "
+                                        f"{prefix})")
         with open(idx_path, "rb") as f:
             magic = f.read(len(MAGIC))
             if magic != MAGIC:
                 raise ValueError(f"{idx_path}: not a Megatron MMIDIDX index (header {magic!r})")
             (version,) = struct.unpack("<Q", f.read(8))
             if version != VERSION:
-                raise ValueError(f"{idx_path}: index version {version} is not supported (expected {VERSION})")
+                raise ValueError(f"{idx_path}: index version {version} is not supported (expected "
+                                 f"{VERSION})")
             (code,) = struct.unpack("<B", f.read(1))
             if code not in DTYPE_CODES:
                 raise ValueError(f"{idx_path}: unknown dtype code {code}")
@@ -121,18 +126,23 @@ class IndexedDataset:
             (num_doc_entries,) = struct.unpack("<Q", f.read(8))
             offset = f.tell()
         index = np.memmap(idx_path, mode="r", dtype=np.uint8)
-        self.sequence_lengths = np.frombuffer(index, dtype=np.int32, count=num_sequences, offset=offset)
+        self.sequence_lengths = np.frombuffer(index, dtype=np.int32, count=num_sequences,
+                                              offset=offset)
         offset += self.sequence_lengths.nbytes
-        self.sequence_pointers = np.frombuffer(index, dtype=np.int64, count=num_sequences, offset=offset)
+        self.sequence_pointers = np.frombuffer(index, dtype=np.int64, count=num_sequences,
+                                               offset=offset)
         offset += self.sequence_pointers.nbytes
-        self.document_indices = np.frombuffer(index, dtype=np.int64, count=num_doc_entries, offset=offset)
+        self.document_indices = np.frombuffer(index, dtype=np.int64, count=num_doc_entries,
+                                              offset=offset)
         self._index = index
         size = os.path.getsize(bin_path)
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if size else np.zeros(0, np.uint8)
         if num_sequences:
-            end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            last = int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            end = int(self.sequence_pointers[-1]) + last
             if end > size:
-                raise ValueError(f"{bin_path} is truncated: the index needs {end} bytes, the file has {size}")
+                raise ValueError(f"{bin_path} is truncated: the index needs {end} bytes, the file "
+                                 f"has {size}")
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -145,7 +155,8 @@ class IndexedDataset:
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset : offset + length`` of sequence ``i`` (a read-only view)."""
         if not -len(self) <= i < len(self):
-            raise IndexError(f"sequence {i} out of range: the dataset {self.prefix} has {len(self)}")
+            raise IndexError(f"sequence {i} out of range: the dataset {self.prefix} has "
+                             f"{len(self)}")
         n = int(self.sequence_lengths[i])
         length = n - offset if length is None else min(length, n - offset)
         start = int(self.sequence_pointers[i]) + offset * self.dtype.itemsize

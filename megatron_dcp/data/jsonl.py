@@ -26,7 +26,8 @@ def read_jsonl(path: str, key: str = "text") -> Iterator[str]:
             if not isinstance(obj, dict) or key not in obj:
                 raise ValueError(f"{path}:{lineno}: no {key!r} field in this JSON line")
             if not isinstance(obj[key], str):
-                raise ValueError(f"{path}:{lineno}: field {key!r} is {type(obj[key]).__name__}, not a string")
+                raise ValueError(f"{path}:{lineno}: field {key!r} is {type(obj[key]).__name__}, "
+                                 "not a string")
             yield obj[key]
 
 
@@ -45,7 +46,8 @@ def read_text_documents(path: str) -> Iterator[str]:
 
 
 def read_documents(path: str, key: str = "text") -> Iterator[str]:
-    """Documents of ``path``: jsonl for ``.jsonl``/``.json``(``.gz``), else plain text paragraphs."""
+    """Documents of ``path``: jsonl for ``.jsonl``/``.json`` (optionally ``.gz``), else plain
+    text paragraphs."""
     plain = path[:-3] if path.endswith(".gz") else path
     if plain.endswith((".jsonl", ".json")):
         return read_jsonl(path, key)

@@ -16,15 +16,17 @@ import numpy as np
 
 
 class GlobalBatchSampler:
-    """Yields lists of document indices, each a global batch of at most ``tokens_per_batch`` tokens."""
+    """Yields lists of document indices, each a global batch of <= ``tokens_per_batch`` tokens."""
 
     def __init__(self, lengths: Sequence[int], tokens_per_batch: int, *, seed: int = 0,
-                 max_seq_len: Optional[int] = None, min_seq_len: int = 2, shuffle: bool = True) -> None:
+                 max_seq_len: Optional[int] = None, min_seq_len: int = 2,
+                 shuffle: bool = True) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if max_seq_len is not None and max_seq_len < min_seq_len:
             raise ValueError(f"max_seq_len={max_seq_len} is below min_seq_len={min_seq_len}")
         if max_seq_len is not None and tokens_per_batch < max_seq_len:
-            raise ValueError(f"tokens_per_batch={tokens_per_batch} is below max_seq_len={max_seq_len}: "
+            raise ValueError(f"tokens_per_batch={tokens_per_batch} is below "
+                             f"max_seq_len={max_seq_len}: "
                              "the longest sequence would not fit a global batch")
         if tokens_per_batch < 1:
             raise ValueError(f"tokens_per_batch={tokens_per_batch} must be positive")
@@ -86,9 +88,11 @@ class GlobalBatchSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume; a state from a different dataset or budget is an error, not a silent change."""
         for key, mine in (("seed", self.seed), ("tokens_per_batch", self.tokens_per_batch),
-                          ("max_seq_len", self.max_seq_len), ("num_documents", int(len(self.lengths)))):
+                          ("max_seq_len", self.max_seq_len), ("num_documents",
+                                                              int(len(self.lengths)))):
             if state.get(key) != mine:
-                raise ValueError(f"sampler state has {key}={state.get(key)!r} but this run has {mine!r}; "
+                raise ValueError(f"sampler state has {key}={state.get(key)!r} but this run has "
+                                 f"{mine!r}; "
                                  "resume with the same data and batch settings")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])

@@ -33,5 +33,6 @@ class ByteTokenizer:
             elif 0 <= i < 256:
                 out.append(i)
             else:
-                raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary (0..256)")
+                raise ValueError(f"token id {i} is outside the byte tokenizer's vocabulary "
+                                 "(0..256)")
         return out.decode("utf-8", errors="replace")
