@@ -124,6 +124,11 @@ def main(argv=None) -> int:
         print(f"pretrain: {mode}, {world} ranks, ZeRO {engine.zero_stage}, data "
               f"{args.data_path or 'embedded corpus'} ({len(dataset)} documents), model "
               f"{args.num_layers}x{args.hidden_size}", flush=True)
+    if rank == 0 and engine.dcp.enabled and engine.device.type == "cpu" and \
+            engine.dcp.hardware in ("h200", "h100", "a100"):
+        print(f"note: the planner models {engine.dcp.hardware} GPUs while this run is on CPU; "
+              "measure this machine with tools/profile.py and pass --dcp_hardware PROFILE.json "
+              "(tools/demo.py does)", flush=True)
     total_tokens, total_s = 0, 0.0
     result = None
     for it in range(start, args.train_iters):
