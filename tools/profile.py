@@ -15,7 +15,12 @@ What is measured (the cost model's terms, see `megatron_dcp.plan.cost`):
 * ``hbm_bandwidth``: a large tensor copy; ``hbm_bytes``: memory per rank;
 * ``intra_bandwidth`` / ``intra_latency``: all-to-all between ``--ranks`` processes on this
   machine (gloo on CPU, NCCL on CUDA), fitted as ``latency + bytes / bandwidth``;
-* ``peak_flops``: the fastest GEMM seen (no data sheet for a CPU).
+* ``peak_flops``: the fastest GEMM seen (no data sheet for a CPU);
+* ``pack_curve`` / ``pack_tokens``: forward+backward time per token of packed tasks (short
+  sequences of ``--pack-seq`` tokens) at several task sizes: the GEMM and element-wise part per
+  token relative to the best size, and the largest size within ``PACK_TOLERANCE`` of the best
+  throughput (the planner's default pack budget). CPUs slow down when a task's activations leave
+  the caches; on a GPU the curve is nearly flat and ``pack_tokens`` is left out.
 
 Every raw measurement and the fit's per-point error are kept under ``"measured"``. One node:
 the inter-node numbers are copies of the intra-node ones.
@@ -134,6 +139,71 @@ def measure_model(cfg: DecoderConfig, lengths: list[int], depths: list[int],
     return points
 
 
+PACK_TOLERANCE = 0.10
+"""``pack_tokens`` is the largest measured task size whose time per token is within this fraction
+of the best (bigger tasks pay the per-micro-step costs of the engines less often)."""
+
+
+def measure_packs(cfg: DecoderConfig, sizes: list[int], seq_len: int, device: torch.device,
+                  dtype: torch.dtype, repeat: int, verbose: bool = True) -> list[dict]:
+    """Forward+backward seconds of one degree-1 task per size: ``size // seq_len`` sequences of
+    ``seq_len`` tokens packed (varlen attention within each sequence, as the executor runs it)."""
+    from megatron_dcp.plan.plan import Task
+    from megatron_dcp.runtime.context import TaskContext, task_context
+    from megatron_dcp.runtime.layout import ShardLayout
+
+    model = Decoder(cfg, seed=0).to(device=device, dtype=dtype)
+    points = []
+    for size in sizes:
+        lengths = [min(seq_len, size)] * max(1, size // seq_len)
+        tokens = sum(lengths)
+        layout = ShardLayout.build(lengths, 1, 1, 0)
+        ctx = TaskContext(task=Task(id=0, ranks=(0,), seqs=tuple(range(len(lengths)))),
+                          group_rank=0, layout=layout)
+        ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
+        labels = torch.roll(ids, -1)
+        positions = layout.position_ids.to(device)
+
+        def step() -> None:
+            with task_context(ctx):
+                model.loss(ids, positions, labels).backward()
+            model.zero_grad(set_to_none=True)
+
+        seconds = timed(step, device, repeat)
+        points.append({"tokens": tokens, "seq_len": lengths[0], "seconds": seconds})
+        if verbose:
+            print(f"  packed task {tokens:6d} tokens ({len(lengths)} x {lengths[0]}): "
+                  f"{seconds / tokens * 1e6:.2f} us/token", flush=True)
+    return points
+
+
+def pack_curve(cfg: DecoderConfig, points: list[dict], hw: Hardware
+               ) -> tuple[list[list[float]], Optional[int]]:
+    """(``pack_curve``, ``pack_tokens``) from `measure_packs` points and fitted coefficients.
+
+    The factor of a size is its per-token time without the cost model's attention and per-task
+    terms, relative to the smallest such time over the sizes (the cost model multiplies its GEMM
+    and element-wise terms by it). ``pack_tokens``: the largest size whose whole per-token time is
+    within ``PACK_TOLERANCE`` of the best; ``None`` when the largest size is (no budget needed).
+    """
+    if not points:
+        return [], None
+    cm = CostModel(Decoder(cfg).shape(), hw, world_size=1, memory_budget=1e15)
+    lay = cm.layouts(1)[0]
+    per_token = []
+    for p in points:
+        pairs = p["tokens"] // p["seq_len"] * cm.attn_pairs(p["seq_len"])
+        attn = pairs * cm.model.num_layers * cm._attn_layer * 3.5
+        rest = p["seconds"] - attn - cm.task_overhead
+        per_token.append(max(rest, 0.05 * p["seconds"]) / p["tokens"])
+    best = min(per_token)
+    curve = [[float(p["tokens"]), round(t / best, 4)] for p, t in zip(points, per_token)]
+    whole = [p["seconds"] / p["tokens"] for p in points]
+    ok = [p["tokens"] for p, t in zip(points, whole) if t <= (1 + PACK_TOLERANCE) * min(whole)]
+    budget = max(ok)
+    return curve, (None if budget == max(p["tokens"] for p in points) else int(budget))
+
+
 def _model_worker(rank: int, cfg: DecoderConfig, lengths: list[int], depths: list[int],
                   device_name: str, dtype_name: str, repeat: int, threads: int,
                   out_dir: str) -> None:
@@ -216,7 +286,7 @@ def measure_comm(ranks: int, device: torch.device, repeat: int, quick: bool) -> 
 
 # ---------------------------------------------------------------------- fitting
 def fit_profile(cfg: DecoderConfig, points: list[dict], linear_flops: float,
-                hbm_bandwidth: float) -> tuple[dict, list[dict]]:
+                hbm_bandwidth: float, curve: Optional[list] = None) -> tuple[dict, list[dict]]:
     """attention_flops, token_overhead_s, task_overhead_s from the model timings (see module doc).
 
     Uses the cost model's own formulas: the features are what `CostModel.time_of` multiplies
@@ -224,16 +294,17 @@ def fit_profile(cfg: DecoderConfig, points: list[dict], linear_flops: float,
     """
     shape = Decoder(cfg).shape()
     n, h, v = shape.num_layers, shape.hidden_size, shape.vocab_size
-    probe = CostModel(shape, _placeholder(linear_flops, hbm_bandwidth), world_size=1,
-                      memory_budget=1e15)
+    probe_hw = _placeholder(linear_flops, hbm_bandwidth, pack_curve=curve or None)
+    probe = CostModel(shape, probe_hw, world_size=1, memory_budget=1e15)
     rows, target = [], []
     for p in points:
         length, c = p["length"], p["ckpt"]
         passes = 3.0 + c / n
-        linear = length * (n * probe._lin_layer * passes + probe._lin_head)
+        k = probe_hw.pack_factor(length)
+        linear = length * (n * probe._lin_layer * passes + probe._lin_head) * k
         pairs = probe.attn_pairs(length)
         rows.append([pairs * n * 4 * h * (3.5 + c / n),   # x 1 / attention_flops
-                     length * n * passes / 3.0,            # x token_overhead_s
+                     length * n * passes / 3.0 * k,        # x token_overhead_s
                      1.0])                                 # x task_overhead_s
         target.append(p["seconds"] - linear)
     a, b = np.array(rows), np.array(target)
@@ -243,7 +314,7 @@ def fit_profile(cfg: DecoderConfig, points: list[dict], linear_flops: float,
     attention_flops = 1.0 / inv_attn if inv_attn > 0 else linear_flops
     coeffs = {"attention_flops": attention_flops, "token_overhead_s": token_s,
               "task_overhead_s": task_s}
-    fitted = _placeholder(linear_flops, hbm_bandwidth, **coeffs)
+    fitted = _placeholder(linear_flops, hbm_bandwidth, pack_curve=curve or None, **coeffs)
     cm = CostModel(shape, fitted, world_size=1, memory_budget=1e15)
     report = []
     for p in points:
@@ -261,7 +332,8 @@ def _placeholder(linear_flops: float, hbm_bandwidth: float, **extra) -> Hardware
                   hbm_bandwidth=hbm_bandwidth, intra_bandwidth=1e9, intra_latency=1e-5,
                   inter_bandwidth=1e9, inter_latency=1e-5, ranks_per_node=1,
                   token_overhead_s=extra.pop("token_overhead_s", 0.0),
-                  task_overhead_s=extra.pop("task_overhead_s", 0.0))
+                  task_overhead_s=extra.pop("task_overhead_s", 0.0),
+                  pack_curve=extra.pop("pack_curve", None))
     return Hardware(**values)
 
 
@@ -296,10 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=688)
+    p.add_argument("--ffn", type=int, default=None,
+                   help="MLP width; default: the reference Decoder's for --hidden (688 at 256)")
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--lengths", default="128,256,512,1024,2048",
                    help="comma-separated sequence lengths of the model timings")
+    p.add_argument("--pack-sizes", default="256,512,1024,2048,4096,8192,16384",
+                   help="comma-separated packed-task sizes (tokens) of the pack curve; '' skips it")
+    p.add_argument("--pack-seq", type=int, default=256,
+                   help="length of the short sequences packed into those tasks")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--concurrent", action="store_true",
                    help="time the model in --ranks processes at once (what a job's ranks see "
@@ -319,7 +396,7 @@ def profile(args: argparse.Namespace) -> dict:
         lengths = lengths[:3]
     cfg = DecoderConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                         num_heads=args.heads, num_kv_heads=args.kv_heads,
-                        ffn_hidden_size=args.ffn, max_position=max(lengths))
+                        ffn_hidden_size=args.ffn, max_position=max(lengths + [args.pack_seq]))
     t0 = time.perf_counter()
     gemm = [measure_gemm(cfg, device, dtype, t, args.repeat) for t in (256, 1024)]
     linear_flops = max(g["flop_s"] for g in gemm)
@@ -331,7 +408,16 @@ def profile(args: argparse.Namespace) -> dict:
         points = measure_model_concurrently(cfg, lengths, depths, args)
     else:
         points = measure_model(cfg, lengths, depths, device, dtype, args.repeat)
+    sizes = [int(x) for x in args.pack_sizes.split(",") if x.strip()]
+    if args.quick:
+        sizes = [x for x in sizes if 512 <= x <= 8192] or sizes[:3]
+    pack_points = measure_packs(cfg, sizes, args.pack_seq, device, dtype, args.repeat)
+    # fit, derive the pack curve with the fitted attention/task terms, refit with the curve
     coeffs, report = fit_profile(cfg, points, linear_flops, hbm_bandwidth)
+    curve, pack_tokens = pack_curve(cfg, pack_points,
+                                    _placeholder(linear_flops, hbm_bandwidth, **coeffs))
+    if curve:
+        coeffs, report = fit_profile(cfg, points, linear_flops, hbm_bandwidth, curve)
     comm = measure_comm(args.ranks, device, args.repeat, args.quick) if args.ranks > 1 else []
     if comm:
         bandwidth, latency = fit_comm(comm)
@@ -349,11 +435,12 @@ def profile(args: argparse.Namespace) -> dict:
         "ranks_per_node": ranks_per_node,
         "token_overhead_s": coeffs["token_overhead_s"],
         "task_overhead_s": coeffs["task_overhead_s"],
+        "pack_curve": curve or None, "pack_tokens": pack_tokens,
         "measured": {
             "device": str(device), "dtype": args.dtype, "threads": args.threads,
             "concurrent_processes": args.ranks if args.concurrent else 1,
             "torch": torch.__version__, "model": Decoder(cfg).shape().to_dict(),
-            "gemm": gemm, "model_points": report, "all_to_all": comm,
+            "gemm": gemm, "model_points": report, "all_to_all": comm, "packs": pack_points,
             "fit_max_rel_error": max(abs(r["rel_error"]) for r in report),
             "seconds": time.perf_counter() - t0,
         },
@@ -375,7 +462,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{data['token_overhead_s'] * 1e6:.2f} us, task overhead "
           f"{data['task_overhead_s'] * 1e3:.2f} ms, all-to-all {data['intra_bandwidth'] / 1e9:.2f}"
           f" GB/s + {data['intra_latency'] * 1e6:.0f} us; fit max error "
-          f"{m['fit_max_rel_error'] * 100:.1f} % ({m['seconds']:.0f} s)")
+          f"{m['fit_max_rel_error'] * 100:.1f} % ({m['seconds']:.0f} s); pack budget "
+          f"{data['pack_tokens'] or 'none'} tokens, pack curve {data['pack_curve']}")
     return 0
 
 

@@ -12,6 +12,10 @@ video DiT), degree ``d = ulysses * ring`` and ``c`` recomputed layers of ``N``::
     ulysses  = T/d * (2h + 2*kv_dim)*2 B * (u-1)/u * N * (2 + c/N) / bw   not overlapped
     other    = T/d * N * token_overhead * passes/3 + task_overhead
 
+The GEMM and element-wise terms are multiplied by the hardware's ``pack_factor(T/d)`` (a measured
+curve, 1.0 on GPU presets): on a CPU the time per token grows once a task's activations no longer
+fit the caches.
+
 Links: a Ulysses sub-group (contiguous ranks) or ring sub-group (strided ranks) inside one node
 uses the NVLink numbers, otherwise the inter-node ones.
 
@@ -104,6 +108,7 @@ class CostModel:
         self._token_layer = tok if tok is not None else 2 * self.act_bytes / hardware.hbm_bandwidth
         ovh = hardware.task_overhead_s
         self.task_overhead = ovh if ovh is not None else n * LAUNCH_S_PER_LAYER
+        self._pack_factor = hardware.pack_factor if hardware.pack_curve else None
         self._a2a_bytes = BF16 * (2 * h + 2 * kv_dim)
         self._ring_bytes = BF16 * 2 * kv_dim
         # memory
@@ -213,7 +218,8 @@ class CostModel:
         rc = ckpt / n
         passes = 3.0 + rc
         local = tokens / d
-        linear = max(local * (n * self._lin_layer * passes + self._lin_head),
+        k = self._pack_factor(local) if self._pack_factor else 1.0
+        linear = max(local * (n * self._lin_layer * passes + self._lin_head) * k,
                      self._weights_pass * passes)
         attn = pairs / d * n * self._attn_layer * (3.5 + rc)
         if layout.ring > 1:
@@ -222,7 +228,7 @@ class CostModel:
                 (hw.inter_bandwidth, hw.inter_latency)
             steps = (layout.ring - 1) * n * passes
             attn = max(attn, steps * local * self._ring_bytes / bw) + steps * lat
-        other = local * n * self._token_layer * passes / 3.0 + self.task_overhead
+        other = local * n * self._token_layer * passes / 3.0 * k + self.task_overhead
         if layout.ulysses > 1:
             hw = self.hw
             bw, lat = (hw.intra_bandwidth, hw.intra_latency) if layout.ulysses_intra else \
@@ -236,9 +242,10 @@ class CostModel:
                       hidden: float = 1.0) -> float:
         """The part of ``time_of`` that grows with the task's sequences (GEMM FLOPs, attention,
         element-wise work, all-to-all volume), without per-task costs (launches, weight streaming,
-        latencies). Ring tasks count ``hidden x attention + (1 - hidden) x ring traffic`` (their
-        time has ``max(attention, traffic)``, which any fixed mix stays below). For one ``hidden``,
-        the sum over a task's sequences never exceeds the task's time: valid lower bounds."""
+        latencies; the pack factor at its minimum, 1). Ring tasks count ``hidden x attention +
+        (1 - hidden) x ring traffic`` (their time has ``max(attention, traffic)``, which any fixed
+        mix stays below). For one ``hidden``, the sum over a task's sequences never exceeds the
+        task's time: valid lower bounds."""
         n = self.model.num_layers
         d = layout.ulysses * layout.ring
         rc = ckpt / n
@@ -292,10 +299,11 @@ class CostModel:
         local = tokens / d
         rc = ckpt / n
         passes = 3.0 + rc
-        gemm = local * (n * self._lin_layer * passes + self._lin_head)
+        k = self._pack_factor(local) if self._pack_factor else 1.0
+        gemm = local * (n * self._lin_layer * passes + self._lin_head) * k
         overhead = max(0.0, self._weights_pass * passes - gemm) + self.task_overhead
         attn = pairs / d * n * self._attn_layer * (3.5 + rc)
-        compute = gemm + attn + local * n * self._token_layer * passes / 3.0
+        compute = gemm + attn + local * n * self._token_layer * passes / 3.0 * k
         comm = max(0.0, total - compute - overhead)
         return TimeBreakdown(total=total, compute=compute, comm=comm, recompute=total - no_rc,
                              overhead=overhead)

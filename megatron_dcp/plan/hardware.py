@@ -25,6 +25,13 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
                                        # (norms, rotary, activation, loss), fwd+bwd; null: analytic
       "task_overhead_s": null,         # measured fixed seconds per task (micro-step) besides
                                        # weight streaming: kernel launches, hooks; null: analytic
+      "pack_curve": null,              # [[tokens, factor], ...]: per-token time of a task with
+                                       # that many local tokens relative to the best size
+                                       # (factor >= 1; CPUs slow down once activations leave
+                                       # the caches); null: flat (GPUs)
+      "pack_tokens": null,             # tokens of a packed task with the best measured
+                                       # throughput: the planner's pack budget when the config
+                                       # sets none; null: no budget (memory and time decide)
       "measured": {...}                # free-form raw measurements, kept but not used
     }
 
@@ -34,6 +41,7 @@ All bandwidths are *per rank*, in bytes per second, one direction.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
@@ -73,12 +81,19 @@ class Hardware:
     """Measured non-GEMM seconds per token per layer (fwd+bwd); ``None``: analytic estimate."""
     task_overhead_s: Optional[float] = None
     """Measured fixed seconds per task besides weight streaming; ``None``: analytic estimate."""
+    pack_curve: Optional[tuple] = None
+    """``((tokens, factor), ...)``, tokens ascending: per-token time of a task with that many local
+    tokens over the best one's (>= 1; interpolated in log tokens, constant beyond the ends).
+    ``None``: per-token time does not depend on the task size."""
+    pack_tokens: Optional[int] = None
+    """Packed-task size (tokens) with the best measured throughput: the planner's pack budget
+    when ``DCPConfig.pack_tokens`` is not set. ``None``: no budget."""
     measured: dict = field(default_factory=dict, compare=False, hash=False)
     """Raw measurements of a profile (informational)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name in ("name", "measured", "token_overhead_s", "task_overhead_s"):
+            if f.name in _OPTIONAL:
                 continue
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
@@ -90,10 +105,56 @@ class Hardware:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, (int, float)) or value < 0):
                 raise HardwareError(f"hardware {self.name!r}: {key}={value!r} must be >= 0 or null")
+        if self.pack_tokens is not None and (not isinstance(self.pack_tokens, int)
+                                             or isinstance(self.pack_tokens, bool)
+                                             or self.pack_tokens < 1):
+            raise HardwareError(f"hardware {self.name!r}: pack_tokens={self.pack_tokens!r} must be "
+                                "a positive integer or null")
+        if self.pack_curve is not None:
+            object.__setattr__(self, "pack_curve", _curve(self.pack_curve, self.name))
+
+    def pack_factor(self, tokens: float) -> float:
+        """Per-token time of a task with ``tokens`` local tokens relative to the best size (1.0
+        without a ``pack_curve``)."""
+        curve = self.pack_curve
+        if not curve or tokens <= curve[0][0]:
+            return curve[0][1] if curve else 1.0
+        if tokens >= curve[-1][0]:
+            return curve[-1][1]
+        for (t0, f0), (t1, f1) in zip(curve, curve[1:]):
+            if tokens <= t1:
+                w = math.log(tokens / t0) / math.log(t1 / t0)
+                return f0 + w * (f1 - f0)
+        return curve[-1][1]  # not reached
 
     def to_dict(self) -> dict[str, Any]:
         """The profile JSON form of this hardware."""
-        return {"format_version": HARDWARE_FORMAT_VERSION, **asdict(self)}
+        data = {"format_version": HARDWARE_FORMAT_VERSION, **asdict(self)}
+        if self.pack_curve is not None:
+            data["pack_curve"] = [list(p) for p in self.pack_curve]
+        return data
+
+
+_OPTIONAL = ("name", "measured", "token_overhead_s", "task_overhead_s", "pack_curve", "pack_tokens")
+"""Fields that may be ``None`` or are not positive numbers."""
+
+
+def _curve(points: Any, name: str) -> tuple:
+    """``pack_curve`` checked and normalised: ((tokens, factor), ...), tokens ascending, the
+    smallest factor 1.0 (so a factor never makes a task faster than the fitted coefficients)."""
+    where = f"hardware {name!r}: pack_curve"
+    try:
+        pts = sorted((float(t), float(f)) for t, f in points)
+    except (TypeError, ValueError):
+        raise HardwareError(f"{where} must be a list of [tokens, factor] pairs, got "
+                            f"{points!r}") from None
+    if not pts or any(not (t >= 1 and f > 0 and math.isfinite(f)) for t, f in pts):
+        raise HardwareError(f"{where}: needs at least one point with tokens >= 1 and factor > 0, "
+                            f"got {points!r}")
+    if len({t for t, _ in pts}) != len(pts):
+        raise HardwareError(f"{where}: tokens must be distinct, got {points!r}")
+    low = min(f for _, f in pts)
+    return tuple((t, f / low) for t, f in pts)
 
 
 # Achievable fractions: dense GEMMs of a 7B-70B model reach 60-65 % of peak on Hopper (Megatron-LM
@@ -196,8 +257,7 @@ def hardware_from_dict(data: dict[str, Any], where: str = "hardware profile") ->
     values.update({k: v for k, v in data.items() if k in known})
     values.setdefault("name", os.path.basename(where))
     missing = sorted(f.name for f in fields(Hardware) if f.name not in values
-                     and f.name not in ("ranks_per_node", "token_overhead_s", "task_overhead_s",
-                                        "measured"))
+                     and f.name not in ("ranks_per_node", *_OPTIONAL))
     if missing:
         raise HardwareError(f"{where}: missing field(s) {', '.join(missing)} (or give \"base\": a "
                             "preset)")

@@ -34,6 +34,12 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
                      attention_layout=config.attention_layout)
 
 
+def pack_budget(config: DCPConfig, cm: CostModel) -> Optional[int]:
+    """Token budget of a packed task: ``config.pack_tokens``, else the measured profile's best
+    pack size (``Hardware.pack_tokens``: CPUs slow down on large packs), else none (presets)."""
+    return config.pack_tokens if config.pack_tokens is not None else cm.hw.pack_tokens
+
+
 def _oversize(ctx: PlanContext, policy: str) -> list[int]:
     """Apply the oversize policy: returns the skipped sequences (truncation is done in place)."""
     sizes = ctx.vocab.sizes
@@ -105,7 +111,7 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     vocab = Vocabulary(world_size, cm.ranks_per_node, config.max_degree)
     ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab,
                       ckpt_policy=config.checkpoint_policy,
-                      pack_tokens=config.pack_tokens, baseline_degree=baseline_degree)
+                      pack_tokens=pack_budget(config, cm), baseline_degree=baseline_degree)
     if baseline_degree not in ("tuned", "min"):
         raise PlanError(f"baseline_degree={baseline_degree!r}: must be tuned or min")
     skipped = _oversize(ctx, config.oversize_policy)
