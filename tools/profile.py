@@ -144,32 +144,44 @@ PACK_TOLERANCE = 0.10
 of the best (bigger tasks pay the per-micro-step costs of the engines less often)."""
 
 
-def measure_packs(cfg: DecoderConfig, sizes: list[int], seq_len: int, device: torch.device,
-                  dtype: torch.dtype, repeat: int, verbose: bool = True) -> list[dict]:
-    """Forward+backward seconds of one degree-1 task per size: ``size // seq_len`` sequences of
-    ``seq_len`` tokens packed (varlen attention within each sequence, as the executor runs it)."""
+def _task_step(model: Decoder, cfg: DecoderConfig, lengths: list[int], device: torch.device,
+               ulysses: int = 1, ring: int = 1, rank: int = 0, group=None) -> Callable[[], None]:
+    """Forward+backward of one task over packed sequences ``lengths``, as the executor runs it
+    (group rank ``rank`` of ``ulysses x ring`` ranks in process group ``group``)."""
     from megatron_dcp.plan.plan import Task
     from megatron_dcp.runtime.context import TaskContext, task_context
     from megatron_dcp.runtime.layout import ShardLayout
 
+    degree = ulysses * ring
+    layout = ShardLayout.build(lengths, ulysses, ring, rank)
+    task = Task(id=0, ranks=tuple(range(degree)), seqs=tuple(range(len(lengths))),
+                ulysses=ulysses, ring=ring)
+    ctx = TaskContext(task=task, group_rank=rank, group=group if degree > 1 else None,
+                      layout=layout)
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, cfg.vocab_size, (sum(lengths) + 1,), generator=gen)
+    ids = layout.shard(packed[:-1], 0).to(device)
+    labels = layout.shard(packed[1:], -100).to(device)
+    positions = layout.position_ids.to(device)
+
+    def step() -> None:
+        with task_context(ctx):
+            model.loss(ids, positions, labels).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def measure_packs(cfg: DecoderConfig, sizes: list[int], seq_len: int, device: torch.device,
+                  dtype: torch.dtype, repeat: int, verbose: bool = True) -> list[dict]:
+    """Forward+backward seconds of one degree-1 task per size: ``size // seq_len`` sequences of
+    ``seq_len`` tokens packed (varlen attention within each sequence, as the executor runs it)."""
     model = Decoder(cfg, seed=0).to(device=device, dtype=dtype)
     points = []
     for size in sizes:
         lengths = [min(seq_len, size)] * max(1, size // seq_len)
         tokens = sum(lengths)
-        layout = ShardLayout.build(lengths, 1, 1, 0)
-        ctx = TaskContext(task=Task(id=0, ranks=(0,), seqs=tuple(range(len(lengths)))),
-                          group_rank=0, layout=layout)
-        ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
-        labels = torch.roll(ids, -1)
-        positions = layout.position_ids.to(device)
-
-        def step() -> None:
-            with task_context(ctx):
-                model.loss(ids, positions, labels).backward()
-            model.zero_grad(set_to_none=True)
-
-        seconds = timed(step, device, repeat)
+        seconds = timed(_task_step(model, cfg, lengths, device), device, repeat)
         points.append({"tokens": tokens, "seq_len": lengths[0], "seconds": seconds})
         if verbose:
             print(f"  packed task {tokens:6d} tokens ({len(lengths)} x {lengths[0]}): "
@@ -237,8 +249,30 @@ def measure_model_concurrently(cfg: DecoderConfig, lengths: list[int], depths: l
              "per_process": [p["seconds"] for p in points]} for points in zip(*runs)]
 
 
+def _sp_times(cfg: DecoderConfig, lengths: list[int], rank: int, world: int,
+              device: torch.device, dtype: torch.dtype, repeat: int) -> dict:
+    """Seconds of one task over ``lengths`` on all ``world`` ranks (Ulysses where the heads
+    divide, ring), and of each rank running its half of the sequences alone at the same time
+    (the same compute without communication)."""
+    import torch.distributed as dist
+
+    model = Decoder(cfg, seed=0).to(device=device, dtype=dtype)
+    layouts = {"ring": (1, world)}
+    if cfg.num_heads % world == 0 and cfg.num_kv_heads % world == 0:
+        layouts["ulysses"] = (world, 1)
+    out = {}
+    for name, (u, r) in layouts.items():
+        dist.barrier()
+        out[name] = timed(_task_step(model, cfg, lengths, device, u, r, rank, dist.group.WORLD),
+                          device, repeat, 0.0)
+    share = lengths[rank::world]
+    dist.barrier()
+    out["alone"] = timed(_task_step(model, cfg, share, device), device, repeat, 0.0)
+    return out
+
+
 def _comm_worker(rank: int, world: int, port: int, sizes: list[int], repeat: int,
-                 backend: str, out_path: str) -> None:
+                 backend: str, out_path: str, sp: Optional[tuple] = None) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -254,19 +288,25 @@ def _comm_worker(rank: int, world: int, port: int, sizes: list[int], repeat: int
             seconds = timed(lambda: dist.all_to_all_single(y, x), device, max(repeat, 5), 0.0)
             # Bytes each rank sends to the others (the cost model's (u-1)/u of its volume).
             results.append({"bytes": x.numel() * 4 * (world - 1) / world, "seconds": seconds})
-        times = torch.tensor([r["seconds"] for r in results], dtype=torch.float64)
+        sp_times = _sp_times(sp[0], sp[1], rank, world, device, getattr(torch, sp[2]),
+                             repeat) if sp else {}
+        times = torch.tensor([r["seconds"] for r in results] + list(sp_times.values()),
+                             dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         if rank == 0:
             for r, t in zip(results, times.tolist()):
                 r["seconds"] = t
+            sp_out = dict(zip(sp_times, times.tolist()[len(results):]))
             with open(out_path, "w") as handle:
-                json.dump(results, handle)
+                json.dump({"all_to_all": results, "sp": sp_out}, handle)
     finally:
         dist.destroy_process_group()
 
 
-def measure_comm(ranks: int, device: torch.device, repeat: int, quick: bool) -> list[dict]:
-    """All-to-all time over ``ranks`` local processes for a range of message sizes."""
+def measure_comm(ranks: int, device: torch.device, repeat: int, quick: bool,
+                 sp: Optional[tuple] = None) -> dict:
+    """All-to-all time over ``ranks`` local processes for a range of message sizes; with ``sp``
+    (config, sequence lengths, dtype name) also `_sp_times`."""
     import socket
     import tempfile
 
@@ -279,7 +319,8 @@ def measure_comm(ranks: int, device: torch.device, repeat: int, quick: bool) -> 
     backend = "nccl" if device.type == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "comm.json")
-        mp.spawn(_comm_worker, args=(ranks, port, sizes, repeat, backend, path), nprocs=ranks)
+        mp.spawn(_comm_worker, args=(ranks, port, sizes, repeat, backend, path, sp),
+                 nprocs=ranks)
         with open(path) as handle:
             return json.load(handle)
 
@@ -345,6 +386,29 @@ def fit_comm(points: list[dict]) -> tuple[float, float]:
     lat, inv_bw = nnls(a * weight[:, None], b * weight)
     bw = 1.0 / inv_bw if inv_bw > 0 else max(p["bytes"] / p["seconds"] for p in points)
     return float(bw), float(max(lat, 1e-7))
+
+
+def sp_bandwidth(cfg: DecoderConfig, lengths: list[int], world: int, times: dict,
+                 latency: float) -> dict:
+    """Bandwidth (bytes/s, the cost model's bytes) at which the cost model's communication terms
+    of a ``world``-rank task equal what the runtime measured: its time minus the same ranks'
+    compute alone (`_sp_times`). Per layout; a layout without measurable extra time is left out.
+    """
+    cm = CostModel(Decoder(cfg).shape(), _placeholder(1e12, 1e12), world_size=world,
+                   memory_budget=1e15)
+    n = cm.model.num_layers
+    local = sum(lengths) / world
+    volume = {"ulysses": 2 * n * local * cm._a2a_bytes * (world - 1) / world,
+              "ring": (world - 1) * n * 3 * local * cm._ring_bytes}
+    fixed = {"ulysses": 2 * n * 4 * latency, "ring": (world - 1) * n * 3 * latency}
+    out = {}
+    for name in ("ulysses", "ring"):
+        if name not in times:
+            continue
+        extra = times[name] - times["alone"] - fixed[name]
+        if extra > 0:
+            out[name] = volume[name] / extra
+    return out
 
 
 def _memory_bytes(device: torch.device) -> float:
@@ -418,9 +482,18 @@ def profile(args: argparse.Namespace) -> dict:
                                     _placeholder(linear_flops, hbm_bandwidth, **coeffs))
     if curve:
         coeffs, report = fit_profile(cfg, points, linear_flops, hbm_bandwidth, curve)
-    comm = measure_comm(args.ranks, device, args.repeat, args.quick) if args.ranks > 1 else []
+    sp_lengths = [args.pack_seq] * (4 if args.quick else 8)
+    measured_comm = measure_comm(args.ranks, device, args.repeat, args.quick,
+                                 (cfg, sp_lengths, args.dtype)) if args.ranks > 1 else {}
+    comm = measured_comm.get("all_to_all", [])
+    sp_bw: dict = {}
     if comm:
         bandwidth, latency = fit_comm(comm)
+        sp_bw = sp_bandwidth(cfg, sp_lengths, args.ranks, measured_comm["sp"], latency)
+        if sp_bw:
+            # one bandwidth serves both layouts: the lower keeps the planner from splitting
+            # sequences where the runtime's communication costs more than raw all-to-all shows
+            bandwidth = min(bandwidth, min(sp_bw.values()))
     else:
         bandwidth, latency = hbm_bandwidth / 4, 2e-5
     ranks_per_node = max(1, args.ranks)
@@ -441,6 +514,8 @@ def profile(args: argparse.Namespace) -> dict:
             "concurrent_processes": args.ranks if args.concurrent else 1,
             "torch": torch.__version__, "model": Decoder(cfg).shape().to_dict(),
             "gemm": gemm, "model_points": report, "all_to_all": comm, "packs": pack_points,
+            "sequence_parallel": {"lengths": sp_lengths, "seconds": measured_comm.get("sp"),
+                                  "effective_bandwidth": sp_bw} if comm else None,
             "fit_max_rel_error": max(abs(r["rel_error"]) for r in report),
             "seconds": time.perf_counter() - t0,
         },
