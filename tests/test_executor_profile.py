@@ -28,7 +28,7 @@ def test_profile_writes_a_loadable_hardware_profile(tmp_path):
     assert len(hw.measured["model_points"]) == 6
     # the pack curve the planner's default pack budget comes from (quick: 512-8192 tokens)
     assert [p["tokens"] for p in hw.measured["packs"]] == [512, 1024, 2048, 4096, 8192]
-    assert hw.pack_curve and min(f for _, f in hw.pack_curve) == 1.0
+    assert hw.pack_curve and all(f > 0 for _, f in hw.pack_curve)
     assert hw.pack_tokens is None or hw.pack_tokens in (512, 1024, 2048, 4096)
 
 
@@ -47,12 +47,12 @@ def test_profile_fits_pack_budget_and_sequence_parallel_bandwidth():
     cfg = tool.DecoderConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                              max_position=256)
     hw = tool._placeholder(1e11, 1e10, attention_flops=1e11, token_overhead_s=1e-6)
-    per_token = {512: 10e-6, 1024: 10.5e-6, 2048: 12e-6, 4096: 20e-6}
+    per_token = {t: (10 + 0.001 * t) * 1e-6 for t in (512, 1024, 2048, 4096)}
     points = [{"tokens": t, "seq_len": 256, "seconds": t * s} for t, s in per_token.items()]
     curve, budget = tool.pack_curve(cfg, points, hw)
     assert budget == 1024  # the largest size within 10 % of the best per-token time
     factors = [f for _, f in curve]
-    assert min(factors) == 1.0 and factors == sorted(factors)
+    assert factors == sorted(factors) and factors[-1] > 1.2 * factors[0]  # smoothed, growing
     lengths = [256] * 4
     bw = tool.sp_bandwidth(cfg, lengths, 2, {"ulysses": 0.03, "ring": 0.02, "alone": 0.01},
                            latency=1e-5)

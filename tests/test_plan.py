@@ -272,18 +272,19 @@ def test_pack_tokens_caps_packed_tasks():
 def test_pack_curve_and_budget_from_the_hardware_profile(tmp_path):
     """A measured CPU profile: per-token time grows with the task size (pack_curve) and a pack
     budget (pack_tokens) the planner uses when the config sets none."""
-    cpu = replace(load_hardware("h200"), name="cpu", pack_curve=[[4096, 2.0], [1024, 1.1],
-                                                                    [2048, 1.0 * 1.1]],
+    cpu = replace(load_hardware("h200"), name="cpu", pack_curve=[[4096, 2.0], [1024, 1.0],
+                                                                    [2048, 1.0]],
                   pack_tokens=2048)
-    # normalised (smallest factor 1), sorted; interpolated in log tokens, constant at the ends
-    assert cpu.pack_curve == ((1024.0, 1.0), (2048.0, 1.0), (4096.0, 2.0 / 1.1))
-    assert cpu.pack_factor(100) == 1.0 and cpu.pack_factor(1e6) == pytest.approx(2.0 / 1.1)
-    assert 1.0 < cpu.pack_factor(3000) < 2.0 / 1.1
+    # sorted; interpolated in log tokens, constant beyond the ends
+    assert cpu.pack_curve == ((1024.0, 1.0), (2048.0, 1.0), (4096.0, 2.0))
+    assert cpu.pack_factor(100) == 1.0 and cpu.pack_factor(1e6) == 2.0
+    assert cpu.pack_factor(2048 * 2 ** 0.5) == pytest.approx(1.5)
     assert load_hardware("h200").pack_factor(1e6) == 1.0
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps(cpu.to_dict()))
     assert load_hardware(str(path)) == cpu
     for bad in ({"pack_curve": [[0, 1.0]]}, {"pack_curve": "x"}, {"pack_tokens": 0},
+                {"pack_curve": [[10, -1.0]]},
                 {"pack_curve": [[1, 1.0], [1, 2.0]]}):
         with pytest.raises(HardwareError, match="pack_"):
             replace(cpu, **bad)
@@ -293,7 +294,10 @@ def test_pack_curve_and_budget_from_the_hardware_profile(tmp_path):
     lay = cm.layouts(1)[0]
     assert cm.time_of(1024, 0, lay, 0) == pytest.approx(flat.time_of(1024, 0, lay, 0))
     assert cm.time_of(8192, 0, lay, 0) > 1.5 * flat.time_of(8192, 0, lay, 0)
-    assert cm.marginal_time(8192, 0, lay, 0) <= cm.time_of(8192, 0, lay, 0)
+    below = CostModel(LLAMA, replace(cpu, pack_curve=[[1024, 0.5], [8192, 1.0]]), world_size=8)
+    for tokens in (100, 1024, 8192):
+        for c in (cm, below):
+            assert c.marginal_time(tokens, 0, lay, 0) <= c.time_of(tokens, 0, lay, 0)
     # the planner packs within the profile's budget unless the config sets one
     lengths = sample_lengths("short", 8 * 40_000, seed=4)
     plan = make_plan(lengths, world_size=8, model=LLAMA, config=DCPConfig(), hardware=cpu)

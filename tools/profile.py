@@ -50,7 +50,6 @@ import torch  # noqa: E402
 from megatron_dcp.models import Decoder, DecoderConfig  # noqa: E402
 from megatron_dcp.plan.cost import CostModel  # noqa: E402
 from megatron_dcp.plan.hardware import Hardware, hardware_from_dict  # noqa: E402
-from megatron_dcp.runtime.checkpoint import checkpoint_depth  # noqa: E402
 
 
 # ---------------------------------------------------------------------- timing helpers
@@ -123,14 +122,8 @@ def measure_model(cfg: DecoderConfig, lengths: list[int], depths: list[int],
     model = Decoder(cfg, seed=0).to(device=device, dtype=dtype)
     points = []
     for n in lengths:
-        ids = torch.randint(0, cfg.vocab_size, (n,), device=device)
-        labels = torch.roll(ids, -1)
         for depth in depths:
-            def step() -> None:
-                with checkpoint_depth(depth):
-                    model.loss(ids, None, labels).backward()
-                model.zero_grad(set_to_none=True)
-
+            step = _task_step(model, cfg, [n], device, ckpt=depth)  # a one-sequence task
             points.append({"length": n, "ckpt": depth,
                            "seconds": timed(step, device, repeat)})
             if verbose:
@@ -145,9 +138,11 @@ of the best (bigger tasks pay the per-micro-step costs of the engines less often
 
 
 def _task_step(model: Decoder, cfg: DecoderConfig, lengths: list[int], device: torch.device,
-               ulysses: int = 1, ring: int = 1, rank: int = 0, group=None) -> Callable[[], None]:
+               ulysses: int = 1, ring: int = 1, rank: int = 0, group=None,
+               ckpt: int = 0) -> Callable[[], None]:
     """Forward+backward of one task over packed sequences ``lengths``, as the executor runs it
-    (group rank ``rank`` of ``ulysses x ring`` ranks in process group ``group``)."""
+    (group rank ``rank`` of ``ulysses x ring`` ranks in process group ``group``, ``ckpt``
+    recomputed layers)."""
     from megatron_dcp.plan.plan import Task
     from megatron_dcp.runtime.context import TaskContext, task_context
     from megatron_dcp.runtime.layout import ShardLayout
@@ -155,9 +150,9 @@ def _task_step(model: Decoder, cfg: DecoderConfig, lengths: list[int], device: t
     degree = ulysses * ring
     layout = ShardLayout.build(lengths, ulysses, ring, rank)
     task = Task(id=0, ranks=tuple(range(degree)), seqs=tuple(range(len(lengths))),
-                ulysses=ulysses, ring=ring)
+                ulysses=ulysses, ring=ring, ckpt_layers=ckpt)
     ctx = TaskContext(task=task, group_rank=rank, group=group if degree > 1 else None,
-                      layout=layout)
+                      layout=layout, ckpt_layers=ckpt)
     gen = torch.Generator().manual_seed(0)
     packed = torch.randint(0, cfg.vocab_size, (sum(lengths) + 1,), generator=gen)
     ids = layout.shard(packed[:-1], 0).to(device)
@@ -193,27 +188,42 @@ def pack_curve(cfg: DecoderConfig, points: list[dict], hw: Hardware
                ) -> tuple[list[list[float]], Optional[int]]:
     """(``pack_curve``, ``pack_tokens``) from `measure_packs` points and fitted coefficients.
 
-    The factor of a size is its per-token time without the cost model's attention and per-task
-    terms, relative to the smallest such time over the sizes (the cost model multiplies its GEMM
-    and element-wise terms by it). ``pack_tokens``: the largest size whose whole per-token time is
-    within ``PACK_TOLERANCE`` of the best; ``None`` when the largest size is (no budget needed).
+    The factor of a size is its measured time without the cost model's attention and per-task
+    terms over the cost model's GEMM and element-wise terms (the cost model multiplies those by
+    it, so it reproduces the packed tasks' times). Timings on a shared machine are noisy, and the
+    effect (activations leaving the caches) grows steadily with the size, so the factors and the
+    per-token times are smoothed by a straight line in the task size before use.
+    ``pack_tokens``: the largest measured size whose smoothed per-token time is within
+    ``PACK_TOLERANCE`` of the smallest; ``None`` when that is the largest size (no budget needed).
     """
     if not points:
         return [], None
     cm = CostModel(Decoder(cfg).shape(), hw, world_size=1, memory_budget=1e15)
-    lay = cm.layouts(1)[0]
-    per_token = []
+    n = cm.model.num_layers
+    sizes = np.array([float(p["tokens"]) for p in points])
+    factors, per_token = [], []
     for p in points:
-        pairs = p["tokens"] // p["seq_len"] * cm.attn_pairs(p["seq_len"])
-        attn = pairs * cm.model.num_layers * cm._attn_layer * 3.5
-        rest = p["seconds"] - attn - cm.task_overhead
-        per_token.append(max(rest, 0.05 * p["seconds"]) / p["tokens"])
-    best = min(per_token)
-    curve = [[float(p["tokens"]), round(t / best, 4)] for p, t in zip(points, per_token)]
-    whole = [p["seconds"] / p["tokens"] for p in points]
-    ok = [p["tokens"] for p, t in zip(points, whole) if t <= (1 + PACK_TOLERANCE) * min(whole)]
-    budget = max(ok)
-    return curve, (None if budget == max(p["tokens"] for p in points) else int(budget))
+        tokens = p["tokens"]
+        pairs = tokens // p["seq_len"] * cm.attn_pairs(p["seq_len"])
+        rest = p["seconds"] - pairs * n * cm._attn_layer * 3.5 - cm.task_overhead
+        work = tokens * (n * cm._lin_layer * 3.0 + cm._lin_head + n * cm._token_layer)
+        factors.append(max(rest, 0.05 * p["seconds"]) / work)
+        per_token.append(p["seconds"] / tokens)
+    smooth_factor = _line(sizes, np.array(factors))
+    smooth_time = _line(sizes, np.array(per_token))
+    curve = [[float(t), round(float(max(f, 0.05)), 4)] for t, f in zip(sizes, smooth_factor)]
+    ok = sizes[smooth_time <= (1 + PACK_TOLERANCE) * smooth_time.min()]
+    budget = int(ok.max())
+    return curve, (None if budget == int(sizes.max()) else budget)
+
+
+def _line(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least-squares straight line through (x, y) (relative error), evaluated at ``x``."""
+    if len(x) < 2:
+        return y
+    a = np.stack([np.ones_like(x), x], axis=1) / y[:, None]
+    coef, *_ = np.linalg.lstsq(a, np.ones_like(y), rcond=None)
+    return coef[0] + coef[1] * x
 
 
 def _model_worker(rank: int, cfg: DecoderConfig, lengths: list[int], depths: list[int],
@@ -327,25 +337,26 @@ def measure_comm(ranks: int, device: torch.device, repeat: int, quick: bool,
 
 # ---------------------------------------------------------------------- fitting
 def fit_profile(cfg: DecoderConfig, points: list[dict], linear_flops: float,
-                hbm_bandwidth: float, curve: Optional[list] = None) -> tuple[dict, list[dict]]:
-    """attention_flops, token_overhead_s, task_overhead_s from the model timings (see module doc).
+                hbm_bandwidth: float) -> tuple[dict, list[dict]]:
+    """attention_flops, token_overhead_s, task_overhead_s from the model timings (see module doc):
+    one-sequence points (``length``, ``ckpt``) and packed tasks (``tokens`` of ``seq_len``).
 
     Uses the cost model's own formulas: the features are what `CostModel.time_of` multiplies
     each coefficient by at degree 1, so the fitted numbers reproduce its predictions.
     """
     shape = Decoder(cfg).shape()
-    n, h, v = shape.num_layers, shape.hidden_size, shape.vocab_size
-    probe_hw = _placeholder(linear_flops, hbm_bandwidth, pack_curve=curve or None)
-    probe = CostModel(shape, probe_hw, world_size=1, memory_budget=1e15)
+    n, h = shape.num_layers, shape.hidden_size
+    probe = CostModel(shape, _placeholder(linear_flops, hbm_bandwidth), world_size=1,
+                      memory_budget=1e15)
     rows, target = [], []
     for p in points:
-        length, c = p["length"], p["ckpt"]
+        length, c = p.get("length", p.get("tokens")), p.get("ckpt", 0)
         passes = 3.0 + c / n
-        k = probe_hw.pack_factor(length)
-        linear = length * (n * probe._lin_layer * passes + probe._lin_head) * k
-        pairs = probe.attn_pairs(length)
+        linear = length * (n * probe._lin_layer * passes + probe._lin_head)
+        pairs = probe.attn_pairs(length) if "length" in p else \
+            p["tokens"] // p["seq_len"] * probe.attn_pairs(p["seq_len"])
         rows.append([pairs * n * 4 * h * (3.5 + c / n),   # x 1 / attention_flops
-                     length * n * passes / 3.0 * k,        # x token_overhead_s
+                     length * n * passes / 3.0,            # x token_overhead_s
                      1.0])                                 # x task_overhead_s
         target.append(p["seconds"] - linear)
     a, b = np.array(rows), np.array(target)
@@ -355,15 +366,23 @@ def fit_profile(cfg: DecoderConfig, points: list[dict], linear_flops: float,
     attention_flops = 1.0 / inv_attn if inv_attn > 0 else linear_flops
     coeffs = {"attention_flops": attention_flops, "token_overhead_s": token_s,
               "task_overhead_s": task_s}
-    fitted = _placeholder(linear_flops, hbm_bandwidth, pack_curve=curve or None, **coeffs)
-    cm = CostModel(shape, fitted, world_size=1, memory_budget=1e15)
-    report = []
+    return coeffs, predictions(cfg, points, _placeholder(linear_flops, hbm_bandwidth, **coeffs))
+
+
+def predictions(cfg: DecoderConfig, points: list[dict], hw: Hardware) -> list[dict]:
+    """Each timing point (a sequence: ``length``, ``ckpt``; or a packed task: ``tokens`` of
+    ``seq_len`` sequences) with the cost model's ``predicted`` seconds and ``rel_error``."""
+    cm = CostModel(Decoder(cfg).shape(), hw, world_size=1, memory_budget=1e15)
+    lay = cm.layouts(1)[0]
+    out = []
     for p in points:
-        lay = cm.layouts(1)[0]
-        pred = cm.time_of(p["length"], cm.attn_pairs(p["length"]), lay, p["ckpt"])
-        report.append({**p, "predicted": pred, "rel_error": pred / p["seconds"] - 1.0})
-    del v
-    return coeffs, report
+        if "length" in p:
+            pred = cm.time_of(p["length"], cm.attn_pairs(p["length"]), lay, p["ckpt"])
+        else:
+            pairs = p["tokens"] // p["seq_len"] * cm.attn_pairs(p["seq_len"])
+            pred = cm.time_of(p["tokens"], pairs, lay, 0)
+        out.append({**p, "predicted": pred, "rel_error": pred / p["seconds"] - 1.0})
+    return out
 
 
 def _placeholder(linear_flops: float, hbm_bandwidth: float, **extra) -> Hardware:
@@ -477,11 +496,15 @@ def profile(args: argparse.Namespace) -> dict:
         sizes = [x for x in sizes if 512 <= x <= 8192] or sizes[:3]
     pack_points = measure_packs(cfg, sizes, args.pack_seq, device, dtype, args.repeat)
     # fit, derive the pack curve with the fitted attention/task terms, refit with the curve
-    coeffs, report = fit_profile(cfg, points, linear_flops, hbm_bandwidth)
+    # coefficients from single sequences and packed tasks together; the pack curve is then what
+    # is left of the packed tasks' times (one pass: refitting with the curve drifts, as task
+    # overhead and the curve's small end trade off)
+    coeffs, _ = fit_profile(cfg, points + pack_points, linear_flops, hbm_bandwidth)
     curve, pack_tokens = pack_curve(cfg, pack_points,
                                     _placeholder(linear_flops, hbm_bandwidth, **coeffs))
-    if curve:
-        coeffs, report = fit_profile(cfg, points, linear_flops, hbm_bandwidth, curve)
+    final = _placeholder(linear_flops, hbm_bandwidth, pack_curve=curve or None, **coeffs)
+    report = predictions(cfg, points, final)  # what the planner will predict
+    pack_points = predictions(cfg, pack_points, final)
     sp_lengths = [args.pack_seq] * (4 if args.quick else 8)
     measured_comm = measure_comm(args.ranks, device, args.repeat, args.quick,
                                  (cfg, sp_lengths, args.dtype)) if args.ranks > 1 else {}
@@ -516,7 +539,8 @@ def profile(args: argparse.Namespace) -> dict:
             "gemm": gemm, "model_points": report, "all_to_all": comm, "packs": pack_points,
             "sequence_parallel": {"lengths": sp_lengths, "seconds": measured_comm.get("sp"),
                                   "effective_bandwidth": sp_bw} if comm else None,
-            "fit_max_rel_error": max(abs(r["rel_error"]) for r in report),
+            "fit_max_rel_error": max(abs(r["rel_error"]) for r in report + pack_points
+                                     if "rel_error" in r),
             "seconds": time.perf_counter() - t0,
         },
     }

@@ -109,6 +109,8 @@ class CostModel:
         ovh = hardware.task_overhead_s
         self.task_overhead = ovh if ovh is not None else n * LAUNCH_S_PER_LAYER
         self._pack_factor = hardware.pack_factor if hardware.pack_curve else None
+        # marginal times use the smallest factor: they stay lower bounds of task times
+        self._pack_floor = min(f for _, f in hardware.pack_curve) if hardware.pack_curve else 1.0
         self._a2a_bytes = BF16 * (2 * h + 2 * kv_dim)
         self._ring_bytes = BF16 * 2 * kv_dim
         # memory
@@ -242,7 +244,7 @@ class CostModel:
                       hidden: float = 1.0) -> float:
         """The part of ``time_of`` that grows with the task's sequences (GEMM FLOPs, attention,
         element-wise work, all-to-all volume), without per-task costs (launches, weight streaming,
-        latencies; the pack factor at its minimum, 1). Ring tasks count ``hidden x attention +
+        latencies; the pack factor at its minimum). Ring tasks count ``hidden x attention +
         (1 - hidden) x ring traffic`` (their time has ``max(attention, traffic)``, which any fixed
         mix stays below). For one ``hidden``, the sum over a task's sequences never exceeds the
         task's time: valid lower bounds."""
@@ -251,14 +253,15 @@ class CostModel:
         rc = ckpt / n
         passes = 3.0 + rc
         local = tokens / d
-        t = local * (n * self._lin_layer * passes + self._lin_head)
+        k = self._pack_floor
+        t = local * (n * self._lin_layer * passes + self._lin_head) * k
         attn = pairs / d * n * self._attn_layer * (3.5 + rc)
         if layout.ring > 1 and hidden < 1.0:
             bw = self.hw.intra_bandwidth if layout.ring_intra else self.hw.inter_bandwidth
             ring = (layout.ring - 1) * n * passes * local * self._ring_bytes / bw
             attn = hidden * attn + (1.0 - hidden) * ring
         t += attn
-        t += local * n * self._token_layer * passes / 3.0
+        t += local * n * self._token_layer * passes / 3.0 * k
         if layout.ulysses > 1:
             bw = self.hw.intra_bandwidth if layout.ulysses_intra else self.hw.inter_bandwidth
             u = layout.ulysses

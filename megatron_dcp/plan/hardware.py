@@ -25,10 +25,10 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
                                        # (norms, rotary, activation, loss), fwd+bwd; null: analytic
       "task_overhead_s": null,         # measured fixed seconds per task (micro-step) besides
                                        # weight streaming: kernel launches, hooks; null: analytic
-      "pack_curve": null,              # [[tokens, factor], ...]: per-token time of a task with
-                                       # that many local tokens relative to the best size
-                                       # (factor >= 1; CPUs slow down once activations leave
-                                       # the caches); null: flat (GPUs)
+      "pack_curve": null,              # [[tokens, factor], ...]: factor on the per-token (GEMM,
+                                       # element-wise) time of a task with that many local
+                                       # tokens (CPUs slow down once activations leave the
+                                       # caches); null: flat (GPUs)
       "pack_tokens": null,             # tokens of a packed task with the best measured
                                        # throughput: the planner's pack budget when the config
                                        # sets none; null: no budget (memory and time decide)
@@ -82,9 +82,9 @@ class Hardware:
     task_overhead_s: Optional[float] = None
     """Measured fixed seconds per task besides weight streaming; ``None``: analytic estimate."""
     pack_curve: Optional[tuple] = None
-    """``((tokens, factor), ...)``, tokens ascending: per-token time of a task with that many local
-    tokens over the best one's (>= 1; interpolated in log tokens, constant beyond the ends).
-    ``None``: per-token time does not depend on the task size."""
+    """``((tokens, factor), ...)``, tokens ascending: the cost model's GEMM and element-wise time of
+    a task with that many local tokens is multiplied by the factor (interpolated in log tokens,
+    constant beyond the ends). ``None``: per-token time does not depend on the task size."""
     pack_tokens: Optional[int] = None
     """Packed-task size (tokens) with the best measured throughput: the planner's pack budget
     when ``DCPConfig.pack_tokens`` is not set. ``None``: no budget."""
@@ -114,8 +114,8 @@ class Hardware:
             object.__setattr__(self, "pack_curve", _curve(self.pack_curve, self.name))
 
     def pack_factor(self, tokens: float) -> float:
-        """Per-token time of a task with ``tokens`` local tokens relative to the best size (1.0
-        without a ``pack_curve``)."""
+        """Factor on the per-token time of a task with ``tokens`` local tokens (1.0 without a
+        ``pack_curve``)."""
         curve = self.pack_curve
         if not curve or tokens <= curve[0][0]:
             return curve[0][1] if curve else 1.0
@@ -140,8 +140,7 @@ _OPTIONAL = ("name", "measured", "token_overhead_s", "task_overhead_s", "pack_cu
 
 
 def _curve(points: Any, name: str) -> tuple:
-    """``pack_curve`` checked and normalised: ((tokens, factor), ...), tokens ascending, the
-    smallest factor 1.0 (so a factor never makes a task faster than the fitted coefficients)."""
+    """``pack_curve`` checked: ((tokens, factor), ...), tokens ascending."""
     where = f"hardware {name!r}: pack_curve"
     try:
         pts = sorted((float(t), float(f)) for t, f in points)
@@ -153,8 +152,7 @@ def _curve(points: Any, name: str) -> tuple:
                             f"got {points!r}")
     if len({t for t, _ in pts}) != len(pts):
         raise HardwareError(f"{where}: tokens must be distinct, got {points!r}")
-    low = min(f for _, f in pts)
-    return tuple((t, f / low) for t, f in pts)
+    return tuple(pts)
 
 
 # Achievable fractions: dense GEMMs of a 7B-70B model reach 60-65 % of peak on Hopper (Megatron-LM
