@@ -94,6 +94,16 @@ def data_parallel_split(num_sequences: int, world_size: int, rank: int) -> tuple
     return mine, max(-(-num_sequences // world_size), 1)
 
 
+def planned_zero_stage(stage: int) -> int:
+    """The ZeRO stage whose memory the planner must assume for a DeepSpeed stage under --dcp.
+
+    Stages 2 and 3 are planned as stage 1: with --dcp, stage 2 holds one full local gradient
+    between micro-steps (coalesced reduction) and stage 3 keeps the parameters gathered for the
+    whole step, so their sharded gradients/parameters would overstate free memory.
+    """
+    return min(stage, 1)
+
+
 class DCPEngine:
     """Wraps a ``deepspeed.DeepSpeedEngine``; attribute access falls through to it."""
 
@@ -129,7 +139,7 @@ class DCPEngine:
         return make_plan(list(lengths), world_size=self.world_size, model=self.model_shape,
                          config=self.dcp,
                          iteration=self.iteration if iteration is None else iteration,
-                         hardware=self.hardware, zero_stage=self.zero_stage)
+                         hardware=self.hardware, zero_stage=planned_zero_stage(self.zero_stage))
 
     # ------------------------------------------------------------------ micro-step pieces
     def _forward_loss_sum(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
