@@ -10,7 +10,9 @@ micro-step, equal micro-step counts) — the baseline the tests compare against.
 Exactness (the update equals single-device training on the whole batch):
 
 * loss: every rank's loss is the sum of its token losses divided by ``T`` (target tokens of the
-  *global* batch), so the SUM of gradients over ranks is the gradient of the batch mean;
+  *global* batch), so the SUM of gradients over ranks is the gradient of the batch mean (with
+  ``loss_reduction="sequence"`` each token is weighted by 1 / (S x targets of its sequence)
+  instead, in both modes: `megatron_dcp.runtime.executor.target_weights`);
 * DeepSpeed averages gradients over the data-parallel ranks (divides by the world size W), and
   divides the loss by gradient_accumulation_steps: the config gets GAS = 1 (`config.py`) and the
   loss handed to ``engine.backward`` is multiplied by W, which makes DeepSpeed's mean our SUM;
@@ -68,7 +70,8 @@ class StepResult:
     """What one ``train_step`` did (same on every rank except the ``local_*`` fields)."""
 
     loss: float
-    """Loss of the global batch (per-token mean), reduced over ranks."""
+    """Loss of the global batch (per-token mean, or the mean of per-sequence means under
+    ``loss_reduction="sequence"``), reduced over ranks."""
     tokens: int
     """Target tokens of the global batch."""
     sequences: int
@@ -142,11 +145,13 @@ class DCPEngine:
                          hardware=self.hardware, zero_stage=planned_zero_stage(self.zero_stage))
 
     # ------------------------------------------------------------------ micro-step pieces
-    def _forward_loss_sum(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                          labels: torch.Tensor) -> torch.Tensor:
-        """Sum of the token losses of a shard (labels -100 ignored), through ``engine(...)``."""
+    def _forward_loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      labels: torch.Tensor, per_token: bool = False) -> torch.Tensor:
+        """Sum of the token losses of a shard (labels -100 ignored), through ``engine(...)``; with
+        ``per_token`` the losses themselves ``[T]`` (0 where ignored: ``sequence`` reduction)."""
         logits = self.engine(input_ids, position_ids)
-        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX,
+                               reduction="none" if per_token else "sum")
 
     def _backward(self, scaled_loss: torch.Tensor) -> None:
         # DeepSpeed divides the reduced gradient by the world size: multiply to get a SUM.
@@ -206,8 +211,10 @@ class DCPEngine:
         total_steps = max(len(my_tasks), 1)
         done = 0
 
+        per_token = self.dcp.loss_reduction == "sequence"
+
         def forward_step(input_ids, position_ids, labels):
-            return self._forward_loss_sum(input_ids, position_ids, labels)
+            return self._forward_loss(input_ids, position_ids, labels, per_token)
 
         def backward(scaled_loss):
             nonlocal done
@@ -231,8 +238,11 @@ class DCPEngine:
                           predicted_s=plan.makespan, grad_norm=grad_norm, stats=stats)
 
     def _train_step_data_parallel(self, sequences: Sequence[torch.Tensor]) -> StepResult:
+        from megatron_dcp.runtime.executor import target_weights
+
         t0 = time.perf_counter()
         total = sum(max(int(s.shape[0]) - 1, 0) for s in sequences)
+        weights = target_weights([int(s.shape[0]) for s in sequences], self.dcp.loss_reduction)
         mine, steps = data_parallel_split(len(sequences), self.world_size, self.rank)
         local = 0.0
         for k in range(steps):
@@ -242,9 +252,8 @@ class DCPEngine:
                 continue
             seq = sequences[mine[k]].to(self.device, torch.long)
             labels = torch.cat([seq[1:], seq.new_full((1,), IGNORE_INDEX)])
-            loss = self._forward_loss_sum(seq, torch.arange(seq.shape[0], device=self.device),
-                                          labels)
-            scaled = loss / total
+            loss = self._forward_loss(seq, torch.arange(seq.shape[0], device=self.device), labels)
+            scaled = loss * weights[mine[k]]
             self._backward(scaled)
             local += float(scaled.detach())
         grad_norm = self._finish_step()

@@ -6,10 +6,10 @@ compares, on rank 0, the loss of every iteration with ``--dcp`` against plain De
 parallel on the same global batches, for each ZeRO stage (fp32, relative error <= 1e-5). The
 memory budget is the smallest in which the planner fits the longest (512-token) sequence, so it
 must use sequence-parallel groups, activation checkpointing and a different number of
-micro-steps per rank. The world-size-2 launch also
-checks stop-and-resume from a checkpoint, bf16 at ZeRO-2 (loose tolerance), and the start-up
-errors for bad input; one more launch
-runs ``examples/pretrain.py`` itself with a bad flag.
+micro-steps per rank. The world-size-2 launch also checks stop-and-resume from a checkpoint,
+bf16 at ZeRO-2 (loose tolerance), ``--dcp_loss_reduction sequence`` with and without ``--dcp``,
+and the start-up errors for bad input; one more launch runs ``examples/pretrain.py`` itself with
+a bad flag.
 """
 
 from __future__ import annotations
@@ -136,6 +136,16 @@ def _driver(stages: list[int], out: str, resume: bool, bad_input: bool) -> None:
                                      log, *flags])
             bf16[mode] = _losses(log) if rank == 0 else []
         report["bf16"] = bf16
+        # loss_reduction="sequence" (mean of per-sequence means) with and without --dcp
+        by_seq = {}
+        for mode in ("dcp", "dp"):
+            log = os.path.join(work, f"seq_{mode}.jsonl")
+            flags = ["--dcp", *budget] if mode == "dcp" else []
+            _run(pretrain, COMMON + ["--train-iters", "3", "--zero-stage", "1",
+                                     "--dcp_loss_reduction", "sequence", "--log-json", log,
+                                     *flags])
+            by_seq[mode] = _losses(log) if rank == 0 else []
+        report["sequence"] = by_seq
     if bad_input:
         errors = {}
         cases = {
@@ -200,6 +210,11 @@ def test_parity_resume_and_bad_input_world_size_2():
     bf16 = report["bf16"]  # bf16 rounding differs between plans: a loose tolerance
     assert len(bf16["dcp"]) == ITERS and all(abs(a - b) <= 5e-3 * b for a, b in zip(bf16["dcp"],
                                                                                     bf16["dp"]))
+    by_seq, by_token = report["sequence"], report["stages"]["1"]["dp"]
+    assert len(by_seq["dcp"]) == 3
+    for a, b in zip(by_seq["dcp"], by_seq["dp"]):
+        assert abs(a - b) <= REL_TOL * abs(b), by_seq
+    assert abs(by_seq["dp"][0] - by_token[0]) > 1e-4 * by_token[0]  # another loss than "token"
     errors = report["errors"]
     assert "unknown key(s)" in errors["unknown_key"] and "max_degre" in errors["unknown_key"]
     assert "exceeds the DCP world size 2" in errors["degree_cap"]

@@ -87,7 +87,13 @@ def _world2_cases() -> list[dict]:
     dit = [task(0, [0, 1], [2], ulysses=2, ckpt=1), task(1, [0, 1], [4, 6], ulysses=1, ckpt=0,
                                                            start=1.0),
            task(2, [1], [0, 1, 3, 5], ckpt=2, start=2.0)]
+    # Tasks whose only sequence has one token (no target; both ranks hold only padding rows
+    # but one) at ring 2 and Ulysses 2, under the per-sequence mean that must skip them.
+    single = [task(0, [0, 1], [1], ulysses=1), task(1, [1, 0], [3], ulysses=2, ckpt=1),
+              task(2, [0], [0], start=1.0), task(3, [1], [2], start=1.0)]
     return [_planned("decoder", LENGTHS_P, 2, free_tokens=20),
+            dict(name="w2-single-token", model="decoder", loss_reduction="sequence",
+                 plan=plan_dict(single, (9, 1, 17, 1), 2)),
             dict(name="w2-mixed", model="decoder", plan=plan_dict(mixed, L, 2)),
             dict(name="w2-mixed-seq", model="decoder", loss_reduction="sequence",
                  plan=plan_dict(mixed, L, 2)),

@@ -201,14 +201,29 @@ def _packed_inputs(plan: Plan, task: Task, sequences: Sequence[torch.Tensor], we
     return torch.cat(ids), torch.cat(labels), torch.cat(weights)
 
 
-def _weighting(plan: Plan, loss_reduction: str) -> Callable[[int], float]:
-    """Loss weight of every target token of sequence ``s``."""
+def target_weights(lengths: Sequence[int], loss_reduction: str = "token") -> list[float]:
+    """Loss weight of every target token of each sequence of a global batch (index = ``lengths``).
+
+    ``token``: ``1 / T`` (T = next-token targets of all the sequences); ``sequence``:
+    ``1 / (S * targets of the sequence)`` (S = sequences with a target). A sequence of one token
+    has no target. Shared by the executor and the engines' plain data-parallel baselines, so both
+    optimise the same loss.
+    """
+    if loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_reduction={loss_reduction!r}: must be one of {LOSS_REDUCTIONS}")
+    targets = [max(int(n) - 1, 0) for n in lengths]
     if loss_reduction == "token":
-        total = plan.target_tokens
-        return lambda s: 1.0 / total if total else 0.0
-    with_targets = [s for t in plan.tasks for s in t.seqs if plan.lengths[s] > 1]
-    count = len(with_targets)
-    return lambda s: 1.0 / (count * (plan.lengths[s] - 1)) if plan.lengths[s] > 1 else 0.0
+        total = sum(targets)
+        return [1.0 / total if total else 0.0 for _ in targets]
+    count = sum(1 for t in targets if t)
+    return [1.0 / (count * t) if t else 0.0 for t in targets]
+
+
+def _weighting(plan: Plan, loss_reduction: str) -> Callable[[int], float]:
+    """Loss weight of every target token of sequence ``s`` (over the sequences the plan runs)."""
+    planned = sorted({s for t in plan.tasks for s in t.seqs})
+    weights = target_weights([plan.lengths[s] for s in planned], loss_reduction)
+    return dict(zip(planned, weights)).__getitem__
 
 
 def _weighted_loss(out: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
