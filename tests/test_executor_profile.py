@@ -25,7 +25,7 @@ def test_profile_writes_a_loadable_hardware_profile(tmp_path):
     hw = load_hardware(str(out))
     assert hw.linear_flops > 0 and hw.attention_flops > 0
     assert hw.token_overhead_s is not None and hw.task_overhead_s is not None
-    assert len(hw.measured["model_points"]) == 6
+    assert len(hw.measured["model_points"]) == 8  # 3 lengths and the 16-token task, 2 depths
     # the pack curve the planner's default pack budget comes from (quick: 512-8192 tokens)
     assert [p["tokens"] for p in hw.measured["packs"]] == [512, 1024, 2048, 4096, 8192]
     assert hw.pack_curve and all(f > 0 for _, f in hw.pack_curve)

@@ -10,8 +10,10 @@ What is measured (the cost model's terms, see `megatron_dcp.plan.cost`):
 * ``linear_flops``: FLOP/s of the reference decoder's GEMMs (its weight shapes, forward and
   backward), timed alone;
 * ``attention_flops``, ``token_overhead_s``, ``task_overhead_s``: fitted (non-negative least
-  squares on relative error) to the forward+backward time of the whole reference `Decoder` over
-  a grid of sequence lengths and checkpoint depths, with ``linear_flops`` fixed;
+  squares on relative error) to the forward+backward time of the whole reference `Decoder` (run
+  as one-sequence tasks, as the executor runs them; plus a 16-token task for the fixed per-task
+  cost, and the packed tasks below) over a grid of lengths and checkpoint depths, with
+  ``linear_flops`` fixed;
 * ``hbm_bandwidth``: a large tensor copy; ``hbm_bytes``: memory per rank;
 * ``intra_bandwidth`` / ``intra_latency``: all-to-all between ``--ranks`` processes on this
   machine (gloo on CPU, NCCL on CUDA), fitted as ``latency + bytes / bandwidth``;
@@ -132,6 +134,8 @@ def measure_model(cfg: DecoderConfig, lengths: list[int], depths: list[int],
     return points
 
 
+TASK_ANCHOR_TOKENS = 16
+"""Length of the tiny one-sequence task timed with the model points (fixed per-task cost)."""
 PACK_TOLERANCE = 0.10
 """``pack_tokens`` is the largest measured task size whose time per token is within this fraction
 of the best (bigger tasks pay the per-micro-step costs of the engines less often)."""
@@ -487,6 +491,9 @@ def profile(args: argparse.Namespace) -> dict:
     hbm_bandwidth = measure_copy(device, 16 if args.quick else 256, args.repeat)
     print(f"copy: {hbm_bandwidth / 1e9:.2f} GB/s", flush=True)
     depths = sorted({0, args.layers})
+    # a tiny task pins the fixed per-task cost (Python and kernel-launch overhead of a micro-step),
+    # which longer sequences alone leave to the fit to guess
+    lengths = sorted(set(lengths) | {TASK_ANCHOR_TOKENS})
     if args.concurrent and args.ranks > 1:
         points = measure_model_concurrently(cfg, lengths, depths, args)
     else:
