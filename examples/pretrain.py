@@ -16,11 +16,8 @@ lines; ``--save``/``--load`` checkpoint model, optimizer, data position and plan
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
-from collections import Counter
 
 import torch
 
@@ -30,6 +27,7 @@ from deepspeed_plugin.config import load_ds_config
 from megatron_dcp.data import GlobalBatchSampler, open_dataset
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
+from megatron_dcp.runtime.report import TrainingLog, plan_summary
 
 DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
 
@@ -67,26 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def plan_summary(result, world_size: int) -> dict:
-    """Degrees used, micro-steps per rank, checkpointed layers, predicted vs measured step time."""
-    plan = result.plan
-    if plan is None:
-        per_rank = result.micro_steps
-        return {"mode": "data-parallel", "micro_steps_per_rank": per_rank}
-    degrees = Counter(t.degree for t in plan.tasks)
-    steps = [len(plan.tasks_for_rank(r)) for r in range(world_size)]
-    return {"mode": "dcp", "degrees": {str(k): v for k, v in sorted(degrees.items())},
-            "micro_steps_per_rank": steps,
-            "ckpt_layers": sorted({t.ckpt_layers for t in plan.tasks}),
-            "predicted_s": round(plan.makespan, 6), "plan_ms": round(result.plan_s * 1e3, 2)}
-
-
-def progress_bar(done: int, total: int, width: int = 20) -> str:
-    """``[#####.....]`` for ``done`` of ``total``."""
-    filled = int(width * done / max(total, 1))
-    return "[" + "#" * filled + "." * (width - filled) + "]"
-
-
 def main(argv=None) -> int:
     """Train; returns the process exit code."""
     args = parse_args(argv)
@@ -118,8 +96,9 @@ def main(argv=None) -> int:
         if rank == 0 and not args.quiet:
             print(f"resumed from {args.load} at iteration {start}", flush=True)
 
-    log = open(args.log_json, "a" if args.load else "w") if (args.log_json and rank == 0) else None
     mode = "dcp" if engine.dcp.enabled else "data-parallel"
+    log = TrainingLog(mode, args.train_iters, json_path=args.log_json, primary=rank == 0,
+                      quiet=args.quiet, append=bool(args.load))
     if rank == 0 and not args.quiet:
         print(f"pretrain: {mode}, {world} ranks, ZeRO {engine.zero_stage}, data "
               f"{args.data_path or 'embedded corpus'} ({len(dataset)} documents), model "
@@ -129,30 +108,15 @@ def main(argv=None) -> int:
         print(f"note: the planner models {engine.dcp.hardware} GPUs while this run is on CPU; "
               "measure this machine with tools/profile.py and pass --dcp_hardware PROFILE.json "
               "(tools/demo.py does)", flush=True)
-    total_tokens, total_s = 0, 0.0
     result = None
     for it in range(start, args.train_iters):
         docs = sampler.next_batch()
         sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
         result = engine.train_step(sequences)
-        tokens = sum(int(s.shape[0]) for s in sequences)
-        total_tokens += tokens
-        total_s += result.wall_s
-        record = {"iteration": it + 1, "loss": result.loss, "tokens": tokens,
-                  "tokens_per_s": tokens / result.wall_s, "step_s": result.wall_s,
-                  "sequences": len(sequences), "grad_norm": result.grad_norm,
-                  "plan": plan_summary(result, world)}
-        if log:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-        if rank == 0 and not args.quiet:
-            s = record["plan"]
-            plan_text = (f"degrees {s['degrees']} micro-steps/rank {s['micro_steps_per_rank']} "
-                         f"ckpt {s['ckpt_layers']} predicted {s['predicted_s'] * 1e3:.1f} ms"
-                         if s["mode"] == "dcp" else f"micro-steps/rank {s['micro_steps_per_rank']}")
-            print(f"{progress_bar(it + 1, args.train_iters)} iter {it + 1}/{args.train_iters} "
-                  f"loss {result.loss:.4f} tokens {tokens} {record['tokens_per_s']:.0f} tok/s "
-                  f"step {result.wall_s * 1e3:.0f} ms | {plan_text}", flush=True)
+        summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s)
+        log.iteration(it + 1, loss=result.loss, tokens=sum(int(s.shape[0]) for s in sequences),
+                      step_s=result.wall_s, sequences=len(sequences), grad_norm=result.grad_norm,
+                      plan=summary)
         if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
             engine.save_checkpoint(args.save, tag=f"iter_{it + 1}",
                                    client_state={"sampler": sampler.state_dict(),
@@ -161,12 +125,7 @@ def main(argv=None) -> int:
         engine.save_checkpoint(args.save, tag=f"iter_{args.train_iters}",
                                client_state={"sampler": sampler.state_dict(),
                                              "iteration": args.train_iters})
-    if rank == 0:
-        rate = total_tokens / total_s if total_s else 0.0
-        print(f"done: {mode}, {args.train_iters - start} iterations, {total_tokens} tokens, "
-              f"{rate:.0f} tokens/s", flush=True)
-    if log:
-        log.close()
+    log.close()
     return 0
 
 

@@ -20,12 +20,10 @@ per iteration (iteration, loss, tokens, tokens_per_s, ...).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 import warnings
-from collections import Counter
 from datetime import timedelta
 from functools import partial
 
@@ -35,6 +33,7 @@ import torch.distributed as dist
 from megatron_dcp.data import GlobalBatchSampler, open_dataset
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
+from megatron_dcp.runtime.report import TrainingLog, plan_summary
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -210,23 +209,6 @@ def plain_step(ddp, sequences, args, device):
     return reports
 
 
-def plan_summary(plan, micro_steps, dp_size: int) -> dict:
-    """Degrees used, micro-steps per rank, checkpointed layers, predicted step time."""
-    if plan is None:
-        return {"mode": "data-parallel", "micro_steps_per_rank": micro_steps}
-    degrees = Counter(t.degree for t in plan.tasks)
-    return {"mode": "dcp", "degrees": {str(k): v for k, v in sorted(degrees.items())},
-            "micro_steps_per_rank": [len(plan.tasks_for_rank(r)) for r in range(dp_size)],
-            "ckpt_layers": sorted({t.ckpt_layers for t in plan.tasks}),
-            "predicted_s": round(plan.makespan, 6)}
-
-
-def progress_bar(done: int, total: int, width: int = 20) -> str:
-    """``[#####.....]`` for ``done`` of ``total``."""
-    filled = int(width * done / max(total, 1))
-    return "[" + "#" * filled + "." * (width - filled) + "]"
-
-
 def main(argv=None) -> int:
     """Train; returns the process exit code."""
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
@@ -251,13 +233,13 @@ def main(argv=None) -> int:
     dataset = open_dataset(args.data_path)
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
-    log = open(args.log_json, "w") if (args.log_json and rank == 0) else None
     mode = "dcp" if dcp_config.enabled else "data-parallel"
+    log = TrainingLog(mode, args.train_iters, json_path=args.log_json, primary=rank == 0,
+                      quiet=args.quiet)
     if rank == 0 and not args.quiet:
         print(f"pretrain_megatron: {mode}, {world} ranks (tp {args.tensor_model_parallel_size}, "
               f"dp {dp_size}), data {args.data_path or 'embedded corpus'} ({len(dataset)} "
               f"documents), model {args.num_layers}x{args.hidden_size}", flush=True)
-    total_tokens, total_s = 0, 0.0
     for it in range(args.train_iters):
         t0 = time.perf_counter()
         docs = sampler.next_batch()
@@ -277,32 +259,12 @@ def main(argv=None) -> int:
         for p in params:
             p.grad = p.main_grad
         optimizer.step()
-        wall = time.perf_counter() - t0
-        tokens = sum(int(s.numel()) for s in sequences)
-        total_tokens += tokens
-        total_s += wall
         plan = step_fn.last_plan if step_fn is not None else None
         micro = [len(sequences[r::dp_size]) for r in range(dp_size)]
-        record = {"iteration": it + 1, "loss": loss, "tokens": tokens,
-                  "tokens_per_s": tokens / wall, "step_s": wall, "sequences": len(sequences),
-                  "plan": plan_summary(plan, micro, dp_size)}
-        if log:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-        if rank == 0 and not args.quiet:
-            s = record["plan"]
-            plan_text = (f"degrees {s['degrees']} micro-steps/rank {s['micro_steps_per_rank']} "
-                         f"ckpt {s['ckpt_layers']} predicted {s['predicted_s'] * 1e3:.1f} ms"
-                         if s["mode"] == "dcp" else f"micro-steps/rank {s['micro_steps_per_rank']}")
-            print(f"{progress_bar(it + 1, args.train_iters)} iter {it + 1}/{args.train_iters} "
-                  f"loss {loss:.4f} tokens {tokens} {record['tokens_per_s']:.0f} tok/s "
-                  f"step {wall * 1e3:.0f} ms | {plan_text}", flush=True)
-    if rank == 0:
-        rate = total_tokens / total_s if total_s else 0.0
-        print(f"done: {mode}, {args.train_iters} iterations, {total_tokens} tokens, "
-              f"{rate:.0f} tokens/s", flush=True)
-    if log:
-        log.close()
+        log.iteration(it + 1, loss=loss, tokens=sum(int(s.numel()) for s in sequences),
+                      step_s=time.perf_counter() - t0, sequences=len(sequences),
+                      plan=plan_summary(plan, micro_steps=micro))
+    log.close()
     return 0
 
 

@@ -1,0 +1,95 @@
+"""Per-iteration output of a training run, the same for every engine adapter.
+
+`plan_summary` condenses a step's plan (degrees used, micro-steps per rank, checkpointed layers,
+predicted step time) into a JSON-ready dict; `TrainingLog` prints one line per iteration with a
+progress bar, writes the ``--log-json`` lines (one JSON object per iteration: ``iteration``,
+``loss``, ``tokens``, ``tokens_per_s``, ``step_s``, ``plan`` and whatever else the caller adds)
+and the final throughput line. Pure Python: the examples of both engines use it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any, Optional, Sequence, Union
+
+from megatron_dcp.plan.plan import Plan
+
+
+def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int], None] = None,
+                 plan_s: Optional[float] = None) -> dict[str, Any]:
+    """Degrees used, micro-steps per rank, checkpointed layers and predicted step time of
+    ``plan``; without a plan (plain data parallel) only ``micro_steps`` (given by the caller)."""
+    if plan is None:
+        steps = list(micro_steps) if isinstance(micro_steps, (list, tuple)) else micro_steps
+        return {"mode": "data-parallel", "micro_steps_per_rank": steps}
+    degrees = Counter(t.degree for t in plan.tasks)
+    summary = {"mode": "dcp", "degrees": {str(k): v for k, v in sorted(degrees.items())},
+               "micro_steps_per_rank": [len(plan.tasks_for_rank(r))
+                                        for r in range(plan.world_size)],
+               "ckpt_layers": sorted({t.ckpt_layers for t in plan.tasks}),
+               "predicted_s": round(plan.makespan, 6)}
+    if plan_s is not None:
+        summary["plan_ms"] = round(plan_s * 1e3, 2)
+    return summary
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """``[#####.....]`` for ``done`` of ``total``."""
+    filled = int(width * done / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _plan_text(summary: dict[str, Any]) -> str:
+    if summary["mode"] != "dcp":
+        return f"micro-steps/rank {summary['micro_steps_per_rank']}"
+    return (f"degrees {summary['degrees']} micro-steps/rank {summary['micro_steps_per_rank']} "
+            f"ckpt {summary['ckpt_layers']} predicted {summary['predicted_s'] * 1e3:.1f} ms")
+
+
+class TrainingLog:
+    """Iteration lines, ``--log-json`` records and the final line of one training run.
+
+    ``primary``: this process reports (rank 0); others only count. ``quiet``: no iteration lines
+    (the final line is still printed). ``append``: add to an existing JSON log (a resumed run).
+    """
+
+    def __init__(self, mode: str, train_iters: int, *, json_path: Optional[str] = None,
+                 primary: bool = True, quiet: bool = False, append: bool = False) -> None:
+        self.mode = mode
+        self.train_iters = train_iters
+        self.primary = primary
+        self.quiet = quiet
+        self.iterations = 0
+        self.tokens = 0
+        self.seconds = 0.0
+        self._json = open(json_path, "a" if append else "w") if (json_path and primary) else None
+
+    def iteration(self, iteration: int, *, loss: float, tokens: int, step_s: float,
+                  plan: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        """Record one iteration (1-based ``iteration``); returns the JSON record."""
+        self.iterations += 1
+        self.tokens += tokens
+        self.seconds += step_s
+        record = {"iteration": iteration, "loss": loss, "tokens": tokens,
+                  "tokens_per_s": tokens / step_s if step_s > 0 else 0.0, "step_s": step_s,
+                  **extra, "plan": plan}
+        if self._json is not None:
+            self._json.write(json.dumps(record) + "\n")
+            self._json.flush()
+        if self.primary and not self.quiet:
+            print(f"{progress_bar(iteration, self.train_iters)} iter {iteration}/"
+                  f"{self.train_iters} loss {loss:.4f} tokens {tokens} "
+                  f"{record['tokens_per_s']:.0f} tok/s step {step_s * 1e3:.0f} ms | "
+                  f"{_plan_text(plan)}", flush=True)
+        return record
+
+    def close(self) -> None:
+        """Print the final line (throughput over the iterations run) and close the JSON log."""
+        if self.primary:
+            rate = self.tokens / self.seconds if self.seconds else 0.0
+            print(f"done: {self.mode}, {self.iterations} iterations, {self.tokens} tokens, "
+                  f"{rate:.0f} tokens/s", flush=True)
+        if self._json is not None:
+            self._json.close()
+            self._json = None

@@ -1,0 +1,56 @@
+"""`megatron_dcp.runtime.report`: the plan summary and the per-iteration output of the examples."""
+
+from __future__ import annotations
+
+import json
+
+from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.runtime.report import TrainingLog, plan_summary, progress_bar
+
+
+def _plan() -> Plan:
+    tasks = (Task(id=0, ranks=(0, 1), seqs=(0,), ulysses=2, ring=1, ckpt_layers=2, start=0.0),
+             Task(id=1, ranks=(0,), seqs=(1, 2), ulysses=1, ring=1, ckpt_layers=0, start=1.0),
+             Task(id=2, ranks=(0,), seqs=(3,), ulysses=1, ring=1, ckpt_layers=0, start=2.0))
+    return Plan(tasks=tasks, lengths=(40, 5, 7, 3), world_size=3, policy="manual")
+
+
+def test_plan_summary_of_a_plan_and_of_data_parallel():
+    got = plan_summary(_plan(), plan_s=0.0123)
+    assert got["mode"] == "dcp"
+    assert got["degrees"] == {"1": 2, "2": 1}
+    assert got["micro_steps_per_rank"] == [3, 1, 0]  # rank 2 has no task
+    assert got["ckpt_layers"] == [0, 2]
+    assert got["plan_ms"] == 12.3 and got["predicted_s"] == round(_plan().makespan, 6)
+    assert "plan_ms" not in plan_summary(_plan())
+    assert plan_summary(None, micro_steps=(2, 1)) == {"mode": "data-parallel",
+                                                      "micro_steps_per_rank": [2, 1]}
+    assert plan_summary(None, micro_steps=4)["micro_steps_per_rank"] == 4
+
+
+def test_training_log_lines_json_and_final_line(tmp_path, capsys):
+    path = tmp_path / "log.jsonl"
+    log = TrainingLog("dcp", 2, json_path=str(path))
+    rec = log.iteration(1, loss=2.5, tokens=100, step_s=0.5, plan=plan_summary(_plan()),
+                        grad_norm=1.0)
+    log.iteration(2, loss=2.0, tokens=300, step_s=0.5, plan=plan_summary(None, micro_steps=1))
+    log.close()
+    assert rec["tokens_per_s"] == 200.0 and rec["grad_norm"] == 1.0
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert {"iteration", "loss", "tokens", "tokens_per_s", "step_s", "plan"} <= set(records[0])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(progress_bar(1, 2) + " iter 1/2 loss 2.5000 tokens 100 200 tok/s")
+    assert "degrees {'1': 2, '2': 1} micro-steps/rank [3, 1, 0]" in out[0]
+    assert out[1].endswith("| micro-steps/rank 1")
+    assert out[2] == "done: dcp, 2 iterations, 400 tokens, 400 tokens/s"
+    # a resumed run appends; a non-primary rank writes and prints nothing
+    TrainingLog("dcp", 3, json_path=str(path), append=True).iteration(
+        3, loss=1.0, tokens=1, step_s=1.0, plan={"mode": "data-parallel",
+                                                 "micro_steps_per_rank": 1})
+    quiet = TrainingLog("dcp", 3, json_path=str(tmp_path / "other.jsonl"), primary=False)
+    quiet.iteration(1, loss=1.0, tokens=1, step_s=1.0, plan=plan_summary(None, micro_steps=1))
+    quiet.close()
+    assert len(path.read_text().splitlines()) == 3
+    assert not (tmp_path / "other.jsonl").exists()
+    assert progress_bar(0, 4, width=4) == "[....]" and progress_bar(4, 4, width=4) == "[####]"
