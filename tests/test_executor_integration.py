@@ -1,5 +1,6 @@
-"""The README's "Integrate DCP into your own model" as a test: a model of one's own, planned by make_plan, two optimizer
-steps on 2 ranks, equal to single-process training on the same global batches."""
+"""The README's "Integrate DCP into your own model" as a test: a model of one's own, planned by
+make_plan, two optimizer steps on 2 ranks, equal to single-process training on the same global
+batches."""
 
 from __future__ import annotations
 

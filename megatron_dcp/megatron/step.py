@@ -93,7 +93,8 @@ class DCPForwardBackward:
                  zero_stage: int = 0) -> None:
         self.config = config
         # Memory the planner counts per rank for optimizer states: 0 = every rank holds them all
-        # (Megatron's default), 1 = sharded over the data-parallel ranks (--use-distributed-optimizer).
+        # (Megatron's default), 1 = sharded over the data-parallel ranks
+        # (--use-distributed-optimizer).
         self.zero_stage = zero_stage
         self.model_shape = model_shape
         self.pool = pool

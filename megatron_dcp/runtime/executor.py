@@ -187,7 +187,7 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
 
 
 # ---------------------------------------------------------------------- building shards
-def _packed_inputs(plan: Plan, task: Task, sequences: Sequence[torch.Tensor], weight_of: Callable,
+def _packed_inputs(task: Task, sequences: Sequence[torch.Tensor], weight_of: Callable,
                    device: Optional[torch.device]) -> tuple[torch.Tensor, ...]:
     """Packed ids, next-token labels and per-token loss weights of a task (whole sequences)."""
     ids, labels, weights = [], [], []
@@ -227,7 +227,7 @@ def _weighting(plan: Plan, loss_reduction: str) -> Callable[[int], float]:
 
 
 def _weighted_loss(out: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                   loss_reduction: str, task: Task, total: int) -> torch.Tensor:
+                   loss_reduction: str, total: int) -> torch.Tensor:
     """Apply the loss weights to what ``forward_step`` returned (a sum or per-token losses)."""
     if out.dim() == 0:
         if loss_reduction != "token":
@@ -278,7 +278,7 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
             g = task.ranks.index(rank)
             layout = ShardLayout.build([plan.lengths[s] for s in task.seqs], task.ulysses,
                                        task.ring, g)
-            ids, labels, weights = _packed_inputs(plan, task, sequences, weight_of, device)
+            ids, labels, weights = _packed_inputs(task, sequences, weight_of, device)
             ids_l = layout.shard(ids, 0)
             labels_l = layout.shard(labels, IGNORE_INDEX)
             weights_l = layout.shard(weights, 0.0)
@@ -288,7 +288,7 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
                 _sync(cuda)
                 t0 = time.perf_counter()
                 out = forward_step(ids_l, pos_l, labels_l)
-                loss = _weighted_loss(out, labels_l, weights_l, loss_reduction, task, total)
+                loss = _weighted_loss(out, labels_l, weights_l, loss_reduction, total)
                 _sync(cuda)
                 t1 = time.perf_counter()
                 backward(loss)

@@ -22,7 +22,6 @@ The backend is the default process group's (gloo on CPU, NCCL on CUDA) unless gi
 from __future__ import annotations
 
 import dataclasses
-
 import inspect
 import time
 from datetime import timedelta
@@ -211,10 +210,10 @@ class GroupPool:
         # The context names ranks globally: the Ulysses and ring communicators address peers by
         # global rank, while plans use DCP-world ranks (a subset of the job under tensor
         # parallelism). Group lookup above still uses the plan's ranks.
+        global_task = task
         if self.world_ranks != tuple(range(len(self.world_ranks))):
-            global_task = dataclasses.replace(task, ranks=tuple(self.world_ranks[r] for r in task.ranks))
-        else:
-            global_task = task
+            global_task = dataclasses.replace(
+                task, ranks=tuple(self.world_ranks[r] for r in task.ranks))
         return TaskContext(
             task=global_task,
             group_rank=g,
