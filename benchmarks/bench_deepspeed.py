@@ -86,14 +86,20 @@ def worker_throughput(args) -> dict:
     totals = {m: [0, 0.0] for m in modes}
     losses = {m: [] for m in modes}
     predicted = {m: [0.0, 0.0] for m in modes}  # planner's makespan vs measured step, summed
+    steps = []  # per iteration: seconds per mode, and the degrees each DCP plan used
     for it, batch in enumerate(_batches(args)):
         order = modes if it % 2 == 0 else modes[::-1]
         tokens = sum(int(s.shape[0]) for s in batch)
+        step = {"tokens": tokens, "longest": max(int(x.shape[0]) for x in batch)}
         for m in order:
             dist.barrier()
             t0 = time.perf_counter()
             result = engines[m].train_step(batch)
             dist.barrier()
+            step[m] = round(time.perf_counter() - t0, 4)
+            if result.plan is not None:
+                step[m + "_degrees"] = sorted({t.degree for t in result.plan.tasks})
+                step[m + "_predicted"] = round(result.predicted_s, 4)
             if it >= args.warmup:
                 totals[m][0] += tokens
                 totals[m][1] += time.perf_counter() - t0
@@ -101,13 +107,15 @@ def worker_throughput(args) -> dict:
                     predicted[m][0] += result.predicted_s
                     predicted[m][1] += result.wall_s
             losses[m].append(result.loss)
+        if it >= args.warmup:
+            steps.append(step)
     rates = {m: tok / sec for m, (tok, sec) in totals.items()}
     ratios = {m: r / rates["dp"] for m, r in rates.items()} if "dp" in rates else None
     diffs = [abs(a - b) / abs(b) for m in modes for a, b in zip(losses[m], losses[modes[0]])]
     return {"tokens_per_s": rates, "seconds": {m: v[1] for m, v in totals.items()},
             "tokens": {m: v[0] for m, v in totals.items()}, "ratio_over_dp": ratios,
             "predicted_over_measured": {m: p / w for m, (p, w) in predicted.items() if w},
-            "max_rel_loss_diff": max(diffs)}
+            "max_rel_loss_diff": max(diffs), "iterations": steps}
 
 
 def worker_memory(args) -> dict:

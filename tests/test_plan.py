@@ -298,6 +298,13 @@ def test_pack_curve_and_budget_from_the_hardware_profile(tmp_path):
     for tokens in (100, 1024, 8192):
         for c in (cm, below):
             assert c.marginal_time(tokens, 0, lay, 0) <= c.time_of(tokens, 0, lay, 0)
+    # ring traffic that does not hide behind attention (gloo on CPU) makes ring tasks slower
+    ring = next(x for x in cm.layouts(2) if x.ring == 2)
+    serial = CostModel(LLAMA, replace(cpu, comm_overlap=0.0), world_size=8)
+    assert serial.time_of(8192, 3e7, ring, 0) > cm.time_of(8192, 3e7, ring, 0)
+    assert serial.marginal_time(8192, 3e7, ring, 0, 0.5) <= serial.time_of(8192, 3e7, ring, 0)
+    with pytest.raises(HardwareError, match="comm_overlap"):
+        replace(cpu, comm_overlap=1.5)
     # the planner packs within the profile's budget unless the config sets one
     lengths = sample_lengths("short", 8 * 40_000, seed=4)
     plan = make_plan(lengths, world_size=8, model=LLAMA, config=DCPConfig(), hardware=cpu)

@@ -18,6 +18,7 @@ What is measured (the cost model's terms, see `megatron_dcp.plan.cost`):
 * ``intra_bandwidth`` / ``intra_latency``: all-to-all between ``--ranks`` processes on this
   machine (gloo on CPU, NCCL on CUDA), fitted as ``latency + bytes / bandwidth``;
 * ``peak_flops``: the fastest GEMM seen (no data sheet for a CPU);
+* ``comm_overlap``: 0 on CPU (gloo's transfers take the cores the attention runs on), else 1;
 * ``pack_curve`` / ``pack_tokens``: forward+backward time per token of packed tasks (short
   sequences of ``--pack-seq`` tokens) at several task sizes: the GEMM and element-wise part per
   token relative to the best size, and the largest size within ``PACK_TOLERANCE`` of the best
@@ -539,6 +540,8 @@ def profile(args: argparse.Namespace) -> dict:
         "token_overhead_s": coeffs["token_overhead_s"],
         "task_overhead_s": coeffs["task_overhead_s"],
         "pack_curve": curve or None, "pack_tokens": pack_tokens,
+        # gloo moves ring blocks with the same cores that compute attention: nothing hides
+        "comm_overlap": 0.0 if device.type == "cpu" else 1.0,
         "measured": {
             "device": str(device), "dtype": args.dtype, "threads": args.threads,
             "concurrent_processes": args.ranks if args.concurrent else 1,

@@ -9,6 +9,7 @@ video DiT), degree ``d = ulysses * ring`` and ``c`` recomputed layers of ``N``::
                    weight bytes * passes / hbm_bandwidth)          GEMMs, or weight streaming
     attn     = U/d * N * 4*h * (3.5 + c/N) / attention_flops     flash bwd ~2.5x fwd
     ring     = (r-1) * (T/d) * 2*kv_dim*2 B * N * (3 + c/N) / bw   hidden by attn: max(attn, ring)
+                                                   (the hardware's comm_overlap share of it)
     ulysses  = T/d * (2h + 2*kv_dim)*2 B * (u-1)/u * N * (2 + c/N) / bw   not overlapped
     other    = T/d * N * token_overhead * passes/3 + task_overhead
 
@@ -109,6 +110,7 @@ class CostModel:
         ovh = hardware.task_overhead_s
         self.task_overhead = ovh if ovh is not None else n * LAUNCH_S_PER_LAYER
         self._pack_factor = hardware.pack_factor if hardware.pack_curve else None
+        self._overlap = hardware.comm_overlap
         # marginal times use the smallest factor: they stay lower bounds of task times
         self._pack_floor = min(f for _, f in hardware.pack_curve) if hardware.pack_curve else 1.0
         self._a2a_bytes = BF16 * (2 * h + 2 * kv_dim)
@@ -229,7 +231,11 @@ class CostModel:
             bw, lat = (hw.intra_bandwidth, hw.intra_latency) if layout.ring_intra else \
                 (hw.inter_bandwidth, hw.inter_latency)
             steps = (layout.ring - 1) * n * passes
-            attn = max(attn, steps * local * self._ring_bytes / bw) + steps * lat
+            traffic = steps * local * self._ring_bytes / bw
+            if self._overlap >= 1.0:
+                attn = max(attn, traffic) + steps * lat
+            else:  # only part of the traffic hides behind attention
+                attn = attn + traffic - self._overlap * min(attn, traffic) + steps * lat
         other = local * n * self._token_layer * passes / 3.0 * k + self.task_overhead
         if layout.ulysses > 1:
             hw = self.hw

@@ -29,6 +29,7 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
                                        # element-wise) time of a task with that many local
                                        # tokens (CPUs slow down once activations leave the
                                        # caches); null: flat (GPUs)
+      "comm_overlap": 1.0,             # share of ring traffic hidden behind attention (0: CPU)
       "pack_tokens": null,             # tokens of a packed task with the best measured
                                        # throughput: the planner's pack budget when the config
                                        # sets none; null: no budget (memory and time decide)
@@ -88,6 +89,9 @@ class Hardware:
     pack_tokens: Optional[int] = None
     """Packed-task size (tokens) with the best measured throughput: the planner's pack budget
     when ``DCPConfig.pack_tokens`` is not set. ``None``: no budget."""
+    comm_overlap: float = 1.0
+    """Share of ring P2P traffic hidden behind attention: 1 where transfers run beside the
+    compute (NCCL on its own stream), 0 where they take the compute's cores (gloo on a CPU)."""
     measured: dict = field(default_factory=dict, compare=False, hash=False)
     """Raw measurements of a profile (informational)."""
 
@@ -110,6 +114,9 @@ class Hardware:
                                              or self.pack_tokens < 1):
             raise HardwareError(f"hardware {self.name!r}: pack_tokens={self.pack_tokens!r} must be "
                                 "a positive integer or null")
+        if not (isinstance(self.comm_overlap, (int, float)) and 0 <= self.comm_overlap <= 1):
+            raise HardwareError(f"hardware {self.name!r}: comm_overlap={self.comm_overlap!r} must "
+                                "be between 0 and 1")
         if self.pack_curve is not None:
             object.__setattr__(self, "pack_curve", _curve(self.pack_curve, self.name))
 
@@ -135,7 +142,8 @@ class Hardware:
         return data
 
 
-_OPTIONAL = ("name", "measured", "token_overhead_s", "task_overhead_s", "pack_curve", "pack_tokens")
+_OPTIONAL = ("name", "measured", "token_overhead_s", "task_overhead_s", "pack_curve", "pack_tokens",
+             "comm_overlap")
 """Fields that may be ``None`` or are not positive numbers."""
 
 
