@@ -59,8 +59,9 @@ def _sequences():
     return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
 
 
-def _reference(rank, world_size):
-    """Single process: Megatron's local spec on the whole batch; returns state, loss, grads."""
+def _reference(rank, world_size, loss_reduction="token"):
+    """Single process: Megatron's local spec on the whole batch; returns state, loss, grads.
+    ``loss_reduction="sequence"``: the mean of the per-sequence mean losses."""
     from megatron.core import parallel_state
 
     model = _build(1, dcp=False)
@@ -73,7 +74,8 @@ def _reference(rank, world_size):
         mask = torch.ones(n)
         mask[-1] = 0
         token_losses = model(seq[None], torch.arange(n)[None], None, labels=labels[None])
-        part = (token_losses.view(-1) * mask).sum() / total_targets
+        divisor = total_targets if loss_reduction == "token" else len(LENGTHS) * (n - 1)
+        part = (token_losses.view(-1) * mask).sum() / divisor
         part.backward()
         loss += float(part)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()
@@ -120,7 +122,7 @@ def _gather_tp(name, p, grad, tp: int):
     return torch.cat(parts, dim=p.partition_dim)
 
 
-def _dcp_step(rank, world_size, tp, plan_dict, state):
+def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token"):
     """One DCP step with Megatron DDP; returns (loss, full gradients)."""
     from functools import partial
 
@@ -157,7 +159,7 @@ def _dcp_step(rank, world_size, tp, plan_dict, state):
         out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
         return out, partial(loss_func, b["loss_mask"])
 
-    step = DCPForwardBackward(DCPConfig(enabled=True))
+    step = DCPForwardBackward(DCPConfig(enabled=True, loss_reduction=loss_reduction))
     plan = Plan.from_dict(plan_dict)
     reports = step(forward_step_func=forward_step, data_iterator=iter([GlobalBatch(_sequences(),
                    plan)]), model=[ddp], num_microbatches=1, seq_length=0, micro_batch_size=1)
@@ -228,4 +230,14 @@ def test_gpt_tensor_parallel_2_with_dcp_world_2_matches_single_process(reference
     # Megatron's order tp-cp-ep-dp-pp: global ranks (0, 1) share DP rank 0, (2, 3) DP rank 1.
     results = run_distributed(_dcp_step, world_size=4, args=(2, PLAN_2, reference[0]),
                               timeout_s=200)
+    _check(results, reference, 2)
+
+
+@pytest.mark.timeout(240)
+def test_gpt_sequence_mean_loss_under_dcp_matches_single_process():
+    """``loss_reduction="sequence"``: the forward step hands per-token losses to the executor,
+    which weights each sequence's tokens by 1 / (S x its targets)."""
+    reference = run_distributed(_reference, world_size=1, args=("sequence",), timeout_s=120)[0]
+    results = run_distributed(_dcp_step, world_size=2,
+                              args=(1, PLAN_2, reference[0], "sequence"), timeout_s=200)
     _check(results, reference, 2)
