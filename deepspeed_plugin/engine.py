@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -67,7 +67,8 @@ IGNORE_INDEX = -100
 
 @dataclass
 class StepResult:
-    """What one ``train_step`` did (same on every rank except the ``local_*`` fields)."""
+    """What one ``train_step`` did (same on every rank except ``micro_steps``,
+    ``empty_micro_steps``, ``wall_s`` and ``stats``)."""
 
     loss: float
     """Loss of the global batch (per-token mean, or the mean of per-sequence means under
@@ -87,7 +88,6 @@ class StepResult:
     grad_norm: Optional[float] = None
     stats: Any = None
     """`megatron_dcp.runtime.executor.StepStats` of this rank (DCP on)."""
-    extra: dict = field(default_factory=dict)
 
 
 def data_parallel_split(num_sequences: int, world_size: int, rank: int) -> tuple[list[int], int]:
@@ -273,7 +273,8 @@ class DCPEngine:
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[dict] = None, **kwargs: Any) -> Any:
-        """``engine.save_checkpoint`` with DCP's state added under ``client_state["dcp"]``."""
+        """``engine.save_checkpoint`` with DCP's state added under
+        ``client_state["dcp_engine"]``."""
         state = dict(client_state or {})
         state["dcp_engine"] = self.state_dict()
         saved = self.engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
