@@ -137,7 +137,6 @@ class DCPCoreAttention(_megatron_module()):
         if current_task() is not None:
             raise ValueError("DCPCoreAttention: do not pass THD packed_seq_params inside a DCP "
                              "task; the task's layout already describes the packing")
-        from megatron.core.transformer.enums import AttnMaskType  # noqa: F401
         from megatron_dcp.plan.plan import Task
         from megatron_dcp.runtime.layout import ShardLayout
 
