@@ -256,6 +256,8 @@ def main(argv=None) -> int:
         summed = torch.stack([r["lm loss"].to(device) for r in reports]).sum(0).double()
         dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
         loss = float(summed[0] / summed[1])
+        if step_fn is not None and dcp_config.loss_reduction == "sequence":
+            loss = step_fn.last_stats.loss  # the loss optimised: the mean of per-sequence means
         for p in params:
             p.grad = p.main_grad
         optimizer.step()
