@@ -133,3 +133,14 @@ def test_world4_mixed_degrees_match_reference():
     results = _check(4, _world4_cases())
     assert results[3]["w4-idle-rank"]["ntasks"] == 0
     assert results[0]["_pool"]["groups"] >= 6
+
+
+def test_target_weights_token_and_sequence():
+    from megatron_dcp.runtime.executor import target_weights
+
+    # 3 sequences with 4, 0 and 2 targets: T = 6 targets, S = 2 sequences that have one
+    assert target_weights([5, 1, 3]) == [1 / 6] * 3
+    assert target_weights([5, 1, 3], "sequence") == [1 / (2 * 4), 0.0, 1 / (2 * 2)]
+    assert target_weights([1, 1], "token") == [0.0, 0.0]  # no target at all: nothing to learn
+    with pytest.raises(ValueError, match="loss_reduction='mean'"):
+        target_weights([3], "mean")
