@@ -572,7 +572,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{data['task_overhead_s'] * 1e3:.2f} ms, all-to-all {data['intra_bandwidth'] / 1e9:.2f}"
           f" GB/s + {data['intra_latency'] * 1e6:.0f} us; fit max error "
           f"{m['fit_max_rel_error'] * 100:.1f} % ({m['seconds']:.0f} s); pack budget "
-          f"{data['pack_tokens'] or 'none'} tokens, pack curve {data['pack_curve']}")
+          f"{str(data['pack_tokens']) + ' tokens' if data['pack_tokens'] else 'none'}, pack "
+          f"curve {data['pack_curve']}")
     return 0
 
 
