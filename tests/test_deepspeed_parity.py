@@ -223,7 +223,7 @@ def test_parity_resume_and_bad_input_world_size_2():
 
 @pytest.mark.timeout(400)
 def test_parity_world_size_4():
-    stages = [int(s) for s in os.environ.get("DCP_TEST_WS4_STAGES", "0,2,3").split(",")]
+    stages = [int(s) for s in os.environ.get("DCP_TEST_WS4_STAGES", "0,1,2,3").split(",")]
     report = _launch_driver(4, stages, resume=False, bad_input=False, timeout=380)
     _check_parity(report, stages, require_uneven=True)
 
