@@ -158,7 +158,8 @@ class DCPForwardBackward:
         if plan.world_size != dp_size:
             raise ValueError(f"plan for a DCP world of {plan.world_size} ranks, but the "
                              f"data-parallel size is {dp_size}")
-        self.iteration += 1
+        if not forward_only:  # evaluation does not advance the training iteration plans see
+            self.iteration += 1
         self.last_plan = plan
         prepare_model(model)
         enable_task_cp_groups()
