@@ -55,7 +55,18 @@ def dcp_config_from(ds_config: dict[str, Any],
     """DCPConfig from the ``"dcp"`` section (validated) with command-line flags on top."""
     section = ds_config.get("dcp")
     base = DCPConfig.from_dict(section) if section is not None else DCPConfig()
-    return DCPConfig.from_args(args, base) if args is not None else base
+    if args is None:
+        return base
+    config = DCPConfig.from_args(args, base)
+    if not config.enabled:
+        # Knobs without --dcp would be silently ignored; the loss reduction also applies to the
+        # plain data-parallel run (the same loss with and without --dcp).
+        given = sorted(k for k, v in vars(args).items()
+                       if k.startswith("dcp_") and k != "dcp_loss_reduction" and v is not None)
+        if given:
+            flags = ", ".join("--" + k for k in given)
+            raise DCPConfigError(f"{flags} given without --dcp (add --dcp to turn DCP on)")
+    return config
 
 
 def check_supported(ds_config: dict[str, Any], dcp: DCPConfig, world_size: int,

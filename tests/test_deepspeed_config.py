@@ -26,6 +26,18 @@ def test_unknown_dcp_key_is_an_error():
         dcp_config_from({"dcp": {"max_degre": 2}})
 
 
+def test_dcp_knobs_without_dcp_are_an_error():
+    parser = add_dcp_arguments(argparse.ArgumentParser())
+    with pytest.raises(DCPConfigError, match="--dcp_max_degree given without --dcp"):
+        dcp_config_from({}, parser.parse_args(["--dcp_max_degree", "2"]))
+    # a "dcp" section turns DCP on, so its knobs (and flags on top) are used
+    cfg = dcp_config_from({"dcp": {}}, parser.parse_args(["--dcp_max_degree", "2"]))
+    assert cfg.enabled and cfg.max_degree == 2
+    # the loss reduction also applies to plain data parallel
+    cfg = dcp_config_from({}, parser.parse_args(["--dcp_loss_reduction", "sequence"]))
+    assert not cfg.enabled and cfg.loss_reduction == "sequence"
+
+
 def test_start_checks():
     on = DCPConfig(enabled=True, max_degree=4)
     with pytest.raises(DCPConfigError, match="max_degree=4 exceeds the DCP world size 2"):
