@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=int, default=0,
-                   help="save every N iterations (0: at the end)")
+                   help="save every N iterations and after the last (0: only after the last)")
     g.add_argument("--load", default=None,
                    help="resume from the latest checkpoint in this directory")
     g.add_argument("--quiet", action="store_true", help="only the final line")
@@ -108,7 +108,6 @@ def main(argv=None) -> int:
         print(f"note: the planner models {engine.dcp.hardware} GPUs while this run is on CPU; "
               "measure this machine with tools/profile.py and pass --dcp_hardware PROFILE.json "
               "(tools/demo.py does)", flush=True)
-    result = None
     for it in range(start, args.train_iters):
         docs = sampler.next_batch()
         sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
@@ -117,14 +116,12 @@ def main(argv=None) -> int:
         log.iteration(it + 1, loss=result.loss, tokens=sum(int(s.shape[0]) for s in sequences),
                       step_s=result.wall_s, sequences=len(sequences), grad_norm=result.grad_norm,
                       plan=summary)
-        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+        last = it + 1 == args.train_iters
+        if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
+            # every --save-interval iterations, and always after the last one
             engine.save_checkpoint(args.save, tag=f"iter_{it + 1}",
                                    client_state={"sampler": sampler.state_dict(),
                                                  "iteration": it + 1})
-    if args.save and not args.save_interval and result is not None:
-        engine.save_checkpoint(args.save, tag=f"iter_{args.train_iters}",
-                               client_state={"sampler": sampler.state_dict(),
-                                             "iteration": args.train_iters})
     log.close()
     return 0
 
