@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 PLAN_FORMAT_VERSION = 1
 
@@ -172,12 +172,3 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         return cls.from_dict(json.loads(text))
 
-
-def single_task_plan(lengths: Sequence[int], world_size: int, ranks: Optional[Sequence[int]] = None,
-                     ulysses: int = 1, ring: Optional[int] = None, ckpt_layers: int = 0) -> Plan:
-    """A plan with one task holding every sequence (useful for tests and references)."""
-    ranks = tuple(ranks) if ranks is not None else tuple(range(world_size))
-    ring = ring if ring is not None else len(ranks) // ulysses
-    task = Task(id=0, ranks=ranks, seqs=tuple(range(len(lengths))), ulysses=ulysses, ring=ring,
-                ckpt_layers=ckpt_layers)
-    return Plan(tasks=(task,), lengths=tuple(lengths), world_size=world_size, policy="single")

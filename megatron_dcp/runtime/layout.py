@@ -160,11 +160,6 @@ class ShardLayout:
         """Tokens of the packed unpadded concatenation of the task's sequences."""
         return sum(self.seq_lengths)
 
-    @property
-    def padded_lengths(self) -> tuple[int, ...]:
-        """Length of every sequence after padding."""
-        return tuple(padded_length(n, self.ulysses, self.ring) for n in self.seq_lengths)
-
     def meta(self) -> TokenMeta:
         """Metadata of the local shard (positions, sequence ids, validity), cached."""
         if "local" not in self._portions:
