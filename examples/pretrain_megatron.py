@@ -108,7 +108,8 @@ def model_shape(args):
                       ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
                       vocab_size=padded_vocab_size(args),
                       num_kv_heads=args.num_query_groups or args.num_attention_heads,
-                      max_position=args.seq_length, name="megatron-gpt")
+                      max_position=args.seq_length, name="megatron-gpt",
+                      tensor_parallel=args.tensor_model_parallel_size)
 
 
 def build_model(args, dcp: bool):

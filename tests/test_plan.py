@@ -415,3 +415,101 @@ def test_plan_json_that_is_not_an_object_is_a_clear_error():
     for text in ("[]", "5", '"plan"'):
         with pytest.raises(ValueError, match="a plan JSON must be an object"):
             Plan.from_json(text)
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+def test_tensor_parallel_lowers_memory_and_time():
+    hw = load_hardware("h200")
+    tp1 = CostModel(LLAMA, hw, world_size=32, zero_stage=1)
+    tp2 = CostModel(replace(LLAMA, tensor_parallel=2), hw, world_size=32, zero_stage=1)
+    assert tp2.params == pytest.approx(tp1.params / 2)
+    assert tp2.static_memory < tp1.static_memory
+    for ckpt in (0, 16, 32):
+        assert tp2.token_bytes(ckpt) < tp1.token_bytes(ckpt)
+        # the replicated layer inputs/norm outputs do not split: more than half remains
+        assert tp2.token_bytes(ckpt) > tp1.token_bytes(ckpt) / 2
+        assert tp2.memory_of(50_000, 2, ckpt) < tp1.memory_of(50_000, 2, ckpt)
+    for tokens in (2048, 32768, 131072):
+        pairs = tp1.attn_pairs(tokens)
+        for d in (1, 2, 8):
+            assert tp2.best_time(tokens, pairs, d, 0)[0] < tp1.best_time(tokens, pairs, d, 0)[0]
+    # the TP all-reduces show as communication, and grow with recompute
+    from megatron_dcp.plan.cost import Layout
+    lay = Layout(1, 1, True, True)
+    assert tp1.breakdown(8192, tp1.attn_pairs(8192), lay, 0).comm == 0.0
+    assert tp2.breakdown(8192, tp2.attn_pairs(8192), lay, 0).comm > 0.0
+    assert tp2.time_of(8192, 1e6, lay, 32) - tp2.time_of(8192, 1e6, lay, 0) > \
+        tp2.marginal_time(8192, 1e6, lay, 32) - tp2.marginal_time(8192, 1e6, lay, 16)
+    # marginal times stay lower bounds of task times
+    for d, lay in ((1, lay), (4, Layout(2, 2, True, True))):
+        assert tp2.marginal_time(65536, tp2.attn_pairs(65536), lay, 8) <= \
+            tp2.time_of(65536, tp2.attn_pairs(65536), lay, 8)
+
+
+def test_tensor_parallel_one_is_the_default_model():
+    hw = load_hardware("h200")
+    base = CostModel(LLAMA, hw, world_size=16, zero_stage=2)
+    same = CostModel(replace(LLAMA, tensor_parallel=1), hw, world_size=16, zero_stage=2)
+    assert LLAMA.tensor_parallel == 1
+    assert (base.params, base.static_memory, base.token_bytes(5)) == \
+        (same.params, same.static_memory, same.token_bytes(5))
+    assert base.params == 32 * (4096 * 3 * 4096 + 4096 * 4096 + 3 * 4096 * 11008) + 2 * 32000 * 4096
+    assert base.token_bytes(0) == 32 * 2 * (5 * 4096 + 2 * 4096 + 3 * 11008) + 4 * 32000
+    lengths = sample_lengths("short", 8 * 16384, seed=3)
+    assert plan_for(lengths, world=8).tasks == \
+        plan_for(lengths, world=8, model=replace(LLAMA, tensor_parallel=1)).tasks
+
+
+def test_bad_tensor_parallel_is_a_clear_error():
+    with pytest.raises(ValueError, match="tensor_parallel=3: must divide num_heads=32"):
+        replace(LLAMA, tensor_parallel=3)
+    with pytest.raises(ValueError, match="tensor_parallel=16: must divide .* num_kv_heads=8"):
+        replace(load_model("llama-70b"), tensor_parallel=16)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="tensor_parallel=.*must be a positive integer"):
+            replace(LLAMA, tensor_parallel=bad)
+
+
+def test_tensor_parallel_ulysses_uses_heads_per_rank():
+    model = replace(load_model("llama-70b"), tensor_parallel=4)  # 2 KV heads per TP rank
+    cm = build_cost_model(model, DCPConfig(), 16, zero_stage=3)
+    assert all(lay.ulysses in (1, 2) for d in (2, 4, 8, 16) for lay in cm.layouts(d))
+    lengths = sample_lengths("long", 16 * 40_000, seed=2)
+    plan = make_plan(lengths, world_size=16, model=model, config=DCPConfig(), zero_stage=3)
+    validate_plan(plan, model)
+    assert all(2 % t.ulysses == 0 for t in plan.tasks)
+    # Ulysses 4 divides the model's 8 KV heads but not the 2 of one TP rank
+    first = plan.tasks[0]
+    assert len(first.ranks) % 4 == 0
+    bad = replace(first, ulysses=4, ring=len(first.ranks) // 4)
+    with pytest.raises(PlanError, match="does not divide the 16 heads and 2 KV heads per "
+                                        "tensor-parallel rank"):
+        validate_plan(replace(plan, tasks=(bad,) + tuple(plan.tasks[1:])), model)
+
+
+def test_tensor_parallel_fits_a_sequence_tp1_cannot():
+    budget = 100.0
+    with pytest.raises(PlanError) as err:
+        plan_for([1000, 3_000_000], world=2, memory_budget_gb=budget)
+    largest = int(str(err.value).split("largest length that fits is ")[1].split()[0])
+    longer = int(largest * 1.3)
+    with pytest.raises(PlanError):
+        plan_for([longer], world=2, memory_budget_gb=budget)
+    tp2 = replace(LLAMA, tensor_parallel=2)
+    plan = plan_for([longer], world=2, memory_budget_gb=budget, model=tp2)
+    validate_plan(plan, tp2)
+    assert sum(len(t.seqs) for t in plan.tasks) == 1
+
+
+def test_megatron_step_plans_with_the_tensor_parallel_size(monkeypatch):
+    step_module = pytest.importorskip("megatron_dcp.megatron.step")
+    step = step_module.DCPForwardBackward(DCPConfig(enabled=True), model_shape=LLAMA)
+    assert step.planning_shape() is LLAMA  # Megatron's parallel state not set up: TP 1
+    monkeypatch.setattr(step_module, "_tensor_parallel_size", lambda: 2)
+    assert step.planning_shape() == replace(LLAMA, tensor_parallel=2)
+    expected = make_plan([1000, 5000], world_size=2, model=replace(LLAMA, tensor_parallel=2),
+                         config=step.config, zero_stage=step.zero_stage)
+    assert step.plan_for([1000, 5000], 2).tasks == expected.tasks
+    # a shape that already names its TP size is kept
+    step.model_shape = replace(LLAMA, tensor_parallel=4)
+    assert step.planning_shape().tensor_parallel == 4

@@ -33,6 +33,7 @@ Differences to Megatron's schedules, all on purpose:
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -59,6 +60,17 @@ def _single_model(model):
                              f"chunk, got {len(model)}")
         return model[0]
     return model
+
+
+def _tensor_parallel_size() -> int:
+    """Megatron's tensor-parallel world size, 1 when its model parallelism is not set up."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return 1
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return int(parallel_state.get_tensor_model_parallel_world_size())
 
 
 @contextmanager
@@ -112,9 +124,19 @@ class DCPForwardBackward:
         if self.model_shape is None:
             raise ValueError("DCPForwardBackward: model_shape is needed to plan (or give "
                              "GlobalBatch(plan=...))")
-        return make_plan(list(lengths), world_size=world_size, model=self.model_shape,
+        return make_plan(list(lengths), world_size=world_size, model=self.planning_shape(),
                          config=self.config, iteration=self.iteration, hardware=self.hardware,
                          zero_stage=self.zero_stage)
+
+    def planning_shape(self):
+        """The `ModelShape` the planner sees: the given one, with Megatron's tensor-parallel size
+        filled in when the shape leaves it at 1 (memory and time are those of one TP rank)."""
+        shape = self.model_shape
+        if shape.tensor_parallel == 1:
+            tp = _tensor_parallel_size()
+            if tp > 1:
+                shape = dataclasses.replace(shape, tensor_parallel=tp)
+        return shape
 
     def _group_pool(self):
         """The pool of the data-parallel ranks (this rank's DCP world), built on first use."""

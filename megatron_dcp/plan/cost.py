@@ -26,6 +26,16 @@ a fixed reserve (CUDA context, NCCL buffers, fragmentation) + per local token: `
 (a checkpointed layer keeps its bf16 input only) + ``A`` while one layer recomputes + fp32 logits.
 ``A`` (bytes per token per layer, flash attention, no dropout) = 2 B x (5h + 2*kv_dim + 3f)
 for a gated MLP (2f otherwise): norm inputs/outputs, q/k/v, attention output, MLP intermediates.
+
+Megatron tensor parallelism (``model.tensor_parallel = tp``): every number above is per TP rank.
+Parameters (static memory, weight streaming, gradient sync), linear and attention FLOPs (heads are
+split), the vocabulary-parallel head and its fp32 logits, and the Ulysses/ring volumes divide by
+``tp``. Of ``A``, the head-/FFN-split part (q, k, v, attention output, MLP intermediates:
+``2h + 2*kv_dim + 3f``) divides by ``tp``; the ``3h`` of layer inputs, norm outputs and residuals
+stays whole (replicated: no sequence parallelism), as does a checkpointed layer's ``2h`` input.
+Each layer adds 2 TP all-reduces of ``T/d x h x 2 B`` in forward, 2 in backward and 2 per
+recomputed layer, ring all-reduce volume ``2 (tp-1)/tp`` at the intra-node link (not overlapped).
+With ``tp = 1`` nothing changes. Ulysses degrees must divide the heads per TP rank.
 """
 
 from __future__ import annotations
@@ -95,15 +105,23 @@ class CostModel:
         h, n, f, v = m.hidden_size, m.num_layers, m.ffn_hidden_size, m.vocab_size
         kv_dim = m.kv_heads * m.head_dim
         self.kv_dim = kv_dim
-        self.layer_params = h * (h + 2 * kv_dim) + h * h + (3 if m.gated_mlp else 2) * h * f
-        self.params = n * self.layer_params + 2 * v * h
-        self.act_bytes = BF16 * (5 * h + 2 * kv_dim + (3 if m.gated_mlp else 2) * f)
+        tp = m.tensor_parallel
+        self.tensor_parallel = tp
+        # per tensor-parallel rank (tp = 1: the whole model, the same integers as before)
+        full_layer = h * (h + 2 * kv_dim) + h * h + (3 if m.gated_mlp else 2) * h * f
+        self.layer_params = full_layer if tp == 1 else full_layer / tp
+        self.params = n * self.layer_params + (2 * v * h if tp == 1 else 2 * v * h / tp)
+        """Parameters per tensor-parallel rank."""
+        split = 2 * h + 2 * kv_dim + (3 if m.gated_mlp else 2) * f
+        self.act_bytes = BF16 * (3 * h + (split if tp == 1 else split / tp))
         self.ckpt_bytes = BF16 * h
-        self.logit_bytes = 4 * v
+        self.logit_bytes = 4 * v if tp == 1 else 4 * v / tp
         # seconds per local token: GEMMs of one layer-pass (fwd) and of the head (fwd+bwd)
         self._lin_layer = 2 * self.layer_params / hardware.linear_flops
-        self._lin_head = 3 * 2 * v * h / hardware.linear_flops
-        self._attn_layer = 4 * h / hardware.attention_flops
+        self._lin_head = 3 * 2 * v * h / tp / hardware.linear_flops
+        self._attn_layer = 4 * h / tp / hardware.attention_flops
+        # TP all-reduce of a layer's bf16 output: ring all-reduce volume per rank, intra-node
+        self._tp_bytes = BF16 * h * 2.0 * (tp - 1) / tp
         self._weights_pass = BF16 * self.params / hardware.hbm_bandwidth
         tok = hardware.token_overhead_s
         self._token_layer = tok if tok is not None else 2 * self.act_bytes / hardware.hbm_bandwidth
@@ -113,8 +131,8 @@ class CostModel:
         self._overlap = hardware.comm_overlap
         # marginal times use the smallest factor: they stay lower bounds of task times
         self._pack_floor = min(f for _, f in hardware.pack_curve) if hardware.pack_curve else 1.0
-        self._a2a_bytes = BF16 * (2 * h + 2 * kv_dim)
-        self._ring_bytes = BF16 * 2 * kv_dim
+        self._a2a_bytes = BF16 * (2 * h + 2 * kv_dim) / tp
+        self._ring_bytes = BF16 * 2 * kv_dim / tp
         # memory
         self.static_memory = self._static_memory()
         hbm = hardware.hbm_bytes * memory_fraction
@@ -124,7 +142,8 @@ class CostModel:
             raise PlanError(
                 f"memory budget {self.budget / 2**30:.1f} GiB per rank is below the static memory "
                 f"{(self.static_memory + RESERVE_BYTES) / 2**30:.1f} GiB of {m.name} "
-                f"({self.params / 1e9:.2f}B parameters, ZeRO stage {zero_stage}, DCP world "
+                f"({self.params / 1e9:.2f}B parameters per TP rank (tp {tp}), ZeRO stage "
+                f"{zero_stage}, DCP world "
                 f"{world_size}, {RESERVE_BYTES / 2**30:.1f} GiB reserve): raise the budget or the "
                 "ZeRO stage"
             )
@@ -193,13 +212,15 @@ class CostModel:
         return Layout(ulysses, ring, u_intra, r_intra)
 
     def layouts(self, degree: int) -> list[Layout]:
-        """Allowed layouts of an aligned group of ``degree`` ranks (Ulysses divides the heads)."""
+        """Allowed layouts of an aligned group of ``degree`` ranks (Ulysses divides the heads of
+        one tensor-parallel rank)."""
         cached = self._layouts.get(degree)
         if cached is not None:
             return cached
         m, rpn = self.model, self.ranks_per_node
+        heads, kv_heads = m.heads_per_rank, m.kv_heads_per_rank
         ok = [u for u in range(1, degree + 1)
-              if degree % u == 0 and m.num_heads % u == 0 and m.kv_heads % u == 0]
+              if degree % u == 0 and heads % u == 0 and kv_heads % u == 0]
         pref = self.attention_layout
         if pref == "ring":
             ok = [1]
@@ -244,7 +265,17 @@ class CostModel:
             u = layout.ulysses
             calls = n * (2.0 + rc)
             other += calls * (local * self._a2a_bytes * (u - 1) / u / bw + 4 * lat)
+        if self.tensor_parallel > 1:
+            other += self._tp_time(local, rc, latency=True)
         return linear + attn + other
+
+    def _tp_time(self, local: float, rc: float, latency: bool) -> float:
+        """Tensor-parallel all-reduces of a task: 2 forward + 2 backward per layer, 2 per
+        recomputed layer, each of ``local x h`` bf16 values over the intra-node link."""
+        hw = self.hw
+        calls = self.model.num_layers * (4.0 + 2.0 * rc)
+        lat = hw.intra_latency if latency else 0.0
+        return calls * (local * self._tp_bytes / hw.intra_bandwidth + lat)
 
     def marginal_time(self, tokens: float, pairs: float, layout: Layout, ckpt: int,
                       hidden: float = 1.0) -> float:
@@ -272,6 +303,8 @@ class CostModel:
             bw = self.hw.intra_bandwidth if layout.ulysses_intra else self.hw.inter_bandwidth
             u = layout.ulysses
             t += n * (2.0 + rc) * local * self._a2a_bytes * (u - 1) / u / bw
+        if self.tensor_parallel > 1:
+            t += self._tp_time(local, rc, latency=False)
         return t
 
     def best_time(self, tokens: float, pairs: float, degree: int,
@@ -356,8 +389,9 @@ class CostModel:
         return comm + 2 * states / self.hw.hbm_bandwidth
 
     def model_flops(self, lengths: Sequence[int]) -> float:
-        """Useful training FLOPs of sequences (no recompute): 6 x params x tokens + attention."""
-        n, h = self.model.num_layers, self.model.hidden_size
+        """Useful training FLOPs of sequences (no recompute) per tensor-parallel rank:
+        6 x params x tokens + attention (the whole model's FLOPs / tp)."""
+        n, h = self.model.num_layers, self.model.hidden_size / self.tensor_parallel
         tokens = sum(lengths)
         pairs = sum(self.attn_pairs(x) for x in lengths)
         return 6.0 * self.params * tokens + 3 * 4.0 * h * n * pairs

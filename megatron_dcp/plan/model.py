@@ -30,6 +30,9 @@ class ModelShape:
     """Video DiT: tokens per frame (height x width). Its layers alternate spatial attention
     (within a frame) and temporal attention (same spatial position across frames)."""
     name: str = "custom"
+    tensor_parallel: int = 1
+    """Megatron tensor-parallel size: each rank holds 1/tp of the attention heads, KV heads and
+    weight matrices (the cost model divides parameters, FLOPs and the split activations by it)."""
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"):
@@ -40,10 +43,27 @@ class ModelShape:
             raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"model.num_heads={self.num_heads} is not divisible by num_kv_heads={self.kv_heads}")
+        tp = self.tensor_parallel
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"model.tensor_parallel={tp!r}: must be a positive integer")
+        if self.num_heads % tp or self.kv_heads % tp:
+            raise ValueError(f"model.tensor_parallel={tp}: must divide num_heads={self.num_heads} "
+                             f"and num_kv_heads={self.kv_heads} (each tensor-parallel rank holds "
+                             "whole heads)")
 
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
+
+    @property
+    def heads_per_rank(self) -> int:
+        """Query heads on one tensor-parallel rank (what Ulysses splits further)."""
+        return self.num_heads // self.tensor_parallel
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """Key/value heads on one tensor-parallel rank."""
+        return self.kv_heads // self.tensor_parallel
 
     @property
     def head_dim(self) -> int:

@@ -51,10 +51,12 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
                             "ranks")
         if t.ckpt_layers < 0 or (model is not None and t.ckpt_layers > model.num_layers):
             raise PlanError(f"task {t.id}: ckpt_layers {t.ckpt_layers} out of range")
-        if model is not None and (model.num_heads % t.ulysses or model.kv_heads % t.ulysses):
+        if model is not None and (model.heads_per_rank % t.ulysses
+                                  or model.kv_heads_per_rank % t.ulysses):
             raise PlanError(f"task {t.id}: Ulysses degree {t.ulysses} does not divide the "
-                            f"{model.num_heads} "
-                            f"heads and {model.kv_heads} KV heads of {model.name}")
+                            f"{model.heads_per_rank} heads and {model.kv_heads_per_rank} KV heads "
+                            f"per tensor-parallel rank (tp {model.tensor_parallel}) of "
+                            f"{model.name}")
         if vocabulary is not None and t.ranks not in vocabulary:
             raise PlanError(f"task {t.id} uses the group {list(t.ranks)}, which is not in the "
                             "group vocabulary (the runtime's pool would have to create it)")
