@@ -21,14 +21,13 @@ from typing import Any, Optional
 from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_config_from,
                                      load_ds_config,
                                      prepare_config)
-from deepspeed_plugin.engine import DCPEngine, StepResult, data_parallel_split
+from deepspeed_plugin.engine import DCPEngine, StepResult
 from megatron_dcp.config import DCPConfig, DCPConfigError
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
 
 __all__ = ["DCPConfig", "DCPConfigError", "DCPEngine", "StepResult", "add_dcp_arguments",
-           "initialize",
-           "data_parallel_split"]
+           "initialize"]
 
 
 def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, optimizer: Any = None,
@@ -80,15 +79,13 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
         args=ds_args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, config=ds_ready, **deepspeed_kwargs)
 
-    pool = None
     if dcp.enabled and int(engine.zero_optimization_stage()) == 3:
         patches.zero3_untraced_coordinator(engine)
-    if dcp.enabled:
-        from megatron_dcp.runtime.groups import GroupPool
+    from megatron_dcp.runtime.groups import GroupPool
 
-        pool = GroupPool(timeout=PROCESS_GROUP_TIMEOUT)
-        if model_shape is None and hasattr(model, "shape"):
-            model_shape = model.shape()
+    pool = GroupPool(timeout=PROCESS_GROUP_TIMEOUT)
+    if model_shape is None and hasattr(model, "shape"):
+        model_shape = model.shape()
     wrapper = DCPEngine(engine, dcp, model_shape=model_shape, pool=pool, hardware=hardware,
                         notices=notices)
     return wrapper, ds_optimizer, dataloader, scheduler

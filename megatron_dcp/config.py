@@ -21,8 +21,12 @@ from typing import Any, Optional
 
 POLICIES = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp")
 LAYOUTS = ("auto", "ulysses", "ring", "hybrid")
+ULYSSES_SCOPES = ("any", "node")
 CHECKPOINT_POLICIES = ("auto", "none", "full")
 LOSS_REDUCTIONS = ("token", "sequence")
+IGNORE_INDEX = -100
+"""Label of a token without a next-token target (a sequence's last token, padding); the loss
+ignores it (torch's ``cross_entropy`` default)."""
 OVERSIZE_POLICIES = ("error", "truncate", "skip")
 
 
@@ -45,6 +49,9 @@ class DCPConfig:
 
     attention_layout: str = "auto"
     """Sequence-parallel attention: auto (ulysses where heads divide, else hybrid/ring), ulysses, ring, hybrid."""
+
+    ulysses_scope: str = "any"
+    """Where Ulysses sub-groups may lie: any, or node (inside one node; groups spanning nodes run ring across nodes: fewer communicators per rank)."""
 
     checkpoint_policy: str = "auto"
     """Activation recompute: auto (fewest recomputed layers that fit memory), none, full (every layer)."""
@@ -82,6 +89,7 @@ class DCPConfig:
 
         one_of("policy", POLICIES)
         one_of("attention_layout", LAYOUTS)
+        one_of("ulysses_scope", ULYSSES_SCOPES)
         one_of("checkpoint_policy", CHECKPOINT_POLICIES)
         one_of("loss_reduction", LOSS_REDUCTIONS)
         one_of("oversize_policy", OVERSIZE_POLICIES)
@@ -174,6 +182,7 @@ class DCPConfig:
 _CHOICES = {
     "policy": POLICIES,
     "attention_layout": LAYOUTS,
+    "ulysses_scope": ULYSSES_SCOPES,
     "checkpoint_policy": CHECKPOINT_POLICIES,
     "loss_reduction": LOSS_REDUCTIONS,
     "oversize_policy": OVERSIZE_POLICIES,

@@ -5,7 +5,8 @@ import argparse
 
 import pytest
 
-from deepspeed_plugin import add_dcp_arguments, data_parallel_split
+from deepspeed_plugin import add_dcp_arguments
+from megatron_dcp.runtime.step import data_parallel_plan
 from deepspeed_plugin.config import check_supported, dcp_config_from, prepare_config
 from megatron_dcp.config import DCPConfig, DCPConfigError
 
@@ -82,10 +83,13 @@ def test_zero3_keeps_parameters_gathered_with_dcp():
     assert "stage3_param_persistence_threshold" not in cfg["zero_optimization"]
 
 
-def test_data_parallel_split():
-    assert data_parallel_split(5, 2, 0) == ([0, 2, 4], 3)
-    assert data_parallel_split(5, 2, 1) == ([1, 3], 3)
-    assert data_parallel_split(1, 4, 3) == ([], 1)
+def test_data_parallel_plan():
+    plan = data_parallel_plan([5, 6, 7, 8, 9], 2)
+    assert [t.seqs for t in plan.tasks_for_rank(0)] == [(0,), (2,), (4,)]
+    assert [t.seqs for t in plan.tasks_for_rank(1)] == [(1,), (3,)]
+    assert all(t.degree == 1 and t.ckpt_layers == 0 for t in plan.tasks)
+    assert plan.target_tokens == 4 + 5 + 6 + 7 + 8
+    assert data_parallel_plan([3], 4).tasks_for_rank(3) == []
 
 
 def test_patches_are_named_and_reversible():

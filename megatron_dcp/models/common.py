@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_dcp.runtime.context import current_task
+from megatron_dcp.config import IGNORE_INDEX
+from megatron_dcp.runtime.context import TaskContext
 
-IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):
@@ -53,18 +53,21 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
 
 
-def check_positions(position_ids: torch.Tensor, max_position: Optional[int], model: str) -> None:
+def check_positions(position_ids: torch.Tensor, max_position: Optional[int], model: str,
+                    ctx: Optional[TaskContext] = None) -> None:
     """Raise a clear error when a position is beyond what the model supports.
 
-    Names the task and the sequence (global batch index) when run inside a task.
+    Inside a task (``ctx``) the positions are read from the task's layout, which lives on the
+    host (no device sync); the error names the task and the sequence (global batch index).
     """
+    if ctx is not None and ctx.layout is not None:
+        position_ids = ctx.layout.position_ids
     if max_position is None or position_ids.numel() == 0:
         return
     top = int(position_ids.max())
     if top < max_position:
         return
     where = ""
-    ctx = current_task()
     if ctx is not None and ctx.layout is not None:
         at = int(torch.nonzero(position_ids == top)[0, 0])
         local_seq = int(ctx.layout.seq_ids[at])

@@ -1,10 +1,12 @@
 """Reference decoder: RoPE, GQA, SwiGLU, RMSNorm, no dropout; DCP enters only through two calls.
 
-The model never takes DCP arguments. Inside a task, its input is the local shard of a task's
-packed sequences (``input_ids`` and the original ``position_ids`` of those tokens, which RoPE
-uses); `dcp_attention` reads the task context and attends within each sequence across the
-group; `run_layer` recomputes the first ``ckpt_layers`` layers of the task. Outside a task the
-same code is a plain single-sequence decoder: that is the single-process reference of the tests.
+Inside a task, the model is called with the task (``model(ids, pos, task=ctx)``) and its input
+is the local shard of the task's packed sequences (``input_ids`` and the original
+``position_ids`` of those tokens, which RoPE uses); `dcp_attention` attends within each sequence
+across the task's group; `run_layer` recomputes the first ``ckpt_layers`` layers of the task.
+The task travels as an argument, so a recompute on another thread (CUDA's autograd worker) sees
+it too. Without ``task`` the model reads the executor's task context (`current_task`). Outside a
+task the same code is a plain single-sequence decoder: the single-process reference of the tests.
 
 Tensor names: ``T`` tokens, ``E`` hidden size, ``H`` heads, ``D`` head dim, ``V`` vocabulary.
 """
@@ -23,6 +25,7 @@ from megatron_dcp.models.common import (RMSNorm, apply_rope, check_positions, in
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.checkpoint import run_layer
+from megatron_dcp.runtime.context import TaskContext, current_task
 
 
 @dataclass
@@ -80,14 +83,15 @@ class DecoderLayer(nn.Module):
         self.w_up = nn.Linear(e, cfg.ffn_hidden_size, bias=False)
         self.w_down = nn.Linear(cfg.ffn_hidden_size, e, bias=False)
 
-    def forward(self, x_TE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One block on the local tokens."""
+    def forward(self, x_TE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                task: Optional[TaskContext] = None) -> torch.Tensor:
+        """One block on the local tokens of ``task``."""
         t, d = x_TE.shape[0], self.cfg.head_dim
         h = self.attn_norm(x_TE)
         q = apply_rope(self.wq(h).view(t, self.cfg.num_heads, d), cos, sin)
         k = apply_rope(self.wk(h).view(t, self.cfg.num_kv_heads, d), cos, sin)
         v = self.wv(h).view(t, self.cfg.num_kv_heads, d)
-        attn = dcp_attention(q, k, v, causal=True)
+        attn = dcp_attention(q, k, v, causal=True, task=task)
         x_TE = x_TE + self.wo(attn.reshape(t, -1))
         h = self.mlp_norm(x_TE)
         return x_TE + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
@@ -107,29 +111,31 @@ class Decoder(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         init_weights(self, config.init_std, seed)
 
-    def forward(self, input_ids: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                task: Optional[TaskContext] = None) -> torch.Tensor:
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
-        0..T-1: one whole sequence)."""
+        0..T-1: one whole sequence), as the local shard of ``task`` (default `current_task`)."""
         if input_ids.dim() != 1:
             raise ValueError(f"Decoder: input_ids must be 1-D [tokens], "
                              f"got {tuple(input_ids.shape)}")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
-        check_positions(position_ids, self.config.max_position, "Decoder")
+        task = current_task(task)
+        check_positions(position_ids, self.config.max_position, "Decoder", task)
         x = self.embed(input_ids)
         cos, sin = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = run_layer(i, layer, x, cos, sin)
+            x = run_layer(i, layer, x, cos, sin, task, task=task)
         x = self.norm(x)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight)
 
     def loss(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
-             labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+             labels: torch.Tensor, reduction: str = "sum",
+             task: Optional[TaskContext] = None) -> torch.Tensor:
         """Cross-entropy of the tokens: ``"sum"`` over labels != -100, or ``"none"`` (``[T]``).
         This is the ``forward_step`` the executor needs."""
-        losses = token_losses(self(input_ids, position_ids), labels)
+        losses = token_losses(self(input_ids, position_ids, task), labels)
         return losses.sum() if reduction == "sum" else losses
 
     def shape(self) -> ModelShape:

@@ -34,6 +34,7 @@ from megatron_dcp.models.common import RMSNorm, check_positions, init_weights, t
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.checkpoint import run_layer
+from megatron_dcp.runtime.context import TaskContext, current_task
 
 
 @dataclass
@@ -109,11 +110,12 @@ class DiTBlock(nn.Module):
         self.fc1 = nn.Linear(e, cfg.ffn_hidden_size, bias=True)
         self.fc2 = nn.Linear(cfg.ffn_hidden_size, e, bias=True)
 
-    def forward(self, x_TE: torch.Tensor) -> torch.Tensor:
-        """One block on the local tokens."""
+    def forward(self, x_TE: torch.Tensor, task: Optional[TaskContext] = None) -> torch.Tensor:
+        """One block on the local tokens of ``task``."""
         t, heads = x_TE.shape[0], self.cfg.num_heads
         q, k, v = self.wqkv(self.attn_norm(x_TE)).view(t, 3, heads, -1).unbind(1)
-        attn = dcp_attention(q, k, v, causal=False, group_of_position=self.group_of_position)
+        attn = dcp_attention(q, k, v, causal=False, group_of_position=self.group_of_position,
+                             task=task)
         x_TE = x_TE + self.wo(attn.reshape(t, -1))
         return x_TE + self.fc2(F.gelu(self.fc1(self.mlp_norm(x_TE))))
 
@@ -135,16 +137,18 @@ class VideoDiT(nn.Module):
         self.head = nn.Linear(e, config.vocab_size, bias=True)
         init_weights(self, config.init_std, seed)
 
-    def forward(self, input_ids: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                task: Optional[TaskContext] = None) -> torch.Tensor:
         """Logits ``[T, V]`` of patch tokens ``input_ids [T]`` at ``position_ids [T]`` (position
-        in the video, frame-major; default 0..T-1: one whole video)."""
+        in the video, frame-major; default 0..T-1: one whole video), as the local shard of
+        ``task`` (default `current_task`)."""
         if input_ids.dim() != 1:
             raise ValueError(f"VideoDiT: input_ids must be 1-D [tokens], "
                              f"got {tuple(input_ids.shape)}")
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
-        check_positions(position_ids, self.config.max_position, "VideoDiT")
+        task = current_task(task)
+        check_positions(position_ids, self.config.max_position, "VideoDiT", task)
         c = self.config
         frame = torch.div(position_ids, c.frame_tokens, rounding_mode="floor")
         cell = torch.remainder(position_ids, c.frame_tokens)
@@ -152,13 +156,14 @@ class VideoDiT(nn.Module):
              + self.row_embed(torch.div(cell, c.width, rounding_mode="floor"))
              + self.col_embed(torch.remainder(cell, c.width)))
         for i, block in enumerate(self.blocks):
-            x = run_layer(i, block, x)
+            x = run_layer(i, block, x, task, task=task)
         return self.head(self.norm(x))
 
     def loss(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
-             labels: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+             labels: torch.Tensor, reduction: str = "sum",
+             task: Optional[TaskContext] = None) -> torch.Tensor:
         """Per-token cross-entropy: ``"sum"`` over labels != -100, or ``"none"`` (``[T]``)."""
-        losses = token_losses(self(input_ids, position_ids), labels)
+        losses = token_losses(self(input_ids, position_ids, task), labels)
         return losses.sum() if reduction == "sum" else losses
 
     def shape(self) -> ModelShape:

@@ -1,8 +1,9 @@
 """`dcp_attention`: the attention call of a model under DCP, for whatever layout the task has.
 
-The model calls ``dcp_attention(q, k, v)`` on its local shard; the task context entered by the
-executor (`megatron_dcp.runtime.context.current_task`) says which group, layout and degrees the
-current task uses, so the model code never knows about DCP. Layouts:
+The model calls ``dcp_attention(q, k, v, task=task)`` on its local shard, with the
+`TaskContext` its forward was called with (group, layout, degrees). A model that does not pass
+the task (``task=None``) gets the task context entered by the executor
+(`megatron_dcp.runtime.context.current_task`). Layouts:
 
 * degree 1: local attention over the task's packed sequences (varlen);
 * Ulysses (``ulysses > 1``): all-to-all from sequence to head sharding inside the Ulysses
@@ -66,39 +67,40 @@ def _check_task(ctx: TaskContext, q, k, v) -> None:
 
 def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                   softmax_scale: Optional[float] = None,
-                  group_of_position: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                  ) -> torch.Tensor:
+                  group_of_position: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                  task: Optional[TaskContext] = None) -> torch.Tensor:
     """Attention of the local shard ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` -> ``[T, Hq, D]``.
 
-    Inside a task (`current_task`), tokens attend within their sequence across the whole group
-    as the task's layout says; outside, the tokens given are one sequence at positions 0..T-1.
+    Inside a task (``task``, or else `current_task`), tokens attend within their sequence across
+    the whole group as the task's layout says; outside, the tokens given are one sequence at
+    positions 0..T-1.
     ``group_of_position`` maps positions to attention-group ids (video: frame index for spatial
     attention, spatial index for temporal attention); tokens attend only within their group.
     Differentiable.
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    ctx = current_task()
+    ctx = current_task(task)
     if ctx is None:
         _check_shapes(q, k, v, "outside a task")
         meta = TokenMeta.contiguous(q.shape[0], q.device)
         return local_attention(q, k, v, meta, causal=causal, softmax_scale=scale,
                                groups=attention_groups(group_of_position, meta))
     _check_task(ctx, q, k, v)
-    task, layout = ctx.task, ctx.layout
-    u, r = task.ulysses, task.ring
+    planned, layout = ctx.task, ctx.layout
+    u, r = planned.ulysses, planned.ring
     # Metadata and attention groups first: a bad group_of_position fails before any collective.
     metas = [layout.portion(j).to(q.device) for j in range(r)]
     groups = [attention_groups(group_of_position, m) for m in metas]
     if u > 1:
         comm = UlyssesComm(ctx.ulysses_group if ctx.ulysses_group is not None else ctx.group,
-                           task.ulysses_group(ctx.group_rank))
+                           planned.ulysses_group(ctx.group_rank))
         q, k, v = SeqToHeadQKV.apply(comm, q, k, v)
     if r == 1:
         out = local_attention(q, k, v, metas[0], causal=causal, softmax_scale=scale,
                               groups=groups[0])
     else:
         ring = RingComm(ctx.ring_group if ctx.ring_group is not None else ctx.group,
-                        task.ring_group(ctx.group_rank), layout.ring_rank)
+                        planned.ring_group(ctx.group_rank), layout.ring_rank)
         out = ring_attention(q, k, v, ring, metas, groups, causal=causal, scale=scale)
     if u > 1:
         out = HeadToSeq.apply(comm, out)

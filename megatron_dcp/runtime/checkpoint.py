@@ -2,15 +2,15 @@
 
 A DCP plan gives every task its own checkpoint depth (``Task.ckpt_layers``): a long sequence at a
 low degree recomputes many layers, a packed task of short sequences none. The model is built once;
-each layer call goes through `run_layer`, which looks up the depth of the task being run
-(``current_task().ckpt_layers``) and wraps the first ``depth`` layers in non-reentrant
-``torch.utils.checkpoint``. So the depth changes every micro-step without rebuilding anything.
+each layer call goes through `run_layer(i, layer, *args, task=task)`, which reads the depth of
+the task the model was called with (or, without ``task``, of `current_task`) and wraps the first
+``depth`` layers in non-reentrant ``torch.utils.checkpoint``. So the depth changes every
+micro-step without rebuilding anything.
 
-Recomputation happens during backward. The executor runs backward inside the task context, but
-on CUDA the autograd engine runs the backward of device ops on its own worker threads, where a
-``ContextVar`` set by the caller is not visible. The recompute therefore re-enters the task
-context captured at forward time (``context_fn``), so the recomputed attention uses the same
-group and layout as the original forward on every device.
+Recomputation happens during backward, on CUDA on the autograd engine's worker thread. A model
+that passes the task to its layers as an argument recomputes with the same task wherever it
+runs (the checkpoint keeps the arguments). For models that read the task context instead, the
+recompute re-enters the context captured at forward time (``context_fn``).
 
 Outside a task the depth is 0, or what `checkpoint_depth` sets (single-process references,
 profiling).
@@ -44,9 +44,10 @@ def checkpoint_depth(depth: int) -> Iterator[int]:
         _DEPTH_OUTSIDE_TASK.reset(token)
 
 
-def current_depth() -> int:
-    """Number of leading layers to recompute in the forward being run now."""
-    ctx = current_task()
+def current_depth(task: Optional[TaskContext] = None) -> int:
+    """Number of leading layers to recompute in the forward being run now (for ``task``, else
+    for `current_task`)."""
+    ctx = current_task(task)
     if ctx is not None:
         return int(ctx.ckpt_layers)
     return _DEPTH_OUTSIDE_TASK.get()
@@ -61,15 +62,19 @@ def _recompute_contexts(ctx: Optional[TaskContext]) -> Callable[[], tuple[Any, A
     return make
 
 
-def run_layer(index: int, layer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+def run_layer(index: int, layer: Callable[..., torch.Tensor], *args: Any,
+              task: Optional[TaskContext] = None) -> torch.Tensor:
     """Run ``layer(*args)``, recomputing its activations in backward if ``index < depth``.
 
-    ``index`` is the layer's position in the model (0 = first). Recomputation is only used when
-    autograd records the forward (no effect under ``torch.no_grad``).
+    ``index`` is the layer's position in the model (0 = first); ``task`` the task the model was
+    called with (default: `current_task`). Pass the task to the layer in ``args`` too when the
+    layer's attention takes it. Recomputation is only used when autograd records the forward (no
+    effect under ``torch.no_grad``).
     """
-    if index < current_depth() and torch.is_grad_enabled():
+    ctx = current_task(task)
+    if index < current_depth(ctx) and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(
-            layer, *args, use_reentrant=False, context_fn=_recompute_contexts(current_task())
+            layer, *args, use_reentrant=False, context_fn=_recompute_contexts(ctx)
         )
     return layer(*args)
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dcp.config import IGNORE_INDEX, LOSS_REDUCTIONS
 from megatron_dcp.plan.cost import PlanError
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.plan.validate import validate_plan
@@ -38,8 +39,6 @@ from megatron_dcp.runtime.context import task_context
 from megatron_dcp.runtime.groups import GroupPool
 from megatron_dcp.runtime.layout import ShardLayout
 
-IGNORE_INDEX = -100
-LOSS_REDUCTIONS = ("token", "sequence")
 
 ForwardStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -187,18 +186,28 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
 
 
 # ---------------------------------------------------------------------- building shards
-def _packed_inputs(task: Task, sequences: Sequence[torch.Tensor], weight_of: Callable,
-                   device: Optional[torch.device]) -> tuple[torch.Tensor, ...]:
-    """Packed ids, next-token labels and per-token loss weights of a task (whole sequences)."""
+def _packed_inputs(task: Task, sequences: Sequence[torch.Tensor], weight_of: Callable
+                   ) -> tuple[torch.Tensor, ...]:
+    """Packed ids, next-token labels and per-token loss weights of a task (whole sequences), on
+    the host: sharding indexes them with the layout's host tensors, without device syncs."""
     ids, labels, weights = [], [], []
     for s in task.seqs:
-        seq = sequences[s].to(device=device, dtype=torch.long)
+        seq = sequences[s].to(device="cpu", dtype=torch.long)
         ids.append(seq)
         labels.append(torch.cat([seq[1:], seq.new_full((1,), IGNORE_INDEX)]))
-        w = torch.full((seq.shape[0],), weight_of(s), dtype=torch.float64, device=device)
+        w = torch.full((seq.shape[0],), weight_of(s), dtype=torch.float64)
         w[-1] = 0.0
         weights.append(w)
     return torch.cat(ids), torch.cat(labels), torch.cat(weights)
+
+
+def _to_device(x: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
+    """Host tensor -> ``device``: pinned and asynchronous on CUDA."""
+    if device is None or device.type == "cpu":
+        return x
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def target_weights(lengths: Sequence[int], loss_reduction: str = "token") -> list[float]:
@@ -240,6 +249,36 @@ def _weighted_loss(out: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     return (out * weights.to(out.dtype)).sum()
 
 
+# ---------------------------------------------------------------------- timing
+class _Clock:
+    """Per-task forward/backward times without a host sync per task.
+
+    On CUDA, events are recorded on the current stream and read once, after the step's last
+    task (one synchronize per step); elsewhere ``perf_counter`` (CPU ops are synchronous).
+    """
+
+    def __init__(self, device: Optional[torch.device]) -> None:
+        self.cuda = device is not None and device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Differences of consecutive marks of each task (3 marks per task), in seconds."""
+        if self.cuda and self.marks:
+            self.marks[-1].synchronize()
+            gap = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            gap = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return gap
+
+
 # ---------------------------------------------------------------------- the executor
 def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
              forward_step: ForwardStep, *, pool: GroupPool,
@@ -248,21 +287,25 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
              device: Optional[torch.device] = None, reduce_loss: bool = True) -> StepStats:
     """Run DCP rank ``rank``'s tasks of ``plan`` (forward + backward); see the module docstring.
 
-    ``sequences``: the global batch, 1-D token id tensors indexed like ``plan.lengths`` (entries
-    no task of this rank uses may be ``None``). ``forward_step(input_ids, position_ids, labels)``
-    returns the sum of the local token losses (labels -100 ignored), or the per-token losses
-    ``[T_local]`` (needed for ``loss_reduction="sequence"``). ``backward`` defaults to
-    ``loss.backward()``. ``max_position``: longest sequence the model accepts (checked for every
-    sequence before any task runs). ``device``: where shards go (default: the sequences').
-    Collective over the DCP world of ``pool``: every rank calls it once per step, also a rank
-    without a task. Gradients are not reduced here (`reduce_gradients`, or the engine).
+    ``sequences``: the global batch, 1-D token id tensors (host tensors preferred) indexed like
+    ``plan.lengths`` (entries no task of this rank uses may be ``None``).
+    ``forward_step(input_ids, position_ids, labels)`` runs inside the task's context
+    (`current_task()` is the task: pass it on to the model explicitly, so that recomputation on
+    another thread sees it) and returns the sum of the local token losses (labels -100 ignored),
+    or the per-token losses ``[T_local]`` (needed for ``loss_reduction="sequence"``).
+    ``backward`` defaults to ``loss.backward()``. ``max_position``: longest sequence the model
+    accepts (checked for every sequence before any task runs). ``device``: where shards go
+    (default: the host). Collective over the DCP world of ``pool``: every rank calls it once per
+    step, also a rank without a task. Gradients are not reduced here (`reduce_gradients`, the
+    engine, or `megatron_dcp.runtime.step.StepDriver`). Inside the task loop nothing waits for
+    the device: shards are built on the host and copied asynchronously, losses stay on the
+    device, timings are CUDA events read once at the end.
     """
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction={loss_reduction!r}: must be one of {LOSS_REDUCTIONS}")
     t_start = time.perf_counter()
     device = torch.device(device) if device is not None else None
-    cuda = device is not None and device.type == "cuda"
-    comm_device = device if cuda else None
+    comm_device = device if device is not None and device.type == "cuda" else None
     digest = check_plan(plan, pool, _local_problems(plan, sequences, rank, max_position),
                         comm_device)
     created = pool.ensure(plan)
@@ -270,52 +313,50 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
     weight_of = _weighting(plan, loss_reduction)
     total = plan.target_tokens
 
-    local_loss = torch.zeros((), dtype=torch.float64)
+    local_loss = torch.zeros((), dtype=torch.float64, device=device)
     local_tokens = 0
-    stats: list[TaskStats] = []
+    clock = _Clock(device)
+    done: list[tuple[Task, ShardLayout]] = []
     for task in plan.tasks_for_rank(rank):
         try:
             g = task.ranks.index(rank)
             layout = ShardLayout.build([plan.lengths[s] for s in task.seqs], task.ulysses,
                                        task.ring, g)
-            ids, labels, weights = _packed_inputs(task, sequences, weight_of, device)
-            ids_l = layout.shard(ids, 0)
-            labels_l = layout.shard(labels, IGNORE_INDEX)
-            weights_l = layout.shard(weights, 0.0)
-            pos_l = layout.position_ids.to(ids_l.device)
+            ids, labels, weights = _packed_inputs(task, sequences, weight_of)
+            labels_host = layout.shard(labels, IGNORE_INDEX)
+            ids_l = _to_device(layout.shard(ids, 0), device)
+            labels_l = _to_device(labels_host, device)
+            weights_l = _to_device(layout.shard(weights, 0.0), device)
+            pos_l = _to_device(layout.position_ids, device)
             ctx = pool.context_for(task, rank, layout)
             with task_context(ctx):
-                _sync(cuda)
-                t0 = time.perf_counter()
+                clock.mark()
                 out = forward_step(ids_l, pos_l, labels_l)
                 loss = _weighted_loss(out, labels_l, weights_l, loss_reduction, total)
-                _sync(cuda)
-                t1 = time.perf_counter()
+                clock.mark()
                 backward(loss)
-                _sync(cuda)
-                t2 = time.perf_counter()
+                clock.mark()
         except Exception as exc:  # noqa: BLE001 - re-raised with rank / task / sequences
             raise TaskError(rank, task, plan.lengths, exc) from exc
-        local_loss += loss.detach().to("cpu", torch.float64)
-        local_tokens += int((labels_l != IGNORE_INDEX).sum())
-        stats.append(TaskStats(task.id, task.degree, task.ulysses, task.ring, task.ckpt_layers,
-                               len(task.seqs), layout.num_packed, layout.num_tokens, t1 - t0,
-                               t2 - t1, task.duration))
+        local_loss = local_loss + loss.detach().to(torch.float64)
+        local_tokens += int((labels_host != IGNORE_INDEX).sum())
+        done.append((task, layout))
 
+    gaps = clock.seconds()
+    stats = [TaskStats(task.id, task.degree, task.ulysses, task.ring, task.ckpt_layers,
+                       len(task.seqs), layout.num_packed, layout.num_tokens, gaps[3 * i],
+                       gaps[3 * i + 1], task.duration)
+             for i, (task, layout) in enumerate(done)]
     global_loss = float(local_loss)
     if reduce_loss:
-        both = torch.tensor([float(local_loss), float(local_tokens)], dtype=torch.float64,
-                            device=comm_device)
+        both = torch.stack([local_loss.to(comm_device or "cpu"),
+                            torch.tensor(float(local_tokens), dtype=torch.float64,
+                                         device=comm_device)])
         dist.all_reduce(both, group=pool.world_group)
         global_loss = float(both[0])
     return StepStats(loss=global_loss, tokens=total, local_loss=float(local_loss),
                      local_tokens=local_tokens, tasks=stats, wall_s=time.perf_counter() - t_start,
                      digest=digest, groups_created=created)
-
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
 
 
 def reduce_gradients(params: Sequence[torch.nn.Parameter], group: Any = None) -> None:

@@ -1,0 +1,224 @@
+"""`StepDriver`: one DCP step, from global batch to reduced gradient, for any engine.
+
+The driver owns everything both engines need alike: planning (with the iteration the planner
+sees), the plan check, the groups, this rank's tasks in plan order, the per-token or
+per-sequence loss weights, empty micro-steps for a rank with fewer tasks than it must run, the
+global loss and the timings. An engine supplies only the `StepEngine` protocol:
+
+* ``forward_loss(shard, per_token)``: forward and loss of one shard (sum of token losses, or
+  per-token losses for the ``sequence`` reduction); ``shard.task`` is the task, to be passed on
+  to the model (so recomputation on CUDA's autograd thread sees it);
+* ``backward(loss, last)``: backward of one micro-step; ``last`` marks the rank's last one (the
+  accumulation boundary);
+* ``empty_micro_step(last)``: a micro-step that contributes nothing but joins the collectives a
+  micro-step issues (a rank without tasks must still join the gradient reduction once);
+* ``micro_steps()``: the reduction scope around the rank's micro-steps (Megatron's ``no_sync``,
+  DeepSpeed's coalesced reduction), or a null context;
+* ``finish()``: reduce gradients and step the optimizer; returns the gradient norm or ``None``;
+* ``equal_micro_steps``: True when every rank must run the same number of micro-steps (the
+  driver pads with empty ones).
+
+Plain data parallel is the same driver with a trivial plan (`data_parallel_plan`).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, ContextManager, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_dcp.config import DCPConfig
+from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.runtime.context import TaskContext, current_task
+from megatron_dcp.runtime.executor import StepStats, run_plan
+
+
+@dataclass
+class Shard:
+    """The input of one micro-step on this rank: the local shard of a task."""
+
+    input_ids: torch.Tensor
+    """``[T]`` token ids."""
+    position_ids: torch.Tensor
+    """``[T]`` positions within each token's own sequence (RoPE must use these)."""
+    labels: torch.Tensor
+    """``[T]`` next-token targets; ``IGNORE_INDEX`` where there is none."""
+    task: Optional[TaskContext]
+    """The task this shard belongs to (pass it to the model)."""
+
+
+class StepEngine(Protocol):
+    """What an engine supplies to `StepDriver` (see the module docstring)."""
+
+    equal_micro_steps: bool
+
+    def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor: ...
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None: ...
+
+    def empty_micro_step(self, last: bool) -> None: ...
+
+    def micro_steps(self) -> ContextManager[Any]: ...
+
+    def finish(self) -> Optional[float]: ...
+
+
+@dataclass
+class StepResult:
+    """What one step did (same on every rank except ``micro_steps``, ``empty_micro_steps``,
+    ``wall_s`` and ``stats``)."""
+
+    loss: float
+    """Loss of the global batch (per-token mean, or the mean of per-sequence means under
+    ``loss_reduction="sequence"``), reduced over ranks."""
+    tokens: int
+    """Target tokens of the global batch."""
+    sequences: int
+    wall_s: float
+    micro_steps: int
+    """This rank's micro-steps (forward/backward pairs), empty ones included."""
+    empty_micro_steps: int
+    plan: Optional[Plan] = None
+    plan_s: float = 0.0
+    """Seconds spent planning."""
+    predicted_s: float = 0.0
+    """The plan's predicted step time (makespan), seconds."""
+    grad_norm: Optional[float] = None
+    stats: Optional[StepStats] = None
+    """`megatron_dcp.runtime.executor.StepStats` of this rank (tasks, timings)."""
+
+
+def data_parallel_plan(lengths: Sequence[int], world_size: int) -> Plan:
+    """Plain data parallel as a plan: sequence ``i`` alone on rank ``i % world_size``, as the
+    ``i // world_size``-th micro-step of that rank (degree 1, no packing, no recompute)."""
+    tasks = [Task(id=i, ranks=(i % world_size,), seqs=(i,), start=float(i // world_size))
+             for i in range(len(lengths))]
+    return Plan(tasks=tuple(tasks), lengths=tuple(lengths), world_size=world_size,
+                policy="data-parallel")
+
+
+def _micro_step_counts(plan: Plan) -> list[int]:
+    counts = [0] * plan.world_size
+    for task in plan.tasks:
+        for r in task.ranks:
+            counts[r] += 1
+    return counts
+
+
+class StepDriver:
+    """Runs one DCP (or plain data-parallel) step per call on this rank of the DCP world.
+
+    ``config``: the DCP settings (``config.enabled`` False: plain data parallel);
+    ``pool``: the `megatron_dcp.runtime.groups.GroupPool` of the DCP world; ``model_shape``:
+    the `ModelShape` the planner needs (unless every step is given its plan); ``hardware``
+    overrides ``config.hardware``; ``zero_stage``: the ZeRO stage whose memory the planner
+    assumes; ``device``: where shards go; ``max_position``: longest sequence the model accepts.
+    """
+
+    def __init__(self, config: DCPConfig, *, pool: Any, model_shape: Any = None,
+                 hardware: Any = None, zero_stage: int = 0,
+                 device: Optional[torch.device] = None,
+                 max_position: Optional[int] = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.model_shape = model_shape
+        self.hardware = hardware
+        self.zero_stage = zero_stage
+        self.device = torch.device(device) if device is not None else None
+        self.max_position = max_position
+        if max_position is None and model_shape is not None:
+            self.max_position = getattr(model_shape, "max_position", None)
+        self.iteration = 0
+        """Training steps taken (the planner's ``iteration``); save it with checkpoints."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the DCP world."""
+        return self.pool.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the DCP world."""
+        return self.pool.world_size
+
+    def plan(self, lengths: Sequence[int], iteration: Optional[int] = None) -> Plan:
+        """The plan of a global batch with these lengths (deterministic: the same on every rank):
+        the configured planner with DCP on, `data_parallel_plan` with it off."""
+        lengths = [int(n) for n in lengths]
+        if not self.config.enabled:
+            return data_parallel_plan(lengths, self.world_size)
+        from megatron_dcp.plan import make_plan
+
+        if self.model_shape is None:
+            raise ValueError("DCP needs the model's shape to plan: pass model_shape= (a "
+                             "ModelShape; the reference models' .shape() gives it) or give "
+                             "every step its plan")
+        return make_plan(lengths, world_size=self.world_size, model=self.model_shape,
+                         config=self.config,
+                         iteration=self.iteration if iteration is None else iteration,
+                         hardware=self.hardware, zero_stage=self.zero_stage)
+
+    def step(self, engine: StepEngine, sequences: Sequence[torch.Tensor],
+             plan: Optional[Plan] = None, *, train: bool = True) -> StepResult:
+        """Run this rank's part of one step on the global batch ``sequences`` (1-D token id
+        tensors, the same on every rank; host tensors preferred). ``plan``: made ahead (e.g. in
+        the data loader); default: `plan`. ``train=False``: forward only (evaluation), no
+        backward, no optimizer step, the planning iteration does not advance. Collective over
+        the DCP world: every rank calls it once per step."""
+        t0 = time.perf_counter()
+        if plan is None:
+            plan = self.plan([int(s.shape[0]) for s in sequences])
+        plan_s = time.perf_counter() - t0
+        counts = _micro_step_counts(plan)  # a plan for another world fails in run_plan's check
+        mine = counts[self.rank] if self.rank < len(counts) else 0
+        slots = max(max(counts, default=0) if engine.equal_micro_steps else mine, 1)
+        per_token = self.config.loss_reduction == "sequence"
+        done = 0
+
+        def forward_step(input_ids, position_ids, labels):
+            return engine.forward_loss(Shard(input_ids, position_ids, labels, current_task()),
+                                       per_token)
+
+        def backward(loss):
+            nonlocal done
+            done += 1
+            if train:
+                engine.backward(loss, done == slots)
+
+        scope = engine.micro_steps() if train else nullcontext()
+        grad = nullcontext() if train else torch.no_grad()
+        with scope, grad:
+            stats = run_plan(plan, sequences, self.rank, forward_step, pool=self.pool,
+                             backward=backward, loss_reduction=self.config.loss_reduction,
+                             max_position=self.max_position, device=self.device,
+                             reduce_loss=False)
+            empty = slots - done
+            for _ in range(empty):
+                done += 1
+                if train:
+                    engine.empty_micro_step(done == slots)
+        grad_norm = engine.finish() if train else None
+        if train:
+            self.iteration += 1
+        return StepResult(loss=self._global_loss(stats.local_loss), tokens=plan.target_tokens,
+                          sequences=len(sequences), wall_s=time.perf_counter() - t0,
+                          micro_steps=done, empty_micro_steps=empty, plan=plan, plan_s=plan_s,
+                          predicted_s=plan.makespan, grad_norm=grad_norm, stats=stats)
+
+    def _global_loss(self, local_loss: float) -> float:
+        device = self.device if self.device is not None and self.device.type == "cuda" else None
+        t = torch.tensor([local_loss], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=self.pool.world_group)
+        return float(t[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Resumable state: the planning iteration."""
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict`."""
+        self.iteration = int(state.get("iteration", 0))
