@@ -36,13 +36,14 @@ def _pool_body(rank: int, world_size: int) -> dict:
         out["missing"] = ""
     except KeyError as exc:
         out["missing"] = str(exc)
-    out["vocab_created"] = pool.ensure_all([(0, 1), (2, 3), (0, 1, 2, 3)])
-    out["report"] = pool.report()
     from megatron_dcp.plan import Vocabulary
 
-    vocab = Vocabulary(4, 4)
-    pool.ensure_all(vocab)
-    out["vocab_all"] = all(tuple(g) in pool for g in vocab.groups() if len(g) > 1)
+    # two nodes of two ranks, Ulysses degree 1 or 2: (0,1) (2,3) (0,1,2,3), ring (0,2) (1,3)
+    vocab = Vocabulary(4, 2, heads=2)
+    pool.create_all(vocab)
+    out["vocab_created"] = pool.startup["created"]
+    out["report"] = pool.report()
+    out["vocab_all"] = all(g in pool for g in vocab.communicators())
     # Two DCP worlds (like tensor parallelism 2): (0, 2) and (1, 3). Only world (0, 2) needs a
     # ring group; the other world creates it along (creation is job-wide).
     sub = GroupPool(all_worlds=[(0, 2), (1, 3)])
@@ -73,8 +74,8 @@ def test_group_pool_world4():
         assert res["gathered"] == [3, 1, 2, 0]
         assert res["ctx"] == ((3, 1, 2, 0).index(rank), True, True)
         assert "no process group for ranks (0, 3)" in res["missing"]
-    # vocabulary: (0,1), (2,3), (0,1,2,3) (= the world group, reused) and the Ulysses/ring
-    # sub-groups of (0,1,2,3) at u=2: (0,1), (2,3), (0,2), (1,3) -> 4 new groups
+    # vocabulary: (0,1), (2,3), (0,1,2,3) (= the world group, reused) and the ring sub-groups of
+    # (0,1,2,3) at u=2: (0,2), (1,3) -> 4 new groups
     assert r0["vocab_created"] == 4
     assert r0["report"]["groups"] == 1 + 6 + 4
     assert all(res["vocab_all"] for res in results)
@@ -82,3 +83,95 @@ def test_group_pool_world4():
     assert [res["sub_created"] for res in results] == [1, 1, 1, 1]
     assert all(res["sub2_worlds"] == [(0, 2), (1, 3)] for res in results)
     assert [res["sub_rank"] for res in results] == [(0, 1), (0, 1), (1, 0), (1, 0)]
+
+
+def _startup_body(rank: int, world_size: int) -> dict:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dcp.config import POLICIES, DCPConfig
+    from megatron_dcp.plan import ModelShape, Plan, Task, Vocabulary, build_cost_model, make_plan
+    from megatron_dcp.runtime.groups import GroupPool
+
+    # one rank per node: the "node" scope allows no Ulysses across ranks at all
+    model = ModelShape(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=128,
+                       vocab_size=256, name="tiny")
+    cm = build_cost_model(model, DCPConfig(), world_size)
+    # memory for about 3,000 local tokens: long sequences need several ranks
+    budget = (cm.static_memory + 4e9 + 3000 * cm.token_bytes(0)) / 2**30
+    lengths = [9000, 5000, 2500, 700, 300, 200, 90]
+    out: dict = {"lines": {}, "orders": {}, "created_in_step": {}, "wrong_ranks": []}
+    pools = {}
+    for scope in ("any", "node"):
+        base = DCPConfig(memory_budget_gb=budget, ranks_per_node=1, ulysses_scope=scope,
+                         attention_layout="hybrid", oversize_policy="truncate")
+        vocab = Vocabulary.for_cost_model(build_cost_model(model, base, world_size))
+        pool = pools[scope] = GroupPool()
+        out["lines"][scope] = pool.create_all(vocab)
+        out["orders"][scope] = list(vocab.communicators())
+        # every group holds its ranks in group order (sort_ranks=False), on every member
+        for ranks in vocab.communicators():
+            if rank in ranks and dist.get_process_group_ranks(pool.get(ranks)) != list(ranks):
+                out["wrong_ranks"].append(ranks)
+        for layout in ("hybrid", "auto"):
+            for policy in POLICIES:
+                config = base.replace(policy=policy, attention_layout=layout)
+                plan = make_plan(lengths, world_size=world_size, model=model, config=config)
+                key = (scope, layout, policy)
+                out["created_in_step"][key] = pool.ensure(plan)
+                out.setdefault("layouts", {})[key] = sorted({(t.degree, t.ulysses)
+                                                             for t in plan.tasks})
+        out.setdefault("member_of", {})[scope] = pool.report()["member_of"]
+    out["in_node_pool"] = [g for g in pools["any"].vocabulary.communicators() if g in pools["node"]]
+    if world_size > 1:
+        # a hand-written plan: a group outside the vocabulary (reversed rank order) still works
+        outside = (world_size - 1, 0)
+        plan = Plan(tasks=(Task(id=0, ranks=outside, seqs=(0,), ulysses=1, ring=2),),
+                    lengths=(8,), world_size=world_size)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out["outside_created"] = pools["node"].ensure(plan)
+        out["warned"] = any("outside the start-up vocabulary" in str(w.message) for w in caught)
+        t = torch.tensor([float(rank)])
+        if rank in outside:
+            dist.all_reduce(t, group=pools["node"].get(outside))
+        out["outside_sum"] = float(t)
+        out["report"] = pools["node"].report()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_create_all_at_start_up(world_size):
+    results = run_distributed(_startup_body, world_size, timeout_s=150)
+    r0 = results[0]
+    for res in results:
+        # the same groups in the same fixed order on every rank; real groups, in group order
+        assert res["orders"] == r0["orders"] and res["wrong_ranks"] == []
+        # planner's plans (every policy, both layouts) create nothing inside the step
+        assert set(res["created_in_step"].values()) == {0}, res["created_in_step"]
+    for scope, order in r0["orders"].items():
+        assert order == sorted(order, key=lambda g: (len(g), g))
+        assert f"group pool: {len(order)} communicators" in r0["lines"][scope]
+    if world_size == 1:
+        assert r0["orders"] == {"any": [], "node": []}
+        return
+    # restriction: one rank per node, so the node scope allows no Ulysses across ranks; its pool
+    # lacks the strided ring sub-groups of the default one
+    node_layouts = {u for key, lay in r0["layouts"].items() if key[0] == "node" for _, u in lay}
+    assert node_layouts == {1}
+    if world_size == 4:
+        any_ulysses = {u for key, lay in r0["layouts"].items() if key[0] == "any" for _, u in lay}
+        assert any_ulysses > {1}
+        assert set(r0["orders"]["any"]) - set(r0["orders"]["node"]) == {(0, 2), (1, 3)}
+        assert (0, 2) not in r0["in_node_pool"] and (0, 1) in r0["in_node_pool"]
+        assert [res["member_of"]["node"] for res in results] == [3, 3, 3, 2]
+    # a group outside the vocabulary: created collectively in the step, counted, working
+    outside = (world_size - 1, 0)
+    for rank, res in enumerate(results):
+        assert res["outside_created"] == 1 and res["warned"]
+        assert res["report"]["outside_vocabulary"] == 1
+        assert res["outside_sum"] == (float(sum(outside)) if rank in outside else float(rank))

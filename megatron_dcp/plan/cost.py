@@ -47,6 +47,7 @@ from typing import Optional, Sequence
 from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Task
+from megatron_dcp.plan.vocabulary import ulysses_degrees
 
 BF16 = 2
 RESERVE_BYTES = 4e9
@@ -90,7 +91,8 @@ class CostModel:
     def __init__(self, model: ModelShape, hardware: Hardware, *, world_size: int,
                  zero_stage: int = 1,
                  ranks_per_node: Optional[int] = None, memory_budget: Optional[float] = None,
-                 memory_fraction: float = 0.9, attention_layout: str = "auto") -> None:
+                 memory_fraction: float = 0.9, attention_layout: str = "auto",
+                 ulysses_scope: str = "any") -> None:
         if zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage={zero_stage!r}: must be 0, 1, 2 or 3")
         if world_size < 1:
@@ -101,6 +103,7 @@ class CostModel:
         self.zero_stage = zero_stage
         self.ranks_per_node = int(ranks_per_node or hardware.ranks_per_node)
         self.attention_layout = attention_layout
+        self.ulysses_scope = ulysses_scope
         m = model
         h, n, f, v = m.hidden_size, m.num_layers, m.ffn_hidden_size, m.vocab_size
         kv_dim = m.kv_heads * m.head_dim
@@ -218,16 +221,10 @@ class CostModel:
         if cached is not None:
             return cached
         m, rpn = self.model, self.ranks_per_node
-        heads, kv_heads = m.heads_per_rank, m.kv_heads_per_rank
-        ok = [u for u in range(1, degree + 1)
-              if degree % u == 0 and heads % u == 0 and kv_heads % u == 0]
-        pref = self.attention_layout
-        if pref == "ring":
-            ok = [1]
-        elif pref == "ulysses" and degree in ok:
-            ok = [degree]
-        elif pref == "hybrid" and degree > 1:
-            ok = [u for u in ok if u < degree] or ok
+        # the vocabulary's rule, so the pool holds every sub-group of the layouts chosen here
+        ok = ulysses_degrees(degree, rpn, heads=math.gcd(m.heads_per_rank, m.kv_heads_per_rank),
+                             attention_layout=self.attention_layout,
+                             ulysses_scope=self.ulysses_scope)
         result = []
         for u in ok:
             u_intra = u <= rpn and (degree <= rpn or rpn % u == 0)

@@ -31,7 +31,8 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
     return CostModel(model, hw, world_size=world_size, zero_stage=zero_stage,
                      ranks_per_node=config.ranks_per_node, memory_budget=budget,
                      memory_fraction=config.memory_fraction,
-                     attention_layout=config.attention_layout)
+                     attention_layout=config.attention_layout,
+                     ulysses_scope=config.ulysses_scope)
 
 
 def pack_budget(config: DCPConfig, cm: CostModel) -> Optional[int]:
@@ -108,7 +109,7 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
             raise PlanError(f"cost_model is for {cm.model.name}, DCP world {cm.world_size}, ZeRO "
                             f"stage {cm.zero_stage}; the call asks for {model.name}, world "
                             f"{world_size}, ZeRO stage {given[2]}")
-    vocab = Vocabulary(world_size, cm.ranks_per_node, config.max_degree)
+    vocab = Vocabulary.for_cost_model(cm, config.max_degree)
     ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab,
                       ckpt_policy=config.checkpoint_policy,
                       pack_tokens=pack_budget(config, cm), baseline_degree=baseline_degree)

@@ -1,4 +1,4 @@
-"""The bounded vocabulary of rank groups the planner may use (and the runtime's pool creates).
+"""The bounded vocabulary of rank groups the planner may use and the runtime's pool creates.
 
 Every contiguous window of every size would be about N^2/2 groups (65k at 1,024 ranks), each an
 NCCL communicator with its creation time and memory. The vocabulary keeps:
@@ -9,13 +9,20 @@ NCCL communicator with its creation time and memory. The vocabulary keeps:
 * across nodes: k whole nodes aligned at multiples of k, for k a power of two or 3 x a power of two,
   and the whole DCP world.
 
-Groups are contiguous rank ranges ``[start, start + size)``, so a group is ``(start, size)``.
-Each rank belongs to O(log nodes) groups.
+A task on a group also uses the Ulysses and ring sub-groups of its layout (`communicators`), so
+the vocabulary also fixes which Ulysses degrees each group size may use (`ulysses_degrees`, called
+by the cost model when it chooses a layout and by the pool when it creates communicators).
+``ulysses_scope="node"`` keeps Ulysses inside a node: a group spanning nodes runs either pure ring
+or the largest Ulysses degree inside a node with ring across nodes, which cuts the communicators a
+rank holds (`communicators_per_rank`).
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+import math
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+from megatron_dcp.config import ULYSSES_SCOPES
 
 ODD_SIZES = (3, 6)
 
@@ -27,16 +34,75 @@ def _nice(k: int) -> bool:
     return k in (1, 3)
 
 
-class Vocabulary:
-    """Allowed groups of a DCP world of ``world_size`` ranks, ``ranks_per_node`` per node."""
+def ulysses_degrees(size: int, ranks_per_node: int, *, heads: Optional[int] = None,
+                    attention_layout: str = "auto", ulysses_scope: str = "any") -> tuple[int, ...]:
+    """Ulysses degrees a task on an aligned vocabulary group of ``size`` ranks may use.
 
-    def __init__(self, world_size: int, ranks_per_node: int,
-                 max_degree: Optional[int] = None) -> None:
+    ``heads``: the number every Ulysses degree must divide (the gcd of query and key/value heads
+    per tensor-parallel rank); ``None``: any divisor of ``size``. ``attention_layout``: auto,
+    ulysses (the whole group where allowed), ring (degree 1), hybrid (below the whole group where
+    possible). ``ulysses_scope="node"``: a group spanning nodes keeps degree 1 (pure ring: no
+    sub-group) and the largest allowed degree dividing ``ranks_per_node`` (Ulysses inside a node,
+    ring across): each further degree would add its own strided ring sub-groups.
+    """
+    if ulysses_scope not in ULYSSES_SCOPES:
+        raise ValueError(f"ulysses_scope={ulysses_scope!r}: must be one of {ULYSSES_SCOPES}")
+    ok = [u for u in range(1, size + 1) if size % u == 0 and (heads is None or heads % u == 0)]
+    if ulysses_scope == "node" and size > ranks_per_node:
+        inside = [u for u in ok if ranks_per_node % u == 0]
+        ok = sorted({1, max(inside)})
+    if attention_layout == "ring":
+        return (1,)
+    if attention_layout == "ulysses" and size in ok:
+        return (size,)
+    if attention_layout == "hybrid" and size > 1:
+        return tuple(u for u in ok if u < size) or tuple(ok)
+    return tuple(ok)
+
+
+def communicators(ranks: Sequence[int], ulysses: int) -> list[tuple[int, ...]]:
+    """Every multi-rank process group a task on ``ranks`` with Ulysses degree ``ulysses`` uses:
+    the group, its Ulysses sub-groups (contiguous slices of ``ranks``) and its ring sub-groups
+    (strided: ``ranks[i::ulysses]``), following the layout convention of `megatron_dcp.plan.plan`.
+    """
+    ranks = tuple(int(r) for r in ranks)
+    d = len(ranks)
+    if ulysses < 1 or d % ulysses:
+        raise ValueError(f"Ulysses degree {ulysses} does not divide the group {ranks}")
+    out = [ranks] if d > 1 else []
+    if 1 < ulysses < d:  # at 1 or d one sub-group kind is the group itself, the other single ranks
+        out += [ranks[j:j + ulysses] for j in range(0, d, ulysses)]
+        out += [ranks[i::ulysses] for i in range(ulysses)]
+    return out
+
+
+def _most_per_rank(groups: Iterable[Sequence[int]], world_size: int) -> int:
+    """Most groups any one rank belongs to."""
+    count = [0] * world_size
+    for g in groups:
+        for r in g:
+            count[r] += 1
+    return max(count)
+
+
+class Vocabulary:
+    """Allowed groups of a DCP world of ``world_size`` ranks, ``ranks_per_node`` per node, and the
+    Ulysses degrees (hence sub-groups) each group size may use (see `ulysses_degrees` for
+    ``heads``, ``attention_layout`` and ``ulysses_scope``)."""
+
+    def __init__(self, world_size: int, ranks_per_node: int, max_degree: Optional[int] = None,
+                 *, heads: Optional[int] = None, attention_layout: str = "auto",
+                 ulysses_scope: str = "any") -> None:
         if world_size < 1 or ranks_per_node < 1:
             raise ValueError(f"world_size={world_size} and ranks_per_node={ranks_per_node} must "
                              "be >= 1")
+        if ulysses_scope not in ULYSSES_SCOPES:
+            raise ValueError(f"ulysses_scope={ulysses_scope!r}: must be one of {ULYSSES_SCOPES}")
         self.world_size = world_size
         self.ranks_per_node = rpn = min(ranks_per_node, world_size)
+        self.heads = heads
+        self.attention_layout = attention_layout
+        self.ulysses_scope = ulysses_scope
         cap = max_degree or world_size
         groups: dict[int, list[int]] = {}
 
@@ -61,13 +127,26 @@ class Vocabulary:
         add(0, world_size)
         self._starts = {s: tuple(v) for s, v in sorted(groups.items())}
         self.sizes: tuple[int, ...] = tuple(self._starts)
+        self._communicators: Optional[tuple[tuple[int, ...], ...]] = None
+
+    @classmethod
+    def for_cost_model(cls, cost_model: Any, max_degree: Optional[int] = None) -> "Vocabulary":
+        """The vocabulary `megatron_dcp.plan.make_plan` plans over with ``cost_model`` (its world,
+        ranks per node, heads, attention layout and Ulysses scope): what a pool built at start-up
+        must hold so that the planner's plans create no group inside the step."""
+        m = cost_model.model
+        # a Ulysses degree must divide both the query and the key/value heads
+        heads = math.gcd(m.heads_per_rank, m.kv_heads_per_rank)
+        return cls(cost_model.world_size, cost_model.ranks_per_node, max_degree, heads=heads,
+                   attention_layout=cost_model.attention_layout,
+                   ulysses_scope=getattr(cost_model, "ulysses_scope", "any"))
 
     def starts(self, size: int) -> tuple[int, ...]:
         """First ranks of groups of ``size`` ranks (empty: the size is not in the vocabulary)."""
         return self._starts.get(size, ())
 
     def groups(self) -> Iterator[tuple[int, ...]]:
-        """Every group as a tuple of ranks."""
+        """Every task group as a tuple of ranks."""
         for size, starts in self._starts.items():
             for start in starts:
                 yield tuple(range(start, start + size))
@@ -82,16 +161,34 @@ class Vocabulary:
         return tuple(ranks) == tuple(range(start,
                                            start + size)) and start in self._starts.get(size, ())
 
+    def ulysses_degrees(self, size: int) -> tuple[int, ...]:
+        """Ulysses degrees a task on a group of ``size`` ranks may use (`ulysses_degrees`)."""
+        return ulysses_degrees(size, self.ranks_per_node, heads=self.heads,
+                               attention_layout=self.attention_layout,
+                               ulysses_scope=self.ulysses_scope)
+
+    def communicators(self) -> tuple[tuple[int, ...], ...]:
+        """Every multi-rank process group a plan over this vocabulary can use (task groups and
+        the sub-groups of every allowed Ulysses degree), in one fixed order: size, then ranks."""
+        if self._communicators is None:
+            found: set[tuple[int, ...]] = set()
+            for ranks in self.groups():
+                for u in self.ulysses_degrees(len(ranks)):
+                    found.update(communicators(ranks, u))
+            self._communicators = tuple(sorted(found, key=lambda g: (len(g), g)))
+        return self._communicators
+
+    def communicators_per_rank(self) -> int:
+        """Most communicators (process groups of two or more ranks) any one rank belongs to."""
+        return _most_per_rank(self.communicators(), self.world_size)
+
     def max_groups_per_rank(self) -> int:
-        """Most groups any one rank belongs to (communicators it holds)."""
-        count = [0] * self.world_size
-        for size, starts in self._starts.items():
-            for start in starts:
-                for r in range(start, start + size):
-                    count[r] += 1
-        return max(count)
+        """Most task groups any one rank belongs to (sub-groups not counted)."""
+        return _most_per_rank(self.groups(), self.world_size)
 
     def describe(self) -> str:
-        """One line: group count per size."""
+        """One line: group count per size, communicators in all and per rank."""
         parts = ", ".join(f"{s}x{len(v)}" for s, v in self._starts.items())
-        return f"{len(self)} groups ({parts}); at most {self.max_groups_per_rank()} per rank"
+        return (f"{len(self)} groups ({parts}); at most {self.max_groups_per_rank()} per rank; "
+                f"{len(self.communicators())} communicators with sub-groups, at most "
+                f"{self.communicators_per_rank()} per rank")

@@ -1,13 +1,13 @@
 """`GroupPool`: the process groups of the DCP world, created collectively and looked up by ranks.
 
-A plan uses, per task, the task's group and (for hybrid layouts) its Ulysses and ring sub-groups
-(`megatron_dcp.plan.plan` documents the layout convention). Process groups must be created by
-every member in the same order, so ``ensure(plan)`` is collective over the DCP world: every rank
-computes the same sorted list of groups the plan needs and the pool lacks, and creates them in
-that order. Groups are cached by their rank tuple (in group order: position = group-local rank),
-so after the first steps an ``ensure`` creates nothing. ``ensure_all(vocabulary)`` creates a
-bounded vocabulary up front, which is what large jobs should do: every NCCL communicator costs
-creation time and device memory, and ``len(pool)`` / ``pool.report()`` say how many exist.
+A task uses its group and, for hybrid layouts, its Ulysses and ring sub-groups
+(`megatron_dcp.plan.vocabulary.communicators`). Process groups must be created by every rank in
+the same order (on NCCL each is a communicator split all ranks join), so creation is collective:
+``create_all(vocabulary)`` at start-up creates every group a plan over that vocabulary can use, in
+the vocabulary's fixed order, and warms each communicator once; afterwards ``ensure(plan)``
+creates nothing for the planner's plans, and a group outside the vocabulary (a hand-written plan,
+a baseline) is still created collectively inside the step, counted and reported. Groups are
+cached by their rank tuple in group order (position = group-local rank).
 
 Ranks here are DCP-world ranks (``0 .. world_size - 1``, what plans use). When the DCP world is
 a subset of the job (tensor or pipeline parallelism), pass ``world_ranks`` (this world's global
@@ -22,14 +22,18 @@ The backend is the default process group's (gloo on CPU, NCCL on CUDA) unless gi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Iterable, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.plan.vocabulary import Vocabulary, communicators
 from megatron_dcp.runtime.context import TaskContext
 
 DEFAULT_GROUP_TIMEOUT = timedelta(seconds=120)
@@ -40,14 +44,15 @@ _HAS_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 def groups_of_task(task: Task) -> list[tuple[int, ...]]:
     """Every multi-rank group ``task`` uses: its own group, its Ulysses and ring sub-groups."""
-    needed: set[tuple[int, ...]] = set()
-    if task.degree > 1:
-        needed.add(tuple(task.ranks))
-    for g in range(task.degree):
-        for sub in (task.ulysses_group(g), task.ring_group(g)):
-            if len(sub) > 1:
-                needed.add(tuple(sub))
-    return sorted(needed)
+    return sorted(communicators(task.ranks, task.ulysses))
+
+
+def _device_of(group: Any) -> torch.device:
+    """Where a collective on ``group`` takes its tensors: the current CUDA device when the group
+    runs NCCL (it rejects host tensors), else the host (gloo)."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def groups_of_plan(plan: Plan) -> list[tuple[int, ...]]:
@@ -98,6 +103,12 @@ class GroupPool:
         self._groups: dict[tuple[int, ...], Any] = {}
         self.creation_s = 0.0
         """Seconds spent creating groups so far."""
+        self.vocabulary: Optional[Vocabulary] = None
+        """The vocabulary `create_all` built the pool from (``None``: groups are created lazily)."""
+        self.outside_vocabulary: list[tuple[int, ...]] = []
+        """Groups created inside a step after `create_all`: the vocabulary lacked them."""
+        self.startup: dict[str, Any] = {}
+        """What `create_all` did: communicators, created, member_of, max_per_rank, seconds."""
         everyone = tuple(range(len(world)))
         if len(worlds) == 1 and world == tuple(range(job_world)) and backend is None:
             self.world_group = dist.group.WORLD
@@ -147,19 +158,22 @@ class GroupPool:
         missing = {g for g in wanted if len(g) > 1 and g not in self._groups}
         if len(self.all_worlds) > 1:
             missing = self._union_over_worlds(missing)
+        order = sorted(missing, key=lambda r: (len(r), r))
         t0 = time.perf_counter()
-        for ranks in sorted(missing, key=lambda r: (len(r), r)):
+        for ranks in order:
             self._groups[ranks] = self._new_group(ranks)
         self.creation_s += time.perf_counter() - t0
-        return len(missing)
+        if order and self.vocabulary is not None:
+            if not self.outside_vocabulary:
+                warnings.warn(f"GroupPool: {len(order)} process group(s) created inside the step, "
+                              f"outside the start-up vocabulary (first: {order[0]}); on NCCL each "
+                              "is a communicator split every rank joins", stacklevel=2)
+            self.outside_vocabulary.extend(order)
+        return len(order)
 
     def _union_over_worlds(self, missing: set) -> set:
         """Groups some DCP world lacks (all worlds must create every group together)."""
-        import torch
-
-        count = torch.tensor([len(missing)], dtype=torch.int64)
-        if dist.get_backend() == "nccl":
-            count = count.cuda()
+        count = torch.tensor([len(missing)], dtype=torch.int64, device=_device_of(None))
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if int(count.item()) == 0:
             return set()
@@ -175,21 +189,65 @@ class GroupPool:
                              f"{self.world_size}")
         return self.ensure_groups(groups_of_plan(plan))
 
-    def ensure_all(self, vocabulary: Any) -> int:
-        """Create a whole vocabulary of task groups (and their sub-groups for every Ulysses
-        degree dividing their size) up front. Collective. Returns the number created.
+    def create_all(self, vocabulary: Vocabulary, *, warm: bool = True) -> str:
+        """Start-up: create every communicator ``vocabulary`` can use (its task groups and the
+        sub-groups of their allowed layouts, `Vocabulary.communicators`) in its fixed order, then
+        warm each once with a one-element all-reduce on the group's device, so the first step
+        pays neither. Collective over the job: every job rank calls it with the same vocabulary
+        (checked first: a mismatch raises on every rank instead of hanging). Returns a one-line
+        report; the numbers are in ``self.startup``. Plans of `megatron_dcp.plan.make_plan` with
+        the same settings (`Vocabulary.for_cost_model`) then create no group inside the step.
+        """
+        if vocabulary.world_size != self.world_size:
+            raise ValueError(f"vocabulary is for a DCP world of {vocabulary.world_size} ranks, "
+                             f"this pool has {self.world_size}")
+        wanted = vocabulary.communicators()
+        self._check_same_everywhere(f"{self.world_size}:{wanted}")
+        t0 = time.perf_counter()
+        created = 0
+        for ranks in wanted:
+            if ranks not in self._groups:
+                self._groups[ranks] = self._new_group(ranks)
+                created += 1
+        t1 = time.perf_counter()
+        self.creation_s += t1 - t0
+        mine = [g for g in wanted if self.rank in g]
+        if warm:
+            self._warm(mine)
+        t2 = time.perf_counter()
+        self.vocabulary = vocabulary
+        self.startup = {"communicators": len(wanted), "created": created,
+                        "member_of": len(mine), "max_per_rank": vocabulary.communicators_per_rank(),
+                        "create_s": round(t1 - t0, 4), "warm_s": round(t2 - t1, 4)}
+        return (f"group pool: {len(wanted)} communicators ({created} created), this rank in "
+                f"{len(mine)}, at most {self.startup['max_per_rank']} per rank; "
+                f"created in {t1 - t0:.2f} s, warmed in {t2 - t1:.2f} s")
 
-        ``vocabulary``: rank tuples, or the planner's `megatron_dcp.plan.Vocabulary`."""
-        if hasattr(vocabulary, "groups"):
-            vocabulary = vocabulary.groups()
-        groups: set[tuple[int, ...]] = set()
-        for ranks in vocabulary:
-            ranks = tuple(ranks)
-            for u in range(1, len(ranks) + 1):
-                if len(ranks) % u == 0:
-                    task = Task(id=0, ranks=ranks, seqs=(), ulysses=u, ring=len(ranks) // u)
-                    groups.update(groups_of_task(task))
-        return self.ensure_groups(groups)
+    def _check_same_everywhere(self, key: str) -> None:
+        """Raise on every rank unless every job rank passed the same ``key`` (one all-reduce)."""
+        value = int(hashlib.sha256(key.encode()).hexdigest()[:15], 16)
+        t = torch.tensor([value, -value], dtype=torch.int64, device=_device_of(None))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        low, high = t.tolist()
+        if low != -high:
+            raise RuntimeError("GroupPool.create_all: the ranks hold different vocabularies "
+                               "(world size, ranks per node, heads, attention layout, Ulysses "
+                               "scope and max degree must be equal on every rank)")
+
+    def _warm(self, mine: Sequence[tuple[int, ...]]) -> None:
+        """One all-reduce of a one on each group in ``mine`` (same order on every member, so no
+        two ranks wait on each other in opposite orders); checks the sums once at the end."""
+        sums = []
+        for ranks in mine:
+            group = self._groups[ranks]
+            t = torch.ones(1, dtype=torch.float32, device=_device_of(group))
+            dist.all_reduce(t, group=group)
+            sums.append(t)
+        got = [int(v) for v in torch.cat([t.cpu() for t in sums]).tolist()] if sums else []
+        bad = [(ranks, v) for ranks, v in zip(mine, got) if v != len(ranks)]
+        if bad:
+            raise RuntimeError(f"GroupPool: warm-up all-reduce gave wrong sums (group, sum): "
+                               f"{bad[:4]}")
 
     def get(self, ranks: Sequence[int]) -> Any:
         """The process group of ``ranks`` (DCP ranks, group order); ``None`` for a single rank."""
@@ -225,9 +283,12 @@ class GroupPool:
         )
 
     def report(self) -> dict[str, Any]:
-        """How many groups exist, by size, and the time spent creating them."""
+        """How many groups exist, by size, how many this rank is in, the time spent creating them,
+        the start-up numbers and the groups created outside the start-up vocabulary."""
         by_size: dict[int, int] = {}
         for ranks in self._groups:
             by_size[len(ranks)] = by_size.get(len(ranks), 0) + 1
         return {"groups": len(self), "by_size": dict(sorted(by_size.items())),
-                "creation_s": round(self.creation_s, 4)}
+                "member_of": sum(1 for g in self._groups if self.rank in g),
+                "creation_s": round(self.creation_s, 4), "startup": dict(self.startup),
+                "outside_vocabulary": len(self.outside_vocabulary)}

@@ -1,0 +1,85 @@
+"""The group vocabulary's communicators (task groups + sub-groups), its Ulysses scope, and the
+planner keeping every layout's sub-groups inside it. Pure Python (no process groups)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_dcp.config import POLICIES, DCPConfig
+from megatron_dcp.plan import Task, Vocabulary, build_cost_model, load_model, make_plan
+from megatron_dcp.plan.vocabulary import communicators, ulysses_degrees
+from megatron_dcp.plan.workload import sample_lengths
+
+
+def test_communicators_follow_the_task_layout_convention():
+    ranks = tuple(range(10, 18))
+    for u in (1, 2, 4, 8):
+        task = Task(id=0, ranks=ranks, seqs=(), ulysses=u, ring=8 // u)
+        expected = {ranks}
+        for g in range(8):
+            for sub in (task.ulysses_group(g), task.ring_group(g)):
+                if len(sub) > 1:
+                    expected.add(tuple(sub))
+        assert set(communicators(ranks, u)) == expected
+    assert communicators((4, 2, 6, 0), 2) == [(4, 2, 6, 0), (4, 2), (6, 0), (4, 6), (2, 0)]
+    assert communicators((5,), 1) == []
+    with pytest.raises(ValueError, match="does not divide"):
+        communicators((0, 1, 2), 2)
+
+
+def test_ulysses_degrees_heads_layout_and_scope():
+    assert ulysses_degrees(16, 8) == (1, 2, 4, 8, 16)
+    assert ulysses_degrees(16, 8, heads=12) == (1, 2, 4)
+    # inside a node the scope changes nothing; across nodes: pure ring or Ulysses over the node
+    assert ulysses_degrees(8, 8, heads=8, ulysses_scope="node") == (1, 2, 4, 8)
+    assert ulysses_degrees(32, 8, heads=32, ulysses_scope="node") == (1, 8)
+    assert ulysses_degrees(32, 8, heads=12, ulysses_scope="node") == (1, 4)
+    assert ulysses_degrees(12, 8, heads=12, ulysses_scope="node") == (1, 4)
+    assert ulysses_degrees(16, 8, heads=8, attention_layout="ring") == (1,)
+    assert ulysses_degrees(8, 8, heads=8, attention_layout="ulysses") == (8,)
+    assert ulysses_degrees(16, 8, heads=8, attention_layout="ulysses") == (1, 2, 4, 8)
+    assert ulysses_degrees(8, 8, heads=8, attention_layout="hybrid") == (1, 2, 4)
+    with pytest.raises(ValueError, match="ulysses_scope"):
+        ulysses_degrees(8, 8, ulysses_scope="rack")
+
+
+def test_communicator_counts_by_hand():
+    # 4 ranks, one per node, 4 heads: groups (0,1) (2,3) (0,1,2) (0,1,2,3); Ulysses 2 on the
+    # whole world adds the ring sub-groups (0,2) (1,3); inside a node (scope "node") it may not
+    default = Vocabulary(4, 1, heads=4)
+    assert default.communicators() == ((0, 1), (0, 2), (1, 3), (2, 3), (0, 1, 2), (0, 1, 2, 3))
+    assert default.communicators_per_rank() == 4
+    node = Vocabulary(4, 1, heads=4, ulysses_scope="node")
+    assert node.communicators() == ((0, 1), (2, 3), (0, 1, 2), (0, 1, 2, 3))
+    assert node.communicators_per_rank() == 3
+    assert Vocabulary(1, 8).communicators() == ()
+    assert "6 communicators with sub-groups, at most 4 per rank" in default.describe()
+
+
+def test_communicators_per_rank_at_scale():
+    every = Vocabulary(1024, 8)  # every Ulysses degree (no heads given)
+    llama = Vocabulary(1024, 8, heads=32)
+    node = Vocabulary(1024, 8, heads=32, ulysses_scope="node")
+    counts = [v.communicators_per_rank() for v in (every, llama, node)]
+    assert counts[0] > counts[1] > counts[2] and counts[2] <= 40, counts
+    assert len(node.communicators()) < len(llama.communicators()) < len(every.communicators())
+    assert set(node.communicators()) <= set(llama.communicators())
+
+
+@pytest.mark.parametrize("scope", ["any", "node"])
+def test_plans_use_only_vocabulary_communicators(scope):
+    model = load_model("llama-7b")
+    lengths = sample_lengths("long", 32 * 200_000, seed=3)
+    used_outside_node = set()
+    for policy in POLICIES:
+        config = DCPConfig(policy=policy, ulysses_scope=scope)
+        vocab = Vocabulary.for_cost_model(build_cost_model(model, config, 32), config.max_degree)
+        allowed = set(vocab.communicators())
+        for task in make_plan(lengths, world_size=32, model=model, config=config).tasks:
+            assert task.ulysses in vocab.ulysses_degrees(task.degree), (policy, task)
+            assert set(communicators(task.ranks, task.ulysses)) <= allowed, (policy, task)
+            if task.degree > 8 and task.ulysses not in (1, 8):
+                used_outside_node.add(policy)
+    # the default scope does use Ulysses degrees whose ring sub-groups mix node-local and
+    # cross-node ranks; the node scope never does
+    assert bool(used_outside_node) == (scope == "any"), used_outside_node
