@@ -155,10 +155,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator, model):
-    """Megatron's forward_step_func: one micro-batch dict -> (per-token losses, loss_func)."""
+    """Megatron's forward_step_func: one micro-batch dict -> (per-token losses, loss_func).
+
+    Under DCP the micro-batch carries the task as ``packed_seq_params``: passing it on is what
+    lets a layer recomputed in backward (on CUDA's autograd thread) attend as its task."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"])
+                   labels=batch["labels"], packed_seq_params=batch.get("packed_seq_params"))
     return output, partial(loss_func, batch["loss_mask"])
 
 

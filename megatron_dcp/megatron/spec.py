@@ -26,19 +26,53 @@ packed sequences), so positions ``0..S-1`` would be wrong. Options considered:
   task it is Megatron's module unchanged. The model is called in bshd (batch 1) under DCP; the
   packing lives in the layout.
 
-`prepare_model(model)` installs the wrapper and the dynamic CP groups (`parallel`); the DCP step
-calls it, so users rarely need to.
+The task reaches core attention explicitly: the DCP step hands every micro-batch a
+`DCPTaskParams` (Megatron's ``PackedSeqParams`` in the plain ``sbhd`` format, plus the task);
+a ``forward_step_func`` that passes it to the model as ``packed_seq_params=`` (as Megatron's
+own ``pretrain_gpt.py`` passes its packed parameters) gets it to every layer's core attention,
+also in a recompute that Megatron's reentrant checkpoint runs in backward on CUDA's autograd
+thread. Without it, core attention falls back to `current_task`.
+
+`prepared_model(model)` installs the RoPE wrapper and the dynamic CP groups (`parallel`) for one
+step and undoes both; the DCP step uses it, so users rarely need to.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
-from megatron_dcp.runtime.context import TaskContext, current_task, task_context
+from megatron_dcp.runtime.context import TaskContext, current_task
+
+
+def _packed_seq_params_class():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams
+
+
+@dataclass
+class DCPTaskParams(_packed_seq_params_class()):
+    """Megatron's ``PackedSeqParams`` (format ``sbhd``: one packed row per shard) carrying the
+    DCP task to `DCPCoreAttention` through the model's ``packed_seq_params`` argument."""
+
+    task: Any = None
+    """The `TaskContext` of the shard."""
+
+    @classmethod
+    def of(cls, task: Optional[TaskContext]) -> Optional["DCPTaskParams"]:
+        """Parameters for ``task`` (``None`` outside a task)."""
+        if task is None or task.layout is None:
+            return None
+        n = task.layout.num_tokens
+        # max_seqlen_*: what GPTModel asks the rotary embedding for (our wrapper reads the
+        # task's positions instead); no cu_seqlens: the layout describes the packing.
+        return cls(qkv_format="sbhd", max_seqlen_q=n, max_seqlen_kv=n, task=task)
 
 
 def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernorm: bool = False,
@@ -111,14 +145,17 @@ class DCPCoreAttention(_megatron_module()):
 
             causal = attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
 
-        def attend(q, k, v):
-            return dcp_attention(q, k, v, causal=causal, softmax_scale=self.softmax_scale)
+        task = current_task(getattr(packed_seq_params, "task", None))
+
+        def attend(q, k, v, task=task):
+            return dcp_attention(q, k, v, causal=causal, softmax_scale=self.softmax_scale,
+                                 task=task)
 
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            out = self._thd(query, key, value, packed_seq_params, attend)
+            out = self._thd(query, key, value, packed_seq_params, attend, task)
             return out.reshape(out.shape[0], -1)
         seq, batch = query.shape[:2]
-        if current_task() is not None:
+        if task is not None:
             if batch != 1:
                 raise ValueError(f"DCPCoreAttention: a DCP task runs one packed shard (batch 1), "
                                  f"got batch {batch}")
@@ -132,9 +169,9 @@ class DCPCoreAttention(_megatron_module()):
         return out.reshape(seq, batch, -1)
 
     @staticmethod
-    def _thd(query, key, value, packed_seq_params, attend):
+    def _thd(query, key, value, packed_seq_params, attend, task):
         # Outside DCP: Megatron's THD packing as a one-rank task whose layout has these sequences.
-        if current_task() is not None:
+        if task is not None:
             raise ValueError("DCPCoreAttention: do not pass THD packed_seq_params inside a DCP "
                              "task; the task's layout already describes the packing")
         from megatron_dcp.plan.plan import Task
@@ -143,9 +180,8 @@ class DCPCoreAttention(_megatron_module()):
         cu = packed_seq_params.cu_seqlens_q.tolist()
         lengths = [b - a for a, b in zip(cu, cu[1:])]
         layout = ShardLayout.build(lengths, ulysses=1, ring=1, group_rank=0)
-        task = Task(id=-1, ranks=(0,), seqs=tuple(range(len(lengths))))
-        with task_context(TaskContext(task=task, group_rank=0, layout=layout)):
-            return attend(query, key, value)
+        one_rank = Task(id=-1, ranks=(0,), seqs=tuple(range(len(lengths))))
+        return attend(query, key, value, TaskContext(task=one_rank, group_rank=0, layout=layout))
 
 
 class DCPRotaryEmbedding(nn.Module):
@@ -180,6 +216,26 @@ def _unwrap(model):
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module
     return model
+
+
+@contextmanager
+def prepared_model(model) -> Iterator[Any]:
+    """``with prepared_model(model):`` `prepare_model` for the block, undone on exit (unless the
+    model was prepared before)."""
+    from megatron_dcp.megatron.parallel import restore_pg_collections
+
+    inner = _unwrap(model)
+    rope = getattr(inner, "rotary_pos_emb", None)
+    already = isinstance(rope, DCPRotaryEmbedding)
+    prepare_model(model)
+    try:
+        yield model
+    finally:
+        if not already:
+            wrapped = getattr(inner, "rotary_pos_emb", None)
+            if isinstance(wrapped, DCPRotaryEmbedding):
+                inner.rotary_pos_emb = wrapped.inner
+            restore_pg_collections(inner)
 
 
 def prepare_model(model) -> None:

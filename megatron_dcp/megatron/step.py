@@ -9,13 +9,18 @@ per-micro-step loss reports, so it drops into a Megatron training loop::
                                       model=[model], num_microbatches=1, seq_length=0,
                                       micro_batch_size=1)
 
-Differences to Megatron's schedules, all on purpose:
+The step itself is the engine-neutral `megatron_dcp.runtime.step.StepDriver`; this module is
+Megatron's side of its protocol (`MegatronStepEngine`). Differences to Megatron's schedules, all
+on purpose:
 
 * ``data_iterator`` yields one *global batch* per call (a `GlobalBatch`, or a list of 1-D token
   tensors); the plan, not ``num_microbatches``, decides this rank's micro-steps (tasks), which
   differ between ranks. ``forward_step_func(data_iterator, model)`` is Megatron's usual one: it
   gets an iterator with one micro-batch dict (``tokens``, ``labels``, ``loss_mask``,
-  ``position_ids``, ``attention_mask=None``, all ``[1, T_local]``: the task's shard) and returns
+  ``position_ids``, ``attention_mask=None``, all ``[1, T_local]``: the task's shard, and
+  ``packed_seq_params``: the task, `megatron_dcp.megatron.spec.DCPTaskParams`, to pass to the
+  model as ``packed_seq_params=``; Megatron hands it to every layer's core attention, also when
+  a recomputed layer runs again in backward on CUDA's autograd thread) and returns
   ``(output_tensor, loss_func)``; ``loss_func(output_tensor)`` must return Megatron's per-token
   form ``(loss_sum, num_tokens, report)``.
 * Loss: every shard's token-loss sum is scaled by 1/T (T = target tokens of the global batch,
@@ -28,21 +33,24 @@ Differences to Megatron's schedules, all on purpose:
 * Recompute: per task, the first ``task.ckpt_layers`` layers are recomputed through Megatron's
   own full/block recompute (``recompute_num_layers`` is read at every forward), set around the
   forward and restored after it.
+* Megatron code that asks ``parallel_state`` or a ``pg_collection`` for the context-parallel
+  group gets the task's group during the step (`megatron_dcp.megatron.parallel`); the patches
+  are undone when the step returns.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
 import dataclasses
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from megatron_dcp.config import DCPConfig
+from megatron_dcp.config import IGNORE_INDEX, DCPConfig
 from megatron_dcp.plan.plan import Plan
-from megatron_dcp.runtime.context import current_task
 from megatron_dcp.runtime.groups import GroupPool
+from megatron_dcp.runtime.step import Shard, StepDriver, StepResult
 
 
 @dataclass
@@ -92,6 +100,74 @@ def recompute_layers(config, num_layers: int) -> Iterator[None]:
          config.recompute_num_layers) = saved
 
 
+class MegatronStepEngine:
+    """Megatron's side of the `StepDriver` protocol for one call of `DCPForwardBackward`."""
+
+    equal_micro_steps = False
+
+    def __init__(self, model, forward_step_func: Callable, forward_only: bool) -> None:
+        from megatron.core.utils import get_model_config
+
+        self.model = model
+        self.mconfig = get_model_config(model)
+        self.forward_step_func = forward_step_func
+        self.forward_only = forward_only
+        self.reports: list[dict] = []
+
+    def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor:
+        """Megatron's ``forward_step_func`` and ``loss_func`` on one shard."""
+        from megatron_dcp.megatron.spec import DCPTaskParams
+
+        loss_mask = (shard.labels != IGNORE_INDEX).to(torch.float32)
+        micro_batch = {
+            "tokens": shard.input_ids.view(1, -1),
+            "labels": shard.labels.clamp(min=0).view(1, -1),
+            "loss_mask": loss_mask.view(1, -1),
+            "position_ids": shard.position_ids.view(1, -1),
+            "attention_mask": None,
+            "packed_seq_params": DCPTaskParams.of(shard.task),
+        }
+        depth = shard.task.ckpt_layers if shard.task is not None and not self.forward_only else 0
+        with recompute_layers(self.mconfig, depth):
+            output_tensor, loss_func = self.forward_step_func(iter([micro_batch]), self.model)
+        outputs = loss_func(output_tensor)
+        if len(outputs) != 3:
+            raise ValueError("DCP needs the per-token loss_func form (loss_sum, num_tokens, "
+                             "report); got a 2-tuple (mean loss)")
+        loss_sum, _num_tokens, report = outputs
+        self.reports.append(report)
+        if per_token:  # the driver weights every token by its sequence's 1/(S * targets)
+            return output_tensor.reshape(-1).float() * loss_mask
+        return loss_sum
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        if self.mconfig.grad_scale_func is not None:
+            loss = self.mconfig.grad_scale_func(loss)
+        loss.backward()
+
+    def empty_micro_step(self, last: bool) -> None:
+        """Nothing: Megatron's DDP reduces once in `finish`, which every rank joins."""
+
+    def micro_steps(self):
+        return self.model.no_sync() if hasattr(self.model, "no_sync") else nullcontext()
+
+    def finish(self) -> Optional[float]:
+        """Finalise gradients once (Megatron DDP), or SUM-reduce them (a bare module)."""
+        from megatron.core import parallel_state
+
+        finalize = self.mconfig.finalize_model_grads_func
+        if finalize is None:
+            from megatron.core.distributed import finalize_model_grads as finalize
+        if hasattr(self.model, "finish_grad_sync"):
+            finalize([self.model], None)
+        else:
+            from megatron_dcp.runtime.executor import reduce_gradients
+
+            reduce_gradients([p for p in self.model.parameters() if p.requires_grad],
+                             parallel_state.get_data_parallel_group())
+        return None
+
+
 class DCPForwardBackward:
     """Megatron ``forward_backward_func`` replacement that executes one DCP plan per call.
 
@@ -111,44 +187,51 @@ class DCPForwardBackward:
         self.model_shape = model_shape
         self.pool = pool
         self.hardware = hardware
-        self.iteration = 0
+        self._driver: Optional[StepDriver] = None
         self.last_plan: Optional[Plan] = None
         self.last_stats: Any = None
+        self.last_result: Optional[StepResult] = None
         self._report_keys: tuple[str, ...] = ("lm loss",)
 
-    # ------------------------------------------------------------------ planning
-    def plan_for(self, lengths: Sequence[int], world_size: int) -> Plan:
-        """The plan of one global batch (deterministic: the same on every rank)."""
-        from megatron_dcp.plan import make_plan
+    @property
+    def driver(self) -> StepDriver:
+        """The step driver over the data-parallel ranks (built on first use: collective)."""
+        if self._driver is None:
+            import torch.distributed as dist
+            from megatron.core import parallel_state
 
-        if self.model_shape is None:
-            raise ValueError("DCPForwardBackward: model_shape is needed to plan (or give "
-                             "GlobalBatch(plan=...))")
-        return make_plan(list(lengths), world_size=world_size, model=self.planning_shape(),
-                         config=self.config, iteration=self.iteration, hardware=self.hardware,
-                         zero_stage=self.zero_stage)
+            if self.pool is None:
+                dp_group = parallel_state.get_data_parallel_group()
+                self.pool = GroupPool(world_ranks=dist.get_process_group_ranks(dp_group))
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else None
+            self._driver = StepDriver(self.config.replace(enabled=True), pool=self.pool,
+                                      model_shape=self.planning_shape(), hardware=self.hardware,
+                                      zero_stage=self.zero_stage, device=device)
+        return self._driver
+
+    @property
+    def iteration(self) -> int:
+        """Training steps taken (the planner's ``iteration``)."""
+        return self._driver.iteration if self._driver is not None else 0
+
+    def plan_for(self, lengths: Sequence[int], world_size: Optional[int] = None) -> Plan:
+        """The plan of one global batch (deterministic: the same on every rank)."""
+        if world_size is not None and world_size != self.driver.world_size:
+            raise ValueError(f"plan for {world_size} ranks requested, the data-parallel size is "
+                             f"{self.driver.world_size}")
+        return self.driver.plan(lengths)
 
     def planning_shape(self):
         """The `ModelShape` the planner sees: the given one, with Megatron's tensor-parallel size
         filled in when the shape leaves it at 1 (memory and time are those of one TP rank)."""
         shape = self.model_shape
-        if shape.tensor_parallel == 1:
+        if shape is not None and shape.tensor_parallel == 1:
             tp = _tensor_parallel_size()
             if tp > 1:
                 shape = dataclasses.replace(shape, tensor_parallel=tp)
         return shape
 
-    def _group_pool(self):
-        """The pool of the data-parallel ranks (this rank's DCP world), built on first use."""
-        if self.pool is None:
-            import torch.distributed as dist
-            from megatron.core import parallel_state
-
-            dp_group = parallel_state.get_data_parallel_group()
-            self.pool = GroupPool(world_ranks=dist.get_process_group_ranks(dp_group))
-        return self.pool
-
-    # ------------------------------------------------------------------ the step
     def __call__(self, *, forward_step_func: Callable, data_iterator, model,
                  num_microbatches: Optional[int] = None, seq_length: Optional[int] = None,
                  micro_batch_size: Optional[int] = None, decoder_seq_length=None,
@@ -156,92 +239,33 @@ class DCPForwardBackward:
                  first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None,
                  pg_collection=None) -> list[dict]:
         """Run this rank's tasks of the next global batch; returns the loss reports."""
-        from megatron.core import parallel_state
-        from megatron.core.utils import get_model_config
-
-        from megatron_dcp.megatron.parallel import enable_task_cp_groups
-        from megatron_dcp.megatron.spec import prepare_model
-        from megatron_dcp.runtime.executor import run_plan
+        from megatron_dcp.megatron.parallel import task_cp_groups
+        from megatron_dcp.megatron.spec import prepared_model
 
         if collect_non_loss_data:
             raise ValueError("DCPForwardBackward: collect_non_loss_data is not supported")
         model = _single_model(model)
-        mconfig = get_model_config(model)
-        if not forward_only and not mconfig.calculate_per_token_loss:
+        engine = MegatronStepEngine(model, forward_step_func, forward_only)
+        if not forward_only and not engine.mconfig.calculate_per_token_loss:
             raise ValueError("DCP needs calculate_per_token_loss=True in the model's "
                              "TransformerConfig (Megatron's DDP must SUM gradients over "
                              "data-parallel ranks; DCP applies 1/T itself)")
         batch = next(data_iterator)
         if not isinstance(batch, GlobalBatch):
             batch = GlobalBatch(sequences=list(batch))
-        dp_rank = parallel_state.get_data_parallel_rank()
-        dp_size = parallel_state.get_data_parallel_world_size()
-        plan = batch.plan or self.plan_for([int(s.numel()) for s in batch.sequences], dp_size)
-        if plan.world_size != dp_size:
-            raise ValueError(f"plan for a DCP world of {plan.world_size} ranks, but the "
-                             f"data-parallel size is {dp_size}")
-        if not forward_only:  # evaluation does not advance the training iteration plans see
-            self.iteration += 1
-        self.last_plan = plan
-        prepare_model(model)
-        enable_task_cp_groups()
-        pool = self._group_pool()
-        per_token = self.config.loss_reduction == "sequence"
-
-        reports: list[dict] = []
-
-        def forward_step(input_ids, position_ids, labels):
-            ctx = current_task()
-            loss_mask = (labels != -100).to(torch.float32)
-            micro_batch = {
-                "tokens": input_ids.view(1, -1),
-                "labels": labels.clamp(min=0).view(1, -1),
-                "loss_mask": loss_mask.view(1, -1),
-                "position_ids": position_ids.view(1, -1),
-                "attention_mask": None,
-            }
-            depth = ctx.ckpt_layers if ctx is not None and not forward_only else 0
-            with recompute_layers(mconfig, depth):
-                output_tensor, loss_func = forward_step_func(iter([micro_batch]), model)
-            outputs = loss_func(output_tensor)
-            if len(outputs) != 3:
-                raise ValueError("DCP needs the per-token loss_func form (loss_sum, num_tokens, "
-                                 "report); got a 2-tuple (mean loss)")
-            loss_sum, _num_tokens, report = outputs
-            reports.append(report)
-            self._report_keys = tuple(report)
-            if per_token:  # run_plan weights every token by its sequence's 1/(S * targets)
-                return output_tensor.reshape(-1).float() * loss_mask
-            return loss_sum
-
-        def backward(scaled_loss):
-            if forward_only:
-                return
-            if mconfig.grad_scale_func is not None:
-                scaled_loss = mconfig.grad_scale_func(scaled_loss)
-            scaled_loss.backward()
-
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else None
-        no_sync = model.no_sync() if hasattr(model, "no_sync") and not forward_only \
-            else nullcontext()
-        grad_mode = torch.no_grad() if forward_only else nullcontext()
-        with no_sync, grad_mode:
-            self.last_stats = run_plan(plan, list(batch.sequences), dp_rank, forward_step,
-                                       pool=pool, backward=backward,
-                                       loss_reduction=self.config.loss_reduction,
-                                       device=device)
-        if not forward_only:
-            finalize = mconfig.finalize_model_grads_func
-            if finalize is None:
-                from megatron.core.distributed import finalize_model_grads as finalize
-            if hasattr(model, "finish_grad_sync"):
-                finalize([model], None)
-            else:  # a bare module (no Megatron DDP): SUM-reduce over the data-parallel group
-                from megatron_dcp.runtime.executor import reduce_gradients
-
-                reduce_gradients([p for p in model.parameters() if p.requires_grad],
-                                 parallel_state.get_data_parallel_group())
-        if not reports:  # a rank without tasks reports zero tokens (Megatron sums the reports)
-            reports.append({k: torch.zeros(2) for k in self._report_keys})
+        driver = self.driver
+        if batch.plan is not None and batch.plan.world_size != driver.world_size:
+            raise ValueError(f"plan for a DCP world of {batch.plan.world_size} ranks, but the "
+                             f"data-parallel size is {driver.world_size}")
+        with prepared_model(model), task_cp_groups():
+            result = driver.step(engine, list(batch.sequences), batch.plan,
+                                 train=not forward_only)
+        self.last_result, self.last_plan, self.last_stats = result, result.plan, result.stats
+        self.last_stats.loss = result.loss
+        reports = engine.reports
+        if reports:
+            self._report_keys = tuple(reports[0])
+        else:  # a rank without tasks reports zero tokens (Megatron sums the reports)
+            device = driver.device
+            reports.append({k: torch.zeros(2, device=device) for k in self._report_keys})
         return reports
