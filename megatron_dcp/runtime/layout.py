@@ -57,28 +57,53 @@ class TokenMeta:
     seq_ids: torch.Tensor
     valid: torch.Tensor
     cache: dict = field(default_factory=dict, compare=False, repr=False)
-    """Derived data the kernels compute once per token set (sort orders, device copies)."""
+    """Derived data the kernels compute once per token set (decompositions, device copies).
+    A device copy keeps its host original under ``"host"`` (see `host`)."""
 
     def __len__(self) -> int:
         return int(self.positions.shape[0])
 
     def to(self, device: torch.device) -> "TokenMeta":
-        """The same metadata on ``device``."""
+        """The same metadata on ``device`` (cached; copied without making the host wait)."""
         device = torch.device(device)
         if self.positions.device == device:
             return self
+        if device.type == "cpu":
+            return self.host()
         key = ("device", str(device))
         if key not in self.cache:
-            self.cache[key] = TokenMeta(self.positions.to(device), self.seq_ids.to(device),
-                                        self.valid.to(device))
+            host = self.host()
+
+            def copy(t: torch.Tensor) -> torch.Tensor:
+                # Pinned + non_blocking: a pageable copy would make the host wait for the GPU.
+                if device.type == "cuda":
+                    return t.pin_memory().to(device, non_blocking=True)
+                return t.to(device)
+
+            moved = TokenMeta(copy(host.positions), copy(host.seq_ids), copy(host.valid))
+            moved.cache["host"] = host
+            self.cache[key] = moved
         return self.cache[key]
+
+    def host(self) -> "TokenMeta":
+        """This metadata on the CPU: the kernels plan their work from it without device syncs.
+
+        A copy made by `to` knows its original; metadata built on a device is copied back once
+        (one sync) and cached.
+        """
+        if self.positions.device.type == "cpu":
+            return self
+        if "host" not in self.cache:
+            self.cache["host"] = TokenMeta(self.positions.cpu(), self.seq_ids.cpu(),
+                                           self.valid.cpu())
+        return self.cache["host"]
 
     @staticmethod
     def contiguous(num_tokens: int, device: Optional[torch.device] = None) -> "TokenMeta":
         """One unpadded sequence of ``num_tokens`` tokens at positions 0..num_tokens-1."""
-        pos = torch.arange(num_tokens, device=device)
-        return TokenMeta(pos, torch.zeros_like(pos), torch.ones(num_tokens, dtype=torch.bool,
-                                                                 device=device))
+        pos = torch.arange(num_tokens)
+        host = TokenMeta(pos, torch.zeros_like(pos), torch.ones(num_tokens, dtype=torch.bool))
+        return host if device is None else host.to(device)
 
 
 def _piece_positions(padded: int, ulysses: int, ring: int, ring_rank: int,

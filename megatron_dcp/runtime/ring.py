@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.runtime.kernels import block_backward, block_forward, compute_dtype, merge_block
+from megatron_dcp.runtime.kernels import (block_backward, block_forward, compute_dtype,
+                                          merge_block, resolve_backend)
 from megatron_dcp.runtime.layout import TokenMeta
 
 _TAG_KV, _TAG_DKV = 11, 12
@@ -58,6 +59,8 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, comm: RingComm, metas: list, groups: list, causal: bool,
                 scale: float):
         j, r, hkv = comm.rank, comm.size, k.shape[1]
+        # Chosen here and kept: CUDA runs backward on a thread that does not see forced_backend.
+        backend = resolve_backend(q)
         kv = torch.cat([k, v], dim=1).contiguous()
         out = lse = None
         for step in range(r):
@@ -66,13 +69,14 @@ class RingAttention(torch.autograd.Function):
             k_blk, v_blk = kv.split([hkv, hkv], dim=1)
             blk_out, blk_lse = block_forward(q, k_blk, v_blk, metas[j], metas[src], causal=causal,
                                              scale=scale, q_groups=groups[j],
-                                             k_groups=groups[src])
+                                             k_groups=groups[src], backend=backend)
             out, lse = merge_block(out, lse, blk_out, blk_lse)
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.metas, ctx.causal, ctx.scale, ctx.groups = comm, metas, causal, scale, groups
+        ctx.backend = backend
         return out.to(q.dtype)
 
     @staticmethod
@@ -80,9 +84,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         comm, metas, groups = ctx.comm, ctx.metas, ctx.groups
         j, r, hkv = comm.rank, comm.size, k.shape[1]
-        cdt = compute_dtype(q.dtype)
-        delta = (dout.to(cdt) * out).sum(-1)
-        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+        dq = torch.zeros(q.shape, dtype=compute_dtype(q.dtype), device=q.device)
         kv = torch.cat([k, v], dim=1).contiguous()
         dkv = None
         dkv_pending = None
@@ -93,7 +95,7 @@ class RingAttention(torch.autograd.Function):
             dq_b, dk_b, dv_b = block_backward(dout, q, k_blk, v_blk, out, lse, metas[j],
                                               metas[src], causal=ctx.causal, scale=ctx.scale,
                                               q_groups=groups[j], k_groups=groups[src],
-                                              delta=delta)
+                                              backend=ctx.backend)
             dq += dq_b
             contrib = torch.cat([dk_b, dv_b], dim=1)
             if dkv_pending is not None:  # the accumulator of block src, from the previous rank
