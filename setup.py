@@ -2,7 +2,7 @@
 
 from setuptools import find_packages, setup
 
-# torch is pinned by the Makefile (torch==2.13.0, the CPU wheel measured in ENVIRONMENT.md) before
+# torch is pinned by the Makefile (torch==2.13.0, the version tested) before
 # this package is installed; a range here lets GPU users keep their CUDA build.
 EXTRAS = {
     "deepspeed": ["deepspeed==0.19.8"],

@@ -37,7 +37,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 GROUP_TIMEOUT_S = 120.0
-"""Timeout of every process group in tests (TEAM.md: machine load must not cause failures)."""
+"""Timeout of every process group in tests (long: a loaded machine must not fail a test)."""
 
 
 class DistributedError(RuntimeError):

@@ -2,7 +2,7 @@
 
 Never needed on GPUs: `enable_cpu()` refuses to patch anything when CUDA is available. Each patch
 is named, version-checked (see ``_patching.SUPPORTED_MEGATRON_CORE``) and undone by
-``disable_cpu()`` or at the end of ``with cpu_patches():``. What and why (../shared/ENVIRONMENT.md):
+``disable_cpu()`` or at the end of ``with cpu_patches():``. What and why:
 
 * ``torch.cuda.current_device``: Megatron allocates buffers (RoPE ``inv_freq``, DDP grad buffers,
   TP layers, GlobalMemoryBuffer) with ``device=torch.cuda.current_device()``; on CPU it returns

@@ -1,7 +1,7 @@
 """Planning layer (pure Python, no torch): workload, cost model, planners, validation, simulator.
 
 ``make_plan(lengths, world_size=..., model=..., config=...)`` is the entry point; see
-docs/PLAN_FORMAT.md for the plan JSON and ../DESIGN for the method.
+docs/PLAN_FORMAT.md for the plan JSON and docs/DESIGN.md for the method.
 """
 
 from megatron_dcp.plan.cost import CostModel, PlanError

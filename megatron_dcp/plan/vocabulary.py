@@ -19,6 +19,7 @@ rank holds (`communicators_per_rank`).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
@@ -85,6 +86,20 @@ def _most_per_rank(groups: Iterable[Sequence[int]], world_size: int) -> int:
     return max(count)
 
 
+@functools.lru_cache(maxsize=16)
+def _communicators_of(settings: tuple) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """`Vocabulary.communicators` and `Vocabulary.communicators_per_rank` of ``settings``."""
+    world_size, ranks_per_node, max_degree, heads, layout, scope = settings
+    vocab = Vocabulary(world_size, ranks_per_node, max_degree, heads=heads,
+                       attention_layout=layout, ulysses_scope=scope)
+    found: set[tuple[int, ...]] = set()
+    for ranks in vocab.groups():
+        for u in vocab.ulysses_degrees(len(ranks)):
+            found.update(communicators(ranks, u))
+    ordered = tuple(sorted(found, key=lambda g: (len(g), g)))
+    return ordered, _most_per_rank(ordered, world_size)
+
+
 class Vocabulary:
     """Allowed groups of a DCP world of ``world_size`` ranks, ``ranks_per_node`` per node, and the
     Ulysses degrees (hence sub-groups) each group size may use (see `ulysses_degrees` for
@@ -103,6 +118,7 @@ class Vocabulary:
         self.heads = heads
         self.attention_layout = attention_layout
         self.ulysses_scope = ulysses_scope
+        self.max_degree = max_degree
         cap = max_degree or world_size
         groups: dict[int, list[int]] = {}
 
@@ -127,7 +143,6 @@ class Vocabulary:
         add(0, world_size)
         self._starts = {s: tuple(v) for s, v in sorted(groups.items())}
         self.sizes: tuple[int, ...] = tuple(self._starts)
-        self._communicators: Optional[tuple[tuple[int, ...], ...]] = None
 
     @classmethod
     def for_cost_model(cls, cost_model: Any, max_degree: Optional[int] = None) -> "Vocabulary":
@@ -170,17 +185,17 @@ class Vocabulary:
     def communicators(self) -> tuple[tuple[int, ...], ...]:
         """Every multi-rank process group a plan over this vocabulary can use (task groups and
         the sub-groups of every allowed Ulysses degree), in one fixed order: size, then ranks."""
-        if self._communicators is None:
-            found: set[tuple[int, ...]] = set()
-            for ranks in self.groups():
-                for u in self.ulysses_degrees(len(ranks)):
-                    found.update(communicators(ranks, u))
-            self._communicators = tuple(sorted(found, key=lambda g: (len(g), g)))
-        return self._communicators
+        return _communicators_of(self._settings())[0]
 
     def communicators_per_rank(self) -> int:
         """Most communicators (process groups of two or more ranks) any one rank belongs to."""
-        return _most_per_rank(self.communicators(), self.world_size)
+        return _communicators_of(self._settings())[1]
+
+    def _settings(self) -> tuple:
+        """Everything the communicators depend on (the cache key: the planner builds a cost model,
+        hence asks for the count, on every call; at 1,024 ranks a count takes tens of ms)."""
+        return (self.world_size, self.ranks_per_node, self.max_degree, self.heads,
+                self.attention_layout, self.ulysses_scope)
 
     def max_groups_per_rank(self) -> int:
         """Most task groups any one rank belongs to (sub-groups not counted)."""
