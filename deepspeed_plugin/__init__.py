@@ -88,4 +88,8 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
         model_shape = model.shape()
     wrapper = DCPEngine(engine, dcp, model_shape=model_shape, pool=pool, hardware=hardware,
                         notices=notices)
+    if dcp.enabled and model_shape is not None:
+        report = wrapper.driver.create_groups()  # every communicator now, none inside a step
+        if rank == 0:
+            print(f"[megatron-dcp] {report}", flush=True)
     return wrapper, ds_optimizer, dataloader, scheduler

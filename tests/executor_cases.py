@@ -8,6 +8,7 @@ the gradients and returns the loss and the gradients for comparison.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional, Sequence
 
 import torch
@@ -129,3 +130,34 @@ def plan_dict(tasks: Sequence[Task], lengths: Sequence[int], world: int) -> dict
     """A plan as a picklable dict (``Plan.from_dict`` on the other side)."""
     return Plan(tasks=tuple(tasks), lengths=tuple(lengths), world_size=world,
                 policy="manual").to_dict()
+
+
+class NoTaskFallback:
+    """Replaces the process-wide task of `megatron_dcp.runtime.context` (always None)."""
+
+    lock = threading.Lock()
+
+    @property
+    def ctx(self):
+        return None
+
+    @ctx.setter
+    def ctx(self, value) -> None:
+        pass
+
+
+def on_fresh_thread(fn) -> None:
+    """Run ``fn`` on a new thread (empty context, as CUDA's autograd worker) and re-raise."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]

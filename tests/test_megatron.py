@@ -122,9 +122,19 @@ def _gather_tp(name, p, grad, tp: int):
     return torch.cat(parts, dim=p.partition_dim)
 
 
-def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token"):
-    """One DCP step with Megatron DDP; returns (loss, full gradients)."""
+def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", backward=None):
+    """One DCP step with Megatron DDP; returns (loss, full gradients).
+
+    ``backward``: None (the calling thread), ``"thread"`` (every backward on a fresh thread, as
+    CUDA's autograd engine: Megatron's reentrant recompute re-runs layers there; the forward step
+    passes the task as ``packed_seq_params``), ``"thread-explicit"`` (the same with the
+    process-wide task fallback off) or ``"thread-no-task"`` (fallback off and the task not passed:
+    what the code did before the task became an argument; must come out wrong)."""
     from functools import partial
+
+    from executor_cases import NoTaskFallback, on_fresh_thread
+    from megatron_dcp.megatron.step import MegatronStepEngine
+    from megatron_dcp.runtime import context
 
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -133,6 +143,12 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token"):
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
     from megatron_dcp.runtime.context import current_task
 
+    if backward is not None:
+        plain = MegatronStepEngine.backward
+        MegatronStepEngine.backward = lambda self, loss, last: on_fresh_thread(
+            lambda: plain(self, loss, last))
+    if backward in ("thread-explicit", "thread-no-task"):
+        context._ProcessTask = NoTaskFallback()
     model = _build(tp, dcp=True)
     _load_full_state(model, state, parallel_state.get_tensor_model_parallel_rank(), tp)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), module=model)
@@ -156,7 +172,9 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token"):
                         ctx.degree == 1
                         or parallel_state.get_context_parallel_group() is ctx.group))
         b = next(data_iterator)
-        out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+        task = b["packed_seq_params"] if backward != "thread-no-task" else None
+        out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"],
+                    packed_seq_params=task)
         return out, partial(loss_func, b["loss_mask"])
 
     step = DCPForwardBackward(DCPConfig(enabled=True, loss_reduction=loss_reduction))
@@ -182,6 +200,15 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token"):
 
 def _rel(a, b):
     return float((a - b).norm() / max(b.norm(), 1e-12))
+
+
+def _worst(results, reference):
+    _, ref_loss, ref_grads = reference
+    worst = 0.0
+    for loss, grads, _ in results:
+        worst = max(worst, abs(loss - ref_loss) / abs(ref_loss),
+                    max(_rel(grads[name], ref) for name, ref in ref_grads.items()))
+    return worst
 
 
 def _check(results, reference, world_size):
@@ -241,3 +268,25 @@ def test_gpt_sequence_mean_loss_under_dcp_matches_single_process():
     results = run_distributed(_dcp_step, world_size=2,
                               args=(1, PLAN_2, reference[0], "sequence"), timeout_s=200)
     _check(results, reference, 2)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["thread", "thread-explicit"])
+@pytest.mark.parametrize("world_size, plan", [(2, PLAN_2), (4, PLAN_4)], ids=["dcp2", "dcp4"])
+def test_gpt_recompute_with_backward_on_another_thread(reference, world_size, plan, mode):
+    """Megatron's reentrant full/block recompute re-runs layers in backward; on CUDA that is the
+    autograd engine's thread, where the forward's context variables are not visible. The task
+    reaches the recomputed attention through ``packed_seq_params`` (Ulysses, ring, hybrid)."""
+    results = run_distributed(_dcp_step, world_size=world_size,
+                              args=(1, plan, reference[0], "token", mode), timeout_s=240)
+    _check(results, reference, world_size)
+
+
+@pytest.mark.timeout(300)
+def test_gpt_recompute_on_another_thread_without_the_task_is_wrong(reference):
+    """Negative control: the same run with the task neither passed nor visible on the autograd
+    thread (the code before this test existed) must not match."""
+    results = run_distributed(_dcp_step, world_size=2,
+                              args=(1, PLAN_2, reference[0], "token", "thread-no-task"),
+                              timeout_s=240)
+    assert _worst(results, reference) > 1e-4

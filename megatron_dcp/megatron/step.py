@@ -208,6 +208,10 @@ class DCPForwardBackward:
             self._driver = StepDriver(self.config.replace(enabled=True), pool=self.pool,
                                       model_shape=self.planning_shape(), hardware=self.hardware,
                                       zero_stage=self.zero_stage, device=device)
+            if self.model_shape is not None:  # every communicator now, none inside a step
+                report = self._driver.create_groups()
+                if dist.get_rank() == 0:
+                    print(f"[megatron-dcp] {report}", flush=True)
         return self._driver
 
     @property

@@ -145,6 +145,22 @@ class StepDriver:
         """Ranks of the DCP world."""
         return self.pool.world_size
 
+    def create_groups(self) -> str:
+        """Start-up (collective over the job): create and warm every communicator the planner's
+        vocabulary can use, so that no step creates one (`GroupPool.create_all`). Returns the
+        pool's one-line report. Plain data parallel needs no groups."""
+        if not self.config.enabled or self.world_size == 1:
+            return "group pool: no sequence-parallel groups needed"
+        from megatron_dcp.plan import build_cost_model
+        from megatron_dcp.plan.vocabulary import Vocabulary
+
+        if self.model_shape is None:
+            raise ValueError("create_groups needs the model's shape (model_shape=)")
+        cost_model = build_cost_model(self.model_shape, self.config, self.world_size,
+                                      self.hardware, self.zero_stage)
+        vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
+        return self.pool.create_all(vocabulary)
+
     def plan(self, lengths: Sequence[int], iteration: Optional[int] = None) -> Plan:
         """The plan of a global batch with these lengths (deterministic: the same on every rank):
         the configured planner with DCP on, `data_parallel_plan` with it off."""
