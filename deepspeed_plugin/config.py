@@ -57,16 +57,8 @@ def dcp_config_from(ds_config: dict[str, Any],
     base = DCPConfig.from_dict(section) if section is not None else DCPConfig()
     if args is None:
         return base
-    config = DCPConfig.from_args(args, base)
-    if not config.enabled:
-        # Knobs without --dcp would be silently ignored; the loss reduction also applies to the
-        # plain data-parallel run (the same loss with and without --dcp).
-        given = sorted(k for k, v in vars(args).items()
-                       if k.startswith("dcp_") and k != "dcp_loss_reduction" and v is not None)
-        if given:
-            flags = ", ".join("--" + k for k in given)
-            raise DCPConfigError(f"{flags} given without --dcp (add --dcp to turn DCP on)")
-    return config
+    # The plain data-parallel run (the same step driver) honours the loss reduction too.
+    return DCPConfig.from_args(args, base, style="deepspeed", used_without_dcp=("loss_reduction",))
 
 
 def check_supported(ds_config: dict[str, Any], dcp: DCPConfig, world_size: int,

@@ -165,8 +165,15 @@ class DCPConfig:
         return parser
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, base: Optional["DCPConfig"] = None) -> "DCPConfig":
-        """Config from parsed flags; flags given override ``base`` (e.g. the JSON section)."""
+    def from_args(cls, args: argparse.Namespace, base: Optional["DCPConfig"] = None, *,
+                  style: str = "deepspeed", used_without_dcp: tuple[str, ...] = ()
+                  ) -> "DCPConfig":
+        """Config from parsed flags; flags given override ``base`` (e.g. the JSON section).
+
+        Without ``--dcp`` (and without ``base.enabled``), a ``--dcp*`` knob would be silently
+        ignored, so it is an error (named in ``style``), except the fields in
+        ``used_without_dcp``: those the engine's plain data-parallel run honours as well.
+        """
         values = (base or cls()).to_dict()
         if getattr(args, "dcp", False):
             values["enabled"] = True
@@ -176,7 +183,16 @@ class DCPConfig:
             v = getattr(args, "dcp_" + f.name, None)
             if v is not None:
                 values[f.name] = v
-        return cls(**values)
+        config = cls(**values)
+        if not config.enabled:
+            given = sorted(f.name for f in fields(cls) if f.name != "enabled"
+                           and f.name not in used_without_dcp
+                           and getattr(args, "dcp_" + f.name, None) is not None)
+            if given:
+                sep = "_" if style == "deepspeed" else "-"
+                flags = ", ".join("--dcp" + sep + name.replace("_", sep) for name in given)
+                raise DCPConfigError(f"{flags} given without --dcp (add --dcp to turn DCP on)")
+        return config
 
 
 _CHOICES = {

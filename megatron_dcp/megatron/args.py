@@ -56,12 +56,12 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
     Raises `DCPArgumentError` naming the offending flags. Without ``--dcp`` only a misuse of the
     ``--dcp-*`` knobs is an error (they would be silently ignored otherwise).
     """
-    config = DCPConfig.from_args(args)
+    # Megatron's own schedule runs the plain data-parallel baseline: no --dcp-* knob applies.
+    try:
+        config = DCPConfig.from_args(args, style="megatron")
+    except DCPConfigError as err:
+        raise DCPArgumentError(str(err)) from None
     if not config.enabled:
-        given = sorted(k for k, v in vars(args).items() if k.startswith("dcp_") and v is not None)
-        if given:
-            flags = ", ".join("--" + k.replace("_", "-") for k in given)
-            raise DCPArgumentError(f"{flags} given without --dcp (add --dcp to turn DCP on)")
         return config
 
     problems = []
