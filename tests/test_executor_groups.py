@@ -54,6 +54,8 @@ def _pool_body(rank: int, world_size: int) -> dict:
     dist.all_reduce(t, group=sub.get((1, 0)))
     out["sub_sum"] = float(t)
     out["sub_rank"] = (sub.rank, dist.get_rank(sub.get((1, 0))))
+    sub.create_all(Vocabulary(2, 2))  # its one communicator is the world's: warmed, not created
+    out["sub_startup"] = sub.startup
     # The same worlds given as this rank's world only (the pool gathers the others).
     sub2 = GroupPool(world_ranks=(0, 2) if rank in (0, 2) else (1, 3))
     sub2.ensure(sub_plan)
@@ -83,6 +85,8 @@ def test_group_pool_world4():
     assert [res["sub_created"] for res in results] == [1, 1, 1, 1]
     assert all(res["sub2_worlds"] == [(0, 2), (1, 3)] for res in results)
     assert [res["sub_rank"] for res in results] == [(0, 1), (0, 1), (1, 0), (1, 0)]
+    assert all(res["sub_startup"]["communicators"] == 1 and res["sub_startup"]["created"] == 0
+               and res["sub_startup"]["member_of"] == 1 for res in results)
 
 
 def _startup_body(rank: int, world_size: int) -> dict:
