@@ -1,8 +1,8 @@
 """Every change this plugin makes to DeepSpeed's behaviour, in one place: small, named, checked.
 
-Each patch names the DeepSpeed versions it was written against (``TESTED``); on another version
-it still applies when the patched attribute exists, and says so once, so an upgrade that moves the
-attribute fails loudly here instead of misbehaving later. ``applied()`` lists what is active.
+The version policy and the registry are megatron-dcp's one for every library
+(`megatron_dcp.patching`): a patch refuses DeepSpeed versions it was not tested against, and
+every applied patch is listed by ``applied()`` and undone by ``undo_all()`` (also at exit).
 
 * ``skip_shm_op_build``: ``deepspeed.init_distributed`` JIT-compiles the C++ op
   ``deepspeed_shm_comm`` (~50 s cold) on the CPU accelerator; it serves only inference all-reduce.
@@ -26,36 +26,31 @@ attribute fails loudly here instead of misbehaving later. ``applied()`` lists wh
 from __future__ import annotations
 
 import importlib
-import logging
-from typing import Any, Callable
+from typing import Any
 
-TESTED = ("0.19.8",)
-logger = logging.getLogger(__name__)
-_APPLIED: dict[str, Callable[[], None]] = {}
+from megatron_dcp.patching import (PatchVersionError, applied, check_version, is_applied,
+                                   package_version, register, undo_all)
+
+__all__ = ["apply_all", "applied", "skip_shm_op_build", "undo_all", "zero3_untraced_coordinator"]
 
 
 def _deepspeed_version() -> str:
-    import deepspeed
-
-    return getattr(deepspeed, "__version__", "unknown")
+    return ".".join(map(str, package_version("deepspeed")))
 
 
 def _check_version(patch: str) -> None:
-    version = _deepspeed_version()
-    if version not in TESTED:
-        logger.warning("megatron-dcp patch %s was tested with DeepSpeed %s, running %s",
-                       patch, ", ".join(TESTED), version)
+    check_version("deepspeed", f"megatron-dcp patch {patch}")
 
 
 def skip_shm_op_build() -> None:
     """Make ``deepspeed.comm.torch.build_shm_op`` a no-op (see the module docstring). Reversible."""
     name = "skip_shm_op_build"
-    if name in _APPLIED:
+    if is_applied(name):
         return
     _check_version(name)
     module: Any = importlib.import_module("deepspeed.comm.torch")
     if not hasattr(module, "build_shm_op"):
-        raise RuntimeError(f"megatron-dcp patch {name}: deepspeed.comm.torch.build_shm_op does "
+        raise PatchVersionError(f"megatron-dcp patch {name}: deepspeed.comm.torch.build_shm_op does "
                            f"not exist in DeepSpeed {_deepspeed_version()}; update "
                            "deepspeed_plugin/patches.py")
     original = module.build_shm_op
@@ -64,7 +59,7 @@ def skip_shm_op_build() -> None:
     def undo() -> None:
         module.build_shm_op = original
 
-    _APPLIED[name] = undo
+    register(name, undo)
 
 
 def zero3_untraced_coordinator(engine: Any) -> None:
@@ -83,7 +78,7 @@ def zero3_untraced_coordinator(engine: Any) -> None:
     missing = [n for n in needed if not hasattr(coordinator, prefix + n)]
     if not isinstance(coordinator, cls) or missing or \
             not hasattr(coordinator, "_clean_inflight_param_registry"):
-        raise RuntimeError(f"megatron-dcp patch {name}: DeepSpeed {_deepspeed_version()}'s ZeRO-3 "
+        raise PatchVersionError(f"megatron-dcp patch {name}: DeepSpeed {_deepspeed_version()}'s ZeRO-3 "
                            "parameter coordinator differs from the one this patch was written for; "
                            "update deepspeed_plugin/patches.py")
     import collections
@@ -126,21 +121,10 @@ def zero3_untraced_coordinator(engine: Any) -> None:
         coordinator.__dict__.pop("reset_step", None)
         coordinator.__dict__.pop("release_sub_module", None)
 
-    _APPLIED[f"{name}@{id(engine)}"] = undo
+    register(f"{name}@{id(engine)}", undo)
 
 
 def apply_all() -> list[str]:
-    """Apply every patch this plugin needs; returns their names."""
+    """Apply every patch this plugin needs at start-up; returns the names applied now."""
     skip_shm_op_build()
     return applied()
-
-
-def applied() -> list[str]:
-    """Names of the patches now active."""
-    return sorted(_APPLIED)
-
-
-def undo_all() -> None:
-    """Revert every applied patch (tests)."""
-    for name in list(_APPLIED):
-        _APPLIED.pop(name)()

@@ -104,3 +104,18 @@ def test_patches_are_named_and_reversible():
     assert module.build_shm_op() is None and module.build_shm_op is not original
     patches.undo_all()
     assert module.build_shm_op is original and patches.applied() == []
+
+
+def test_patches_refuse_an_unchecked_deepspeed_version(monkeypatch):
+    """One version policy for both engines: an untested DeepSpeed is refused, nothing patched."""
+    import importlib
+
+    from deepspeed_plugin import patches
+    from megatron_dcp import patching
+
+    module = importlib.import_module("deepspeed.comm.torch")
+    original = module.build_shm_op
+    monkeypatch.setattr(patching, "package_version", lambda package: (0, 99, 1))
+    with pytest.raises(patching.PatchVersionError, match="deepspeed 0.99.1 is not supported"):
+        patches.apply_all()
+    assert module.build_shm_op is original and patches.applied() == []

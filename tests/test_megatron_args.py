@@ -139,11 +139,12 @@ def test_task_cp_group_patches_follow_the_task_and_are_reversible(monkeypatch):
 def test_patches_refuse_an_unchecked_megatron_version(monkeypatch):
     from megatron.core import parallel_state as ps
 
-    from megatron_dcp.megatron import _patching, parallel
+    from megatron_dcp import patching
+    from megatron_dcp.megatron import parallel
 
     parallel.disable_task_cp_groups()
     original = ps.get_context_parallel_group
-    monkeypatch.setattr(_patching, "megatron_core_version", lambda: (0, 99, 0))
-    with pytest.raises(_patching.MegatronVersionError, match="megatron-core 0.99.0 is not"):
+    monkeypatch.setattr(patching, "package_version", lambda package: (0, 99, 0))
+    with pytest.raises(patching.PatchVersionError, match="megatron-core 0.99.0 is not"):
         parallel.enable_task_cp_groups()
     assert parallel._ACTIVE is None and ps.get_context_parallel_group is original

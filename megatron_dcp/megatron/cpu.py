@@ -1,7 +1,7 @@
 """CPU-only patches that let megatron-core 0.16 run forward/backward without CUDA (tests, CPU runs).
 
 Never needed on GPUs: `enable_cpu()` refuses to patch anything when CUDA is available. Each patch
-is named, version-checked (see ``_patching.SUPPORTED_MEGATRON_CORE``) and undone by
+is named, version-checked (see ``megatron_dcp.patching.SUPPORTED``) and undone by
 ``disable_cpu()`` or at the end of ``with cpu_patches():``. What and why:
 
 * ``torch.cuda.current_device``: Megatron allocates buffers (RoPE ``inv_freq``, DDP grad buffers,
@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_dcp.megatron._patching import PatchSet, check_megatron_version
+from megatron_dcp.patching import PatchSet, check_version
 
 _ACTIVE: Optional[PatchSet] = None
 
@@ -70,7 +70,7 @@ def enable_cpu() -> PatchSet:
     if torch.cuda.is_available():
         raise RuntimeError("megatron_dcp.megatron.cpu: CUDA is available; the CPU patches are for "
                            "CPU-only runs and tests, do not enable them on a GPU machine")
-    check_megatron_version("megatron_dcp.megatron.cpu")
+    check_version("megatron-core", "megatron_dcp.megatron.cpu")
     # Import the modules whose by-name aliases must be patched too, before patching.
     import megatron.core.fusions.fused_softmax  # noqa: F401
     import megatron.core.models.common.embeddings.rotary_pos_embedding  # noqa: F401

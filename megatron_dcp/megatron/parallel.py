@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
-from megatron_dcp.megatron._patching import PatchSet, check_megatron_version
+from megatron_dcp.patching import PatchSet, check_version
 from megatron_dcp.runtime.context import current_task
 
 _PS = "megatron.core.parallel_state"
@@ -86,7 +86,7 @@ def enable_task_cp_groups() -> PatchSet:
     global _ACTIVE
     if _ACTIVE is not None:
         return _ACTIVE
-    check_megatron_version("megatron_dcp.megatron.parallel")
+    check_version("megatron-core", "megatron_dcp.megatron.parallel")
     import megatron.core.parallel_state as ps
 
     patches = PatchSet("task-cp-groups")
@@ -161,7 +161,7 @@ def _pg_collections(model) -> list:
 def make_pg_collections_dynamic(model) -> int:
     """Make every ``pg_collection.cp`` captured by ``model``'s modules follow the task; returns
     how many collections were changed (0 when already done)."""
-    check_megatron_version("megatron_dcp.megatron.parallel")
+    check_version("megatron-core", "megatron_dcp.megatron.parallel")
     changed = 0
     for pgc in _pg_collections(model):
         if not isinstance(pgc, _TaskCP):
