@@ -11,8 +11,9 @@ process group is needed) on a list of lengths and converts its output to our `Pl
   sequence, ring layout (Megatron's default ``p2p`` CP communication), no recompute;
 * order: group by group; inside a group, by the sequence's first position in its ranks' lists;
 * times (with a ``cost_model``): every task starts when all its ranks are free; every group starts
-  when all ranks finished the previous one (Megatron's barrier). Without a cost model, ``start``
-  only encodes the order and ``duration`` is 0.
+  when all ranks finished the previous one (Megatron's barrier). Without a cost model every task
+  has ``start`` and ``duration`` 0: the task ids alone give the order (plans run in (start, id)
+  order).
 
 This is a stronger comparison than a re-implementation (the planner's ``greedy-cp`` policy), and
 is evaluated by the same simulator and cost model as every other policy.
@@ -20,7 +21,8 @@ is evaluated by the same simulator and cost model as every other policy.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import replace
+from typing import Sequence
 
 from megatron_dcp.plan.plan import Plan, Task
 
@@ -76,19 +78,17 @@ def hybrid_cp_plan(lengths: Sequence[int], world_size: int, max_seqlen_per_rank:
     clock = [0.0] * world_size
     current_group = 0
     for order, (w, _, seq, ranks) in enumerate(drafts):
-        if w != current_group:  # Megatron's barrier between groups
-            clock = [max(clock)] * world_size
-            current_group = w
         task = Task(id=order, ranks=ranks, seqs=(seq,), ulysses=1, ring=len(ranks))
-        if cost_model is None:
-            start, duration = float(order), 0.0
-        else:
+        if cost_model is not None:
+            if w != current_group:  # Megatron's barrier between groups
+                clock = [max(clock)] * world_size
+                current_group = w
             start = max(clock[r] for r in ranks)
             duration = float(cost_model.time(task, lengths))
             for r in ranks:
                 clock[r] = start + duration
-        tasks.append(Task(id=order, ranks=ranks, seqs=(seq,), ulysses=1, ring=len(ranks),
-                          start=start, duration=duration))
+            task = replace(task, start=start, duration=duration)
+        tasks.append(task)
     return Plan(tasks=tuple(tasks), lengths=tuple(int(n) for n in lengths),
                 world_size=world_size, policy="megatron-hybrid-cp",
                 meta={"groups": len(groups), "max_seqlen_per_dp_cp_rank": max_seqlen_per_rank,

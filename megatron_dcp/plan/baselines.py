@@ -19,7 +19,7 @@ import math
 from typing import Callable, Optional
 
 from megatron_dcp.plan.cost import Layout, PlanError
-from megatron_dcp.plan.schedule import Draft, PlanContext, padded, retime
+from megatron_dcp.plan.schedule import Draft, PlanContext, retime
 
 
 def candidate_degrees(ctx: PlanContext, mode: str) -> list[int]:
@@ -29,7 +29,7 @@ def candidate_degrees(ctx: PlanContext, mode: str) -> list[int]:
     sizes = ctx.vocab.sizes
     pow2 = [s for s in sizes if s & (s - 1) == 0]
     for group in (pow2, sizes):
-        fit = [s for s in group if ctx.ckpt_for(padded(longest, s), s, mode) is not None]
+        fit = [s for s in group if ctx.ckpt_for(ctx.padded(longest, s), s, mode) is not None]
         if fit:
             return fit if group is pow2 else fit[:1]
     raise PlanError(f"the longest sequence ({longest} tokens) fits no group size")
@@ -98,7 +98,7 @@ def plan_bucket(ctx: PlanContext, degree: int) -> list[Draft]:
         seqs = sorted(buckets[k], key=lambda i: (-ctx.lengths[i], i))
         upper = min(2 ** k, longest)
         t_one = cm.best_time(upper, cm.attn_pairs(upper), degree, ckpt)[0]
-        batch = max(1, min(int(t_ref // t_one), cap // max(1, padded(upper, degree))))
+        batch = max(1, min(int(t_ref // t_one), cap // max(1, ctx.padded(upper, degree))))
         micro = [seqs[j:j + batch] for j in range(0, len(seqs), batch)]
         for r in range(0, len(micro), len(starts)):
             round_end = clock
@@ -116,7 +116,7 @@ def _best_fit(ctx: PlanContext, order: list[int], budget: int, degree: int) -> l
     bins: list[list[int]] = []
     room: list[tuple[int, int]] = []  # sorted (remaining, bin index)
     for i in order:
-        need = padded(ctx.lengths[i], degree)
+        need = ctx.padded(ctx.lengths[i], degree)
         k = bisect.bisect_left(room, (need, -1))
         if k < len(room):
             remaining, b = room.pop(k)
@@ -164,13 +164,13 @@ def _sequential(ctx: PlanContext, per_group: list[list[list[int]]], starts: list
 def plan_packed(ctx: PlanContext, degree: int) -> list[Draft]:
     """One degree, sequences packed (best-fit decreasing) into micro-batches of a fixed token budget
     (``pack_tokens``, default: the longest sequence), the same number of micro-batches per group."""
-    longest = max(padded(ctx.lengths[i], degree) for i in ctx.active)
+    longest = max(ctx.padded(ctx.lengths[i], degree) for i in ctx.active)
     budget = max(ctx.pack_tokens or longest, longest)
     budget = min(budget, max(longest, ctx.cm.max_tokens(degree, ctx.cm.model.num_layers)))
     order = sorted(ctx.active, key=lambda i: (-ctx.lengths[i], i))
     bins = _best_fit(ctx, order, budget, degree)
     starts = _groups(ctx, degree)
-    biggest = max(sum(padded(ctx.lengths[i], degree) for i in b) for b in bins)
+    biggest = max(sum(ctx.padded(ctx.lengths[i], degree) for i in b) for b in bins)
     ckpt = _run_depth(ctx, degree, biggest)
     return _sequential(ctx, _equal_count(ctx, bins, starts), starts, degree, ckpt)
 
@@ -180,11 +180,11 @@ def plan_static(ctx: PlanContext, degree: int) -> list[Draft]:
     """Megatron-style static context parallelism: ring attention at one CP size (unless
     ``attention_layout`` forbids ring there), THD micro-batches packed in data order up to the
     longest sequence, handed out round-robin to the DP groups."""
-    budget = max(padded(ctx.lengths[i], degree) for i in ctx.active)
+    budget = max(ctx.padded(ctx.lengths[i], degree) for i in ctx.active)
     bins: list[list[int]] = []
     used = budget
     for i in ctx.active:
-        need = padded(ctx.lengths[i], degree)
+        need = ctx.padded(ctx.lengths[i], degree)
         if used + need > budget:
             bins.append([])
             used = 0
@@ -207,7 +207,7 @@ def plan_greedy_cp(ctx: PlanContext) -> list[Draft]:
     which the ranks are partitioned into CP groups. The cap (Megatron's max tokens per rank) is
     tuned: the memory limit at the run's checkpoint depth and halvings of it, fastest kept."""
     cm = ctx.cm
-    depth = _run_depth(ctx, 1, padded(max(ctx.lengths[i] for i in ctx.active), 1))
+    depth = _run_depth(ctx, 1, ctx.padded(max(ctx.lengths[i] for i in ctx.active), 1))
     mem_cap = max(1, cm.max_tokens(1, depth))
     floor = max(1, sum(ctx.lengths[i] for i in ctx.active) // (4 * ctx.world))
     best = None
@@ -228,10 +228,10 @@ def _greedy_cp(ctx: PlanContext, cap: int, depth: int) -> list[Draft]:
     size_of = {}
     for i in ctx.active:
         want = 1 << max(0, math.ceil(math.log2(max(1, -(-ctx.lengths[i] // cap)))))
-        fits = [s for s in pow2 if s >= want and ctx.ckpt_for(padded(ctx.lengths[i], s), s,
+        fits = [s for s in pow2 if s >= want and ctx.ckpt_for(ctx.padded(ctx.lengths[i], s), s,
                                                               "min") is not None]
         if not fits:
-            fits = [s for s in vocab.sizes if ctx.ckpt_for(padded(ctx.lengths[i], s), s,
+            fits = [s for s in vocab.sizes if ctx.ckpt_for(ctx.padded(ctx.lengths[i], s), s,
                                                            "min") is not None]
         size_of[i] = fits[0]
     work = {i: ctx.lengths[i] ** 2 / size_of[i] for i in ctx.active}
@@ -246,7 +246,7 @@ def _greedy_cp(ctx: PlanContext, cap: int, depth: int) -> list[Draft]:
         left = []
         for i in remaining:
             size = size_of[i]
-            need = padded(ctx.lengths[i], size)
+            need = ctx.padded(ctx.lengths[i], size)
             heap = open_blocks.setdefault(size, [])
             best = heap[0] if heap else None
             if best is not None and not (best[0] + work[i] <= limit * 1.0000001

@@ -1,31 +1,44 @@
-"""`CostModel`: predicted time and memory of a task (see ../../shared DESIGN, "Cost model").
+"""`CostModel`: predicted time and memory of a task (docs/DESIGN.md, "Cost model").
 
-Per rank of a task with ``T`` tokens, attention pairs ``U`` (sum over its sequences of the query/key
-pairs one attention layer computes: ``L(L+1)/2`` causal, ``L^2`` bidirectional, frame-local for a
-video DiT), degree ``d = ulysses * ring`` and ``c`` recomputed layers of ``N``::
+Time is one table of terms (`Terms`), computed per task shape: a task with ``T`` tokens,
+attention pairs ``U`` (the query/key pairs one attention layer computes over its sequences:
+``L(L+1)/2`` causal, ``L^2`` bidirectional, frame-local for a video DiT), degree ``d = u * r``
+(Ulysses x ring) and ``c`` recomputed layers of ``N``. Per rank, with ``passes = 3 + c/N``
+(forward, backward 2x, recompute)::
 
-    passes   = 3 + c/N                          forward, backward (2x), recompute of c layers
-    linear   = max(T/d * N * 2*P_layer * passes + T/d * 2*V*h * 3) / linear_flops,
-                   weight bytes * passes / hbm_bandwidth)          GEMMs, or weight streaming
-    attn     = U/d * N * 4*h * (3.5 + c/N) / attention_flops     flash bwd ~2.5x fwd
-    ring     = (r-1) * (T/d) * 2*kv_dim*2 B * N * (3 + c/N) / bw   hidden by attn: max(attn, ring)
-                                                   (the hardware's comm_overlap share of it)
-    ulysses  = T/d * (2h + 2*kv_dim)*2 B * (u-1)/u * N * (2 + c/N) / bw   not overlapped
-    other    = T/d * N * token_overhead * passes/3 + task_overhead
+    gemm         T/d * (N * 2*P_layer * passes + 2*V*h * 3) / linear_flops     x pack factor
+    weights      weight bytes * passes / hbm_bandwidth       a floor under gemm (streaming)
+    attention    U/d * N * 4*h * (3.5 + c/N) / attention rate of the layout (flash bwd ~2.5 fwd)
+    p2p          (r-1) * T/d * 2*kv_dim*2 B * N * passes / bw          ring K/V blocks
+    p2p_latency  (r-1) * N * passes * latency
+    all_to_all   T/d * (2h + 2*kv_dim)*2 B * (u-1)/u * N * (2 + c/N) / bw   Ulysses
+    all_to_all_latency   N * (2 + c/N) * 4 * latency
+    tensor_parallel      TP all-reduces (below), and their latency
+    per_token    T/d * N * token_overhead * passes/3                         x pack factor
+    per_task     task_overhead (kernel launches, hooks)
 
-The GEMM and element-wise terms are multiplied by the hardware's ``pack_factor(T/d)`` (a measured
-curve, 1.0 on GPU presets): on a CPU the time per token grows once a task's activations no longer
-fit the caches.
+    time     = max(gemm, weights) + ring(attention, p2p) + p2p_latency + all_to_all (+ latency)
+               + tensor_parallel (+ latency) + per_token + per_task
+    ring(a, p) = max(a, p) where transfers overlap compute (comm_overlap 1), a + p otherwise
+    marginal = gemm + attention (or a mix with p2p) + per_token + all_to_all + tensor_parallel:
+               what grows with the task's sequences, at the smallest pack factor (lower bounds)
 
-Links: a Ulysses sub-group (contiguous ranks) or ring sub-group (strided ranks) inside one node
-uses the NVLink numbers, otherwise the inter-node ones.
+The attention rate depends on the layout (`Hardware.attention_rate`): one kernel call per task
+for degree 1 and Ulysses, blocks merged by log-sum-exp for ring and hybrid. The pack factor is
+the hardware's measured ``pack_factor(T/d)`` (1.0 on GPU presets): on a CPU the time per token
+grows once a task's activations no longer fit the caches. Links: a Ulysses sub-group (contiguous
+ranks) or ring sub-group (strided ranks) inside one node uses the NVLink numbers, otherwise the
+inter-node ones.
 
 Memory per rank: static (bf16 params 2 B, grads 2 B, Adam fp32 states 12 B per parameter; ZeRO
-stage 1/2/3 shard states / +grads / +params over the DCP world, the ZeRO paper's 2+2+K model) +
-a fixed reserve (CUDA context, NCCL buffers, fragmentation) + per local token: ``(N-c)*A + c*2h``
-(a checkpointed layer keeps its bf16 input only) + ``A`` while one layer recomputes + fp32 logits.
-``A`` (bytes per token per layer, flash attention, no dropout) = 2 B x (5h + 2*kv_dim + 3f)
-for a gated MLP (2f otherwise): norm inputs/outputs, q/k/v, attention output, MLP intermediates.
+stage 1/2/3 shard states / +grads / +params over the DCP world, the ZeRO paper's 2+2+K model),
+plus ``communicators_per_rank x Hardware.communicator_bytes`` (the group vocabulary's process
+groups this rank belongs to), plus a fixed reserve (CUDA context, the engine's own communicators,
+fragmentation), plus per local token: ``(N-c)*A + c*2h`` (a checkpointed layer keeps its bf16
+input only) + ``A`` while one layer recomputes + fp32 logits. ``A`` (bytes per token per layer,
+flash attention, no dropout) = 2 B x (5h + 2*kv_dim + 3f) for a gated MLP (2f otherwise): norm
+inputs/outputs, q/k/v, attention output, MLP intermediates. Local tokens count the padding of
+`megatron_dcp.plan.plan.padded_length`, the runtime's own rule.
 
 Megatron tensor parallelism (``model.tensor_parallel = tp``): every number above is per TP rank.
 Parameters (static memory, weight streaming, gradient sync), linear and attention FLOPs (heads are
@@ -42,28 +55,73 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.plan import Task
-from megatron_dcp.plan.vocabulary import ulysses_degrees
+from megatron_dcp.plan.plan import Task, pad_multiple, padded_length
+from megatron_dcp.plan.vocabulary import Vocabulary, ulysses_degrees
 
 BF16 = 2
 RESERVE_BYTES = 4e9
-"""Memory per rank not available to the planner: CUDA context, NCCL buffers, fragmentation."""
+"""Memory per rank not available to the planner: CUDA context, the engine's own communicators
+(data/tensor parallel), fragmentation."""
 LAUNCH_S_PER_LAYER = 90 * 2e-6
 """Analytic task overhead: ~90 kernels per layer (fwd+bwd), 2 us each when kernels are short."""
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """A degree split into ``ulysses * ring`` ranks, and whether each sub-group is inside a node."""
 
     ulysses: int
     ring: int
     ulysses_intra: bool
     ring_intra: bool
+
+    @property
+    def degree(self) -> int:
+        """Ranks of the group."""
+        return self.ulysses * self.ring
+
+
+class Terms(NamedTuple):
+    """Seconds of one task on each of its ranks, term by term (see the module doc)."""
+
+    gemm: float
+    """Matrix multiplications of the layers and the head, recompute included."""
+    weights: float
+    """Streaming the weights from memory once per pass: a floor under ``gemm``."""
+    attention: float
+    """Attention kernels at the layout's rate, recompute included."""
+    p2p: float
+    """Ring key/value transfers (hidden behind attention by ``comm_overlap``)."""
+    p2p_latency: float
+    all_to_all: float
+    """Ulysses all-to-all volume over the link bandwidth."""
+    all_to_all_latency: float
+    tensor_parallel: float
+    """Tensor-parallel all-reduce volume over the intra-node bandwidth."""
+    tensor_parallel_latency: float
+    per_token: float
+    """Element-wise work: norms, rotary, activations, loss."""
+    per_task: float
+    """Fixed cost of running a task at all: kernel launches, hooks."""
+
+
+class _Rates(NamedTuple):
+    """Seconds per unit of each term for one (layout, recompute depth): per local token, per
+    attention pair per rank, or per task. Computed once per task shape, then scaled."""
+
+    gemm: float
+    weights: float
+    attention: float
+    p2p: float
+    p2p_latency: float
+    all_to_all: float
+    all_to_all_latency: float
+    tensor_parallel: float
+    tensor_parallel_latency: float
+    per_token: float
 
 
 @dataclass
@@ -86,30 +144,38 @@ class PlanError(ValueError):
 
 
 class CostModel:
-    """Time and memory of tasks for one model on one hardware at one DCP world size."""
+    """Time and memory of tasks for one model on one hardware at one DCP world size.
+
+    ``communicators_per_rank``: process groups of the planner's group vocabulary a rank belongs
+    to, charged at ``Hardware.communicator_bytes`` each to static memory; ``None``: counted from
+    the vocabulary `megatron_dcp.plan.make_plan` plans over with these settings and
+    ``max_degree`` (`Vocabulary.for_cost_model`).
+    """
 
     def __init__(self, model: ModelShape, hardware: Hardware, *, world_size: int,
                  zero_stage: int = 1,
                  ranks_per_node: Optional[int] = None, memory_budget: Optional[float] = None,
                  memory_fraction: float = 0.9, attention_layout: str = "auto",
-                 ulysses_scope: str = "any") -> None:
+                 ulysses_scope: str = "any", max_degree: Optional[int] = None,
+                 communicators_per_rank: Optional[int] = None) -> None:
         if zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage={zero_stage!r}: must be 0, 1, 2 or 3")
         if world_size < 1:
             raise PlanError(f"world_size={world_size!r}: must be >= 1")
-        self.model = model
+        for key, value in (("memory_budget", memory_budget), ("memory_fraction", memory_fraction)):
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
+                                          and value > 0):
+                raise PlanError(f"{key}={value!r}: must be a finite number > 0")
+        self.model = m = model
         self.hw = hardware
         self.world_size = int(world_size)
         self.zero_stage = zero_stage
         self.ranks_per_node = int(ranks_per_node or hardware.ranks_per_node)
         self.attention_layout = attention_layout
         self.ulysses_scope = ulysses_scope
-        m = model
         h, n, f, v = m.hidden_size, m.num_layers, m.ffn_hidden_size, m.vocab_size
-        kv_dim = m.kv_heads * m.head_dim
-        self.kv_dim = kv_dim
-        tp = m.tensor_parallel
-        self.tensor_parallel = tp
+        self.kv_dim = kv_dim = m.kv_heads * m.head_dim
+        self.tensor_parallel = tp = m.tensor_parallel
         # per tensor-parallel rank (tp = 1: the whole model, the same integers as before)
         full_layer = h * (h + 2 * kv_dim) + h * h + (3 if m.gated_mlp else 2) * h * f
         self.layer_params = full_layer if tp == 1 else full_layer / tp
@@ -119,41 +185,44 @@ class CostModel:
         self.act_bytes = BF16 * (3 * h + (split if tp == 1 else split / tp))
         self.ckpt_bytes = BF16 * h
         self.logit_bytes = 4 * v if tp == 1 else 4 * v / tp
-        # seconds per local token: GEMMs of one layer-pass (fwd) and of the head (fwd+bwd)
-        self._lin_layer = 2 * self.layer_params / hardware.linear_flops
-        self._lin_head = 3 * 2 * v * h / tp / hardware.linear_flops
-        self._attn_layer = 4 * h / tp / hardware.attention_flops
-        # TP all-reduce of a layer's bf16 output: ring all-reduce volume per rank, intra-node
-        self._tp_bytes = BF16 * h * 2.0 * (tp - 1) / tp
-        self._weights_pass = BF16 * self.params / hardware.hbm_bandwidth
         tok = hardware.token_overhead_s
         self._token_layer = tok if tok is not None else 2 * self.act_bytes / hardware.hbm_bandwidth
         ovh = hardware.task_overhead_s
         self.task_overhead = ovh if ovh is not None else n * LAUNCH_S_PER_LAYER
         self._pack_factor = hardware.pack_factor if hardware.pack_curve else None
-        self._overlap = hardware.comm_overlap
         # marginal times use the smallest factor: they stay lower bounds of task times
         self._pack_floor = min(f for _, f in hardware.pack_curve) if hardware.pack_curve else 1.0
-        self._a2a_bytes = BF16 * (2 * h + 2 * kv_dim) / tp
-        self._ring_bytes = BF16 * 2 * kv_dim / tp
+        self._rates: dict[tuple[Layout, int], _Rates] = {}
         # memory
+        if communicators_per_rank is None:
+            communicators_per_rank = self._vocabulary_communicators(max_degree)
+        self.communicators_per_rank = int(communicators_per_rank)
         self.static_memory = self._static_memory()
         hbm = hardware.hbm_bytes * memory_fraction
         self.budget = float(memory_budget) if memory_budget is not None else hbm
         self._free = self.budget - self.static_memory - RESERVE_BYTES
         if self._free <= 0:
+            comm = self.communicators_per_rank * hardware.communicator_bytes
             raise PlanError(
                 f"memory budget {self.budget / 2**30:.1f} GiB per rank is below the static memory "
                 f"{(self.static_memory + RESERVE_BYTES) / 2**30:.1f} GiB of {m.name} "
                 f"({self.params / 1e9:.2f}B parameters per TP rank (tp {tp}), ZeRO stage "
-                f"{zero_stage}, DCP world "
-                f"{world_size}, {RESERVE_BYTES / 2**30:.1f} GiB reserve): raise the budget or the "
-                "ZeRO stage"
+                f"{zero_stage}, DCP world {world_size}, {self.communicators_per_rank} "
+                f"communicators per rank ({comm / 2**30:.1f} GiB), {RESERVE_BYTES / 2**30:.1f} "
+                "GiB reserve): raise the budget or the ZeRO stage, or shrink the group vocabulary "
+                "(max_degree, ulysses_scope)"
             )
         self._layouts: dict[int, list[Layout]] = {}
+        self._pad: dict[int, int] = {}
         self._best_layout: dict[tuple, Layout] = {}
 
     # ------------------------------------------------------------------ memory
+    def _vocabulary_communicators(self, max_degree: Optional[int]) -> int:
+        """Communicators per rank of the planner's vocabulary (0 when they cost nothing)."""
+        if self.hw.communicator_bytes <= 0:
+            return 0
+        return Vocabulary.for_cost_model(self, max_degree).communicators_per_rank()
+
     def _static_memory(self) -> float:
         p, w, s = self.params, self.world_size, self.zero_stage
         params, grads, states = 2.0 * p, 2.0 * p, 12.0 * p
@@ -163,7 +232,8 @@ class CostModel:
             grads /= w
         if s >= 3:
             params /= w
-        return params + grads + states
+        comms = self.communicators_per_rank * self.hw.communicator_bytes
+        return params + grads + states + comms
 
     def token_bytes(self, ckpt: int) -> float:
         """Activation bytes per local token with ``ckpt`` recomputed layers."""
@@ -173,7 +243,7 @@ class CostModel:
         return kept + recompute_buffer + self.logit_bytes
 
     def memory_of(self, tokens: int, degree: int, ckpt: int) -> float:
-        """Peak bytes per rank of a task with ``tokens`` tokens over ``degree`` ranks."""
+        """Peak bytes per rank of a task with ``tokens`` (padded) tokens over ``degree`` ranks."""
         local = math.ceil(tokens / degree)
         return self.static_memory + RESERVE_BYTES + local * self.token_bytes(ckpt)
 
@@ -192,6 +262,22 @@ class CostModel:
     def max_tokens(self, degree: int, ckpt: int) -> int:
         """Most tokens a task of ``degree`` ranks with ``ckpt`` recomputed layers can hold."""
         return int(self._free // self.token_bytes(ckpt)) * degree
+
+    def pad_multiple(self, degree: int) -> int:
+        """The largest `megatron_dcp.plan.plan.pad_multiple` over the layouts allowed at
+        ``degree``: the planner checks memory before it picks a layout, so it pads as the
+        layout that pads most would (a task's recorded memory uses its own layout)."""
+        m = self._pad.get(degree)
+        if m is None:
+            m = max((pad_multiple(lay.ulysses, lay.ring) for lay in self.layouts(degree)),
+                    default=1)
+            self._pad[degree] = m
+        return m
+
+    def padded(self, length: int, degree: int) -> int:
+        """Tokens of a sequence on ``degree`` ranks after padding (see `pad_multiple`)."""
+        m = self._pad.get(degree) or self.pad_multiple(degree)
+        return -(-length // m) * m
 
     # ------------------------------------------------------------------ attention pairs
     def attn_pairs(self, length: int) -> float:
@@ -216,12 +302,11 @@ class CostModel:
 
     def layouts(self, degree: int) -> list[Layout]:
         """Allowed layouts of an aligned group of ``degree`` ranks (Ulysses divides the heads of
-        one tensor-parallel rank)."""
+        one tensor-parallel rank; the vocabulary's rule, so the pool holds every sub-group)."""
         cached = self._layouts.get(degree)
         if cached is not None:
             return cached
         m, rpn = self.model, self.ranks_per_node
-        # the vocabulary's rule, so the pool holds every sub-group of the layouts chosen here
         ok = ulysses_degrees(degree, rpn, heads=math.gcd(m.heads_per_rank, m.kv_heads_per_rank),
                              attention_layout=self.attention_layout,
                              ulysses_scope=self.ulysses_scope)
@@ -233,76 +318,99 @@ class CostModel:
         return result
 
     # ------------------------------------------------------------------ time
-    def time_of(self, tokens: float, pairs: float, layout: Layout, ckpt: int) -> float:
-        """Predicted seconds of a task (hot path: plain float arithmetic)."""
-        n = self.model.num_layers
-        d = layout.ulysses * layout.ring
+    def _rates_for(self, layout: Layout, ckpt: int) -> _Rates:
+        """Seconds per unit of every term for one task shape (cached: the planner asks for the
+        same few shapes thousands of times)."""
+        m, hw = self.model, self.hw
+        n, h, tp = m.num_layers, m.hidden_size, self.tensor_parallel
         rc = ckpt / n
         passes = 3.0 + rc
-        local = tokens / d
-        k = self._pack_factor(local) if self._pack_factor else 1.0
-        linear = max(local * (n * self._lin_layer * passes + self._lin_head) * k,
-                     self._weights_pass * passes)
-        attn = pairs / d * n * self._attn_layer * (3.5 + rc)
+        gemm = (n * 2 * self.layer_params * passes + 3 * 2 * m.vocab_size * h / tp) \
+            / hw.linear_flops
+        weights = BF16 * self.params * passes / hw.hbm_bandwidth
+        attention = n * 4 * h / tp * (3.5 + rc) / hw.attention_rate(layout.ulysses, layout.ring)
+        p2p = p2p_latency = a2a = a2a_latency = tp_rate = tp_latency = 0.0
         if layout.ring > 1:
-            hw = self.hw
             bw, lat = (hw.intra_bandwidth, hw.intra_latency) if layout.ring_intra else \
                 (hw.inter_bandwidth, hw.inter_latency)
             steps = (layout.ring - 1) * n * passes
-            traffic = steps * local * self._ring_bytes / bw
-            if self._overlap >= 1.0:
-                attn = max(attn, traffic) + steps * lat
-            else:  # only part of the traffic hides behind attention
-                attn = attn + traffic - self._overlap * min(attn, traffic) + steps * lat
-        other = local * n * self._token_layer * passes / 3.0 * k + self.task_overhead
+            p2p = steps * BF16 * 2 * self.kv_dim / tp / bw
+            p2p_latency = steps * lat
         if layout.ulysses > 1:
-            hw = self.hw
             bw, lat = (hw.intra_bandwidth, hw.intra_latency) if layout.ulysses_intra else \
                 (hw.inter_bandwidth, hw.inter_latency)
             u = layout.ulysses
             calls = n * (2.0 + rc)
-            other += calls * (local * self._a2a_bytes * (u - 1) / u / bw + 4 * lat)
-        if self.tensor_parallel > 1:
-            other += self._tp_time(local, rc, latency=True)
-        return linear + attn + other
+            a2a = calls * BF16 * (2 * h + 2 * self.kv_dim) / tp * (u - 1) / u / bw
+            a2a_latency = calls * 4 * lat
+        if tp > 1:
+            # 2 all-reduces forward, 2 backward, 2 per recomputed layer, each of local x h bf16
+            calls = n * (4.0 + 2.0 * rc)
+            tp_rate = calls * BF16 * h * 2.0 * (tp - 1) / tp / hw.intra_bandwidth
+            tp_latency = calls * hw.intra_latency
+        per_token = n * self._token_layer * passes / 3.0
+        rates = _Rates(gemm, weights, attention, p2p, p2p_latency, a2a, a2a_latency, tp_rate,
+                       tp_latency, per_token)
+        self._rates[(layout, ckpt)] = rates
+        return rates
 
-    def _tp_time(self, local: float, rc: float, latency: bool) -> float:
-        """Tensor-parallel all-reduces of a task: 2 forward + 2 backward per layer, 2 per
-        recomputed layer, each of ``local x h`` bf16 values over the intra-node link."""
-        hw = self.hw
-        calls = self.model.num_layers * (4.0 + 2.0 * rc)
-        lat = hw.intra_latency if latency else 0.0
-        return calls * (local * self._tp_bytes / hw.intra_bandwidth + lat)
+    def terms(self, tokens: float, pairs: float, layout: Layout, ckpt: int,
+              pack: Optional[float] = None) -> Terms:
+        """The table of a task with ``tokens`` tokens and ``pairs`` attention pairs (hot path:
+        plain float arithmetic on the cached rates). ``pack``: the pack factor to use instead
+        of the hardware's curve at this task's size."""
+        r = self._rates.get((layout, ckpt)) or self._rates_for(layout, ckpt)
+        d = layout.ulysses * layout.ring
+        local = tokens / d
+        if pack is None:
+            pack = self._pack_factor(local) if self._pack_factor else 1.0
+        return Terms(local * r.gemm * pack, r.weights, pairs / d * r.attention, local * r.p2p,
+                     r.p2p_latency, local * r.all_to_all, r.all_to_all_latency,
+                     local * r.tensor_parallel, r.tensor_parallel_latency,
+                     local * r.per_token * pack, self.task_overhead)
+
+    def _attention_with_ring(self, t: Terms) -> float:
+        """Attention and the ring transfers on its critical path (without latencies)."""
+        overlap = self.hw.comm_overlap
+        if overlap >= 1.0:
+            return max(t.attention, t.p2p)
+        # only part of the traffic hides behind attention
+        return t.attention + t.p2p - overlap * min(t.attention, t.p2p)
+
+    def total(self, t: Terms) -> float:
+        """Predicted seconds of a task from its table."""
+        return (max(t.gemm, t.weights) + self._attention_with_ring(t) + t.p2p_latency
+                + t.all_to_all + t.all_to_all_latency + t.tensor_parallel
+                + t.tensor_parallel_latency + t.per_token + t.per_task)
+
+    def time_of(self, tokens: float, pairs: float, layout: Layout, ckpt: int) -> float:
+        """Predicted seconds of a task."""
+        return self.total(self.terms(tokens, pairs, layout, ckpt))
 
     def marginal_time(self, tokens: float, pairs: float, layout: Layout, ckpt: int,
                       hidden: float = 1.0) -> float:
         """The part of ``time_of`` that grows with the task's sequences (GEMM FLOPs, attention,
-        element-wise work, all-to-all volume), without per-task costs (launches, weight streaming,
-        latencies; the pack factor at its minimum). Ring tasks count ``hidden x attention +
-        (1 - hidden) x ring traffic`` (their time has ``max(attention, traffic)``, which any fixed
-        mix stays below). For one ``hidden``, the sum over a task's sequences never exceeds the
-        task's time: valid lower bounds."""
-        n = self.model.num_layers
-        d = layout.ulysses * layout.ring
-        rc = ckpt / n
-        passes = 3.0 + rc
-        local = tokens / d
-        k = self._pack_floor
-        t = local * (n * self._lin_layer * passes + self._lin_head) * k
-        attn = pairs / d * n * self._attn_layer * (3.5 + rc)
+        element-wise work, all-to-all and TP volume), without per-task costs (launches, weight
+        streaming, latencies; the pack factor at its minimum). Ring tasks count ``hidden x
+        attention + (1 - hidden) x ring traffic`` (their time has ``max(attention, traffic)``,
+        which any fixed mix stays below). For one ``hidden``, the sum over a task's sequences
+        never exceeds the task's time: valid lower bounds."""
+        t = self.terms(tokens, pairs, layout, ckpt, pack=self._pack_floor)
+        attention = t.attention
         if layout.ring > 1 and hidden < 1.0:
-            bw = self.hw.intra_bandwidth if layout.ring_intra else self.hw.inter_bandwidth
-            ring = (layout.ring - 1) * n * passes * local * self._ring_bytes / bw
-            attn = hidden * attn + (1.0 - hidden) * ring
-        t += attn
-        t += local * n * self._token_layer * passes / 3.0 * k
-        if layout.ulysses > 1:
-            bw = self.hw.intra_bandwidth if layout.ulysses_intra else self.hw.inter_bandwidth
-            u = layout.ulysses
-            t += n * (2.0 + rc) * local * self._a2a_bytes * (u - 1) / u / bw
-        if self.tensor_parallel > 1:
-            t += self._tp_time(local, rc, latency=False)
-        return t
+            attention = hidden * t.attention + (1.0 - hidden) * t.p2p
+        return t.gemm + attention + t.per_token + t.all_to_all + t.tensor_parallel
+
+    def breakdown(self, tokens: float, pairs: float, layout: Layout, ckpt: int) -> TimeBreakdown:
+        """Parts of ``time_of`` (for the simulator's shares)."""
+        t = self.terms(tokens, pairs, layout, ckpt)
+        total = self.total(t)
+        compute = t.gemm + t.attention + t.per_token
+        overhead = max(0.0, t.weights - t.gemm) + t.per_task
+        comm = max(0.0, total - compute - overhead)
+        recompute = total - self.time_of(tokens, pairs, layout, 0) if ckpt else 0.0
+        return TimeBreakdown(total=total, compute=compute, comm=comm, recompute=recompute,
+                             overhead=overhead)
 
     def best_time(self, tokens: float, pairs: float, degree: int,
                   ckpt: int) -> tuple[float, Layout]:
@@ -329,24 +437,7 @@ class CostModel:
             self._best_layout[key] = lay
         return self.time_of(tokens, pairs, lay, ckpt), lay
 
-    def breakdown(self, tokens: float, pairs: float, layout: Layout, ckpt: int) -> TimeBreakdown:
-        """Parts of ``time_of`` (for the simulator's shares)."""
-        total = self.time_of(tokens, pairs, layout, ckpt)
-        no_rc = self.time_of(tokens, pairs, layout, 0)
-        d = layout.ulysses * layout.ring
-        n = self.model.num_layers
-        local = tokens / d
-        rc = ckpt / n
-        passes = 3.0 + rc
-        k = self._pack_factor(local) if self._pack_factor else 1.0
-        gemm = local * (n * self._lin_layer * passes + self._lin_head) * k
-        overhead = max(0.0, self._weights_pass * passes - gemm) + self.task_overhead
-        attn = pairs / d * n * self._attn_layer * (3.5 + rc)
-        compute = gemm + attn + local * n * self._token_layer * passes / 3.0 * k
-        comm = max(0.0, total - compute - overhead)
-        return TimeBreakdown(total=total, compute=compute, comm=comm, recompute=total - no_rc,
-                             overhead=overhead)
-
+    # ------------------------------------------------------------------ placed tasks
     def _task_sizes(self, task: Task, lengths: Sequence[int]) -> tuple[int, float]:
         tokens = sum(lengths[s] for s in task.seqs)
         pairs = sum(self.attn_pairs(lengths[s]) for s in task.seqs)
@@ -365,11 +456,9 @@ class CostModel:
                               task.ckpt_layers)
 
     def memory(self, task: Task, lengths: Sequence[int]) -> float:
-        """Predicted peak bytes per rank of ``task`` (static memory included)."""
-        tokens = sum(lengths[s] for s in task.seqs)
-        # padding: every sequence is padded to a multiple of 2 * degree (zigzag ring split)
-        pad = 2 * task.degree
-        tokens = sum(-(-lengths[s] // pad) * pad for s in task.seqs) if task.degree > 1 else tokens
+        """Predicted peak bytes per rank of ``task`` (static memory included), with the padding
+        the runtime adds for the task's layout."""
+        tokens = sum(padded_length(lengths[s], task.ulysses, task.ring) for s in task.seqs)
         return self.memory_of(tokens, task.degree, task.ckpt_layers)
 
     # ------------------------------------------------------------------ step level

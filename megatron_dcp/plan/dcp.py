@@ -6,8 +6,8 @@ One *pass* of the planner, for a degree floor ``f``, a target makespan ``M`` and
 ``g``:
 
 1. Degree per sequence: the smallest vocabulary size at which it fits memory, widened while that
-   cuts its work (ranks x time) by at least 2 % (less recompute), and at least ``f`` (uniform wide
-   groups fragment the ranks less when long sequences dominate).
+   cuts its work (ranks x time) by at least ``MIN_WORK_SAVING`` (less recompute), and at least
+   ``f`` (uniform wide groups fragment the ranks less when long sequences dominate).
 2. Packing: sequences faster than ``g x M`` at their degree are packed (next-fit, longest first)
    into tasks of at most ``g x M`` seconds that fit memory.
 3. Moldable list scheduling, longest task first: each task takes the smallest degree at which its
@@ -17,57 +17,109 @@ One *pass* of the planner, for a degree floor ``f``, a target makespan ``M`` and
 4. Back-to-back tasks of the same group are merged into one packed task when that is not slower
    (fine-grained balance, then the per-task cost paid once).
 
-``M`` starts at ``max(longest sequence at its fastest degree, total work / ranks)``. Up to twelve
-passes (fewer for large inputs, to stay within the latency budget) are tried and the shortest plan
-is kept. For inputs up to ``BASELINE_CANDIDATE_LIMIT`` sequences x ranks, the baselines' own plans,
-lightened by DCP-intra (fewest recomputed layers per task, barriers dropped, same order: never
-longer), are candidates too, so DCP is never slower than a baseline there by construction
-(unless ``pack_tokens`` is set: a baseline plan that packs beyond it is not a candidate of
-``dcp``/``dcp-inter``; ``dcp-intra`` keeps the bucket plan, which ignores ``pack_tokens``).
+``M`` starts at ``max(longest sequence at its fastest degree, total work / ranks)``. The passes
+of ``SEARCH_PASSES`` (fewer for large inputs, to stay within the latency budget) are tried and
+the shortest plan is kept. For inputs up to ``BASELINE_CANDIDATE_LIMIT`` sequences x ranks, the
+baselines' own plans, lightened by DCP-intra (fewest recomputed layers per task, barriers
+dropped, same order: never longer), are candidates too, so DCP is never slower than a baseline
+there by construction (unless ``pack_tokens`` is set: a baseline plan that packs beyond it is not
+a candidate of ``dcp``/``dcp-inter``; ``dcp-intra`` keeps the bucket plan, which ignores
+``pack_tokens``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional, Union
 
-from megatron_dcp.plan.schedule import BlockClock, Draft, PlanContext, lighten, padded, retime
-
+from megatron_dcp.plan.schedule import BlockClock, Draft, PlanContext, lighten, retime
 
 OVERHEAD_TASKS = 2
 """Packed tasks are allowed to grow to this many times the fixed per-task cost."""
 MAX_WORK_GROWTH = 1.3
 """A task is not widened past the degree where its work (ranks x time) grows by more than this."""
+MIN_WORK_SAVING = 0.02
+"""A sequence is widened for less recompute only when that cuts its work (ranks x time) by at
+least this share: below it the wider group's fragmentation costs more than it saves."""
 BASELINE_CANDIDATE_LIMIT = 20_000
 """Sequences x ranks up to which the baselines' plans join DCP's candidates."""
 
 
-class _SeqInfo:
-    __slots__ = ("i", "length", "pairs", "degree", "ckpt", "time", "fits")
+class SearchPass(NamedTuple):
+    """One pass of the planner: a degree floor, a target makespan and a packing grain."""
 
-    def __init__(self, i: int, length: int, pairs: float) -> None:
-        self.i, self.length, self.pairs = i, length, pairs
-        self.degree, self.ckpt, self.time = 0, 0, 0.0
-        self.fits: list[tuple[int, int]] = []
+    floor: Union[int, str]
+    """Smallest degree of every sequence; ``"node"``: one node's ranks (uniform wide groups
+    fragment the ranks less when long sequences dominate)."""
+    target: float
+    """Target makespan as a multiple of the lower bound (slack lets long tasks start early)."""
+    grain: float
+    """Sequences faster than ``grain x target`` are packed into tasks of at most that length."""
 
 
-def _options(ctx: PlanContext, info: _SeqInfo, mode: str, start_at: int = 0) -> None:
+SEARCH_PASSES = (
+    SearchPass("node", 1.0, 0.02), SearchPass(1, 1.0, 0.05), SearchPass(1, 1.05, 0.05),
+    SearchPass(1, 1.03, 0.5), SearchPass("node", 1.0, 0.1), SearchPass(1, 1.0, 0.2),
+    SearchPass(2, 1.0, 0.05), SearchPass(1, 1.03, 0.34), SearchPass(1, 1.2, 0.05),
+    SearchPass(2, 1.2, 0.05), SearchPass(4, 1.3, 0.05), SearchPass(1, 1.3, 0.05),
+)
+"""The passes, most useful first (large inputs run only the first ones). No single setting is
+best everywhere: a node-wide degree floor wins when long sequences dominate, small grains when
+many short sequences must fill the gaps, target slack when one long sequence bounds the step.
+The shortest plan over all passes is kept."""
+LARGE_INPUT, LARGE_INPUT_PASSES = 10_000, 4
+HUGE_INPUT, HUGE_INPUT_PASSES = 2_000_000, 2
+"""Sequences x ranks above which only the first passes run: the planner runs ahead of every
+step and must stay within its latency budget (<= 1 s at 16,000 sequences on 1,024 ranks,
+docs/BENCHMARKS.md), and every pass re-plans the whole batch."""
+
+
+@dataclass(slots=True)
+class SeqChoice:
+    """One sequence and the degree, recompute depth and time chosen for it."""
+
+    i: int
+    length: int
+    pairs: float
+    degree: int = 0
+    ckpt: int = 0
+    time: float = 0.0
+    fits: list[tuple[int, int]] = field(default_factory=list)
+    """(degree, recompute depth) of every vocabulary size from ``degree`` on where it fits."""
+
+
+@dataclass(slots=True)
+class PackedTask:
+    """Sequences packed into one task before it is placed."""
+
+    seqs: list[int]
+    tokens: int
+    """Tokens after padding at ``degree``."""
+    pairs: float
+    degree: int
+    """The smallest degree at which every sequence of the task fits."""
+    time: float
+    """Predicted seconds at ``degree``."""
+
+
+def _options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:
     """Fill ``info.fits`` with (degree, ckpt) for every vocabulary size from ``start_at`` on."""
     for d in ctx.vocab.sizes:
         if d < start_at:
             continue
-        c = ctx.ckpt_for(padded(info.length, d), d, mode)
+        c = ctx.ckpt_for(ctx.padded(info.length, d), d, mode)
         if c is not None:
             info.fits.append((d, c))
 
 
-def _raised(ctx: PlanContext, info: _SeqInfo, mode: str, floor: int) -> _SeqInfo:
+def _raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoice:
     """A copy of ``info`` at degree ``floor`` or more (fewer degrees mean less fragmentation)."""
     if info.degree >= floor:
         return info
-    out = _SeqInfo(info.i, info.length, info.pairs)
+    out = SeqChoice(info.i, info.length, info.pairs)
     for d in ctx.vocab.sizes:
         if d >= floor:
-            c = ctx.ckpt_for(padded(info.length, d), d, mode)
+            c = ctx.ckpt_for(ctx.padded(info.length, d), d, mode)
             if c is not None:
                 out.degree, out.ckpt = d, c
                 out.time = ctx.cm.best_time(info.length, info.pairs, d, c)[0]
@@ -75,7 +127,7 @@ def _raised(ctx: PlanContext, info: _SeqInfo, mode: str, floor: int) -> _SeqInfo
     return info
 
 
-def _degree_choice(ctx: PlanContext, infos: list[_SeqInfo], mode: str) -> tuple[float, float]:
+def _degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[float, float]:
     """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
     cm = ctx.cm
     sizes = ctx.vocab.sizes
@@ -83,7 +135,7 @@ def _degree_choice(ctx: PlanContext, infos: list[_SeqInfo], mode: str) -> tuple[
     overhead = cm.task_overhead
     for info in infos:
         for d in sizes:
-            c = ctx.ckpt_for(padded(info.length, d), d, mode)
+            c = ctx.ckpt_for(ctx.padded(info.length, d), d, mode)
             if c is not None:
                 info.degree, info.ckpt = d, c
                 break
@@ -94,7 +146,7 @@ def _degree_choice(ctx: PlanContext, infos: list[_SeqInfo], mode: str) -> tuple[
             work = info.degree * info.time
             for d, c in info.fits[1:]:
                 t = cm.best_time(info.length, info.pairs, d, c)[0]
-                if d * t < work * 0.98:  # under 2 % less work is not worth a wider group
+                if d * t < work * (1.0 - MIN_WORK_SAVING):
                     info.degree, info.ckpt, info.time, work = d, c, t, d * t
                 if c == 0:
                     break  # no recompute left to save: wider groups only add communication
@@ -114,58 +166,59 @@ def _degree_choice(ctx: PlanContext, infos: list[_SeqInfo], mode: str) -> tuple[
     return per_rank, longest
 
 
-def _pack(ctx: PlanContext, infos: list[_SeqInfo], mode: str, limit: float) -> list[list]:
-    """Tasks as [seqs, tokens, pairs, min degree, min-degree time]: sequences whose time at their
-    minimal degree is at most ``limit`` are packed (next-fit, longest first) up to ``limit`` (and
-    ``pack_tokens`` tokens when the config sets it)."""
+def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
+          ) -> list[PackedTask]:
+    """Sequences whose time at their minimal degree is at most ``limit`` packed (next-fit,
+    longest first) into tasks of up to ``limit`` seconds (and ``pack_tokens`` tokens when the
+    config sets it); longer sequences become tasks of their own."""
     cm = ctx.cm
     token_cap = ctx.pack_tokens or float("inf")
-    tasks: list[list] = []
-    by_degree: dict[int, list[_SeqInfo]] = {}
+    tasks: list[PackedTask] = []
+    by_degree: dict[int, list[SeqChoice]] = {}
     for info in infos:
         if info.time > limit:
-            tasks.append([[info.i], padded(info.length, info.degree), info.pairs, info.degree,
-                          info.time])
+            tasks.append(PackedTask([info.i], ctx.padded(info.length, info.degree), info.pairs,
+                                    info.degree, info.time))
         else:
             by_degree.setdefault(info.degree, []).append(info)
     for degree, items in by_degree.items():
         items.sort(key=lambda x: (-x.length, x.i))
-        cur: list = []
+        cur: Optional[PackedTask] = None
         for info in items:
-            tokens = padded(info.length, degree)
-            if cur:
-                new_tokens, new_pairs = cur[1] + tokens, cur[2] + info.pairs
+            tokens = ctx.padded(info.length, degree)
+            if cur is not None:
+                new_tokens, new_pairs = cur.tokens + tokens, cur.pairs + info.pairs
                 c = ctx.ckpt_for(new_tokens, degree, mode) if new_tokens <= token_cap else None
                 if c is not None:
                     t = cm.best_time(new_tokens, new_pairs, degree, c)[0]
                     if t <= limit:
-                        cur[0].append(info.i)
-                        cur[1], cur[2], cur[4] = new_tokens, new_pairs, t
+                        cur.seqs.append(info.i)
+                        cur.tokens, cur.pairs, cur.time = new_tokens, new_pairs, t
                         continue
                 tasks.append(cur)
-            cur = [[info.i], tokens, info.pairs, degree, info.time]
-        if cur:
+            cur = PackedTask([info.i], tokens, info.pairs, degree, info.time)
+        if cur is not None:
             tasks.append(cur)
     return tasks
 
 
-def _options_for(ctx: PlanContext, task: list, mode: str):
+def _options_for(ctx: PlanContext, task: PackedTask, mode: str):
     """(degree, ckpt, time) of a packed task for every vocabulary degree from its minimum on."""
-    seqs, tokens, pairs, d_min, t_min = task
     lengths = ctx.lengths
-    raw = tokens if d_min == 1 else sum(lengths[s] for s in seqs)
+    raw = task.tokens if task.degree == 1 else sum(lengths[s] for s in task.seqs)
     for d in ctx.vocab.sizes:
-        if d < d_min:
+        if d < task.degree:
             continue
-        padded_tokens = raw if d == 1 else sum(padded(lengths[s], d) for s in seqs)
+        padded_tokens = raw if d == 1 else ctx.padded_tokens(task.seqs, d)
         c = ctx.ckpt_for(padded_tokens, d, mode)
         if c is None:
             continue
-        t = t_min if d == d_min else ctx.cm.best_time(raw, pairs, d, c)[0]
+        t = task.time if d == task.degree else ctx.cm.best_time(raw, task.pairs, d, c)[0]
         yield d, c, t
 
 
-def _build(ctx: PlanContext, tasks: list[list], mode: str, target: float) -> list[Draft]:
+def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
+           ) -> list[Draft]:
     """Moldable list scheduling, longest first: each task on the smallest degree whose earliest
     finish meets ``target``, on the group of that size that frees first. Tasks that meet the target
     nowhere wait until all others are placed (so short tasks fill the gaps first), then take the
@@ -174,13 +227,13 @@ def _build(ctx: PlanContext, tasks: list[list], mode: str, target: float) -> lis
     drafts = []
     deferred = []
 
-    def put(task: list, d: int, c: int, start_rank: int, at: float) -> None:
-        draft = ctx.draft(start_rank, d, task[0], c)
+    def put(task: PackedTask, d: int, c: int, start_rank: int, at: float) -> None:
+        draft = ctx.draft(start_rank, d, task.seqs, c)
         draft.start = at
         clock.occupy(start_rank, d, at + draft.duration)
         drafts.append(draft)
 
-    for task in sorted(tasks, key=lambda t: (-t[4], t[0][0])):
+    for task in sorted(tasks, key=lambda t: (-t.time, t.seqs[0])):
         work = None
         for d, c, t in _options_for(ctx, task, mode):
             start_rank, at = clock.peek(d)
@@ -194,7 +247,7 @@ def _build(ctx: PlanContext, tasks: list[list], mode: str, target: float) -> lis
                 break
         else:
             deferred.append(task)
-    for task in sorted(deferred, key=lambda t: (-t[4], t[0][0])):
+    for task in sorted(deferred, key=lambda t: (-t.time, t.seqs[0])):
         best = None
         work = None
         for d, c, t in _options_for(ctx, task, mode):
@@ -223,7 +276,7 @@ def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]
         if prev is not None and prev.start_rank == a and prev.size == d.size and \
                 all(last[r] == k for r in range(a, b)):
             seqs = prev.seqs + d.seqs
-            tokens = sum(padded(ctx.lengths[s], d.size) for s in seqs)
+            tokens = ctx.padded_tokens(seqs, d.size)
             fits_cap = tokens <= (ctx.pack_tokens or tokens)
             c = ctx.ckpt_for(tokens, d.size, mode) if fits_cap else None
             if c is not None:
@@ -238,6 +291,17 @@ def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]
     return out
 
 
+def _passes(ctx: PlanContext) -> list[tuple[int, float, float]]:
+    """(degree floor, target factor, grain) of the passes this input gets (see SEARCH_PASSES)."""
+    rpn = ctx.vocab.ranks_per_node
+    passes = [(rpn if p.floor == "node" else p.floor, p.target, p.grain) for p in SEARCH_PASSES]
+    passes = [p for p in passes if p[0] in ctx.vocab.sizes]
+    size = len(ctx.active) * ctx.world
+    if size > HUGE_INPUT:
+        return passes[:HUGE_INPUT_PASSES]
+    return passes[:LARGE_INPUT_PASSES] if size > LARGE_INPUT else passes
+
+
 def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
              baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None
              ) -> tuple[list[Draft], str, dict[str, float]]:
@@ -246,18 +310,10 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
     mode = ctx.dcp_mode() if intra else ctx.baseline_mode()
     candidates: list[tuple[float, str, list[Draft]]] = []
     if inter:
-        infos = [_SeqInfo(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
+        infos = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
         per_rank, longest = _degree_choice(ctx, infos, mode)
         bound = max(per_rank, longest)
-        rpn = ctx.vocab.ranks_per_node
-        # (degree floor, target factor, packing grain), most useful first
-        passes = [(rpn, 1.0, 0.02), (1, 1.0, 0.05), (1, 1.05, 0.05), (1, 1.03, 0.5),
-                  (rpn, 1.0, 0.1), (1, 1.0, 0.2), (2, 1.0, 0.05), (1, 1.03, 0.34),
-                  (1, 1.2, 0.05), (2, 1.2, 0.05), (4, 1.3, 0.05), (1, 1.3, 0.05)]
-        passes = [p for p in passes if p[0] in ctx.vocab.sizes]
-        size = len(ctx.active) * ctx.world
-        count = 2 if size > 2_000_000 else 4 if size > 10_000 else len(passes)
-        for floor, factor, grain in passes[:count]:
+        for floor, factor, grain in _passes(ctx):
             target = max(bound * factor, longest)
             use = infos if floor == 1 else [_raised(ctx, info, mode, floor) for info in infos]
             # tasks of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small

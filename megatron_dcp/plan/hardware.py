@@ -2,7 +2,8 @@
 
 Presets ``h200``, ``h100``, ``a100`` come from vendor data sheets (peak numbers) and commonly
 reported achievable fractions (see the comment beside each number). Any other machine, ``cpu``
-included, is described by a *profile JSON* that ``tools/profile.py`` writes after measuring it.
+included, is described by a *profile JSON* that ``tools/profile_hardware.py`` writes after
+measuring it.
 
 Profile JSON format (version 1; every field optional except ``name``; missing fields are taken
 from ``"base"``, a preset name, when given, else an error names the missing field)::
@@ -13,7 +14,11 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
       "base": "h100",                  # optional preset to start from
       "peak_flops": 9.89e14,           # dense bf16 FLOP/s per rank (data sheet)
       "linear_flops": 6.0e14,          # measured FLOP/s of the model's GEMMs (achievable)
-      "attention_flops": 4.5e14,       # measured FLOP/s of the attention kernel (fwd+bwd average)
+      "attention_flops": 4.5e14,       # measured FLOP/s of local attention (degree 1 and
+                                       # Ulysses: one kernel call per task), fwd+bwd average
+      "ring_attention_flops": null,    # the same for ring tasks (blocks merged by log-sum-exp);
+                                       # null: attention_flops
+      "hybrid_attention_flops": null,  # the same for Ulysses x ring tasks; null: attention_flops
       "hbm_bytes": 8.0e10,             # device memory per rank, bytes
       "hbm_bandwidth": 3.35e12,        # device memory bandwidth, bytes/s
       "intra_bandwidth": 3.0e11,       # achievable per-rank all-to-all / P2P bytes/s inside a node
@@ -21,6 +26,7 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
       "inter_bandwidth": 4.0e10,       # achievable per-rank bandwidth between nodes, bytes/s
       "inter_latency": 1.5e-5,         # per-collective latency between nodes, s
       "ranks_per_node": 8,
+      "communicator_bytes": 0,         # device memory of one communicator (process group), bytes
       "token_overhead_s": null,        # measured seconds per token per layer of non-GEMM work
                                        # (norms, rotary, activation, loss), fwd+bwd; null: analytic
       "task_overhead_s": null,         # measured fixed seconds per task (micro-step) besides
@@ -36,7 +42,10 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
       "measured": {...}                # free-form raw measurements, kept but not used
     }
 
-All bandwidths are *per rank*, in bytes per second, one direction.
+All bandwidths are *per rank*, in bytes per second, one direction. Every number must be finite
+(JSON's ``NaN`` and ``Infinity`` are rejected, naming the field and the file). A profile that
+sets ``attention_flops`` but not the ring/hybrid rates uses its own local rate for them (not the
+base preset's), so profiles written before those fields existed keep their meaning.
 """
 
 from __future__ import annotations
@@ -54,6 +63,13 @@ class HardwareError(ValueError):
     """An unknown hardware preset or a malformed hardware profile."""
 
 
+def layout_kind(ulysses: int, ring: int) -> str:
+    """``local`` (one rank, or Ulysses: one attention call per task), ``ring`` or ``hybrid``."""
+    if ring == 1:
+        return "local"
+    return "ring" if ulysses == 1 else "hybrid"
+
+
 @dataclass(frozen=True)
 class Hardware:
     """One accelerator type, its memory and its links (per rank, one direction)."""
@@ -64,7 +80,8 @@ class Hardware:
     linear_flops: float
     """Achievable FLOP/s of the model's matrix multiplications."""
     attention_flops: float
-    """Achievable FLOP/s of the (flash) attention kernel, forward and backward averaged."""
+    """Achievable FLOP/s of local attention (degree 1, and Ulysses after its all-to-all: one
+    kernel call over the task's packed sequences), forward and backward averaged."""
     hbm_bytes: float
     """Device memory per rank, bytes."""
     hbm_bandwidth: float
@@ -78,6 +95,15 @@ class Hardware:
     inter_latency: float
     """Latency of one collective / P2P step between nodes, seconds."""
     ranks_per_node: int = 8
+    ring_attention_flops: Optional[float] = None
+    """Achievable attention FLOP/s inside ring tasks (one kernel call per ring step on a block,
+    blocks merged by log-sum-exp); ``None``: ``attention_flops``."""
+    hybrid_attention_flops: Optional[float] = None
+    """Achievable attention FLOP/s inside Ulysses x ring tasks; ``None``: ``attention_flops``."""
+    communicator_bytes: float = 0.0
+    """Device memory one communicator (process group) holds for its buffers, bytes: the planner
+    charges every rank for the communicators of the group vocabulary it belongs to. 0 for gloo
+    (host memory, small)."""
     token_overhead_s: Optional[float] = None
     """Measured non-GEMM seconds per token per layer (fwd+bwd); ``None``: analytic estimate."""
     task_overhead_s: Optional[float] = None
@@ -96,29 +122,36 @@ class Hardware:
     """Raw measurements of a profile (informational)."""
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if f.name in _OPTIONAL:
-                continue
-            value = getattr(self, f.name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                raise HardwareError(f"hardware {self.name!r}: {f.name}={value!r} must be a "
-                                    "positive number")
+        for key in _POSITIVE:
+            _check(self, key, lower=0.0, strict=True, optional=False)
+        for key in _POSITIVE_OR_NULL:
+            _check(self, key, lower=0.0, strict=True, optional=True)
+        for key in _NON_NEGATIVE_OR_NULL:
+            _check(self, key, lower=0.0, strict=False, optional=True)
+        _check(self, "communicator_bytes", lower=0.0, strict=False, optional=False)
+        _check(self, "comm_overlap", lower=0.0, strict=False, optional=False)
+        if self.comm_overlap > 1:
+            raise HardwareError(f"hardware {self.name!r}: comm_overlap={self.comm_overlap!r} must "
+                                "be between 0 and 1")
         if int(self.ranks_per_node) != self.ranks_per_node:
-            raise HardwareError(f"hardware {self.name!r}: ranks_per_node must be an integer")
-        for key in ("token_overhead_s", "task_overhead_s"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, (int, float)) or value < 0):
-                raise HardwareError(f"hardware {self.name!r}: {key}={value!r} must be >= 0 or null")
+            raise HardwareError(f"hardware {self.name!r}: ranks_per_node={self.ranks_per_node!r} "
+                                "must be an integer")
         if self.pack_tokens is not None and (not isinstance(self.pack_tokens, int)
                                              or isinstance(self.pack_tokens, bool)
                                              or self.pack_tokens < 1):
             raise HardwareError(f"hardware {self.name!r}: pack_tokens={self.pack_tokens!r} must be "
                                 "a positive integer or null")
-        if not (isinstance(self.comm_overlap, (int, float)) and 0 <= self.comm_overlap <= 1):
-            raise HardwareError(f"hardware {self.name!r}: comm_overlap={self.comm_overlap!r} must "
-                                "be between 0 and 1")
         if self.pack_curve is not None:
             object.__setattr__(self, "pack_curve", _curve(self.pack_curve, self.name))
+
+    def attention_rate(self, ulysses: int, ring: int) -> float:
+        """Achievable attention FLOP/s of a task with this layout (see `layout_kind`)."""
+        kind = layout_kind(ulysses, ring)
+        if kind == "ring" and self.ring_attention_flops is not None:
+            return self.ring_attention_flops
+        if kind == "hybrid" and self.hybrid_attention_flops is not None:
+            return self.hybrid_attention_flops
+        return self.attention_flops
 
     def pack_factor(self, tokens: float) -> float:
         """Factor on the per-token time of a task with ``tokens`` local tokens (1.0 without a
@@ -142,9 +175,31 @@ class Hardware:
         return data
 
 
-_OPTIONAL = ("name", "measured", "token_overhead_s", "task_overhead_s", "pack_curve", "pack_tokens",
-             "comm_overlap")
-"""Fields that may be ``None`` or are not positive numbers."""
+_POSITIVE = ("peak_flops", "linear_flops", "attention_flops", "hbm_bytes", "hbm_bandwidth",
+             "intra_bandwidth", "intra_latency", "inter_bandwidth", "inter_latency",
+             "ranks_per_node")
+"""Fields that must be finite numbers > 0."""
+_POSITIVE_OR_NULL = ("ring_attention_flops", "hybrid_attention_flops")
+_NON_NEGATIVE_OR_NULL = ("token_overhead_s", "task_overhead_s")
+_OPTIONAL = ("name", "measured", "ranks_per_node", "ring_attention_flops",
+             "hybrid_attention_flops", "communicator_bytes", "token_overhead_s",
+             "task_overhead_s", "pack_curve", "pack_tokens", "comm_overlap")
+"""Fields a profile without a ``base`` may leave out."""
+
+
+def _check(hw: Hardware, key: str, *, lower: float, strict: bool, optional: bool) -> None:
+    """``hw.key`` is a finite number above (``strict``) or at least ``lower`` (or ``None`` when
+    ``optional``). NaN fails every comparison, so it is checked by name, not by ``value < 0``:
+    a NaN that got through once made the planner's list scheduler spin forever."""
+    value = getattr(hw, key)
+    if value is None and optional:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < lower or (strict and value == lower):
+        bound = f"> {lower:g}" if strict else f">= {lower:g}"
+        null = " or null" if optional else ""
+        raise HardwareError(f"hardware {hw.name!r}: {key}={value!r} must be a finite number "
+                            f"{bound}{null}")
 
 
 def _curve(points: Any, name: str) -> tuple:
@@ -155,9 +210,10 @@ def _curve(points: Any, name: str) -> tuple:
     except (TypeError, ValueError):
         raise HardwareError(f"{where} must be a list of [tokens, factor] pairs, got "
                             f"{points!r}") from None
-    if not pts or any(not (t >= 1 and f > 0 and math.isfinite(f)) for t, f in pts):
-        raise HardwareError(f"{where}: needs at least one point with tokens >= 1 and factor > 0, "
-                            f"got {points!r}")
+    finite = all(math.isfinite(t) and math.isfinite(f) for t, f in pts)
+    if not pts or not finite or any(not (t >= 1 and f > 0) for t, f in pts):
+        raise HardwareError(f"{where}: needs at least one point with finite tokens >= 1 and "
+                            f"factor > 0, got {points!r}")
     if len({t for t, _ in pts}) != len(pts):
         raise HardwareError(f"{where}: tokens must be distinct, got {points!r}")
     return tuple(pts)
@@ -167,12 +223,34 @@ def _curve(points: Any, name: str) -> tuple:
 # and NVIDIA NeMo performance reports give 45-55 % MFU end to end); FlashAttention-2/3 reach about
 # 50-60 % of peak forward and less backward (Dao 2023; Shah et al. 2024, FlashAttention-3), so 45 %
 # averaged. NVLink all-to-all reaches about 2/3 of the unidirectional link rate (nccl-tests).
+#
+# Ring tasks run attention as one kernel call per ring step on a block of the sequence, merged by
+# log-sum-exp: smaller calls, a merge per step and (backward) a second pass per step. The public
+# zigzag ring of ring-flash-attention (varlen, forward+backward, Llama-3-8B heads, 8k tokens per
+# GPU) reaches 75.9 % of one flash varlen call over the same work on 8 x H800 and 80.2 % on
+# 8 x A100 (its README's benchmark table): RING_SHARE. A Ulysses x ring task runs the same blocks
+# over fewer ring steps (ring degree d / u) with u times more tokens per block, so its per-step
+# losses weigh about half as much: HYBRID_SHARE, midway between ring and one call (an estimate,
+# not a measurement; `tools/profile_hardware.py` measures all three where ranks allow).
+HOPPER_RING_SHARE, HOPPER_HYBRID_SHARE = 0.76, 0.88
+AMPERE_RING_SHARE, AMPERE_HYBRID_SHARE = 0.80, 0.90
+# NCCL allocates per communicator, per channel and per connected peer a FIFO for each protocol
+# (4 MiB for Simple by default, plus LL and LL128), so its memory grows with the channel count,
+# the algorithms used (NVLS on NVSwitch systems takes more) and the peers a rank sends to (NCCL
+# issue #864). Measured with PyTorch on 4 x A100 NVLink after one all-reduce: 544 MB for a group
+# of 2 GPUs, 688 MB for larger groups (NCCL issue #964). Hopper runs more channels, while lazy
+# connection set-up (NCCL >= 2.22) skips algorithms a group never runs: 0.5 GB is the estimate.
+NCCL_COMMUNICATOR_BYTES = 0.5e9
+
+_H_PEAK, _A_PEAK = 989e12, 312e12
 PRESETS: dict[str, Hardware] = {
     "h200": Hardware(
         name="h200",
-        peak_flops=989e12,  # NVIDIA H200 SXM data sheet: 989 TFLOPS dense BF16
-        linear_flops=989e12 * 0.62,
-        attention_flops=989e12 * 0.45,
+        peak_flops=_H_PEAK,  # NVIDIA H200 SXM data sheet: 989 TFLOPS dense BF16
+        linear_flops=_H_PEAK * 0.62,
+        attention_flops=_H_PEAK * 0.45,
+        ring_attention_flops=_H_PEAK * 0.45 * HOPPER_RING_SHARE,
+        hybrid_attention_flops=_H_PEAK * 0.45 * HOPPER_HYBRID_SHARE,
         hbm_bytes=141e9,  # data sheet: 141 GB HBM3e
         hbm_bandwidth=4.8e12,  # data sheet: 4.8 TB/s
         intra_bandwidth=300e9,
@@ -181,12 +259,15 @@ PRESETS: dict[str, Hardware] = {
         inter_bandwidth=40e9,  # 8x ConnectX-7 400 Gb/s per node = 50 GB/s per GPU, ~80 % achieved
         inter_latency=15e-6,  # InfiniBand NDR + NCCL protocol latency
         ranks_per_node=8,  # HGX H200: 8 GPUs per node
+        communicator_bytes=NCCL_COMMUNICATOR_BYTES,
     ),
     "h100": Hardware(
         name="h100",
-        peak_flops=989e12,  # NVIDIA H100 SXM data sheet: 989 TFLOPS dense BF16
-        linear_flops=989e12 * 0.62,
-        attention_flops=989e12 * 0.45,
+        peak_flops=_H_PEAK,  # NVIDIA H100 SXM data sheet: 989 TFLOPS dense BF16
+        linear_flops=_H_PEAK * 0.62,
+        attention_flops=_H_PEAK * 0.45,
+        ring_attention_flops=_H_PEAK * 0.45 * HOPPER_RING_SHARE,
+        hybrid_attention_flops=_H_PEAK * 0.45 * HOPPER_HYBRID_SHARE,
         hbm_bytes=80e9,  # data sheet: 80 GB HBM3
         hbm_bandwidth=3.35e12,  # data sheet: 3.35 TB/s
         intra_bandwidth=300e9,  # NVLink 4: 450 GB/s per direction, ~2/3 achieved
@@ -194,12 +275,15 @@ PRESETS: dict[str, Hardware] = {
         inter_bandwidth=40e9,  # 8x 400 Gb/s per node (DGX H100) = 50 GB/s per GPU
         inter_latency=15e-6,
         ranks_per_node=8,
+        communicator_bytes=NCCL_COMMUNICATOR_BYTES,
     ),
     "a100": Hardware(
         name="a100",
-        peak_flops=312e12,  # NVIDIA A100 SXM data sheet: 312 TFLOPS dense BF16
-        linear_flops=312e12 * 0.65,
-        attention_flops=312e12 * 0.50,  # FlashAttention-2 paper: 50-73 % fwd, less bwd on A100
+        peak_flops=_A_PEAK,  # NVIDIA A100 SXM data sheet: 312 TFLOPS dense BF16
+        linear_flops=_A_PEAK * 0.65,
+        attention_flops=_A_PEAK * 0.50,  # FlashAttention-2 paper: 50-73 % fwd, less bwd on A100
+        ring_attention_flops=_A_PEAK * 0.50 * AMPERE_RING_SHARE,
+        hybrid_attention_flops=_A_PEAK * 0.50 * AMPERE_HYBRID_SHARE,
         hbm_bytes=80e9,  # A100 80GB
         hbm_bandwidth=2.039e12,  # data sheet: 2,039 GB/s
         intra_bandwidth=200e9,
@@ -208,6 +292,7 @@ PRESETS: dict[str, Hardware] = {
         inter_bandwidth=20e9,  # DGX A100: 8x HDR 200 Gb/s = 25 GB/s per GPU, ~80 % achieved
         inter_latency=15e-6,
         ranks_per_node=8,
+        communicator_bytes=NCCL_COMMUNICATOR_BYTES,
     ),
 }
 
@@ -226,7 +311,7 @@ def load_hardware(name_or_path: "str | Hardware") -> Hardware:
         return _load_profile(name_or_path)
     raise HardwareError(
         f"unknown hardware {name_or_path!r}: use a preset ({', '.join(PRESETS)}) or the path of a "
-        "profile JSON written by tools/profile.py"
+        "profile JSON written by tools/profile_hardware.py"
     )
 
 
@@ -236,13 +321,13 @@ def _load_profile(path: str) -> Hardware:
             data = json.load(handle)
     except FileNotFoundError:
         raise HardwareError(f"hardware profile {path!r} does not exist") from None
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise HardwareError(f"hardware profile {path!r} is not readable JSON: {err}") from None
     return hardware_from_dict(data, where=path)
 
 
 def hardware_from_dict(data: dict[str, Any], where: str = "hardware profile") -> Hardware:
-    """Build a `Hardware` from the profile JSON object (see module doc)."""
+    """Build a `Hardware` from the profile JSON object (see module doc); errors name ``where``."""
     if not isinstance(data, dict):
         raise HardwareError(f"{where}: the profile must be a JSON object")
     version = data.get("format_version", HARDWARE_FORMAT_VERSION)
@@ -260,11 +345,19 @@ def hardware_from_dict(data: dict[str, Any], where: str = "hardware profile") ->
             raise HardwareError(f"{where}: unknown base preset {base!r} (presets: "
                                 f"{', '.join(PRESETS)})")
         values.update(asdict(PRESETS[str(base).lower()]))
+        if "attention_flops" in data:
+            # a measured local rate without measured ring/hybrid rates: those follow it (not the
+            # base preset's numbers, which belong to another attention rate)
+            for key in ("ring_attention_flops", "hybrid_attention_flops"):
+                values[key] = None
     values.update({k: v for k, v in data.items() if k in known})
     values.setdefault("name", os.path.basename(where))
     missing = sorted(f.name for f in fields(Hardware) if f.name not in values
-                     and f.name not in ("ranks_per_node", *_OPTIONAL))
+                     and f.name not in _OPTIONAL)
     if missing:
         raise HardwareError(f"{where}: missing field(s) {', '.join(missing)} (or give \"base\": a "
                             "preset)")
-    return Hardware(**values)
+    try:
+        return Hardware(**values)
+    except HardwareError as err:
+        raise HardwareError(f"{where}: {err}") from None

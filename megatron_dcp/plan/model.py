@@ -40,9 +40,11 @@ class ModelShape:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{key}={value!r}: must be a positive integer")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
+            raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
+                             f"num_heads={self.num_heads}")
         if self.num_heads % self.kv_heads:
-            raise ValueError(f"model.num_heads={self.num_heads} is not divisible by num_kv_heads={self.kv_heads}")
+            raise ValueError(f"model.num_heads={self.num_heads} is not divisible by "
+                             f"num_kv_heads={self.kv_heads}")
         tp = self.tensor_parallel
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"model.tensor_parallel={tp!r}: must be a positive integer")
@@ -77,5 +79,6 @@ class ModelShape:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown model shape key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(f"unknown model shape key(s): {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
         return cls(**d)

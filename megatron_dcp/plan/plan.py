@@ -23,9 +23,23 @@ from typing import Any, Optional
 PLAN_FORMAT_VERSION = 1
 
 
+def pad_multiple(ulysses: int, ring: int) -> int:
+    """Every sequence of a task with this layout is padded to a multiple of this many tokens:
+    ``2 * ring * ulysses`` when ``ring > 1`` (zigzag: ``2 * ring`` equal chunks, each split over
+    the Ulysses ranks), ``ulysses`` otherwise (the factor 2 would only add padding)."""
+    return 2 * ring * ulysses if ring > 1 else ulysses
+
+
+def padded_length(n: int, ulysses: int, ring: int) -> int:
+    """Length of a sequence of ``n`` tokens after padding for a ``ulysses x ring`` group."""
+    m = pad_multiple(ulysses, ring)
+    return -(-n // m) * m
+
+
 @dataclass(frozen=True)
 class Task:
-    """One unit of work: sequences ``seqs`` run by ``ranks`` with one layout and checkpoint depth."""
+    """One unit of work: sequences ``seqs`` run by ``ranks`` with one layout and recompute
+    depth."""
 
     id: int
     ranks: tuple[int, ...]
@@ -126,7 +140,8 @@ class Plan:
                 "world_size": self.world_size,
                 "skipped": list(self.skipped),
                 "tasks": [
-                    [t.id, list(t.ranks), list(t.seqs), t.ulysses, t.ring, t.ckpt_layers, round(t.start, 9)]
+                    [t.id, list(t.ranks), list(t.seqs), t.ulysses, t.ring, t.ckpt_layers,
+                     round(t.start, 9)]
                     for t in self.tasks
                 ],
             },
@@ -155,7 +170,8 @@ class Plan:
             raise ValueError(f"a plan JSON must be an object, got {type(d).__name__}")
         version = d.get("format_version", PLAN_FORMAT_VERSION)
         if version != PLAN_FORMAT_VERSION:
-            raise ValueError(f"plan format_version {version} is not supported (expected {PLAN_FORMAT_VERSION})")
+            raise ValueError(f"plan format_version {version} is not supported (expected "
+                             f"{PLAN_FORMAT_VERSION})")
         for key in ("world_size", "lengths", "tasks"):
             if key not in d:
                 raise ValueError(f"plan JSON lacks the key {key!r}")

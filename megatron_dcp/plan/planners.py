@@ -12,7 +12,7 @@ from megatron_dcp.plan.dcp import plan_dcp
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Plan
-from megatron_dcp.plan.schedule import PlanContext, padded, retime, to_plan
+from megatron_dcp.plan.schedule import PlanContext, retime, to_plan
 from megatron_dcp.plan.vocabulary import Vocabulary
 from megatron_dcp.plan.workload import WorkloadError, validate_lengths
 
@@ -32,7 +32,7 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
                      ranks_per_node=config.ranks_per_node, memory_budget=budget,
                      memory_fraction=config.memory_fraction,
                      attention_layout=config.attention_layout,
-                     ulysses_scope=config.ulysses_scope)
+                     ulysses_scope=config.ulysses_scope, max_degree=config.max_degree)
 
 
 def pack_budget(config: DCPConfig, cm: CostModel) -> Optional[int]:
@@ -47,12 +47,13 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
     top = sizes[-1]
     mode = "none" if ctx.ckpt_policy == "none" else "full"
     cap = ctx.cm.max_tokens(top, ctx.cm.model.num_layers if mode == "full" else 0)
-    largest = (cap // (2 * top)) * (2 * top) if top > 1 else cap
+    step = ctx.cm.pad_multiple(top)
+    largest = (cap // step) * step
     limit = ctx.cm.model.max_position
     skipped = []
     for i, n in enumerate(ctx.lengths):
         too_long_model = limit is not None and n > limit
-        fits = not too_long_model and ctx.ckpt_for(padded(n, top), top, mode) is not None
+        fits = not too_long_model and ctx.ckpt_for(ctx.padded(n, top), top, mode) is not None
         if fits:
             continue
         fit_len = min(largest, limit) if limit is not None else largest
@@ -121,7 +122,7 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     policy = config.policy
     meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
             "zero_stage": cm.zero_stage,
-            "vocabulary_groups": len(vocab)}
+            "vocabulary_groups": len(vocab), "communicators_per_rank": cm.communicators_per_rank}
     if not ctx.active:
         plan = Plan(tasks=(), lengths=tuple(clean), world_size=world_size, policy=policy,
                     skipped=tuple(skipped), meta=meta)

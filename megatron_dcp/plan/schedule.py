@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from megatron_dcp.plan.cost import RESERVE_BYTES, CostModel, Layout, PlanError
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.plan.vocabulary import Vocabulary
-
-
-def padded(length: int, degree: int) -> int:
-    """Tokens of a sequence after padding to a multiple of ``2 * degree`` (zigzag ring split)."""
-    if degree == 1:
-        return length
-    step = 2 * degree
-    return -(-length // step) * step
 
 
 @dataclass
@@ -61,10 +53,18 @@ class PlanContext:
         self._local_full = int(free // cm.token_bytes(self._layers))
         if not self.pairs:
             self.pairs = [self.cm.attn_pairs(n) for n in self.lengths]
+        self.padded = cm.padded
+        """Tokens of one sequence on a degree after padding (`CostModel.padded`; bound once:
+        the planner's inner loops call it hundreds of thousands of times)."""
 
     @property
     def world(self) -> int:
         return self.vocab.world_size
+
+    def padded_tokens(self, seqs: Sequence[int], degree: int) -> int:
+        """Tokens of a task over ``seqs`` on ``degree`` ranks after padding."""
+        lengths, padded = self.lengths, self.cm.padded
+        return sum(padded(lengths[s], degree) for s in seqs)
 
     def ckpt_for(self, padded_tokens: int, degree: int, mode: str) -> Optional[int]:
         """Checkpoint depth of a task under ``mode`` (min, full, none); ``None``: does not fit."""
@@ -148,12 +148,18 @@ class BlockClock:
             heapq.heapify(heap)
             self.heaps[size] = heap
         avail = self.avail
-        while True:
+        # Ranks only get busier between two placements, so each block's key is raised at most
+        # once per call: more rounds than blocks means a time that compares false with itself
+        # (NaN from a bad profile), which must be an error, not a loop that never ends.
+        for _ in range(len(heap) + 1):
             key, start = heap[0]
             actual = max(avail[start:start + size]) if size > 1 else avail[start]
             if actual <= key:
                 return start, actual
             heapq.heapreplace(heap, (actual, start))
+        raise PlanError(f"the list scheduler made no progress placing a group of {size} ranks "
+                        f"(rank free times {sorted(set(avail))[:4]}...): a task time is not a "
+                        "finite number; check the hardware profile and the cost model inputs")
 
     def occupy(self, start: int, size: int, end: float) -> None:
         """Mark ranks ``[start, start + size)`` busy until ``end``."""
@@ -164,12 +170,6 @@ class BlockClock:
         if heap[0][1] == start:
             heapq.heapreplace(heap, (end, start))
 
-    def place(self, size: int, duration: float) -> tuple[int, float]:
-        """Put a task of ``size`` ranks on the group that frees first: (start rank, start)."""
-        start, at = self.peek(size)
-        self.occupy(start, size, at + duration)
-        return start, at
-
 
 def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Sequence[int],
             meta: Optional[dict] = None) -> Plan:
@@ -179,11 +179,11 @@ def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Seq
     cm = ctx.cm
     for tid, k in enumerate(order):
         d = drafts[k]
-        tokens = sum(padded(ctx.lengths[s], d.size) for s in d.seqs)
-        tasks.append(Task(id=tid, ranks=tuple(range(d.start_rank, d.start_rank + d.size)),
-                          seqs=tuple(d.seqs), ulysses=d.layout.ulysses, ring=d.layout.ring,
-                          ckpt_layers=d.ckpt, start=d.start, duration=d.duration,
-                          memory=cm.memory_of(tokens, d.size, d.ckpt)))
+        task = Task(id=tid, ranks=tuple(range(d.start_rank, d.start_rank + d.size)),
+                    seqs=tuple(d.seqs), ulysses=d.layout.ulysses, ring=d.layout.ring,
+                    ckpt_layers=d.ckpt, start=d.start, duration=d.duration)
+        # memory with the padding of the layout the task got (the runtime's own rule)
+        tasks.append(replace(task, memory=cm.memory(task, ctx.lengths)))
     return Plan(tasks=tuple(tasks), lengths=tuple(ctx.lengths), world_size=ctx.world, policy=policy,
                 skipped=tuple(skipped), meta=dict(meta or {}))
 
@@ -193,12 +193,9 @@ def lighten(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
     (same ranks, sequences and order)."""
     result = []
     for d in drafts:
-        tokens = sum(padded(ctx.lengths[s], d.size) for s in d.seqs)
-        ckpt = ctx.ckpt_for(tokens, d.size, ctx.dcp_mode())
+        ckpt = ctx.ckpt_for(ctx.padded_tokens(d.seqs, d.size), d.size, ctx.dcp_mode())
         if ckpt is None or ckpt >= d.ckpt:
-            result.append(Draft(d.start_rank, d.size, d.seqs, d.ckpt, d.layout, d.duration,
-                                d.release,
-                                d.tokens, d.start))
+            result.append(replace(d))
         else:
             result.append(ctx.draft(d.start_rank, d.size, d.seqs, ckpt, d.release))
     return result

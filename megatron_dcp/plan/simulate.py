@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel
+from megatron_dcp.plan.hardware import layout_kind
 from megatron_dcp.plan.plan import Plan
-from megatron_dcp.plan.schedule import padded
 from megatron_dcp.plan.vocabulary import Vocabulary
 
 
@@ -82,16 +82,25 @@ def _bound(lengths: Sequence[int], cm: CostModel, world_size: Optional[int],
             return n_layers if cm.memory_of(tokens, d, n_layers) <= cm.budget else None
         return cm.min_ckpt(tokens, d)
 
-    def options(n: int, pairs: float, stop_at_no_recompute: bool):
-        """(time, work) per fitting degree, exact best layout."""
+    kinds = {layout_kind(lay.ulysses, lay.ring) for d in vocab.sizes for lay in cm.layouts(d)}
+
+    def options(n: int, pairs: float, least_work_only: bool):
+        """(time, work) per fitting degree, exact best layout. ``least_work_only``: stop once
+        no wider degree can need less work. Past the first degree without recompute, work only
+        grows with the degree within one layout kind (more communication, slower links), so
+        the search ends when every kind has been seen without recompute."""
+        seen: set[str] = set()
         for d in vocab.sizes:
-            c = ckpt(padded(n, d), d)
+            c = ckpt(cm.padded(n, d), d)
             if c is None:
                 continue
-            yield d, min(cm.time_of(n, pairs, lay, c) for lay in cm.layouts(d)), \
-                d * min(cm.marginal_time(n, pairs, lay, c, hidden) for lay in cm.layouts(d))
-            if stop_at_no_recompute and c == 0:
-                return  # wider groups only add communication work
+            layouts = cm.layouts(d)
+            yield d, min(cm.time_of(n, pairs, lay, c) for lay in layouts), \
+                d * min(cm.marginal_time(n, pairs, lay, c, hidden) for lay in layouts)
+            if least_work_only and c == 0:
+                seen.update(layout_kind(lay.ulysses, lay.ring) for lay in layouts)
+                if seen >= kinds:
+                    return
 
     work = 0.0
     seqs: list[tuple[int, float, float, float]] = []  # length, pairs, min work, time at it

@@ -33,16 +33,8 @@ from typing import Optional, Sequence
 
 import torch
 
-
-def pad_multiple(ulysses: int, ring: int) -> int:
-    """Every sequence of a task with this layout is padded to a multiple of this many tokens."""
-    return 2 * ring * ulysses if ring > 1 else ulysses
-
-
-def padded_length(n: int, ulysses: int, ring: int) -> int:
-    """Length of a sequence of ``n`` tokens after padding for a ``ulysses x ring`` group."""
-    m = pad_multiple(ulysses, ring)
-    return -(-n // m) * m
+# One padding rule for the planner's memory model and the runtime's shards.
+from megatron_dcp.plan.plan import pad_multiple, padded_length  # noqa: F401 - re-exported
 
 
 @dataclass(frozen=True)
