@@ -67,10 +67,6 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     largest = max((p.numel() for p in model.parameters()), default=0)
     ds_ready, notices = prepare_config(ds_config, world_size, cpu=cpu, dcp=dcp,
                                        largest_param_numel=largest)
-    if rank == 0:
-        for line in notices:
-            print(f"[megatron-dcp] {line}", flush=True)
-
     ds_args = None
     if args is not None:
         ds_args = copy.copy(args)
@@ -79,17 +75,26 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
         args=ds_args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, config=ds_ready, **deepspeed_kwargs)
 
-    if dcp.enabled and int(engine.zero_optimization_stage()) == 3:
-        patches.zero3_untraced_coordinator(engine)
+    wrapper = _wrap(engine, dcp, model, model_shape, hardware, notices, rank)
+    return wrapper, ds_optimizer, dataloader, scheduler
+
+
+def _wrap(engine: Any, dcp: DCPConfig, model: Any, model_shape: Any, hardware: Any,
+          notices: list, rank: int) -> DCPEngine:
+    """The DCP engine around DeepSpeed's, with its groups created (collective)."""
+    from deepspeed_plugin import patches
     from megatron_dcp.runtime.groups import GroupPool
 
-    pool = GroupPool(timeout=PROCESS_GROUP_TIMEOUT)
+    if dcp.enabled and int(engine.zero_optimization_stage()) == 3:
+        patches.zero3_untraced_coordinator(engine)
     if model_shape is None and hasattr(model, "shape"):
         model_shape = model.shape()
-    wrapper = DCPEngine(engine, dcp, model_shape=model_shape, pool=pool, hardware=hardware,
+    wrapper = DCPEngine(engine, dcp, model_shape=model_shape,
+                        pool=GroupPool(timeout=PROCESS_GROUP_TIMEOUT), hardware=hardware,
                         notices=notices)
     if dcp.enabled and model_shape is not None:
-        report = wrapper.driver.create_groups()  # every communicator now, none inside a step
-        if rank == 0:
-            print(f"[megatron-dcp] {report}", flush=True)
-    return wrapper, ds_optimizer, dataloader, scheduler
+        notices = notices + [wrapper.driver.create_groups()]  # none created inside a step
+    if rank == 0:
+        for line in notices:
+            print(f"[megatron-dcp] {line}", flush=True)
+    return wrapper

@@ -86,6 +86,23 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
     if _get(args, "sequence_parallel", False):
         problems.append("--dcp does not support --sequence-parallel yet (a DCP shard's length is "
                         "not a multiple of the tensor-parallel size)")
+    problems += _recompute_and_head_problems(args, config)
+    if problems:
+        raise DCPArgumentError("invalid DCP arguments:\n  - " + "\n  - ".join(problems))
+
+    # Megatron's per-rank token cap maps to DCP's pack budget unless that is given explicitly.
+    max_per_rank = _get(args, "max_seqlen_per_dp_cp_rank", None)
+    if max_per_rank and config.pack_tokens is None:
+        config = config.replace(pack_tokens=int(max_per_rank))
+    try:
+        config.check_world(dcp_world_size(args, world_size))
+    except DCPConfigError as err:
+        raise DCPArgumentError(f"{err} (the data-parallel size)") from None
+    return config
+
+def _recompute_and_head_problems(args: argparse.Namespace, config: DCPConfig) -> list[str]:
+    """Megatron recompute flags DCP cannot drive per task, and Ulysses degrees heads refuse."""
+    problems = []
     granularity = _get(args, "recompute_granularity", None)
     if granularity == "selective" and config.checkpoint_policy != "none":
         problems.append("--recompute-granularity selective is fixed when the model is built; DCP "
@@ -104,15 +121,4 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
             problems.append(f"--dcp-attention-layout ulysses with --dcp-max-degree "
                             f"{config.max_degree}: heads per tensor-parallel rank ({heads // tp} "
                             f"query, {kv // tp} key/value) must be divisible by the degree")
-    if problems:
-        raise DCPArgumentError("invalid DCP arguments:\n  - " + "\n  - ".join(problems))
-
-    # Megatron's per-rank token cap maps to DCP's pack budget unless that is given explicitly.
-    max_per_rank = _get(args, "max_seqlen_per_dp_cp_rank", None)
-    if max_per_rank and config.pack_tokens is None:
-        config = config.replace(pack_tokens=int(max_per_rank))
-    try:
-        config.check_world(dcp_world_size(args, world_size))
-    except DCPConfigError as err:
-        raise DCPArgumentError(f"{err} (the data-parallel size)") from None
-    return config
+    return problems

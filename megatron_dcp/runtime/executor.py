@@ -201,6 +201,16 @@ def _packed_inputs(task: Task, sequences: Sequence[torch.Tensor], weight_of: Cal
     return torch.cat(ids), torch.cat(labels), torch.cat(weights)
 
 
+def _shard_inputs(task: Task, layout: ShardLayout, sequences: Sequence[torch.Tensor],
+                  weight_of: Callable, device: Optional[torch.device]) -> tuple[torch.Tensor, ...]:
+    """This rank's shard of a task: host labels, then device ids, positions, labels, weights."""
+    ids, labels, weights = _packed_inputs(task, sequences, weight_of)
+    labels_host = layout.shard(labels, IGNORE_INDEX)
+    return (labels_host, _to_device(layout.shard(ids, 0), device),
+            _to_device(layout.position_ids, device), _to_device(labels_host, device),
+            _to_device(layout.shard(weights, 0.0), device))
+
+
 def _to_device(x: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
     """Host tensor -> ``device``: pinned and asynchronous on CUDA."""
     if device is None or device.type == "cpu":
@@ -279,6 +289,14 @@ class _Clock:
         return gap
 
 
+def _task_stats(done: list, gaps: list[float]) -> list[TaskStats]:
+    """`TaskStats` of the tasks run, from the clock's gaps (forward, backward, between)."""
+    return [TaskStats(task.id, task.degree, task.ulysses, task.ring, task.ckpt_layers,
+                      len(task.seqs), layout.num_packed, layout.num_tokens, gaps[3 * i],
+                      gaps[3 * i + 1], task.duration)
+            for i, (task, layout) in enumerate(done)]
+
+
 # ---------------------------------------------------------------------- the executor
 def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
              forward_step: ForwardStep, *, pool: GroupPool,
@@ -287,19 +305,15 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
              device: Optional[torch.device] = None, reduce_loss: bool = True) -> StepStats:
     """Run DCP rank ``rank``'s tasks of ``plan`` (forward + backward); see the module docstring.
 
-    ``sequences``: the global batch, 1-D token id tensors (host tensors preferred) indexed like
-    ``plan.lengths`` (entries no task of this rank uses may be ``None``).
-    ``forward_step(input_ids, position_ids, labels)`` runs inside the task's context
-    (`current_task()` is the task: pass it on to the model explicitly, so that recomputation on
-    another thread sees it) and returns the sum of the local token losses (labels -100 ignored),
-    or the per-token losses ``[T_local]`` (needed for ``loss_reduction="sequence"``).
-    ``backward`` defaults to ``loss.backward()``. ``max_position``: longest sequence the model
-    accepts (checked for every sequence before any task runs). ``device``: where shards go
-    (default: the host). Collective over the DCP world of ``pool``: every rank calls it once per
-    step, also a rank without a task. Gradients are not reduced here (`reduce_gradients`, the
-    engine, or `megatron_dcp.runtime.step.StepDriver`). Inside the task loop nothing waits for
-    the device: shards are built on the host and copied asynchronously, losses stay on the
-    device, timings are CUDA events read once at the end.
+    ``sequences``: the global batch (1-D token ids, host tensors preferred; entries no task of
+    this rank uses may be ``None``). ``forward_step(input_ids, position_ids, labels)`` runs
+    inside the task's context (pass `current_task()` on to the model, so a recompute on another
+    thread sees it) and returns the summed token losses (labels -100 ignored) or per-token
+    losses ``[T_local]`` (needed for ``loss_reduction="sequence"``). ``backward`` defaults to
+    ``loss.backward()``; ``max_position`` is checked for every sequence before any task runs;
+    ``device``: where shards go (default: the host). Collective over the DCP world of ``pool``,
+    once per step on every rank. Gradients are not reduced here. Nothing in the task loop waits
+    for the device (host-built shards, asynchronous copies, CUDA-event timings).
     """
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction={loss_reduction!r}: must be one of {LOSS_REDUCTIONS}")
@@ -319,15 +333,10 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
     done: list[tuple[Task, ShardLayout]] = []
     for task in plan.tasks_for_rank(rank):
         try:
-            g = task.ranks.index(rank)
             layout = ShardLayout.build([plan.lengths[s] for s in task.seqs], task.ulysses,
-                                       task.ring, g)
-            ids, labels, weights = _packed_inputs(task, sequences, weight_of)
-            labels_host = layout.shard(labels, IGNORE_INDEX)
-            ids_l = _to_device(layout.shard(ids, 0), device)
-            labels_l = _to_device(labels_host, device)
-            weights_l = _to_device(layout.shard(weights, 0.0), device)
-            pos_l = _to_device(layout.position_ids, device)
+                                       task.ring, task.ranks.index(rank))
+            labels_host, ids_l, pos_l, labels_l, weights_l = _shard_inputs(
+                task, layout, sequences, weight_of, device)
             ctx = pool.context_for(task, rank, layout)
             with task_context(ctx):
                 clock.mark()
@@ -342,21 +351,19 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
         local_tokens += int((labels_host != IGNORE_INDEX).sum())
         done.append((task, layout))
 
-    gaps = clock.seconds()
-    stats = [TaskStats(task.id, task.degree, task.ulysses, task.ring, task.ckpt_layers,
-                       len(task.seqs), layout.num_packed, layout.num_tokens, gaps[3 * i],
-                       gaps[3 * i + 1], task.duration)
-             for i, (task, layout) in enumerate(done)]
-    global_loss = float(local_loss)
-    if reduce_loss:
-        both = torch.stack([local_loss.to(comm_device or "cpu"),
-                            torch.tensor(float(local_tokens), dtype=torch.float64,
-                                         device=comm_device)])
-        dist.all_reduce(both, group=pool.world_group)
-        global_loss = float(both[0])
+    stats = _task_stats(done, clock.seconds())
+    global_loss = global_sum(float(local_loss), pool.world_group, comm_device) \
+        if reduce_loss else float(local_loss)
     return StepStats(loss=global_loss, tokens=total, local_loss=float(local_loss),
                      local_tokens=local_tokens, tasks=stats, wall_s=time.perf_counter() - t_start,
                      digest=digest, groups_created=created)
+
+
+def global_sum(value: float, group: Any, device: Optional[torch.device] = None) -> float:
+    """SUM of a float over ``group`` (one tiny all-reduce; ``device``: CUDA for NCCL)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return float(t[0])
 
 
 def reduce_gradients(params: Sequence[torch.nn.Parameter], group: Any = None) -> None:

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 from typing import Any, ContextManager, Optional, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.runtime.context import TaskContext, current_task
-from megatron_dcp.runtime.executor import StepStats, run_plan
+from megatron_dcp.runtime.executor import StepStats, global_sum, run_plan
 
 
 @dataclass
@@ -226,10 +225,10 @@ class StepDriver:
                           predicted_s=plan.makespan, grad_norm=grad_norm, stats=stats)
 
     def _global_loss(self, local_loss: float) -> float:
+        # After finish: DeepSpeed ZeRO 0/1 reduce inside a rank's last backward, which an idle
+        # rank reaches only after the task loop, so no other collective may come between.
         device = self.device if self.device is not None and self.device.type == "cuda" else None
-        t = torch.tensor([local_loss], dtype=torch.float64, device=device)
-        dist.all_reduce(t, group=self.pool.world_group)
-        return float(t[0])
+        return global_sum(local_loss, self.pool.world_group, device)
 
     def state_dict(self) -> dict[str, Any]:
         """Resumable state: the planning iteration."""
