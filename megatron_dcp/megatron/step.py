@@ -221,10 +221,12 @@ class DCPForwardBackward:
 
     def plan_for(self, lengths: Sequence[int], world_size: Optional[int] = None) -> Plan:
         """The plan of one global batch (deterministic: the same on every rank)."""
-        if world_size is not None and world_size != self.driver.world_size:
-            raise ValueError(f"plan for {world_size} ranks requested, the data-parallel size is "
-                             f"{self.driver.world_size}")
-        return self.driver.plan(lengths)
+        if world_size is None:
+            return self.driver.plan(lengths)
+        planner = StepDriver(self.config.replace(enabled=True), pool=None,
+                             model_shape=self.planning_shape(), hardware=self.hardware,
+                             zero_stage=self.zero_stage)  # plans only: no groups
+        return planner.plan(lengths, self.iteration, world_size)
 
     def planning_shape(self):
         """The `ModelShape` the planner sees: the given one, with Megatron's tensor-parallel size

@@ -160,19 +160,22 @@ class StepDriver:
         vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
         return self.pool.create_all(vocabulary)
 
-    def plan(self, lengths: Sequence[int], iteration: Optional[int] = None) -> Plan:
+    def plan(self, lengths: Sequence[int], iteration: Optional[int] = None,
+             world_size: Optional[int] = None) -> Plan:
         """The plan of a global batch with these lengths (deterministic: the same on every rank):
-        the configured planner with DCP on, `data_parallel_plan` with it off."""
+        the configured planner with DCP on, `data_parallel_plan` with it off. ``world_size``:
+        plan for another DCP world (default: the pool's; a driver without a pool plans only)."""
         lengths = [int(n) for n in lengths]
+        world_size = self.world_size if world_size is None else world_size
         if not self.config.enabled:
-            return data_parallel_plan(lengths, self.world_size)
+            return data_parallel_plan(lengths, world_size)
         from megatron_dcp.plan import make_plan
 
         if self.model_shape is None:
             raise ValueError("DCP needs the model's shape to plan: pass model_shape= (a "
                              "ModelShape; the reference models' .shape() gives it) or give "
                              "every step its plan")
-        return make_plan(lengths, world_size=self.world_size, model=self.model_shape,
+        return make_plan(lengths, world_size=world_size, model=self.model_shape,
                          config=self.config,
                          iteration=self.iteration if iteration is None else iteration,
                          hardware=self.hardware, zero_stage=self.zero_stage)
