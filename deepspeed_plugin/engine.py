@@ -1,52 +1,10 @@
 """`DCPEngine`: a DeepSpeed engine that runs one DCP plan per optimizer step, exactly.
 
-One call of ``train_step(sequences)`` is one global batch and one optimizer step, run by the
-engine-neutral `megatron_dcp.runtime.step.StepDriver`; this module supplies only DeepSpeed's
-side of its protocol (forward and loss through ``engine(...)``, ``engine.backward``, the
-accumulation boundary or coalesced reduction, ``engine.step()``). With DCP on, the planner
-decides every rank's tasks (its micro-steps: their number differs per rank); with DCP off, the
-driver runs plain data parallel (sequence ``i`` on rank ``i % world``, one sequence per
-micro-step, equal micro-step counts): the baseline the tests compare against.
-
-Exactness (the update equals single-device training on the whole batch):
-
-* loss: every rank's loss is the sum of its token losses divided by ``T`` (target tokens of the
-  *global* batch), so the SUM of gradients over ranks is the gradient of the batch mean (with
-  ``loss_reduction="sequence"`` each token is weighted by 1 / (S x targets of its sequence)
-  instead, in both modes: `megatron_dcp.runtime.executor.target_weights`);
-* DeepSpeed averages gradients over the data-parallel ranks (divides by the world size W), and
-  divides the loss by gradient_accumulation_steps: the config gets GAS = 1 (`config.py`) and the
-  loss handed to ``engine.backward`` is multiplied by W, which makes DeepSpeed's mean our SUM;
-* fp16/bf16 loss scaling, overflow skipping and gradient clipping stay DeepSpeed's: they act once,
-  in ``engine.step()``, on the fully reduced gradient, as in any DeepSpeed run.
-
-How each ZeRO stage meets a different number of micro-steps per rank (measured with DeepSpeed
-0.19.8):
-
-=========  ==================================================================  ==================
-stage      approach                                                             cost
-=========  ==================================================================  ==================
-0, 1       ``set_gradient_accumulation_boundary(False)`` on every micro-step    none: one
-           but the rank's last (True): gradients accumulate locally and the     all-reduce (0) /
-           boundary reduction runs once per rank, in its last backward          reduce (1) per step
-2          ``engine.coalesce_grad_reduction()`` around the rank's micro-steps    a full-size local
-           (GAS = 1): backward leaves gradients on the parameters; one          gradient between
-           reduce-scatter when the block exits                                  micro-steps
-3          as stage 2, and parameters kept gathered for the step (ZeRO-3's      full parameters on
-           persistence threshold = the largest parameter, config.py), and the   every rank (ZeRO-2's
-           parameter coordinator untraced (patches.py): ZeRO-3 all-gathers      parameter memory);
-           parameters in forwards and backwards and compares its module trace   no per-layer
-           across ranks with collectives at every forward, so ranks with        all-gathers, no
-           different micro-steps or recompute depths wait in different          prefetching
-           collectives (measured here: a hang, or gloo's size-mismatch abort)
-=========  ==================================================================  ==================
-
-With parameters that do not fit one rank, ZeRO-3 would need every rank to run the same number of
-forwards in lockstep (empty micro-steps for idle slots) *and* the same recompute depth per slot;
-this plugin does not do that: use ZeRO-1/2 for DCP there, or ZeRO-3 with parameters kept.
-
-A rank without a task runs one empty micro-step so that it joins the reduction
-exactly once. The empty micro-step's loss is ``0 * logits.sum()``: zero gradients, same graph.
+``train_step(sequences)`` is one global batch and one optimizer step, run by the engine-neutral
+`megatron_dcp.runtime.step.StepDriver`; this module is DeepSpeed's side of its protocol. With
+DCP off the driver runs plain data parallel (the baseline the tests compare against). How each
+ZeRO stage stays exact with a different number of micro-steps per rank, and what it costs:
+docs/DEEPSPEED.md.
 """
 
 from __future__ import annotations
