@@ -1,41 +1,15 @@
-"""A forward-backward function for Megatron-core models that runs a DCP plan.
-
-`DCPForwardBackward` is called like Megatron's ``forward_backward_func``
-(``megatron.core.pipeline_parallel.get_forward_backward_func()``) and returns the same list of
-per-micro-step loss reports, so it drops into a Megatron training loop::
+"""`DCPForwardBackward`: Megatron's ``forward_backward_func`` that runs one DCP plan per call.
 
     forward_backward = DCPForwardBackward(dcp_config, model_shape=shape)
     losses_reduced = forward_backward(forward_step_func=forward_step, data_iterator=it,
                                       model=[model], num_microbatches=1, seq_length=0,
                                       micro_batch_size=1)
 
-The step itself is the engine-neutral `megatron_dcp.runtime.step.StepDriver`; this module is
-Megatron's side of its protocol (`MegatronStepEngine`). Differences to Megatron's schedules, all
-on purpose:
-
-* ``data_iterator`` yields one *global batch* per call (a `GlobalBatch`, or a list of 1-D token
-  tensors); the plan, not ``num_microbatches``, decides this rank's micro-steps (tasks), which
-  differ between ranks. ``forward_step_func(data_iterator, model)`` is Megatron's usual one: it
-  gets an iterator with one micro-batch dict (``tokens``, ``labels``, ``loss_mask``,
-  ``position_ids``, ``attention_mask=None``, all ``[1, T_local]``: the task's shard, and
-  ``packed_seq_params``: the task, `megatron_dcp.megatron.spec.DCPTaskParams`, to pass to the
-  model as ``packed_seq_params=``; Megatron hands it to every layer's core attention, also when
-  a recomputed layer runs again in backward on CUDA's autograd thread) and returns
-  ``(output_tensor, loss_func)``; ``loss_func(output_tensor)`` must return Megatron's per-token
-  form ``(loss_sum, num_tokens, report)``.
-* Loss: every shard's token-loss sum is scaled by 1/T (T = target tokens of the global batch,
-  from the plan) before backward; Megatron's DDP must SUM gradients, so the model's config needs
-  ``calculate_per_token_loss=True`` (checked). Gradients are finalised once per step
-  (``config.finalize_model_grads_func`` or Megatron's ``finalize_model_grads``, with
-  ``num_tokens=None`` because the 1/T is already applied); micro-steps run under DDP's
-  ``no_sync`` so that uneven counts never start a reduction early. A rank without tasks still
-  joins that reduction.
-* Recompute: per task, the first ``task.ckpt_layers`` layers are recomputed through Megatron's
-  own full/block recompute (``recompute_num_layers`` is read at every forward), set around the
-  forward and restored after it.
-* Megatron code that asks ``parallel_state`` or a ``pg_collection`` for the context-parallel
-  group gets the task's group during the step (`megatron_dcp.megatron.parallel`); the patches
-  are undone when the step returns.
+``data_iterator`` yields one global batch per call; the step is the engine-neutral
+`megatron_dcp.runtime.step.StepDriver` and `MegatronStepEngine` is Megatron's side of it
+(micro-batches that carry the task as ``packed_seq_params``, per-task block recompute, DDP's
+``no_sync``, one ``finalize_model_grads``). What differs from Megatron's schedules, and why:
+docs/MEGATRON.md.
 """
 
 from __future__ import annotations
