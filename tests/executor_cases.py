@@ -9,12 +9,13 @@ the gradients and returns the loss and the gradients for comparison.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from megatron_dcp.models import Decoder, DecoderConfig, DiTConfig, VideoDiT
 from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.runtime.context import current_task
 
 # Four query heads, two KV heads: Ulysses degrees 1 and 2 divide both, 3 and 4 need ring/hybrid.
 DECODER = dict(vocab_size=48, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -66,7 +67,6 @@ def run_cases(rank: int, world_size: int, cases: list[dict]) -> dict[str, Any]:
     """Per-rank body: run every case's plan, reduce gradients, return loss / grads / stats."""
     import torch.distributed as dist
 
-    from megatron_dcp.runtime.checkpoint import RecomputeCounter
     from megatron_dcp.runtime.executor import reduce_gradients, run_plan
     from megatron_dcp.runtime.groups import GroupPool
 
@@ -161,3 +161,25 @@ def on_fresh_thread(fn) -> None:
     t.join()
     if errors:
         raise errors[0]
+
+
+class RecomputeCounter:
+    """Counts forward calls of wrapped callables: a test hook that shows which layers recomputed.
+
+    ``counter.wrap(i, fn)`` returns a callable that increments ``counter.calls[i]`` per call; a
+    recomputed layer is called twice per step (forward + recompute), any other layer once.
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[int, int] = {}
+        self.contexts: dict[int, list[Optional[TaskContext]]] = {}
+
+    def wrap(self, index: int, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """A callable that records the call (and the task context it ran under), then runs fn."""
+
+        def counted(*args: Any) -> torch.Tensor:
+            self.calls[index] = self.calls.get(index, 0) + 1
+            self.contexts.setdefault(index, []).append(current_task())
+            return fn(*args)
+
+        return counted

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_cases import build_model, make_batch
+from executor_cases import RecomputeCounter, build_model, make_batch
 from megatron_dcp.models import Decoder, DecoderConfig, DiTConfig, VideoDiT
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Task
-from megatron_dcp.runtime.checkpoint import RecomputeCounter, checkpoint_depth
+from megatron_dcp.runtime.checkpoint import checkpoint_depth
 from megatron_dcp.runtime.context import TaskContext, task_context
 from megatron_dcp.runtime.layout import ShardLayout
 

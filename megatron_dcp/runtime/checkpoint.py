@@ -77,25 +77,3 @@ def run_layer(index: int, layer: Callable[..., torch.Tensor], *args: Any,
             layer, *args, use_reentrant=False, context_fn=_recompute_contexts(ctx)
         )
     return layer(*args)
-
-
-class RecomputeCounter:
-    """Counts forward calls of wrapped callables: a test hook that shows which layers recomputed.
-
-    ``counter.wrap(i, fn)`` returns a callable that increments ``counter.calls[i]`` per call; a
-    recomputed layer is called twice per step (forward + recompute), any other layer once.
-    """
-
-    def __init__(self) -> None:
-        self.calls: dict[int, int] = {}
-        self.contexts: dict[int, list[Optional[TaskContext]]] = {}
-
-    def wrap(self, index: int, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """A callable that records the call (and the task context it ran under), then runs fn."""
-
-        def counted(*args: Any) -> torch.Tensor:
-            self.calls[index] = self.calls.get(index, 0) + 1
-            self.contexts.setdefault(index, []).append(current_task())
-            return fn(*args)
-
-        return counted
