@@ -15,8 +15,8 @@ Memory: one job per (ZeRO stage, mode), a larger model (hidden 512, 4 layers: ~1
 the fp32 states of about 200 MB are visible above the ~400 MB of the Python/torch runtime),
 sequences up to 1024 tokens; each rank reports its peak resident set size (RSS) and the RSS just
 before training.
-On CPU the planner gets this machine's numbers (``tools/profile.py`` for the benchmark's model,
-once: its pack curve sets the planner's default pack budget, ``--pack-tokens`` overrides it).
+On CPU the planner gets this machine's numbers (``tools/profile_hardware.py`` for the benchmark's
+model, once: its pack curve sets the planner's default pack budget, ``--pack-tokens`` overrides it).
 """
 
 from __future__ import annotations
@@ -206,8 +206,9 @@ def main() -> int:
         # (what the planner's default pack budget comes from) is measured again
         profile = ROOT / "runs" / f"hardware_cpu_h{args.hidden}_l{args.layers}.json"
         if not profile.exists() or "pack_curve" not in json.loads(profile.read_text()):
-            subprocess.run([sys.executable, "tools/profile.py", "--out", str(profile), "--device",
-                            "cpu", "--dtype", "float32", "--threads", "1", "--ranks", "2",
+            subprocess.run([sys.executable, "tools/profile_hardware.py", "--out", str(profile),
+                            "--device", "cpu", "--dtype", "float32", "--threads", "1",
+                            "--ranks", "2",
                             "--hidden", str(args.hidden), "--layers", str(args.layers),
                             "--heads", str(args.heads), "--kv-heads", str(args.heads),
                             "--vocab", "257", "--lengths", f"512,2048,{args.seq_length}"],

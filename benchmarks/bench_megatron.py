@@ -15,7 +15,7 @@ and
 ``dcp-d1`` (policy dcp with ``max_degree=1``: packing and balance across ranks, no sequence
 parallelism). Each step includes planning, forward/backward, gradient finalisation and the
 optimizer. Warm-up iterations are not counted. On CPU the planner gets this machine's numbers
-(``tools/profile.py --quick``, once, in runs/hardware_cpu.json).
+(``tools/profile_hardware.py --quick``, once, in runs/hardware_cpu.json).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def main() -> int:
     if args.hardware is None and not torch.cuda.is_available():
         profile = ROOT / "runs" / "hardware_cpu.json"
         if not profile.exists():
-            subprocess.check_call([sys.executable, "tools/profile.py", "--quick", "--out",
+            subprocess.check_call([sys.executable, "tools/profile_hardware.py", "--quick", "--out",
                                    str(profile), "--device", "cpu"], cwd=ROOT)
         args.hardware = str(profile)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Runtime benchmark: real 2-rank training steps of the reference decoder on a long-tailed batch.
 
-    OMP_NUM_THREADS=1 python tools/profile.py --out runs/cpu-profile.json
+    OMP_NUM_THREADS=1 python tools/profile_hardware.py --out runs/cpu-profile.json
     OMP_NUM_THREADS=1 python benchmarks/bench_runtime.py --hardware runs/cpu-profile.json
 
 Plans compared side by side in one run (interleaved, same data, same processes):
@@ -204,7 +204,7 @@ def summarise(raw: dict, world: int) -> dict:
 def main(argv=None) -> int:
     """Parse flags, spawn the ranks, print and write the summary."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hardware", required=True, help="profile JSON from tools/profile.py")
+    p.add_argument("--hardware", required=True, help="profile JSON from tools/profile_hardware.py")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)

@@ -106,8 +106,8 @@ def main(argv=None) -> int:
     if rank == 0 and engine.dcp.enabled and engine.device.type == "cpu" and \
             engine.dcp.hardware in ("h200", "h100", "a100"):
         print(f"note: the planner models {engine.dcp.hardware} GPUs while this run is on CPU; "
-              "measure this machine with tools/profile.py and pass --dcp_hardware PROFILE.json "
-              "(tools/demo.py does)", flush=True)
+              "measure this machine with tools/profile_hardware.py and pass --dcp_hardware "
+              "PROFILE.json (tools/demo.py does)", flush=True)
     for it in range(start, args.train_iters):
         docs = sampler.next_batch()
         sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]

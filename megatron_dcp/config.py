@@ -63,7 +63,7 @@ class DCPConfig:
     """Share of device memory usable when memory_budget_gb is not given."""
 
     hardware: str = "h200"
-    """Cost-model hardware: a preset name (h200, h100, a100) or a profile JSON written by tools/profile.py."""
+    """Cost-model hardware: a preset name (h200, h100, a100) or a profile JSON (tools/profile_hardware.py)."""
 
     ranks_per_node: Optional[int] = None
     """Ranks per node for the cost model's link speeds; default: the hardware preset's value."""

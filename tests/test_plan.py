@@ -293,7 +293,8 @@ def test_reused_cost_model_must_match():
     for kwargs in ({"world_size": 16}, {"world_size": 8, "zero_stage": 1},
                    {"world_size": 8, "model": load_model("gpt-1b")}):
         args = {"model": LLAMA, **kwargs}
-        with pytest.raises(PlanError, match="cost_model is for llama-7b, DCP world 8, ZeRO stage 3"):
+        with pytest.raises(PlanError,
+                           match="cost_model is for llama-7b, DCP world 8, ZeRO stage 3"):
             make_plan([100], config=DCPConfig(), cost_model=cm, **args)
 
 

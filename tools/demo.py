@@ -5,9 +5,9 @@ standard-library docstrings and sources, long-tailed, shipped in the package) wi
 for a few iterations: each line shows the plan (sequence-parallel degrees, micro-steps per rank,
 checkpointed layers, predicted step time), the loss and tokens/s. Works on CPU (gloo) and GPUs.
 On a machine without CUDA the planner's cost model needs this machine's numbers (the presets
-describe GPUs): the first run measures them once with ``tools/profile.py --quick`` (~15 s) into
-runs/hardware_cpu.json and passes it as ``--dcp_hardware``. Extra arguments are passed to
-examples/pretrain.py (e.g. ``--train-iters 20 --zero-stage 2``).
+describe GPUs): the first run measures them once with ``tools/profile_hardware.py --quick``
+(~15 s) into runs/hardware_cpu.json and passes it as ``--dcp_hardware``. Extra arguments are
+passed to examples/pretrain.py (e.g. ``--train-iters 20 --zero-stage 2``).
 """
 
 import os
@@ -43,10 +43,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         profile = ROOT / "runs" / "hardware_cpu.json"
         if not profile.exists():
-            print("+ python tools/profile.py --quick (this machine's cost-model numbers, once)",
-                  flush=True)
-            code = subprocess.call([sys.executable, "tools/profile.py", "--out", str(profile),
-                                    "--device",
+            print("+ python tools/profile_hardware.py --quick (this machine's cost-model "
+                  "numbers, once)", flush=True)
+            code = subprocess.call([sys.executable, "tools/profile_hardware.py", "--out",
+                                    str(profile), "--device",
                                     "cpu", "--dtype", "float32", "--threads", "1", "--ranks", "2",
                                     "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab",
                                     "257",
