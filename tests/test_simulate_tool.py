@@ -28,6 +28,7 @@ def test_table_for_every_policy():
     for name in ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp"):
         assert f"\n{name} " in proc.stdout
     assert "vs bucket" in proc.stdout and "lower bound" in proc.stdout
+    assert "GiB of communicators per rank" in proc.stdout
 
 
 def test_json_schema_and_saved_plan_round_trip(tmp_path):
@@ -92,6 +93,16 @@ def test_bad_input_is_a_clear_error(tmp_path, content, args, message):
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: ")
+
+
+def test_non_finite_profile_is_a_clear_error_not_a_hang(tmp_path):
+    # NaN passed validation once and the dcp planner spun forever on it
+    profile = tmp_path / "nan.json"
+    profile.write_text('{"base": "h200", "task_overhead_s": NaN}')
+    proc = run_tool("--gpus", "8", "--dist", "short", "--global-batch-tokens", "100000",
+                    "--policy", "dcp", "--hardware", str(profile), timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "nan.json" in proc.stderr and "task_overhead_s=nan" in proc.stderr
 
 
 def test_missing_files_are_clear_errors(tmp_path):

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
         validate_plan(external, model, cost_model=cm, check_times=False)
         plans["plan:" + os.path.basename(args.plan)] = external
     first = next(iter(plans.values()))
-    vocab = Vocabulary(world, cm.ranks_per_node, args.max_degree)
+    vocab = Vocabulary.for_cost_model(cm, args.max_degree)  # the planner's own
     ran = [first.lengths[s] for t in first.tasks for s in t.seqs]
     bound = lower_bound(ran, cm, world_size=world, max_degree=args.max_degree,
                         ckpt_policy=args.checkpoint_policy)
@@ -153,7 +153,9 @@ def run(args: argparse.Namespace) -> dict:
         "tokens": sum(ran), "sequences": len(lengths),
         "world_size": world, "ranks_per_node": cm.ranks_per_node, "model": model.name,
         "hardware": cm.hw.name, "zero_stage": args.zero_stage, "sync_s": cm.sync_time(),
-        "vocabulary_groups": len(vocab), "vocabulary": vocab.describe(), "policies": {},
+        "vocabulary_groups": len(vocab), "vocabulary": vocab.describe(),
+        "communicator_memory_gib": cm.communicators_per_rank * cm.hw.communicator_bytes / 2**30,
+        "policies": {},
     }
     for name, r in results.items():
         plan = plans[name]
@@ -218,7 +220,8 @@ def print_table(out: dict) -> None:
           f"lower bound {out['lower_bound_s']:.3f} s (moldable "
           f"{out['moldable_lower_bound_s']:.3f} s; both "
           f"incl. {out['sync_s']:.3f} s gradient sync)")
-    print(f"group vocabulary: {out['vocabulary']}")
+    print(f"group vocabulary: {out['vocabulary']} "
+          f"({out['communicator_memory_gib']:.1f} GiB of communicators per rank)")
     head = f"{'policy':<14}{'step s':>9}{'tokens/s':>11}{'vs bucket':>10}{'effic.':>8}" \
            f"{'(mold.)':>8}{'imbal.':>8}" \
            f"{'MFU':>6}{'recomp':>8}{'comm':>6}{'tasks':>7}{'plan ms':>9}"
