@@ -269,7 +269,8 @@ def flash_backward(name: str, call: Call, dout, q, k, v, out, lse, scale: float,
     rows = call.rows(q.device)
     qg, kg, vg = _take(q, rows.q), _take(k, rows.k), _take(v, rows.k)
     dog, og = _take(dout, rows.q).to(q.dtype), _take(out, rows.q).to(q.dtype)
-    lse_g = _take(lse, rows.q).float().t().contiguous()  # [Hq, N], as the kernels produce it
+    lse_g = lse if rows.q is None else lse.index_select(0, rows.q)
+    lse_g = lse_g.float().t().contiguous()  # [Hq, N], as the kernels produce it
     if name == "torch_flash":
         rng, unused = _device_state(q.device)
         dq, dk, dv = _TORCH_FLASH_BWD(dog, qg, kg, vg, og, lse_g, rows.cu_q, rows.cu_k,

@@ -125,3 +125,69 @@ def ring_attention(q, k, v, comm: RingComm, metas: list[TokenMeta],
     """
     groups = groups if groups is not None else [None] * len(metas)
     return RingAttention.apply(q, k, v, comm, metas, groups, causal, scale)
+
+
+def ring_in_one_process(q, k, v, lengths, ulysses: int, ring: int, *, causal: bool, scale: float,
+                        dout=None, group_of_position=None, blocks=None):
+    """A whole ``ulysses x ring`` task's attention computed in one process (benchmarks, checks).
+
+    Packed inputs ``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` of sequences ``lengths``. Every ring rank
+    merges its blocks in ring order as `RingAttention` does; Ulysses rank ``i`` works on head
+    slice ``i``. Returns packed ``[out]``, plus ``dq, dk, dv`` for upstream gradient ``dout``.
+    ``blocks``: a module with ``block_forward``, ``block_backward``, ``merge_block`` and
+    ``attention_groups`` (default: `megatron_dcp.runtime.kernels`).
+    """
+    from megatron_dcp.runtime import kernels
+    from megatron_dcp.runtime.layout import ShardLayout
+
+    mod = blocks or kernels
+    metas = [ShardLayout.build(lengths, ulysses, ring, 0).portion(j) for j in range(ring)]
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    # Index tensors built on the host and uploaded once: no device reads inside the loop.
+    rows = [torch.where(m.valid, offsets[m.seq_ids] + m.positions, 0) for m in metas]
+    kept = [(rows[j][m.valid].to(q.device), torch.nonzero(m.valid)[:, 0].to(q.device))
+            for j, m in enumerate(metas)]
+    rows = [r.to(q.device) for r in rows]
+    valid = [m.valid.to(q.device)[:, None, None] for m in metas]
+    groups = [mod.attention_groups(group_of_position, m) for m in metas]
+    hq, hkv = q.shape[1] // ulysses, k.shape[1] // ulysses
+    results = [torch.zeros_like(t) for t in ((q,) if dout is None else (q, q, k, v))]
+
+    def take(x, j, i, h):
+        y = x[rows[j], i * h:(i + 1) * h]
+        return torch.where(valid[j], y, torch.zeros_like(y))
+
+    def put(target, j, i, h, x):
+        target[kept[j][0], i * h:(i + 1) * h] = x[kept[j][1]].to(target.dtype)
+
+    with torch.no_grad():
+        for i in range(ulysses):
+            ks = [take(k, j, i, hkv) for j in range(ring)]
+            vs = [take(v, j, i, hkv) for j in range(ring)]
+            dks, dvs = [torch.zeros_like(x) for x in ks], [torch.zeros_like(x) for x in vs]
+            for j in range(ring):
+                qj = take(q, j, i, hq)
+                out = lse = None
+                for src in range(ring):
+                    o, l = mod.block_forward(qj, ks[src], vs[src], metas[j], metas[src],
+                                             causal=causal, scale=scale, q_groups=groups[j],
+                                             k_groups=groups[src])
+                    out, lse = mod.merge_block(out, lse, o, l)
+                put(results[0], j, i, hq, out)
+                if dout is None:
+                    continue
+                dq = torch.zeros_like(out)
+                for src in range(ring):
+                    a, b, c = mod.block_backward(take(dout, j, i, hq), qj, ks[src], vs[src], out,
+                                                 lse, metas[j], metas[src], causal=causal,
+                                                 scale=scale, q_groups=groups[j],
+                                                 k_groups=groups[src])
+                    dq += a
+                    dks[src] += b
+                    dvs[src] += c
+                put(results[1], j, i, hq, dq)
+            if dout is not None:
+                for j in range(ring):
+                    put(results[2], j, i, hkv, dks[j])
+                    put(results[3], j, i, hkv, dvs[j])
+    return results
