@@ -280,3 +280,41 @@ def test_flash_plumbing_with_a_cpu_stand_in(monkeypatch, causal):
         valid = ~torch.isinf(want[1])
         assert torch.equal(valid, ~torch.isinf(got[1]))
         assert torch.allclose(want[1][valid], got[1][valid], atol=1e-5)
+
+
+def _fake_flash_attn_26_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale,
+                                causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                return_softmax=False):
+    """flash-attn 2.6's varlen forward contract: 8 outputs, LSE +inf where nothing is seen."""
+    assert window_size == (-1, -1) and softcap == 0.0 and not return_softmax
+    out, lse = _fake_flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, False,
+                                   scale=softmax_scale)[:2]
+    return out, q, k, v, out, lse, None, None
+
+
+def _fake_flash_attn_26_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+                                 dropout_p, softmax_scale, causal, window_size, softcap,
+                                 alibi_slopes, deterministic, rng_state=None):
+    """flash-attn 2.6's varlen backward contract: gradients written into dq, dk, dv."""
+    grads = _fake_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p,
+                                 causal, None, None, scale=softmax_scale)
+    for buf, g in zip((dq, dk, dv), grads):
+        buf.copy_(g)
+
+
+def test_flash_attn_plumbing_with_a_cpu_stand_in(monkeypatch):
+    """The flash-attn backend: keyword names of its release, 8-output forward, +inf LSE."""
+    monkeypatch.setattr(backends, "_FA_FWD", _fake_flash_attn_26_forward)
+    monkeypatch.setattr(backends, "_FA_BWD", _fake_flash_attn_26_backward)
+    monkeypatch.setattr(backends, "FLASH_ATTN_AVAILABLE", True)
+    monkeypatch.setattr(backends, "supports", lambda name, q: name in ("flash", "torch"))
+    qm, km = _random_metas(7)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(len(qm), 4, 8, generator=gen)
+    k, v = (torch.randn(len(km), 2, 8, generator=gen) for _ in range(2))
+    want = _run_block("torch", q, k, v, qm, km, True, 0.4)
+    got = _run_block("flash", q, k, v, qm, km, True, 0.4)
+    for a, b in zip((want[0], *want[3]), (got[0], *got[3])):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    assert torch.equal(torch.isinf(want[1]), torch.isinf(got[1]))
+    assert not (got[1] == float("inf")).any()

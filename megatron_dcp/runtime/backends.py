@@ -36,8 +36,13 @@ _TORCH_FLASH_FWD = getattr(torch.ops.aten, "_flash_attention_forward", None)
 _TORCH_FLASH_BWD = getattr(torch.ops.aten, "_flash_attention_backward", None)
 
 try:  # optional: flash-attn 2, only used on CUDA in half precision
+    import flash_attn
     from flash_attn.flash_attn_interface import (_flash_attn_varlen_backward as _FA_BWD,
                                                  _flash_attn_varlen_forward as _FA_FWD)
+
+    # Older releases return a padded varlen LSE [B, H, max_q]; torch_flash serves them instead.
+    if tuple(int(x) for x in flash_attn.__version__.split(".")[:2]) < (2, 6):
+        _FA_FWD = _FA_BWD = None
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _FA_FWD = _FA_BWD = None
 
@@ -215,19 +220,20 @@ def _device_state(device: torch.device):
             torch.empty(0, device=device))
 
 
+@lru_cache(maxsize=None)
 def _flash_attn_kwargs(fn, backward: bool) -> dict:
     """Keyword arguments of flash-attn's varlen functions beyond the common ones; their names
     changed between releases (``window_size`` became ``window_size_left/right`` in 2.7)."""
     try:
         params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     except (TypeError, ValueError):
-        params = {"window_size_left": None, "softcap": None, "alibi_slopes": None}
+        params = {}
     kw = {}
     if "window_size" in params:
         kw["window_size"] = (-1, -1)
-    else:
+    else:  # 2.7 and later, or a signature that tells nothing: assume the newest
         kw.update(window_size_left=-1, window_size_right=-1)
-    if "softcap" in params:
+    if "softcap" in params or "window_size" not in params:
         kw["softcap"] = 0.0
     kw["alibi_slopes"] = None
     if backward:
