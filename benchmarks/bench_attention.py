@@ -120,7 +120,8 @@ def _baseline_kernels(rev: str):
     for name in ("kernels", "pairs"):
         src = subprocess.run(["git", "-C", root, "show", f"{rev}:megatron_dcp/runtime/{name}.py"],
                              capture_output=True, text=True, check=True).stdout
-        src = src.replace("from megatron_dcp.runtime import pairs as", "from dcp_baseline import pairs as")
+        src = src.replace("from megatron_dcp.runtime import pairs as",
+                          "from dcp_baseline import pairs as")
         with open(os.path.join(pkg, f"{name}.py"), "w") as f:
             f.write(src)
     sys.path.insert(0, os.path.dirname(pkg))
@@ -240,7 +241,8 @@ def video_table(args) -> None:
     print(f"video: {args.video_frames} frames x {args.frame_tokens} tokens = "
           f"{args.video_frames * args.frame_tokens} tokens, heads {args.heads}/{args.kv_heads}, "
           f"head_dim {args.head_dim}, float32, non-causal, forward+backward, one process each\n")
-    print("| attention groups | code | peak RSS growth (MiB) | time (s) |\n| --- | --- | ---: | ---: |")
+    print("| attention groups | code | peak RSS growth (MiB) | time (s) |\n"
+          "| --- | --- | ---: | ---: |")
     for kind in ("spatial", "temporal"):
         sums = []
         for which in ("before", "after"):
@@ -275,7 +277,8 @@ def main(argv=None) -> None:
     p.add_argument("--baseline", default=None,
                    help="git revision whose runtime/kernels.py (and pairs.py) is 'before'")
     p.add_argument("--video", action="store_true",
-                   help="peak memory and time of one video task, before vs after (needs --baseline)")
+                   help="peak memory and time of one video task, before vs after "
+                   "(needs --baseline)")
     p.add_argument("--video-frames", type=int, default=16)
     p.add_argument("--frame-tokens", type=int, default=1024)
     p.add_argument("--video-kind", choices=["spatial", "temporal"], default="spatial")

@@ -207,7 +207,8 @@ def test_backward_keeps_the_forward_backend_on_another_thread(monkeypatch):
     """CUDA runs backward on its own thread, where forced_backend is not visible."""
     used = []
     real = backends.exact_backward
-    monkeypatch.setattr(backends, "exact_backward", lambda *a, **kw: used.append(1) or real(*a, **kw))
+    monkeypatch.setattr(backends, "exact_backward",
+                        lambda *a, **kw: used.append(1) or real(*a, **kw))
     meta = TokenMeta.contiguous(6)
     q = torch.randn(6, 2, 8, requires_grad=True)
     with kernels.forced_backend("torch"):
@@ -318,3 +319,14 @@ def test_flash_attn_plumbing_with_a_cpu_stand_in(monkeypatch):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
     assert torch.equal(torch.isinf(want[1]), torch.isinf(got[1]))
     assert not (got[1] == float("inf")).any()
+
+
+def test_group_cache_of_a_shared_token_set_stays_bounded():
+    """A model making a new group function per call must not grow a long-lived cache."""
+    meta = TokenMeta.contiguous(10)
+    assert TokenMeta.contiguous(10) is meta  # shared per length
+    for _ in range(3 * kernels._CACHED_GROUPS):
+        groups = kernels.attention_groups(lambda p: p // 2, meta)
+        decompose(meta, meta, True, groups, groups)
+    assert len(meta.cache["groups"]) == kernels._CACHED_GROUPS
+    assert len(meta.cache["blocks"]) <= 64

@@ -36,6 +36,7 @@ from megatron_dcp.runtime.segments import Block, decompose, upload
 BACKENDS = ("flash", "torch_flash", "sdpa", "torch")
 _SELECTED: Optional[str] = None
 _FORCED: ContextVar[Optional[str]] = ContextVar("megatron_dcp_attention_backend", default=None)
+_CACHED_GROUPS = 16
 
 
 def selected_backend() -> str:
@@ -94,25 +95,35 @@ def attention_groups(group_of_position: Optional[Callable], meta: TokenMeta
     if group_of_position is None:
         return None
     host = meta.host()
+    known = host.cache.setdefault("groups", {})
     try:
-        key = ("groups", group_of_position)
-        entry = host.cache.get(key)
+        entry = known.get(group_of_position)
     except TypeError:  # an unhashable callable: computed on every call
-        key, entry = None, None
+        entry = None
     if entry is None:
         groups = group_of_position(host.positions)
         if not isinstance(groups, torch.Tensor) or groups.shape != host.positions.shape:
             raise ValueError("group_of_position must map a LongTensor of positions to a tensor "
                              "of group ids of the same shape")
-        entry = {"host": groups.cpu()}
-        if key is not None:
-            host.cache[key] = entry
+        entry = {"cpu": groups.cpu()}
+        try:
+            _remember(known, group_of_position, entry)
+        except TypeError:
+            pass
     device = meta.positions.device
     if str(device) not in entry:
-        entry[str(device)] = upload(entry["host"], device)
-        host.cache.setdefault("groups_host", {})[id(entry[str(device)])] = (
-            entry[str(device)], entry["host"])
+        entry[str(device)] = upload(entry["cpu"], device)
+        _remember(host.cache.setdefault("groups_host", {}), id(entry[str(device)]),
+                  (entry[str(device)], entry["cpu"]))
     return entry[str(device)]
+
+
+def _remember(cache: dict, key, value) -> None:
+    """``cache[key] = value``, keeping the newest `_CACHED_GROUPS` entries (a model that makes a
+    new group function per call must not grow the cache of a long-lived token set)."""
+    cache[key] = value
+    if len(cache) > _CACHED_GROUPS:
+        cache.pop(next(iter(cache)))
 
 
 def host_groups(groups: Optional[torch.Tensor], meta: TokenMeta) -> Optional[torch.Tensor]:
@@ -123,7 +134,8 @@ def host_groups(groups: Optional[torch.Tensor], meta: TokenMeta) -> Optional[tor
     known = meta.host().cache.setdefault("groups_host", {})
     entry = known.get(id(groups))
     if entry is None or entry[0] is not groups:
-        entry = known[id(groups)] = (groups, groups.cpu())
+        entry = (groups, groups.cpu())
+        _remember(known, id(groups), entry)
     return entry[1]
 
 
@@ -133,7 +145,8 @@ def _block(q_meta, k_meta, causal, q_groups, k_groups) -> Block:
 
 
 def run_forward(block: Block, q, k, v, scale: float, backend: str):
-    """``(out, lse)`` of a decomposed block; ``out`` may stay in the input dtype (one flash call)."""
+    """``(out, lse)`` of a decomposed block (``out`` stays in the input dtype after one flash
+    call over all rows)."""
     cdt = compute_dtype(q.dtype)
     out = lse = None
     for call in block.calls:
@@ -182,7 +195,7 @@ def block_forward(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, causal: bool
 def block_backward(dout, q, k, v, out, lse, q_meta: TokenMeta, k_meta: TokenMeta, *,
                    causal: bool, scale: float, q_groups=None, k_groups=None,
                    backend: Optional[str] = None):
-    """``dq, dk, dv`` (compute dtype) of one K/V block, from the final merged ``out`` and ``lse``."""
+    """``dq, dk, dv`` (compute dtype) of one K/V block from the final merged ``out``/``lse``."""
     block = _block(q_meta, k_meta, causal, q_groups, k_groups)
     cdt = compute_dtype(q.dtype)
     grads = run_backward(block, dout, q, k, v, out, lse, scale, resolve_backend(q, backend))

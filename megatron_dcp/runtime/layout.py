@@ -29,6 +29,7 @@ Tensor names: ``T`` tokens of a local shard, ``N`` tokens of the packed unpadded
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
@@ -92,10 +93,16 @@ class TokenMeta:
 
     @staticmethod
     def contiguous(num_tokens: int, device: Optional[torch.device] = None) -> "TokenMeta":
-        """One unpadded sequence of ``num_tokens`` tokens at positions 0..num_tokens-1."""
-        pos = torch.arange(num_tokens)
-        host = TokenMeta(pos, torch.zeros_like(pos), torch.ones(num_tokens, dtype=torch.bool))
+        """One unpadded sequence of ``num_tokens`` tokens at positions 0..num_tokens-1 (shared
+        per length, so attention outside a task reuses its decomposition and device copies)."""
+        host = TokenMeta._contiguous_host(int(num_tokens))
         return host if device is None else host.to(device)
+
+    @staticmethod
+    @lru_cache(maxsize=64)
+    def _contiguous_host(num_tokens: int) -> "TokenMeta":
+        pos = torch.arange(num_tokens)
+        return TokenMeta(pos, torch.zeros_like(pos), torch.ones(num_tokens, dtype=torch.bool))
 
 
 def _piece_positions(padded: int, ulysses: int, ring: int, ring_rank: int,

@@ -72,17 +72,11 @@ class Call:
     """``q_rows`` is every query row in order."""
     k_identity: bool
     """``k_rows`` is every key row in order."""
+    max_q: int
+    """Longest query segment."""
+    max_k: int
+    """Longest key segment."""
     _device: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def max_q(self) -> int:
-        """Longest query segment."""
-        return int(self.q_lens.max())
-
-    @property
-    def max_k(self) -> int:
-        """Longest key segment."""
-        return int(self.k_lens.max())
 
     @property
     def num_segments(self) -> int:
@@ -172,7 +166,8 @@ def _call(causal, q_sorted, q_lo, q_len, k_sorted, k_lo, k_len, num_q, num_k) ->
     k_rows = k_sorted[_expand(k_lo, k_len)]
     return Call(causal, q_rows, k_rows, q_len, k_len,
                 q_rows.numel() == num_q and torch.equal(q_rows, torch.arange(num_q)),
-                k_rows.numel() == num_k and torch.equal(k_rows, torch.arange(num_k)))
+                k_rows.numel() == num_k and torch.equal(k_rows, torch.arange(num_k)),
+                int(q_len.max()), int(k_len.max()))
 
 
 def _build(qh: TokenMeta, kh: TokenMeta, causal: bool, q_groups, k_groups) -> Block:
