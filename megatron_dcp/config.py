@@ -28,6 +28,7 @@ IGNORE_INDEX = -100
 """Label of a token without a next-token target (a sequence's last token, padding); the loss
 ignores it (torch's ``cross_entropy`` default)."""
 OVERSIZE_POLICIES = ("error", "truncate", "skip")
+SCHEDULES = ("auto", "free", "lockstep")
 
 
 class DCPConfigError(ValueError):
@@ -77,6 +78,9 @@ class DCPConfig:
     oversize_policy: str = "error"
     """A sequence that fits no degree in memory: error (name it), truncate (to the largest that fits), skip."""
 
+    schedule: str = "auto"
+    """Micro-step schedule: free (ranks run different numbers of micro-steps), lockstep (every rank runs the same slots, each slot one recompute depth: what ZeRO-2/3's sharded gradients and parameters need), auto (lockstep for ZeRO-2/3, else free)."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -93,6 +97,7 @@ class DCPConfig:
         one_of("checkpoint_policy", CHECKPOINT_POLICIES)
         one_of("loss_reduction", LOSS_REDUCTIONS)
         one_of("oversize_policy", OVERSIZE_POLICIES)
+        one_of("schedule", SCHEDULES)
         if self.max_degree is not None and (not isinstance(self.max_degree, int) or self.max_degree < 1):
             raise DCPConfigError(f"dcp.max_degree={self.max_degree!r}: must be a positive integer")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
@@ -202,6 +207,7 @@ _CHOICES = {
     "checkpoint_policy": CHECKPOINT_POLICIES,
     "loss_reduction": LOSS_REDUCTIONS,
     "oversize_policy": OVERSIZE_POLICIES,
+    "schedule": SCHEDULES,
 }
 
 
