@@ -31,14 +31,19 @@ ranks) or ring sub-group (strided ranks) inside one node uses the NVLink numbers
 inter-node ones.
 
 Memory per rank: static (bf16 params 2 B, grads 2 B, Adam fp32 states 12 B per parameter; ZeRO
-stage 1/2/3 shard states / +grads / +params over the DCP world, the ZeRO paper's 2+2+K model),
-plus ``communicators_per_rank x Hardware.communicator_bytes`` (the group vocabulary's process
+stage 1/2/3 shard states / +grads / +params over the DCP world, the ZeRO paper's 2+2+K model;
+stage 2/3 add the gradient bucket a rank fills before each reduce-scatter (DeepSpeed's
+``reduce_bucket_size``, 5e8 elements, or the model if smaller), stage 3 the parameters gathered
+at a time: two layers (the running one and the prefetched one) and the largest single weight, the
+embedding or head), plus ``communicators_per_rank x Hardware.communicator_bytes`` (the group vocabulary's process
 groups this rank belongs to), plus a fixed reserve (CUDA context, the engine's own communicators,
 fragmentation), plus per local token: ``(N-c)*A + c*2h`` (a checkpointed layer keeps its bf16
 input only) + ``A`` while one layer recomputes + fp32 logits. ``A`` (bytes per token per layer,
 flash attention, no dropout) = 2 B x (5h + 2*kv_dim + 3f) for a gated MLP (2f otherwise): norm
 inputs/outputs, q/k/v, attention output, MLP intermediates. Local tokens count the padding of
-`megatron_dcp.plan.plan.padded_length`, the runtime's own rule.
+`megatron_dcp.plan.plan.padded_length`, the runtime's own rule. Where heads are not ``h / heads``
+wide (``ModelShape.head_dim``), q, the attention output and attention FLOPs use ``heads x
+head_dim`` for ``h``; tied embeddings and q/k/v biases count in the parameters.
 
 Megatron tensor parallelism (``model.tensor_parallel = tp``): every number above is per TP rank.
 Parameters (static memory, weight streaming, gradient sync), linear and attention FLOPs (heads are
@@ -63,6 +68,8 @@ from megatron_dcp.plan.plan import Task, pad_multiple, padded_length
 from megatron_dcp.plan.vocabulary import Vocabulary, ulysses_degrees
 
 BF16 = 2
+ZERO_BUCKET_ELEMENTS = 5e8
+"""DeepSpeed's default ``reduce_bucket_size`` (elements): the gradient bucket of ZeRO-2/3."""
 RESERVE_BYTES = 4e9
 """Memory per rank not available to the planner: CUDA context, the engine's own communicators
 (data/tensor parallel), fragmentation."""
@@ -175,13 +182,16 @@ class CostModel:
         self.ulysses_scope = ulysses_scope
         h, n, f, v = m.hidden_size, m.num_layers, m.ffn_hidden_size, m.vocab_size
         self.kv_dim = kv_dim = m.kv_heads * m.head_dim
+        self.q_dim = q_dim = m.num_heads * m.head_dim  # h unless head_dim is set apart
         self.tensor_parallel = tp = m.tensor_parallel
         # per tensor-parallel rank (tp = 1: the whole model, the same integers as before)
-        full_layer = h * (h + 2 * kv_dim) + h * h + (3 if m.gated_mlp else 2) * h * f
+        full_layer = h * (q_dim + 2 * kv_dim) + q_dim * h + (3 if m.gated_mlp else 2) * h * f \
+            + (q_dim + 2 * kv_dim if m.qkv_bias else 0)
+        embeddings = (1 if m.tied_embeddings else 2) * v * h
         self.layer_params = full_layer if tp == 1 else full_layer / tp
-        self.params = n * self.layer_params + (2 * v * h if tp == 1 else 2 * v * h / tp)
+        self.params = n * self.layer_params + (embeddings if tp == 1 else embeddings / tp)
         """Parameters per tensor-parallel rank."""
-        split = 2 * h + 2 * kv_dim + (3 if m.gated_mlp else 2) * f
+        split = 2 * q_dim + 2 * kv_dim + (3 if m.gated_mlp else 2) * f
         self.act_bytes = BF16 * (3 * h + (split if tp == 1 else split / tp))
         self.ckpt_bytes = BF16 * h
         self.logit_bytes = 4 * v if tp == 1 else 4 * v / tp
@@ -230,8 +240,12 @@ class CostModel:
             states /= w
         if s >= 2:
             grads /= w
+        if s >= 2:
+            grads += BF16 * min(ZERO_BUCKET_ELEMENTS, p)
         if s >= 3:
-            params /= w
+            m = self.model
+            head = m.vocab_size * m.hidden_size / m.tensor_parallel
+            params = params / w + BF16 * min(p, 2 * self.layer_params + head)
         comms = self.communicators_per_rank * self.hw.communicator_bytes
         return params + grads + states + comms
 
@@ -328,7 +342,8 @@ class CostModel:
         gemm = (n * 2 * self.layer_params * passes + 3 * 2 * m.vocab_size * h / tp) \
             / hw.linear_flops
         weights = BF16 * self.params * passes / hw.hbm_bandwidth
-        attention = n * 4 * h / tp * (3.5 + rc) / hw.attention_rate(layout.ulysses, layout.ring)
+        attention = n * 4 * self.q_dim / tp * (3.5 + rc) \
+            / hw.attention_rate(layout.ulysses, layout.ring)
         p2p = p2p_latency = a2a = a2a_latency = tp_rate = tp_latency = 0.0
         if layout.ring > 1:
             bw, lat = (hw.intra_bandwidth, hw.intra_latency) if layout.ring_intra else \
@@ -341,7 +356,7 @@ class CostModel:
                 (hw.inter_bandwidth, hw.inter_latency)
             u = layout.ulysses
             calls = n * (2.0 + rc)
-            a2a = calls * BF16 * (2 * h + 2 * self.kv_dim) / tp * (u - 1) / u / bw
+            a2a = calls * BF16 * (2 * self.q_dim + 2 * self.kv_dim) / tp * (u - 1) / u / bw
             a2a_latency = calls * 4 * lat
         if tp > 1:
             # 2 all-reduces forward, 2 backward, 2 per recomputed layer, each of local x h bf16
@@ -474,10 +489,27 @@ class CostModel:
         states = 16.0 * self.params / (w if self.zero_stage >= 1 else 1)
         return comm + 2 * states / self.hw.hbm_bandwidth
 
+    def slot_time(self, ckpt: int) -> float:
+        """Shortest lockstep slot whose tasks recompute ``ckpt`` layers: every rank runs a
+        micro-step in every slot (an idle one a one-token task), and ZeRO moves parameters and
+        gradients over the DCP world in each: stage 3 all-gathers the bf16 parameters in forward,
+        backward and for every recomputed layer, stages 2/3 reduce-scatter the bf16 gradients.
+        That traffic overlaps the compute (prefetch, bucketed reduction): a slot lasts the
+        longer of its longest task and this time."""
+        w, s = self.world_size, self.zero_stage
+        comm = 0.0
+        if w > 1 and s >= 2:
+            bw = self.hw.intra_bandwidth if w <= self.ranks_per_node else self.hw.inter_bandwidth
+            share = (w - 1) / w * BF16 * self.params / bw
+            passes = 1.0 + (2.0 + ckpt / self.model.num_layers if s >= 3 else 0.0)
+            comm = passes * share
+        one = self.time_of(1, self.attn_pairs(1), self.layouts(1)[0], ckpt)
+        return max(one, comm)
+
     def model_flops(self, lengths: Sequence[int]) -> float:
         """Useful training FLOPs of sequences (no recompute) per tensor-parallel rank:
         6 x params x tokens + attention (the whole model's FLOPs / tp)."""
-        n, h = self.model.num_layers, self.model.hidden_size / self.tensor_parallel
+        n, h = self.model.num_layers, self.q_dim / self.tensor_parallel
         tokens = sum(lengths)
         pairs = sum(self.attn_pairs(x) for x in lengths)
         return 6.0 * self.params * tokens + 3 * 4.0 * h * n * pairs

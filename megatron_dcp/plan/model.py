@@ -33,15 +33,27 @@ class ModelShape:
     tensor_parallel: int = 1
     """Megatron tensor-parallel size: each rank holds 1/tp of the attention heads, KV heads and
     weight matrices (the cost model divides parameters, FLOPs and the split activations by it)."""
+    head_dim: Optional[int] = None
+    """Width of one attention head; default (and after construction) ``hidden_size //
+    num_heads``. Set when a model's heads are wider or narrower (Qwen3, Mistral-NeMo)."""
+    tied_embeddings: bool = False
+    """The output head shares the input embedding matrix (one ``vocab x hidden`` of parameters)."""
+    qkv_bias: bool = False
+    """The query/key/value projections have biases (Qwen2)."""
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"model.{key}={value!r}: must be a positive integer")
-        if self.hidden_size % self.num_heads:
+        if self.head_dim is not None:
+            if not isinstance(self.head_dim, int) or self.head_dim < 1:
+                raise ValueError(f"model.head_dim={self.head_dim!r}: must be a positive integer")
+        elif self.hidden_size % self.num_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
-                             f"num_heads={self.num_heads}")
+                             f"num_heads={self.num_heads} (or give head_dim)")
+        else:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.num_heads % self.kv_heads:
             raise ValueError(f"model.num_heads={self.num_heads} is not divisible by "
                              f"num_kv_heads={self.kv_heads}")
@@ -66,10 +78,6 @@ class ModelShape:
     def kv_heads_per_rank(self) -> int:
         """Key/value heads on one tensor-parallel rank."""
         return self.kv_heads // self.tensor_parallel
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,1 @@
+"""Adapters for model libraries other than Megatron-core (Hugging Face Transformers: `hf`)."""

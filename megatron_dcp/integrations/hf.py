@@ -1,0 +1,261 @@
+"""Hugging Face Transformers causal LMs (Llama, Qwen2, Mistral ...) under DCP.
+
+`enable(model)` prepares a ``PreTrainedModel`` in place: the ``"dcp"`` attention function
+(`dcp_attention` inside a task, HF's SDPA with the user's mask outside one, so evaluation and
+``generate`` still work), a per-task recompute hook on every decoder layer, ``use_cache=False``,
+and the refusals (attention dropout, sliding windows shorter than a sequence). `DCPCausalLM`
+wraps the model with the runtime's forward signature ``(input_ids [T], position_ids [T],
+task) -> logits [T, V]`` and the HF model's own parameter names, so DeepSpeed's state dict keeps
+HF's keys. Losses are computed from the logits with the project's shifted labels: HF's built-in
+loss shifts the labels again inside the row, which is wrong on a shard.
+
+The task travels as the ``dcp_task`` keyword through HF's forward to every attention call (HF
+passes unknown keywords down as ``**kwargs``) and, as part of the layer's bound forward, into
+recomputation on whatever thread runs backward. HF's mask builder takes no keywords: it reads
+`current_task`, which the wrapper enters around the call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.runtime.attention import dcp_attention
+from megatron_dcp.runtime.checkpoint import run_layer
+from megatron_dcp.runtime.context import TaskContext, current_task, task_context
+
+ATTENTION = "dcp"
+"""The name of DCP's attention in HF's ``AttentionInterface`` and ``AttentionMaskInterface``."""
+TASK_KWARG = "dcp_task"
+"""The keyword that carries the `TaskContext` through HF's forward to the attention calls."""
+
+__all__ = ["ATTENTION", "DCPCausalLM", "enable", "is_hf_model", "model_shape", "sliding_window"]
+
+
+def is_hf_model(model: Any) -> bool:
+    """Whether ``model`` is a Transformers ``PreTrainedModel`` (without importing transformers:
+    a model of that class means it is imported already)."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _longest(ctx: TaskContext) -> int:
+    return max(ctx.layout.seq_lengths) if ctx.layout is not None else 0
+
+
+def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                 scaling: Optional[float] = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """HF's attention-function signature: ``query [B, Hq, T, D]``, ``key, value [B, Hkv, T, D]``
+    -> ``(out [B, T, Hq, D], None)``.
+
+    Inside a task (``kwargs["dcp_task"]``, else `current_task`): `dcp_attention` on the local
+    shard (``B == 1``); the task's layout decides which tokens attend, so a mask, dropout or a
+    sliding window shorter than the task's longest sequence is refused. Outside a task: HF's
+    SDPA attention with the mask HF built.
+    """
+    ctx = current_task(kwargs.pop(TASK_KWARG, None))
+    if ctx is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    where = f"layer {getattr(module, 'layer_idx', '?')}, task {ctx.task.id}"
+    if query.shape[0] != 1:
+        raise ValueError(f"dcp attention ({where}): a task's shard is one row (batch 1), got "
+                         f"batch {query.shape[0]}")
+    if dropout:
+        raise ValueError(f"dcp attention ({where}): attention dropout {dropout} is not supported "
+                         "(the random stream would depend on the plan); set attention_dropout=0")
+    if attention_mask is not None:
+        raise ValueError(f"dcp attention ({where}): an attention mask was given inside a task; "
+                         "the plan's layout decides which tokens attend (pass no attention_mask)")
+    window = kwargs.get("sliding_window")
+    if window is not None and _longest(ctx) > window:
+        raise ValueError(f"dcp attention ({where}): sequence of {_longest(ctx)} tokens is longer "
+                         f"than the sliding window {window}; DCP attends causally over the whole "
+                         "sequence: cut sequences to the window or use a full-attention model")
+    # [1, H, T, D] -> [T, H, D]: HF's projections are [T, H, D] underneath, so usually no copy
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    out = dcp_attention(q, k, v, causal=getattr(module, "is_causal", True),
+                        softmax_scale=scaling, task=ctx)
+    return out.unsqueeze(0), None
+
+
+def hf_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+    """HF's mask builder for ``"dcp"``: no mask inside a task (the layout knows the sequences;
+    a shard's positions would otherwise make HF build a [T, T] mask), SDPA's mask outside."""
+    if current_task() is not None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+class _TaskRecompute:
+    """Decoder layer ``index``'s ``_gradient_checkpointing_func``: recompute the layer when
+    ``index`` < the task's recompute depth (`run_layer`), else run it as is.
+
+    HF calls it with the layer's bound forward (a ``partial`` holding the keywords, the task
+    among them) and the hidden state as the only positional argument.
+    """
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __call__(self, forward: Any, *args: Any) -> Any:
+        task = forward.keywords.get(TASK_KWARG) if isinstance(forward, functools.partial) \
+            else None
+        return run_layer(self.index, forward, *args, task=task)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _check_recompute_hooks(model: nn.Module) -> None:
+    for i, layer in enumerate(_decoder_layers(model)):
+        hook = getattr(layer, "_gradient_checkpointing_func", None)
+        if not (layer.gradient_checkpointing and isinstance(hook, _TaskRecompute)
+                and hook.index == i):
+            raise RuntimeError(
+                f"decoder layer {i} of {type(model).__name__} lost DCP's per-task recompute hook "
+                "(activation/gradient_checkpointing_enable or _disable after megatron_dcp."
+                "integrations.hf.enable?): DCP sets each task's recompute depth itself; remove "
+                "that call or call enable(model) after it")
+
+
+def sliding_window(config: Any) -> Optional[int]:
+    """The smallest attention window of the model's layers (``None``: every layer attends to
+    the whole sequence). Mistral applies ``sliding_window`` to every layer, Qwen2 only to layers
+    its ``layer_types`` mark ``sliding_attention``."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return int(window)
+
+
+def model_shape(model: nn.Module) -> ModelShape:
+    """The planner's `ModelShape` of an HF causal LM (its text config and its modules: tied
+    embeddings and q/k/v biases as the model has them)."""
+    config = model.config.get_text_config()
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    attention = next((m for m in model.modules() if hasattr(m, "q_proj")), None)
+    qkv_bias = attention is not None and attention.q_proj.bias is not None
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = output is not None and output.weight is model.get_input_embeddings().weight
+    return ModelShape(num_layers=int(config.num_hidden_layers),
+                      hidden_size=int(config.hidden_size), num_heads=heads,
+                      ffn_hidden_size=int(config.intermediate_size),
+                      vocab_size=int(config.vocab_size),
+                      num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+                      head_dim=int(head_dim), tied_embeddings=tied, qkv_bias=qkv_bias,
+                      gated_mlp=True, causal=True,
+                      max_position=getattr(config, "max_position_embeddings", None),
+                      name=str(getattr(config, "model_type", "hf")))
+
+
+def enable(model: nn.Module, *, max_sequence_length: Optional[int] = None) -> ModelShape:
+    """Prepare an HF causal LM for DCP in place and return its `ModelShape`.
+
+    Registers and selects the ``"dcp"`` attention, sets ``use_cache=False`` (a cache disables
+    HF's packed-document detection and is useless in training), and makes every decoder layer
+    recompute by the task's depth. Refuses attention dropout > 0, a model whose attention cannot
+    be replaced, and a sliding window shorter than ``max_sequence_length`` (when given; else
+    each task checks its own sequences). Calling it again is harmless.
+    """
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"enable() takes a transformers PreTrainedModel, got {type(model)}")
+    config = model.config.get_text_config()
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if dropout > 0:
+        raise ValueError(f"{type(model).__name__}: attention_dropout={dropout} is not supported "
+                         "under DCP (dropout's random stream would depend on the plan); set it "
+                         "to 0")
+    window = sliding_window(config)
+    if window is not None and max_sequence_length is not None and window < max_sequence_length:
+        raise ValueError(f"{type(model).__name__}: sliding window {window} is shorter than the "
+                         f"longest sequence ({max_sequence_length}); DCP attention is causal over "
+                         "whole sequences: cut sequences to the window")
+    # Registering under our own name (never overwriting "sdpa") leaves other models untouched.
+    AttentionInterface.register(ATTENTION, hf_attention)
+    AttentionMaskInterface.register(ATTENTION, hf_mask)
+    model.set_attn_implementation(ATTENTION)
+    if model.config._attn_implementation != ATTENTION:
+        raise ValueError(f"{type(model).__name__} does not support replacing its attention "
+                         "function (transformers' AttentionInterface): not supported by DCP")
+    model.config.use_cache = False
+    layers = _decoder_layers(model)
+    if len(layers) != int(config.num_hidden_layers):
+        raise ValueError(f"{type(model).__name__}: found {len(layers)} decoder layers, the config "
+                         f"has num_hidden_layers={config.num_hidden_layers}")
+    for i, layer in enumerate(layers):
+        # HF calls the hook only when the flag is set (and in training with grad enabled); the
+        # hook then recomputes by the task's depth, which may be 0.
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = _TaskRecompute(i)
+    return model_shape(model)
+
+
+class DCPCausalLM(nn.Module):
+    """An HF causal LM with the runtime's forward: ``(input_ids [T], position_ids [T], task)
+    -> logits [T, V]`` (what `StepDriver` engines and `deepspeed_plugin` call).
+
+    The wrapper registers the HF model's own children (``model``, ``lm_head`` ...) under their
+    own names, so its parameter names and state-dict keys are the HF model's and a DeepSpeed
+    checkpoint loads into it directly; ``causal_lm`` is the HF model (``save_pretrained``,
+    ``generate``). ``enable`` runs on construction.
+    """
+
+    def __init__(self, causal_lm: nn.Module, *,
+                 max_sequence_length: Optional[int] = None) -> None:
+        super().__init__()
+        self._shape = enable(causal_lm, max_sequence_length=max_sequence_length)
+        self.__dict__["causal_lm"] = causal_lm  # not a child: that would prefix every key
+        for name, child in causal_lm.named_children():
+            self.add_module(name, child)
+        for name, param in causal_lm.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buf in causal_lm.named_buffers(recurse=False):
+            self.register_buffer(name, buf,
+                                 persistent=name not in causal_lm._non_persistent_buffers_set)
+        self.train(causal_lm.training)
+
+    def shape(self) -> ModelShape:
+        """The model's shape for the planner's cost model."""
+        return self._shape
+
+    def train(self, mode: bool = True) -> "DCPCausalLM":
+        """Train/eval mode of the wrapper and of the HF model itself (not a child)."""
+        self.causal_lm.train(mode)
+        return super().train(mode)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                task: Optional[TaskContext] = None) -> torch.Tensor:
+        """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
+        0..T-1: one whole sequence), as the local shard of ``task`` (default `current_task`)."""
+        if input_ids.dim() != 1:
+            raise ValueError(f"DCPCausalLM: input_ids must be 1-D [tokens], "
+                             f"got {tuple(input_ids.shape)}")
+        _check_recompute_hooks(self.causal_lm)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
+        ctx = current_task(task)
+        kwargs = {TASK_KWARG: ctx} if ctx is not None else {}
+        with task_context(ctx):
+            out = self.causal_lm(input_ids=input_ids[None], position_ids=position_ids[None],
+                                 use_cache=False, **kwargs)
+        return out.logits[0]
