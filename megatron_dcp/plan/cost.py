@@ -115,6 +115,9 @@ class Terms(NamedTuple):
     """Fixed cost of running a task at all: kernel launches, hooks."""
 
 
+_new_terms = tuple.__new__
+
+
 class _Rates(NamedTuple):
     """Seconds per unit of each term for one (layout, recompute depth): per local token, per
     attention pair per rank, or per task. Computed once per task shape, then scaled."""
@@ -379,24 +382,24 @@ class CostModel:
         local = tokens / d
         if pack is None:
             pack = self._pack_factor(local) if self._pack_factor else 1.0
-        return Terms(local * r.gemm * pack, r.weights, pairs / d * r.attention, local * r.p2p,
-                     r.p2p_latency, local * r.all_to_all, r.all_to_all_latency,
-                     local * r.tensor_parallel, r.tensor_parallel_latency,
-                     local * r.per_token * pack, self.task_overhead)
-
-    def _attention_with_ring(self, t: Terms) -> float:
-        """Attention and the ring transfers on its critical path (without latencies)."""
-        overlap = self.hw.comm_overlap
-        if overlap >= 1.0:
-            return max(t.attention, t.p2p)
-        # only part of the traffic hides behind attention
-        return t.attention + t.p2p - overlap * min(t.attention, t.p2p)
+        # tuple.__new__ directly: a NamedTuple's own constructor is a Python call (hot path)
+        return _new_terms(Terms, (local * r.gemm * pack, r.weights, pairs / d * r.attention,
+                                  local * r.p2p, r.p2p_latency, local * r.all_to_all,
+                                  r.all_to_all_latency, local * r.tensor_parallel,
+                                  r.tensor_parallel_latency, local * r.per_token * pack,
+                                  self.task_overhead))
 
     def total(self, t: Terms) -> float:
-        """Predicted seconds of a task from its table."""
-        return (max(t.gemm, t.weights) + self._attention_with_ring(t) + t.p2p_latency
-                + t.all_to_all + t.all_to_all_latency + t.tensor_parallel
-                + t.tensor_parallel_latency + t.per_token + t.per_task)
+        """Predicted seconds of a task from its table: the GEMMs or the weight streaming,
+        attention with the ring transfers that do not hide behind it, everything else added."""
+        overlap = self.hw.comm_overlap
+        if overlap >= 1.0:
+            attention = max(t.attention, t.p2p)
+        else:  # only part of the traffic hides behind attention
+            attention = t.attention + t.p2p - overlap * min(t.attention, t.p2p)
+        return (max(t.gemm, t.weights) + attention + t.p2p_latency + t.all_to_all
+                + t.all_to_all_latency + t.tensor_parallel + t.tensor_parallel_latency
+                + t.per_token + t.per_task)
 
     def time_of(self, tokens: float, pairs: float, layout: Layout, ckpt: int) -> float:
         """Predicted seconds of a task."""
