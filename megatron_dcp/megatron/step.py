@@ -56,7 +56,7 @@ def _tensor_parallel_size() -> int:
 
 
 @contextmanager
-def recompute_layers(config, num_layers: int) -> Iterator[None]:
+def megatron_recompute(config, num_layers: int) -> Iterator[None]:
     """Recompute the first ``num_layers`` transformer layers in the forwards run inside.
 
     Sets Megatron's full/block recompute on the (shared) TransformerConfig and restores it.
@@ -102,7 +102,7 @@ class MegatronStepEngine:
             "packed_seq_params": DCPTaskParams.of(shard.task),
         }
         depth = shard.task.ckpt_layers if shard.task is not None and not self.forward_only else 0
-        with recompute_layers(self.mconfig, depth):
+        with megatron_recompute(self.mconfig, depth):
             output_tensor, loss_func = self.forward_step_func(iter([micro_batch]), self.model)
         outputs = loss_func(output_tensor)
         if len(outputs) != 3:
