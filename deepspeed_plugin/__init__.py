@@ -23,6 +23,7 @@ from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_con
                                      prepare_config)
 from deepspeed_plugin.engine import DCPEngine, StepResult
 from megatron_dcp.config import DCPConfig, DCPConfigError
+from megatron_dcp.integrations import hf
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
 
@@ -42,6 +43,8 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     ``dcp_config``). ``model_shape`` (a `ModelShape`; default ``model.shape()``) feeds the cost
     model, ``hardware`` overrides ``dcp.hardware``. Bad combinations raise `DCPConfigError` here,
     before any step. With DCP off the engine runs plain data parallel on the same global batches.
+    A Hugging Face ``PreTrainedModel`` is wrapped in `megatron_dcp.integrations.hf.DCPCausalLM`
+    (``engine.module``; its ``causal_lm`` is the model given).
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -50,6 +53,8 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
 
     if model is None:
         raise ValueError("deepspeed_plugin.initialize requires a model")
+    if hf.is_hf_model(model):  # the runtime's forward signature, DCP's attention and recompute
+        model = hf.DCPCausalLM(model)
     patches.apply_all()
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)

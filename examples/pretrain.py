@@ -8,7 +8,10 @@ Data: the embedded corpus (Python standard library docstrings and sources, long-
 download) or a Megatron indexed dataset (``--data-path PREFIX``, built by
 tools/build_indexed_dataset.py), byte-level tokens. Global batches hold up to
 ``--global-batch-tokens`` tokens (documents cut at ``--seq-length``); the same batches are used
-with and without ``--dcp``. Model: the reference Decoder (RoPE, GQA, SwiGLU, RMSNorm).
+with and without ``--dcp``. Model: the reference Decoder (RoPE, GQA, SwiGLU, RMSNorm), or a
+Hugging Face causal LM (``--hf-model DIR``: Llama, Qwen2, Mistral; weights optional, else a random
+init from its config.json) with a jsonl/text ``--data-path`` or the embedded corpus tokenized by
+``--tokenizer DIR`` (default: bytes); ``--save`` then also writes ``DIR/hf`` (``save_pretrained``).
 Every iteration prints the plan summary, loss and tokens/s; ``--log-json`` writes them as JSON
 lines; ``--save``/``--load`` checkpoint model, optimizer, data position and planner state.
 """
@@ -24,8 +27,10 @@ import torch
 import deepspeed
 import deepspeed_plugin
 from deepspeed_plugin.config import load_ds_config
-from megatron_dcp.data import GlobalBatchSampler, open_dataset
+from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, embedded_dataset,
+                               open_dataset, read_documents)
 from megatron_dcp.data.tokenizer import ByteTokenizer
+from megatron_dcp.integrations import hf
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
 from megatron_dcp.runtime.report import TrainingLog, plan_summary
 
@@ -39,7 +44,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     g = p.add_argument_group("training")
     g.add_argument("--data-path", default=None,
-                   help="Megatron indexed dataset PREFIX; default: embedded corpus")
+                   help="Megatron indexed dataset PREFIX, or a .jsonl/.txt file (tokenized by "
+                   "--tokenizer); default: embedded corpus")
+    g.add_argument("--hf-model", default=None,
+                   help="a Hugging Face causal LM directory (config.json, weights optional) "
+                   "instead of the reference decoder (--num-layers ... are then ignored)")
+    g.add_argument("--tokenizer", default=None,
+                   help="a local Hugging Face tokenizer directory; default: bytes")
     g.add_argument("--train-iters", type=int, default=10)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
@@ -65,6 +76,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _dataset(path, tokenizer):
+    """The embedded corpus or a jsonl/text file, tokenized by ``tokenizer``; else a Megatron
+    indexed dataset (tokens already)."""
+    if path is None:
+        return embedded_dataset(tokenizer)
+    if path.removesuffix(".gz").endswith((".jsonl", ".json", ".txt")):
+        return InMemoryTokenDataset([tokenizer.encode(t) for t in read_documents(path)], path)
+    return open_dataset(path)
+
+
+def _save_hf(engine, directory: str) -> None:
+    """The HF model as a ``save_pretrained`` directory (rank 0; ZeRO-3 gathers parameters)."""
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_stage == 3):
+        if engine.rank == 0:
+            engine.module.causal_lm.save_pretrained(directory)
+    torch.distributed.barrier()
+
+
 def main(argv=None) -> int:
     """Train; returns the process exit code."""
     args = parse_args(argv)
@@ -76,16 +106,25 @@ def main(argv=None) -> int:
         ds_config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
     args.deepspeed_config = None
 
-    tokenizer = ByteTokenizer()
-    model_cfg = DecoderConfig(vocab_size=tokenizer.vocab_size, hidden_size=args.hidden_size,
-                              num_layers=args.num_layers, num_heads=args.num_heads,
-                              num_kv_heads=args.num_kv_heads, max_position=args.seq_length)
-    model = Decoder(model_cfg, seed=args.seed)
+    tokenizer = hf.HFTokenizer(args.tokenizer) if args.tokenizer else ByteTokenizer()
+    if args.hf_model:
+        model = hf.load_causal_lm(args.hf_model)  # deepspeed_plugin wraps it (DCPCausalLM)
+        hf.enable(model, max_sequence_length=args.seq_length)  # refusals before any step
+        vocab = model.config.get_text_config().vocab_size
+    else:
+        vocab = tokenizer.vocab_size
+        model = Decoder(DecoderConfig(vocab_size=vocab, hidden_size=args.hidden_size,
+                                      num_layers=args.num_layers, num_heads=args.num_heads,
+                                      num_kv_heads=args.num_kv_heads,
+                                      max_position=args.seq_length), seed=args.seed)
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's "
+                         f"vocabulary only {vocab} (bytes need 257): pass --tokenizer")
     engine, _, _, _ = deepspeed_plugin.initialize(args=args, model=model, config=ds_config,
                                                   model_parameters=model.parameters())
     rank, world = engine.rank, engine.world_size
 
-    dataset = open_dataset(args.data_path)
+    dataset = _dataset(args.data_path, tokenizer)
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
     start = 0
@@ -102,7 +141,7 @@ def main(argv=None) -> int:
     if rank == 0 and not args.quiet:
         print(f"pretrain: {mode}, {world} ranks, ZeRO {engine.zero_stage}, data "
               f"{args.data_path or 'embedded corpus'} ({len(dataset)} documents), model "
-              f"{args.num_layers}x{args.hidden_size}", flush=True)
+              f"{args.hf_model or f'{args.num_layers}x{args.hidden_size}'}", flush=True)
     if rank == 0 and engine.dcp.enabled and engine.device.type == "cpu" and \
             engine.dcp.hardware in ("h200", "h100", "a100"):
         print(f"note: the planner models {engine.dcp.hardware} GPUs while this run is on CPU; "
@@ -122,6 +161,8 @@ def main(argv=None) -> int:
             engine.save_checkpoint(args.save, tag=f"iter_{it + 1}",
                                    client_state={"sampler": sampler.state_dict(),
                                                  "iteration": it + 1})
+    if args.save and args.hf_model:
+        _save_hf(engine, os.path.join(args.save, "hf"))
     log.close()
     return 0
 

@@ -18,8 +18,11 @@ recomputation on whatever thread runs backward. HF's mask builder takes no keywo
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,14 +36,13 @@ ATTENTION = "dcp"
 TASK_KWARG = "dcp_task"
 """The keyword that carries the `TaskContext` through HF's forward to the attention calls."""
 
-__all__ = ["ATTENTION", "DCPCausalLM", "enable", "is_hf_model", "model_shape", "sliding_window"]
+__all__ = ["ATTENTION", "DCPCausalLM", "HFTokenizer", "enable", "is_hf_model", "load_causal_lm",
+           "model_shape", "sliding_window"]
 
 
 def is_hf_model(model: Any) -> bool:
     """Whether ``model`` is a Transformers ``PreTrainedModel`` (without importing transformers:
     a model of that class means it is imported already)."""
-    import sys
-
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
@@ -259,3 +261,42 @@ class DCPCausalLM(nn.Module):
             out = self.causal_lm(input_ids=input_ids[None], position_ids=position_ids[None],
                                  use_cache=False, **kwargs)
         return out.logits[0]
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The causal LM of a local HF directory: its weights when it has them, else initialised at
+    random from its ``config.json`` (seed torch first: every rank must build the same model).
+    Nothing is downloaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path}: no config.json (a local Hugging Face model directory)")
+    if any(os.path.exists(os.path.join(path, name)) for name in WEIGHT_FILES):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+class HFTokenizer:
+    """A local HF tokenizer with `megatron_dcp.data.ByteTokenizer`'s interface (``encode``,
+    ``vocab_size``), so the data code (embedded corpus, jsonl) takes either."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.vocab_size = len(self.tokenizer)
+        self.eod = self.tokenizer.eos_token_id
+        """End of document (the tokenizer's EOS; ``None`` if it has none)."""
+
+    def encode(self, text: str, append_eod: bool = True) -> np.ndarray:
+        """Token ids of ``text`` (with the tokenizer's special tokens), EOS appended unless
+        ``append_eod`` is False."""
+        ids = self.tokenizer(text)["input_ids"]
+        if append_eod and self.eod is not None:
+            ids = ids + [self.eod]
+        return np.asarray(ids, dtype=np.int64)
