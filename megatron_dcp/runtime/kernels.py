@@ -13,11 +13,11 @@ with ``Hq % Hkv == 0`` (GQA); ``lse [Tq, Hq]``.
   call over all packed sequences (and attention groups) for degree 1 and after Ulysses.
 
 Backends (`BACKENDS`, in fallback order): ``flash`` (flash-attn 2, CUDA), ``torch_flash``
-(torch's own flash varlen ops, CUDA), ``sdpa`` (torch's fused CPU op), ``torch`` (exact kernel;
-the reference, and the only one for float64 on CUDA or fp16 on CPU). The process picks the first
-one available (`selected_backend`); `forced_backend` overrides it; a call that the chosen backend
-cannot run (device, dtype, head size) uses the next one in the order, so results never depend on
-the choice beyond rounding. Half inputs are merged in float32 (`compute_dtype`).
+(torch's own flash varlen ops, CUDA), ``sdpa`` (torch's fused CPU op), ``torch`` (exact kernel:
+the reference, and what runs float32/float64 on CUDA and float16 on the CPU). The process picks
+the first one available (`selected_backend`); `forced_backend` overrides it; a call that the
+chosen backend cannot run (device, dtype, head size) uses the next one in the order, so results
+never depend on the choice beyond rounding. Half inputs are merged in float32 (`compute_dtype`).
 """
 
 from __future__ import annotations
