@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Union
 
-from megatron_dcp.plan.schedule import BlockClock, Draft, PlanContext, lighten, retime
+from megatron_dcp.plan.schedule import (BlockClock, Draft, PlanContext, lighten, retime,
+                                        retime_slots)
 
 OVERHEAD_TASKS = 2
 """Packed tasks are allowed to grow to this many times the fixed per-task cost."""
@@ -69,6 +70,12 @@ many short sequences must fill the gaps, target slack when one long sequence bou
 The shortest plan over all passes is kept."""
 LARGE_INPUT, LARGE_INPUT_PASSES = 10_000, 4
 HUGE_INPUT, HUGE_INPUT_PASSES = 2_000_000, 2
+LOCKSTEP_PASSES = (("node", 1.0, "min"), (1, 0.25, "min"), ("node", 1.0, "full"),
+                   ("node", 0.5, "min"), (1, 0.5, "min"), (1, 0.25, "full"))
+"""(degree floor, target factor, recompute) of the lockstep passes (`megatron_dcp.plan.lockstep`):
+the target is the slot length a wide sequence should stay within (a multiple of the lower bound).
+Recompute ``full`` (every layer, where the checkpoint policy is ``auto``) fits several times the
+tokens into a slot: fewer slots, where each costs ZeRO-3's parameter all-gathers."""
 """Sequences x ranks above which only the first passes run: the planner runs ahead of every
 step and must stay within its latency budget (<= 1 s at 16,000 sequences on 1,024 ranks,
 docs/BENCHMARKS.md), and every pass re-plans the whole batch."""
@@ -102,7 +109,7 @@ class PackedTask:
     """Predicted seconds at ``degree``."""
 
 
-def _options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:
+def fill_options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:
     """Fill ``info.fits`` with (degree, ckpt) for every vocabulary size from ``start_at`` on."""
     for d in ctx.vocab.sizes:
         if d < start_at:
@@ -112,7 +119,7 @@ def _options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) ->
             info.fits.append((d, c))
 
 
-def _raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoice:
+def raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoice:
     """A copy of ``info`` at degree ``floor`` or more (fewer degrees mean less fragmentation)."""
     if info.degree >= floor:
         return info
@@ -127,7 +134,7 @@ def _raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoi
     return info
 
 
-def _degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[float, float]:
+def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[float, float]:
     """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
     cm = ctx.cm
     sizes = ctx.vocab.sizes
@@ -142,7 +149,7 @@ def _degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple
         info.time = cm.best_time(info.length, info.pairs, info.degree, info.ckpt)[0]
         if info.ckpt:
             # recompute costs work: more ranks (less recompute) may do the sequence with less work
-            _options(ctx, info, mode, info.degree)
+            fill_options(ctx, info, mode, info.degree)
             work = info.degree * info.time
             for d, c in info.fits[1:]:
                 t = cm.best_time(info.length, info.pairs, d, c)[0]
@@ -157,7 +164,7 @@ def _degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple
         if info.time <= max(per_rank, longest):
             break  # its fastest time is at most its current time: cannot raise the bound
         if not info.fits:
-            _options(ctx, info, mode, info.degree)
+            fill_options(ctx, info, mode, info.degree)
         fastest = info.time
         for d, c in info.fits:
             t = cm.best_time(info.length, info.pairs, d, c)[0]
@@ -302,20 +309,50 @@ def _passes(ctx: PlanContext) -> list[tuple[int, float, float]]:
     return passes[:LARGE_INPUT_PASSES] if size > LARGE_INPUT else passes
 
 
+def _lockstep_passes(ctx: PlanContext, mode: str) -> list[tuple[int, float, str]]:
+    """(degree floor, target factor, recompute mode) of the lockstep passes this input gets."""
+    rpn = ctx.vocab.ranks_per_node
+    passes = [(rpn if floor == "node" else floor, factor, mode if depth == "min" else depth)
+              for floor, factor, depth in LOCKSTEP_PASSES if depth == "min" or mode == "min"]
+    passes = [p for p in passes if p[0] in ctx.vocab.sizes]
+    size = len(ctx.active) * ctx.world
+    if size > HUGE_INPUT:
+        return passes[:HUGE_INPUT_PASSES]
+    return passes[:LARGE_INPUT_PASSES] if size > LARGE_INPUT else passes
+
+
 def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
-             baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None
-             ) -> tuple[list[Draft], str, dict[str, float]]:
+             baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None,
+             lockstep: bool = False) -> tuple[list[Draft], str, dict[str, float]]:
     """DCP drafts, the name of the candidate that won (``dcp(...)`` or ``<baseline>+intra``) and
-    every candidate's predicted makespan."""
+    every candidate's predicted makespan. ``lockstep``: every candidate in slots
+    (`megatron_dcp.plan.lockstep`)."""
+    # imported here: the lockstep builder reuses this module's degree choice
+    from megatron_dcp.plan.lockstep import lockstep_pass, to_slots
+
     mode = ctx.dcp_mode() if intra else ctx.baseline_mode()
     candidates: list[tuple[float, str, list[Draft]]] = []
     if inter:
         infos = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
-        per_rank, longest = _degree_choice(ctx, infos, mode)
+        per_rank, longest = degree_choice(ctx, infos, mode)
         bound = max(per_rank, longest)
-        for floor, factor, grain in _passes(ctx):
+        full = None
+        for floor, factor, depth in _lockstep_passes(ctx, mode) if lockstep else ():
+            use = infos
+            if depth != mode:
+                if full is None:
+                    full = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
+                    degree_choice(ctx, full, depth)
+                use = full
+            if floor > 1:
+                use = [raised(ctx, info, depth, floor) for info in use]
+            drafts = lockstep_pass(ctx, use, depth, max(bound * factor, longest))
+            makespan = retime_slots(drafts, ctx.cm)
+            candidates.append((makespan, f"lockstep(floor={floor},M={factor},ckpt={depth})",
+                               drafts))
+        for floor, factor, grain in () if lockstep else _passes(ctx):
             target = max(bound * factor, longest)
-            use = infos if floor == 1 else [_raised(ctx, info, mode, floor) for info in infos]
+            use = infos if floor == 1 else [raised(ctx, info, mode, floor) for info in infos]
             # tasks of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
             limit = max(grain * target, OVERHEAD_TASKS * ctx.cm.task_overhead)
             drafts = _merge_runs(ctx, _build(ctx, _pack(ctx, use, mode, limit), mode, target), mode)
@@ -332,7 +369,11 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
             continue
         if intra:
             drafts = lighten(ctx, drafts)
-        makespan = retime(drafts, ctx.world, barriers=False if inter else "rounds")
+        if lockstep:
+            drafts = to_slots(ctx, drafts)
+            makespan = retime_slots(drafts, ctx.cm)
+        else:
+            makespan = retime(drafts, ctx.world, barriers=False if inter else "rounds")
         candidates.append((makespan, f"{name}+intra" if intra else name, drafts))
     candidates.sort(key=lambda c: c[0])  # stable: ties keep the pass order
     _, name, drafts = candidates[0]

@@ -5,6 +5,12 @@ sequences (packed, varlen) run together by a group of ranks with one attention l
 (``ulysses`` x ``ring`` = group size) and one checkpoint depth. Every rank runs its tasks in
 ``(start, id)`` order, so two tasks that share ranks are ordered the same on all of them.
 
+A *lockstep* plan also gives every task a ``slot``: every rank of the world runs every slot of the
+plan, its own task of the slot or, where it has none, an empty micro-step (zero loss weight) with
+the slot's recompute depth, so all ranks issue the same sequence of engine collectives (ZeRO-3's
+per-module all-gathers, ZeRO-2's per-micro-step reduce-scatters). All tasks of a slot recompute
+the same number of layers. A plan without slots is *free*: ranks run different numbers of tasks.
+
 Group layout convention (shared by planner, cost model and runtime): group-local rank ``g`` of a
 task is ``ranks[g]``; its ring index is ``g // ulysses`` and its Ulysses index ``g % ulysses``.
 Ulysses sub-groups are therefore contiguous slices of ``ranks`` (intra-node when ranks are),
@@ -58,6 +64,8 @@ class Task:
     """Predicted run time, seconds."""
     memory: float = 0.0
     """Predicted peak memory per rank while the task runs, bytes (static memory included)."""
+    slot: Optional[int] = None
+    """Lockstep slot (0-based) of the task; ``None`` in a free plan."""
 
     @property
     def degree(self) -> int:
@@ -80,6 +88,8 @@ class Task:
         d = asdict(self)
         d["ranks"] = list(self.ranks)
         d["seqs"] = list(self.seqs)
+        if self.slot is None:
+            del d["slot"]  # free plans keep the JSON of format version 1 as it was
         return d
 
     @classmethod
@@ -94,6 +104,7 @@ class Task:
             start=float(d.get("start", 0.0)),
             duration=float(d.get("duration", 0.0)),
             memory=float(d.get("memory", 0.0)),
+            slot=int(d["slot"]) if d.get("slot") is not None else None,
         )
 
 
@@ -132,6 +143,21 @@ class Plan:
     def makespan(self) -> float:
         return max((t.end for t in self.tasks), default=0.0)
 
+    @property
+    def lockstep(self) -> bool:
+        """Whether the tasks carry slots (`validate_plan` checks: all of them or none)."""
+        return any(t.slot is not None for t in self.tasks)
+
+    def slot_depths(self) -> list[int]:
+        """Recompute depth of every slot of a lockstep plan, by slot index (``[]`` when free).
+        A slot no task uses (allowed, never planned) has depth 0."""
+        slots = [t.slot for t in self.tasks if t.slot is not None]
+        depths = [0] * (max(slots) + 1 if slots else 0)
+        for t in self.tasks:
+            if t.slot is not None:
+                depths[t.slot] = t.ckpt_layers
+        return depths
+
     def digest(self) -> str:
         """Hex digest of everything that decides execution (not ``meta``)."""
         payload = json.dumps(
@@ -141,7 +167,7 @@ class Plan:
                 "skipped": list(self.skipped),
                 "tasks": [
                     [t.id, list(t.ranks), list(t.seqs), t.ulysses, t.ring, t.ckpt_layers,
-                     round(t.start, 9)]
+                     round(t.start, 9)] + ([t.slot] if t.slot is not None else [])
                     for t in self.tasks
                 ],
             },

@@ -10,6 +10,7 @@ from megatron_dcp.plan.baselines import plan_bucket, plan_greedy_cp, plan_packed
 from megatron_dcp.plan.cost import CostModel, PlanError
 from megatron_dcp.plan.dcp import plan_dcp
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
+from megatron_dcp.plan.lockstep import to_slots
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.schedule import PlanContext, retime, to_plan
@@ -20,15 +21,32 @@ BASELINES = {"bucket": plan_bucket, "packed": plan_packed, "static": plan_static
              "greedy-cp": plan_greedy_cp}
 
 
+def schedule_for(schedule: str, zero_stage: int) -> str:
+    """``free`` or ``lockstep``: the config's ``schedule``, where ``auto`` means lockstep for
+    ZeRO-2/3 (their per-micro-step collectives must line up on every rank), else free."""
+    if schedule == "auto":
+        return "lockstep" if zero_stage >= 2 else "free"
+    return schedule
+
+
+def memory_stage(zero_stage: int, schedule: str) -> int:
+    """The ZeRO stage whose static memory a plan may assume. A free schedule under ZeRO-2/3 runs
+    as ZeRO-1 does (one coalesced reduction: a full local gradient; ZeRO-3's parameters kept
+    gathered for the step), so its sharded memory would overstate what is free."""
+    return zero_stage if schedule == "lockstep" else min(zero_stage, 1)
+
+
 def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
                      hardware: "Hardware | str | None" = None, zero_stage: int = 1) -> CostModel:
-    """The cost model ``make_plan`` uses for these settings."""
+    """The cost model ``make_plan`` uses for these settings; ``zero_stage`` is the engine's, the
+    model's static memory that of `memory_stage` under ``config.schedule``."""
     try:
         hw = load_hardware(hardware if hardware is not None else config.hardware)
     except HardwareError as err:
         raise PlanError(str(err)) from None
     budget = config.memory_budget_gb * 2**30 if config.memory_budget_gb is not None else None
-    return CostModel(model, hw, world_size=world_size, zero_stage=zero_stage,
+    stage = memory_stage(zero_stage, schedule_for(config.schedule, zero_stage))
+    return CostModel(model, hw, world_size=world_size, zero_stage=stage,
                      ranks_per_node=config.ranks_per_node, memory_budget=budget,
                      memory_fraction=config.memory_fraction,
                      attention_layout=config.attention_layout,
@@ -85,8 +103,10 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     plan, lockstep rounds kept, each task with the fewest recomputed layers that fit), and the
     baselines ``bucket``, ``packed``, ``static``, ``greedy-cp`` (`megatron_dcp.plan.baselines`).
 
-    ``hardware``: a `Hardware` or preset/profile; default ``config.hardware``. ``zero_stage`` sets
-    the static memory (ZeRO 0-3 over the DCP world; default 1, or the given cost model's).
+    ``hardware``: a `Hardware` or preset/profile; default ``config.hardware``. ``zero_stage``: the
+    engine's ZeRO stage (0-3 over the DCP world; default 1, or the given cost model's): with
+    ``config.schedule`` it decides free or lockstep slots (`schedule_for`) and the static memory
+    (`memory_stage`).
     ``iteration`` is recorded in ``plan.meta``. ``cost_model``: reuse one (its model, world size
     and ZeRO stage must match the arguments: checked). ``baseline_degree``: ``tuned`` or
     ``min`` fixed degree of the baselines (see `megatron_dcp.plan.baselines`).
@@ -100,12 +120,14 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     if not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world_size={world_size!r}: must be a positive integer")
     config.check_world(world_size)
+    if zero_stage is None:
+        zero_stage = cost_model.zero_stage if cost_model is not None else 1
+    schedule = schedule_for(config.schedule, zero_stage)
     if cost_model is None:
-        cm = build_cost_model(model, config, world_size, hardware,
-                              1 if zero_stage is None else zero_stage)
+        cm = build_cost_model(model, config, world_size, hardware, zero_stage)
     else:
         cm = cost_model
-        given = (model, world_size, cm.zero_stage if zero_stage is None else zero_stage)
+        given = (model, world_size, memory_stage(zero_stage, schedule))
         if (cm.model, cm.world_size, cm.zero_stage) != given:
             raise PlanError(f"cost_model is for {cm.model.name}, DCP world {cm.world_size}, ZeRO "
                             f"stage {cm.zero_stage}; the call asks for {model.name}, world "
@@ -120,8 +142,9 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     skip = set(skipped)
     ctx.active = [i for i in range(len(clean)) if i not in skip]
     policy = config.policy
+    lockstep = schedule == "lockstep"
     meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
-            "zero_stage": cm.zero_stage,
+            "zero_stage": zero_stage, "schedule": schedule,
             "vocabulary_groups": len(vocab), "communicators_per_rank": cm.communicators_per_rank}
     if not ctx.active:
         plan = Plan(tasks=(), lengths=tuple(clean), world_size=world_size, policy=policy,
@@ -130,13 +153,17 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
         return plan
     if policy in BASELINES:
         drafts = BASELINES[policy](ctx)
-        retime(drafts, world_size, barriers=True)
+        if lockstep:
+            drafts = to_slots(ctx, drafts)
+        else:
+            retime(drafts, world_size, barriers=True)
     elif policy == "dcp-intra":
-        drafts, meta["candidate"], meta["candidates"] = plan_dcp(ctx, inter=False, intra=True,
-                                                                 baselines={"bucket": plan_bucket})
+        drafts, meta["candidate"], meta["candidates"] = plan_dcp(
+            ctx, inter=False, intra=True, baselines={"bucket": plan_bucket}, lockstep=lockstep)
     else:
         drafts, meta["candidate"], meta["candidates"] = plan_dcp(
-            ctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=BASELINES)
+            ctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=BASELINES,
+            lockstep=lockstep)
     plan = to_plan(ctx, drafts, policy, skipped, meta)
     plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
     return plan

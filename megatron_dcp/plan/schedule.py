@@ -25,6 +25,8 @@ class Draft:
     """Earliest start (a lockstep baseline's round barrier); 0 for free-running plans."""
     tokens: int = 0
     start: float = 0.0
+    slot: Optional[int] = None
+    """Lockstep slot; ``None`` in a free schedule."""
 
 
 @dataclass
@@ -130,6 +132,24 @@ def retime(drafts: Sequence[Draft], world: int, barriers: "bool | str" = True) -
     return end_max
 
 
+def retime_slots(drafts: Sequence[Draft], cm: CostModel) -> float:
+    """Start times of a lockstep schedule: slot ``k`` starts when slot ``k - 1`` has ended and
+    lasts the longer of its longest task and `CostModel.slot_time` (every rank runs a micro-step
+    in every slot). Every draft needs a slot. Returns the makespan (the simulator's rule too)."""
+    slot_len: dict[int, float] = {}
+    depth: dict[int, int] = {}
+    for d in drafts:
+        slot_len[d.slot] = max(slot_len.get(d.slot, 0.0), d.duration)
+        depth[d.slot] = d.ckpt
+    starts, clock = {}, 0.0
+    for k in sorted(slot_len):
+        starts[k] = clock
+        clock += max(slot_len[k], cm.slot_time(depth[k]))
+    for d in drafts:
+        d.start = starts[d.slot]
+    return clock
+
+
 class BlockClock:
     """Rank availability with, per group size, a lazy heap of blocks keyed by their free time."""
 
@@ -181,7 +201,7 @@ def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Seq
         d = drafts[k]
         task = Task(id=tid, ranks=tuple(range(d.start_rank, d.start_rank + d.size)),
                     seqs=tuple(d.seqs), ulysses=d.layout.ulysses, ring=d.layout.ring,
-                    ckpt_layers=d.ckpt, start=d.start, duration=d.duration)
+                    ckpt_layers=d.ckpt, start=d.start, duration=d.duration, slot=d.slot)
         # memory with the padding of the layout the task got (the runtime's own rule)
         tasks.append(replace(task, memory=cm.memory(task, ctx.lengths)))
     return Plan(tasks=tuple(tasks), lengths=tuple(ctx.lengths), world_size=ctx.world, policy=policy,

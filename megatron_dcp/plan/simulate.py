@@ -2,8 +2,10 @@
 
 Semantics: every rank runs its tasks in the plan's global ``(start, id)`` order; a task starts when
 all its ranks are free and not before its planned ``start`` (a lockstep baseline's round barrier);
-its duration comes from the cost model for the ranks it is placed on (not from the plan). The step
-ends with one gradient reduction and optimizer step (``sync_s``, the same for every policy).
+its duration comes from the cost model for the ranks it is placed on (not from the plan). A
+lockstep plan runs slot after slot: a slot starts when the previous one has ended and lasts the
+longer of its longest task and `CostModel.slot_time` (the planner's rule, `retime_slots`). The
+step ends with one gradient reduction and optimizer step (``sync_s``, the same for every policy).
 """
 
 from __future__ import annotations
@@ -146,6 +148,18 @@ def _bound(lengths: Sequence[int], cm: CostModel, world_size: Optional[int],
     return low
 
 
+def _slot_starts(plan: Plan, cm: CostModel, parts: Sequence) -> list[float]:
+    """Start of every slot of a lockstep plan, and its end as the last entry."""
+    depths = plan.slot_depths()
+    length = [cm.slot_time(c) for c in depths]
+    for t, p in zip(plan.tasks, parts):
+        length[t.slot] = max(length[t.slot], p.total)
+    starts = [0.0]
+    for x in length:
+        starts.append(starts[-1] + x)
+    return starts
+
+
 def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
              moldable_bound: Optional[float] = None, max_degree: Optional[int] = None,
              ckpt_policy: str = "auto") -> SimResult:
@@ -157,9 +171,13 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
     starts, durations = [], []
     comm = recompute = total = 0.0
     end_max = 0.0
-    for t in plan.tasks:  # already in (start, id) order
-        parts = cm.task_breakdown(t, plan.lengths)
-        start = max(t.start, max(avail[r] for r in t.ranks))
+    parts_of = [cm.task_breakdown(t, plan.lengths) for t in plan.tasks]
+    slot_start = _slot_starts(plan, cm, parts_of) if plan.lockstep else None
+    for t, parts in zip(plan.tasks, parts_of):  # already in (start, id) order
+        if slot_start is not None:
+            start = slot_start[t.slot]
+        else:
+            start = max(t.start, max(avail[r] for r in t.ranks))
         end = start + parts.total
         for r in t.ranks:
             avail[r] = end
@@ -171,6 +189,8 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
         comm += parts.comm * d
         recompute += parts.recompute * d
         total += parts.total * d
+    if slot_start is not None:
+        end_max = slot_start[-1]  # the end of the last slot
     seqs = [s for t in plan.tasks for s in t.seqs]
     tokens = sum(plan.lengths[s] for s in seqs)
     sync = cm.sync_time()

@@ -23,6 +23,9 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
     ``check_times``: no rank in two tasks at once (by predicted start and duration), and tasks that
     share ranks are ordered the same on all of them (guaranteed by the global (start, id) order,
     checked on the per-rank lists); with ``vocabulary``: every group is one of its groups.
+    Lockstep plans (`Plan.lockstep`): every task has a slot >= 0, a rank is in at most one task
+    per slot, its tasks' slots rise in its execution order, and the tasks of a slot recompute the
+    same number of layers (so every rank issues the same engine collectives slot by slot).
     """
     model = model or (cost_model.model if cost_model else None)
     n = len(plan.lengths)
@@ -73,6 +76,8 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
             seen[s] = t.id
         if t.duration < 0 or t.start < 0:
             raise PlanError(f"task {t.id}: negative start or duration")
+    if plan.lockstep:
+        _check_slots(plan)
     missing = [s for s in range(n) if s not in seen and s not in skipped]
     if missing:
         raise PlanError(f"sequence(s) {missing[:10]} are in no task (and not skipped)")
@@ -95,3 +100,26 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
                                     f"(starts at {t.start:.6f} s before {last_end[r]:.6f} s)")
                 last_end[r] = t.start + t.duration
                 last_task[r] = t.id
+
+
+def _check_slots(plan: Plan) -> None:
+    """The slot rules of a lockstep plan (see `validate_plan`)."""
+    depth: dict[int, tuple[int, int]] = {}  # slot -> (ckpt_layers, first task id)
+    last = [(-1, -1)] * plan.world_size  # per rank: (slot, task id) of its previous task
+    for t in plan.tasks:  # (start, id) order: the order every rank runs its tasks in
+        if t.slot is None or t.slot < 0:
+            raise PlanError(f"task {t.id} has slot {t.slot!r} in a lockstep plan (every task "
+                            "needs a slot >= 0)")
+        c, first = depth.setdefault(t.slot, (t.ckpt_layers, t.id))
+        if c != t.ckpt_layers:
+            raise PlanError(f"slot {t.slot}: task {t.id} recomputes {t.ckpt_layers} layers, task "
+                            f"{first} {c}: the tasks of a slot need one recompute depth")
+        for r in t.ranks:
+            slot, tid = last[r]
+            if t.slot == slot:
+                raise PlanError(f"rank {r} is in task {tid} and task {t.id}, both in slot "
+                                f"{t.slot}")
+            if t.slot < slot:
+                raise PlanError(f"rank {r} runs task {tid} (slot {slot}) before task {t.id} "
+                                f"(slot {t.slot}): slots must rise in execution order")
+            last[r] = (t.slot, t.id)

@@ -1,0 +1,315 @@
+"""Lockstep schedules: every rank runs the same micro-step slots, each slot one recompute depth.
+
+ZeRO-3 all-gathers every module's parameters over the DCP world in forward, backward and
+recompute, ZeRO-2 reduce-scatters gradients in every backward: both need every rank to run the
+same number of micro-steps, and ZeRO-3 the same modules in each (the same recompute depth). In a
+lockstep plan a slot lasts as long as its longest task (`retime_slots`); a rank without a task in
+a slot runs an empty micro-step of the slot's depth. So DCP keeps its freedom inside a slot:
+groups of any size side by side, short sequences packed to the slot's length.
+
+`lockstep_pass` builds slots in three steps, longest work first:
+
+1. *Wide or deep items* (a sequence whose degree is above 1 or that needs more recompute than
+   the short ones): each slot is opened by the longest one left (its length and depth are the
+   slot's); later ones join the first slot where a free group of their degree (or a wider one,
+   while work grows less than `MAX_WORK_GROWTH`) finishes within the slot at its depth, or pack
+   into a group of their degree already there.
+2. *Short items* (one rank, the base depth) fill the ranks those slots leave free, worst-fit
+   decreasing (each to the rank of a slot with the most time left, packed into one task).
+3. The short items left over get slots of their own: as few as memory (and ``pack_tokens``)
+   allow, every rank's task balanced to the same length.
+
+`to_slots` turns any free schedule (the baselines') into a lockstep one in its own order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+from megatron_dcp.plan.dcp import MAX_WORK_GROWTH, SeqChoice, fill_options
+from megatron_dcp.plan.schedule import Draft, PlanContext, retime_slots
+
+MEMORY_SLACK = 0.9
+"""Step 3 plans the short items' slots to fill at most this share of a rank's token capacity:
+packing is not perfect, and a slot that overflows would need another."""
+
+
+@dataclass
+class _Item:
+    """One sequence with the degree and depth it runs at, and its time there."""
+
+    seq: int
+    degree: int
+    ckpt: int
+    time: float
+    options: list[tuple[int, int]] = field(default_factory=list)
+    """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where it
+    fits."""
+    times: dict[tuple[int, int], float] = field(default_factory=dict)
+    """Time by (degree, depth), filled as slots ask."""
+
+
+class _Task:
+    """A task of a slot being filled: a group of ranks and the sequences packed on it."""
+
+    __slots__ = ("slot", "start", "size", "seqs", "padded", "raw", "pairs", "time")
+
+    def __init__(self, slot: "_Slot", start: int, size: int) -> None:
+        self.slot, self.start, self.size = slot, start, size
+        self.seqs: list[int] = []
+        self.padded = 0
+        """Tokens after padding at ``size``: what the task's memory counts."""
+        self.raw = 0
+        self.pairs = 0.0
+        self.time = 0.0
+
+    def add(self, ctx: PlanContext, seq: int, padded: int, time: float) -> None:
+        self.seqs.append(seq)
+        self.padded, self.raw = padded, self.raw + ctx.lengths[seq]
+        self.pairs += ctx.pairs[seq]
+        self.time = time
+
+    def with_seq(self, ctx: PlanContext, seq: int, mode: str) -> Optional[tuple[int, float]]:
+        """(padded tokens, time) of the task with ``seq`` added; ``None`` if that does not fit
+        the slot's depth, the pack budget (a sequence alone may exceed it) or its length."""
+        padded = self.padded + ctx.padded(ctx.lengths[seq], self.size)
+        if self.seqs and ctx.pack_tokens and padded > ctx.pack_tokens:
+            return None
+        c = ctx.ckpt_for(padded, self.size, mode)
+        if c is None or c > self.slot.depth:
+            return None
+        t = ctx.cm.best_time(self.raw + ctx.lengths[seq], self.pairs + ctx.pairs[seq],
+                             self.size, self.slot.depth)[0]
+        return (padded, t) if t <= self.slot.length else None
+
+
+@dataclass
+class _Slot:
+    """A slot being filled: its depth, its length (its first task's time) and its tasks."""
+
+    depth: int
+    length: float
+    busy: bytearray
+    tasks: list[_Task] = field(default_factory=list)
+    room: dict[int, float] = field(default_factory=dict)
+    """Most time left in a task of each group size."""
+    no_block: set[int] = field(default_factory=set)
+    """Sizes of which no free group is left."""
+
+
+def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int) -> _Item:
+    """The smallest degree at which the sequence finishes within ``target`` without recompute
+    beyond ``base`` (a deeper slot makes every task in it recompute), else the smallest at which
+    it finishes within ``target``, else the fastest before work grows by `MAX_WORK_GROWTH`."""
+    if not info.fits:
+        fill_options(ctx, info, mode, info.degree)
+    for d, c in info.fits:
+        if c <= base:
+            t = ctx.cm.best_time(info.length, info.pairs, d, c)[0]
+            if t <= target:
+                item = _Item(info.i, d, c, t)
+                item.options = [(d2, c2) for d2, c2 in info.fits if d2 >= d]
+                return item
+            break
+    best, work = None, None
+    for d, c in info.fits:
+        t = ctx.cm.best_time(info.length, info.pairs, d, c)[0]
+        if work is None:
+            work = d * t
+        elif d * t > MAX_WORK_GROWTH * work:
+            break
+        if t <= target:
+            best = _Item(info.i, d, c, t)
+            break
+        if best is None or t < best.time:
+            best = _Item(info.i, d, c, t)
+    item = best or _Item(info.i, info.degree, info.ckpt, info.time)
+    item.options = [(d, c) for d, c in info.fits if d >= item.degree]
+    return item
+
+
+def _free_block(ctx: PlanContext, slot: _Slot, size: int) -> Optional[int]:
+    """First vocabulary group of ``size`` ranks that is free in a slot."""
+    if size in slot.no_block:
+        return None
+    busy = slot.busy
+    for start in ctx.vocab.starts(size):
+        if not any(busy[start:start + size]):
+            return start
+    slot.no_block.add(size)  # ranks only get busier
+    return None
+
+
+def _time(ctx: PlanContext, item: _Item, degree: int, depth: int) -> float:
+    key = (degree, depth)
+    t = item.times.get(key)
+    if t is None:
+        s = item.seq
+        t = item.times[key] = ctx.cm.best_time(ctx.lengths[s], ctx.pairs[s], degree, depth)[0]
+    return t
+
+
+def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
+    """Put a wide or deep item into ``slot`` if it finishes within the slot at its depth: packed
+    into the task of its degree with the most time left, or on a free group of its degree (or a
+    wider one, while its work grows less than `MAX_WORK_GROWTH`)."""
+    size = item.degree
+    # packing adds at least the item's time less the fixed per-task cost
+    if slot.room.get(size, -1.0) >= _time(ctx, item, size, slot.depth) - ctx.cm.task_overhead:
+        task = min((t for t in slot.tasks if t.size == size), key=lambda t: t.time)
+        fit = task.with_seq(ctx, item.seq, mode)
+        if fit is not None:
+            task.add(ctx, item.seq, *fit)
+            slot.room[size] = max(slot.length - t.time for t in slot.tasks if t.size == size)
+            return True
+    work = None
+    for d, c in item.options:
+        if c > slot.depth:
+            continue
+        t = _time(ctx, item, d, slot.depth)
+        if work is None:
+            work = d * t
+        elif d * t > MAX_WORK_GROWTH * work:
+            return False
+        if t > slot.length:
+            continue
+        start = _free_block(ctx, slot, d)
+        if start is not None:
+            _occupy(ctx, slot, start, d).add(ctx, item.seq, ctx.padded(ctx.lengths[item.seq], d),
+                                             t)
+            slot.room[d] = max(slot.room.get(d, -1.0), slot.length - t)
+            return True
+    return False
+
+
+def _occupy(ctx: PlanContext, slot: _Slot, start: int, size: int) -> _Task:
+    """A new, empty task on ranks ``[start, start + size)`` of ``slot``."""
+    task = _Task(slot, start, size)
+    slot.tasks.append(task)
+    slot.busy[start:start + size] = b"\x01" * size
+    return task
+
+
+def _fill(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode: str) -> list[_Item]:
+    """Worst-fit decreasing of single-rank items (longest first) into ``tasks``: each to the one
+    with the most time left of the few emptiest where it fits (an empty rank, or packed into a
+    wider group's task: its ranks share it). Returns the items left over."""
+    heap = [(t.time - t.slot.length, k) for k, t in enumerate(tasks)]
+    heapq.heapify(heap)
+    left = []
+    for item in items:
+        tried, placed = [], False
+        while heap and len(tried) < 4:
+            entry = heapq.heappop(heap)
+            tried.append(entry)
+            task = tasks[entry[1]]
+            fit = task.with_seq(ctx, item.seq, mode)
+            if fit is not None:
+                task.add(ctx, item.seq, *fit)
+                tried[-1] = (task.time - task.slot.length, entry[1])
+                placed = True
+                break
+        for entry in tried:
+            heapq.heappush(heap, entry)
+        if not placed:
+            left.append(item)
+    return left
+
+
+def _least_loaded(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode: str
+                  ) -> list[_Item]:
+    """Each item into the least busy of ``tasks`` where memory allows, its slot growing past
+    its planned length if need be (a few items left over from `_fill` do not justify a slot of
+    their own). Returns the items that fit nowhere."""
+    left = []
+    for item in items:
+        for task in sorted(tasks, key=lambda t: t.time)[:4]:
+            saved, task.slot.length = task.slot.length, float("inf")
+            fit = task.with_seq(ctx, item.seq, mode)
+            task.slot.length = saved
+            if fit is not None:
+                task.add(ctx, item.seq, *fit)
+                task.slot.length = max(saved, task.time)
+                break
+        else:
+            left.append(item)
+    return left
+
+
+def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, target: float
+                  ) -> list[Draft]:
+    """One lockstep schedule (see the module docstring); ``target``: the slot length a wide
+    sequence should stay within (its degree is raised for it). Returns timed drafts."""
+    world, cm = ctx.world, ctx.cm
+    base = cm.model.num_layers if mode == "full" else 0
+    wide, short = [], []
+    for info in infos:
+        if info.degree > 1 or info.ckpt > base:
+            wide.append(_choose(ctx, info, mode, target, base))
+        else:
+            short.append(_Item(info.i, 1, info.ckpt, info.time))
+    wide.sort(key=lambda x: (-x.time, x.seq))
+    short.sort(key=lambda x: (-x.time, x.seq))
+    slots: list[_Slot] = []
+    for item in wide:
+        if not any(_join(ctx, slot, item, mode) for slot in slots
+                   if slot.depth >= item.ckpt):
+            # a slot bound by ZeRO's traffic has room for more work at no cost
+            slot = _Slot(item.ckpt, max(item.time, cm.slot_time(item.ckpt)), bytearray(world))
+            task = _occupy(ctx, slot, _free_block(ctx, slot, item.degree), item.degree)
+            task.add(ctx, item.seq, ctx.padded(ctx.lengths[item.seq], item.degree), item.time)
+            slot.room[item.degree] = slot.length - item.time
+            slots.append(slot)
+    # step 2: short items on the ranks left free and in the wide tasks' spare time
+    tasks = [t for slot in slots for t in slot.tasks]
+    tasks += [_occupy(ctx, slot, r, 1) for slot in slots for r in range(world)
+              if not slot.busy[r]]
+    left = _fill(ctx, tasks, short, mode)
+    while left:  # step 3: slots of short sequences only, as few as memory allows
+        cap = min(ctx.pack_tokens or math.inf, cm.max_tokens(1, base)) * MEMORY_SLACK
+        count = max(1, math.ceil(sum(ctx.lengths[x.seq] for x in left) / (world * cap)))
+        work = sum(x.time for x in left)
+        length = max(left[0].time, work / (world * count), cm.slot_time(base))
+        new = []
+        for _ in range(count):
+            slot = _Slot(base, length, bytearray(world))
+            slots.append(slot)
+            new += [_occupy(ctx, slot, r, 1) for r in range(world)]
+        left = _least_loaded(ctx, new, _fill(ctx, new, left, mode), mode)
+    drafts = []
+    for k, slot in enumerate(s for s in slots if any(t.seqs for t in s.tasks)):
+        for t in slot.tasks:
+            if t.seqs:
+                draft = ctx.draft(t.start, t.size, t.seqs, slot.depth)
+                draft.slot = k
+                drafts.append(draft)
+    retime_slots(drafts, cm)
+    return drafts
+
+
+def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
+    """A free schedule in lockstep: each task in the first slot after its ranks' previous tasks
+    (its own order kept), every task of a slot at the slot's deepest recompute. Timed."""
+    order = sorted(drafts, key=lambda d: (d.start, d.start_rank))
+    next_slot = [0] * ctx.world
+    placed = []
+    for d in order:
+        ranks = range(d.start_rank, d.start_rank + d.size)
+        k = max(next_slot[r] for r in ranks)
+        for r in ranks:
+            next_slot[r] = k + 1
+        placed.append((k, d))
+    depth: dict[int, int] = {}
+    for k, d in placed:
+        depth[k] = max(depth.get(k, 0), d.ckpt)
+    out = []
+    for k, d in placed:
+        new = ctx.draft(d.start_rank, d.size, d.seqs, depth[k], layout=d.layout) \
+            if d.ckpt != depth[k] else replace(d)
+        new.slot = k
+        out.append(new)
+    retime_slots(out, ctx.cm)
+    return out
