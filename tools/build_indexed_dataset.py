@@ -10,12 +10,12 @@ Train on it with ``examples/pretrain.py --data-path data/my_corpus``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from megatron_dcp.data import (ByteTokenizer, IndexedDatasetWriter, best_dtype,
-                               embedded_corpus_texts,
-                               read_documents)
+                               embedded_corpus_texts, read_documents)
 
 
 def main(argv=None) -> int:
@@ -31,18 +31,28 @@ def main(argv=None) -> int:
     p.add_argument("--no-eod", action="store_true", help="do not append the end-of-document token")
     args = p.parse_args(argv)
 
+    missing = [path for path in args.input or () if not os.path.isfile(path)]
+    if missing:
+        p.error(f"input file(s) not found: {', '.join(missing)}")
     tokenizer = ByteTokenizer()
     start = time.time()
     docs = tokens = 0
-    with IndexedDatasetWriter(args.output_prefix, best_dtype(tokenizer.vocab_size)) as writer:
-        sources = [embedded_corpus_texts()] if args.embedded else [
-            read_documents(path, args.json_key) for path in args.input]
-        for texts in sources:
-            for text in texts:
-                ids = tokenizer.encode(text, append_eod=not args.no_eod)
-                writer.add_document(ids)
-                docs += 1
-                tokens += len(ids)
+    try:
+        # the writer renames its files over PREFIX.bin/.idx only when every document is in: a
+        # failure below leaves a dataset already at PREFIX as it was
+        with IndexedDatasetWriter(args.output_prefix,
+                                  best_dtype(tokenizer.vocab_size)) as writer:
+            sources = [embedded_corpus_texts()] if args.embedded else [
+                read_documents(path, args.json_key) for path in args.input]
+            for texts in sources:
+                for text in texts:
+                    ids = tokenizer.encode(text, append_eod=not args.no_eod)
+                    writer.add_document(ids)
+                    docs += 1
+                    tokens += len(ids)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}; nothing written to {args.output_prefix}.bin/.idx", file=sys.stderr)
+        return 1
     print(f"wrote {args.output_prefix}.bin/.idx: {docs} documents, {tokens} tokens "
           f"in {time.time() - start:.1f}s")
     return 0

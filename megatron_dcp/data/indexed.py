@@ -28,6 +28,7 @@ import numpy as np
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
+HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8
 DTYPE_CODES = {
     1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
     8: np.uint16,
@@ -43,7 +44,10 @@ def best_dtype(vocab_size: int) -> type:
 class IndexedDatasetWriter:
     """Streams documents to ``PREFIX.bin`` and writes ``PREFIX.idx`` on ``finalize()``.
 
-    Use as a context manager, or call ``add_document`` then ``finalize`` yourself.
+    Use as a context manager, or call ``add_document`` then ``finalize`` (or ``abort``)
+    yourself. Everything is written under temporary names beside the target and renamed over
+    ``PREFIX.bin``/``PREFIX.idx`` only by ``finalize``: a build that raises (the context manager
+    aborts it) leaves a previous dataset at ``PREFIX`` untouched and nothing half-written.
     """
 
     def __init__(self, prefix: str, dtype: Union[type, np.dtype] = np.uint16) -> None:
@@ -54,9 +58,11 @@ class IndexedDatasetWriter:
                              f"{sorted(map(str, CODE_OF_DTYPE))}")
         directory = os.path.dirname(os.path.abspath(prefix))
         os.makedirs(directory, exist_ok=True)
-        self._bin = open(prefix + ".bin", "wb")
+        # the process id keeps two concurrent builds of one prefix from sharing a temporary file
+        self._partial = f"{prefix}.partial-{os.getpid()}"
+        self._bin = open(self._partial + ".bin", "wb")
         self._lengths: list[int] = []
-        self._finalized = False
+        self._done = False
 
     def add_document(self, ids: Iterable[int]) -> None:
         """Append one document (one sequence) of token ids."""
@@ -69,20 +75,36 @@ class IndexedDatasetWriter:
             if array.min() < info.min or array.max() > info.max:
                 raise ValueError(f"token ids {array.min()}..{array.max()} do not fit dtype "
                                  f"{self.dtype}")
+        if array.size > np.iinfo(np.int32).max:
+            raise ValueError(f"a document of {array.size} tokens exceeds the index's int32 "
+                             "lengths")
         self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(array.size))
 
     def finalize(self) -> None:
-        """Close ``.bin`` and write ``.idx``."""
-        if self._finalized:
+        """Write ``.idx``, make both files durable, then rename them over the target."""
+        if self._done:
             return
-        self._bin.close()
+        try:
+            self._write_index()
+        except BaseException:
+            self.abort()
+            raise
+        # .bin first: between the two renames the new .bin meets the old .idx, a pair that
+        # IndexedDataset's size and pointer checks reject rather than read
+        os.replace(self._partial + ".bin", self.prefix + ".bin")
+        os.replace(self._partial + ".idx", self.prefix + ".idx")
+        _sync_directory(os.path.dirname(os.path.abspath(self.prefix)))
+        self._done = True
+
+    def _write_index(self) -> None:
+        _close_durably(self._bin)
         lengths = np.asarray(self._lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths) > 1:
             pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * self.dtype.itemsize
         doc_indices = np.arange(len(lengths) + 1, dtype=np.int64)
-        with open(self.prefix + ".idx", "wb") as idx:
+        with open(self._partial + ".idx", "wb") as idx:
             idx.write(MAGIC)
             idx.write(struct.pack("<Q", VERSION))
             idx.write(struct.pack("<B", CODE_OF_DTYPE[self.dtype]))
@@ -91,13 +113,49 @@ class IndexedDatasetWriter:
             idx.write(lengths.tobytes(order="C"))
             idx.write(pointers.tobytes(order="C"))
             idx.write(doc_indices.tobytes(order="C"))
-        self._finalized = True
+            _close_durably(idx)
+
+    def abort(self) -> None:
+        """Drop what was written; a dataset already at ``PREFIX`` stays as it was."""
+        if self._done:
+            return
+        self._bin.close()
+        for suffix in (".bin", ".idx"):
+            try:
+                os.remove(self._partial + suffix)
+            except FileNotFoundError:
+                pass
+        self._done = True
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.finalize()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+def _close_durably(handle) -> None:
+    """Flush ``handle`` to the disk (not only to the page cache), then close it."""
+    handle.flush()
+    os.fsync(handle.fileno())
+    handle.close()
+
+
+def _sync_directory(path: str) -> None:
+    """fsync a directory so that renames in it survive a power loss (POSIX; a no-op elsewhere)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class IndexedDataset:
@@ -111,20 +169,28 @@ class IndexedDataset:
                 raise FileNotFoundError(f"indexed dataset file {path} does not exist (--data-path "
                                         f"{prefix})")
         with open(idx_path, "rb") as f:
-            magic = f.read(len(MAGIC))
-            if magic != MAGIC:
-                raise ValueError(f"{idx_path}: not a Megatron MMIDIDX index (header {magic!r})")
-            (version,) = struct.unpack("<Q", f.read(8))
-            if version != VERSION:
-                raise ValueError(f"{idx_path}: index version {version} is not supported (expected "
-                                 f"{VERSION})")
-            (code,) = struct.unpack("<B", f.read(1))
-            if code not in DTYPE_CODES:
-                raise ValueError(f"{idx_path}: unknown dtype code {code}")
-            self.dtype = np.dtype(DTYPE_CODES[code])
-            (num_sequences,) = struct.unpack("<Q", f.read(8))
-            (num_doc_entries,) = struct.unpack("<Q", f.read(8))
-            offset = f.tell()
+            header = f.read(HEADER_BYTES)
+        magic = header[:len(MAGIC)]
+        if magic != MAGIC:
+            raise ValueError(f"{idx_path}: not a Megatron MMIDIDX index (header {magic!r})")
+        if len(header) < HEADER_BYTES:
+            raise ValueError(f"{idx_path} is truncated: {len(header)} bytes, shorter than the "
+                             f"{HEADER_BYTES}-byte header")
+        version, code, num_sequences, num_doc_entries = struct.unpack("<QBQQ",
+                                                                      header[len(MAGIC):])
+        if version != VERSION:
+            raise ValueError(f"{idx_path}: index version {version} is not supported (expected "
+                             f"{VERSION})")
+        if code not in DTYPE_CODES:
+            raise ValueError(f"{idx_path}: unknown dtype code {code}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        offset = HEADER_BYTES
+        needed = offset + num_sequences * (4 + 8) + num_doc_entries * 8
+        idx_size = os.path.getsize(idx_path)
+        if idx_size < needed:
+            raise ValueError(f"{idx_path} is truncated: its header announces {num_sequences} "
+                             f"sequences and {num_doc_entries} document entries ({needed} "
+                             f"bytes), the file has {idx_size} bytes")
         index = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.sequence_lengths = np.frombuffer(index, dtype=np.int32, count=num_sequences,
                                               offset=offset)
@@ -136,13 +202,9 @@ class IndexedDataset:
                                               offset=offset)
         self._index = index
         size = os.path.getsize(bin_path)
+        _check_index(idx_path, bin_path, size, self.sequence_lengths, self.sequence_pointers,
+                     self.document_indices, self.dtype.itemsize)
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if size else np.zeros(0, np.uint8)
-        if num_sequences:
-            last = int(self.sequence_lengths[-1]) * self.dtype.itemsize
-            end = int(self.sequence_pointers[-1]) + last
-            if end > size:
-                raise ValueError(f"{bin_path} is truncated: the index needs {end} bytes, the file "
-                                 f"has {size}")
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -164,3 +226,49 @@ class IndexedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
+
+
+_CHECK_CHUNK = 1 << 24
+"""Sequences checked per vectorised pass (bounds the temporary arrays at a few hundred MB)."""
+
+
+def _check_index(idx_path: str, bin_path: str, bin_size: int, lengths: np.ndarray,
+                 pointers: np.ndarray, doc_indices: np.ndarray, itemsize: int) -> None:
+    """Every length, pointer and document index against each other and the ``.bin`` size.
+
+    Sequences lie back to back from byte 0 (what Megatron's writers produce), so a corrupt
+    length or pointer anywhere shows up as a gap or overlap instead of feeding the tokens of the
+    next document. Raises `ValueError` naming the file and the first bad entry.
+    """
+    expected = 0  # byte where the next sequence must start
+    for lo in range(0, len(lengths), _CHECK_CHUNK):
+        n = lengths[lo:lo + _CHECK_CHUNK].astype(np.int64)
+        p = pointers[lo:lo + _CHECK_CHUNK]
+        bad = np.flatnonzero(n < 0)
+        if bad.size:
+            i = lo + int(bad[0])
+            raise ValueError(f"{idx_path}: sequence {i} has a negative length {int(lengths[i])}")
+        starts = np.empty_like(p)
+        starts[0] = expected
+        np.cumsum(n[:-1] * itemsize, out=starts[1:])
+        starts[1:] += expected
+        bad = np.flatnonzero(p != starts)
+        if bad.size:
+            i = lo + int(bad[0])
+            what = "the previous sequence's end" if i else "0"
+            raise ValueError(
+                f"{idx_path}: sequence {i} starts at byte {int(pointers[i])}, expected "
+                f"{int(starts[bad[0]])} ({what}): a length or pointer of the index is corrupt")
+        expected = int(starts[-1]) + int(n[-1]) * itemsize
+    if expected != bin_size:
+        raise ValueError(f"{bin_path} has {bin_size} bytes, its index {idx_path} describes "
+                         f"{expected}: the two files do not belong together (truncated, or "
+                         "written by different builds)")
+    if len(doc_indices) == 0 or doc_indices[0] != 0 or doc_indices[-1] != len(lengths):
+        raise ValueError(f"{idx_path}: document indices must run from 0 to the sequence count "
+                         f"{len(lengths)}, got {doc_indices[:1].tolist()}..."
+                         f"{doc_indices[-1:].tolist()}")
+    if len(doc_indices) > 1 and bool(np.any(np.diff(doc_indices) < 0)):
+        i = int(np.flatnonzero(np.diff(doc_indices) < 0)[0]) + 1
+        raise ValueError(f"{idx_path}: document index {i} ({int(doc_indices[i])}) is smaller than "
+                         "the one before it")
