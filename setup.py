@@ -7,6 +7,7 @@ from setuptools import find_packages, setup
 EXTRAS = {
     "deepspeed": ["deepspeed==0.19.8"],
     "megatron": ["megatron-core==0.16.1"],
+    "hf": ["transformers>=5.24,<6"],  # depends on no torch: keeps the CPU/CUDA torch in place
     "test": ["pytest", "pytest-timeout", "hypothesis"],
     "plot": ["matplotlib"],
     "gpu": ["flash-attn"],
