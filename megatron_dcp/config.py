@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -86,6 +87,9 @@ class DCPConfig:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
+        """Check every field's type and range; the error names the field and its value."""
+        self._check_types()
+
         def one_of(name: str, allowed: tuple) -> None:
             value = getattr(self, name)
             if value not in allowed:
@@ -97,8 +101,7 @@ class DCPConfig:
         one_of("checkpoint_policy", CHECKPOINT_POLICIES)
         one_of("loss_reduction", LOSS_REDUCTIONS)
         one_of("oversize_policy", OVERSIZE_POLICIES)
-        one_of("schedule", SCHEDULES)
-        if self.max_degree is not None and (not isinstance(self.max_degree, int) or self.max_degree < 1):
+        if self.max_degree is not None and self.max_degree < 1:
             raise DCPConfigError(f"dcp.max_degree={self.max_degree!r}: must be a positive integer")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise DCPConfigError(f"dcp.memory_budget_gb={self.memory_budget_gb!r}: must be > 0")
@@ -108,6 +111,34 @@ class DCPConfig:
             raise DCPConfigError(f"dcp.ranks_per_node={self.ranks_per_node!r}: must be >= 1")
         if self.pack_tokens is not None and self.pack_tokens < 1:
             raise DCPConfigError(f"dcp.pack_tokens={self.pack_tokens!r}: must be >= 1")
+        if not self.hardware:
+            raise DCPConfigError("dcp.hardware='': must name a preset or a profile JSON")
+
+    def _check_types(self) -> None:
+        """JSON gives strings, floats and booleans where the fields want others: ``"10"`` for a
+        number, ``"no"`` for a bool (truthy), ``true`` or ``100.5`` for an integer. None of them
+        is coerced."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = _field_type(f)
+            if value is None and "Optional" in str(f.type):
+                continue
+            if kind is bool:
+                ok = isinstance(value, bool)
+                want = "true or false"
+            elif kind is int:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+                want = "an integer"
+            elif kind is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value)
+                want = "a finite number"
+            else:
+                ok = isinstance(value, str)
+                want = "a string"
+            if not ok:
+                raise DCPConfigError(f"dcp.{f.name}={value!r} ({type(value).__name__}): must be "
+                                     f"{want}")
 
     def check_world(self, dcp_world_size: int) -> None:
         """Errors that need the DCP world size (known once the job runs)."""
@@ -212,7 +243,10 @@ _CHOICES = {
 
 
 def _field_type(f: dataclasses.Field) -> type:
+    """The Python type of a field (bool, int, float or str), from its annotation."""
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if t == "bool":
+        return bool
     if "int" in t:
         return int
     if "float" in t:

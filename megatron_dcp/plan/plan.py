@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
@@ -93,19 +94,60 @@ class Task:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Task":
+    def from_dict(cls, d: dict[str, Any], where: str = "task") -> "Task":
+        """A task from its JSON object; every field's type and range is checked (nothing is
+        coerced), errors name ``where`` and the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where} must be an object, got {type(d).__name__}")
+        for key in ("id", "ranks", "seqs"):
+            if key not in d:
+                raise ValueError(f"{where} lacks the key {key!r}")
+        ranks = _integers(d["ranks"], f"{where}.ranks", 0)
+        ulysses = _integer(d.get("ulysses", 1), f"{where}.ulysses", 1)
+        ring = _integer(d.get("ring", max(len(ranks) // ulysses, 1)), f"{where}.ring", 1)
+        if ulysses * ring != len(ranks):
+            raise ValueError(f"{where}: ulysses {ulysses} x ring {ring} != {len(ranks)} ranks")
+        slot = d.get("slot")
         return cls(
-            id=int(d["id"]),
-            ranks=tuple(int(r) for r in d["ranks"]),
-            seqs=tuple(int(s) for s in d["seqs"]),
-            ulysses=int(d.get("ulysses", 1)),
-            ring=int(d.get("ring", len(d["ranks"]) // int(d.get("ulysses", 1)))),
-            ckpt_layers=int(d.get("ckpt_layers", 0)),
-            start=float(d.get("start", 0.0)),
-            duration=float(d.get("duration", 0.0)),
-            memory=float(d.get("memory", 0.0)),
-            slot=int(d["slot"]) if d.get("slot") is not None else None,
+            id=_integer(d["id"], f"{where}.id"),
+            ranks=tuple(ranks),
+            seqs=tuple(_integers(d["seqs"], f"{where}.seqs", 0)),
+            ulysses=ulysses,
+            ring=ring,
+            ckpt_layers=_integer(d.get("ckpt_layers", 0), f"{where}.ckpt_layers", 0),
+            start=_number(d.get("start", 0.0), f"{where}.start"),
+            duration=_number(d.get("duration", 0.0), f"{where}.duration"),
+            memory=_number(d.get("memory", 0.0), f"{where}.memory"),
+            slot=_integer(slot, f"{where}.slot", 0) if slot is not None else None,
         )
+
+
+MAX_WORLD_SIZE = 1 << 20
+"""Largest ``world_size`` a plan JSON may give (per-rank tables are sized by it)."""
+
+
+def _integer(value: Any, what: str, minimum: Optional[int] = None) -> int:
+    """``value`` if it is an int (not a bool, float or string) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what}={value!r}: must be an integer")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what}={value}: must be >= {minimum}")
+    return value
+
+
+def _integers(value: Any, what: str, minimum: Optional[int] = None) -> list[int]:
+    """A JSON list of integers (a string such as ``"01"`` is not one)."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{what}={value!r}: must be a list of integers")
+    return [_integer(v, f"{what}[{i}]", minimum) for i, v in enumerate(value)]
+
+
+def _number(value: Any, what: str) -> float:
+    """``value`` as a float if it is a finite int or float (not a bool or string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value):
+        raise ValueError(f"{what}={value!r}: must be a finite number")
+    return float(value)
 
 
 @dataclass
@@ -201,13 +243,21 @@ class Plan:
         for key in ("world_size", "lengths", "tasks"):
             if key not in d:
                 raise ValueError(f"plan JSON lacks the key {key!r}")
+        world_size = _integer(d["world_size"], "plan world_size", 1)
+        if world_size > MAX_WORLD_SIZE:
+            raise ValueError(f"plan world_size={world_size}: more than {MAX_WORLD_SIZE} ranks")
+        if not isinstance(d["tasks"], list):
+            raise ValueError(f"plan tasks: must be a list, got {type(d['tasks']).__name__}")
+        meta = d.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ValueError(f"plan meta: must be an object, got {type(meta).__name__}")
         return cls(
-            tasks=tuple(Task.from_dict(t) for t in d["tasks"]),
-            lengths=tuple(d["lengths"]),
-            world_size=int(d["world_size"]),
+            tasks=tuple(Task.from_dict(t, f"plan task [{i}]") for i, t in enumerate(d["tasks"])),
+            lengths=tuple(_integers(d["lengths"], "plan lengths", 1)),
+            world_size=world_size,
             policy=str(d.get("policy", "external")),
-            skipped=tuple(d.get("skipped", ())),
-            meta=dict(d.get("meta", {})),
+            skipped=tuple(_integers(d.get("skipped", []), "plan skipped", 0)),
+            meta=dict(meta),
         )
 
     @classmethod
