@@ -130,6 +130,9 @@ def read_lengths_file(path: str) -> list[int]:
             lines = handle.readlines()
     except OSError as err:
         raise WorkloadError(f"cannot read lengths file {path!r}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise WorkloadError(f"lengths file {path!r} is not text (one token count per line; a "
+                            "Megatron index must end in .idx)") from None
     values = []
     for number, line in enumerate(lines, 1):
         text = line.split("#", 1)[0].strip()
