@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_dcp.config import IGNORE_INDEX
+from megatron_dcp.config import IGNORE_INDEX, int_flag
 from megatron_dcp.runtime.executor import reduce_gradients
 
 
@@ -56,7 +56,7 @@ def main() -> None:
     from megatron_dcp.runtime.step import StepDriver
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train-iters", type=int, default=4)
+    parser.add_argument("--train-iters", type=int_flag(1), default=4)
     DCPConfig.add_arguments(parser)
     args = parser.parse_args()
     dist.init_process_group("gloo")

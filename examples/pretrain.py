@@ -27,6 +27,7 @@ import torch
 import deepspeed
 import deepspeed_plugin
 from deepspeed_plugin.config import load_ds_config
+from megatron_dcp.config import float_flag, int_flag
 from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, embedded_dataset,
                                open_dataset, read_documents)
 from megatron_dcp.data.tokenizer import ByteTokenizer
@@ -51,22 +52,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "instead of the reference decoder (--num-layers ... are then ignored)")
     g.add_argument("--tokenizer", default=None,
                    help="a local Hugging Face tokenizer directory; default: bytes")
-    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--train-iters", type=int_flag(1), default=10)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
                    help="override zero_optimization.stage of the DeepSpeed config")
-    g.add_argument("--seq-length", type=int, default=1024,
+    g.add_argument("--seq-length", type=int_flag(2), default=1024,
                    help="longest sequence; longer documents are cut")
-    g.add_argument("--global-batch-tokens", type=int, default=8192,
+    g.add_argument("--global-batch-tokens", type=int_flag(1), default=8192,
                    help="token budget of one global batch")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--num-heads", type=int, default=4)
-    g.add_argument("--num-kv-heads", type=int, default=None)
-    g.add_argument("--lr", type=float, default=None, help="override the optimizer's lr")
+    g.add_argument("--num-layers", type=int_flag(1), default=2)
+    g.add_argument("--hidden-size", type=int_flag(1), default=64)
+    g.add_argument("--num-heads", type=int_flag(1), default=4)
+    g.add_argument("--num-kv-heads", type=int_flag(1), default=None)
+    g.add_argument("--lr", type=float_flag(), default=None, help="override the optimizer's lr")
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
     g.add_argument("--save", default=None, help="checkpoint directory")
-    g.add_argument("--save-interval", type=int, default=0,
+    g.add_argument("--save-interval", type=int_flag(0), default=0,
                    help="save every N iterations and after the last (0: only after the last)")
     g.add_argument("--load", default=None,
                    help="resume from the latest checkpoint in this directory")

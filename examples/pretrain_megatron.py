@@ -30,6 +30,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from megatron_dcp.config import float_flag, int_flag
 from megatron_dcp.data import GlobalBatchSampler, open_dataset
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
@@ -42,29 +43,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("training (Megatron-LM names)")
     g.add_argument("--data-path", default=None, help="indexed dataset PREFIX; default: embedded")
-    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--train-iters", type=int_flag(1), default=10)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--lr", type=float, default=3e-4)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--seq-length", type=int, default=1024, help="longest sequence; longer are cut")
-    g.add_argument("--global-batch-tokens", type=int, default=8192,
+    g.add_argument("--lr", type=float_flag(), default=3e-4)
+    g.add_argument("--weight-decay", type=float_flag(0.0, inclusive=True), default=0.0)
+    g.add_argument("--seq-length", type=int_flag(2), default=1024,
+                   help="longest sequence; longer are cut")
+    g.add_argument("--global-batch-tokens", type=int_flag(1), default=8192,
                    help="token budget of one global batch (DCP: the planner splits it)")
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden")
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--num-query-groups", type=int, default=None, help="GQA key/value heads")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+    g.add_argument("--num-layers", type=int_flag(1), default=2)
+    g.add_argument("--hidden-size", type=int_flag(1), default=64)
+    g.add_argument("--ffn-hidden-size", type=int_flag(1), default=None, help="default: 4 x hidden")
+    g.add_argument("--num-attention-heads", type=int_flag(1), default=4)
+    g.add_argument("--num-query-groups", type=int_flag(1), default=None, help="GQA key/value heads")
+    g.add_argument("--make-vocab-size-divisible-by", type=int_flag(1), default=128,
                    help="pad the vocabulary to a multiple of this x tensor-parallel size")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int_flag(1), default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int_flag(1), default=1)
+    g.add_argument("--context-parallel-size", type=int_flag(1), default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"))
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"))
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None)
+    g.add_argument("--recompute-num-layers", type=int_flag(1), default=None)
+    g.add_argument("--max-seqlen-per-dp-cp-rank", type=int_flag(1), default=None)
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
     g.add_argument("--quiet", action="store_true", help="only the final line")
     add_dcp_args(p)

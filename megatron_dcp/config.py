@@ -18,7 +18,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 POLICIES = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp")
 LAYOUTS = ("auto", "ulysses", "ring", "hybrid")
@@ -34,6 +34,40 @@ SCHEDULES = ("auto", "free", "lockstep")
 
 class DCPConfigError(ValueError):
     """A DCP setting is invalid (unknown key, value out of range, bad combination)."""
+
+
+def int_flag(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``minimum`` (``--train-iters -2`` is an error
+    naming the value, not a run of zero iterations)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be >= {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def float_flag(minimum: float = 0.0, *, inclusive: bool = False) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number above ``minimum`` (or at least it, ``inclusive``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+            bound = ">=" if inclusive else ">"
+            raise argparse.ArgumentTypeError(f"{value}: must be a finite number {bound} {minimum}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
 
 
 @dataclass

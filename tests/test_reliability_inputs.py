@@ -1,0 +1,94 @@
+"""Reliability of inputs: bad values in the "dcp" section, a plan JSON, a lengths file or the
+examples' flags get an error naming the field (or flag) and the value, never a coercion, a
+``ZeroDivisionError`` or a run that silently does nothing."""
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepspeed_plugin.config import dcp_config_from
+from megatron_dcp.config import DCPConfig, DCPConfigError
+from megatron_dcp.plan.plan import Plan
+from megatron_dcp.plan.workload import WorkloadError, read_lengths_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"memory_budget_gb": "10"}, r"dcp.memory_budget_gb='10' \(str\): must be a finite number"),
+    ({"enabled": "no"}, r"dcp.enabled='no' \(str\): must be true or false"),
+    ({"max_degree": True}, r"dcp.max_degree=True \(bool\): must be an integer"),
+    ({"pack_tokens": 100.5}, r"dcp.pack_tokens=100.5 \(float\): must be an integer"),
+    ({"memory_fraction": float("nan")}, r"dcp.memory_fraction=nan .*finite"),
+    ({"policy": 3}, r"dcp.policy=3 \(int\): must be a string"),
+    ({"ranks_per_node": "8"}, r"dcp.ranks_per_node='8'"),
+])
+def test_dcp_section_types_are_checked(section, message):
+    with pytest.raises(DCPConfigError, match=message):
+        dcp_config_from({"dcp": section})
+
+
+def test_dcp_section_good_values_still_load():
+    cfg = DCPConfig.from_dict({"memory_budget_gb": 10, "max_degree": 4, "enabled": False,
+                               "pack_tokens": None})
+    assert cfg.memory_budget_gb == 10 and cfg.max_degree == 4 and not cfg.enabled
+
+
+PLAN = {"world_size": 2, "lengths": [5, 6],
+        "tasks": [{"id": 0, "ranks": [0, 1], "seqs": [0, 1], "ulysses": 2}]}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d["tasks"][0].update(ulysses=0), r"task \[0\].ulysses=0: must be >= 1"),
+    (lambda d: d.update(lengths=[5, 6.5]), r"plan lengths\[1\]=6.5: must be an integer"),
+    (lambda d: d["tasks"][0].update(ranks="01"), r"task \[0\].ranks='01': must be a list"),
+    (lambda d: d.update(world_size=10 ** 9), "world_size=1000000000: more than"),
+    (lambda d: d.update(world_size=2.0), "world_size=2.0: must be an integer"),
+    (lambda d: d["tasks"][0].update(start=float("inf")), r"task \[0\].start=inf"),
+    (lambda d: d["tasks"][0].update(ring=2), "ulysses 2 x ring 2 != 2 ranks"),
+    (lambda d: d["tasks"][0].pop("seqs"), "lacks the key 'seqs'"),
+    (lambda d: d["tasks"].append(7), r"task \[1\] must be an object"),
+])
+def test_plan_json_is_checked(change, message):
+    assert Plan.from_dict(copy.deepcopy(PLAN)).tasks[0].ring == 1
+    bad = copy.deepcopy(PLAN)
+    change(bad)
+    with pytest.raises(ValueError, match=message):
+        Plan.from_dict(bad)
+
+
+def test_binary_lengths_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "lengths.txt"
+    path.write_bytes(b"\x00\xff\xfe\x81")
+    with pytest.raises(WorkloadError, match="lengths.txt' is not text"):
+        read_lengths_file(str(path))
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / name)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return module
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("pretrain.py", ["--num-kv-heads", "0"], "--num-kv-heads: 0: must be >= 1"),
+    ("pretrain.py", ["--train-iters", "-2"], "--train-iters: -2: must be >= 1"),
+    ("pretrain.py", ["--lr", "nan"], "--lr: nan: must be a finite number"),
+    ("pretrain.py", ["--save-interval", "-1"], "--save-interval: -1: must be >= 0"),
+    ("pretrain_megatron.py", ["--num-query-groups", "0"], "--num-query-groups: 0: must be >= 1"),
+    ("pretrain_megatron.py", ["--train-iters", "0"], "--train-iters: 0: must be >= 1"),
+    ("pretrain_megatron.py", ["--seq-length", "x"], "--seq-length: 'x' is not an integer"),
+])
+def test_example_flags_are_checked(script, flags, message, capsys):
+    module = _example(script)
+    with pytest.raises(SystemExit):
+        module.parse_args(flags)
+    assert message in capsys.readouterr().err
