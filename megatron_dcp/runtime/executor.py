@@ -15,15 +15,18 @@ For each task of this rank, in plan order ``(start, id)``:
 4. call ``backward(weighted_loss)`` still inside the task context (recomputation and the
    attention's backward collectives need it).
 
-Before anything else one tiny collective checks that every rank holds the same plan (its digest)
-and that no rank found a problem in its input; a mismatch raises on every rank, naming the ranks,
-instead of hanging in a later collective. Gradient reduction is left to the engine;
+Before anything else one tiny collective checks that every rank holds the same plan, the same DCP
+configuration and the same global batch (digests and a content fingerprint) and that no rank found
+a problem in its input; a mismatch raises on every rank, naming the ranks, instead of hanging in a
+later collective or training on a wrong loss. Gradient reduction is left to the engine;
 `reduce_gradients` does it for plain torch (SUM over the DCP world, once per step, also on a
 rank that ran no task).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -147,42 +150,145 @@ def _local_problems(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], ran
     return problems
 
 
-def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
-               device: Optional[torch.device] = None) -> str:
-    """Collective: check every rank of the DCP world holds the same plan and none has problems.
+def config_digest(config: Any) -> str:
+    """64-bit hex digest of a configuration (a `DCPConfig` or a JSON-able dict); ``""`` for None."""
+    if config is None:
+        return ""
+    data = config.to_dict() if hasattr(config, "to_dict") else config
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    One all-reduce (MIN) of the digest pieces, their negatives and the problem flag; only on
+
+_PRIME = (1 << 31) - 1
+"""Modulus of the batch fingerprint: every product of two residues fits in int64."""
+_WEIGHTS = ((1_000_003, 12_345), (2_147_483_629, 777_767))
+"""Two (multiplier, offset) pairs of the position weights: two independent 31-bit sums."""
+_NO_OPINION = (1 << 63) - 1
+"""Fingerprint slot of a rank that does not hold the whole batch: neutral under MIN."""
+
+
+def batch_fingerprint(sequences: Sequence[Optional[torch.Tensor]],
+                      per_sequence: bool = False) -> Optional[torch.Tensor]:
+    """Content fingerprint of a global batch, computed where the tokens are (no host sync).
+
+    ``sum_i (token_i mod p) * w(i) mod p`` over the concatenated batch, with two position
+    weightings ``w(i) = (i + 1) * a + b mod p``: any changed token, or two swapped tokens,
+    changes it (the lengths are in the plan digest; token ids are taken modulo ``p = 2^31 - 1``,
+    above any vocabulary size). Returns an int64 tensor ``[2]``
+    (``[S, 2]`` with ``per_sequence``), or None when an entry is missing (a rank that only
+    holds its own sequences has no view of the whole batch).
+    """
+    if not sequences or any(s is None for s in sequences):
+        return None
+    device = sequences[0].device
+    ids = torch.cat([s.reshape(-1).to(device=device, dtype=torch.int64) for s in sequences])
+    index = torch.arange(ids.numel(), device=device, dtype=torch.int64)
+    residues = torch.remainder(ids, _PRIME)
+    sums = []
+    for a, b in _WEIGHTS:
+        weights = torch.remainder(torch.remainder(index + 1, _PRIME) * a + b, _PRIME)
+        terms = torch.remainder(residues * weights, _PRIME)
+        if per_sequence:
+            ends = torch.cumsum(torch.tensor([0] + [int(s.numel()) for s in sequences]), 0)
+            totals = torch.cumsum(terms, 0)
+            totals = torch.cat([totals.new_zeros(1), totals])
+            sums.append(torch.remainder(totals[ends[1:]] - totals[ends[:-1]], _PRIME))
+        else:
+            sums.append(torch.remainder(terms.sum(), _PRIME).reshape(1))
+    return torch.stack(sums, dim=-1).reshape(-1, 2) if per_sequence else torch.cat(sums)
+
+
+def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
+               device: Optional[torch.device] = None, *,
+               sequences: Optional[Sequence[Optional[torch.Tensor]]] = None,
+               config: Any = None) -> str:
+    """Collective: check every rank of the DCP world holds the same plan, the same ``config``
+    (the DCP configuration: ranks that differ, say in ``loss_reduction``, would otherwise train
+    on a wrong loss without an error) and the same global batch ``sequences`` (a content
+    fingerprint; a rank that lacks some sequences is not compared), and that none has problems.
+
+    One all-reduce (MIN) of the digests' pieces, their negatives and the problem flag; only on
     a mismatch a second collective gathers the digests and messages to name the ranks. Raises
-    on every rank alike, so no rank is left waiting: `PlanMismatchError` when digests differ,
-    else `BatchError` with every rank's problems (e.g. a sequence longer than the model's
-    positions).
+    on every rank alike, so no rank is left waiting: `PlanMismatchError` when plans,
+    configurations or batches differ, else `BatchError` with every rank's problems (e.g. a
+    sequence longer than the model's positions).
     """
     digest = plan.digest()
-    pieces = _digest_pieces(digest)
+    settings = config_digest(config)
+    pieces = _digest_pieces(digest) + _digest_pieces(settings or "0")
     flag = 1 if problems else 0
-    t = torch.tensor(pieces + [-p for p in pieces] + [-flag], dtype=torch.int64, device=device)
+    head = torch.tensor(pieces, dtype=torch.int64)
+    # a rank whose batch does not even fit the plan reports that as a problem, not a mismatch
+    compare = sequences is not None and not problems
+    fingerprint = batch_fingerprint(sequences) if compare else None
+    if fingerprint is None:
+        fingerprint = torch.full((2,), _NO_OPINION, dtype=torch.int64)
+    if fingerprint.device != head.device:
+        head = head.to(fingerprint.device)
+    values = torch.cat([head, fingerprint])
+    negated = torch.where(values == _NO_OPINION, values, -values)
+    t = torch.cat([values, negated, values.new_full((1,), -flag)])
+    if device is not None and t.device != torch.device(device):
+        t = t.to(device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pool.world_group)
-    low, high, any_problem = t[:4].tolist(), [-v for v in t[4:8].tolist()], -int(t[8])
-    if low == high and not any_problem:
+    n = values.numel()
+    merged = t.tolist()
+    agree = all(low == -high or low == _NO_OPINION
+                for low, high in zip(merged[:n], merged[n:2 * n]))
+    if agree and not merged[2 * n]:
         return digest
+    mine = batch_fingerprint(sequences, per_sequence=True) if compare else None
+    report = (digest, settings, config.to_dict() if hasattr(config, "to_dict") else config,
+              mine.cpu().tolist() if mine is not None else None, list(problems))
     gathered: list[Any] = [None] * pool.world_size
-    dist.all_gather_object(gathered, (digest, list(problems)), group=pool.world_group)
-    lines = []
-    digests = [d for d, _ in gathered]
-    mismatch = len(set(digests)) > 1
-    if mismatch:
-        # The majority's digest is the reference; on a tie, the one of the lowest rank.
-        common = min(set(digests), key=lambda d: (-digests.count(d), digests.index(d)))
-        odd = [r for r, d in enumerate(digests) if d != common]
-        lines.append(f"plan digest differs on rank(s) {odd} (theirs: "
-                     f"{', '.join(digests[r] for r in odd)}; the other ranks: {common}): every "
-                     "rank must build the same plan (same lengths, config, iteration, seed)")
-    for r, (_, msgs) in enumerate(gathered):
-        for m in msgs:
-            lines.append(f"rank {r}: {m}")
-    error = PlanMismatchError if mismatch else BatchError
+    dist.all_gather_object(gathered, report, group=pool.world_group)
+    disagreements = _disagreements(gathered)
+    lines = disagreements + [f"rank {r}: {m}" for r, entry in enumerate(gathered)
+                             for m in entry[4]]
+    error = PlanMismatchError if disagreements else BatchError
     raise error(f"rank {pool.rank}: plan check failed before running any task:\n  "
                 + "\n  ".join(lines))
+
+
+def _odd_ranks(values: list) -> tuple[list[int], Any]:
+    """Ranks whose value differs from the majority's (on a tie, the lowest rank's), and it."""
+    keys = [json.dumps(v, sort_keys=True, default=str) for v in values]
+    common = min(set(keys), key=lambda k: (-keys.count(k), keys.index(k)))
+    return [r for r, k in enumerate(keys) if k != common], values[keys.index(common)]
+
+
+def _disagreements(gathered: list) -> list[str]:
+    """One line per kind of disagreement (plan, configuration, batch), naming the ranks."""
+    lines = []
+    odd, common = _odd_ranks([g[0] for g in gathered])
+    if odd:
+        lines.append(f"plan digest differs on rank(s) {odd} (theirs: "
+                     f"{', '.join(gathered[r][0] for r in odd)}; the other ranks: {common}): "
+                     "every rank must build the same plan (same lengths, config, iteration, "
+                     "seed)")
+    settings = [g[1] for g in gathered]
+    odd, common = _odd_ranks(settings)
+    if odd:
+        reference = gathered[settings.index(common)][2] or {}
+        theirs = {r: gathered[r][2] or {} for r in odd}
+        fields = sorted(k for k in set(reference).union(*theirs.values())
+                        if any(t.get(k) != reference.get(k) for t in theirs.values()))
+        shown = "; ".join(f"rank {r}: " + ", ".join(f"{k}={t.get(k)!r}" for k in fields)
+                          for r, t in theirs.items())
+        others = ", ".join(f"{k}={reference.get(k)!r}" for k in fields)
+        lines.append(f"DCP configuration differs on rank(s) {odd} ({shown}; the other ranks: "
+                     f"{others}): every rank must run with the same settings")
+    holders = [r for r, g in enumerate(gathered) if g[3] is not None]
+    if holders:
+        odd_local, common_fp = _odd_ranks([gathered[r][3] for r in holders])
+        odd = [holders[i] for i in odd_local]
+        if odd:
+            first = min(next((s for s, (a, b) in enumerate(zip(gathered[r][3], common_fp))
+                              if a != b), len(common_fp)) for r in odd)
+            lines.append(f"global batch content differs on rank(s) {odd} (first at sequence "
+                         f"{first}): every rank must read the same global batch (same data "
+                         "files, seed and sampler position)")
+    return lines
 
 
 # ---------------------------------------------------------------------- building shards
@@ -301,9 +407,14 @@ def _task_stats(done: list, gaps: list[float]) -> list[TaskStats]:
 def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
              forward_step: ForwardStep, *, pool: GroupPool,
              backward: Optional[Callable[[torch.Tensor], Any]] = None,
+             config: Any = None,
              loss_reduction: str = "token", max_position: Optional[int] = None,
-             device: Optional[torch.device] = None, reduce_loss: bool = True) -> StepStats:
+             device: Optional[torch.device] = None, reduce_loss: bool = True,
+             before_task: Optional[Callable[[Task], Any]] = None) -> StepStats:
     """Run DCP rank ``rank``'s tasks of ``plan`` (forward + backward); see the module docstring.
+
+    ``config``: the DCP configuration in effect (a `DCPConfig`); the plan check compares it, and
+    the content of ``sequences``, across the ranks.
 
     ``sequences``: the global batch (1-D token ids, host tensors preferred; entries no task of
     this rank uses may be ``None``). ``forward_step(input_ids, position_ids, labels)`` runs
@@ -311,9 +422,11 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
     thread sees it) and returns the summed token losses (labels -100 ignored) or per-token
     losses ``[T_local]`` (needed for ``loss_reduction="sequence"``). ``backward`` defaults to
     ``loss.backward()``; ``max_position`` is checked for every sequence before any task runs;
-    ``device``: where shards go (default: the host). Collective over the DCP world of ``pool``,
-    once per step on every rank. Gradients are not reduced here. Nothing in the task loop waits
-    for the device (host-built shards, asynchronous copies, CUDA-event timings).
+    ``device``: where shards go (default: the host); ``before_task(task)`` runs before each of
+    this rank's tasks, outside its context (the step driver's empty lockstep slots).
+    Collective over the DCP world of ``pool``, once per step on every rank. Gradients are not
+    reduced here. Nothing in the task loop waits for the device (host-built shards,
+    asynchronous copies, CUDA-event timings).
     """
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction={loss_reduction!r}: must be one of {LOSS_REDUCTIONS}")
@@ -321,7 +434,7 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
     device = torch.device(device) if device is not None else None
     comm_device = device if device is not None and device.type == "cuda" else None
     digest = check_plan(plan, pool, _local_problems(plan, sequences, rank, max_position),
-                        comm_device)
+                        comm_device, sequences=sequences, config=config)
     created = pool.ensure(plan)
     backward = backward or (lambda loss: loss.backward())
     weight_of = _weighting(plan, loss_reduction)
@@ -332,6 +445,8 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
     clock = _Clock(device)
     done: list[tuple[Task, ShardLayout]] = []
     for task in plan.tasks_for_rank(rank):
+        if before_task is not None:
+            before_task(task)
         try:
             layout = ShardLayout.build([plan.lengths[s] for s in task.seqs], task.ulysses,
                                        task.ring, task.ranks.index(rank))

@@ -16,7 +16,14 @@ global loss and the timings. An engine supplies only the `StepEngine` protocol:
   DeepSpeed's coalesced reduction), or a null context;
 * ``finish()``: reduce gradients and step the optimizer; returns the gradient norm or ``None``;
 * ``equal_micro_steps``: True when every rank must run the same number of micro-steps (the
-  driver pads with empty ones).
+  driver pads a free plan with empty ones).
+
+A *lockstep* plan (`Plan.lockstep`, planned for ZeRO-2/3) needs no more of the engine: every rank
+runs every slot, its task of the slot or, in a slot where it has none, an empty task: one
+two-token sequence on this rank alone, with the slot's recompute depth and a loss multiplied by
+zero, run through ``forward_loss`` and ``backward`` like any task. So it calls the same modules
+(ZeRO-3's per-module all-gathers, their recompute) and joins the same reductions (ZeRO-2's
+per-micro-step reduce-scatter) as the ranks with work in that slot.
 
 Plain data parallel is the same driver with a trivial plan (`data_parallel_plan`).
 """
@@ -30,10 +37,11 @@ from typing import Any, ContextManager, Optional, Protocol, Sequence
 
 import torch
 
-from megatron_dcp.config import DCPConfig
+from megatron_dcp.config import IGNORE_INDEX, DCPConfig
 from megatron_dcp.plan.plan import Plan, Task
-from megatron_dcp.runtime.context import TaskContext, current_task
+from megatron_dcp.runtime.context import TaskContext, current_task, task_context
 from megatron_dcp.runtime.executor import StepStats, global_sum, run_plan
+from megatron_dcp.runtime.layout import ShardLayout
 
 
 @dataclass
@@ -193,9 +201,14 @@ class StepDriver:
         plan_s = time.perf_counter() - t0
         counts = _micro_step_counts(plan)  # a plan for another world fails in run_plan's check
         mine = counts[self.rank] if self.rank < len(counts) else 0
-        slots = max(max(counts, default=0) if engine.equal_micro_steps else mine, 1)
+        depths = plan.slot_depths()  # [] for a free plan
+        if depths:
+            slots = len(depths)
+        else:
+            slots = max(max(counts, default=0) if engine.equal_micro_steps else mine, 1)
         per_token = self.config.loss_reduction == "sequence"
         done = 0
+        next_slot = 0
 
         def forward_step(input_ids, position_ids, labels):
             return engine.forward_loss(Shard(input_ids, position_ids, labels, current_task()),
@@ -207,18 +220,34 @@ class StepDriver:
             if train:
                 engine.backward(loss, done == slots)
 
+        def empty_slots(until: int) -> None:
+            """Empty tasks for this rank's slots before slot ``until``."""
+            nonlocal done, next_slot
+            while next_slot < until:
+                done += 1
+                self._empty_task(engine, depths[next_slot], done == slots, per_token, train)
+                next_slot += 1
+
+        def before_task(task: Task) -> None:
+            nonlocal next_slot
+            if depths:
+                empty_slots(task.slot)
+                next_slot = task.slot + 1
+
         scope = engine.micro_steps() if train else nullcontext()
         grad = nullcontext() if train else torch.no_grad()
         with scope, grad:
             stats = run_plan(plan, sequences, self.rank, forward_step, pool=self.pool,
                              backward=backward, loss_reduction=self.config.loss_reduction,
                              max_position=self.max_position, device=self.device,
-                             reduce_loss=False)
-            empty = slots - done
-            for _ in range(empty):
+                             config=self.config,
+                             reduce_loss=False, before_task=before_task)
+            empty_slots(len(depths))
+            while done < slots:  # a free plan: the engine's own empty micro-steps
                 done += 1
                 if train:
                     engine.empty_micro_step(done == slots)
+        empty = slots - len(stats.tasks)
         grad_norm = engine.finish() if train else None
         if train:
             self.iteration += 1
@@ -226,6 +255,21 @@ class StepDriver:
                           sequences=len(sequences), wall_s=time.perf_counter() - t0,
                           micro_steps=done, empty_micro_steps=empty, plan=plan, plan_s=plan_s,
                           predicted_s=plan.makespan, grad_norm=grad_norm, stats=stats)
+
+    def _empty_task(self, engine: StepEngine, depth: int, last: bool, per_token: bool,
+                    train: bool) -> None:
+        """An empty lockstep slot: a two-token task on this rank alone that recomputes ``depth``
+        layers, with its loss multiplied by zero (no gradient, the same collectives)."""
+        task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), ckpt_layers=depth)
+        layout = ShardLayout.build([2], 1, 1, 0)
+        ctx = self.pool.context_for(task, self.rank, layout)
+        ids = torch.zeros(2, dtype=torch.long, device=self.device)
+        positions = torch.arange(2, device=self.device)
+        labels = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=self.device)
+        with task_context(ctx):
+            loss = engine.forward_loss(Shard(ids, positions, labels, ctx), per_token)
+            if train:
+                engine.backward(loss.sum() * 0.0, last)
 
     def _global_loss(self, local_loss: float) -> float:
         # After finish: DeepSpeed ZeRO 0/1 reduce inside a rank's last backward, which an idle
