@@ -88,10 +88,12 @@ def _wrap(engine: Any, dcp: DCPConfig, model: Any, model_shape: Any, hardware: A
           notices: list, rank: int) -> DCPEngine:
     """The DCP engine around DeepSpeed's, with its groups created (collective)."""
     from deepspeed_plugin import patches
+    from megatron_dcp.plan.planners import schedule_for
     from megatron_dcp.runtime.groups import GroupPool
 
-    if dcp.enabled and int(engine.zero_optimization_stage()) == 3:
-        patches.zero3_untraced_coordinator(engine)
+    stage = int(engine.zero_optimization_stage())
+    if dcp.enabled and stage == 3 and schedule_for(dcp.schedule, stage) == "free":
+        patches.zero3_untraced_coordinator(engine)  # lockstep keeps ZeRO-3's own coordinator
     if model_shape is None and hasattr(model, "shape"):
         model_shape = model.shape()
     wrapper = DCPEngine(engine, dcp, model_shape=model_shape,

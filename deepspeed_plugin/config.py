@@ -12,8 +12,10 @@ rejects combinations DCP does not support, and returns the DeepSpeed config to h
 * ``gradient_clipping``: DeepSpeed silently clips at 1.0 when the key is absent; the value in
   effect is written into the config and reported;
 * ``optimizer.params.torch_adam = true`` on the CPU accelerator (FusedAdam JIT-compiles there);
-* ZeRO-3 with DCP: ``stage3_param_persistence_threshold`` = the largest parameter, so parameters
-  stay gathered through the step (see `deepspeed_plugin.engine` for why and what it costs).
+* ZeRO-3 with DCP on a free schedule (``dcp.schedule=free``; the default for ZeRO-2/3 is lockstep,
+  which keeps ZeRO-3's own settings): ``stage3_param_persistence_threshold`` = the largest
+  parameter, so parameters stay gathered through the step (docs/DEEPSPEED.md: why and what it
+  costs).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 from typing import Any, Optional, Union
 
 from megatron_dcp.config import DCPConfig, DCPConfigError
+from megatron_dcp.plan.planners import schedule_for
 
 DEEPSPEED_DEFAULT_CLIPPING = 1.0
 
@@ -95,7 +98,9 @@ def prepare_config(ds_config: dict[str, Any], world_size: int, *, cpu: bool,
     cfg.pop("dcp", None)
     notices: list[str] = []
     zero = cfg.get("zero_optimization", {})
-    if dcp is not None and dcp.enabled and zero.get("stage", 0) == 3:
+    stage = zero.get("stage", 0)
+    if dcp is not None and dcp.enabled and stage == 3 and schedule_for(dcp.schedule,
+                                                                       stage) == "free":
         # ZeRO-3 gathers parameters in every forward (and prefetches by a recorded trace), so
         # ranks with different micro-steps or recompute depths would meet in different
         # all-gathers. Persistent parameters are gathered once and kept: gradients and optimizer

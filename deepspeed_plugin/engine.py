@@ -19,20 +19,11 @@ import torch.nn.functional as F
 
 from megatron_dcp.config import IGNORE_INDEX, DCPConfig
 from megatron_dcp.plan.plan import Plan
+from megatron_dcp.plan.planners import schedule_for
 from megatron_dcp.runtime.context import task_context
 from megatron_dcp.runtime.step import Shard, StepDriver, StepResult
 
-__all__ = ["DCPEngine", "StepResult", "planned_zero_stage"]
-
-
-def planned_zero_stage(stage: int) -> int:
-    """The ZeRO stage whose memory the planner must assume for a DeepSpeed stage under --dcp.
-
-    Stages 2 and 3 are planned as stage 1: with --dcp, stage 2 holds one full local gradient
-    between micro-steps (coalesced reduction) and stage 3 keeps the parameters gathered for the
-    whole step, so their sharded gradients/parameters would overstate free memory.
-    """
-    return min(stage, 1)
+__all__ = ["DCPEngine", "StepResult"]
 
 
 class DCPEngine:
@@ -51,9 +42,14 @@ class DCPEngine:
         self.rank = dist.get_rank()
         self.zero_stage = int(engine.zero_optimization_stage())
         self.device = torch.device(getattr(engine, "device", None) or "cpu")
+        # The planner picks lockstep slots for ZeRO-2/3 (unless dcp.schedule says free): every
+        # rank then runs the same micro-steps and DeepSpeed's own per-micro-step collectives
+        # line up. A free schedule there needs one coalesced reduction (and, at ZeRO-3,
+        # parameters kept gathered: config.py, patches.py).
+        self.lockstep = dcp.enabled and schedule_for(dcp.schedule, self.zero_stage) == "lockstep"
+        self.coalesce = dcp.enabled and not self.lockstep and self.zero_stage in (2, 3)
         self.driver = StepDriver(dcp, pool=pool, model_shape=model_shape, hardware=hardware,
-                                 zero_stage=planned_zero_stage(self.zero_stage),
-                                 device=self.device)
+                                 zero_stage=self.zero_stage, device=self.device)
         # Plain data parallel runs DeepSpeed's ordinary accumulation: equal micro-step counts.
         self.equal_micro_steps = not dcp.enabled
         module = getattr(engine, "module", None)
@@ -84,6 +80,11 @@ class DCPEngine:
         ``sequences``: the global batch (1-D token id tensors), identical on every rank.
         ``plan``: a plan made ahead (e.g. in the data loader); default: planned here.
         """
+        if plan is not None and self.lockstep and plan.tasks and not plan.lockstep:
+            raise ValueError(f"ZeRO-{self.zero_stage} under DCP runs lockstep plans (every task "
+                             "with a slot: docs/PLAN_FORMAT.md); this plan is free (set "
+                             "dcp.schedule=free to run free plans with parameters and "
+                             "gradients kept whole)")
         self.engine.train()
         return self.driver.step(self, sequences, plan)
 
@@ -97,8 +98,9 @@ class DCPEngine:
                                reduction="none" if per_token else "sum")
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
-        """One micro-step's backward; at stages 0/1 the rank's last one is the boundary."""
-        if self.zero_stage in (0, 1) or self.equal_micro_steps:
+        """One micro-step's backward; the rank's last one is the accumulation boundary (except
+        inside a coalesced reduction, which reduces when it ends)."""
+        if not self.coalesce:
             self.engine.set_gradient_accumulation_boundary(last)
         # DeepSpeed divides the reduced gradient by the world size: multiply to get a SUM.
         self.engine.backward(loss * self.world_size)
@@ -112,8 +114,9 @@ class DCPEngine:
             self.backward(logits.float().sum() * 0.0, last)
 
     def micro_steps(self) -> contextlib.AbstractContextManager:
-        """Stages 2/3 under DCP: one coalesced reduction when the rank's micro-steps end."""
-        if self.zero_stage in (2, 3) and not self.equal_micro_steps:
+        """Stages 2/3 with a free schedule: one coalesced reduction when the rank's micro-steps
+        end. Lockstep and plain data parallel: DeepSpeed's own accumulation."""
+        if self.coalesce:
             return self.engine.coalesce_grad_reduction()
         return contextlib.nullcontext()
 

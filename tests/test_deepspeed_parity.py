@@ -61,7 +61,6 @@ def _run(pretrain, args: list[str]) -> None:
 def _tight_budget(world: int, stage: int) -> str:
     """The smallest memory budget (GiB) in which the planner fits a 512-token sequence at all
     (bisection on make_plan): the longest sequences then need every rank, shorter ones fewer."""
-    from deepspeed_plugin.engine import planned_zero_stage
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.models.decoder import DecoderConfig
     from megatron_dcp.plan import make_plan
@@ -73,7 +72,7 @@ def _tight_budget(world: int, stage: int) -> str:
 
     def fits(gib: float) -> bool:
         try:
-            make_plan([512], world_size=world, model=shape, zero_stage=planned_zero_stage(stage),
+            make_plan([512], world_size=world, model=shape, zero_stage=stage,
                       config=DCPConfig(enabled=True, memory_budget_gb=gib))
             return True
         except Exception:  # noqa: BLE001 - any PlanError: does not fit
