@@ -106,18 +106,18 @@ def fit_layout_rate(shape: ModelShape, points: list[dict], hw: Hardware, field: 
     """The attention rate ``field`` (``ring_attention_flops`` or ``hybrid_attention_flops``) at
     which the cost model, with every other number of ``hw`` fixed, best predicts multi-rank
     ``points`` (least squares on relative error; a log-spaced search: the time is monotone in
-    the rate but not linear where ring transfers overlap attention)."""
+    the rate but not linear where ring transfers overlap attention). The search stays within
+    1/20 and 5 times the local rate, and of equally good rates takes the one nearest to it:
+    tasks whose time barely depends on attention must not set an extreme rate."""
     local = hw.attention_flops
 
-    def error(rate: float) -> float:
+    def key(rate: float) -> tuple[float, float]:
         preds = predictions(shape, points, replace(hw, **{field: rate}), world)
-        return sum(p["rel_error"] ** 2 for p in preds)
+        return round(sum(p["rel_error"] ** 2 for p in preds), 12), abs(math.log(rate / local))
 
-    grid = [local * 10 ** (k / 20) for k in range(-60, 21)]  # local / 1000 ... local x 10
-    best = min(grid, key=error)
-    step = 10 ** (1 / 20)
-    fine = [best * step ** (k / 10) for k in range(-10, 11)]
-    return float(min(fine, key=error))
+    step = 10 ** (1 / 40)
+    best = min((local * step ** k for k in range(-52, 29)), key=key)  # local / 20 ... local x 5
+    return float(min((best * step ** (k / 10) for k in range(-10, 11)), key=key))
 
 
 def pack_curve(shape: ModelShape, points: list[dict], hw: Hardware
