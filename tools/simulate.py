@@ -39,6 +39,7 @@ ORDER = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=None, help="DCP world size (default 32, or the "
@@ -78,6 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def load_workload(args: argparse.Namespace, world: int) -> list[int]:
+    """The global batch's lengths: a lengths file, an .idx, or a sampled distribution."""
     if args.lengths:
         return read_lengths_file(args.lengths)
     if args.idx:
@@ -89,6 +91,7 @@ def load_workload(args: argparse.Namespace, world: int) -> list[int]:
 
 
 def policies_of(text: str) -> list[str]:
+    """Policy names of ``--policy`` (``all`` or a comma list), checked."""
     if text == "all":
         return list(ORDER)
     names = [x.strip() for x in text.split(",") if x.strip()]
@@ -101,6 +104,7 @@ def policies_of(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    """Plan with every policy, simulate each plan; the ``--json`` object."""
     external = None
     if args.plan:
         try:
@@ -214,6 +218,7 @@ def plot_plans(shown: list, path: str, cm) -> None:
 
 
 def print_table(out: dict) -> None:
+    """The human-readable table of `run`'s result."""
     print(f"{out['sequences']} sequences, {out['tokens']} tokens on {out['world_size']} ranks "
           f"({out['ranks_per_node']}/node), {out['model']} on {out['hardware']}, ZeRO "
           f"{out['zero_stage']}; "
@@ -238,6 +243,7 @@ def print_table(out: dict) -> None:
 
 
 def main(argv=None) -> int:
+    """Entry point: exit status 0, or 2 with a one-line error on bad input."""
     args = parse_args(argv)
     try:
         out = run(args)

@@ -34,6 +34,7 @@ class _SizeOnlyGroup:
         self._size = size
 
     def size(self) -> int:
+        """Ranks of the stand-in group."""
         return self._size
 
 

@@ -70,10 +70,12 @@ class Task:
 
     @property
     def degree(self) -> int:
+        """Ranks of the group."""
         return len(self.ranks)
 
     @property
     def end(self) -> float:
+        """Predicted end, seconds."""
         return self.start + self.duration
 
     def ulysses_group(self, g: int) -> tuple[int, ...]:
@@ -86,6 +88,7 @@ class Task:
         return self.ranks[g % self.ulysses :: self.ulysses]
 
     def to_dict(self) -> dict[str, Any]:
+        """The task's JSON object."""
         d = asdict(self)
         d["ranks"] = list(self.ranks)
         d["seqs"] = list(self.seqs)
@@ -183,6 +186,7 @@ class Plan:
 
     @property
     def makespan(self) -> float:
+        """Predicted end of the last task, seconds."""
         return max((t.end for t in self.tasks), default=0.0)
 
     @property
@@ -219,6 +223,7 @@ class Plan:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
+        """The plan's JSON object (docs/PLAN_FORMAT.md)."""
         return {
             "format_version": PLAN_FORMAT_VERSION,
             "policy": self.policy,
@@ -230,10 +235,12 @@ class Plan:
         }
 
     def to_json(self, indent: Optional[int] = None) -> str:
+        """The plan JSON (docs/PLAN_FORMAT.md)."""
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        """A plan from its JSON object; malformed input raises `ValueError`."""
         if not isinstance(d, dict):
             raise ValueError(f"a plan JSON must be an object, got {type(d).__name__}")
         version = d.get("format_version", PLAN_FORMAT_VERSION)
@@ -262,5 +269,6 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
+        """A plan from its JSON text; malformed input raises `ValueError`."""
         return cls.from_dict(json.loads(text))
 

@@ -61,6 +61,7 @@ class PlanContext:
 
     @property
     def world(self) -> int:
+        """Ranks of the DCP world."""
         return self.vocab.world_size
 
     def padded_tokens(self, seqs: Sequence[int], degree: int) -> int:
