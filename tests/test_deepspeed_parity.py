@@ -3,7 +3,8 @@
 One launch per world size runs this file as the training script: in one job it calls
 ``examples/pretrain.py``'s ``main`` several times (DeepSpeed initialised afresh each time) and
 compares, on rank 0, the loss of every iteration with ``--dcp`` against plain DeepSpeed data
-parallel on the same global batches, for each ZeRO stage (fp32, relative error <= 1e-5). The
+parallel on the same global batches, for ZeRO stages 0 and 1 (fp32, relative error <= 1e-5;
+ZeRO-2/3 with their sharding kept: tests/test_lockstep_deepspeed.py). The
 memory budget is the smallest in which the planner fits the longest (512-token) sequence, so it
 must use sequence-parallel groups, activation checkpointing and a different number of
 micro-steps per rank. The world-size-2 launch also checks stop-and-resume from a checkpoint,
@@ -198,7 +199,7 @@ def _launch_driver(world_size: int, stages: list[int], resume: bool, bad_input: 
 
 @pytest.mark.timeout(400)
 def test_parity_resume_and_bad_input_world_size_2():
-    stages = [0, 1, 2, 3]
+    stages = [0, 1]
     report = _launch_driver(2, stages, resume=True, bad_input=True, timeout=380)
     _check_parity(report, stages, require_uneven=False)
     # stop after 3 iterations, resume from the checkpoint: the same losses as without stopping
@@ -222,7 +223,7 @@ def test_parity_resume_and_bad_input_world_size_2():
 
 @pytest.mark.timeout(400)
 def test_parity_world_size_4():
-    stages = [int(s) for s in os.environ.get("DCP_TEST_WS4_STAGES", "0,1,2,3").split(",")]
+    stages = [int(s) for s in os.environ.get("DCP_TEST_WS4_STAGES", "0,1").split(",")]
     report = _launch_driver(4, stages, resume=False, bad_input=False, timeout=380)
     _check_parity(report, stages, require_uneven=True)
 
@@ -285,7 +286,7 @@ if __name__ == "__main__":
 
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=0)
-    p.add_argument("--stages", default="0,1,2,3")
+    p.add_argument("--stages", default="0,1")
     p.add_argument("--out", required=True)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--bad-input", action="store_true")
