@@ -54,3 +54,17 @@ def test_training_log_lines_json_and_final_line(tmp_path, capsys):
     assert len(path.read_text().splitlines()) == 3
     assert not (tmp_path / "other.jsonl").exists()
     assert progress_bar(0, 4, width=4) == "[....]" and progress_bar(4, 4, width=4) == "[####]"
+
+
+def test_lockstep_summary_counts_slots_and_peak_memory_is_measured():
+    from dataclasses import replace
+
+    from megatron_dcp.runtime.report import peak_memory_mb
+
+    plan = _plan()
+    slotted = replace(plan, tasks=tuple(replace(t, slot=k) for k, t in enumerate(plan.tasks)))
+    assert plan_summary(slotted)["slots"] == 3 and "slots" not in plan_summary(plan)
+    before = peak_memory_mb()
+    block = bytearray(64 * 2**20)  # touch 64 MiB: the peak RSS grows
+    block[:: 4096] = b"\x01" * len(block[:: 4096])
+    assert peak_memory_mb() >= before and peak_memory_mb() > 64

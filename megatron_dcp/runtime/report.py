@@ -3,8 +3,9 @@
 `plan_summary` condenses a step's plan (degrees used, micro-steps per rank, checkpointed layers,
 predicted step time) into a JSON-ready dict; `TrainingLog` prints one line per iteration with a
 progress bar, writes the ``--log-json`` lines (one JSON object per iteration: ``iteration``,
-``loss``, ``tokens``, ``tokens_per_s``, ``step_s``, ``plan`` and whatever else the caller adds)
-and the final throughput line. Pure Python: the examples of both engines use it.
+``loss``, ``tokens``, ``tokens_per_s``, ``step_s``, ``plan`` and whatever else the caller adds,
+e.g. `peak_memory_mb`) and the final throughput line. Pure Python (torch only where a CUDA
+device is measured): the examples of both engines use it.
 """
 
 from __future__ import annotations
@@ -29,9 +30,25 @@ def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int],
                                         for r in range(plan.world_size)],
                "ckpt_layers": sorted({t.ckpt_layers for t in plan.tasks}),
                "predicted_s": round(plan.makespan, 6)}
+    if plan.lockstep:  # every rank runs every slot: its tasks and empty micro-steps
+        summary["slots"] = len(plan.slot_depths())
     if plan_s is not None:
         summary["plan_ms"] = round(plan_s * 1e3, 2)
     return summary
+
+
+def peak_memory_mb(device: Any = None) -> float:
+    """Peak memory of this process so far, MiB: CUDA's max allocated on ``device`` when it is a
+    CUDA device, else the peak resident set size (what a CPU run uses)."""
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, else KiB
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:
