@@ -33,7 +33,7 @@ from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, embedde
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.integrations import hf
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
-from megatron_dcp.runtime.report import TrainingLog, plan_summary
+from megatron_dcp.runtime.report import TrainingLog, peak_memory_mb, plan_summary
 
 DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
 
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s)
         log.iteration(it + 1, loss=result.loss, tokens=sum(int(s.shape[0]) for s in sequences),
                       step_s=result.wall_s, sequences=len(sequences), grad_norm=result.grad_norm,
-                      plan=summary)
+                      peak_mem_mb=peak_memory_mb(engine.device), plan=summary)
         last = it + 1 == args.train_iters
         if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
             # every --save-interval iterations, and always after the last one
