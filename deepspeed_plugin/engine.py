@@ -134,20 +134,25 @@ class DCPEngine:
                 "world_size": self.world_size}
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, **kwargs: Any) -> Any:
-        """``engine.save_checkpoint`` with DCP's state added under
-        ``client_state["dcp_engine"]``."""
+                        client_state: Optional[dict] = None, *,
+                        keep_last: Optional[int] = None, **kwargs: Any) -> str:
+        """Collective: an atomic ``engine.save_checkpoint`` (`deepspeed_plugin.checkpoint`) with
+        DCP's state under ``client_state["dcp_engine"]``; ``latest`` moves only after every rank
+        wrote its files; ``keep_last`` keeps that many checkpoints. Returns the path."""
+        from deepspeed_plugin import checkpoint
+
         state = dict(client_state or {})
         state["dcp_engine"] = self.state_dict()
-        saved = self.engine.save_checkpoint(save_dir, tag=tag, client_state=state, **kwargs)
-        dist.barrier()  # rank 0 writes the "latest" tag file; nobody may load before it exists
-        return saved
+        tag = tag if tag is not None else f"global_step{self.engine.global_steps}"
+        return checkpoint.save(self, save_dir, tag, state, keep_last=keep_last, **kwargs)
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         **kwargs: Any) -> tuple[Any, dict]:
-        """``engine.load_checkpoint``; restores the iteration; returns ``(path, client_state)``."""
-        path, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
-        if path is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint found in {load_dir} (tag {tag})")
-        self.driver.load_state_dict((client_state or {}).get("dcp_engine", {}))
-        return path, client_state or {}
+        """Collective: verify the checkpoint (``tag`` or ``latest``) on every rank, load it (at
+        another world size through DeepSpeed's universal format), restore the iteration;
+        returns ``(path, client_state)``. Loading unpickles: only load checkpoints you trust."""
+        from deepspeed_plugin import checkpoint
+
+        path, client_state = checkpoint.load(self, load_dir, tag, **kwargs)
+        self.driver.load_state_dict(client_state.get("dcp_engine", {}))
+        return path, client_state

@@ -33,6 +33,7 @@ from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, embedde
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.integrations import hf
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
+from megatron_dcp.runtime.checkpoint_dir import split_load_path
 from megatron_dcp.runtime.report import TrainingLog, peak_memory_mb, plan_summary
 
 DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
@@ -69,8 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=int_flag(0), default=0,
                    help="save every N iterations and after the last (0: only after the last)")
+    g.add_argument("--keep-last", type=int_flag(1), default=None,
+                   help="keep only the newest N checkpoints in --save (default: all)")
     g.add_argument("--load", default=None,
-                   help="resume from the latest checkpoint in this directory")
+                   help="resume from the latest checkpoint in this directory, or from one "
+                   "checkpoint directory in it; at any world size and ZeRO 1-3 stage (ZeRO 0: "
+                   "any world size); loading unpickles: only load checkpoints you trust")
     g.add_argument("--quiet", action="store_true", help="only the final line")
     deepspeed.add_config_arguments(p)
     deepspeed_plugin.add_dcp_arguments(p)
@@ -130,7 +135,7 @@ def main(argv=None) -> int:
                                  max_seq_len=args.seq_length)
     start = 0
     if args.load:
-        _, client = engine.load_checkpoint(args.load)
+        _, client = engine.load_checkpoint(*split_load_path(args.load))
         sampler.load_state_dict(client["sampler"])
         start = int(client["iteration"])
         if rank == 0 and not args.quiet:
@@ -161,7 +166,8 @@ def main(argv=None) -> int:
             # every --save-interval iterations, and always after the last one
             engine.save_checkpoint(args.save, tag=f"iter_{it + 1}",
                                    client_state={"sampler": sampler.state_dict(),
-                                                 "iteration": it + 1})
+                                                 "iteration": it + 1},
+                                   keep_last=args.keep_last)
     if args.save and args.hf_model:
         _save_hf(engine, os.path.join(args.save, "hf"))
     log.close()

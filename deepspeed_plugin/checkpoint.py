@@ -1,0 +1,109 @@
+"""DeepSpeed checkpoints of a `DCPEngine`: atomic saves, verified loads, another world size.
+
+* ``save``: DeepSpeed writes every rank's files into a staging directory; the checkpoint and
+  ``latest`` appear only after every rank confirmed (`megatron_dcp.runtime.checkpoint_dir`).
+* ``load``: the checkpoint is verified on every rank first (manifest, every file and its size).
+  Saved at the same world size and ZeRO stage, DeepSpeed loads it as usual. Saved at another
+  world size (or stage) with ZeRO 1-3, whose optimizer states are partitioned by rank, it is
+  converted once to DeepSpeed's *universal* checkpoint (``ds_to_universal``: one file per
+  parameter and state, independent of the partitioning; written beside it as ``TAG.universal``,
+  atomically) and loaded from there. ZeRO 0 keeps whole optimizer states and loads at any world
+  size directly. DCP's update does not depend on the plan, so the resumed run continues the
+  trajectory of the run that saved (elastic training).
+
+Loading unpickles (DeepSpeed's ``torch.load(weights_only=False)``): only load checkpoints you
+trust.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, read_manifest,
+                                                 save_atomically, verify_checkpoint)
+
+UNIVERSAL = ".universal"
+
+
+def save(engine: Any, save_dir: str, tag: str, client_state: dict, *,
+         keep_last: Optional[int] = None, **kwargs: Any) -> str:
+    """Collective: DeepSpeed's ``save_checkpoint`` of ``engine`` (a `DCPEngine`) made atomic;
+    returns the checkpoint's path."""
+    import deepspeed
+
+    def write(staging: str) -> None:
+        engine.engine.save_checkpoint(save_dir, tag=staging, client_state=client_state,
+                                      save_latest=False, **kwargs)
+
+    meta = {"world_size": engine.world_size, "zero_stage": engine.zero_stage,
+            "iteration": engine.iteration, "deepspeed": deepspeed.__version__}
+    return save_atomically(save_dir, tag, write, meta=meta, keep_last=keep_last)
+
+
+def load(engine: Any, load_dir: str, tag: Optional[str] = None,
+         **kwargs: Any) -> tuple[str, dict]:
+    """Collective: verify, then load into ``engine`` (a `DCPEngine`), converting to a universal
+    checkpoint when the world size or ZeRO stage differs; returns ``(path, client_state)``."""
+    tag, manifest = verify_checkpoint(load_dir, tag)
+    saved_world, saved_stage = int(manifest["world_size"]), int(manifest["zero_stage"])
+    if saved_stage != engine.zero_stage and 0 in (saved_stage, engine.zero_stage):
+        raise CheckpointError(
+            f"checkpoint {os.path.join(load_dir, tag)} was saved at ZeRO {saved_stage}; this run "
+            f"uses ZeRO {engine.zero_stage}: ZeRO 0 checkpoints load only at ZeRO 0 and back")
+    universal = saved_stage > 0 and (saved_world, saved_stage) != (engine.world_size,
+                                                                    engine.zero_stage)
+    if universal:
+        tag = _universal(load_dir, tag, manifest)
+    ds = engine.engine
+    previous = ds._config.load_universal_checkpoint
+    ds._config.load_universal_checkpoint = universal
+    try:
+        path, client_state = ds.load_checkpoint(load_dir, tag=tag, **kwargs)
+    finally:
+        ds._config.load_universal_checkpoint = previous
+    if path is None:
+        raise CheckpointError(f"DeepSpeed found nothing to load in {os.path.join(load_dir, tag)}")
+    return path, client_state or {}
+
+
+def _universal(load_dir: str, tag: str, manifest: dict) -> str:
+    """Collective: the tag of the universal conversion of ``tag`` (made now by rank 0 unless a
+    complete one exists)."""
+    target = tag + UNIVERSAL
+    if read_manifest(os.path.join(load_dir, target)) is None:
+        rank = dist.get_rank()
+
+        def convert(staging: str) -> None:
+            if rank == 0:
+                to_universal(os.path.join(load_dir, tag), os.path.join(load_dir, staging))
+
+        meta = {key: manifest[key] for key in ("world_size", "zero_stage", "iteration")
+                if key in manifest}
+        save_atomically(load_dir, target, convert, meta={**meta, "universal_of": tag},
+                        move_latest=False)
+    return target
+
+
+def to_universal(checkpoint: str, output: str) -> None:
+    """Convert one DeepSpeed checkpoint directory (ZeRO 1-3) into a universal one, in this
+    process (DeepSpeed's ``ds_to_universal`` without worker processes)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=checkpoint, output_folder=output,
+                              num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    ds_to_universal.main(args)
+    # the converter also points PARENT/latest_universal at its output folder (here a staging
+    # directory that is renamed next): nothing may name a partial directory
+    pointer = os.path.join(os.path.dirname(os.path.normpath(output)), "latest_universal")
+    try:
+        with open(pointer) as handle:
+            stale = handle.read().strip() == os.path.basename(os.path.normpath(output))
+        if stale:
+            os.remove(pointer)
+    except FileNotFoundError:
+        pass
