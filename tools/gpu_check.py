@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import subprocess
@@ -89,12 +88,6 @@ def local_fwd_bwd(q, k, v, dout, meta, causal, scale, groups, backend):
         out = kernels.local_attention(*ins, meta, causal=causal, softmax_scale=scale,
                                       groups=groups)
         return [out.detach(), *torch.autograd.grad(out, ins, dout)]
-
-
-def cuda_sync(device) -> None:
-    """Wait for the device (timing only)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed(fn: Callable, device, repeats: int) -> float:
