@@ -84,7 +84,6 @@ def _plans(path: str) -> list[dict]:
 def _tight_budget(model_dir: str, world: int, stage: int) -> str:
     """The smallest memory budget (GiB) in which a SEQ-token sequence fits at all (bisection):
     the longest sequences then need both ranks."""
-    from deepspeed_plugin.engine import planned_zero_stage
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.integrations import hf
     from megatron_dcp.plan import make_plan
@@ -93,7 +92,7 @@ def _tight_budget(model_dir: str, world: int, stage: int) -> str:
 
     def fits(gib: float) -> bool:
         try:
-            make_plan([SEQ], world_size=world, model=shape, zero_stage=planned_zero_stage(stage),
+            make_plan([SEQ], world_size=world, model=shape, zero_stage=stage,
                       config=DCPConfig(enabled=True, memory_budget_gb=gib))
             return True
         except Exception:  # noqa: BLE001 - any PlanError: does not fit
