@@ -12,9 +12,14 @@ its ``forward_backward_no_pipelining`` run the global batch split over the data-
 (one sequence per micro-batch, so nothing is padded and the two modes see the same math).
 Data: the embedded corpus or ``--data-path PREFIX`` (Megatron ``.bin/.idx``), byte tokens,
 global batches of up to ``--global-batch-tokens`` tokens, identical in both modes. The optimizer
-is torch AdamW on Megatron DDP's ``main_grad`` (Megatron's optimizer wrapper needs CUDA).
-Output per iteration as examples/pretrain.py (DeepSpeed); ``--log-json`` writes one JSON object
-per iteration (iteration, loss, tokens, tokens_per_s, ...).
+is torch AdamW on Megatron DDP's ``main_grad``, or with ``--use-distributed-optimizer``
+Megatron's own distributed optimizer (Adam states and the gradient reduce-scatter sharded over
+the data-parallel ranks; on CPU through `megatron_dcp.megatron.cpu`). Output per iteration as
+examples/pretrain.py (DeepSpeed); ``--log-json`` writes one JSON object per iteration
+(iteration, loss, tokens, tokens_per_s, peak_mem_mb, ...). ``--save``/``--load`` checkpoint the
+model, the optimizer, the data position and the planner's state (one file per rank, saved
+atomically: `megatron_dcp.runtime.checkpoint_dir`); a resumed run continues with the losses of
+an uninterrupted one (same world size and tensor-parallel size).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from megatron_dcp.config import float_flag, int_flag
 from megatron_dcp.data import GlobalBatchSampler, open_dataset
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
-from megatron_dcp.runtime.report import TrainingLog, plan_summary
+from megatron_dcp.runtime.report import TrainingLog, peak_memory_mb, plan_summary
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,6 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"))
     g.add_argument("--recompute-num-layers", type=int_flag(1), default=None)
     g.add_argument("--max-seqlen-per-dp-cp-rank", type=int_flag(1), default=None)
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's distributed optimizer (states sharded over data parallel)")
+    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--save-interval", type=int, default=0,
+                   help="save every N iterations and after the last (0: only after the last)")
+    g.add_argument("--load", default=None, help="resume from the latest checkpoint in this "
+                   "directory, or from one checkpoint directory in it (same world and TP size)")
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
     g.add_argument("--quiet", action="store_true", help="only the final line")
     add_dcp_args(p)
@@ -144,8 +156,92 @@ def build_model(args, dcp: bool):
                      position_embedding_type="rope")
     if cuda:
         model.cuda()
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), module=model)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=args.use_distributed_optimizer)
+    ddp = DistributedDataParallel(config, ddp_config, module=model)
     return ddp, model_shape(args)
+
+
+def build_optimizer(args, ddp):
+    """torch AdamW on the parameters (their ``main_grad``), or Megatron's distributed optimizer
+    (Adam, no clipping: the same update as the AdamW path)."""
+    if not args.use_distributed_optimizer:
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
+                             clip_grad=0.0, use_distributed_optimizer=True)
+    return get_megatron_optimizer(config, [ddp])
+
+
+def _optimizer_state(optimizer) -> list:
+    """What this rank's optimizer holds: torch's state dict, or per Megatron optimizer the
+    state of the torch optimizer over this rank's shard and its fp32 master shards."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer.state_dict()]
+    return [(o.optimizer.state_dict(),
+             [t.detach().clone() for g in getattr(o, "shard_fp32_from_float16_groups", [])
+              for t in g]) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _load_optimizer_state(optimizer, state: list) -> None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.load_state_dict(state[0])
+        return
+    for o, (inner, masters) in zip(getattr(optimizer, "chained_optimizers", [optimizer]), state):
+        o.optimizer.load_state_dict(inner)
+        shards = [t for g in getattr(o, "shard_fp32_from_float16_groups", []) for t in g]
+        for t, saved in zip(shards, masters):
+            t.data.copy_(saved)
+
+
+def save_checkpoint(args, iteration: int, ddp, optimizer, sampler, step_fn) -> None:
+    """Collective: every rank writes its file (model, optimizer, data position, planner)."""
+    from megatron.core import parallel_state
+
+    from megatron_dcp.runtime.checkpoint_dir import save_atomically
+
+    rank = dist.get_rank()
+    state = {"model": ddp.module.state_dict(), "optimizer": _optimizer_state(optimizer),
+             "sampler": sampler.state_dict(), "iteration": iteration,
+             "planner": step_fn.driver.state_dict() if step_fn is not None else None}
+    meta = {"world_size": dist.get_world_size(),
+            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+            "distributed_optimizer": args.use_distributed_optimizer}
+
+    def write(tag: str) -> None:
+        os.makedirs(os.path.join(args.save, tag), exist_ok=True)
+        torch.save(state, os.path.join(args.save, tag, f"rank_{rank}.pt"))
+
+    save_atomically(args.save, f"iter_{iteration}", write, meta=meta)
+
+
+def load_checkpoint(args, ddp, optimizer, sampler, step_fn) -> int:
+    """Collective: restore every rank from ``--load``; returns the iteration to continue from."""
+    from megatron.core import parallel_state
+
+    from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, split_load_path,
+                                                     verify_checkpoint)
+
+    load_dir, tag = split_load_path(args.load)
+    tag, manifest = verify_checkpoint(load_dir, tag)
+    want = {"world_size": dist.get_world_size(),
+            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+            "distributed_optimizer": args.use_distributed_optimizer}
+    differ = {k: (manifest.get(k), v) for k, v in want.items() if manifest.get(k) != v}
+    if differ:
+        raise CheckpointError(f"checkpoint {os.path.join(load_dir, tag)} was saved with "
+                              + ", ".join(f"{k}={a} (this run: {b})" for k, (a, b) in
+                                          differ.items()))
+    path = os.path.join(load_dir, tag, f"rank_{dist.get_rank()}.pt")
+    state = torch.load(path, map_location="cpu", weights_only=False)  # our own files
+    ddp.module.load_state_dict(state["model"])
+    _load_optimizer_state(optimizer, state["optimizer"])
+    sampler.load_state_dict(state["sampler"])
+    if step_fn is not None and state["planner"] is not None:
+        step_fn.driver.load_state_dict(state["planner"])
+    return int(state["iteration"])
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -233,20 +329,24 @@ def main(argv=None) -> int:
         else torch.device("cpu")
     ddp, shape = build_model(args, dcp_config.enabled)
     params = [p for p in ddp.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    step_fn = DCPForwardBackward(dcp_config, model_shape=shape) if dcp_config.enabled else None
+    optimizer = build_optimizer(args, ddp)
+    # the planner's memory model: optimizer states sharded over data parallel, or not
+    step_fn = DCPForwardBackward(dcp_config, model_shape=shape,
+                                 zero_stage=1 if args.use_distributed_optimizer else 0) \
+        if dcp_config.enabled else None
 
     dataset = open_dataset(args.data_path)
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
+    start = load_checkpoint(args, ddp, optimizer, sampler, step_fn) if args.load else 0
     mode = "dcp" if dcp_config.enabled else "data-parallel"
     log = TrainingLog(mode, args.train_iters, json_path=args.log_json, primary=rank == 0,
-                      quiet=args.quiet)
+                      quiet=args.quiet, append=bool(args.load))
     if rank == 0 and not args.quiet:
         print(f"pretrain_megatron: {mode}, {world} ranks (tp {args.tensor_model_parallel_size}, "
               f"dp {dp_size}), data {args.data_path or 'embedded corpus'} ({len(dataset)} "
               f"documents), model {args.num_layers}x{args.hidden_size}", flush=True)
-    for it in range(args.train_iters):
+    for it in range(start, args.train_iters):
         t0 = time.perf_counter()
         docs = sampler.next_batch()
         sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
@@ -264,14 +364,21 @@ def main(argv=None) -> int:
         loss = float(summed[0] / summed[1])
         if step_fn is not None and dcp_config.loss_reduction == "sequence":
             loss = step_fn.last_stats.loss  # the loss optimised: the mean of per-sequence means
-        for p in params:
-            p.grad = p.main_grad
-        optimizer.step()
+        if isinstance(optimizer, torch.optim.Optimizer):
+            for p in params:
+                p.grad = p.main_grad
+            optimizer.step()
+        else:
+            optimizer.step()  # Megatron's: the shards' update, then the parameter all-gather
         plan = step_fn.last_plan if step_fn is not None else None
         micro = [len(sequences[r::dp_size]) for r in range(dp_size)]
         log.iteration(it + 1, loss=loss, tokens=sum(int(s.numel()) for s in sequences),
                       step_s=time.perf_counter() - t0, sequences=len(sequences),
+                      peak_mem_mb=peak_memory_mb(device),
                       plan=plan_summary(plan, micro_steps=micro))
+        last = it + 1 == args.train_iters
+        if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
+            save_checkpoint(args, it + 1, ddp, optimizer, sampler, step_fn)
     log.close()
     return 0
 

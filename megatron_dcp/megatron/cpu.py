@@ -14,14 +14,23 @@ is named, version-checked (see ``megatron_dcp.patching.SUPPORTED``) and undone b
 * ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (tensor_parallel/random.py, used by activation
   recompute and the RNG tracker): on CPU the device generator is the CPU generator.
 * RNG tracker: `seed_rng` seeds Megatron's tracker the CPU-safe way (inference tracker, reset).
+* ``get_megatron_optimizer`` (optimizer/__init__.py): Megatron's optimizers (the distributed one
+  of ``--use-distributed-optimizer`` included) allocate flags and norms with ``device='cuda'``,
+  move tensors with ``.cuda()`` and accept only parameters whose ``Tensor.type()`` names a CUDA
+  tensor. The patched function builds the optimizer, and runs every public method of the one it
+  returns, under `CudaAsCpu`: a torch function mode, active only inside those calls, that makes
+  CUDA devices the CPU, ``.cuda()`` a no-op and a CPU tensor's ``type()`` the CUDA name of its
+  dtype.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megatron_dcp.patching import PatchSet, check_version
 
@@ -62,6 +71,48 @@ def _set_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool =
     torch.set_rng_state(new_state)
 
 
+class CudaAsCpu(TorchFunctionMode):
+    """Inside: ``device='cuda'`` (or a CUDA index) allocates on the CPU, ``Tensor.cuda()``
+    returns the tensor, and a CPU tensor's ``type()`` reads ``torch.cuda.<Type>``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and (isinstance(device, int) or str(device).startswith("cuda")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" \
+                else name
+        return func(*args, **kwargs)
+
+
+def _on_cpu(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with CudaAsCpu():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def _optimizer_on_cpu(get_optimizer: Callable) -> Callable:
+    """``get_megatron_optimizer`` whose optimizer is built and runs under `CudaAsCpu`."""
+
+    @functools.wraps(get_optimizer)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        optimizer = _on_cpu(get_optimizer)(*args, **kwargs)
+        for name in dir(type(optimizer)):
+            method = getattr(optimizer, name, None)
+            if not name.startswith("_") and callable(method):
+                setattr(optimizer, name, _on_cpu(method))  # this object only
+        return optimizer
+
+    return build
+
+
 def enable_cpu() -> PatchSet:
     """Apply the CPU patches (idempotent). Raises on a GPU machine or an unchecked version."""
     global _ACTIVE
@@ -89,6 +140,10 @@ def enable_cpu() -> PatchSet:
                         _get_rng_state, check=callable)
         patches.replace("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
                         _set_rng_state, check=callable)
+        import megatron.core.optimizer as optimizer
+
+        patches.replace("megatron.core.optimizer", "get_megatron_optimizer",
+                        _optimizer_on_cpu(optimizer.get_megatron_optimizer), check=callable)
     except Exception:
         patches.undo()
         raise
