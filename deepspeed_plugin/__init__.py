@@ -34,7 +34,7 @@ __all__ = ["DCPConfig", "DCPConfigError", "DCPEngine", "StepResult", "add_dcp_ar
 def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, optimizer: Any = None,
                model_parameters: Any = None, lr_scheduler: Any = None, config: Any = None, *,
                dcp_config: Optional[DCPConfig] = None, model_shape: Any = None,
-               hardware: Any = None,
+               hardware: Any = None, timeout: timedelta = PROCESS_GROUP_TIMEOUT,
                **deepspeed_kwargs: Any) -> tuple[DCPEngine, Any, Any, Any]:
     """``deepspeed.initialize`` with DCP: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
@@ -43,6 +43,8 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     ``dcp_config``). ``model_shape`` (a `ModelShape`; default ``model.shape()``) feeds the cost
     model, ``hardware`` overrides ``dcp.hardware``. Bad combinations raise `DCPConfigError` here,
     before any step. With DCP off the engine runs plain data parallel on the same global batches.
+    ``timeout``: of every process group of the job, DeepSpeed's own (ZeRO's) included
+    (`patches.process_group_timeout`): a stalled rank fails the others' collectives after it.
     A Hugging Face ``PreTrainedModel`` is wrapped in `megatron_dcp.integrations.hf.DCPCausalLM`
     (``engine.module``; its ``causal_lm`` is the model given).
     """
@@ -56,6 +58,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     if hf.is_hf_model(model):  # the runtime's forward signature, DCP's attention and recompute
         model = hf.DCPCausalLM(model)
     patches.apply_all()
+    patches.process_group_timeout(timeout)
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
     ds_config = load_ds_config(config)
@@ -63,7 +66,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
 
     accelerator = get_accelerator()
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
-                               timeout=PROCESS_GROUP_TIMEOUT)
+                               timeout=timeout)
     import torch.distributed as dist
 
     world_size, rank = dist.get_world_size(), dist.get_rank()
@@ -80,12 +83,12 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
         args=ds_args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, config=ds_ready, **deepspeed_kwargs)
 
-    wrapper = _wrap(engine, dcp, model, model_shape, hardware, notices, rank)
+    wrapper = _wrap(engine, dcp, model, model_shape, hardware, notices, rank, timeout)
     return wrapper, ds_optimizer, dataloader, scheduler
 
 
 def _wrap(engine: Any, dcp: DCPConfig, model: Any, model_shape: Any, hardware: Any,
-          notices: list, rank: int) -> DCPEngine:
+          notices: list, rank: int, timeout: timedelta = PROCESS_GROUP_TIMEOUT) -> DCPEngine:
     """The DCP engine around DeepSpeed's, with its groups created (collective)."""
     from deepspeed_plugin import patches
     from megatron_dcp.plan.planners import schedule_for
@@ -97,7 +100,7 @@ def _wrap(engine: Any, dcp: DCPConfig, model: Any, model_shape: Any, hardware: A
     if model_shape is None and hasattr(model, "shape"):
         model_shape = model.shape()
     wrapper = DCPEngine(engine, dcp, model_shape=model_shape,
-                        pool=GroupPool(timeout=PROCESS_GROUP_TIMEOUT), hardware=hardware,
+                        pool=GroupPool(timeout=timeout), hardware=hardware,
                         notices=notices)
     if dcp.enabled and model_shape is not None:
         notices = notices + [wrapper.driver.create_groups()]  # none created inside a step

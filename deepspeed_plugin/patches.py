@@ -21,17 +21,25 @@ every applied patch is listed by ``applied()`` and undone by ``undo_all()`` (als
   of a module after its forward, persistent ones included (DeepSpeed checks ``ds_persist`` only
   on the traced path): the patched one keeps persistent parameters, so after the first forward
   of a step no rank all-gathers again until the optimizer step re-gathers them (once, on all).
+* ``process_group_timeout(timeout)``: every group DeepSpeed creates (ZeRO's data-parallel group,
+  sequence- and expert-parallel groups ...) comes from ``TorchBackend.new_group(ranks)``, which
+  calls ``torch.distributed.new_group(ranks)`` without a timeout: torch then gives it its default
+  (30 minutes on gloo, 10 on NCCL), not the job's, so a stalled rank blocked the others in
+  ZeRO's reduction for half an hour. The patched method passes the job's timeout.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+from datetime import timedelta
 from typing import Any
 
 from megatron_dcp.patching import (PatchVersionError, applied, check_version, is_applied,
-                                   package_version, register, undo_all)
+                                   package_version, register, undo, undo_all)
 
-__all__ = ["apply_all", "applied", "skip_shm_op_build", "undo_all", "zero3_untraced_coordinator"]
+__all__ = ["apply_all", "applied", "process_group_timeout", "skip_shm_op_build", "undo_all",
+           "zero3_untraced_coordinator"]
 
 
 def _deepspeed_version() -> str:
@@ -60,6 +68,33 @@ def skip_shm_op_build() -> None:
         module.build_shm_op = original
 
     register(name, undo)
+
+
+def process_group_timeout(timeout: timedelta) -> None:
+    """DeepSpeed's own process groups get ``timeout`` (see the module docstring). Reversible; a
+    second call replaces the timeout."""
+    name = "process_group_timeout"
+    undo(name)
+    _check_version(name)
+    from deepspeed.comm.torch import TorchBackend
+
+    original = TorchBackend.__dict__.get("new_group")
+    if original is None or list(inspect.signature(original).parameters) != ["self", "ranks"]:
+        raise PatchVersionError(f"megatron-dcp patch {name}: DeepSpeed {_deepspeed_version()}'s "
+                                "TorchBackend.new_group is not new_group(self, ranks); update "
+                                "deepspeed_plugin/patches.py")
+
+    def new_group(self: Any, ranks: Any) -> Any:
+        import torch.distributed
+
+        return torch.distributed.new_group(ranks, timeout=timeout)
+
+    TorchBackend.new_group = new_group
+
+    def revert() -> None:
+        TorchBackend.new_group = original
+
+    register(name, revert)
 
 
 def zero3_untraced_coordinator(engine: Any) -> None:

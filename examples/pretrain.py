@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from datetime import timedelta
 
 import torch
 
@@ -76,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="resume from the latest checkpoint in this directory, or from one "
                    "checkpoint directory in it; at any world size and ZeRO 1-3 stage (ZeRO 0: "
                    "any world size); loading unpickles: only load checkpoints you trust")
+    g.add_argument("--distributed-timeout-s", type=float_flag(), default=120.0,
+                   help="timeout of every process group (DeepSpeed's included): a rank stalled "
+                   "this long fails the job, naming it")
     g.add_argument("--quiet", action="store_true", help="only the final line")
     deepspeed.add_config_arguments(p)
     deepspeed_plugin.add_dcp_arguments(p)
@@ -126,8 +130,9 @@ def main(argv=None) -> int:
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's "
                          f"vocabulary only {vocab} (bytes need 257): pass --tokenizer")
-    engine, _, _, _ = deepspeed_plugin.initialize(args=args, model=model, config=ds_config,
-                                                  model_parameters=model.parameters())
+    engine, _, _, _ = deepspeed_plugin.initialize(
+        args=args, model=model, config=ds_config, model_parameters=model.parameters(),
+        timeout=timedelta(seconds=args.distributed_timeout_s))
     rank, world = engine.rank, engine.world_size
 
     dataset = _dataset(args.data_path, tokenizer)

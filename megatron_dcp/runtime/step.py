@@ -42,6 +42,7 @@ from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.runtime.context import TaskContext, current_task, task_context
 from megatron_dcp.runtime.executor import StepStats, global_sum, run_plan
 from megatron_dcp.runtime.layout import ShardLayout
+from megatron_dcp.runtime.liveness import names_unresponsive_ranks
 
 
 @dataclass
@@ -188,6 +189,7 @@ class StepDriver:
                          iteration=self.iteration if iteration is None else iteration,
                          hardware=self.hardware, zero_stage=self.zero_stage)
 
+    @names_unresponsive_ranks  # a collective that lost a peer names the stalled rank
     def step(self, engine: StepEngine, sequences: Sequence[torch.Tensor],
              plan: Optional[Plan] = None, *, train: bool = True) -> StepResult:
         """Run this rank's part of one step on the global batch ``sequences`` (1-D token id

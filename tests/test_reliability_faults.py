@@ -1,0 +1,120 @@
+"""A stalled rank ends the job: DeepSpeed's own process groups get the job's timeout, and the
+other ranks name the rank that stopped answering.
+
+The fault test stops one rank of a real ``deepspeed``-launched ``examples/pretrain.py`` job with
+SIGSTOP (what a hung device looks like from outside) under a short process-group timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 12
+LAUNCHER_GRACE_S = 30
+"""DeepSpeed's launcher sends SIGTERM to the ranks left when one fails and waits 30 s before
+SIGKILL (``launch.py: terminate_process_tree``); a stopped process only dies by SIGKILL."""
+
+
+def test_deepspeed_groups_get_the_timeout(monkeypatch):
+    """Every group DeepSpeed creates (``TorchBackend.new_group``) is given the timeout."""
+    import torch.distributed
+    from deepspeed.comm.torch import TorchBackend
+
+    from deepspeed_plugin import patches
+
+    calls = []
+    monkeypatch.setattr(torch.distributed, "new_group",
+                        lambda ranks, **kwargs: calls.append((list(ranks), kwargs)) or "group")
+    original = TorchBackend.new_group
+    patches.process_group_timeout(timedelta(seconds=7))
+    try:
+        assert "process_group_timeout" in patches.applied()
+        assert TorchBackend.new_group(None, [0, 1]) == "group"
+        patches.process_group_timeout(timedelta(seconds=9))  # a second call replaces it
+        TorchBackend.new_group(None, [1])
+    finally:
+        patches.undo("process_group_timeout")
+    assert calls == [([0, 1], {"timeout": timedelta(seconds=7)}),
+                     ([1], {"timeout": timedelta(seconds=9)})]
+    assert TorchBackend.new_group is original
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_pids(launcher_pid: int) -> dict[int, int]:
+    """Pids of the training ranks under the launcher (``--local_rank=N`` in their command)."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            cmd = child.cmdline()
+        except psutil.Error:
+            continue
+        if any(part.endswith("pretrain.py") for part in cmd):
+            for part in cmd:
+                if part.startswith("--local_rank="):
+                    found[int(part.split("=")[1])] = child.pid
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_stalled_rank_ends_the_job_naming_it(tmp_path):
+    import psutil
+
+    log = tmp_path / "train.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+           "--master_port", str(_free_port()), "examples/pretrain.py", "--dcp", "--zero-stage",
+           "1", "--train-iters", "100000", "--global-batch-tokens", "1024", "--seq-length", "256",
+           "--num-layers", "1", "--hidden-size", "32", "--num-heads", "4", "--quiet",
+           "--distributed-timeout-s", str(TIMEOUT_S), "--log-json", str(log)]
+    out = open(tmp_path / "out.txt", "w")
+    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    stopped = None
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and job.poll() is None:
+            if log.exists() and len(log.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        pids = _rank_pids(job.pid)
+        assert sorted(pids) == [0, 1], (pids, (tmp_path / "out.txt").read_text()[-3000:])
+        stopped = psutil.Process(pids[1])
+        os.kill(pids[1], signal.SIGSTOP)  # rank 1 hangs mid-training
+        t_stop = time.monotonic()
+        survivor = psutil.Process(pids[0])
+        survivor.wait(timeout=TIMEOUT_S + 30)
+        t_survivor = time.monotonic() - t_stop
+        job.wait(timeout=TIMEOUT_S + 30 + LAUNCHER_GRACE_S)
+        t_launcher = time.monotonic() - t_stop
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        if stopped is not None and stopped.is_running():
+            stopped.kill()
+        out.close()
+    text = (tmp_path / "out.txt").read_text()
+    assert job.returncode != 0
+    assert "rank(s) [1] did not answer a liveness probe" in text, text[-4000:]
+    # the other rank ends within the timeout; the launcher within it and its own grace period
+    assert t_survivor <= TIMEOUT_S + 30, t_survivor
+    assert t_launcher <= TIMEOUT_S + 30 + LAUNCHER_GRACE_S, t_launcher
+    print(f"stalled rank 1: rank 0 exited after {t_survivor:.1f} s, the launcher after "
+          f"{t_launcher:.1f} s (timeout {TIMEOUT_S} s)")
