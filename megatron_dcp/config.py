@@ -135,6 +135,7 @@ class DCPConfig:
         one_of("checkpoint_policy", CHECKPOINT_POLICIES)
         one_of("loss_reduction", LOSS_REDUCTIONS)
         one_of("oversize_policy", OVERSIZE_POLICIES)
+        one_of("schedule", SCHEDULES)
         if self.max_degree is not None and self.max_degree < 1:
             raise DCPConfigError(f"dcp.max_degree={self.max_degree!r}: must be a positive integer")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
