@@ -1,0 +1,150 @@
+"""Lockstep plans (pure Python): the planner picks them for ZeRO-2/3, every slot has one recompute
+depth and at most one task per rank, the memory model shards what ZeRO-2/3 shard, the simulator
+times slot after slot, and the plan JSON keeps free plans as they were."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+
+from megatron_dcp.config import DCPConfig, DCPConfigError
+from megatron_dcp.plan import (PlanError, build_cost_model, load_model, make_plan, simulate,
+                               validate_plan)
+from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.plan.planners import memory_stage, schedule_for
+from megatron_dcp.plan.workload import sample_lengths
+
+LLAMA = load_model("llama-7b")
+
+
+def _slots(plan: Plan) -> dict[int, list[Task]]:
+    out = defaultdict(list)
+    for t in plan.tasks:
+        out[t.slot].append(t)
+    return out
+
+
+def test_schedule_follows_the_zero_stage_unless_forced():
+    assert [schedule_for("auto", z) for z in range(4)] == ["free", "free", "lockstep",
+                                                           "lockstep"]
+    assert schedule_for("free", 3) == "free" and schedule_for("lockstep", 0) == "lockstep"
+    # a free schedule under ZeRO-2/3 holds what ZeRO-1 holds (coalesced gradient, gathered
+    # parameters); lockstep keeps the stage's sharding
+    assert [memory_stage(z, "free") for z in range(4)] == [0, 1, 1, 1]
+    assert [memory_stage(z, "lockstep") for z in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(DCPConfigError, match="dcp.schedule='sometimes'"):
+        DCPConfig(schedule="sometimes")
+    lengths = sample_lengths("short", 8 * 65536, seed=1)
+    for zero, config, lockstep in ((1, DCPConfig(), False), (2, DCPConfig(), True),
+                                   (3, DCPConfig(), True), (3, DCPConfig(schedule="free"), False),
+                                   (1, DCPConfig(schedule="lockstep"), True)):
+        plan = make_plan(lengths, world_size=8, model=LLAMA, config=config, zero_stage=zero)
+        assert plan.lockstep == lockstep and plan.meta["zero_stage"] == zero
+        assert plan.meta["schedule"] == ("lockstep" if lockstep else "free")
+
+
+@pytest.mark.parametrize("policy", ["dcp", "dcp-inter", "dcp-intra", "bucket", "packed",
+                                    "static", "greedy-cp"])
+@pytest.mark.parametrize("dist", ["short", "long"])
+def test_lockstep_plans_are_valid_one_depth_per_slot_and_timed_by_slot(policy, dist):
+    world = 16
+    lengths = sample_lengths(dist, world * 65536, seed=3)
+    config = DCPConfig(policy=policy)
+    cm = build_cost_model(LLAMA, config, world, zero_stage=3)
+    plan = make_plan(lengths, world_size=world, model=LLAMA, config=config, zero_stage=3)
+    validate_plan(plan, LLAMA, cost_model=cm)  # memory of the sharded ZeRO-3 model
+    assert plan.lockstep and all(t.slot is not None for t in plan.tasks)
+    slots = _slots(plan)
+    assert sorted(slots) == list(range(len(slots)))  # no empty slot
+    clock = 0.0
+    for k in sorted(slots):
+        tasks = slots[k]
+        assert len({t.ckpt_layers for t in tasks}) == 1
+        ranks = [r for t in tasks for r in t.ranks]
+        assert len(ranks) == len(set(ranks))
+        assert all(t.start == pytest.approx(clock) for t in tasks)
+        clock += max(max(cm.time(t, plan.lengths) for t in tasks),
+                     cm.slot_time(tasks[0].ckpt_layers))
+    result = simulate(plan, cm)
+    assert result.makespan_s == pytest.approx(clock)
+    assert result.makespan_s >= plan.makespan * (1 - 1e-9)  # the last slot's floor on top
+
+
+def test_dcp_lockstep_is_never_slower_than_the_lockstep_baselines():
+    world = 16
+    lengths = sample_lengths("balanced", world * 65536, seed=5)
+    cm = build_cost_model(LLAMA, DCPConfig(), world, zero_stage=3)
+    times = {p: simulate(make_plan(lengths, world_size=world, model=LLAMA,
+                                   config=DCPConfig(policy=p), zero_stage=3), cm).step_time_s
+             for p in ("dcp", "bucket", "packed", "static", "greedy-cp")}
+    assert all(times["dcp"] <= t * (1 + 1e-9) for t in times.values()), times
+
+
+def test_sharded_memory_lets_llama_70b_plan_where_free_schedules_cannot():
+    model = load_model("llama-70b")
+    lengths = sample_lengths("long", 256 * 65536, seed=0)
+    # a free schedule under ZeRO-3 keeps the parameters gathered: 140 GB of bf16 weights
+    with pytest.raises(PlanError, match="below the static memory"):
+        make_plan(lengths, world_size=256, model=model, config=DCPConfig(schedule="free"),
+                  zero_stage=3)
+    cm = build_cost_model(model, DCPConfig(), 256, zero_stage=3)
+    free = build_cost_model(model, DCPConfig(memory_budget_gb=1e4), 256, zero_stage=1)
+    comm = cm.communicators_per_rank * cm.hw.communicator_bytes  # the same in both
+    assert comm == free.communicators_per_rank * free.hw.communicator_bytes
+    assert cm.static_memory - comm < (free.static_memory - comm) / 20
+    # parameters, gradients and states sharded, plus the layers gathered at a time and a bucket
+    assert cm.static_memory - comm > 16 * cm.params / 256 + 2 * 2 * cm.layer_params
+    plan = make_plan(lengths, world_size=256, model=model, config=DCPConfig(), zero_stage=3,
+                     cost_model=cm)
+    validate_plan(plan, model, cost_model=cm)
+    assert plan.lockstep and max(t.memory for t in plan.tasks) <= cm.budget
+
+
+def test_slot_time_is_zero3_traffic_when_it_dominates():
+    world = 64
+    z3 = build_cost_model(LLAMA, DCPConfig(), world, zero_stage=3)
+    z2 = build_cost_model(LLAMA, DCPConfig(), world, zero_stage=2)
+    assert z3.slot_time(32) > z3.slot_time(0) > z2.slot_time(0) > 0
+    # stage 3: three passes of the parameters (gathers in forward and backward, the gradients'
+    # reduce-scatter) over the inter-node links, a fourth with every layer recomputed
+    share = (world - 1) / world * 2 * z3.params / z3.hw.inter_bandwidth
+    assert z3.slot_time(0) == pytest.approx(3 * share) and z3.slot_time(32) == \
+        pytest.approx(4 * share)
+    z1 = build_cost_model(LLAMA, DCPConfig(), 8, zero_stage=1)
+    assert z1.slot_time(0) == pytest.approx(z1.time_of(1, 1.0, z1.layouts(1)[0], 0))
+
+
+def _plan(tasks) -> Plan:
+    return Plan(tasks=tuple(tasks), lengths=(10, 20, 30, 40), world_size=2, policy="manual")
+
+
+GOOD = [Task(0, (0, 1), (0,), ulysses=2, ckpt_layers=2, slot=0),
+        Task(1, (0,), (1,), ckpt_layers=1, start=1.0, slot=1),
+        Task(2, (1,), (2, 3), ckpt_layers=1, start=1.0, slot=1)]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: [replace(t[0], slot=None)] + t[1:], "slot None in a lockstep plan"),
+    (lambda t: t[:2] + [replace(t[2], ckpt_layers=0)], "need one recompute depth"),
+    (lambda t: t[:2] + [replace(t[2], ranks=(0,))], "both in slot 1"),
+    (lambda t: [replace(t[0], slot=2)] + t[1:], "slots must rise in execution order"),
+    (lambda t: [replace(t[0], slot=-1)] + t[1:], "slot -1"),
+])
+def test_validate_plan_names_a_broken_slot_rule(change, message):
+    validate_plan(_plan(GOOD), check_times=False)
+    with pytest.raises(PlanError, match=message):
+        validate_plan(_plan(change(list(GOOD))), check_times=False)
+
+
+def test_plan_json_keeps_slots_and_free_plans_unchanged():
+    plan = _plan(GOOD)
+    back = Plan.from_json(plan.to_json())
+    assert back.lockstep and [t.slot for t in back.tasks] == [0, 1, 1]
+    assert back.slot_depths() == [2, 1] and back.digest() == plan.digest()
+    free = _plan([replace(t, slot=None) for t in GOOD])
+    assert not free.lockstep and free.slot_depths() == []
+    assert all("slot" not in t for t in json.loads(free.to_json())["tasks"])
+    assert free.digest() != plan.digest()
