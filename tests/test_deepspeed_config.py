@@ -73,14 +73,18 @@ def test_prepare_config_makes_defaults_explicit():
     assert cfg["gradient_clipping"] == 0.0 and not notices
 
 
-def test_zero3_keeps_parameters_gathered_with_dcp():
+def test_zero3_keeps_its_settings_with_dcp_and_keeps_parameters_gathered_only_when_free():
+    # lockstep (the default for ZeRO-3): partitioning, persistence and prefetch are ZeRO-3's
+    for dcp in (DCPConfig(enabled=True), DCPConfig()):
+        cfg, notices = prepare_config({"zero_optimization": {"stage": 3}}, world_size=2,
+                                      cpu=False, dcp=dcp, largest_param_numel=12345)
+        assert cfg["zero_optimization"] == {"stage": 3}
+        assert not any("ZeRO-3" in n for n in notices)
     cfg, notices = prepare_config({"zero_optimization": {"stage": 3}}, world_size=2, cpu=False,
-                                  dcp=DCPConfig(enabled=True), largest_param_numel=12345)
+                                  dcp=DCPConfig(enabled=True, schedule="free"),
+                                  largest_param_numel=12345)
     assert cfg["zero_optimization"]["stage3_param_persistence_threshold"] == 12345
     assert any("ZeRO-3" in n for n in notices)
-    cfg, _ = prepare_config({"zero_optimization": {"stage": 3}}, world_size=2, cpu=False,
-                            dcp=DCPConfig(), largest_param_numel=12345)
-    assert "stage3_param_persistence_threshold" not in cfg["zero_optimization"]
 
 
 def test_data_parallel_plan():
