@@ -80,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--load", default=None, help="resume from the latest checkpoint in this "
                    "directory, or from one checkpoint directory in it (same world and TP size)")
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--distributed-timeout-minutes", type=float_flag(), default=2.0,
+                   help="timeout of every process group, Megatron's own included")
     g.add_argument("--quiet", action="store_true", help="only the final line")
     add_dcp_args(p)
     args = p.parse_args(argv)
@@ -99,11 +101,14 @@ def init_distributed(args) -> None:
     else:
         enable_cpu()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=120))
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size)
+        context_parallel_size=args.context_parallel_size,
+        # Megatron's groups default to 30 minutes: a stalled rank would block the others that long
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
     seed_rng(args.seed)
 
 
