@@ -189,7 +189,8 @@ def batch_fingerprint(sequences: Sequence[Optional[torch.Tensor]],
         weights = torch.remainder(torch.remainder(index + 1, _PRIME) * a + b, _PRIME)
         terms = torch.remainder(residues * weights, _PRIME)
         if per_sequence:
-            ends = torch.cumsum(torch.tensor([0] + [int(s.numel()) for s in sequences]), 0)
+            ends = torch.cumsum(torch.tensor([0] + [int(s.numel()) for s in sequences],
+                                             device=device), 0)
             totals = torch.cumsum(terms, 0)
             totals = torch.cat([totals.new_zeros(1), totals])
             sums.append(torch.remainder(totals[ends[1:]] - totals[ends[:-1]], _PRIME))
