@@ -9,18 +9,20 @@ every applied patch is listed by ``applied()`` and undone by ``undo_all()`` (als
   Replacing ``deepspeed.comm.torch.build_shm_op`` with a no-op skips it (training is unaffected).
   (``import deepspeed.comm.torch as m`` binds the wrong module: ``deepspeed.comm`` re-exports a
   ``torch`` name, so the module is fetched with ``importlib``.)
-* ``zero3_untraced_coordinator(engine)`` (per engine, DCP with ZeRO-3 only): ZeRO-3's parameter
+* ``zero3_untraced_coordinator(engine)`` (per engine, ZeRO-3 with DCP on a free schedule,
+  ``dcp.schedule=free``, only: lockstep plans keep ZeRO-3's own coordinator): ZeRO-3's parameter
   coordinator records the sequence of sub-modules of a forward+backward and, at the start of every
   forward (``reset_step``), compares the trace with every other rank (``assert_ints_same_as_
   other_ranks``: collectives) until a trace is complete, and invalidates it whenever the module
-  order changes. With DCP ranks run different numbers of forwards and recompute different layers,
-  so these collectives never line up (measured: a hang in the second step). The patched
+  order changes. In a free plan ranks run different numbers of forwards and recompute different
+  layers, so these collectives never line up (measured: a hang in the second step). The patched
   ``reset_step`` resets the per-step state without collectives and keeps the trace INVALID, which
-  turns off trace-based prefetching; parameters are persistent under DCP (config.py), so nothing
-  is left to prefetch. Without a complete trace ``release_sub_module`` releases every parameter
-  of a module after its forward, persistent ones included (DeepSpeed checks ``ds_persist`` only
-  on the traced path): the patched one keeps persistent parameters, so after the first forward
-  of a step no rank all-gathers again until the optimizer step re-gathers them (once, on all).
+  turns off trace-based prefetching; parameters are persistent on this path (config.py), so
+  nothing is left to prefetch. Without a complete trace ``release_sub_module`` releases every
+  parameter of a module after its forward, persistent ones included (DeepSpeed checks
+  ``ds_persist`` only on the traced path): the patched one keeps persistent parameters, so after
+  the first forward of a step no rank all-gathers again until the optimizer step re-gathers them
+  (once, on all).
 * ``process_group_timeout(timeout)``: every group DeepSpeed creates (ZeRO's data-parallel group,
   sequence- and expert-parallel groups ...) comes from ``TorchBackend.new_group(ranks)``, which
   calls ``torch.distributed.new_group(ranks)`` without a timeout: torch then gives it its default
