@@ -69,21 +69,19 @@ def test_config_and_batch_disagreements_name_the_ranks():
         assert "DCP configuration" not in batch
 
 
-def test_fingerprint_sees_changed_and_swapped_tokens():
-    from megatron_dcp.runtime.executor import batch_fingerprint
+def test_batch_digest_sees_changed_and_swapped_tokens():
+    from megatron_dcp.runtime.executor import batch_digest, sequence_digests
 
     batch = make_batch((9, 4, 12), 48)
-    base = batch_fingerprint(batch)
-    assert base.shape == (2,) and base.dtype == torch.int64
-    assert torch.equal(base, batch_fingerprint([s.clone() for s in batch]))
+    base = batch_digest(batch)
+    assert len(base) == 16 and base == batch_digest([s.clone() for s in batch])
+    assert base == batch_digest([s.to(torch.int32) for s in batch])  # values, not the dtype
     swapped = [s.clone() for s in batch]
     swapped[2][[0, 5]] = swapped[2][[5, 0]]
-    assert swapped[2][0] != batch[2][0]
-    assert not torch.equal(base, batch_fingerprint(swapped))
+    assert swapped[2][0] != batch[2][0] and batch_digest(swapped) != base
     changed = [s.clone() for s in batch]
     changed[1][3] += 1
-    assert not torch.equal(base, batch_fingerprint(changed))
-    per = batch_fingerprint(swapped, per_sequence=True)
-    assert per.shape == (3, 2)
-    assert torch.equal(per[:2], batch_fingerprint(batch, per_sequence=True)[:2])
-    assert batch_fingerprint([batch[0], None]) is None
+    assert batch_digest(changed) != base
+    per, theirs = sequence_digests(batch), sequence_digests(swapped)
+    assert len(per) == 3 and per[:2] == theirs[:2] and per[2] != theirs[2]
+    assert batch_digest([batch[0], None]) is None and sequence_digests([None]) is None

@@ -16,7 +16,7 @@ For each task of this rank, in plan order ``(start, id)``:
    attention's backward collectives need it).
 
 Before anything else one tiny collective checks that every rank holds the same plan, the same DCP
-configuration and the same global batch (digests and a content fingerprint) and that no rank found
+configuration and the same global batch (digests of each) and that no rank found
 a problem in its input; a mismatch raises on every rank, naming the ranks, instead of hanging in a
 later collective or training on a wrong loss. Gradient reduction is left to the engine;
 `reduce_gradients` does it for plain torch (SUM over the DCP world, once per step, also on a
@@ -159,44 +159,37 @@ def config_digest(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-_PRIME = (1 << 31) - 1
-"""Modulus of the batch fingerprint: every product of two residues fits in int64."""
-_WEIGHTS = ((1_000_003, 12_345), (2_147_483_629, 777_767))
-"""Two (multiplier, offset) pairs of the position weights: two independent 31-bit sums."""
 _NO_OPINION = (1 << 63) - 1
-"""Fingerprint slot of a rank that does not hold the whole batch: neutral under MIN."""
+"""Digest slot of a rank that does not hold the whole batch: neutral under MIN."""
 
 
-def batch_fingerprint(sequences: Sequence[Optional[torch.Tensor]],
-                      per_sequence: bool = False) -> Optional[torch.Tensor]:
-    """Content fingerprint of a global batch, computed where the tokens are (no host sync).
+def _host_tokens(sequences: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The batch's token ids concatenated as int64 on the host (one copy from a device)."""
+    device = sequences[0].device
+    return torch.cat([s.reshape(-1).to(device=device, dtype=torch.int64)
+                      for s in sequences]).cpu()
 
-    ``sum_i (token_i mod p) * w(i) mod p`` over the concatenated batch, with two position
-    weightings ``w(i) = (i + 1) * a + b mod p``: any changed token, or two swapped tokens,
-    changes it (the lengths are in the plan digest; token ids are taken modulo ``p = 2^31 - 1``,
-    above any vocabulary size). Returns an int64 tensor ``[2]``
-    (``[S, 2]`` with ``per_sequence``), or None when an entry is missing (a rank that only
-    holds its own sequences has no view of the whole batch).
-    """
+
+def batch_digest(sequences: Sequence[Optional[torch.Tensor]]) -> Optional[str]:
+    """64-bit hex digest (SHA-256) of a global batch's token ids, in batch order (the lengths are
+    in the plan digest); None when an entry is missing (a rank that holds only its own sequences
+    has no view of the whole batch). Tokens on a device are copied to the host once: about 5 ms
+    per million tokens on one CPU core."""
     if not sequences or any(s is None for s in sequences):
         return None
-    device = sequences[0].device
-    ids = torch.cat([s.reshape(-1).to(device=device, dtype=torch.int64) for s in sequences])
-    index = torch.arange(ids.numel(), device=device, dtype=torch.int64)
-    residues = torch.remainder(ids, _PRIME)
-    sums = []
-    for a, b in _WEIGHTS:
-        weights = torch.remainder(torch.remainder(index + 1, _PRIME) * a + b, _PRIME)
-        terms = torch.remainder(residues * weights, _PRIME)
-        if per_sequence:
-            ends = torch.cumsum(torch.tensor([0] + [int(s.numel()) for s in sequences],
-                                             device=device), 0)
-            totals = torch.cumsum(terms, 0)
-            totals = torch.cat([totals.new_zeros(1), totals])
-            sums.append(torch.remainder(totals[ends[1:]] - totals[ends[:-1]], _PRIME))
-        else:
-            sums.append(torch.remainder(terms.sum(), _PRIME).reshape(1))
-    return torch.stack(sums, dim=-1).reshape(-1, 2) if per_sequence else torch.cat(sums)
+    return hashlib.sha256(_host_tokens(sequences).numpy().data).hexdigest()[:16]
+
+
+def sequence_digests(sequences: Sequence[Optional[torch.Tensor]]) -> Optional[list[str]]:
+    """`batch_digest` of every sequence on its own (to name the first one that differs)."""
+    if not sequences or any(s is None for s in sequences):
+        return None
+    tokens, out, start = _host_tokens(sequences).numpy(), [], 0
+    for s in sequences:
+        end = start + int(s.numel())
+        out.append(hashlib.sha256(tokens[start:end].data).hexdigest()[:16])
+        start = end
+    return out
 
 
 def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
@@ -205,8 +198,8 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
                config: Any = None) -> str:
     """Collective: check every rank of the DCP world holds the same plan, the same ``config``
     (the DCP configuration: ranks that differ, say in ``loss_reduction``, would otherwise train
-    on a wrong loss without an error) and the same global batch ``sequences`` (a content
-    fingerprint; a rank that lacks some sequences is not compared), and that none has problems.
+    on a wrong loss without an error) and the same global batch ``sequences`` (a digest of the
+    tokens; a rank that lacks some sequences is not compared), and that none has problems.
 
     One all-reduce (MIN) of the digests' pieces, their negatives and the problem flag; only on
     a mismatch a second collective gathers the digests and messages to name the ranks. Raises
@@ -216,31 +209,23 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
     """
     digest = plan.digest()
     settings = config_digest(config)
-    pieces = _digest_pieces(digest) + _digest_pieces(settings or "0")
-    flag = 1 if problems else 0
-    head = torch.tensor(pieces, dtype=torch.int64)
     # a rank whose batch does not even fit the plan reports that as a problem, not a mismatch
     compare = sequences is not None and not problems
-    fingerprint = batch_fingerprint(sequences) if compare else None
-    if fingerprint is None:
-        fingerprint = torch.full((2,), _NO_OPINION, dtype=torch.int64)
-    if fingerprint.device != head.device:
-        head = head.to(fingerprint.device)
-    values = torch.cat([head, fingerprint])
-    negated = torch.where(values == _NO_OPINION, values, -values)
-    t = torch.cat([values, negated, values.new_full((1,), -flag)])
-    if device is not None and t.device != torch.device(device):
-        t = t.to(device)
+    tokens = batch_digest(sequences) if compare else None
+    pieces = _digest_pieces(digest) + _digest_pieces(settings or "0")
+    pieces += _digest_pieces(tokens) if tokens else [_NO_OPINION] * 4
+    negated = [v if v == _NO_OPINION else -v for v in pieces]
+    flag = 1 if problems else 0
+    t = torch.tensor(pieces + negated + [-flag], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pool.world_group)
-    n = values.numel()
+    n = len(pieces)
     merged = t.tolist()
     agree = all(low == -high or low == _NO_OPINION
                 for low, high in zip(merged[:n], merged[n:2 * n]))
     if agree and not merged[2 * n]:
         return digest
-    mine = batch_fingerprint(sequences, per_sequence=True) if compare else None
     report = (digest, settings, config.to_dict() if hasattr(config, "to_dict") else config,
-              mine.cpu().tolist() if mine is not None else None, list(problems))
+              sequence_digests(sequences) if compare else None, list(problems))
     gathered: list[Any] = [None] * pool.world_size
     dist.all_gather_object(gathered, report, group=pool.world_group)
     disagreements = _disagreements(gathered)
