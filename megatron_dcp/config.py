@@ -185,9 +185,11 @@ class DCPConfig:
     # ------------------------------------------------------------------ dict / JSON face
     @classmethod
     def from_dict(cls, section: dict[str, Any]) -> "DCPConfig":
-        """Build from DeepSpeed's ``"dcp"`` JSON section. ``"enabled"`` defaults to True there."""
+        """Build from DeepSpeed's ``"dcp"`` JSON section. ``"enabled"`` defaults to True there;
+        unknown keys and values of the wrong type (`validate`) are errors naming the key."""
         if not isinstance(section, dict):
-            raise DCPConfigError(f'the "dcp" config section must be an object, got {type(section).__name__}')
+            raise DCPConfigError('the "dcp" config section must be an object, got '
+                                 f"{type(section).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(section) - known)
         if unknown:
