@@ -35,7 +35,8 @@ from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.integrations import hf
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
 from megatron_dcp.runtime.checkpoint_dir import split_load_path
-from megatron_dcp.runtime.report import TrainingLog, peak_memory_mb, plan_summary
+from megatron_dcp.runtime.report import (TrainingLog, peak_memory_mb, plan_summary,
+                                         reset_peak_memory)
 
 DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
 
@@ -158,6 +159,7 @@ def main(argv=None) -> int:
         print(f"note: the planner models {engine.dcp.hardware} GPUs while this run is on CPU; "
               "measure this machine with tools/profile_hardware.py and pass --dcp_hardware "
               "PROFILE.json (tools/demo.py does)", flush=True)
+    reset_peak_memory(engine.device)  # peak_mem_mb: what training holds, not the start-up
     for it in range(start, args.train_iters):
         docs = sampler.next_batch()
         sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
