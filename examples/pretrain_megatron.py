@@ -39,7 +39,8 @@ from megatron_dcp.config import float_flag, int_flag
 from megatron_dcp.data import GlobalBatchSampler, open_dataset
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
-from megatron_dcp.runtime.report import TrainingLog, peak_memory_mb, plan_summary
+from megatron_dcp.runtime.report import (TrainingLog, peak_memory_mb, plan_summary,
+                                         reset_peak_memory)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -351,6 +352,7 @@ def main(argv=None) -> int:
         print(f"pretrain_megatron: {mode}, {world} ranks (tp {args.tensor_model_parallel_size}, "
               f"dp {dp_size}), data {args.data_path or 'embedded corpus'} ({len(dataset)} "
               f"documents), model {args.num_layers}x{args.hidden_size}", flush=True)
+    reset_peak_memory(device)  # peak_mem_mb: what training holds, not the start-up
     for it in range(start, args.train_iters):
         t0 = time.perf_counter()
         docs = sampler.next_batch()

@@ -38,17 +38,41 @@ def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int],
 
 
 def peak_memory_mb(device: Any = None) -> float:
-    """Peak memory of this process so far, MiB: CUDA's max allocated on ``device`` when it is a
-    CUDA device, else the peak resident set size (what a CPU run uses)."""
+    """Peak memory of this process since `reset_peak_memory` (else since it started), MiB:
+    CUDA's max allocated on ``device`` when it is a CUDA device, else the peak resident set size
+    (what a CPU run uses)."""
     if device is not None and str(device).startswith("cuda"):
         import torch
 
         return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:  # Linux: the high-water mark clear_refs resets
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10
+    except OSError:
+        pass
     import resource
     import sys
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, else KiB
+
+
+def reset_peak_memory(device: Any = None) -> None:
+    """Measure `peak_memory_mb` from now on (after start-up: building the model unsharded before
+    ZeRO partitions it is not what training holds). CUDA: its peak statistics; Linux: the peak
+    RSS (``/proc/self/clear_refs``); elsewhere nothing is reset."""
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:
