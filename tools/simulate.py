@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                       "h200)")
     p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
                    help="ZeRO stage (default 1)")
+    p.add_argument("--schedule", default="auto", choices=("auto", "free", "lockstep"),
+                   help="micro-step schedule: auto (lockstep for ZeRO-2/3), free, lockstep")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", help="file: one token count per line, or a Megatron .idx")
     src.add_argument("--idx", help="a Megatron indexed dataset .idx (its sequence lengths)")
@@ -128,7 +130,8 @@ def run(args: argparse.Namespace) -> dict:
     base = DCPConfig(hardware=args.hardware, ranks_per_node=args.gpus_per_node,
                      memory_budget_gb=args.memory_budget_gb,
                      checkpoint_policy=args.checkpoint_policy,
-                     oversize_policy=args.oversize_policy, max_degree=args.max_degree)
+                     oversize_policy=args.oversize_policy, max_degree=args.max_degree,
+                     schedule=args.schedule)
     cm = build_cost_model(model, base, world, zero_stage=args.zero_stage)
     plans: dict[str, Plan] = {}
     for name in names:
@@ -157,6 +160,7 @@ def run(args: argparse.Namespace) -> dict:
         "tokens": sum(ran), "sequences": len(lengths),
         "world_size": world, "ranks_per_node": cm.ranks_per_node, "model": model.name,
         "hardware": cm.hw.name, "zero_stage": args.zero_stage, "sync_s": cm.sync_time(),
+        "schedule": first.meta.get("schedule", "free"),
         "vocabulary_groups": len(vocab), "vocabulary": vocab.describe(),
         "communicator_memory_gib": cm.communicators_per_rank * cm.hw.communicator_bytes / 2**30,
         "policies": {},
@@ -221,7 +225,7 @@ def print_table(out: dict) -> None:
     """The human-readable table of `run`'s result."""
     print(f"{out['sequences']} sequences, {out['tokens']} tokens on {out['world_size']} ranks "
           f"({out['ranks_per_node']}/node), {out['model']} on {out['hardware']}, ZeRO "
-          f"{out['zero_stage']}; "
+          f"{out['zero_stage']}, {out['schedule']} schedule; "
           f"lower bound {out['lower_bound_s']:.3f} s (moldable "
           f"{out['moldable_lower_bound_s']:.3f} s; both "
           f"incl. {out['sync_s']:.3f} s gradient sync)")
