@@ -1,0 +1,184 @@
+"""A Hugging Face causal LM through `deepspeed_plugin`, with and without ``--dcp``: tokens/s side
+by side (what ``examples/pretrain.py --hf-model`` runs).
+
+  python benchmarks/bench_hf.py                           # 2 ranks, writes runs/bench_hf.json
+  python benchmarks/bench_hf.py --hf-model DIR --iters 20   # another model (config.json)
+
+One DeepSpeed job (the launcher, 2 ranks) builds one engine per mode from the same HF model
+(``--hf-model``, or a Llama config: 2 layers, hidden 128, 4 heads, 2 KV heads, byte vocabulary;
+random init, same seed) and runs every global batch of the embedded corpus (byte tokens,
+long-tailed) through each mode in turn, alternating the order, so machine load hits the modes
+alike. Modes: ``dp`` (plain DeepSpeed data parallel through the same driver: sequence i on rank
+i % 2), ``dcp`` (the planner), ``dcp-d1`` (the planner with ``max_degree=1``: packing and
+balance, no sequence parallelism). ZeRO-1, fp32, AdamW. Warm-up iterations are not counted.
+On CPU the planner gets this machine's numbers (``tools/profile_hardware.py`` for this shape,
+once; it times the reference decoder, not the HF model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = dict(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- inside the job
+def _engine(mode: str, args):
+    import torch
+    import transformers
+
+    import deepspeed_plugin
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.integrations import hf
+
+    torch.manual_seed(args.seed)
+    if args.hf_model:
+        model = hf.load_causal_lm(args.hf_model)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+            **MODEL, max_position_embeddings=args.seq_length))
+    dcp = DCPConfig()
+    if mode != "dp":
+        dcp = DCPConfig(enabled=True, hardware=args.hardware or "h200",
+                        max_degree=1 if mode == "dcp-d1" else None)
+    config = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed_plugin.initialize(model=model, model_parameters=model.parameters(),
+                                             config=config, dcp_config=dcp)
+    return engine
+
+
+def _batches(args):
+    import torch
+
+    from megatron_dcp.data import GlobalBatchSampler, embedded_dataset
+
+    data = embedded_dataset()
+    sampler = GlobalBatchSampler(data.lengths, args.global_batch_tokens, seed=args.seed,
+                                 max_seq_len=args.seq_length)
+    for _ in range(args.iters + args.warmup):
+        docs = sampler.next_batch()
+        yield [torch.from_numpy(data[d][: args.seq_length].astype("int64")) for d in docs]
+
+
+def worker(args) -> dict:
+    """Every mode on the same batches, alternating order; tokens/s after warm-up."""
+    import torch.distributed as dist
+
+    modes = args.modes.split(",")
+    engines = {m: _engine(m, args) for m in modes}
+    tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
+    losses: dict[str, list[float]] = {m: [] for m in modes}
+    steps = []
+    for it, batch in enumerate(_batches(args)):
+        n = sum(int(s.shape[0]) for s in batch)
+        step = {"tokens": n, "longest": max(int(s.shape[0]) for s in batch)}
+        for m in modes if it % 2 == 0 else modes[::-1]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            result = engines[m].train_step(batch)
+            dist.barrier()
+            step[m] = round(time.perf_counter() - t0, 4)
+            if result.plan is not None and m != "dp":
+                step[m + "_degrees"] = sorted({t.degree for t in result.plan.tasks})
+            if it >= args.warmup:
+                tokens[m] += n
+                seconds[m] += step[m]
+            losses[m].append(result.loss)
+        if it >= args.warmup:
+            steps.append(step)
+    rates = {m: tokens[m] / seconds[m] for m in modes}
+    diffs = [abs(a - b) / abs(b) for m in modes for a, b in zip(losses[m], losses[modes[0]])]
+    return {"tokens_per_s": rates, "ratio_over_dp": {m: r / rates["dp"] for m, r in rates.items()}
+            if "dp" in rates else None, "seconds": seconds, "max_rel_loss_diff": max(diffs),
+            "iterations": steps}
+
+
+def worker_main(args) -> None:
+    """Entry point inside the DeepSpeed job; rank 0 writes the JSON."""
+    import torch.distributed as dist
+
+    try:
+        out = worker(args)
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- the driver
+def main() -> int:
+    """Parse flags; run inside the job (``--worker``) or profile once and launch the job."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--hf-model", default=None, help="HF model directory; default: a tiny Llama")
+    p.add_argument("--modes", default="dp,dcp-d1,dcp")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seq-length", type=int, default=8192)
+    p.add_argument("--global-batch-tokens", type=int, default=32768)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--hardware", default=None, help="planner hardware; default: CPU profile / h200")
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_hf.json"))
+    args = p.parse_args()
+    if args.worker:
+        worker_main(args)
+        return 0
+
+    import torch
+
+    (ROOT / "runs").mkdir(exist_ok=True)
+    if args.hardware is None and not torch.cuda.is_available() and not args.hf_model:
+        profile = ROOT / "runs" / "hardware_cpu_hf_h128.json"
+        if not profile.exists():
+            subprocess.run([sys.executable, "tools/profile_hardware.py", "--out", str(profile),
+                            "--device", "cpu", "--dtype", "float32", "--threads", "1",
+                            "--ranks", "2", "--hidden", "128", "--layers", "2", "--heads", "4",
+                            "--kv-heads", "2", "--ffn", "384", "--vocab", "257", "--lengths",
+                            f"512,2048,{args.seq_length}"], cwd=ROOT, check=True,
+                           capture_output=True)
+        args.hardware = str(profile)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
+           "--master_port", str(_free_port()), __file__, "--worker", "--modes", args.modes,
+           "--iters", str(args.iters), "--warmup", str(args.warmup), "--seq-length",
+           str(args.seq_length), "--global-batch-tokens", str(args.global_batch_tokens),
+           "--seed", str(args.seed), "--out", args.out]
+    cmd += ["--hf-model", args.hf_model] if args.hf_model else []
+    cmd += ["--hardware", args.hardware] if args.hardware else []
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(args.out) as f:
+        report = json.load(f)
+    report["args"] = {k: v for k, v in vars(args).items() if k not in ("worker", "local_rank")}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({k: report[k] for k in ("tokens_per_s", "ratio_over_dp",
+                                             "max_rel_loss_diff")}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
