@@ -337,9 +337,16 @@ def main(argv=None) -> int:
     params = [p for p in ddp.parameters() if p.requires_grad]
     optimizer = build_optimizer(args, ddp)
     # the planner's memory model: optimizer states sharded over data parallel, or not
-    step_fn = DCPForwardBackward(dcp_config, model_shape=shape,
-                                 zero_stage=1 if args.use_distributed_optimizer else 0) \
-        if dcp_config.enabled else None
+    step_fn = None
+    if dcp_config.enabled:
+        from megatron_dcp.runtime.groups import GroupPool
+
+        # DCP's groups over the data-parallel ranks, with the job's timeout like Megatron's own
+        pool = GroupPool(world_ranks=dist.get_process_group_ranks(
+            parallel_state.get_data_parallel_group()),
+            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        step_fn = DCPForwardBackward(dcp_config, model_shape=shape, pool=pool,
+                                     zero_stage=1 if args.use_distributed_optimizer else 0)
 
     dataset = open_dataset(args.data_path)
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
