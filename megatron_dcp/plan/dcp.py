@@ -70,12 +70,16 @@ many short sequences must fill the gaps, target slack when one long sequence bou
 The shortest plan over all passes is kept."""
 LARGE_INPUT, LARGE_INPUT_PASSES = 10_000, 4
 HUGE_INPUT, HUGE_INPUT_PASSES = 2_000_000, 2
-LOCKSTEP_PASSES = (("node", 1.0, "min"), (1, 0.25, "min"), ("node", 1.0, "full"),
-                   ("node", 0.5, "min"), (1, 0.5, "min"), (1, 0.25, "full"))
-"""(degree floor, target factor, recompute) of the lockstep passes (`megatron_dcp.plan.lockstep`):
-the target is the slot length a wide sequence should stay within (a multiple of the lower bound).
-Recompute ``full`` (every layer, where the checkpoint policy is ``auto``) fits several times the
-tokens into a slot: fewer slots, where each costs ZeRO-3's parameter all-gathers."""
+LOCKSTEP_PASSES = (("node", 1.0, "min", False), ("node", 1.0, "min", True),
+                   ("node", 1.0, "full", True), (1, 0.25, "min", False),
+                   ("node", 1.0, "full", False), ("node", 0.5, "min", True),
+                   (1, 0.5, "min", False), (1, 0.25, "full", False))
+"""(degree floor, target factor, recompute, extend) of the lockstep passes
+(`megatron_dcp.plan.lockstep`), most useful first: the target is the slot length a wide sequence
+should stay within (a multiple of the lower bound); recompute ``full`` (every layer, where the
+checkpoint policy is ``auto``) fits several times the tokens into a slot: fewer slots, where each
+costs ZeRO-3's parameter all-gathers; ``extend`` lets a sequence lengthen a slot rather than open
+one (better where few sequences are left over, worse where later ones would fill a new slot)."""
 """Sequences x ranks above which only the first passes run: the planner runs ahead of every
 step and must stay within its latency budget (<= 1 s at 16,000 sequences on 1,024 ranks,
 docs/BENCHMARKS.md), and every pass re-plans the whole batch."""
@@ -309,11 +313,12 @@ def _passes(ctx: PlanContext) -> list[tuple[int, float, float]]:
     return passes[:LARGE_INPUT_PASSES] if size > LARGE_INPUT else passes
 
 
-def _lockstep_passes(ctx: PlanContext, mode: str) -> list[tuple[int, float, str]]:
-    """(degree floor, target factor, recompute mode) of the lockstep passes this input gets."""
+def _lockstep_passes(ctx: PlanContext, mode: str) -> list[tuple[int, float, str, bool]]:
+    """(degree floor, target factor, recompute mode, extend) of the lockstep passes this input
+    gets."""
     rpn = ctx.vocab.ranks_per_node
-    passes = [(rpn if floor == "node" else floor, factor, mode if depth == "min" else depth)
-              for floor, factor, depth in LOCKSTEP_PASSES if depth == "min" or mode == "min"]
+    passes = [(rpn if floor == "node" else floor, factor, mode if depth == "min" else depth, ext)
+              for floor, factor, depth, ext in LOCKSTEP_PASSES if depth == "min" or mode == "min"]
     passes = [p for p in passes if p[0] in ctx.vocab.sizes]
     size = len(ctx.active) * ctx.world
     if size > HUGE_INPUT:
@@ -337,7 +342,7 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
         per_rank, longest = degree_choice(ctx, infos, mode)
         bound = max(per_rank, longest)
         full = None
-        for floor, factor, depth in _lockstep_passes(ctx, mode) if lockstep else ():
+        for floor, factor, depth, extend in _lockstep_passes(ctx, mode) if lockstep else ():
             use = infos
             if depth != mode:
                 if full is None:
@@ -346,10 +351,10 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
                 use = full
             if floor > 1:
                 use = [raised(ctx, info, depth, floor) for info in use]
-            drafts = lockstep_pass(ctx, use, depth, max(bound * factor, longest))
+            drafts = lockstep_pass(ctx, use, depth, max(bound * factor, longest), extend)
             makespan = retime_slots(drafts, ctx.cm)
-            candidates.append((makespan, f"lockstep(floor={floor},M={factor},ckpt={depth})",
-                               drafts))
+            name = f"lockstep(floor={floor},M={factor},ckpt={depth}{',extend' if extend else ''})"
+            candidates.append((makespan, name, drafts))
         for floor, factor, grain in () if lockstep else _passes(ctx):
             target = max(bound * factor, longest)
             use = infos if floor == 1 else [raised(ctx, info, mode, floor) for info in infos]

@@ -185,6 +185,31 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     return False
 
 
+def _extend(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> bool:
+    """Pack an item that fits no slot's length into the task of its degree where the slot grows
+    least, if that growth costs less than a slot of its own (its time, at least the slot's ZeRO
+    traffic)."""
+    size, best = item.degree, None
+    for slot in slots:
+        if slot.depth < item.ckpt or size not in slot.room:
+            continue
+        task = min((t for t in slot.tasks if t.size == size), key=lambda t: t.time)
+        saved, slot.length = slot.length, math.inf
+        fit = task.with_seq(ctx, item.seq, mode)
+        slot.length = saved
+        if fit is not None and (best is None or fit[1] - saved < best[0]):
+            best = (fit[1] - saved, slot, task, fit)
+    alone = max(item.time, ctx.cm.slot_time(item.ckpt))
+    if best is None or best[0] >= alone:
+        return False
+    _, slot, task, fit = best
+    task.add(ctx, item.seq, *fit)
+    slot.length = max(slot.length, task.time)
+    slot.room = {d: max(slot.length - t.time for t in slot.tasks if t.size == d)
+                 for d in slot.room}
+    return True
+
+
 def _occupy(ctx: PlanContext, slot: _Slot, start: int, size: int) -> _Task:
     """A new, empty task on ranks ``[start, start + size)`` of ``slot``."""
     task = _Task(slot, start, size)
@@ -239,10 +264,12 @@ def _least_loaded(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode
     return left
 
 
-def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, target: float
-                  ) -> list[Draft]:
+def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, target: float,
+                  extend: bool = False) -> list[Draft]:
     """One lockstep schedule (see the module docstring); ``target``: the slot length a wide
-    sequence should stay within (its degree is raised for it). Returns timed drafts."""
+    sequence should stay within (its degree is raised for it); ``extend``: a wide sequence that
+    fits no slot may lengthen one where that costs less than a slot of its own. Returns timed
+    drafts."""
     world, cm = ctx.world, ctx.cm
     base = cm.model.num_layers if mode == "full" else 0
     wide, short = [], []
@@ -256,7 +283,8 @@ def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targe
     slots: list[_Slot] = []
     for item in wide:
         if not any(_join(ctx, slot, item, mode) for slot in slots
-                   if slot.depth >= item.ckpt):
+                   if slot.depth >= item.ckpt) and \
+                not (extend and _extend(ctx, slots, item, mode)):
             # a slot bound by ZeRO's traffic has room for more work at no cost
             slot = _Slot(item.ckpt, max(item.time, cm.slot_time(item.ckpt)), bytearray(world))
             task = _occupy(ctx, slot, _free_block(ctx, slot, item.degree), item.degree)
