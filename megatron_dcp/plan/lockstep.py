@@ -94,8 +94,14 @@ class _Slot:
     length: float
     busy: bytearray
     tasks: list[_Task] = field(default_factory=list)
-    room: dict[int, float] = field(default_factory=dict)
-    """Most time left in a task of each group size."""
+    by_size: dict[int, list[_Task]] = field(default_factory=dict)
+    emptiest: dict[int, _Task] = field(default_factory=dict)
+    """The task of each group size with the most time left."""
+
+    def added(self, task: _Task) -> None:
+        """Keep `emptiest` right after ``task`` got a sequence."""
+        same = self.by_size[task.size]
+        self.emptiest[task.size] = min(same, key=lambda t: t.time) if len(same) > 1 else task
     no_block: set[int] = field(default_factory=set)
     """Sizes of which no free group is left."""
 
@@ -158,12 +164,13 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     wider one, while its work grows less than `MAX_WORK_GROWTH`)."""
     size = item.degree
     # packing adds at least the item's time less the fixed per-task cost
-    if slot.room.get(size, -1.0) >= _time(ctx, item, size, slot.depth) - ctx.cm.task_overhead:
-        task = min((t for t in slot.tasks if t.size == size), key=lambda t: t.time)
+    task = slot.emptiest.get(size)
+    if task is not None and slot.length - task.time >= \
+            _time(ctx, item, size, slot.depth) - ctx.cm.task_overhead:
         fit = task.with_seq(ctx, item.seq, mode)
         if fit is not None:
             task.add(ctx, item.seq, *fit)
-            slot.room[size] = max(slot.length - t.time for t in slot.tasks if t.size == size)
+            slot.added(task)
             return True
     work = None
     for d, c in item.options:
@@ -178,9 +185,9 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
             continue
         start = _free_block(ctx, slot, d)
         if start is not None:
-            _occupy(ctx, slot, start, d).add(ctx, item.seq, ctx.padded(ctx.lengths[item.seq], d),
-                                             t)
-            slot.room[d] = max(slot.room.get(d, -1.0), slot.length - t)
+            task = _occupy(ctx, slot, start, d)
+            task.add(ctx, item.seq, ctx.padded(ctx.lengths[item.seq], d), t)
+            slot.added(task)
             return True
     return False
 
@@ -191,9 +198,9 @@ def _extend(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> boo
     traffic)."""
     size, best = item.degree, None
     for slot in slots:
-        if slot.depth < item.ckpt or size not in slot.room:
+        task = slot.emptiest.get(size)
+        if slot.depth < item.ckpt or task is None:
             continue
-        task = min((t for t in slot.tasks if t.size == size), key=lambda t: t.time)
         saved, slot.length = slot.length, math.inf
         fit = task.with_seq(ctx, item.seq, mode)
         slot.length = saved
@@ -205,8 +212,7 @@ def _extend(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> boo
     _, slot, task, fit = best
     task.add(ctx, item.seq, *fit)
     slot.length = max(slot.length, task.time)
-    slot.room = {d: max(slot.length - t.time for t in slot.tasks if t.size == d)
-                 for d in slot.room}
+    slot.added(task)
     return True
 
 
@@ -214,6 +220,7 @@ def _occupy(ctx: PlanContext, slot: _Slot, start: int, size: int) -> _Task:
     """A new, empty task on ranks ``[start, start + size)`` of ``slot``."""
     task = _Task(slot, start, size)
     slot.tasks.append(task)
+    slot.by_size.setdefault(size, []).append(task)
     slot.busy[start:start + size] = b"\x01" * size
     return task
 
@@ -289,7 +296,7 @@ def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targe
             slot = _Slot(item.ckpt, max(item.time, cm.slot_time(item.ckpt)), bytearray(world))
             task = _occupy(ctx, slot, _free_block(ctx, slot, item.degree), item.degree)
             task.add(ctx, item.seq, ctx.padded(ctx.lengths[item.seq], item.degree), item.time)
-            slot.room[item.degree] = slot.length - item.time
+            slot.added(task)
             slots.append(slot)
     # step 2: short items on the ranks left free and in the wide tasks' spare time
     tasks = [t for slot in slots for t in slot.tasks]
