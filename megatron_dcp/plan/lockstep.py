@@ -13,7 +13,8 @@ groups of any size side by side, short sequences packed to the slot's length.
    the short ones): each slot is opened by the longest one left (its length and depth are the
    slot's); later ones join the first slot where a free group of their degree (or a wider one,
    while work grows less than `MAX_WORK_GROWTH`) finishes within the slot at its depth, or pack
-   into a group of their degree already there.
+   into a group of their degree already there (with ``extend``: else lengthen the slot where
+   that costs least, if less than a slot of their own).
 2. *Short items* (one rank, the base depth) fill the ranks those slots leave free, worst-fit
    decreasing (each to the rank of a slot with the most time left, packed into one task).
 3. The short items left over get slots of their own: as few as memory (and ``pack_tokens``)
