@@ -41,10 +41,10 @@ __all__ = ["ATTENTION", "DCPCausalLM", "HFTokenizer", "enable", "is_hf_model", "
 
 
 def is_hf_model(model: Any) -> bool:
-    """Whether ``model`` is a Transformers ``PreTrainedModel`` (without importing transformers:
-    a model of that class means it is imported already)."""
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+    """Whether ``model`` is a Transformers ``PreTrainedModel`` (importing nothing: a model of
+    that class means its module is imported already)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
 def _longest(ctx: TaskContext) -> int:
@@ -77,13 +77,15 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
                          "(the random stream would depend on the plan); set attention_dropout=0")
     if attention_mask is not None:
         raise ValueError(f"dcp attention ({where}): an attention mask was given inside a task; "
-                         "the plan's layout decides which tokens attend (pass no attention_mask)")
+                         "the plan's layout decides which tokens attend: pass no attention_mask "
+                         "and call the model through DCPCausalLM (or inside task_context), so "
+                         "HF builds none")
     window = kwargs.get("sliding_window")
     if window is not None and _longest(ctx) > window:
         raise ValueError(f"dcp attention ({where}): sequence of {_longest(ctx)} tokens is longer "
                          f"than the sliding window {window}; DCP attends causally over the whole "
                          "sequence: cut sequences to the window or use a full-attention model")
-    # [1, H, T, D] -> [T, H, D]: HF's projections are [T, H, D] underneath, so usually no copy
+    # [1, H, T, D] -> [T, H, D], the runtime's layout (a copy unless memory is already in it)
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
     out = dcp_attention(q, k, v, causal=getattr(module, "is_causal", True),
                         softmax_scale=scaling, task=ctx)
@@ -123,13 +125,13 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def _check_recompute_hooks(model: nn.Module) -> None:
-    for i, layer in enumerate(_decoder_layers(model)):
+def _check_recompute_hooks(layers: list[nn.Module]) -> None:
+    for i, layer in enumerate(layers):
         hook = getattr(layer, "_gradient_checkpointing_func", None)
         if not (layer.gradient_checkpointing and isinstance(hook, _TaskRecompute)
                 and hook.index == i):
             raise RuntimeError(
-                f"decoder layer {i} of {type(model).__name__} lost DCP's per-task recompute hook "
+                f"decoder layer {i} lost DCP's per-task recompute hook "
                 "(activation/gradient_checkpointing_enable or _disable after megatron_dcp."
                 "integrations.hf.enable?): DCP sets each task's recompute depth itself; remove "
                 "that call or call enable(model) after it")
@@ -227,6 +229,7 @@ class DCPCausalLM(nn.Module):
         super().__init__()
         self._shape = enable(causal_lm, max_sequence_length=max_sequence_length)
         self.__dict__["causal_lm"] = causal_lm  # not a child: that would prefix every key
+        self._layers = _decoder_layers(causal_lm)  # a plain list: registers nothing
         for name, child in causal_lm.named_children():
             self.add_module(name, child)
         for name, param in causal_lm.named_parameters(recurse=False):
@@ -252,7 +255,7 @@ class DCPCausalLM(nn.Module):
         if input_ids.dim() != 1:
             raise ValueError(f"DCPCausalLM: input_ids must be 1-D [tokens], "
                              f"got {tuple(input_ids.shape)}")
-        _check_recompute_hooks(self.causal_lm)
+        _check_recompute_hooks(self._layers)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
         ctx = current_task(task)
