@@ -150,6 +150,14 @@ def _expand(lo: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(lo - starts, lens, output_size=total) + torch.arange(total)
 
 
+def _sorted(key: torch.Tensor, rows: torch.Tensor):
+    """``key`` sorted and ``rows`` in the same order (layouts usually come sorted already)."""
+    if key.numel() > 1 and not bool((key[1:] >= key[:-1]).all()):
+        order = torch.argsort(key)
+        key, rows = key[order], rows[order]
+    return key, rows
+
+
 def _buckets(qh: TokenMeta, kh: TokenMeta, q_rows, k_rows, q_groups, k_groups):
     """Bucket id (sequence, attention group) of the given rows, numbered alike for q and k."""
     q_seq, k_seq = qh.seq_ids[q_rows].long(), kh.seq_ids[k_rows].long()
@@ -185,17 +193,30 @@ def _build(qh: TokenMeta, kh: TokenMeta, causal: bool, q_groups, k_groups) -> Bl
     base = int(torch.minimum(q_b.min(), k_b.min()))
     q_key = (q_b - base) * span + (q_pos - low)
     k_key = (k_b - base) * span + (k_pos - low)
-    q_order, k_order = torch.argsort(q_key), torch.argsort(k_key)
-    q_key, q_sorted = q_key[q_order], q_rows[q_order]
-    k_key, k_sorted = k_key[k_order], k_rows[k_order]
+    q_key, q_sorted = _sorted(q_key, q_rows)
     q_bucket = q_key // span
-    k_start = torch.searchsorted(k_key, q_bucket * span)  # first key of the query's bucket
-    if causal:
-        k_end = torch.searchsorted(k_key, q_key, right=True)  # keys at or before the query
-        diag = (k_end > k_start) & (k_key[(k_end - 1).clamp(min=0)] == q_key)
+    if qh is kh and q_groups is k_groups:  # a token set against itself (local attention)
+        n = q_key.numel()
+        index = torch.arange(n)
+        first = torch.ones(n, dtype=torch.bool)
+        first[1:] = q_bucket[1:] != q_bucket[:-1]
+        k_key, k_sorted = q_key, q_sorted
+        k_start = torch.cummax(torch.where(first, index, 0), 0).values
+        if causal:
+            k_end, diag = index + 1, torch.ones(n, dtype=torch.bool)
+        else:
+            sizes = torch.diff(torch.nonzero(first)[:, 0], append=torch.tensor([n]))
+            k_end = torch.repeat_interleave(k_start[first] + sizes, sizes)
+            diag = torch.zeros(n, dtype=torch.bool)
     else:
-        k_end = torch.searchsorted(k_key, (q_bucket + 1) * span)
-        diag = torch.zeros_like(q_key, dtype=torch.bool)
+        k_key, k_sorted = _sorted(k_key, k_rows)
+        k_start = torch.searchsorted(k_key, q_bucket * span)  # first key of the query's bucket
+        if causal:
+            k_end = torch.searchsorted(k_key, q_key, right=True)  # keys at or before the query
+            diag = (k_end > k_start) & (k_key[(k_end - 1).clamp(min=0)] == q_key)
+        else:
+            k_end = torch.searchsorted(k_key, (q_bucket + 1) * span)
+            diag = torch.zeros_like(q_key, dtype=torch.bool)
     seen = k_end - k_start
 
     # Runs: same bucket and kind; diagonal runs step their count by 1, full runs keep it.
