@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 12
+TIMEOUT_S = 10
 LAUNCHER_GRACE_S = 30
 """DeepSpeed's launcher sends SIGTERM to the ranks left when one fails and waits 30 s before
 SIGKILL (``launch.py: terminate_process_tree``); a stopped process only dies by SIGKILL."""
