@@ -210,6 +210,13 @@ def test_refusals():
     ids = torch.zeros(40, dtype=torch.long)
     with pytest.raises(ValueError, match="longer than the sliding window 32"):
         model(ids, torch.arange(40), task=_task((40,)))
+    # a softmax DCP's kernels do not compute (Gemma's soft-capping)
+    from megatron_dcp.integrations.hf import hf_attention
+
+    q = torch.zeros(1, 4, 6, 16)
+    with pytest.raises(ValueError, match="softcap is not supported"):
+        hf_attention(torch.nn.Module(), q, q[:, :2], q[:, :2], None, softcap=30.0,
+                     dcp_task=_task((6,)))
     # HF's own checkpointing switch replaces the per-task recompute hook: detected
     model = DCPCausalLM(build("llama"))
     model.causal_lm.activation_checkpointing_enable()

@@ -80,6 +80,11 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
                          "the plan's layout decides which tokens attend: pass no attention_mask "
                          "and call the model through DCPCausalLM (or inside task_context), so "
                          "HF builds none")
+    # Gemma's logit soft-capping and gpt-oss's attention sinks change the softmax itself.
+    unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
+    if unsupported:
+        raise ValueError(f"dcp attention ({where}): {', '.join(unsupported)} is not supported "
+                         "by DCP's attention")
     window = kwargs.get("sliding_window")
     if window is not None and _longest(ctx) > window:
         raise ValueError(f"dcp attention ({where}): sequence of {_longest(ctx)} tokens is longer "
