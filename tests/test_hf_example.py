@@ -17,7 +17,6 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
