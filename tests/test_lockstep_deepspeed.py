@@ -93,7 +93,10 @@ def _run(stage: int, world: int, mode: str, iters: int) -> tuple[list[float], li
         result = engine.train_step(batch)
         assert mode == "dp" or result.plan.lockstep == (mode == "dcp")
         losses.append(result.loss)
-        held.append({"when": "step", "slots": result.micro_steps, **_held(engine, stage)})
+        tasks = result.plan.tasks
+        held.append({"when": "step", "slots": result.micro_steps, **_held(engine, stage),
+                     "degree": max((t.degree for t in tasks), default=1),
+                     "recompute": max((t.ckpt_layers for t in tasks), default=0)})
     return losses, held
 
 
@@ -126,6 +129,8 @@ def _check(report: dict, world: int) -> None:
         for rank_held in got["held"]:
             steps = [h for h in rank_held["dcp"] if h["when"] == "step"]
             assert len(rank_held["dcp"]) == len(steps) + sum(h["slots"] for h in steps)
+            # the plans use sequence-parallel groups and recompute beside ZeRO's collectives
+            assert max(h["degree"] for h in steps) > 1 and max(h["recompute"] for h in steps) > 0
             for h in rank_held["dcp"]:
                 # the partition is this rank's 1/W share (up to DeepSpeed's alignment padding)
                 assert h["partition"] * world >= h["full"]
