@@ -36,8 +36,8 @@ stage 2/3 add the gradient bucket a rank fills before each reduce-scatter (DeepS
 ``reduce_bucket_size``, 5e8 elements, or the model if smaller), stage 3 the parameters gathered
 at a time: two layers (the running one and the prefetched one) and the largest single weight, the
 embedding or head), plus ``communicators_per_rank x Hardware.communicator_bytes`` (the group
-vocabulary's process groups this rank belongs to), plus a fixed reserve (CUDA context, the engine's own communicators,
-fragmentation), plus per local token: ``(N-c)*A + c*2h`` (a checkpointed layer keeps its bf16
+vocabulary's process groups this rank belongs to), plus a fixed reserve (CUDA context, the
+engine's own communicators, fragmentation), plus per local token: ``(N-c)*A + c*2h`` (a checkpointed layer keeps its bf16
 input only) + ``A`` while one layer recomputes + fp32 logits. ``A`` (bytes per token per layer,
 flash attention, no dropout) = 2 B x (5h + 2*kv_dim + 3f) for a gated MLP (2f otherwise): norm
 inputs/outputs, q/k/v, attention output, MLP intermediates. Local tokens count the padding of
