@@ -271,17 +271,18 @@ def gather_packed(x_local: torch.Tensor, layout: ShardLayout, group=None) -> tor
     dist.all_gather(parts, x_local.contiguous(), group=group)
     # Process-group rank order is sorted global rank order; the caller's layout says which
     # group-local rank this is, so map every part to the group-local rank that sent it.
-    by_group_rank = _group_rank_order(parts, layout.group_rank, group)
+    by_group_rank = _group_rank_order(parts, layout.group_rank, group, x_local.device)
     return unshard(by_group_rank, layout.seq_lengths, layout.ulysses, layout.ring)
 
 
-def _group_rank_order(parts: list, my_group_rank: int, group) -> list:
+def _group_rank_order(parts: list, my_group_rank: int, group, device: torch.device) -> list:
     """Reorder all_gather parts (by process-group rank) into group-local rank order."""
     import torch.distributed as dist
 
     # Every rank contributes its group-local rank so that any rank order of the task works.
-    mine = torch.tensor([my_group_rank], dtype=torch.long)
-    all_g = [torch.zeros(1, dtype=torch.long) for _ in parts]
+    # On the data's device: NCCL rejects host tensors.
+    mine = torch.tensor([my_group_rank], dtype=torch.long, device=device)
+    all_g = [torch.zeros(1, dtype=torch.long, device=device) for _ in parts]
     dist.all_gather(all_g, mine, group=group)
     ordered = [None] * len(parts)
     for pg_rank, g in enumerate(all_g):
