@@ -30,6 +30,7 @@ IGNORE_INDEX = -100
 ignores it (torch's ``cross_entropy`` default)."""
 OVERSIZE_POLICIES = ("error", "truncate", "skip")
 SCHEDULES = ("auto", "free", "lockstep")
+CALIBRATION_MODES = ("on", "off")
 
 
 class DCPConfigError(ValueError):
@@ -98,8 +99,11 @@ class DCPConfig:
     memory_fraction: float = 0.9
     """Share of device memory usable when memory_budget_gb is not given."""
 
-    hardware: str = "h200"
-    """Cost-model hardware: a preset name (h200, h100, a100) or a profile JSON (tools/profile_hardware.py)."""
+    hardware: str = "auto"
+    """Cost-model hardware: auto (the preset of the GPU the run is on, or a CPU start that calibration corrects; planning offline: h200), a preset name (h200, h100, a100) or a profile JSON (tools/profile_hardware.py)."""
+
+    calibration: str = "on"
+    """Online calibration of the cost model from the measured task and step times of recent steps: on, or off (plans a pure function of the lengths and the hardware given)."""
 
     ranks_per_node: Optional[int] = None
     """Ranks per node for the cost model's link speeds; default: the hardware preset's value."""
@@ -136,6 +140,7 @@ class DCPConfig:
         one_of("loss_reduction", LOSS_REDUCTIONS)
         one_of("oversize_policy", OVERSIZE_POLICIES)
         one_of("schedule", SCHEDULES)
+        one_of("calibration", CALIBRATION_MODES)
         if self.max_degree is not None and self.max_degree < 1:
             raise DCPConfigError(f"dcp.max_degree={self.max_degree!r}: must be a positive integer")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
@@ -276,6 +281,7 @@ _CHOICES = {
     "loss_reduction": LOSS_REDUCTIONS,
     "oversize_policy": OVERSIZE_POLICIES,
     "schedule": SCHEDULES,
+    "calibration": CALIBRATION_MODES,
 }
 
 

@@ -62,7 +62,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Sequence
 
-from megatron_dcp.plan.hardware import Hardware
+from megatron_dcp.plan.hardware import Hardware, layout_kind
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Task, pad_multiple, padded_length
 from megatron_dcp.plan.vocabulary import Vocabulary, ulysses_degrees
@@ -201,7 +201,8 @@ class CostModel:
         tok = hardware.token_overhead_s
         self._token_layer = tok if tok is not None else 2 * self.act_bytes / hardware.hbm_bandwidth
         ovh = hardware.task_overhead_s
-        self.task_overhead = ovh if ovh is not None else n * LAUNCH_S_PER_LAYER
+        self.task_overhead = (ovh if ovh is not None else n * LAUNCH_S_PER_LAYER) \
+            * hardware.scale("per_task")
         self._pack_factor = hardware.pack_factor if hardware.pack_curve else None
         # marginal times use the smallest factor: they stay lower bounds of task times
         self._pack_floor = min(f for _, f in hardware.pack_curve) if hardware.pack_curve else 1.0
@@ -367,8 +368,12 @@ class CostModel:
             tp_rate = calls * BF16 * h * 2.0 * (tp - 1) / tp / hw.intra_bandwidth
             tp_latency = calls * hw.intra_latency
         per_token = n * self._token_layer * passes / 3.0
-        rates = _Rates(gemm, weights, attention, p2p, p2p_latency, a2a, a2a_latency, tp_rate,
-                       tp_latency, per_token)
+        s = hw.scale  # the online calibration's factors (1.0 uncalibrated)
+        linear, p2p_s, a2a_s, tp_s = s("linear"), s("p2p"), s("all_to_all"), s("tensor_parallel")
+        rates = _Rates(gemm * linear, weights * linear,
+                       attention * s("attention_" + layout_kind(layout.ulysses, layout.ring)),
+                       p2p * p2p_s, p2p_latency * p2p_s, a2a * a2a_s, a2a_latency * a2a_s,
+                       tp_rate * tp_s, tp_latency * tp_s, per_token * s("per_token"))
         self._rates[(layout, ckpt)] = rates
         return rates
 
@@ -481,7 +486,10 @@ class CostModel:
 
     # ------------------------------------------------------------------ step level
     def sync_time(self) -> float:
-        """Gradient reduction (+ parameter gather for ZeRO >= 1) and optimizer step, once a step."""
+        """Gradient reduction (+ parameter gather for ZeRO >= 1) and optimizer step, once a step;
+        the measured ``Hardware.step_overhead_s`` where a calibration has set it."""
+        if self.hw.step_overhead_s is not None:
+            return self.hw.step_overhead_s
         w = self.world_size
         if w == 1:
             comm = 0.0

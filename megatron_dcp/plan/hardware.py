@@ -39,6 +39,13 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
       "pack_tokens": null,             # tokens of a packed task with the best measured
                                        # throughput: the planner's pack budget when the config
                                        # sets none; null: no budget (memory and time decide)
+      "calibration": null,             # {term: factor}: factors on the cost model's terms
+                                       # fitted online from measured step times (`--dcp_calibration`):
+                                       # linear, attention_local, attention_ring,
+                                       # attention_hybrid, all_to_all, p2p, tensor_parallel,
+                                       # per_token, per_task; null or missing terms: 1
+      "step_overhead_s": null,         # measured seconds per step besides the tasks (gradient
+                                       # reduction, optimizer, planning); null: analytic
       "measured": {...}                # free-form raw measurements, kept but not used
     }
 
@@ -118,6 +125,12 @@ class Hardware:
     comm_overlap: float = 1.0
     """Share of ring P2P traffic hidden behind attention: 1 where transfers run beside the
     compute (NCCL on its own stream), 0 where they take the compute's cores (gloo on a CPU)."""
+    calibration: Optional[tuple] = None
+    """``((term, factor), ...)``: factors on the cost model's terms (`CALIBRATED_TERMS`), fitted
+    online from measured step times (`megatron_dcp.plan.calibration`); ``None``: all 1."""
+    step_overhead_s: Optional[float] = None
+    """Measured seconds per step besides the tasks (gradient reduction, optimizer step,
+    planning); ``None``: the cost model's analytic `CostModel.sync_time`."""
     measured: dict = field(default_factory=dict, compare=False, hash=False)
     """Raw measurements of a profile (informational)."""
 
@@ -143,6 +156,15 @@ class Hardware:
                                 "a positive integer or null")
         if self.pack_curve is not None:
             object.__setattr__(self, "pack_curve", _curve(self.pack_curve, self.name))
+        if self.calibration is not None:
+            object.__setattr__(self, "calibration", _calibration(self.calibration, self.name))
+
+    def scale(self, term: str) -> float:
+        """The calibration factor of one of `CALIBRATED_TERMS` (1.0 when not calibrated)."""
+        for name, factor in self.calibration or ():
+            if name == term:
+                return factor
+        return 1.0
 
     def attention_rate(self, ulysses: int, ring: int) -> float:
         """Achievable attention FLOP/s of a task with this layout (see `layout_kind`)."""
@@ -172,6 +194,8 @@ class Hardware:
         data = {"format_version": HARDWARE_FORMAT_VERSION, **asdict(self)}
         if self.pack_curve is not None:
             data["pack_curve"] = [list(p) for p in self.pack_curve]
+        if self.calibration is not None:
+            data["calibration"] = dict(self.calibration)
         return data
 
 
@@ -180,10 +204,11 @@ _POSITIVE = ("peak_flops", "linear_flops", "attention_flops", "hbm_bytes", "hbm_
              "ranks_per_node")
 """Fields that must be finite numbers > 0."""
 _POSITIVE_OR_NULL = ("ring_attention_flops", "hybrid_attention_flops")
-_NON_NEGATIVE_OR_NULL = ("token_overhead_s", "task_overhead_s")
+_NON_NEGATIVE_OR_NULL = ("token_overhead_s", "task_overhead_s", "step_overhead_s")
 _OPTIONAL = ("name", "measured", "ranks_per_node", "ring_attention_flops",
              "hybrid_attention_flops", "communicator_bytes", "token_overhead_s",
-             "task_overhead_s", "pack_curve", "pack_tokens", "comm_overlap")
+             "task_overhead_s", "pack_curve", "pack_tokens", "comm_overlap", "calibration",
+             "step_overhead_s")
 """Fields a profile without a ``base`` may leave out."""
 
 
@@ -200,6 +225,32 @@ def _check(hw: Hardware, key: str, *, lower: float, strict: bool, optional: bool
         null = " or null" if optional else ""
         raise HardwareError(f"hardware {hw.name!r}: {key}={value!r} must be a finite number "
                             f"{bound}{null}")
+
+
+CALIBRATED_TERMS = ("linear", "attention_local", "attention_ring", "attention_hybrid",
+                    "all_to_all", "p2p", "tensor_parallel", "per_token", "per_task")
+"""The cost model's terms a calibration scales (`megatron_dcp.plan.cost.Terms`): ``linear`` the
+GEMMs and weight streaming, ``attention_<layout kind>`` the attention kernels of each layout
+(`layout_kind`), ``all_to_all`` / ``p2p`` / ``tensor_parallel`` the communication with its
+latency, ``per_token`` the element-wise work, ``per_task`` the fixed cost of a task."""
+
+
+def _calibration(value: Any, name: str) -> tuple:
+    """``calibration`` checked: ((term, factor), ...) in `CALIBRATED_TERMS` order."""
+    where = f"hardware {name!r}: calibration"
+    try:
+        items = dict(value.items() if isinstance(value, dict) else value)
+    except (TypeError, ValueError):
+        raise HardwareError(f"{where} must map terms to factors, got {value!r}") from None
+    unknown = sorted(str(k) for k in items if k not in CALIBRATED_TERMS)
+    if unknown:
+        raise HardwareError(f"{where}: unknown term(s) {', '.join(unknown)}; terms: "
+                            f"{', '.join(CALIBRATED_TERMS)}")
+    for term, factor in items.items():
+        number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+        if not number or not math.isfinite(factor) or factor <= 0:
+            raise HardwareError(f"{where}: {term}={factor!r} must be a finite number > 0")
+    return tuple((t, float(items[t])) for t in CALIBRATED_TERMS if t in items)
 
 
 def _curve(points: Any, name: str) -> tuple:
@@ -297,8 +348,16 @@ PRESETS: dict[str, Hardware] = {
 }
 
 
+AUTO = "auto"
+"""``DCPConfig.hardware`` default: the runtime picks the hardware of the device it runs on
+(`megatron_dcp.runtime.hardware_auto`); planning offline (simulator, `make_plan` without a
+device) uses `OFFLINE_DEFAULT`."""
+OFFLINE_DEFAULT = "h200"
+
+
 def load_hardware(name_or_path: "str | Hardware") -> Hardware:
-    """A preset by name (``h200``, ``h100``, ``a100``) or a profile JSON file (see module doc)."""
+    """A preset by name (``h200``, ``h100``, ``a100``; ``auto`` offline: `OFFLINE_DEFAULT`) or a
+    profile JSON file (see module doc)."""
     if isinstance(name_or_path, Hardware):
         return name_or_path
     if not isinstance(name_or_path, str) or not name_or_path:
@@ -307,6 +366,8 @@ def load_hardware(name_or_path: "str | Hardware") -> Hardware:
     key = name_or_path.lower()
     if key in PRESETS:
         return PRESETS[key]
+    if key == AUTO:
+        return PRESETS[OFFLINE_DEFAULT]
     if key.endswith(".json") or os.path.sep in name_or_path or os.path.exists(name_or_path):
         return _load_profile(name_or_path)
     raise HardwareError(
