@@ -1,10 +1,11 @@
 """Baseline planners in the same framework: bucket, packed, static and greedy-cp.
 
 All share one choice: the fixed sequence-parallel degree ``D`` of the run, a power of two at which
-the longest sequence fits memory with the baseline's checkpointing. By default (``tuned``) every
-such degree is tried and the fastest kept, as a practitioner tunes the SP degree once for a data
-set: a strong baseline. ``baseline_degree="min"`` takes the smallest one (the paper's literal "what
-the longest sequence needs"). The DCP world is tiled by the vocabulary's groups of ``D`` ranks
+the longest sequence fits memory with the baseline's checkpointing. By default for text
+(``tuned``) every such degree is tried and the fastest kept, as a practitioner tunes the SP degree
+once for a data set: a strong baseline. ``baseline_degree="min"`` takes the smallest one (the
+paper's literal "what the longest sequence needs", the default for videos); an integer fixes the
+degree (a group size at which the longest sequence fits) for every batch of a run. The DCP world is tiled by the vocabulary's groups of ``D`` ranks
 (ranks no group covers stay idle). Checkpointing: ``bucket`` recomputes every layer (the paper's
 baseline); the
 others use one depth for the whole run, the fewest layers that fit their largest micro-batch (what a
@@ -35,6 +36,16 @@ def candidate_degrees(ctx: PlanContext, mode: str) -> list[int]:
     raise PlanError(f"the longest sequence ({longest} tokens) fits no group size")
 
 
+def fixed_degree(ctx: PlanContext, degree: int, mode: str) -> int:
+    """``degree`` if the longest sequence fits a group of that size, else `PlanError`."""
+    longest = max(ctx.active, key=lambda i: (ctx.lengths[i], -i))
+    n = ctx.lengths[longest]
+    if ctx.ckpt_for(ctx.padded(n, degree), degree, mode) is None:
+        raise PlanError(f"baseline degree {degree}: sequence {longest} ({n} tokens) does not fit "
+                        f"a group of {degree} ranks (recompute {mode}); choose a larger degree")
+    return degree
+
+
 Planner = Callable[[PlanContext], list[Draft]]
 
 
@@ -47,7 +58,10 @@ def tuned(planner: Callable[[PlanContext, int], list[Draft]]) -> Planner:
         if degree is not None:
             return planner(ctx, degree)
         best = None
-        degrees = candidate_degrees(ctx, ctx.baseline_mode())
+        if isinstance(ctx.baseline_degree, int):
+            degrees = [fixed_degree(ctx, ctx.baseline_degree, ctx.baseline_mode())]
+        else:
+            degrees = candidate_degrees(ctx, ctx.baseline_mode())
         if ctx.baseline_degree == "min":
             degrees = degrees[:1]
         for d in degrees:
@@ -79,27 +93,24 @@ def _run_depth(ctx: PlanContext, degree: int, max_tokens: int) -> int:
 
 @tuned
 def plan_bucket(ctx: PlanContext, degree: int) -> list[Draft]:
-    """Bucket parallel: one degree, length buckets (powers of two), per-bucket batch size chosen so
-    each micro-batch takes about as long as one longest sequence, every group in lockstep."""
+    """Bucket parallel: one degree, every layer recomputed, micro-batches of one bucket handed
+    to the groups in lockstep rounds, the buckets of the largest sequences first.
+
+    Text: length buckets (powers of two), per-bucket batch size chosen so each micro-batch takes
+    about as long as one longest sequence. Videos (``ctx.frame_tokens``, VideoSys-style): shape
+    buckets (frame size x power-of-two duration), per-bucket batch size the most videos of the
+    bucket's largest shape that fill memory, cut to spread the bucket over every group while it
+    has a video per group."""
     mode = ctx.baseline_mode()
-    n_layers = ctx.cm.model.num_layers
-    ckpt = n_layers if mode == "full" else 0
+    ckpt = ctx.cm.model.num_layers if mode == "full" else 0
     starts = _groups(ctx, degree)
-    cm = ctx.cm
-    buckets: dict[int, list[int]] = {}
-    for i in ctx.active:
-        buckets.setdefault(max(0, math.ceil(math.log2(ctx.lengths[i]))), []).append(i)
-    longest = max(ctx.lengths[i] for i in ctx.active)
-    t_ref = cm.best_time(longest, cm.attn_pairs(longest), degree, ckpt)[0]
-    cap = cm.max_tokens(degree, ckpt)
+    if ctx.frame_tokens is not None:
+        buckets = _video_micro_batches(ctx, degree, ckpt, len(starts))
+    else:
+        buckets = _text_micro_batches(ctx, degree, ckpt)
     drafts: list[Draft] = []
     clock = 0.0
-    for k in sorted(buckets, reverse=True):
-        seqs = sorted(buckets[k], key=lambda i: (-ctx.lengths[i], i))
-        upper = min(2 ** k, longest)
-        t_one = cm.best_time(upper, cm.attn_pairs(upper), degree, ckpt)[0]
-        batch = max(1, min(int(t_ref // t_one), cap // max(1, ctx.padded(upper, degree))))
-        micro = [seqs[j:j + batch] for j in range(0, len(seqs), batch)]
+    for micro in buckets:
         for r in range(0, len(micro), len(starts)):
             round_end = clock
             for start, mb in zip(starts, micro[r:r + len(starts)]):
@@ -109,6 +120,54 @@ def plan_bucket(ctx: PlanContext, degree: int) -> list[Draft]:
                 round_end = max(round_end, clock + d.duration)
             clock = round_end
     return drafts
+
+
+def _text_micro_batches(ctx: PlanContext, degree: int, ckpt: int) -> list[list[list[int]]]:
+    """Micro-batches of each power-of-two length bucket, the longest bucket first: each takes
+    about as long as one longest sequence and fits memory."""
+    cm = ctx.cm
+    buckets: dict[int, list[int]] = {}
+    for i in ctx.active:
+        buckets.setdefault(max(0, math.ceil(math.log2(ctx.lengths[i]))), []).append(i)
+    longest = max(ctx.lengths[i] for i in ctx.active)
+    t_ref = cm.best_time(longest, cm.attn_pairs(longest), degree, ckpt)[0]
+    cap = cm.max_tokens(degree, ckpt)
+    result = []
+    for k in sorted(buckets, reverse=True):
+        seqs = sorted(buckets[k], key=lambda i: (-ctx.lengths[i], i))
+        upper = min(2 ** k, longest)
+        t_one = cm.best_time(upper, cm.attn_pairs(upper), degree, ckpt)[0]
+        batch = max(1, min(int(t_ref // t_one), cap // max(1, ctx.padded(upper, degree))))
+        result.append([seqs[j:j + batch] for j in range(0, len(seqs), batch)])
+    return result
+
+
+def video_bucket(length: int, frame_tokens: int) -> tuple[int, int]:
+    """Shape bucket of a video of ``length`` tokens in frames of ``frame_tokens``: (frame size,
+    duration bucket ``ceil(log2(frames))``; 0 holds the images)."""
+    frames = max(1, length // frame_tokens)
+    return frame_tokens, max(0, math.ceil(math.log2(frames)))
+
+
+def _video_micro_batches(ctx: PlanContext, degree: int, ckpt: int,
+                         groups: int) -> list[list[list[int]]]:
+    """Micro-batches of each shape bucket (`video_bucket`), the bucket of the largest videos
+    first. Batch size: as many videos of the bucket's largest as fit memory at ``ckpt`` (VideoSys
+    tunes one per bucket so a micro-batch fills memory), lowered to spread the bucket's videos
+    evenly over the ``groups`` SP groups when it holds fewer than that many full batches."""
+    cap = ctx.cm.max_tokens(degree, ckpt)
+    buckets: dict[tuple[int, int], list[int]] = {}
+    for i in ctx.active:
+        buckets.setdefault(video_bucket(ctx.lengths[i], ctx.frame_tokens[i]), []).append(i)
+    result = []
+    order = sorted(buckets, key=lambda k: (-max(ctx.lengths[i] for i in buckets[k]), k))
+    for key in order:
+        seqs = sorted(buckets[key], key=lambda i: (-ctx.lengths[i], i))
+        fill = max(1, cap // max(1, ctx.padded(ctx.lengths[seqs[0]], degree)))
+        count = max(-(-len(seqs) // fill), min(len(seqs), groups))
+        batch = -(-len(seqs) // count)
+        result.append([seqs[j:j + batch] for j in range(0, len(seqs), batch)])
+    return result
 
 
 def _best_fit(ctx: PlanContext, order: list[int], budget: int, degree: int) -> list[list[int]]:
@@ -218,7 +277,7 @@ def plan_greedy_cp(ctx: PlanContext) -> list[Draft]:
         if best is None or makespan < best[0]:
             best = (makespan, drafts)
         cap //= 2
-        if cap < floor or cap < 1 or ctx.baseline_degree == "min":
+        if cap < floor or cap < 1 or ctx.baseline_degree != "tuned":
             return best[1]
 
 

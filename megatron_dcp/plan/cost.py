@@ -299,12 +299,25 @@ class CostModel:
 
     # ------------------------------------------------------------------ attention pairs
     def attn_pairs(self, length: int) -> float:
-        """Query/key pairs of one attention layer over one sequence (averaged over layer kinds)."""
-        m = self.model
-        if m.frame_tokens:
-            frames = length / m.frame_tokens
+        """Query/key pairs of one attention layer over one sequence (averaged over layer kinds),
+        with the model's own ``frame_tokens`` (text: causal or bidirectional full attention)."""
+        return self.pairs_of(length)
+
+    def pairs_of(self, length: int, frame_tokens: Optional[int] = None) -> float:
+        """Query/key pairs of one attention layer over one sequence of ``length`` tokens, averaged
+        over the layer kinds. ``frame_tokens``: tokens per frame of this sequence (a video of its
+        own resolution); ``None``: the model's ``frame_tokens``, or full attention for text.
+
+        A video of ``F`` frames of ``S`` tokens alternates spatial attention (within a frame:
+        ``F * S^2`` pairs) and temporal attention (one spatial cell across frames: ``S * F^2``),
+        so one layer computes ``0.5 * (F * S^2 + S * F^2)`` on average. A sequence shorter than
+        one frame is a single (partial) frame."""
+        frame = frame_tokens if frame_tokens is not None else self.model.frame_tokens
+        if frame:
+            frames = length / frame
             # half the layers attend within a frame, half across frames at one position
-            return 0.5 * length * (min(length, m.frame_tokens) + max(frames, 1.0))
+            return 0.5 * length * (min(length, frame) + max(frames, 1.0))
+        m = self.model
         return length * (length + 1) / 2 if m.causal else float(length) * length
 
     # ------------------------------------------------------------------ layouts
@@ -461,20 +474,27 @@ class CostModel:
         return self.time_of(tokens, pairs, lay, ckpt), lay
 
     # ------------------------------------------------------------------ placed tasks
-    def _task_sizes(self, task: Task, lengths: Sequence[int]) -> tuple[int, float]:
+    def _task_sizes(self, task: Task, lengths: Sequence[int],
+                    frame_tokens: Optional[Sequence[int]] = None) -> tuple[int, float]:
         tokens = sum(lengths[s] for s in task.seqs)
-        pairs = sum(self.attn_pairs(lengths[s]) for s in task.seqs)
+        if frame_tokens is None:
+            pairs = sum(self.attn_pairs(lengths[s]) for s in task.seqs)
+        else:
+            pairs = sum(self.pairs_of(lengths[s], frame_tokens[s]) for s in task.seqs)
         return tokens, pairs
 
-    def time(self, task: Task, lengths: Sequence[int]) -> float:
-        """Predicted seconds of ``task`` placed on its ranks."""
-        tokens, pairs = self._task_sizes(task, lengths)
+    def time(self, task: Task, lengths: Sequence[int],
+             frame_tokens: Optional[Sequence[int]] = None) -> float:
+        """Predicted seconds of ``task`` placed on its ranks. ``frame_tokens``: tokens per frame
+        of every sequence of the batch (`Plan.frame_tokens`; ``None``: the model's)."""
+        tokens, pairs = self._task_sizes(task, lengths, frame_tokens)
         return self.time_of(tokens, pairs, self.group_layout(task.ranks, task.ulysses),
                             task.ckpt_layers)
 
-    def task_breakdown(self, task: Task, lengths: Sequence[int]) -> TimeBreakdown:
-        """`breakdown` of a placed task."""
-        tokens, pairs = self._task_sizes(task, lengths)
+    def task_breakdown(self, task: Task, lengths: Sequence[int],
+                       frame_tokens: Optional[Sequence[int]] = None) -> TimeBreakdown:
+        """`breakdown` of a placed task (``frame_tokens`` as in `time`)."""
+        tokens, pairs = self._task_sizes(task, lengths, frame_tokens)
         return self.breakdown(tokens, pairs, self.group_layout(task.ranks, task.ulysses),
                               task.ckpt_layers)
 
@@ -517,10 +537,15 @@ class CostModel:
         one = self.time_of(1, self.attn_pairs(1), self.layouts(1)[0], ckpt)
         return max(one, comm)
 
-    def model_flops(self, lengths: Sequence[int]) -> float:
+    def model_flops(self, lengths: Sequence[int],
+                    frame_tokens: Optional[Sequence[int]] = None) -> float:
         """Useful training FLOPs of sequences (no recompute) per tensor-parallel rank:
-        6 x params x tokens + attention (the whole model's FLOPs / tp)."""
+        6 x params x tokens + attention (the whole model's FLOPs / tp). ``frame_tokens``: tokens
+        per frame of each of ``lengths`` (``None``: the model's)."""
         n, h = self.model.num_layers, self.q_dim / self.tensor_parallel
         tokens = sum(lengths)
-        pairs = sum(self.attn_pairs(x) for x in lengths)
+        if frame_tokens is None:
+            pairs = sum(self.attn_pairs(x) for x in lengths)
+        else:
+            pairs = sum(self.pairs_of(x, s) for x, s in zip(lengths, frame_tokens))
         return 6.0 * self.params * tokens + 3 * 4.0 * h * n * pairs

@@ -125,6 +125,21 @@ class Task:
         )
 
 
+def check_frame_tokens(lengths: "tuple[int, ...] | list[int]",
+                       frame_tokens: "tuple[int, ...] | list[int]") -> None:
+    """`ValueError` unless ``frame_tokens`` gives every sequence of ``lengths`` a positive frame
+    size that divides its length (a video is a whole number of frames); names the sequence."""
+    if len(frame_tokens) != len(lengths):
+        raise ValueError(f"frame_tokens has {len(frame_tokens)} entries for {len(lengths)} "
+                         "sequences (one per sequence)")
+    for i, (n, s) in enumerate(zip(lengths, frame_tokens)):
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"frame_tokens[{i}]={s!r}: must be a positive integer")
+        if n % s:
+            raise ValueError(f"sequence {i}: {n} tokens are not a whole number of frames of "
+                             f"frame_tokens[{i}]={s}")
+
+
 MAX_WORLD_SIZE = 1 << 20
 """Largest ``world_size`` a plan JSON may give (per-rank tables are sized by it)."""
 
@@ -166,11 +181,19 @@ class Plan:
     """Sequences left out by the oversize policy ``skip``."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Free-form, not part of the digest (planner timings, notes)."""
+    frame_tokens: Optional[tuple[int, ...]] = None
+    """Videos of mixed resolution: tokens per frame (latent height x width) of every sequence,
+    by index (``lengths[i]`` is a whole number of frames of ``frame_tokens[i]`` tokens); the cost
+    model counts each sequence's spatial and temporal attention with it. ``None``: every
+    sequence has the model's ``frame_tokens`` (or is text)."""
 
     def __post_init__(self) -> None:
         self.tasks = tuple(sorted(self.tasks, key=lambda t: (t.start, t.id)))
         self.lengths = tuple(int(n) for n in self.lengths)
         self.skipped = tuple(self.skipped)
+        if self.frame_tokens is not None:
+            self.frame_tokens = tuple(int(s) for s in self.frame_tokens)
+            check_frame_tokens(self.lengths, self.frame_tokens)
 
     @property
     def target_tokens(self) -> int:
@@ -205,26 +228,27 @@ class Plan:
         return depths
 
     def digest(self) -> str:
-        """Hex digest of everything that decides execution (not ``meta``)."""
-        payload = json.dumps(
-            {
-                "lengths": list(self.lengths),
-                "world_size": self.world_size,
-                "skipped": list(self.skipped),
-                "tasks": [
-                    [t.id, list(t.ranks), list(t.seqs), t.ulysses, t.ring, t.ckpt_layers,
-                     round(t.start, 9)] + ([t.slot] if t.slot is not None else [])
-                    for t in self.tasks
-                ],
-            },
-            separators=(",", ":"),
-        )
+        """Hex digest of everything that decides execution (not ``meta``); ``frame_tokens``
+        counts when set (a plan without it keeps the digest it always had)."""
+        content: dict[str, Any] = {
+            "lengths": list(self.lengths),
+            "world_size": self.world_size,
+            "skipped": list(self.skipped),
+            "tasks": [
+                [t.id, list(t.ranks), list(t.seqs), t.ulysses, t.ring, t.ckpt_layers,
+                 round(t.start, 9)] + ([t.slot] if t.slot is not None else [])
+                for t in self.tasks
+            ],
+        }
+        if self.frame_tokens is not None:
+            content["frame_tokens"] = list(self.frame_tokens)
+        payload = json.dumps(content, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         """The plan's JSON object (docs/PLAN_FORMAT.md)."""
-        return {
+        d = {
             "format_version": PLAN_FORMAT_VERSION,
             "policy": self.policy,
             "world_size": self.world_size,
@@ -233,6 +257,9 @@ class Plan:
             "tasks": [t.to_dict() for t in self.tasks],
             "meta": self.meta,
         }
+        if self.frame_tokens is not None:  # written only when set: text plans are unchanged
+            d["frame_tokens"] = list(self.frame_tokens)
+        return d
 
     def to_json(self, indent: Optional[int] = None) -> str:
         """The plan JSON (docs/PLAN_FORMAT.md)."""
@@ -258,6 +285,7 @@ class Plan:
         meta = d.get("meta", {})
         if not isinstance(meta, dict):
             raise ValueError(f"plan meta: must be an object, got {type(meta).__name__}")
+        frames = d.get("frame_tokens")
         return cls(
             tasks=tuple(Task.from_dict(t, f"plan task [{i}]") for i, t in enumerate(d["tasks"])),
             lengths=tuple(_integers(d["lengths"], "plan lengths", 1)),
@@ -265,6 +293,8 @@ class Plan:
             policy=str(d.get("policy", "external")),
             skipped=tuple(_integers(d.get("skipped", []), "plan skipped", 0)),
             meta=dict(meta),
+            frame_tokens=tuple(_integers(frames, "plan frame_tokens", 1))
+            if frames is not None else None,
         )
 
     @classmethod

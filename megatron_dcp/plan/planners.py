@@ -12,7 +12,7 @@ from megatron_dcp.plan.dcp import plan_dcp
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.lockstep import to_slots
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.plan import Plan
+from megatron_dcp.plan.plan import Plan, check_frame_tokens
 from megatron_dcp.plan.schedule import PlanContext, retime, to_plan
 from megatron_dcp.plan.vocabulary import Vocabulary
 from megatron_dcp.plan.workload import WorkloadError, validate_lengths
@@ -75,27 +75,56 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
         if fits:
             continue
         fit_len = min(largest, limit) if limit is not None else largest
+        frame = ctx.frame_tokens[i] if ctx.frame_tokens is not None else None
         if policy == "truncate" and fit_len >= 1:
+            if frame is not None:  # whole frames; less than one frame: one partial frame
+                fit_len = fit_len // frame * frame if fit_len >= frame else fit_len
+                ctx.frame_tokens[i] = frame = min(frame, fit_len)
             ctx.lengths[i] = fit_len
-            ctx.pairs[i] = ctx.cm.attn_pairs(fit_len)
+            ctx.pairs[i] = ctx.cm.pairs_of(fit_len, frame)
         elif policy == "skip":
             skipped.append(i)
         else:
             budget_gib = ctx.cm.budget / 2**30
             why = (f"exceeds the model's max_position {limit}" if too_long_model else
                    f"fits no group of at most {top} ranks in {budget_gib:.1f} GiB per rank")
+            video = f" ({n // frame} frames of {frame} tokens)" if frame else ""
             raise PlanError(
-                f"sequence {i} has {n} tokens and {why}; the largest length that fits is "
+                f"sequence {i} has {n} tokens{video} and {why}; the largest length that fits is "
                 f"{max(fit_len, 0)} tokens (set dcp.oversize_policy to truncate or skip, raise "
                 "the memory budget, the ZeRO stage or max_degree)"
             )
     return skipped
 
 
+def _frame_tokens(lengths: list[int], frame_tokens: Optional[Sequence[int]]
+                  ) -> Optional[list[int]]:
+    """``frame_tokens`` as a list of ints, checked against ``lengths`` (`PlanError` naming the
+    sequence); ``None`` stays ``None``."""
+    if frame_tokens is None:
+        return None
+    try:
+        frames = validate_lengths(frame_tokens, where="frame_tokens")
+        check_frame_tokens(lengths, frames)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    return frames
+
+
+def _check_baseline_degree(value: "str | int", vocab: Vocabulary) -> None:
+    """``tuned``, ``min`` or a group size of the vocabulary."""
+    if value in ("tuned", "min"):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value not in vocab.sizes:
+        raise PlanError(f"baseline_degree={value!r}: must be tuned, min or a group size of the "
+                        f"vocabulary ({', '.join(map(str, vocab.sizes))})")
+
+
 def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, config: DCPConfig,
               iteration: int = 0, hardware: "Hardware | str | None" = None,
               zero_stage: Optional[int] = None, cost_model: Optional[CostModel] = None,
-              baseline_degree: str = "tuned") -> Plan:
+              baseline_degree: "str | int | None" = None,
+              frame_tokens: Optional[Sequence[int]] = None) -> Plan:
     """Plan one global batch with ``config.policy``; deterministic in its inputs.
 
     Policies: ``dcp`` (DCP-inter + DCP-intra, `megatron_dcp.plan.dcp`), ``dcp-inter`` (the same
@@ -108,8 +137,14 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     ``config.schedule`` it decides free or lockstep slots (`schedule_for`) and the static memory
     (`memory_stage`).
     ``iteration`` is recorded in ``plan.meta``. ``cost_model``: reuse one (its model, world size
-    and ZeRO stage must match the arguments: checked). ``baseline_degree``: ``tuned`` or
-    ``min`` fixed degree of the baselines (see `megatron_dcp.plan.baselines`).
+    and ZeRO stage must match the arguments: checked). ``baseline_degree``: the fixed degree of
+    the baselines (see `megatron_dcp.plan.baselines`): ``tuned``, ``min`` or a group size;
+    default ``tuned`` for text, ``min`` for videos (``frame_tokens`` given: the smallest degree
+    that fits the largest video, as VideoSys's bucket parallel fixes it).
+    ``frame_tokens``: videos of mixed resolution, the tokens per frame of every sequence
+    (``lengths[i]`` a whole number of frames of them); the cost model counts each video's spatial
+    and temporal attention with its own frame size, the bucket baseline buckets by shape, and the
+    plan records them (`Plan.frame_tokens`). ``None``: the model's ``frame_tokens`` (or text).
     Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
     """
     t0 = time.perf_counter()
@@ -117,6 +152,9 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
         clean = validate_lengths(lengths)
     except WorkloadError as err:
         raise PlanError(str(err)) from None
+    frames = _frame_tokens(clean, frame_tokens)
+    if baseline_degree is None:
+        baseline_degree = "min" if frames is not None else "tuned"
     if not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world_size={world_size!r}: must be a positive integer")
     config.check_world(world_size)
@@ -133,11 +171,11 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
                             f"stage {cm.zero_stage}; the call asks for {model.name}, world "
                             f"{world_size}, ZeRO stage {given[2]}")
     vocab = Vocabulary.for_cost_model(cm, config.max_degree)
+    _check_baseline_degree(baseline_degree, vocab)
     ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab,
                       ckpt_policy=config.checkpoint_policy,
-                      pack_tokens=pack_budget(config, cm), baseline_degree=baseline_degree)
-    if baseline_degree not in ("tuned", "min"):
-        raise PlanError(f"baseline_degree={baseline_degree!r}: must be tuned or min")
+                      pack_tokens=pack_budget(config, cm), baseline_degree=baseline_degree,
+                      frame_tokens=frames)
     skipped = _oversize(ctx, config.oversize_policy)
     skip = set(skipped)
     ctx.active = [i for i in range(len(clean)) if i not in skip]
@@ -148,7 +186,8 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
             "vocabulary_groups": len(vocab), "communicators_per_rank": cm.communicators_per_rank}
     if not ctx.active:
         plan = Plan(tasks=(), lengths=tuple(clean), world_size=world_size, policy=policy,
-                    skipped=tuple(skipped), meta=meta)
+                    skipped=tuple(skipped), meta=meta,
+                    frame_tokens=tuple(frames) if frames is not None else None)
         plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
         return plan
     if policy in BASELINES:

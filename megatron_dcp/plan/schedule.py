@@ -41,10 +41,13 @@ class PlanContext:
     ckpt_policy: str
     """auto, none or full (from DCPConfig.checkpoint_policy)."""
     pack_tokens: Optional[int] = None
-    baseline_degree: str = "tuned"
+    baseline_degree: "str | int" = "tuned"
     """Fixed degree of the baselines: tuned (fastest power of two at which the longest sequence
-    fits) or min (the smallest such degree, the paper's literal bucket setting)."""
+    fits), min (the smallest such degree, the paper's literal bucket setting) or a group size."""
     pairs: list[float] = field(default_factory=list)
+    frame_tokens: Optional[list[int]] = None
+    """Tokens per frame of every sequence (videos of mixed resolution, `Plan.frame_tokens`);
+    ``None``: the model's."""
 
     def __post_init__(self) -> None:
         cm = self.cm
@@ -54,7 +57,8 @@ class PlanContext:
         self._local0 = int(free // cm.token_bytes(0))
         self._local_full = int(free // cm.token_bytes(self._layers))
         if not self.pairs:
-            self.pairs = [self.cm.attn_pairs(n) for n in self.lengths]
+            frames = self.frame_tokens or [None] * len(self.lengths)
+            self.pairs = [self.cm.pairs_of(n, s) for n, s in zip(self.lengths, frames)]
         self.padded = cm.padded
         """Tokens of one sequence on a degree after padding (`CostModel.padded`; bound once:
         the planner's inner loops call it hundreds of thousands of times)."""
@@ -205,8 +209,9 @@ def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Seq
                     ckpt_layers=d.ckpt, start=d.start, duration=d.duration, slot=d.slot)
         # memory with the padding of the layout the task got (the runtime's own rule)
         tasks.append(replace(task, memory=cm.memory(task, ctx.lengths)))
+    frames = tuple(ctx.frame_tokens) if ctx.frame_tokens is not None else None
     return Plan(tasks=tuple(tasks), lengths=tuple(ctx.lengths), world_size=ctx.world, policy=policy,
-                skipped=tuple(skipped), meta=dict(meta or {}))
+                skipped=tuple(skipped), meta=dict(meta or {}), frame_tokens=frames)
 
 
 def lighten(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:

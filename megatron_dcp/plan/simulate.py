@@ -55,20 +55,25 @@ class SimResult:
 
 def lower_bound(lengths: Sequence[int], cm: CostModel, *, world_size: Optional[int] = None,
                 max_degree: Optional[int] = None, ckpt_policy: str = "auto",
-                moldable: bool = False) -> float:
-    """The larger of `_bound` with ring traffic fully hidden and half hidden (both valid)."""
-    return max(_bound(lengths, cm, world_size, max_degree, ckpt_policy, moldable, hidden)
+                moldable: bool = False, frame_tokens: Optional[Sequence[int]] = None) -> float:
+    """The larger of `_bound` with ring traffic fully hidden and half hidden (both valid).
+    ``frame_tokens``: tokens per frame of each of ``lengths`` (videos of mixed resolution;
+    ``None``: the model's)."""
+    pairs = [cm.pairs_of(n, s) for n, s in
+             zip(lengths, frame_tokens if frame_tokens is not None else [None] * len(lengths))]
+    return max(_bound(lengths, pairs, cm, world_size, max_degree, ckpt_policy, moldable, hidden)
                for hidden in (1.0, 0.5))
 
 
-def _bound(lengths: Sequence[int], cm: CostModel, world_size: Optional[int],
-           max_degree: Optional[int],
+def _bound(lengths: Sequence[int], pairs_of: Sequence[float], cm: CostModel,
+           world_size: Optional[int], max_degree: Optional[int],
            ckpt_policy: str, moldable: bool, hidden: float) -> float:
     """Seconds (without the step's ``sync_time``) that no plan over the vocabulary's group sizes
     can beat: ``max(longest sequence at its fastest degree, total minimal work / ranks)``, work =
     ranks x `CostModel.marginal_time` at the least-work degree (per-task costs can be shared by
     packing, so they are left out).
 
+    ``pairs_of``: attention pairs of each sequence (`CostModel.pairs_of`).
     ``moldable=True`` tightens it: a step of length T must run every sequence at a degree where it
     takes at most T, so its work is the least among those degrees; the bound is the smallest T with
     total work / ranks <= T (a sequence that must be spread for time costs extra work).
@@ -106,8 +111,7 @@ def _bound(lengths: Sequence[int], cm: CostModel, world_size: Optional[int],
 
     work = 0.0
     seqs: list[tuple[int, float, float, float]] = []  # length, pairs, min work, time at it
-    for n in lengths:
-        pairs = cm.attn_pairs(n)
+    for n, pairs in zip(lengths, pairs_of):
         best = None
         for d, t, w in options(n, pairs, True):
             if best is None or w < best[0]:
@@ -171,7 +175,8 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
     starts, durations = [], []
     comm = recompute = total = 0.0
     end_max = 0.0
-    parts_of = [cm.task_breakdown(t, plan.lengths) for t in plan.tasks]
+    frames = plan.frame_tokens
+    parts_of = [cm.task_breakdown(t, plan.lengths, frames) for t in plan.tasks]
     slot_start = _slot_starts(plan, cm, parts_of) if plan.lockstep else None
     for t, parts in zip(plan.tasks, parts_of):  # already in (start, id) order
         if slot_start is not None:
@@ -196,14 +201,16 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
     sync = cm.sync_time()
     step = end_max + sync
     ran = [plan.lengths[s] for s in seqs]
+    ran_frames = [frames[s] for s in seqs] if frames is not None else None
     if bound is None:
         bound = lower_bound(ran, cm, world_size=world, max_degree=max_degree,
-                            ckpt_policy=ckpt_policy)
+                            ckpt_policy=ckpt_policy, frame_tokens=ran_frames)
     if moldable_bound is None:
         moldable_bound = lower_bound(ran, cm, world_size=world, max_degree=max_degree,
-                                     ckpt_policy=ckpt_policy, moldable=True)
+                                     ckpt_policy=ckpt_policy, moldable=True,
+                                     frame_tokens=ran_frames)
     mean_busy = sum(busy) / world
-    flops = cm.model_flops([plan.lengths[s] for s in seqs])
+    flops = cm.model_flops(ran, ran_frames)
     return SimResult(
         step_time_s=step, makespan_s=end_max, sync_s=sync, tokens=tokens,
         tokens_per_s=tokens / step if step > 0 else 0.0,

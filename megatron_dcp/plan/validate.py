@@ -6,7 +6,7 @@ from typing import Optional
 
 from megatron_dcp.plan.cost import CostModel, PlanError
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.plan import Plan
+from megatron_dcp.plan.plan import Plan, check_frame_tokens
 from megatron_dcp.plan.vocabulary import Vocabulary
 
 _EPS = 1e-9
@@ -23,6 +23,7 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
     ``check_times``: no rank in two tasks at once (by predicted start and duration), and tasks that
     share ranks are ordered the same on all of them (guaranteed by the global (start, id) order,
     checked on the per-rank lists); with ``vocabulary``: every group is one of its groups.
+    With ``frame_tokens`` (videos): one positive frame size per sequence, dividing its length.
     Lockstep plans (`Plan.lockstep`): every task has a slot >= 0, a rank is in at most one task
     per slot, its tasks' slots rise in its execution order, and the tasks of a slot recompute the
     same number of layers (so every rank issues the same engine collectives slot by slot).
@@ -32,6 +33,11 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
     world = plan.world_size
     if world < 1:
         raise PlanError(f"plan world_size {world} must be >= 1")
+    if plan.frame_tokens is not None:
+        try:
+            check_frame_tokens(plan.lengths, plan.frame_tokens)
+        except ValueError as err:
+            raise PlanError(f"plan frame_tokens: {err}") from None
     seen: dict[int, int] = {}
     ids = set()
     skipped = set(plan.skipped)
