@@ -9,6 +9,13 @@ Examples::
     python tools/simulate.py --gpus 32 --lengths data/corpus_text_document.idx --policy dcp,bucket
     python tools/simulate.py --gpus 32 --dist long --save-plan dcp.json --plot timeline.png
     python tools/simulate.py --plan other_scheduler.json --policy dcp,bucket
+    python tools/simulate.py --gpus 32 --model video-dit --video-mix balanced --policy dcp,bucket
+    python tools/simulate.py --gpus 32 --model video-dit --video-shapes videos.txt
+
+Videos (``--video-mix short|balanced|long`` or ``--video-shapes FILE`` of ``frames height width``
+lines in latent patches): every video keeps its own frame size (the plan's ``frame_tokens``), the
+bucket baseline buckets by shape at the smallest degree that fits the largest video (unless
+``--baseline-degree``), and the lower bound counts each video's spatial and temporal attention.
 
 ``--json`` prints one object: ``{"lower_bound_s", "tokens", "policies": {NAME: {"step_time_s",
 "tokens_per_s", "efficiency", "imbalance", "plan_ms", "mfu", ...}}}``. Bad input: a one-line
@@ -22,6 +29,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -32,8 +40,10 @@ from megatron_dcp.plan.hardware import HardwareError  # noqa: E402
 from megatron_dcp.plan.plan import Plan  # noqa: E402
 from megatron_dcp.plan.presets import ModelPresetError  # noqa: E402
 from megatron_dcp.plan.vocabulary import Vocabulary  # noqa: E402
-from megatron_dcp.plan.workload import (DEFAULT_MAX_LEN, DISTRIBUTIONS, WorkloadError,  # noqa: E402
-                                        read_lengths_file, sample_lengths)
+from megatron_dcp.plan.workload import (DEFAULT_MAX_LEN, DISTRIBUTIONS,  # noqa: E402
+                                        VIDEO_MIXES, WorkloadError, read_lengths_file,
+                                        read_shapes_file, sample_lengths, sample_videos,
+                                        video_workload)
 
 ORDER = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp")
 
@@ -60,8 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--dist", choices=sorted(DISTRIBUTIONS), help="built-in length distribution")
     src.add_argument("--plan", help="evaluate this plan JSON (docs/PLAN_FORMAT.md) beside the "
                                     "policies")
+    src.add_argument("--video-mix", choices=sorted(VIDEO_MIXES),
+                     help="built-in video mix (latent shapes, plan/workload.py VIDEO_MIXES)")
+    src.add_argument("--video-shapes", help="file: one video per line, 'frames height width' in "
+                                            "latent patches ('#' comments)")
     p.add_argument("--global-batch-tokens", type=int, default=None,
-                   help="tokens of the sampled global batch (default 65536 per GPU)")
+                   help="tokens of the sampled global batch (default 65536 per GPU, 131072 per "
+                        "GPU for --video-mix)")
     p.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN, help="longest sampled sequence")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--policy", default="all", help="all, or a comma list of: " + ", ".join(ORDER))
@@ -70,9 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-policy", default="auto", choices=("auto", "none", "full"))
     p.add_argument("--oversize-policy", default="error", choices=("error", "truncate", "skip"))
     p.add_argument("--max-degree", type=int, default=None, help="largest group size")
-    p.add_argument("--baseline-degree", default="tuned", choices=("tuned", "min"),
-                   help="baselines' fixed SP degree: tuned (fastest that fits) or min (smallest "
-                        "that fits)")
+    p.add_argument("--baseline-degree", default=None, type=baseline_degree,
+                   help="baselines' fixed SP degree: tuned (fastest that fits), min (smallest "
+                        "that fits) or a group size (default: tuned for text, min for videos)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", help="PNG: DCP plan timeline beside the bucket plan (needs "
                                   "matplotlib)")
@@ -80,16 +95,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_workload(args: argparse.Namespace, world: int) -> list[int]:
-    """The global batch's lengths: a lengths file, an .idx, or a sampled distribution."""
+def baseline_degree(text: str) -> "str | int":
+    """``--baseline-degree``: tuned, min or a positive group size."""
+    if text in ("tuned", "min"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: tuned, min or a positive group size")
+    return value
+
+
+def load_workload(args: argparse.Namespace, world: int) -> tuple[list[int], Optional[list[int]]]:
+    """The global batch's lengths, and tokens per frame of each video (``None`` for text): a
+    lengths file, an .idx, a sampled distribution, a video shapes file or a video mix."""
+    if args.video_shapes or args.video_mix:
+        if args.video_shapes:
+            shapes = read_shapes_file(args.video_shapes)
+        else:
+            tokens = args.global_batch_tokens if args.global_batch_tokens is not None \
+                else 131072 * world
+            shapes = sample_videos(args.video_mix, tokens, seed=args.seed)
+        return video_workload(shapes)
     if args.lengths:
-        return read_lengths_file(args.lengths)
+        return read_lengths_file(args.lengths), None
     if args.idx:
         if not args.idx.endswith(".idx"):
             raise WorkloadError(f"--idx {args.idx!r}: expected a .idx file")
-        return read_lengths_file(args.idx)
+        return read_lengths_file(args.idx), None
     tokens = args.global_batch_tokens if args.global_batch_tokens is not None else 65536 * world
-    return sample_lengths(args.dist or "short", tokens, seed=args.seed, max_len=args.max_len)
+    return sample_lengths(args.dist or "short", tokens, seed=args.seed,
+                          max_len=args.max_len), None
 
 
 def policies_of(text: str) -> list[str]:
@@ -125,7 +163,14 @@ def run(args: argparse.Namespace) -> dict:
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise PlanError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1")
     model = load_model(args.model)
-    lengths = list(external.lengths) if external else load_workload(args, world)
+    if external is not None:
+        lengths = list(external.lengths)
+        frames = list(external.frame_tokens) if external.frame_tokens is not None else None
+    else:
+        lengths, frames = load_workload(args, world)
+    if frames is not None and not model.frame_tokens:
+        raise PlanError(f"videos need a video model (--model video-dit or a ModelShape with "
+                        f"frame_tokens); {model.name} is a text model")
     names = policies_of(args.policy)
     base = DCPConfig(hardware=args.hardware, ranks_per_node=args.gpus_per_node,
                      memory_budget_gb=args.memory_budget_gb,
@@ -139,25 +184,28 @@ def run(args: argparse.Namespace) -> dict:
         plans[name] = make_plan(lengths, world_size=world, model=model,
                                 config=base.replace(policy=name),
                                 zero_stage=args.zero_stage, cost_model=cm,
-                                baseline_degree=args.baseline_degree)
+                                baseline_degree=args.baseline_degree, frame_tokens=frames)
         plans[name].meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
     if external is not None:
         validate_plan(external, model, cost_model=cm, check_times=False)
         plans["plan:" + os.path.basename(args.plan)] = external
     first = next(iter(plans.values()))
     vocab = Vocabulary.for_cost_model(cm, args.max_degree)  # the planner's own
-    ran = [first.lengths[s] for t in first.tasks for s in t.seqs]
+    ran_seqs = [s for t in first.tasks for s in t.seqs]
+    ran = [first.lengths[s] for s in ran_seqs]
+    ran_frames = [first.frame_tokens[s] for s in ran_seqs] \
+        if first.frame_tokens is not None else None
     bound = lower_bound(ran, cm, world_size=world, max_degree=args.max_degree,
-                        ckpt_policy=args.checkpoint_policy)
+                        ckpt_policy=args.checkpoint_policy, frame_tokens=ran_frames)
     mold = lower_bound(ran, cm, world_size=world, max_degree=args.max_degree,
-                       ckpt_policy=args.checkpoint_policy, moldable=True)
+                       ckpt_policy=args.checkpoint_policy, moldable=True, frame_tokens=ran_frames)
     results = {}
     for name, plan in plans.items():
         results[name] = simulate(plan, cm, bound=bound, moldable_bound=mold)
     ref = results.get("bucket")
     out = {
         "lower_bound_s": bound + cm.sync_time(), "moldable_lower_bound_s": mold + cm.sync_time(),
-        "tokens": sum(ran), "sequences": len(lengths),
+        "tokens": sum(ran), "sequences": len(lengths), "videos": frames is not None,
         "world_size": world, "ranks_per_node": cm.ranks_per_node, "model": model.name,
         "hardware": cm.hw.name, "zero_stage": args.zero_stage, "sync_s": cm.sync_time(),
         "schedule": first.meta.get("schedule", "free"),
@@ -223,7 +271,8 @@ def plot_plans(shown: list, path: str, cm) -> None:
 
 def print_table(out: dict) -> None:
     """The human-readable table of `run`'s result."""
-    print(f"{out['sequences']} sequences, {out['tokens']} tokens on {out['world_size']} ranks "
+    kind = "videos" if out.get("videos") else "sequences"
+    print(f"{out['sequences']} {kind}, {out['tokens']} tokens on {out['world_size']} ranks "
           f"({out['ranks_per_node']}/node), {out['model']} on {out['hardware']}, ZeRO "
           f"{out['zero_stage']}, {out['schedule']} schedule; "
           f"lower bound {out['lower_bound_s']:.3f} s (moldable "

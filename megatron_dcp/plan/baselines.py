@@ -97,15 +97,22 @@ def plan_bucket(ctx: PlanContext, degree: int) -> list[Draft]:
     to the groups in lockstep rounds, the buckets of the largest sequences first.
 
     Text: length buckets (powers of two), per-bucket batch size chosen so each micro-batch takes
-    about as long as one longest sequence. Videos (``ctx.frame_tokens``, VideoSys-style): shape
-    buckets (frame size x power-of-two duration), per-bucket batch size the most videos of the
-    bucket's largest shape that fill memory, cut to spread the bucket over every group while it
-    has a video per group."""
+    about as long as one longest sequence; a round holds micro-batches of one bucket. Videos
+    (``ctx.frame_tokens``, VideoSys-style): shape buckets (frame size x power-of-two duration),
+    per-bucket batch size the most videos of the bucket's largest shape that fill memory, cut to
+    spread the bucket over every group while it has a video per group; as in Open-Sora's bucket
+    sampler, every group draws a micro-batch of any bucket at each iteration, so the rounds take
+    the micro-batches of all buckets, longest first (the order that wastes the least at the
+    rounds' barriers)."""
     mode = ctx.baseline_mode()
     ckpt = ctx.cm.model.num_layers if mode == "full" else 0
     starts = _groups(ctx, degree)
     if ctx.frame_tokens is not None:
-        buckets = _video_micro_batches(ctx, degree, ckpt, len(starts))
+        micro = [mb for bucket in _video_micro_batches(ctx, degree, ckpt, len(starts))
+                 for mb in bucket]
+        times = [ctx.draft(starts[0], degree, mb, ckpt).duration for mb in micro]
+        order = sorted(range(len(micro)), key=lambda k: (-times[k], micro[k][0]))
+        buckets = [[micro[k] for k in order]]
     else:
         buckets = _text_micro_batches(ctx, degree, ckpt)
     drafts: list[Draft] = []

@@ -1,8 +1,11 @@
 """Workloads: the sequence lengths of one global batch.
 
 * text: one token count per sequence;
-* video: ``frames x height x width`` (latent patches) per sequence, ``video_lengths`` turns them
-  into token counts (the model's ``frame_tokens`` gives the attention pattern);
+* video: ``frames x height x width`` (latent patches) per sequence; ``video_lengths`` turns them
+  into token counts, ``video_workload`` into token counts and tokens per frame (``height x
+  width``: each video's own frame size, `megatron_dcp.plan.make_plan`'s ``frame_tokens``);
+  built-in video mixes (``VIDEO_MIXES``, see `VideoMix`) and shapes files (`read_shapes_file`:
+  lines ``frames height width``);
 * built-in distributions (``DISTRIBUTIONS``), sampled until a global-batch token budget is met:
 
   ========== =================================================================================
@@ -26,6 +29,7 @@ import math
 import os
 import random
 import struct
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 IDX_MAGIC = b"MMIDIDX\x00\x00"
@@ -67,6 +71,135 @@ def video_lengths(shapes: Sequence[Sequence[int]]) -> list[int]:
         frames, height, width = (int(x) for x in shape)
         result.append(frames * height * width)
     return result
+
+
+def video_workload(shapes: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """Token counts and tokens per frame (``height x width``) of videos given as ``(frames,
+    height, width)`` in latent patches: `make_plan`'s ``lengths`` and ``frame_tokens``."""
+    lengths = video_lengths(shapes)
+    return lengths, [int(shape[1]) * int(shape[2]) for shape in shapes]
+
+
+# ---------------------------------------------------------------------- video mixes
+VAE_SPATIAL = 8
+"""Pixels per latent cell along height and width (Open-Sora 1.2's and most video VAEs' 8x)."""
+PATCH = 2
+"""Latent cells per patch along height and width (the DiT's 2x2 patches, STDiT's 1x2x2)."""
+VAE_FRAMES = (17, 5)
+"""Video frames to latent frames: Open-Sora 1.2's VAE encodes 17 frames into 5 latents."""
+RESOLUTIONS = {"240p": 240 * 426, "360p": 360 * 640, "480p": 480 * 854, "720p": 720 * 1280}
+"""Pixel area of each resolution (16:9 frames); other aspect ratios keep the area, as Open-Sora's
+aspect-ratio buckets do."""
+ASPECTS = ((16 / 9, 0.6), (9 / 16, 0.2), (1.0, 0.2))
+"""(width / height, probability) of a drawn video: landscape, portrait, square."""
+DURATIONS = {"image": (1, 1), "2s": (17, 51), "4s": (52, 102), "8s": (103, 204),
+             "16s": (205, 408)}
+"""Video frames (24 fps) of each duration class, drawn uniformly within; ``image`` is one frame.
+The upper ends are Open-Sora 1.2's frame buckets 51, 102, 204, 408."""
+
+
+@dataclass(frozen=True)
+class VideoMix:
+    """A distribution of latent video shapes: a resolution and a duration class drawn
+    independently (``(name, probability)`` pairs), an aspect ratio from `ASPECTS`."""
+
+    resolutions: tuple[tuple[str, float], ...]
+    durations: tuple[tuple[str, float], ...]
+    doc: str
+
+
+VIDEO_MIXES = {
+    "short": VideoMix((("240p", 0.4), ("360p", 0.3), ("480p", 0.2), ("720p", 0.1)),
+                      (("image", 0.4), ("2s", 0.35), ("4s", 0.15), ("8s", 0.07), ("16s", 0.03)),
+                      "images and short low-resolution clips dominate (web video pre-training's "
+                      "early stages)"),
+    "balanced": VideoMix((("240p", 0.25), ("360p", 0.25), ("480p", 0.25), ("720p", 0.25)),
+                         (("image", 0.2), ("2s", 0.2), ("4s", 0.2), ("8s", 0.2), ("16s", 0.2)),
+                         "every resolution and duration class equally likely"),
+    "long": VideoMix((("240p", 0.1), ("360p", 0.2), ("480p", 0.3), ("720p", 0.4)),
+                     (("image", 0.05), ("2s", 0.1), ("4s", 0.2), ("8s", 0.3), ("16s", 0.35)),
+                     "long high-resolution clips dominate (late-stage, high-quality fine-tuning)"),
+}
+"""Built-in video mixes (the resolutions 240p-720p and frame buckets up to 408 frames of
+Open-Sora 1.2's / VideoSys's bucket configs; the weights are this project's, documented in
+docs/BENCHMARKS.md)."""
+
+
+def latent_shape(video_frames: int, pixels: int, aspect: float) -> tuple[int, int, int]:
+    """``(frames, height, width)`` in latent patches of a video of ``video_frames`` frames with
+    ``pixels`` per frame at ``width / height = aspect``: ``VAE_FRAMES`` in time (one frame stays
+    one), ``VAE_SPATIAL x PATCH`` pixels per patch in space."""
+    frames = 1 if video_frames == 1 else max(1, round(video_frames * VAE_FRAMES[1]
+                                                      / VAE_FRAMES[0]))
+    height = math.sqrt(pixels / aspect)
+    width = pixels / height
+    cell = VAE_SPATIAL * PATCH
+    return frames, max(1, int(height // cell)), max(1, int(width // cell))
+
+
+def _pick(rng: random.Random, choices: Sequence[tuple]) -> object:
+    u, acc = rng.random(), 0.0
+    for value, weight in choices:
+        acc += weight
+        if u < acc:
+            return value
+    return choices[-1][0]
+
+
+def sample_videos(mix: str, global_batch_tokens: int, *, seed: int = 0
+                  ) -> list[tuple[int, int, int]]:
+    """Latent ``(frames, height, width)`` shapes drawn from ``VIDEO_MIXES[mix]`` until their
+    tokens reach ``global_batch_tokens`` (videos are whole: the last one may pass it).
+    Deterministic given the seed."""
+    if mix not in VIDEO_MIXES:
+        raise WorkloadError(f"unknown video mix {mix!r}: choose one of {', '.join(VIDEO_MIXES)}")
+    if global_batch_tokens < 1:
+        raise WorkloadError(f"global batch tokens {global_batch_tokens} must be >= 1")
+    spec = VIDEO_MIXES[mix]
+    rng = random.Random(f"video:{mix}:{seed}")
+    shapes: list[tuple[int, int, int]] = []
+    total = 0
+    while total < global_batch_tokens:
+        resolution = _pick(rng, spec.resolutions)
+        low, high = DURATIONS[_pick(rng, spec.durations)]
+        aspect = _pick(rng, ASPECTS)
+        shape = latent_shape(rng.randint(low, high), RESOLUTIONS[resolution], aspect)
+        shapes.append(shape)
+        total += shape[0] * shape[1] * shape[2]
+    return shapes
+
+
+def read_shapes_file(path: str) -> list[tuple[int, int, int]]:
+    """Video shapes, one ``frames height width`` line (latent patches, whitespace-separated) per
+    video; blank lines and ``#`` comments are ignored. Errors name the file and line."""
+    try:
+        with open(path) as handle:
+            lines = handle.readlines()
+    except OSError as err:
+        raise WorkloadError(f"cannot read shapes file {path!r}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise WorkloadError(f"shapes file {path!r} is not text (lines of 'frames height "
+                            "width')") from None
+    shapes = []
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) != 3:
+            raise WorkloadError(f"{path}:{number}: expected 'frames height width' (three "
+                                f"integers), got {len(fields)} field(s): {' '.join(fields)!r}")
+        try:
+            values = tuple(int(x) for x in fields)
+        except ValueError:
+            raise WorkloadError(f"{path}:{number}: {' '.join(fields)!r} are not three integers "
+                                "(frames height width in latent patches)") from None
+        if min(values) < 1:
+            raise WorkloadError(f"{path}:{number}: frames, height and width must be >= 1, got "
+                                f"{' '.join(fields)}")
+        shapes.append(values)
+    if not shapes:
+        raise WorkloadError(f"{path}: no video shapes (lines of 'frames height width')")
+    return shapes
 
 
 def _log_uniform(rng: random.Random, low: float, high: float) -> int:
