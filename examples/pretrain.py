@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--num-kv-heads", type=int_flag(1), default=None)
     g.add_argument("--lr", type=float_flag(), default=None, help="override the optimizer's lr")
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--save-profile", default=None, metavar="PATH",
+                   help="with --dcp: write the calibrated cost-model hardware at the end as a "
+                        "profile JSON (for --dcp_hardware and tools/simulate.py --hardware)")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=int_flag(0), default=0,
                    help="save every N iterations and after the last (0: only after the last)")
@@ -84,7 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--quiet", action="store_true", help="only the final line")
     deepspeed.add_config_arguments(p)
     deepspeed_plugin.add_dcp_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.save_profile and not args.dcp:
+        p.error("--save-profile writes the calibrated DCP cost model: it needs --dcp")
+    return args
 
 
 def _dataset(path, tokenizer):
@@ -156,18 +162,23 @@ def main(argv=None) -> int:
               f"{args.hf_model or f'{args.num_layers}x{args.hidden_size}'}", flush=True)
     if rank == 0 and engine.dcp.enabled and engine.device.type == "cpu" and \
             engine.dcp.hardware in ("h200", "h100", "a100"):
-        print(f"note: the planner models {engine.dcp.hardware} GPUs while this run is on CPU; "
-              "measure this machine with tools/profile_hardware.py and pass --dcp_hardware "
-              "PROFILE.json (tools/demo.py does)", flush=True)
+        print(f"note: the planner starts from {engine.dcp.hardware} GPUs while this run is on "
+              "CPU (--dcp_hardware auto starts from a CPU); "
+              + ("the calibration corrects it within a few steps"
+                 if engine.dcp.calibration == "on" else "--dcp_calibration off keeps it"),
+              flush=True)
     reset_peak_memory(engine.device)  # peak_mem_mb: what training holds, not the start-up
     for it in range(start, args.train_iters):
         docs = sampler.next_batch()
         sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
         result = engine.train_step(sequences)
         summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s)
+        dcp = engine.dcp.enabled
         log.iteration(it + 1, loss=result.loss, tokens=sum(int(s.shape[0]) for s in sequences),
-                      step_s=result.wall_s, sequences=len(sequences), grad_norm=result.grad_norm,
-                      peak_mem_mb=peak_memory_mb(engine.device), plan=summary)
+                      step_s=result.wall_s, predicted_s=result.predicted_s if dcp else None,
+                      calibration_error=result.calibration_error, sequences=len(sequences),
+                      grad_norm=result.grad_norm, peak_mem_mb=peak_memory_mb(engine.device),
+                      plan=summary)
         last = it + 1 == args.train_iters
         if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
             # every --save-interval iterations, and always after the last one
@@ -175,6 +186,9 @@ def main(argv=None) -> int:
                                    client_state={"sampler": sampler.state_dict(),
                                                  "iteration": it + 1},
                                    keep_last=args.keep_last)
+    if args.save_profile and engine.dcp.enabled and rank == 0:
+        engine.driver.save_profile(args.save_profile)
+        print(f"calibrated hardware profile: {args.save_profile}", flush=True)
     if args.save and args.hf_model:
         _save_hf(engine, os.path.join(args.save, "hf"))
     log.close()

@@ -81,11 +81,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--load", default=None, help="resume from the latest checkpoint in this "
                    "directory, or from one checkpoint directory in it (same world and TP size)")
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--save-profile", default=None, metavar="PATH",
+                   help="with --dcp: write the calibrated cost-model hardware at the end as a "
+                        "profile JSON (for --dcp-hardware and tools/simulate.py --hardware)")
     g.add_argument("--distributed-timeout-minutes", type=float_flag(), default=2.0,
                    help="timeout of every process group, Megatron's own included")
     g.add_argument("--quiet", action="store_true", help="only the final line")
     add_dcp_args(p)
     args = p.parse_args(argv)
+    if args.save_profile and not args.dcp:
+        p.error("--save-profile writes the calibrated DCP cost model: it needs --dcp")
     args.group_query_attention = args.num_query_groups is not None
     return args
 
@@ -386,13 +391,19 @@ def main(argv=None) -> int:
             optimizer.step()  # Megatron's: the shards' update, then the parameter all-gather
         plan = step_fn.last_plan if step_fn is not None else None
         micro = [len(sequences[r::dp_size]) for r in range(dp_size)]
+        result = step_fn.last_result if step_fn is not None else None
         log.iteration(it + 1, loss=loss, tokens=sum(int(s.numel()) for s in sequences),
                       step_s=time.perf_counter() - t0, sequences=len(sequences),
+                      predicted_s=result.predicted_s if result is not None else None,
+                      calibration_error=result.calibration_error if result is not None else None,
                       peak_mem_mb=peak_memory_mb(device),
                       plan=plan_summary(plan, micro_steps=micro))
         last = it + 1 == args.train_iters
         if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
             save_checkpoint(args, it + 1, ddp, optimizer, sampler, step_fn)
+    if args.save_profile and step_fn is not None and dist.get_rank() == 0:
+        step_fn.driver.save_profile(args.save_profile)
+        print(f"calibrated hardware profile: {args.save_profile}", flush=True)
     log.close()
     return 0
 

@@ -643,7 +643,8 @@ def test_tensor_parallel_fits_a_sequence_tp1_cannot():
 
 def test_megatron_step_plans_with_the_tensor_parallel_size(monkeypatch):
     step_module = pytest.importorskip("megatron_dcp.megatron.step")
-    step = step_module.DCPForwardBackward(DCPConfig(enabled=True), model_shape=LLAMA)
+    step = step_module.DCPForwardBackward(DCPConfig(enabled=True, hardware="h200"),
+                                          model_shape=LLAMA)  # a GPU model: not "auto" on CPU
     assert step.planning_shape() is LLAMA  # Megatron's parallel state not set up: TP 1
     monkeypatch.setattr(step_module, "_tensor_parallel_size", lambda: 2)
     assert step.planning_shape() == replace(LLAMA, tensor_parallel=2)

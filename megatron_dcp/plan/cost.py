@@ -64,7 +64,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.hardware import Hardware, layout_kind
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.plan import Task, pad_multiple, padded_length
+from megatron_dcp.plan.plan import Plan, Task, pad_multiple, padded_length
 from megatron_dcp.plan.vocabulary import Vocabulary, ulysses_degrees
 
 BF16 = 2
@@ -72,7 +72,7 @@ ZERO_BUCKET_ELEMENTS = 5e8
 """DeepSpeed's default ``reduce_bucket_size`` (elements): the gradient bucket of ZeRO-2/3."""
 RESERVE_BYTES = 4e9
 """Memory per rank not available to the planner: CUDA context, the engine's own communicators
-(data/tensor parallel), fragmentation."""
+(data/tensor parallel), fragmentation (``Hardware.reserve_bytes`` overrides it)."""
 LAUNCH_S_PER_LAYER = 90 * 2e-6
 """Analytic task overhead: ~90 kernels per layer (fwd+bwd), 2 us each when kernels are short."""
 
@@ -214,15 +214,17 @@ class CostModel:
         self.static_memory = self._static_memory()
         hbm = hardware.hbm_bytes * memory_fraction
         self.budget = float(memory_budget) if memory_budget is not None else hbm
-        self._free = self.budget - self.static_memory - RESERVE_BYTES
+        self.reserve = hardware.reserve_bytes if hardware.reserve_bytes is not None \
+            else RESERVE_BYTES
+        self._free = self.budget - self.static_memory - self.reserve
         if self._free <= 0:
             comm = self.communicators_per_rank * hardware.communicator_bytes
             raise PlanError(
                 f"memory budget {self.budget / 2**30:.1f} GiB per rank is below the static memory "
-                f"{(self.static_memory + RESERVE_BYTES) / 2**30:.1f} GiB of {m.name} "
+                f"{(self.static_memory + self.reserve) / 2**30:.1f} GiB of {m.name} "
                 f"({self.params / 1e9:.2f}B parameters per TP rank (tp {tp}), ZeRO stage "
                 f"{zero_stage}, DCP world {world_size}, {self.communicators_per_rank} "
-                f"communicators per rank ({comm / 2**30:.1f} GiB), {RESERVE_BYTES / 2**30:.1f} "
+                f"communicators per rank ({comm / 2**30:.1f} GiB), {self.reserve / 2**30:.1f} "
                 "GiB reserve): raise the budget or the ZeRO stage, or shrink the group vocabulary "
                 "(max_degree, ulysses_scope)"
             )
@@ -263,7 +265,7 @@ class CostModel:
     def memory_of(self, tokens: int, degree: int, ckpt: int) -> float:
         """Peak bytes per rank of a task with ``tokens`` (padded) tokens over ``degree`` ranks."""
         local = math.ceil(tokens / degree)
-        return self.static_memory + RESERVE_BYTES + local * self.token_bytes(ckpt)
+        return self.static_memory + self.reserve + local * self.token_bytes(ckpt)
 
     def min_ckpt(self, tokens: int, degree: int) -> Optional[int]:
         """Fewest recomputed layers for which the task fits the budget; ``None``: none does."""
@@ -490,6 +492,12 @@ class CostModel:
         tokens, pairs = self._task_sizes(task, lengths, frame_tokens)
         return self.time_of(tokens, pairs, self.group_layout(task.ranks, task.ulysses),
                             task.ckpt_layers)
+
+    def task_terms(self, task: Task, plan: Plan) -> Terms:
+        """The table of terms of ``task`` of ``plan``, placed on its ranks (calibration)."""
+        tokens, pairs = self._task_sizes(task, plan.lengths, getattr(plan, "frame_tokens", None))
+        return self.terms(tokens, pairs, self.group_layout(task.ranks, task.ulysses),
+                          task.ckpt_layers)
 
     def task_breakdown(self, task: Task, lengths: Sequence[int],
                        frame_tokens: Optional[Sequence[int]] = None) -> TimeBreakdown:

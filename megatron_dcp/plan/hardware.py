@@ -39,6 +39,7 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
       "pack_tokens": null,             # tokens of a packed task with the best measured
                                        # throughput: the planner's pack budget when the config
                                        # sets none; null: no budget (memory and time decide)
+      "reserve_bytes": null,           # memory per rank the planner leaves alone; null: 4e9
       "calibration": null,             # {term: factor}: factors on the cost model's terms
                                        # fitted online from measured step times (`--dcp_calibration`):
                                        # linear, attention_local, attention_ring,
@@ -125,6 +126,9 @@ class Hardware:
     comm_overlap: float = 1.0
     """Share of ring P2P traffic hidden behind attention: 1 where transfers run beside the
     compute (NCCL on its own stream), 0 where they take the compute's cores (gloo on a CPU)."""
+    reserve_bytes: Optional[float] = None
+    """Memory per rank the planner leaves alone (CUDA context, the engine's communicators,
+    fragmentation); ``None``: `megatron_dcp.plan.cost.RESERVE_BYTES` (4 GB, GPUs)."""
     calibration: Optional[tuple] = None
     """``((term, factor), ...)``: factors on the cost model's terms (`CALIBRATED_TERMS`), fitted
     online from measured step times (`megatron_dcp.plan.calibration`); ``None``: all 1."""
@@ -204,11 +208,12 @@ _POSITIVE = ("peak_flops", "linear_flops", "attention_flops", "hbm_bytes", "hbm_
              "ranks_per_node")
 """Fields that must be finite numbers > 0."""
 _POSITIVE_OR_NULL = ("ring_attention_flops", "hybrid_attention_flops")
-_NON_NEGATIVE_OR_NULL = ("token_overhead_s", "task_overhead_s", "step_overhead_s")
+_NON_NEGATIVE_OR_NULL = ("token_overhead_s", "task_overhead_s", "step_overhead_s",
+                         "reserve_bytes")
 _OPTIONAL = ("name", "measured", "ranks_per_node", "ring_attention_flops",
              "hybrid_attention_flops", "communicator_bytes", "token_overhead_s",
              "task_overhead_s", "pack_curve", "pack_tokens", "comm_overlap", "calibration",
-             "step_overhead_s")
+             "step_overhead_s", "reserve_bytes")
 """Fields a profile without a ``base`` may leave out."""
 
 

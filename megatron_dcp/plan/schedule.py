@@ -6,7 +6,7 @@ import heapq
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from megatron_dcp.plan.cost import RESERVE_BYTES, CostModel, Layout, PlanError
+from megatron_dcp.plan.cost import CostModel, Layout, PlanError
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.plan.vocabulary import Vocabulary
 
@@ -53,7 +53,7 @@ class PlanContext:
         cm = self.cm
         self._layers = cm.model.num_layers
         # most local tokens per rank without / with full recompute (memory_of == budget)
-        free = cm.budget - cm.static_memory - RESERVE_BYTES
+        free = cm.budget - cm.static_memory - cm.reserve
         self._local0 = int(free // cm.token_bytes(0))
         self._local_full = int(free // cm.token_bytes(self._layers))
         if not self.pairs:

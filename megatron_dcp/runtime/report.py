@@ -3,7 +3,8 @@
 `plan_summary` condenses a step's plan (degrees used, micro-steps per rank, checkpointed layers,
 predicted step time) into a JSON-ready dict; `TrainingLog` prints one line per iteration with a
 progress bar, writes the ``--log-json`` lines (one JSON object per iteration: ``iteration``,
-``loss``, ``tokens``, ``tokens_per_s``, ``step_s``, ``plan`` and whatever else the caller adds,
+``loss``, ``tokens``, ``tokens_per_s``, ``step_s``, with DCP ``predicted_s`` and
+``calibration_error``, ``plan`` and whatever else the caller adds,
 e.g. `peak_memory_mb`) and the final throughput line. Pure Python (torch only where a CUDA
 device is measured): the examples of both engines use it.
 """
@@ -20,8 +21,11 @@ from megatron_dcp.plan.plan import Plan
 def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int], None] = None,
                  plan_s: Optional[float] = None) -> dict[str, Any]:
     """Degrees used, micro-steps per rank, checkpointed layers and predicted step time of
-    ``plan``; without a plan (plain data parallel) only ``micro_steps`` (given by the caller)."""
-    if plan is None:
+    ``plan``; for plain data parallel (no plan, or `data_parallel_plan`'s) only the micro-steps
+    per rank (the plan's, else ``micro_steps`` given by the caller)."""
+    if plan is None or plan.policy == "data-parallel":
+        if plan is not None:  # plain data parallel as a plan: its micro-steps per rank
+            micro_steps = [len(plan.tasks_for_rank(r)) for r in range(plan.world_size)]
         steps = list(micro_steps) if isinstance(micro_steps, (list, tuple)) else micro_steps
         return {"mode": "data-parallel", "micro_steps_per_rank": steps}
     degrees = Counter(t.degree for t in plan.tasks)
@@ -85,7 +89,14 @@ def _plan_text(summary: dict[str, Any]) -> str:
     if summary["mode"] != "dcp":
         return f"micro-steps/rank {summary['micro_steps_per_rank']}"
     return (f"degrees {summary['degrees']} micro-steps/rank {summary['micro_steps_per_rank']} "
-            f"ckpt {summary['ckpt_layers']} predicted {summary['predicted_s'] * 1e3:.1f} ms")
+            f"ckpt {summary['ckpt_layers']}")
+
+
+def _prediction_text(predicted_s: Optional[float], error: Optional[float]) -> str:
+    if not predicted_s:
+        return ""
+    text = f" predicted {predicted_s * 1e3:.0f} ms"
+    return text + (f" (calibration error {error * 100:.0f}%)" if error is not None else "")
 
 
 class TrainingLog:
@@ -107,22 +118,30 @@ class TrainingLog:
         self._json = open(json_path, "a" if append else "w") if (json_path and primary) else None
 
     def iteration(self, iteration: int, *, loss: float, tokens: int, step_s: float,
-                  plan: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        """Record one iteration (1-based ``iteration``); returns the JSON record."""
+                  plan: dict[str, Any], predicted_s: Optional[float] = None,
+                  calibration_error: Optional[float] = None, **extra: Any) -> dict[str, Any]:
+        """Record one iteration (1-based ``iteration``); returns the JSON record.
+        ``predicted_s``: the step time the cost model predicted (DCP); ``calibration_error``:
+        the online calibration's current median relative error of that prediction."""
         self.iterations += 1
         self.tokens += tokens
         self.seconds += step_s
         record = {"iteration": iteration, "loss": loss, "tokens": tokens,
-                  "tokens_per_s": tokens / step_s if step_s > 0 else 0.0, "step_s": step_s,
-                  **extra, "plan": plan}
+                  "tokens_per_s": tokens / step_s if step_s > 0 else 0.0, "step_s": step_s}
+        if predicted_s is not None:
+            record["predicted_s"] = predicted_s
+            record["calibration_error"] = calibration_error
+        record.update(extra)
+        record["plan"] = plan
         if self._json is not None:
             self._json.write(json.dumps(record) + "\n")
             self._json.flush()
         if self.primary and not self.quiet:
             print(f"{progress_bar(iteration, self.train_iters)} iter {iteration}/"
                   f"{self.train_iters} loss {loss:.4f} tokens {tokens} "
-                  f"{record['tokens_per_s']:.0f} tok/s step {step_s * 1e3:.0f} ms | "
-                  f"{_plan_text(plan)}", flush=True)
+                  f"{record['tokens_per_s']:.0f} tok/s step {step_s * 1e3:.0f} ms"
+                  f"{_prediction_text(predicted_s, calibration_error)} | {_plan_text(plan)}",
+                  flush=True)
         return record
 
     def close(self) -> None:

@@ -36,11 +36,15 @@ from dataclasses import dataclass
 from typing import Any, ContextManager, Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_dcp.config import IGNORE_INDEX, DCPConfig
+from megatron_dcp.plan.calibration import Calibrator
+from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.runtime.context import TaskContext, current_task, task_context
 from megatron_dcp.runtime.executor import StepStats, global_sum, run_plan
+from megatron_dcp.runtime.hardware_auto import detect_hardware
 from megatron_dcp.runtime.layout import ShardLayout
 from megatron_dcp.runtime.liveness import names_unresponsive_ranks
 
@@ -94,10 +98,14 @@ class StepResult:
     plan_s: float = 0.0
     """Seconds spent planning."""
     predicted_s: float = 0.0
-    """The plan's predicted step time (makespan), seconds."""
+    """The predicted step time, seconds: the plan's makespan plus the step's overhead
+    (`StepDriver.predicted_step_s`)."""
     grad_norm: Optional[float] = None
     stats: Optional[StepStats] = None
     """`megatron_dcp.runtime.executor.StepStats` of this rank (tasks, timings)."""
+    calibration_error: Optional[float] = None
+    """Median |predicted / measured - 1| of the step time over the calibration window, after
+    this step (``None``: calibration off)."""
 
 
 def data_parallel_plan(lengths: Sequence[int], world_size: int) -> Plan:
@@ -142,6 +150,24 @@ class StepDriver:
             self.max_position = getattr(model_shape, "max_position", None)
         self.iteration = 0
         """Training steps taken (the planner's ``iteration``); save it with checkpoints."""
+        self.calibrator: Optional[Calibrator] = None
+        """The online calibration (`megatron_dcp.plan.calibration`), made at the first step
+        when ``config.calibration`` is on; ``hardware`` follows its fits."""
+        self._sync_cache: tuple = (None, 0.0)
+        if config.enabled:
+            from megatron_dcp.plan.hardware import load_hardware
+
+            self.hardware = load_hardware(hardware) if hardware is not None \
+                else self._starting_hardware()
+
+    def _starting_hardware(self) -> Hardware:
+        """``config.hardware`` resolved: ``auto`` by the device (`detect_hardware`)."""
+        from megatron_dcp.plan.hardware import AUTO, load_hardware
+
+        if self.config.hardware.lower() != AUTO:
+            return load_hardware(self.config.hardware)
+        group = getattr(self.pool, "world_group", None) if self.pool is not None else None
+        return detect_hardware(self.device, group=group)
 
     @property
     def rank(self) -> int:
@@ -170,10 +196,13 @@ class StepDriver:
         return self.pool.create_all(vocabulary)
 
     def plan(self, lengths: Sequence[int], iteration: Optional[int] = None,
-             world_size: Optional[int] = None) -> Plan:
+             world_size: Optional[int] = None,
+             frame_tokens: Optional[Sequence[int]] = None) -> Plan:
         """The plan of a global batch with these lengths (deterministic: the same on every rank):
         the configured planner with DCP on, `data_parallel_plan` with it off. ``world_size``:
-        plan for another DCP world (default: the pool's; a driver without a pool plans only)."""
+        plan for another DCP world (default: the pool's; a driver without a pool plans only).
+        ``frame_tokens``: tokens per frame of every sequence (videos of their own resolution;
+        ``None``: the model's)."""
         lengths = [int(n) for n in lengths]
         world_size = self.world_size if world_size is None else world_size
         if not self.config.enabled:
@@ -184,10 +213,11 @@ class StepDriver:
             raise ValueError("DCP needs the model's shape to plan: pass model_shape= (a "
                              "ModelShape; the reference models' .shape() gives it) or give "
                              "every step its plan")
+        extra = {} if frame_tokens is None else {"frame_tokens": list(frame_tokens)}
         return make_plan(lengths, world_size=world_size, model=self.model_shape,
                          config=self.config,
                          iteration=self.iteration if iteration is None else iteration,
-                         hardware=self.hardware, zero_stage=self.zero_stage)
+                         hardware=self.hardware, zero_stage=self.zero_stage, **extra)
 
     @names_unresponsive_ranks  # a collective that lost a peer names the stalled rank
     def step(self, engine: StepEngine, sequences: Sequence[torch.Tensor],
@@ -253,10 +283,67 @@ class StepDriver:
         grad_norm = engine.finish() if train else None
         if train:
             self.iteration += 1
-        return StepResult(loss=self._global_loss(stats.local_loss), tokens=plan.target_tokens,
-                          sequences=len(sequences), wall_s=time.perf_counter() - t0,
-                          micro_steps=done, empty_micro_steps=empty, plan=plan, plan_s=plan_s,
-                          predicted_s=plan.makespan, grad_norm=grad_norm, stats=stats)
+        loss = self._global_loss(stats.local_loss)
+        wall_s = time.perf_counter() - t0
+        predicted_s = self.predicted_step_s(plan)
+        if train and self._calibrating(plan):
+            self._calibrate(plan, stats, wall_s, predicted_s)
+        return StepResult(loss=loss, tokens=plan.target_tokens, sequences=len(sequences),
+                          wall_s=wall_s, micro_steps=done, empty_micro_steps=empty, plan=plan,
+                          plan_s=plan_s, predicted_s=predicted_s, grad_norm=grad_norm,
+                          stats=stats, calibration_error=self.calibration_error)
+
+    # ------------------------------------------------------------------ calibration
+    def predicted_step_s(self, plan: Plan) -> float:
+        """The step time the cost model predicts for ``plan``: its makespan plus the step's
+        own overhead (the measured one once calibrated, else the analytic `sync_time`)."""
+        if not self.config.enabled or self.model_shape is None or plan.policy == "data-parallel":
+            return plan.makespan
+        hw, sync = self._sync_cache
+        if hw is not self.hardware:
+            from megatron_dcp.plan import build_cost_model
+
+            sync = build_cost_model(self.model_shape, self.config, self.world_size,
+                                    self.hardware, self.zero_stage).sync_time()
+            self._sync_cache = (self.hardware, sync)
+        return plan.makespan + sync
+
+    @property
+    def calibration_error(self) -> Optional[float]:
+        """Median |predicted / measured - 1| of the step time over the calibration window
+        (``None``: calibration off, or no step measured yet)."""
+        return self.calibrator.error if self.calibrator is not None else None
+
+    def _calibrating(self, plan: Plan) -> bool:
+        return (self.config.enabled and self.config.calibration == "on"
+                and self.model_shape is not None and plan.policy != "data-parallel"
+                and plan.world_size == self.world_size)
+
+    def _calibrate(self, plan: Plan, stats: StepStats, wall_s: float,
+                   predicted_s: float) -> None:
+        """Share this step's measured task times and wall time with every rank (one small
+        MIN all-reduce: a task's time on its least-waiting rank, the slowest rank's wall time),
+        fit the cost model to the window and plan the next step with it."""
+        if self.calibrator is None:
+            from megatron_dcp.plan import build_cost_model
+
+            prior = self.hardware
+            base = build_cost_model(self.model_shape, self.config, self.world_size,
+                                    Calibrator.uncalibrated(prior), self.zero_stage)
+            self.calibrator = Calibrator(base, prior)
+        index = {t.id: k for k, t in enumerate(plan.tasks)}
+        values = [float("inf")] * len(plan.tasks) + [-wall_s]
+        for t in stats.tasks:
+            if t.task_id in index:
+                values[index[t.task_id]] = t.total_s
+        device = self.device if self.device is not None and self.device.type == "cuda" else None
+        shared = torch.tensor(values, dtype=torch.float64, device=device)
+        if self.world_size > 1:
+            dist.all_reduce(shared, op=dist.ReduceOp.MIN, group=self.pool.world_group)
+        measured = shared.tolist()
+        seconds = [v if v != float("inf") else None for v in measured[:-1]]
+        self.calibrator.add_step(plan, seconds, -measured[-1], predicted_s)
+        self.hardware = self.calibrator.fit()
 
     def _empty_task(self, engine: StepEngine, depth: int, last: bool, per_token: bool,
                     train: bool) -> None:
@@ -280,9 +367,34 @@ class StepDriver:
         return global_sum(local_loss, self.pool.world_group, device)
 
     def state_dict(self) -> dict[str, Any]:
-        """Resumable state: the planning iteration."""
-        return {"iteration": self.iteration}
+        """Resumable state: the planning iteration and the calibrated hardware (profile JSON
+        form: a resumed run plans with it and keeps calibrating from it)."""
+        state: dict[str, Any] = {"iteration": self.iteration}
+        if self.calibrator is not None:
+            state["hardware"] = self.calibrator.hardware.to_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict`."""
+        """Restore `state_dict` (the calibrated hardware only while calibration is on: with it
+        off, plans use the hardware this run was given)."""
         self.iteration = int(state.get("iteration", 0))
+        saved = state.get("hardware")
+        if saved is not None and self.config.enabled and self.config.calibration == "on":
+            from megatron_dcp.plan.hardware import hardware_from_dict
+
+            self.hardware = hardware_from_dict(dict(saved), where="checkpoint's hardware")
+            self.calibrator = None  # the next step starts a window with this as its prior
+
+    def save_profile(self, path: str) -> None:
+        """Write the current (calibrated) hardware as a profile JSON that
+        ``tools/simulate.py --hardware`` and ``--dcp_hardware`` accept."""
+        import json
+        import os
+
+        if self.hardware is None:
+            raise ValueError("no hardware to save: DCP is off")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".partial"
+        with open(tmp, "w") as f:
+            json.dump(self.hardware.to_dict(), f, indent=1)
+        os.replace(tmp, path)

@@ -1,0 +1,223 @@
+"""Online calibration of the cost model (`megatron_dcp.plan.calibration`, `StepDriver`).
+
+Unit part: a "true" machine is the prior hardware with known factors on its terms; tasks of real
+plans are "measured" with it (plus noise and outliers), and the calibrated model must predict
+held-out tasks and steps of the true machine, from a right prior and from one 10x off.
+Distributed part: `StepDriver` with calibration on at world 2 and 4, one rank made much slower
+than the others: every rank plans the same plan every step (digests compared), losses equal the
+one-rank reference, the calibration moved the model.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from executor_cases import DECODER, build_model, make_batch, reference
+from megatron_dcp.config import DCPConfig
+from megatron_dcp.plan import build_cost_model, make_plan
+from megatron_dcp.plan.calibration import Calibrator
+from megatron_dcp.plan.hardware import (CALIBRATED_TERMS, HardwareError, hardware_from_dict,
+                                        load_hardware)
+from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.runtime.hardware_auto import cpu_start, preset_for_device_name
+
+MODEL = ModelShape(num_layers=4, hidden_size=256, num_heads=8, ffn_hidden_size=688,
+                   vocab_size=1000, name="tiny")
+WORLD = 4
+TRUE_FACTORS = {"linear": 3.0, "attention_local": 0.5, "attention_ring": 1.5,
+                "all_to_all": 4.0, "per_token": 2.0, "per_task": 1.5}
+OVERHEAD_S = 0.02
+
+
+def _config(**kw) -> DCPConfig:
+    return DCPConfig(enabled=True, memory_budget_gb=0.1, **kw)
+
+
+def _batches(n: int, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[max(16, int(rng.paretovariate(1.1) * 120)) % 6000 + 16 for _ in range(rng.randint(8, 24))]
+            for _ in range(n)]
+
+
+def _measure(plan, true_cm, rng, noise=0.03):
+    """Task seconds on the "true" machine (noisy) and the step's wall time."""
+    seconds = [true_cm.time(t, plan.lengths) * (1 + rng.uniform(-noise, noise))
+               for t in plan.tasks]
+    busy = [0.0] * plan.world_size
+    for t, s in zip(plan.tasks, seconds):
+        for r in t.ranks:
+            busy[r] += s
+    return seconds, max(busy) + OVERHEAD_S
+
+
+def _run(prior_hw, steps, *, outlier=False):
+    """Calibrate over ``steps`` batches planned with the current fit; returns the calibrator,
+    the true cost model and the config."""
+    config = _config()
+    true_hw = replace(cpu_start(), calibration=tuple(TRUE_FACTORS.items()))
+    true_cm = build_cost_model(MODEL, config, WORLD, true_hw)
+    base = build_cost_model(MODEL, config, WORLD, Calibrator.uncalibrated(prior_hw))
+    cal = Calibrator(base, prior_hw)
+    rng = random.Random(5)
+    hw = prior_hw
+    for i, lengths in enumerate(_batches(steps)):
+        plan = make_plan(lengths, world_size=WORLD, model=MODEL, config=config, hardware=hw)
+        seconds, wall = _measure(plan, true_cm, rng)
+        if outlier and i == 2:
+            seconds[0] *= 10.0
+        predicted = plan.makespan + build_cost_model(MODEL, config, WORLD, hw).sync_time()
+        cal.add_step(plan, seconds, wall, predicted)
+        hw = cal.fit()
+    return cal, true_cm, config
+
+
+def _held_out_errors(cal, true_cm, config):
+    """Relative errors of the calibrated model on tasks and steps it has not seen."""
+    cm = build_cost_model(MODEL, config, WORLD, cal.hardware)
+    task_errors, step_errors = [], []
+    for lengths in _batches(6, seed=99):
+        plan = make_plan(lengths, world_size=WORLD, model=MODEL, config=config,
+                         hardware=cal.hardware)
+        for t in plan.tasks:
+            task_errors.append(abs(cm.time(t, plan.lengths) / true_cm.time(t, plan.lengths) - 1))
+        seconds, wall = _measure(plan, true_cm, random.Random(1), noise=0.0)
+        step_errors.append(abs((plan.makespan + cm.sync_time()) / wall - 1))
+    task_errors.sort()
+    return task_errors[len(task_errors) // 2], max(step_errors)
+
+
+def test_calibration_learns_the_machine_from_a_right_prior():
+    cal, true_cm, config = _run(cpu_start(), steps=8)
+    median_task, worst_step = _held_out_errors(cal, true_cm, config)
+    assert median_task <= 0.05
+    assert worst_step <= 0.10
+    assert cal.hardware.step_overhead_s == pytest.approx(OVERHEAD_S, rel=0.5, abs=5e-3)
+    assert cal.error is not None and cal.error <= 0.10  # the last steps' own predictions
+
+
+def test_calibration_recovers_from_a_prior_ten_times_too_fast():
+    base = cpu_start()
+    fast = replace(base, linear_flops=base.linear_flops * 10, attention_flops=base.attention_flops
+                   * 10, ring_attention_flops=base.ring_attention_flops * 10,
+                   hybrid_attention_flops=base.hybrid_attention_flops * 10,
+                   intra_bandwidth=base.intra_bandwidth * 10,
+                   inter_bandwidth=base.inter_bandwidth * 10,
+                   token_overhead_s=base.token_overhead_s / 10,
+                   task_overhead_s=base.task_overhead_s / 10)
+    before, true_cm, config = _run(fast, steps=1)
+    uncalibrated = _held_out_errors(Calibrator(before.base, fast), true_cm, config)[0]
+    cal, true_cm, config = _run(fast, steps=8)
+    median_task, worst_step = _held_out_errors(cal, true_cm, config)
+    assert uncalibrated > 0.8  # the check can fail: the prior alone is far off
+    assert median_task <= 0.05
+    assert worst_step <= 0.10
+
+
+def test_one_outlier_task_does_not_move_the_fit():
+    clean, true_cm, config = _run(cpu_start(), steps=6)
+    dirty, _, _ = _run(cpu_start(), steps=6, outlier=True)
+    for term in CALIBRATED_TERMS:
+        assert dirty.factors()[term] == pytest.approx(clean.factors()[term], rel=0.15)
+
+
+def test_the_same_measurements_give_the_same_hardware():
+    a, _, _ = _run(cpu_start(), steps=4)
+    b, _, _ = _run(cpu_start(), steps=4)
+    assert a.hardware == b.hardware
+
+
+def test_calibrated_hardware_is_a_profile_json():
+    cal, _, _ = _run(cpu_start(), steps=3)
+    data = cal.hardware.to_dict()
+    assert set(data["calibration"]) == set(CALIBRATED_TERMS)
+    again = hardware_from_dict(data, where="round trip")
+    assert again == cal.hardware
+    with pytest.raises(HardwareError, match="unknown term"):
+        hardware_from_dict({**data, "calibration": {"gemm": 2.0}})
+    with pytest.raises(HardwareError, match="linear"):
+        hardware_from_dict({**data, "calibration": {"linear": -1.0}})
+
+
+def test_hardware_auto():
+    assert preset_for_device_name("NVIDIA H200").name == "h200"
+    assert preset_for_device_name("NVIDIA A100-SXM4-80GB").name == "a100"
+    assert preset_for_device_name("NVIDIA GeForce RTX 4090") is None
+    assert load_hardware("auto").name == "h200"  # planning offline
+    assert cpu_start(2).hbm_bytes == pytest.approx(cpu_start(1).hbm_bytes / 2)
+
+
+# ---------------------------------------------------------------------- distributed
+LENGTHS_BY_STEP = [(29, 7, 13, 18, 3, 22, 40, 9), (50, 4, 4, 31, 12, 8), (17, 33, 6, 21, 45, 2, 11),
+                   (60, 5, 9, 14), (8, 8, 8, 8, 30, 26, 19)]
+
+
+def _body(rank, world_size, slow_rank, calibration):
+    import time
+
+    import torch.distributed as dist
+    from plain_torch import TorchEngine
+
+    from megatron_dcp.runtime.groups import GroupPool
+    from megatron_dcp.runtime.step import StepDriver
+
+    model = build_model("decoder")
+    engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    forward_loss = engine.forward_loss
+
+    def slow_forward(shard, per_token):  # one rank measures very different times
+        if rank == slow_rank:
+            time.sleep(0.002 * shard.input_ids.shape[0])
+        return forward_loss(shard, per_token)
+
+    engine.forward_loss = slow_forward
+    pool = GroupPool()
+    engine.group = pool.world_group
+    config = DCPConfig(enabled=True, calibration=calibration, memory_budget_gb=0.01)
+    driver = StepDriver(config, pool=pool, model_shape=model.shape())
+    out = []
+    for lengths in LENGTHS_BY_STEP:
+        batch = make_batch(lengths, DECODER["vocab_size"])
+        result = driver.step(engine, batch)
+        digests = [None] * world_size
+        dist.all_gather_object(digests, result.plan.digest())
+        out.append((result.loss, digests, result.predicted_s, result.calibration_error))
+        for p in model.parameters():
+            p.grad = None
+    hw = driver.hardware
+    return out, hw.calibration, hw.step_overhead_s
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_calibrating_ranks_plan_alike_and_stay_exact(world_size):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    results = run_distributed(_body, world_size=world_size, args=(1, "on"), timeout_s=280)
+    refs = [reference("decoder", lengths)[0] for lengths in LENGTHS_BY_STEP]
+    for out, calibration, overhead in results:
+        assert calibration is not None and overhead is not None  # the model was fitted
+        for (loss, digests, predicted, error), ref in zip(out, refs):
+            assert len(set(digests)) == 1  # every rank planned the same plan
+            assert abs(loss - ref) / abs(ref) <= 1e-5
+            assert predicted > 0
+        assert out[-1][3] is not None
+    assert len({str(r[1]) for r in results}) == 1  # the same fit on every rank
+
+
+@pytest.mark.timeout(200)
+def test_calibration_off_keeps_the_given_hardware():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    results = run_distributed(_body, world_size=2, args=(1, "off"), timeout_s=180)
+    for out, calibration, overhead in results:
+        assert calibration is None and overhead is None
+        assert all(step[3] is None for step in out)
