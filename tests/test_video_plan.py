@@ -70,13 +70,18 @@ def test_equal_tokens_different_frame_sizes_get_different_times():
     assert cm.model_flops(lengths, frames) > cm.model_flops(lengths)
 
 
-@pytest.mark.parametrize("policy", ["dcp", "bucket", "packed", "dcp-intra", "greedy-cp"])
-def test_video_plans_validate_and_are_deterministic(policy):
+@pytest.mark.parametrize("policy,zero_stage", [
+    ("dcp", 1), ("bucket", 1), ("packed", 1), ("dcp-intra", 1), ("greedy-cp", 1), ("dcp", 3),
+    ("bucket", 3)])
+def test_video_plans_validate_and_are_deterministic(policy, zero_stage):
     lengths, frames = video_workload(SHAPES)
     cfg = config(policy)
-    cm = build_cost_model(DIT, cfg, 8)
-    first = make_plan(lengths, world_size=8, model=DIT, config=cfg, frame_tokens=frames)
-    again = make_plan(lengths, world_size=8, model=DIT, config=cfg, frame_tokens=frames)
+    cm = build_cost_model(DIT, cfg, 8, zero_stage=zero_stage)
+    first = make_plan(lengths, world_size=8, model=DIT, config=cfg, frame_tokens=frames,
+                      zero_stage=zero_stage)
+    again = make_plan(lengths, world_size=8, model=DIT, config=cfg, frame_tokens=frames,
+                      zero_stage=zero_stage)
+    assert first.lockstep == (zero_stage >= 2)
     assert first.digest() == again.digest()
     assert first.frame_tokens == tuple(frames)
     validate_plan(first, DIT, cost_model=cm)
@@ -221,5 +226,11 @@ def test_simulate_tool_with_video_mix_and_shapes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "4 videos" in proc.stdout
     assert json.load(open(saved))["frame_tokens"] == [3600, 920, 1590, 390]
+    # the saved plan, evaluated beside a fresh one: the same videos, the same step time
+    proc = run_tool("--plan", str(saved), "--gpus-per-node", "4", "--model", "video-dit",
+                    "--policy", "dcp", "--json")
+    assert proc.returncode == 0, proc.stderr
+    again = json.loads(proc.stdout)["policies"]
+    assert again["plan:plan.json"]["step_time_s"] == pytest.approx(again["dcp"]["step_time_s"])
     proc = run_tool("--gpus", "8", "--video-shapes", str(shapes))  # llama-7b: a text model
     assert proc.returncode == 2 and "video model" in proc.stderr
