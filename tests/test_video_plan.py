@@ -122,6 +122,12 @@ def test_make_plan_rejects_bad_frame_tokens():
     with pytest.raises(PlanError, match="sequence 1"):
         make_plan(lengths, world_size=4, model=DIT, config=config(),
                   frame_tokens=[frames[0], frames[1] + 1, frames[2]])
+    with pytest.raises(PlanError, match=r"frame_tokens\[2\]=0: must be a positive integer"):
+        make_plan(lengths, world_size=4, model=DIT, config=config(),
+                  frame_tokens=[frames[0], frames[1], 0])
+    with pytest.raises(PlanError, match=r"frame_tokens\[0\]=2.5"):
+        make_plan(lengths, world_size=4, model=DIT, config=config(),
+                  frame_tokens=[2.5, frames[1], frames[2]])
     with pytest.raises(PlanError, match="baseline_degree"):
         make_plan(lengths, world_size=4, model=DIT, config=config("bucket"), frame_tokens=frames,
                   baseline_degree=5)

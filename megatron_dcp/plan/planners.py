@@ -103,8 +103,12 @@ def _frame_tokens(lengths: list[int], frame_tokens: Optional[Sequence[int]]
     sequence); ``None`` stays ``None``."""
     if frame_tokens is None:
         return None
+    frames = []
+    for i, value in enumerate(frame_tokens):
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise PlanError(f"frame_tokens[{i}]={value!r}: must be a positive integer")
+        frames.append(int(value))
     try:
-        frames = validate_lengths(frame_tokens, where="frame_tokens")
         check_frame_tokens(lengths, frames)
     except ValueError as err:
         raise PlanError(str(err)) from None
