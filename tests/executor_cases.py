@@ -13,26 +13,23 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from megatron_dcp.models import Decoder, DecoderConfig, DiTConfig, VideoDiT
+from megatron_dcp.models import Decoder, DecoderConfig
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.runtime.context import current_task
 
 # Four query heads, two KV heads: Ulysses degrees 1 and 2 divide both, 3 and 4 need ring/hybrid.
 DECODER = dict(vocab_size=48, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2,
                ffn_hidden_size=24, max_position=64)
-DIT = dict(vocab_size=32, hidden_size=16, num_layers=2, num_heads=4, ffn_hidden_size=32,
-           height=2, width=3, max_frames=8)
 SEED = 1234
 
 
 def build_model(kind: str) -> torch.nn.Module:
-    """The tiny model of ``kind`` ("decoder", "decoder-tied" or "dit"), same weights everywhere."""
+    """The tiny model of ``kind`` ("decoder" or "decoder-tied"), same weights everywhere (the
+    video DiT's cases: tests/test_video.py)."""
     if kind == "decoder":
         return Decoder(DecoderConfig(**DECODER), seed=SEED)
     if kind == "decoder-tied":
         return Decoder(DecoderConfig(**DECODER, tie_embeddings=True), seed=SEED)
-    if kind == "dit":
-        return VideoDiT(DiTConfig(**DIT), seed=SEED)
     raise ValueError(kind)
 
 

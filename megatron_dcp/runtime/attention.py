@@ -14,6 +14,10 @@ the task (``task=None``) gets the task context entered by the executor
 
 Every input check happens before the first collective, so a bad input raises on every rank of
 the group alike instead of hanging or poisoning the group.
+
+Attention groups (video) are given as a function of token positions, or, when the groups depend
+on the sequence too (videos of different frame sizes packed into one task), as a function of
+positions and task-local sequence ids marked ``per_sequence = True`` (`per_sequence_groups`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,39 @@ from megatron_dcp.runtime.kernels import attention_groups, local_attention
 from megatron_dcp.runtime.layout import TokenMeta
 from megatron_dcp.runtime.ring import RingComm, ring_attention
 from megatron_dcp.runtime.ulysses import HeadToSeq, SeqToHeadQKV, UlyssesComm
+
+
+class _BoundToSequences:
+    """A per-sequence group function bound to the sequence ids of one token set: the
+    positions-only callable `attention_groups` takes (and caches by: equal for the same function
+    and the same token set, so forward, recompute and backward reuse one decomposition)."""
+
+    __slots__ = ("fn", "seq_ids")
+
+    def __init__(self, fn: Callable, seq_ids: torch.Tensor) -> None:
+        self.fn, self.seq_ids = fn, seq_ids
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.fn(positions, self.seq_ids)
+
+    def __hash__(self) -> int:
+        return hash((self.fn, id(self.seq_ids)))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, _BoundToSequences) and self.fn == other.fn
+                and self.seq_ids is other.seq_ids)
+
+
+def per_sequence_groups(group_fn: Optional[Callable], meta: TokenMeta) -> Optional[torch.Tensor]:
+    """Attention-group ids of the tokens of ``meta`` (on its device; ``None``: no groups).
+
+    ``group_fn(positions)``, or ``group_fn(positions, seq_ids)`` (task-local sequence ids) when
+    ``group_fn.per_sequence`` is true: groups that follow each sequence's own shape, such as the
+    frames of videos of different resolutions packed into one task.
+    """
+    if group_fn is not None and getattr(group_fn, "per_sequence", False):
+        group_fn = _BoundToSequences(group_fn, meta.host().seq_ids)
+    return attention_groups(group_fn, meta)
 
 
 def _check_shapes(q, k, v, where: str) -> None:
@@ -76,7 +113,8 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     positions 0..T-1.
     ``group_of_position`` maps positions to attention-group ids (video: frame index for spatial
     attention, spatial index for temporal attention); tokens attend only within their group.
-    Differentiable.
+    With ``group_of_position.per_sequence`` true it is called with the task-local sequence ids
+    too (`per_sequence_groups`; outside a task they are all 0). Differentiable.
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ctx = current_task(task)
@@ -84,13 +122,13 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         _check_shapes(q, k, v, "outside a task")
         meta = TokenMeta.contiguous(q.shape[0], q.device)
         return local_attention(q, k, v, meta, causal=causal, softmax_scale=scale,
-                               groups=attention_groups(group_of_position, meta))
+                               groups=per_sequence_groups(group_of_position, meta))
     _check_task(ctx, q, k, v)
     planned, layout = ctx.task, ctx.layout
     u, r = planned.ulysses, planned.ring
     # Metadata and attention groups first: a bad group_of_position fails before any collective.
     metas = [layout.portion(j).to(q.device) for j in range(r)]
-    groups = [attention_groups(group_of_position, m) for m in metas]
+    groups = [per_sequence_groups(group_of_position, m) for m in metas]
     if u > 1:
         comm = UlyssesComm(ctx.ulysses_group if ctx.ulysses_group is not None else ctx.group,
                            planned.ulysses_group(ctx.group_rank))

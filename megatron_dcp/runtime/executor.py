@@ -5,13 +5,15 @@ For each task of this rank, in plan order ``(start, id)``:
 1. build the task's `ShardLayout` and cut this rank's shard of the packed input ids, position ids,
    labels and loss weights. Labels are next-token targets computed on each *whole* sequence before
    sharding, so the last token of a shard keeps its target from the next shard; a sequence's last
-   token and padding get -100;
+   token and padding get -100. With ``targets="self"`` (a `SelfTargetBatch`: every token is its
+   own target, e.g. the latent rows of a video diffusion model) the label of a token is its own
+   id, only padding gets -100, and all ``n`` tokens of a sequence count as targets;
 2. enter the task context (group, sub-groups, layout, checkpoint depth) and call
    ``forward_step(input_ids, position_ids, labels)``;
 3. weight the loss: ``token`` reduction scales the summed token losses by ``1 / T``
-   (``T = plan.target_tokens``, the target tokens of the *global* batch), ``sequence`` weights
-   every token by ``1 / (S * targets of its sequence)``; the SUM of gradients over the DCP world
-   then equals the gradient of single-device training on the whole batch;
+   (``T = target_count(plan, targets)``, the target tokens of the *global* batch), ``sequence``
+   weights every token by ``1 / (S * targets of its sequence)``; the SUM of gradients over the
+   DCP world then equals the gradient of single-device training on the whole batch;
 4. call ``backward(weighted_loss)`` still inside the task context (recomputation and the
    attention's backward collectives need it).
 
@@ -44,6 +46,48 @@ from megatron_dcp.runtime.layout import ShardLayout
 
 
 ForwardStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+TARGET_KINDS = ("next", "self")
+"""What a token's loss target is: the next token of its sequence, or the token itself."""
+
+
+class SelfTargetBatch(list):
+    """A global batch (a list of 1-D integer tensors) whose every token is its own target.
+
+    The tensors are ids of rows of a table every rank holds (a video diffusion model: rows of the
+    batch's latents, noise and timesteps; see `megatron_dcp.data.video.VideoBatch`); the model
+    computes a token's loss from its row. `run_plan` (and so `StepDriver.step`, which passes the
+    batch on) labels every token with its own id (no shift), gives padding -100, and counts all
+    ``n`` tokens of a sequence in the loss normalisation. ``content_digests``: one short digest
+    per sequence of what its rows hold (the table), so the plan check compares the content across
+    ranks, not only the row ids.
+    """
+
+    targets = "self"
+
+    def __init__(self, sequences, content_digests: Optional[Sequence[str]] = None) -> None:
+        super().__init__(sequences)
+        if content_digests is not None and len(content_digests) != len(self):
+            raise ValueError(f"SelfTargetBatch: {len(content_digests)} content digests for "
+                             f"{len(self)} sequences")
+        self.content_digests = list(content_digests) if content_digests is not None else None
+
+
+def batch_targets(sequences: Sequence[Any], targets: Optional[str] = None) -> str:
+    """The target kind of a batch: ``targets`` if given, else the batch's own (``"self"`` for a
+    `SelfTargetBatch`), else ``"next"``."""
+    kind = targets if targets is not None else getattr(sequences, "targets", "next")
+    if kind not in TARGET_KINDS:
+        raise ValueError(f"targets={kind!r}: must be one of {TARGET_KINDS}")
+    return kind
+
+
+def target_count(plan: Plan, targets: str = "next") -> int:
+    """T of the per-token loss: ``plan.target_tokens`` (next-token targets, ``n - 1`` per
+    sequence) or, for ``targets="self"``, every token of the sequences the plan runs."""
+    if targets == "next":
+        return plan.target_tokens
+    return sum(plan.lengths[s] for t in plan.tasks for s in t.seqs)
 
 
 class PlanMismatchError(RuntimeError):
@@ -177,7 +221,10 @@ def batch_digest(sequences: Sequence[Optional[torch.Tensor]]) -> Optional[str]:
     per million tokens on one CPU core."""
     if not sequences or any(s is None for s in sequences):
         return None
-    return hashlib.sha256(_host_tokens(sequences).numpy().data).hexdigest()[:16]
+    h = hashlib.sha256(_host_tokens(sequences).numpy().data)
+    for extra in getattr(sequences, "content_digests", None) or ():
+        h.update(extra.encode())
+    return h.hexdigest()[:16]
 
 
 def sequence_digests(sequences: Sequence[Optional[torch.Tensor]]) -> Optional[list[str]]:
@@ -185,9 +232,12 @@ def sequence_digests(sequences: Sequence[Optional[torch.Tensor]]) -> Optional[li
     if not sequences or any(s is None for s in sequences):
         return None
     tokens, out, start = _host_tokens(sequences).numpy(), [], 0
-    for s in sequences:
+    extras = getattr(sequences, "content_digests", None) or [""] * len(sequences)
+    for s, extra in zip(sequences, extras):
         end = start + int(s.numel())
-        out.append(hashlib.sha256(tokens[start:end].data).hexdigest()[:16])
+        h = hashlib.sha256(tokens[start:end].data)
+        h.update(extra.encode())
+        out.append(h.hexdigest()[:16])
         start = end
     return out
 
@@ -199,7 +249,8 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
     """Collective: check every rank of the DCP world holds the same plan, the same ``config``
     (the DCP configuration: ranks that differ, say in ``loss_reduction``, would otherwise train
     on a wrong loss without an error) and the same global batch ``sequences`` (a digest of the
-    tokens; a rank that lacks some sequences is not compared), and that none has problems.
+    tokens, and of a `SelfTargetBatch`'s content digests; a rank that lacks some sequences is
+    not compared), and that none has problems.
 
     One all-reduce (MIN) of the digests' pieces, their negatives and the problem flag; only on
     a mismatch a second collective gathers the digests and messages to name the ranks. Raises
@@ -278,25 +329,30 @@ def _disagreements(gathered: list) -> list[str]:
 
 
 # ---------------------------------------------------------------------- building shards
-def _packed_inputs(task: Task, sequences: Sequence[torch.Tensor], weight_of: Callable
-                   ) -> tuple[torch.Tensor, ...]:
-    """Packed ids, next-token labels and per-token loss weights of a task (whole sequences), on
-    the host: sharding indexes them with the layout's host tensors, without device syncs."""
+def _packed_inputs(task: Task, sequences: Sequence[torch.Tensor], weight_of: Callable,
+                   targets: str = "next") -> tuple[torch.Tensor, ...]:
+    """Packed ids, labels (next-token, or the ids themselves for ``targets="self"``) and per-token
+    loss weights of a task (whole sequences), on the host: sharding indexes them with the
+    layout's host tensors, without device syncs."""
     ids, labels, weights = [], [], []
     for s in task.seqs:
         seq = sequences[s].to(device="cpu", dtype=torch.long)
         ids.append(seq)
-        labels.append(torch.cat([seq[1:], seq.new_full((1,), IGNORE_INDEX)]))
         w = torch.full((seq.shape[0],), weight_of(s), dtype=torch.float64)
-        w[-1] = 0.0
+        if targets == "self":
+            labels.append(seq)
+        else:
+            labels.append(torch.cat([seq[1:], seq.new_full((1,), IGNORE_INDEX)]))
+            w[-1] = 0.0
         weights.append(w)
     return torch.cat(ids), torch.cat(labels), torch.cat(weights)
 
 
 def _shard_inputs(task: Task, layout: ShardLayout, sequences: Sequence[torch.Tensor],
-                  weight_of: Callable, device: Optional[torch.device]) -> tuple[torch.Tensor, ...]:
+                  weight_of: Callable, device: Optional[torch.device],
+                  targets: str = "next") -> tuple[torch.Tensor, ...]:
     """This rank's shard of a task: host labels, then device ids, positions, labels, weights."""
-    ids, labels, weights = _packed_inputs(task, sequences, weight_of)
+    ids, labels, weights = _packed_inputs(task, sequences, weight_of, targets)
     labels_host = layout.shard(labels, IGNORE_INDEX)
     return (labels_host, _to_device(layout.shard(ids, 0), device),
             _to_device(layout.position_ids, device), _to_device(labels_host, device),
@@ -312,28 +368,32 @@ def _to_device(x: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
     return x.to(device)
 
 
-def target_weights(lengths: Sequence[int], loss_reduction: str = "token") -> list[float]:
+def target_weights(lengths: Sequence[int], loss_reduction: str = "token",
+                   targets: str = "next") -> list[float]:
     """Loss weight of every target token of each sequence of a global batch (index = ``lengths``).
 
-    ``token``: ``1 / T`` (T = next-token targets of all the sequences); ``sequence``:
-    ``1 / (S * targets of the sequence)`` (S = sequences with a target). A sequence of one token
-    has no target. Shared by the executor and the engines' plain data-parallel baselines, so both
-    optimise the same loss.
+    ``token``: ``1 / T`` (T = targets of all the sequences); ``sequence``:
+    ``1 / (S * targets of the sequence)`` (S = sequences with a target). A sequence has ``n - 1``
+    next-token targets (one token: none), or ``n`` with ``targets="self"``. Shared by the
+    executor and the engines' plain data-parallel baselines, so both optimise the same loss.
     """
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction={loss_reduction!r}: must be one of {LOSS_REDUCTIONS}")
-    targets = [max(int(n) - 1, 0) for n in lengths]
+    if targets not in TARGET_KINDS:
+        raise ValueError(f"targets={targets!r}: must be one of {TARGET_KINDS}")
+    shift = 1 if targets == "next" else 0
+    counts = [max(int(n) - shift, 0) for n in lengths]
     if loss_reduction == "token":
-        total = sum(targets)
-        return [1.0 / total if total else 0.0 for _ in targets]
-    count = sum(1 for t in targets if t)
-    return [1.0 / (count * t) if t else 0.0 for t in targets]
+        total = sum(counts)
+        return [1.0 / total if total else 0.0 for _ in counts]
+    count = sum(1 for t in counts if t)
+    return [1.0 / (count * t) if t else 0.0 for t in counts]
 
 
-def _weighting(plan: Plan, loss_reduction: str) -> Callable[[int], float]:
+def _weighting(plan: Plan, loss_reduction: str, targets: str) -> Callable[[int], float]:
     """Loss weight of every target token of sequence ``s`` (over the sequences the plan runs)."""
     planned = sorted({s for t in plan.tasks for s in t.seqs})
-    weights = target_weights([plan.lengths[s] for s in planned], loss_reduction)
+    weights = target_weights([plan.lengths[s] for s in planned], loss_reduction, targets)
     return dict(zip(planned, weights)).__getitem__
 
 
@@ -396,7 +456,8 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
              config: Any = None,
              loss_reduction: str = "token", max_position: Optional[int] = None,
              device: Optional[torch.device] = None, reduce_loss: bool = True,
-             before_task: Optional[Callable[[Task], Any]] = None) -> StepStats:
+             before_task: Optional[Callable[[Task], Any]] = None,
+             targets: Optional[str] = None) -> StepStats:
     """Run DCP rank ``rank``'s tasks of ``plan`` (forward + backward); see the module docstring.
 
     ``config``: the DCP configuration in effect (a `DCPConfig`); the plan check compares it, and
@@ -409,13 +470,16 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
     losses ``[T_local]`` (needed for ``loss_reduction="sequence"``). ``backward`` defaults to
     ``loss.backward()``; ``max_position`` is checked for every sequence before any task runs;
     ``device``: where shards go (default: the host); ``before_task(task)`` runs before each of
-    this rank's tasks, outside its context (the step driver's empty lockstep slots).
+    this rank's tasks, outside its context (the step driver's empty lockstep slots);
+    ``targets``: ``"next"`` (next-token labels) or ``"self"`` (every token its own target,
+    see `SelfTargetBatch`); default: the batch's own kind (`batch_targets`).
     Collective over the DCP world of ``pool``, once per step on every rank. Gradients are not
     reduced here. Nothing in the task loop waits for the device (host-built shards,
     asynchronous copies, CUDA-event timings).
     """
     if loss_reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"loss_reduction={loss_reduction!r}: must be one of {LOSS_REDUCTIONS}")
+    targets = batch_targets(sequences, targets)
     t_start = time.perf_counter()
     device = torch.device(device) if device is not None else None
     comm_device = device if device is not None and device.type == "cuda" else None
@@ -423,8 +487,8 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
                         comm_device, sequences=sequences, config=config)
     created = pool.ensure(plan)
     backward = backward or (lambda loss: loss.backward())
-    weight_of = _weighting(plan, loss_reduction)
-    total = plan.target_tokens
+    weight_of = _weighting(plan, loss_reduction, targets)
+    total = target_count(plan, targets)
 
     local_loss = torch.zeros((), dtype=torch.float64, device=device)
     local_tokens = 0
@@ -437,7 +501,7 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
             layout = ShardLayout.build([plan.lengths[s] for s in task.seqs], task.ulysses,
                                        task.ring, task.ranks.index(rank))
             labels_host, ids_l, pos_l, labels_l, weights_l = _shard_inputs(
-                task, layout, sequences, weight_of, device)
+                task, layout, sequences, weight_of, device, targets)
             ctx = pool.context_for(task, rank, layout)
             with task_context(ctx):
                 clock.mark()
