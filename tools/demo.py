@@ -2,12 +2,15 @@
 
 Runs ``deepspeed --num_gpus 2 examples/pretrain.py --dcp`` on the embedded corpus (Python
 standard-library docstrings and sources, long-tailed, shipped in the package) with a small model
-for a few iterations: each line shows the plan (sequence-parallel degrees, micro-steps per rank,
-checkpointed layers, predicted step time), the loss and tokens/s. Works on CPU (gloo) and GPUs.
-On a machine without CUDA the planner's cost model needs this machine's numbers (the presets
-describe GPUs): the first run measures them once with ``tools/profile_hardware.py --quick``
-(~15 s) into runs/hardware_cpu.json and passes it as ``--dcp_hardware``. Extra arguments are
-passed to examples/pretrain.py (e.g. ``--train-iters 20 --zero-stage 2``).
+for 8 iterations. On a CPU it sets a memory budget per rank (``--dcp_memory_budget_gb 0.006``:
+6 MiB of activations and model state; a CPU leaves no reserve for a CUDA context) that the longest documents (2048 tokens) do not fit on one rank:
+the planner splits those over both ranks (sequence-parallel degree 2, recomputing layers where
+even that does not fit) while it packs the short ones, so the plan printed on each line changes
+with the batch. The cost model starts from ``--dcp_hardware auto`` (on a CPU: an uncalibrated
+start) and calibrates itself online: each line shows the predicted step time next to the
+measured one and the calibration's error, which falls within a few iterations. Works on CPU
+(gloo) and GPUs. Extra arguments are passed to examples/pretrain.py (e.g. ``--train-iters 20
+--zero-stage 2``).
 """
 
 import os
@@ -33,27 +36,16 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
            "--master_port", str(free_port()), "examples/pretrain.py", "--dcp",
-           "--deepspeed_config", "examples/ds_config.json", "--train-iters", "6",
+           "--deepspeed_config", "examples/ds_config.json", "--train-iters", "8",
            "--seq-length", "2048", "--global-batch-tokens", "8192", "--num-layers", "2",
            "--hidden-size", "64", "--num-heads", "4", "--log-json", "runs/demo.jsonl",
-           *sys.argv[1:]]
-    (ROOT / "runs").mkdir(exist_ok=True)
+           "--save-profile", "runs/demo_hardware.json"]
     import torch
 
-    if not torch.cuda.is_available():
-        profile = ROOT / "runs" / "hardware_cpu.json"
-        if not profile.exists():
-            print("+ python tools/profile_hardware.py --quick (this machine's cost-model "
-                  "numbers, once)", flush=True)
-            code = subprocess.call([sys.executable, "tools/profile_hardware.py", "--out",
-                                    str(profile), "--device",
-                                    "cpu", "--dtype", "float32", "--threads", "1", "--ranks", "2",
-                                    "--hidden", "64", "--layers", "2", "--heads", "4", "--vocab",
-                                    "257",
-                                    "--quick"], cwd=ROOT, env=env)
-            if code:
-                return code
-        cmd += ["--dcp_hardware", str(profile)]
+    if not torch.cuda.is_available():  # a GPU's budget leaves a 4 GB reserve: no budget there
+        cmd += ["--dcp_memory_budget_gb", "0.006"]
+    cmd += sys.argv[1:]
+    (ROOT / "runs").mkdir(exist_ok=True)
     print("+ deepspeed --num_gpus 2 " + " ".join(cmd[cmd.index("examples/pretrain.py"):]),
           flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)

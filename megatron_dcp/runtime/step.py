@@ -30,6 +30,7 @@ Plain data parallel is the same driver with a trivial plan (`data_parallel_plan`
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -167,7 +168,9 @@ class StepDriver:
         if self.config.hardware.lower() != AUTO:
             return load_hardware(self.config.hardware)
         group = getattr(self.pool, "world_group", None) if self.pool is not None else None
-        return detect_hardware(self.device, group=group)
+        # processes sharing this host: the launcher's count, else (a CPU run) the DCP world
+        local = os.environ.get("LOCAL_WORLD_SIZE") or (self.world_size if self.pool else 1)
+        return detect_hardware(self.device, group=group, local_ranks=int(local))
 
     @property
     def rank(self) -> int:
