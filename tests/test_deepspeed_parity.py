@@ -59,6 +59,10 @@ def _run(pretrain, args: list[str]) -> None:
     pretrain.main(args)
 
 
+H200 = ["--dcp_hardware", "h200"]
+"""The hardware `_tight_budget` plans with (offline ``auto``): the runs must use it too."""
+
+
 def _tight_budget(world: int, stage: int) -> str:
     """The smallest memory budget (GiB) in which the planner fits a 512-token sequence at all
     (bisection on make_plan): the longest sequences then need every rank, shorter ones fewer."""
@@ -100,7 +104,7 @@ def _driver(stages: list[int], out: str, resume: bool, bad_input: bool) -> None:
     rank = int(os.environ["RANK"])
     report: dict = {"stages": {}}
     for stage in stages:
-        budget = ["--dcp_memory_budget_gb", _tight_budget(world, stage)]
+        budget = ["--dcp_memory_budget_gb", _tight_budget(world, stage), *H200]
         logs = {}
         for mode in ("dcp", "dp"):
             log = os.path.join(work, f"s{stage}_{mode}.jsonl")
@@ -111,7 +115,7 @@ def _driver(stages: list[int], out: str, resume: bool, bad_input: bool) -> None:
             report["stages"][stage] = {m: _losses(p) for m, p in logs.items()}
             report["stages"][stage]["plans"] = [r["plan"] for r in _records(logs["dcp"])]
     if resume:
-        budget = ["--dcp_memory_budget_gb", _tight_budget(world, 1)]
+        budget = ["--dcp_memory_budget_gb", _tight_budget(world, 1), *H200]
         ckpt = os.path.join(work, "ckpt")
         log = os.path.join(work, "resume.jsonl")
         stop = ["--train-iters", "3"]
@@ -130,8 +134,8 @@ def _driver(stages: list[int], out: str, resume: bool, bad_input: bool) -> None:
         bf16 = {}
         for mode in ("dcp", "dp"):
             log = os.path.join(work, f"bf16_{mode}.jsonl")
-            flags = ["--dcp", "--dcp_memory_budget_gb", _tight_budget(world,
-                                                                      2)] if mode == "dcp" else []
+            flags = ["--dcp", "--dcp_memory_budget_gb", _tight_budget(world, 2),
+                     *H200] if mode == "dcp" else []
             _run(pretrain, COMMON + ["--zero-stage", "2", "--deepspeed_config", cfg, "--log-json",
                                      log, *flags])
             bf16[mode] = _losses(log) if rank == 0 else []

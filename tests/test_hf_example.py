@@ -117,7 +117,8 @@ def _job(work: str, inputs: list[str]) -> None:
         budget = _tight_budget(inputs[1], 2, stage)
         for mode in ("dcp", "dp"):
             log = os.path.join(work, f"s{stage}_{mode}.jsonl")
-            flags = ["--dcp", "--dcp_memory_budget_gb", budget] if mode == "dcp" else []
+            flags = ["--dcp", "--dcp_memory_budget_gb", budget, "--dcp_hardware",
+                     "h200"] if mode == "dcp" else []
             if (stage, mode) in ((3, "dcp"), (1, "dp")):
                 flags += ["--save", os.path.join(work, f"ckpt_s{stage}_{mode}")]
             pretrain.main(TRAIN + inputs + ["--zero-stage", str(stage), "--log-json", log,

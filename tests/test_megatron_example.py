@@ -49,7 +49,7 @@ def test_dcp_loss_per_iteration_equals_plain_data_parallel(tmp_path):
     # A memory budget that holds 200 tokens at degree 1 without recompute, and a small pack
     # budget, make the planner use degree 2 and/or recompute for the long sequences, degree 1
     # for the rest, and tasks on both ranks.
-    dcp = _train(tmp_path, "dcp", ["--dcp", "--dcp-pack-tokens", "256",
+    dcp = _train(tmp_path, "dcp", ["--dcp", "--dcp-pack-tokens", "256", "--dcp-hardware", "h200",
                                    "--dcp-memory-budget-gb", f"{_budget_gb(200):.6f}"])
     plain = _train(tmp_path, "plain", [])
     assert [r["iteration"] for r in dcp] == [1, 2]

@@ -74,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="built-in video mix (latent shapes, plan/workload.py VIDEO_MIXES)")
     src.add_argument("--video-shapes", help="file: one video per line, 'frames height width' in "
                                             "latent patches ('#' comments)")
+    src.add_argument("--replay", metavar="LOG.jsonl",
+                     help="replay a training run's --log-json: its predicted vs measured step "
+                          "times per iteration (how the online calibration's error fell)")
     p.add_argument("--global-batch-tokens", type=int, default=None,
                    help="tokens of the sampled global batch (default 65536 per GPU, 131072 per "
                         "GPU for --video-mix)")
@@ -295,9 +298,50 @@ def print_table(out: dict) -> None:
               f"{r['tasks']:>7}{r['plan_ms']:>9.1f}")
 
 
+def replay(path: str) -> dict:
+    """Predicted vs measured step time of every iteration of a ``--log-json`` file."""
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                step, predicted = float(row["step_s"]), row.get("predicted_s")
+            except (ValueError, KeyError, TypeError) as err:
+                raise WorkloadError(f"{path}:{number}: not a --log-json row ({err})") from None
+            if predicted:
+                rows.append({"iteration": row.get("iteration", number), "step_s": step,
+                             "predicted_s": float(predicted),
+                             "error": float(predicted) / step - 1.0,
+                             "calibration_error": row.get("calibration_error")})
+    if not rows:
+        raise WorkloadError(f"{path}: no row has predicted_s (a run with --dcp writes it)")
+    return {"replay": path, "iterations": rows}
+
+
+def print_replay(out: dict) -> None:
+    """The replay as a table: one line per iteration."""
+    print(f"replay of {out['replay']}: predicted vs measured step time")
+    print(f"{'iter':>5} {'step ms':>9} {'predicted ms':>13} {'error':>8} {'calib. error':>13}")
+    for r in out["iterations"]:
+        calib = r["calibration_error"]
+        calib_text = f"{calib * 100:.1f} %" if calib is not None else "-"
+        print(f"{r['iteration']:>5} {r['step_s'] * 1e3:>9.1f} {r['predicted_s'] * 1e3:>13.1f} "
+              f"{r['error'] * 100:>7.1f}% {calib_text:>13}")
+
+
 def main(argv=None) -> int:
     """Entry point: exit status 0, or 2 with a one-line error on bad input."""
     args = parse_args(argv)
+    if args.replay:
+        try:
+            out = replay(args.replay)
+        except (WorkloadError, OSError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(json.dumps(out, indent=1)) if args.json else print_replay(out)
+        return 0
     try:
         out = run(args)
     except (PlanError, WorkloadError, HardwareError, ModelPresetError, DCPConfigError) as err:
