@@ -162,11 +162,10 @@ def main(argv=None) -> int:
               f"{args.hf_model or f'{args.num_layers}x{args.hidden_size}'}", flush=True)
     if rank == 0 and engine.dcp.enabled and engine.device.type == "cpu" and \
             engine.dcp.hardware in ("h200", "h100", "a100"):
-        print(f"note: the planner starts from {engine.dcp.hardware} GPUs while this run is on "
-              "CPU (--dcp_hardware auto starts from a CPU); "
-              + ("the calibration corrects it within a few steps"
-                 if engine.dcp.calibration == "on" else "--dcp_calibration off keeps it"),
-              flush=True)
+        print(f"note: the planner models {engine.dcp.hardware} GPUs while this run is on CPU: "
+              "calibration corrects the predicted times, not a plan that puts the whole batch "
+              "in one task (GPU presets know nothing of CPU caches); use --dcp_hardware auto "
+              "(the default) or a profile (tools/profile_hardware.py)", flush=True)
     reset_peak_memory(engine.device)  # peak_mem_mb: what training holds, not the start-up
     for it in range(start, args.train_iters):
         docs = sampler.next_batch()
