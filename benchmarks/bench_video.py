@@ -1,0 +1,175 @@
+"""The video DiT through `deepspeed_plugin` (what ``examples/pretrain_video.py`` runs): tokens/s of
+``--dcp``, plain data parallel and ``--dcp_policy bucket`` side by side.
+
+  python benchmarks/bench_video.py                  # 2 ranks, the embedded mix, writes
+                                                    # runs/bench_video.json
+  python benchmarks/bench_video.py --video-mix tiny --iters 20
+
+One DeepSpeed job (the launcher, ``--ranks`` ranks) builds one engine per mode from the same
+`VideoDiT` (the example's model for the mix: 2 layers, hidden 64, 4 heads by default; same seed)
+and runs every global batch of the synthetic mix (examples/pretrain_video.py's data: latent
+videos from 1-frame images to 32-frame clips at three resolutions) through each mode in turn,
+alternating the order, so machine load hits the modes alike. Modes: ``dp`` (plain DeepSpeed data
+parallel through the same driver: video i on rank i % ranks), ``dcp`` (the planner, told every
+video's frame size), ``bucket`` (VideoSys-style bucket parallel: videos bucketed by shape, one
+sequence-parallel degree per run). The planner's settings are the example's defaults (hardware
+``auto``: on a CPU a start that online calibration corrects from measured times). ZeRO-1, fp32,
+AdamW. Warm-up iterations are not counted. The losses of every mode are compared too (they are
+the same computation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- inside the job
+def _example_args(args, mode: str):
+    """examples/pretrain_video.py's flags for one mode."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import pretrain_video
+
+    flags = ["--video-mix", args.video_mix, "--num-videos", str(args.num_videos),
+             "--global-batch-tokens", str(args.global_batch_tokens), "--seed", str(args.seed),
+             "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+             "--zero-stage", "1"]
+    if mode == "dcp":
+        flags += ["--dcp"]
+    elif mode == "bucket":
+        flags += ["--dcp", "--dcp_policy", "bucket"]
+    return pretrain_video, pretrain_video.parse_args(flags)
+
+
+def _steps(mode: str, args):
+    """The example's engine for one mode, wrapped in its `VideoSteps`."""
+    import torch
+
+    import deepspeed_plugin
+
+    example, ex_args = _example_args(args, mode)
+    videos = example.open_videos(ex_args)
+    torch.manual_seed(args.seed)
+    model = example.build_model(ex_args, videos)
+    engine, *_ = deepspeed_plugin.initialize(args=ex_args, model=model,
+                                             config=example._ds_config(ex_args),
+                                             model_parameters=model.parameters())
+    return example.VideoSteps(engine), videos, example
+
+
+def worker(args) -> dict:
+    """Every mode on the same batches, alternating order; tokens/s after warm-up."""
+    import torch.distributed as dist
+
+    from megatron_dcp.data import GlobalBatchSampler
+
+    modes = args.modes.split(",")
+    built = {m: _steps(m, args) for m in modes}
+    _, videos, example = built[modes[0]]
+    sampler = GlobalBatchSampler(videos.lengths, args.global_batch_tokens, seed=args.seed,
+                                 min_seq_len=1)
+    tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
+    losses: dict[str, list[float]] = {m: [] for m in modes}
+    steps = []
+    for it in range(args.iters + args.warmup):
+        batch = example.load_batch(videos, sampler.next_batch(), args.seed, it)
+        n = sum(batch.lengths)
+        step = {"tokens": n, "videos": len(batch), "longest": max(batch.lengths)}
+        for m in modes if it % 2 == 0 else modes[::-1]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            result = built[m][0].train_step(batch)
+            dist.barrier()
+            step[m] = round(time.perf_counter() - t0, 4)
+            if result.plan is not None and m != "dp":
+                step[m + "_degrees"] = sorted({t.degree for t in result.plan.tasks})
+                step[m + "_ckpt"] = sorted({t.ckpt_layers for t in result.plan.tasks})
+            if it >= args.warmup:
+                tokens[m] += n
+                seconds[m] += step[m]
+            losses[m].append(result.loss)
+        if it >= args.warmup:
+            steps.append(step)
+    rates = {m: tokens[m] / seconds[m] for m in modes}
+    diffs = [abs(a - b) / abs(b) for m in modes for a, b in zip(losses[m], losses[modes[0]])]
+    ratios = {f"{a}/{b}": rates[a] / rates[b] for a in modes for b in modes if a != b}
+    return {"tokens_per_s": rates, "ratios": ratios, "seconds": seconds,
+            "max_rel_loss_diff": max(diffs), "losses": losses, "iterations": steps}
+
+
+def worker_main(args) -> None:
+    """Entry point inside the DeepSpeed job; rank 0 writes the JSON."""
+    import torch.distributed as dist
+
+    try:
+        out = worker(args)
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- the driver
+def main() -> int:
+    """Parse flags; run inside the job (``--worker``) or launch the job."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--modes", default="dp,dcp,bucket")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--video-mix", default="mixed")
+    p.add_argument("--num-videos", type=int, default=512)
+    p.add_argument("--global-batch-tokens", type=int, default=16384)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_video.json"))
+    args = p.parse_args()
+    if args.worker:
+        worker_main(args)
+        return 0
+
+    (ROOT / "runs").mkdir(exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
+           "--master_port", str(_free_port()), __file__, "--worker"]
+    for key, value in vars(args).items():
+        if key not in ("worker", "local_rank", "ranks"):
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+    load_before = os.getloadavg()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"the job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(args.out) as f:
+        report = json.load(f)
+    report["args"] = {k: v for k, v in vars(args).items() if k not in ("worker", "local_rank")}
+    report["load_average"] = {"before": load_before, "after": os.getloadavg()}
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({k: report[k] for k in ("tokens_per_s", "ratios", "max_rel_loss_diff",
+                                             "load_average")}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
