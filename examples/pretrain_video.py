@@ -8,7 +8,7 @@
 Model: the reference `VideoDiT` (megatron_dcp/models/dit.py): flow matching on latent patches,
 adaLN timestep conditioning, class conditioning on the synthetic data, spatial and temporal
 attention that follow each video's own shape. Data: an embedded synthetic mix of latent videos
-(``--video-mix``: megatron_dcp/data/video.py `VIDEO_MIXES`, from 1-frame images to long clips at
+(``--video-mix``: megatron_dcp/data/video.py `SYNTHETIC_MIXES`, from 1-frame images to long clips at
 several resolutions; seeded, no download) or ``--data-path DIR`` of ``.pt`` / ``.npy`` files
 shaped ``[frames, height, width, channels]``. Global batches hold up to ``--global-batch-tokens``
 latent tokens; the same batches, noise and timesteps are used with and without ``--dcp`` (noise
@@ -33,7 +33,7 @@ import deepspeed_plugin
 from deepspeed_plugin.config import load_ds_config
 from megatron_dcp.config import float_flag, int_flag
 from megatron_dcp.data import GlobalBatchSampler
-from megatron_dcp.data.video import (VIDEO_MIXES, LatentDirectory, SyntheticVideos, VideoBatch,
+from megatron_dcp.data.video import (SYNTHETIC_MIXES, LatentDirectory, SyntheticVideos, VideoBatch,
                                      mix_limits)
 from megatron_dcp.models.dit import DiTConfig, VideoDiT
 from megatron_dcp.runtime.checkpoint_dir import split_load_path
@@ -55,8 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--data-path", default=None,
                    help="directory of .pt/.npy latent videos [frames, height, width, channels]; "
                    "default: the embedded synthetic mix")
-    g.add_argument("--video-mix", default="mixed", choices=sorted(VIDEO_MIXES),
-                   help="embedded synthetic mix (megatron_dcp/data/video.py VIDEO_MIXES)")
+    g.add_argument("--video-mix", default="mixed", choices=sorted(SYNTHETIC_MIXES),
+                   help="embedded synthetic mix (megatron_dcp/data/video.py SYNTHETIC_MIXES)")
     g.add_argument("--num-videos", type=int_flag(1), default=512,
                    help="videos of the synthetic data set")
     g.add_argument("--latent-channels", type=int_flag(1), default=4,
@@ -102,7 +102,7 @@ def build_model(args: argparse.Namespace, videos) -> VideoDiT:
     """A `VideoDiT` sized for the largest video shape of the data."""
     frames, height, width = (max(s[i] for s in videos.shapes) for i in range(3))
     if args.data_path is None:
-        limits = mix_limits(VIDEO_MIXES[args.video_mix])
+        limits = mix_limits(SYNTHETIC_MIXES[args.video_mix])
         frames, height, width = min(limits[0], args.max_frames or limits[0]), limits[1], limits[2]
     return VideoDiT(DiTConfig(in_channels=videos.channels, hidden_size=args.hidden_size,
                               num_layers=args.num_layers, num_heads=args.num_heads,

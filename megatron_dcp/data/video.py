@@ -4,10 +4,11 @@
 A latent video is a float tensor ``[frames, height, width, channels]`` (one token per latent
 patch; an image is one frame). Its tokens, frame-major, are rows of the batch table.
 
-* `SyntheticVideos`: no download. Videos are drawn from a documented mix (`VIDEO_MIXES`: from
-  1-frame images to long clips at several resolutions), each a smooth random pattern (sums of
-  low-frequency waves over frame, row and column, per channel) so a model can learn it; video
-  ``i`` depends only on ``(seed, i)``.
+* `SyntheticVideos`: no download. Videos are drawn from a documented mix (`SYNTHETIC_MIXES`: from
+  1-frame images to long clips at several resolutions, sized for training on a CPU; the
+  simulator's mixes at real resolutions are `megatron_dcp.plan.workload.VIDEO_MIXES`), each a
+  smooth random pattern (sums of low-frequency waves over frame, row and column, per channel)
+  so a model can learn it; video ``i`` depends only on ``(seed, i)``.
 * `LatentDirectory`: every ``.pt`` / ``.npy`` file of a directory (sorted by name), one video
   each, shaped ``[frames, height, width, channels]``, floating point, one channel count for all;
   a wrong file raises an error naming it.
@@ -43,7 +44,7 @@ class VideoKind:
     sizes: tuple[tuple[int, int], ...]
 
 
-VIDEO_MIXES: dict[str, tuple[VideoKind, ...]] = {
+SYNTHETIC_MIXES: dict[str, tuple[VideoKind, ...]] = {
     # The default: images at three resolutions, short and medium clips, and a long tail of long
     # clips (the longest is 32 x 12 x 12 = 4,608 tokens, 72x the smallest image).
     "mixed": (
@@ -69,17 +70,17 @@ def mix_limits(mix: Sequence[VideoKind]) -> tuple[int, int, int]:
 
 
 class SyntheticVideos:
-    """``count`` latent videos drawn from ``VIDEO_MIXES[mix]`` (see the module docstring); class
+    """``count`` latent videos drawn from ``SYNTHETIC_MIXES[mix]`` (see the module docstring); class
     label = the index of the video's kind in the mix."""
 
     def __init__(self, count: int, *, channels: int = 4, mix: str = "mixed", seed: int = 0,
                  max_frames: Optional[int] = None) -> None:
-        if mix not in VIDEO_MIXES:
-            raise ValueError(f"unknown video mix {mix!r}; known: {sorted(VIDEO_MIXES)}")
+        if mix not in SYNTHETIC_MIXES:
+            raise ValueError(f"unknown video mix {mix!r}; known: {sorted(SYNTHETIC_MIXES)}")
         if count < 1 or channels < 1:
             raise ValueError(f"SyntheticVideos: count={count} and channels={channels} must be "
                              "positive")
-        self.kinds = VIDEO_MIXES[mix]
+        self.kinds = SYNTHETIC_MIXES[mix]
         self.mix, self.channels, self.seed = mix, int(channels), int(seed)
         rng = np.random.Generator(np.random.PCG64([self.seed, 0x51DE0]))
         weights = np.array([k.weight for k in self.kinds])

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -329,7 +329,3 @@ class VideoDiT(nn.Module):
                           causal=False, max_position=c.max_position, frame_tokens=c.frame_tokens,
                           name="video-dit")
 
-
-def frame_tokens_of(shapes: Sequence[Sequence[int]]) -> list[int]:
-    """Tokens per frame (``height * width``) of videos given as ``(frames, height, width)``."""
-    return [int(s[1]) * int(s[2]) for s in shapes]
