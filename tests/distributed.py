@@ -31,9 +31,12 @@ import os
 import pickle
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 GROUP_TIMEOUT_S = 120.0
@@ -60,6 +63,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository: DeepSpeed jobs run from it, with it on ``PYTHONPATH``."""
+JOB_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def deepspeed_command(world_size: int, *args: str) -> list[str]:
+    """``deepspeed --num_gpus world_size --master_port <free> ARGS`` (run it from ``ROOT`` with
+    ``JOB_ENV``)."""
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size),
+            "--master_port", str(free_port()), *args]
+
+
+def launch_deepspeed(world_size: int, args: Sequence[str],
+                     timeout: float) -> subprocess.CompletedProcess:
+    """Run a DeepSpeed-launched job to its end; output captured as text."""
+    return subprocess.run(deepspeed_command(world_size, *args), cwd=ROOT, env=JOB_ENV,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple,

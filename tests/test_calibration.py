@@ -143,6 +143,48 @@ def test_calibrated_hardware_is_a_profile_json():
         hardware_from_dict({**data, "calibration": {"linear": -1.0}})
 
 
+def test_calibrated_profile_plans_in_the_simulator(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import simulate
+
+    cal, _, _ = _run(cpu_start(), steps=3)
+    path = tmp_path / "mine.json"
+    path.write_text(__import__("json").dumps(cal.hardware.to_dict()))
+    model = tmp_path / "model.json"
+    model.write_text(__import__("json").dumps(MODEL.__dict__))
+    code = simulate.main(["--hardware", str(path), "--model", str(model), "--gpus", "8",
+                          "--dist", "short", "--policy", "dcp", "--global-batch-tokens", "20000",
+                          "--max-len", "4000", "--memory-budget-gb", "0.1", "--json"])
+    assert code == 0
+    out = __import__("json").loads(capsys.readouterr().out)
+    assert out["hardware"] == "cpu-auto"
+    assert out["sync_s"] == pytest.approx(cal.hardware.step_overhead_s)  # the measured overhead
+    assert out["policies"]["dcp"]["step_time_s"] > 0
+
+
+def test_replay_of_a_log(tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import simulate
+
+    log = tmp_path / "run.jsonl"
+    rows = [{"iteration": 1, "step_s": 0.3, "predicted_s": 0.6, "calibration_error": 1.0},
+            {"iteration": 2, "step_s": 0.2, "predicted_s": 0.21, "calibration_error": 0.05}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert simulate.main(["--replay", str(log), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [round(r["error"], 3) for r in out["iterations"]] == [1.0, 0.05]
+    log.write_text(json.dumps({"iteration": 1, "step_s": 0.3}) + "\n")  # a run without --dcp
+    assert simulate.main(["--replay", str(log)]) == 2
+    assert "no row has predicted_s" in capsys.readouterr().err
+
+
 def test_hardware_auto():
     assert preset_for_device_name("NVIDIA H200").name == "h200"
     assert preset_for_device_name("NVIDIA A100-SXM4-80GB").name == "a100"
@@ -189,6 +231,9 @@ def _body(rank, world_size, slow_rank, calibration):
         for p in model.parameters():
             p.grad = None
     hw = driver.hardware
+    resumed = StepDriver(config, pool=pool, model_shape=model.shape())  # from a checkpoint
+    resumed.load_state_dict(driver.state_dict())
+    assert resumed.hardware == hw and resumed.iteration == len(LENGTHS_BY_STEP)
     return out, hw.calibration, hw.step_overhead_s
 
 

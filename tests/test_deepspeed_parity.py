@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,24 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from distributed import JOB_ENV, deepspeed_command, launch_deepspeed
+
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 5
 REL_TOL = 1e-5
 COMMON = ["--train-iters", str(ITERS), "--global-batch-tokens", "2048", "--seq-length", "512",
           "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4", "--seed", "7", "--quiet"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(world_size: int, script_args: list[str], timeout: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size),
-           "--master_port", str(_free_port())] + script_args
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # ---------------------------------------------------------------------- the driver (in the job)
@@ -114,6 +102,8 @@ def _driver(stages: list[int], out: str, resume: bool, bad_input: bool) -> None:
         if rank == 0:
             report["stages"][stage] = {m: _losses(p) for m, p in logs.items()}
             report["stages"][stage]["plans"] = [r["plan"] for r in _records(logs["dcp"])]
+            report["stages"][stage]["calibration"] = [
+                (r["predicted_s"], r["calibration_error"]) for r in _records(logs["dcp"])]
     if resume:
         budget = ["--dcp_memory_budget_gb", _tight_budget(world, 1), *H200]
         ckpt = os.path.join(work, "ckpt")
@@ -187,6 +177,8 @@ def _check_parity(report: dict, stages: list[int], require_uneven: bool) -> None
         assert any(int(d) > 1 for p in plans for d in p["degrees"]), plans
         if require_uneven:
             assert any(len(set(p["micro_steps_per_rank"])) > 1 for p in plans), plans
+        calibration = got["calibration"]  # every row predicts; the error is known from step 1
+        assert all(pred > 0 and err is not None for pred, err in calibration), calibration
 
 
 def _launch_driver(world_size: int, stages: list[int], resume: bool, bad_input: bool,
@@ -195,7 +187,7 @@ def _launch_driver(world_size: int, stages: list[int], resume: bool, bad_input: 
     flags = ["--stages", ",".join(map(str, stages)), "--out", out]
     flags += ["--resume"] if resume else []
     flags += ["--bad-input"] if bad_input else []
-    proc = _launch(world_size, [__file__, *flags], timeout)
+    proc = launch_deepspeed(world_size, [__file__, *flags], timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(out) as f:
         return json.load(f)
@@ -242,16 +234,13 @@ def test_kill_and_resume_across_processes(tmp_path):
     budget = ["--dcp_memory_budget_gb", _tight_budget(2, 2)]
     args = COMMON + ["--dcp", *budget, "--zero-stage", "2", "--train-iters", "6"]
     straight = tmp_path / "straight.jsonl"
-    proc = _launch(2, ["examples/pretrain.py", *args, "--log-json", str(straight)], timeout=110)
+    proc = launch_deepspeed(2, ["examples/pretrain.py", *args, "--log-json", str(straight)], timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     ckpt, killed = tmp_path / "ckpt", tmp_path / "killed.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-           str(_free_port()), "examples/pretrain.py", *args, "--save", str(ckpt),
-           "--save-interval", "3",
-           "--log-json", str(killed)]
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    cmd = deepspeed_command(2, "examples/pretrain.py", *args, "--save", str(ckpt),
+                            "--save-interval", "3", "--log-json", str(killed))
+    job = subprocess.Popen(cmd, cwd=ROOT, env=JOB_ENV, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL,
                            start_new_session=True)
     try:
@@ -266,7 +255,7 @@ def test_kill_and_resume_across_processes(tmp_path):
             os.killpg(job.pid, signal.SIGKILL)  # this job's own process group
         job.wait()
     resumed = tmp_path / "resumed.jsonl"
-    proc = _launch(2, ["examples/pretrain.py", *args, "--load", str(ckpt), "--log-json",
+    proc = launch_deepspeed(2, ["examples/pretrain.py", *args, "--load", str(ckpt), "--log-json",
                        str(resumed)],
                    timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -279,7 +268,7 @@ def test_kill_and_resume_across_processes(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_pretrain_bad_flag_fails_at_start():
-    proc = _launch(2, ["examples/pretrain.py", "--dcp", "--dcp_max_degree", "3", *COMMON],
+    proc = launch_deepspeed(2, ["examples/pretrain.py", "--dcp", "--dcp_max_degree", "3", *COMMON],
                    timeout=110)
     assert proc.returncode != 0
     assert "dcp.max_degree=3 exceeds the DCP world size 2" in proc.stdout + proc.stderr

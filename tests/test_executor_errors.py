@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from distributed import DistributedError, run_distributed
-from executor_cases import (build_model, make_batch, plan_dict, reference,
-                            run_cases, task)
+from executor_cases import build_model, make_batch, plan_dict, reference, task
 
 
 def _run(plan, rank, model, pool):

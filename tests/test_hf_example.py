@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from distributed import launch_deepspeed
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,18 +54,8 @@ def make_inputs(directory: str) -> list[str]:
             os.path.join(directory, "tok"), "--data-path", os.path.join(directory, "data.jsonl")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world_size: int, script_args: list[str], timeout: int) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size),
-           "--master_port", str(_free_port())] + script_args
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = launch_deepspeed(world_size, script_args, timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 

@@ -54,7 +54,9 @@ def test_dcp_loss_per_iteration_equals_plain_data_parallel(tmp_path):
     plain = _train(tmp_path, "plain", [])
     assert [r["iteration"] for r in dcp] == [1, 2]
     for a, b in zip(dcp, plain):
-        assert set(a) >= {"iteration", "loss", "tokens", "tokens_per_s"}
+        assert set(a) >= {"iteration", "loss", "tokens", "tokens_per_s", "predicted_s",
+                          "calibration_error"}  # the driver calibrates Megatron's steps too
+        assert a["predicted_s"] > 0 and "predicted_s" not in b
         assert a["tokens"] == b["tokens"]
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
     assert dcp[0]["plan"]["mode"] == "dcp" and plain[0]["plan"]["mode"] == "data-parallel"

@@ -14,14 +14,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from distributed import DistributedError, run_distributed
+from distributed import DistributedError, launch_deepspeed, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 REL_TOL = 1e-5
@@ -127,19 +125,6 @@ def test_incomplete_checkpoints_name_what_is_missing(tmp_path):
 
 
 # ---------------------------------------------------------------------- DeepSpeed, elastic
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(world_size: int, args: list[str], timeout: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size),
-           "--master_port", str(_free_port()), __file__, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def _losses(path: str) -> dict[int, float]:
     with open(path) as f:
         return {r["iteration"]: r["loss"] for r in map(json.loads, f) if r}
@@ -183,7 +168,7 @@ def _job(work: str, phase: str) -> None:
 def test_resume_at_another_world_size_continues_the_trajectory(tmp_path):
     work = str(tmp_path)
     for world, phase, timeout in ((2, "save", 150), (1, "resume", 100), (4, "resume", 160)):
-        proc = _launch(world, ["--work", work, "--phase", phase], timeout)
+        proc = launch_deepspeed(world, [__file__, "--work", work, "--phase", phase], timeout)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for stage in STAGES:
         ckpt = tmp_path / f"ckpt_zero{stage}"

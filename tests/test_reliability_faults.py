@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+
+from distributed import JOB_ENV, deepspeed_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 10
@@ -49,12 +49,6 @@ def test_deepspeed_groups_get_the_timeout(monkeypatch):
     assert TorchBackend.new_group is original
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_pids(launcher_pid: int) -> dict[int, int]:
     """Pids of the training ranks under the launcher (``--local_rank=N`` in their command)."""
     import psutil
@@ -77,14 +71,13 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
     import psutil
 
     log = tmp_path / "train.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-           "--master_port", str(_free_port()), "examples/pretrain.py", "--dcp", "--zero-stage",
-           "1", "--train-iters", "100000", "--global-batch-tokens", "1024", "--seq-length", "256",
-           "--num-layers", "1", "--hidden-size", "32", "--num-heads", "4", "--quiet",
-           "--distributed-timeout-s", str(TIMEOUT_S), "--log-json", str(log)]
+    cmd = deepspeed_command(
+        2, "examples/pretrain.py", "--dcp", "--zero-stage", "1", "--train-iters", "100000",
+        "--global-batch-tokens", "1024", "--seq-length", "256", "--num-layers", "1",
+        "--hidden-size", "32", "--num-heads", "4", "--quiet", "--distributed-timeout-s",
+        str(TIMEOUT_S), "--log-json", str(log))
     out = open(tmp_path / "out.txt", "w")
-    job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+    job = subprocess.Popen(cmd, cwd=ROOT, env=JOB_ENV, stdout=out, stderr=subprocess.STDOUT,
                            start_new_session=True)
     stopped = None
     try:
