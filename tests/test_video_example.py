@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-
-from test_deepspeed_parity import _launch
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 3
@@ -29,6 +29,17 @@ COMMON = ["--video-mix", "tiny", "--num-videos", "48", "--global-batch-tokens", 
           "--train-iters", str(ITERS), "--zero-stage", "1", "--quiet"]
 DCP = ["--dcp", "--dcp_hardware", "h200", "--dcp_calibration", "off"]
 """Plans a pure function of the batch (no calibration from measured times)."""
+
+
+def _launch(world_size: int, script_args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus world_size SCRIPT ARGS`` on a free port, output captured."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size),
+           "--master_port", str(port), *script_args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _tight_budget(pretrain_video, world: int) -> str:
