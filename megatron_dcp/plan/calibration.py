@@ -48,6 +48,9 @@ OUTLIER_MADS = 3.0
 """Relative residuals this many scaled MADs from the median are dropped (after a floor)."""
 OUTLIER_FLOOR = 0.05
 """No task within this relative residual of the median is ever dropped."""
+MAX_FIT_TASKS = 512
+"""Tasks a fit uses at most: an evenly strided subset of the window (a 256-rank step has ~1,000
+tasks; the fit stays within tens of milliseconds)."""
 _INDEX = {term: i for i, term in enumerate(CALIBRATED_TERMS)}
 
 
@@ -61,7 +64,6 @@ class TaskSample:
     seconds: float
     step: int
     """The run's step (0-based) it was measured in."""
-    ranks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,13 @@ class StepSample:
     """One measured step."""
 
     step: int
-    world_size: int
     wall_s: float
     predicted_s: float
     """The step time predicted before the step ran (0: none)."""
+    busy: tuple
+    """Per rank, the sum of its measured tasks' regressors (`Calibrator._regressors`, the ring
+    overlap linearised at the factors of the time): ``factors . busy[r]`` is rank r's predicted
+    task time."""
 
 
 def _median(values: Sequence[float]) -> float:
@@ -136,13 +141,17 @@ class Calibrator:
             raise ValueError(f"{len(task_seconds)} task times for {len(plan.tasks)} tasks")
         step = self.steps[-1].step + 1 if self.steps else 0
         cm = self.base
+        busy = [[0.0] * len(CALIBRATED_TERMS) for _ in range(plan.world_size)]
         for task, seconds in zip(plan.tasks, task_seconds):
             if seconds is None or not math.isfinite(seconds) or seconds <= 0:
                 continue
             terms = cm.task_terms(task, plan)
-            self.tasks.append(TaskSample(terms, layout_kind(task.ulysses, task.ring), seconds,
-                                         step, tuple(task.ranks)))
-        self.steps.append(StepSample(step, plan.world_size, wall_s, predicted_s))
+            sample = TaskSample(terms, layout_kind(task.ulysses, task.ring), seconds, step)
+            self.tasks.append(sample)
+            x = self._regressors(sample, self._factors)
+            for r in task.ranks:
+                busy[r] = [a + b for a, b in zip(busy[r], x)]
+        self.steps.append(StepSample(step, wall_s, predicted_s, tuple(map(tuple, busy))))
         first_kept = self.steps[-self.window].step if len(self.steps) > self.window else 0
         self.steps = [s for s in self.steps if s.step >= first_kept]
         self.tasks = [t for t in self.tasks if t.step >= first_kept]
@@ -179,24 +188,37 @@ class Calibrator:
         return x
 
     def _samples(self) -> list[TaskSample]:
-        steps = sorted({t.step for t in self.tasks})
+        samples = self.tasks
+        steps = sorted({t.step for t in samples})
         if len(steps) >= 3 and steps[0] == 0:  # the run's first step: warm-up, once enough
-            return [t for t in self.tasks if t.step != 0]
-        return self.tasks
+            samples = [t for t in samples if t.step != 0]
+        stride = -(-len(samples) // MAX_FIT_TASKS)
+        return samples[::stride] if stride > 1 else samples
 
-    def _fit_phi(self, rows: list[list[float]], scaled: list[float]) -> list[float]:
-        """Ridge fit of the relative factors ``phi`` on rows ``a_i`` (target 1 each)."""
-        g = len(scaled)
-        active = [j for j in range(g) if any(r[j] > 0 for r in rows)]
+    @staticmethod
+    def _fit_phi(rows: list[list[float]]) -> list[float]:
+        """Ridge fit of the relative factors ``phi`` on rows ``a_i`` (target 1 each):
+        ``(A'A + ridge I) phi = A'1 + ridge``, factors out of bounds clamped and the rest refit."""
+        g = len(rows[0]) if rows else 0
+        gram = [[0.0] * g for _ in range(g)]
+        total = [0.0] * g
+        for row in rows:  # rows are sparse: a task exercises four or five terms
+            nonzero = [(j, v) for j, v in enumerate(row) if v]
+            for i, vi in nonzero:
+                total[i] += vi
+                line = gram[i]
+                for j, vj in nonzero:
+                    line[j] += vi * vj
+        active = [j for j in range(g) if gram[j][j] > 0]
         phi = [1.0] * g
         fixed: dict[int, float] = {}
         for _ in range(g):  # clamp and refit until every free factor is within bounds
             free = [j for j in active if j not in fixed]
             if not free:
                 break
-            m = [[RIDGE * (i == j) + sum(r[i] * r[j] for r in rows) for j in free] for i in free]
-            rhs = [RIDGE + sum(r[i] * (1.0 - sum(r[k] * v for k, v in fixed.items()))
-                               for r in rows) for i in free]
+            m = [[gram[i][j] + RIDGE * (i == j) for j in free] for i in free]
+            rhs = [RIDGE + total[i] - sum(gram[i][k] * v for k, v in fixed.items())
+                   for i in free]
             solution = _solve(m, rhs)
             out = [(j, v) for j, v in zip(free, solution) if not PHI_MIN <= v <= PHI_MAX]
             for j, v in zip(free, solution):
@@ -219,11 +241,12 @@ class Calibrator:
         scaled = [scale * p for p in prior]
         theta = scaled
         keep = samples
+        ring = any(s.terms.p2p > 0 for s in samples)
         for attempt in range(2):
-            for _ in range(3):  # relinearise the ring overlap at the new factors
+            for _ in range(3 if ring else 1):  # relinearise the ring overlap at new factors
                 rows = [[sp * x / s.seconds for sp, x in zip(scaled, self._regressors(s, theta))]
                         for s in keep]
-                phi = self._fit_phi(rows, scaled)
+                phi = self._fit_phi(rows)
                 theta = [sp * f for sp, f in zip(scaled, phi)]
             if attempt:
                 break
@@ -238,13 +261,10 @@ class Calibrator:
     def _step_overhead(self, theta: list[float]) -> float:
         """Median over the window (the first step left out once two more are there) of the wall
         time less the busiest rank's predicted task time under ``theta``."""
-        busy = {s.step: [0.0] * s.world_size for s in self.steps}
-        for sample in self.tasks:
-            seconds = sum(t * x for t, x in zip(theta, self._regressors(sample, theta)))
-            for r in sample.ranks:
-                busy[sample.step][r] += seconds
         steps = [s for s in self.steps if s.step != 0] if len(self.steps) >= 3 else self.steps
-        return max(0.0, _median([s.wall_s - max(busy[s.step]) for s in steps]))
+        return max(0.0, _median([
+            s.wall_s - max((sum(t * x for t, x in zip(theta, rank)) for rank in s.busy),
+                           default=0.0) for s in steps]))
 
     def _inliers(self, samples: list[TaskSample], theta: list[float]) -> list[TaskSample]:
         residuals = [sum(t * x for t, x in zip(theta, self._regressors(s, theta))) / s.seconds
