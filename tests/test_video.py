@@ -323,3 +323,18 @@ def test_video_beyond_the_model_shape_is_named():
     rows = batch.rows(0)
     with pytest.raises(ValueError, match="video 0 has shape 1x4x4 .* beyond the model's 8x3x4"):
         model.loss(rows, None, rows, batch)
+
+
+def test_empty_lockstep_task_runs_with_zero_loss():
+    """The step driver's empty lockstep slot (sequence -1, two tokens, every label ignored)
+    runs the model's modules and contributes nothing."""
+    model, batch = build_model(), build_batch()
+    layout = ShardLayout.build([2], 1, 1, 0)
+    ctx = TaskContext(task=Task(id=-1, ranks=(0,), seqs=(-1,), ckpt_layers=2), group_rank=0,
+                      layout=layout, ckpt_layers=2)
+    with task_context(ctx):
+        losses = model(torch.zeros(2, dtype=torch.long), torch.arange(2),
+                       torch.full((2,), -100), batch, task=ctx)
+        (losses.sum() * 0.0).backward()
+    assert losses.tolist() == [0.0, 0.0]
+    assert all(p.grad is not None and not p.grad.any() for p in model.blocks.parameters())
