@@ -289,7 +289,24 @@ def plan_greedy_cp(ctx: PlanContext) -> list[Draft]:
 
 
 def _greedy_cp(ctx: PlanContext, cap: int, depth: int) -> list[Draft]:
-    vocab, cm = ctx.vocab, ctx.cm
+    """One greedy-cp plan for a tokens-per-rank ``cap`` and checkpoint depth: sequences sorted
+    by estimated work (L^2 / CP size, largest first) fill lockstep rounds one after the other;
+    a round ends when its longest task does."""
+    size_of = _greedy_cp_sizes(ctx, cap)
+    work = {i: ctx.lengths[i] ** 2 / size_of[i] for i in ctx.active}
+    remaining = sorted(ctx.active, key=lambda i: (-work[i], i))
+    drafts: list[Draft] = []
+    clock = 0.0
+    while remaining:
+        open_blocks, remaining = _greedy_cp_round(ctx, remaining, size_of, work, cap)
+        clock = _greedy_cp_drafts(ctx, open_blocks, depth, clock, drafts)
+    return drafts
+
+
+def _greedy_cp_sizes(ctx: PlanContext, cap: int) -> dict[int, int]:
+    """CP size of every active sequence: the smallest power of two of the vocabulary that keeps
+    it within ``cap`` tokens per rank and fits memory, else the smallest group size that fits."""
+    vocab = ctx.vocab
     pow2 = [s for s in vocab.sizes if s & (s - 1) == 0]
     size_of = {}
     for i in ctx.active:
@@ -300,53 +317,63 @@ def _greedy_cp(ctx: PlanContext, cap: int, depth: int) -> list[Draft]:
             fits = [s for s in vocab.sizes if ctx.ckpt_for(ctx.padded(ctx.lengths[i], s), s,
                                                            "min") is not None]
         size_of[i] = fits[0]
-    work = {i: ctx.lengths[i] ** 2 / size_of[i] for i in ctx.active}
-    remaining = sorted(ctx.active, key=lambda i: (-work[i], i))
-    drafts: list[Draft] = []
-    clock = 0.0
-    while remaining:
-        busy = [False] * ctx.world
-        pointer: dict[int, int] = {}
-        open_blocks: dict[int, list[list]] = {}  # size -> heap of [load, start, seqs, tokens]
-        limit = work[remaining[0]]
-        left = []
-        for i in remaining:
-            size = size_of[i]
-            need = ctx.padded(ctx.lengths[i], size)
-            heap = open_blocks.setdefault(size, [])
-            best = heap[0] if heap else None
-            if best is not None and not (best[0] + work[i] <= limit * 1.0000001
-                                         and best[3] + need <= cap * size):
-                best = None
-            if best is None:
-                starts = vocab.starts(size)
-                p = pointer.get(size, 0)
-                while p < len(starts) and any(busy[starts[p]:starts[p] + size]):
-                    p += 1
-                pointer[size] = p
-                if p < len(starts):
-                    for r in range(starts[p], starts[p] + size):
-                        busy[r] = True
-                    fresh = [work[i], starts[p], [i], need]
-                    heapq.heappush(heap, fresh)
-                    continue
-            if best is None:
-                left.append(i)
+    return size_of
+
+
+def _greedy_cp_round(ctx: PlanContext, remaining: list[int], size_of: dict[int, int],
+                     work: dict[int, float], cap: int) -> tuple[dict[int, list[list]], list[int]]:
+    """Fill one round: each sequence joins the least-loaded open block of its CP size while the
+    block stays within the round's work limit (the first sequence's work) and ``cap`` tokens per
+    rank, else opens a block on the next free aligned group of that size. Returns the blocks by
+    size (heaps of ``[load, start rank, sequences, tokens]``) and the sequences left over."""
+    busy = [False] * ctx.world
+    pointer: dict[int, int] = {}
+    open_blocks: dict[int, list[list]] = {}  # size -> heap of [load, start, seqs, tokens]
+    limit = work[remaining[0]]
+    left = []
+    for i in remaining:
+        size = size_of[i]
+        need = ctx.padded(ctx.lengths[i], size)
+        heap = open_blocks.setdefault(size, [])
+        best = heap[0] if heap else None
+        if best is not None and not (best[0] + work[i] <= limit * 1.0000001
+                                     and best[3] + need <= cap * size):
+            best = None
+        if best is None:
+            starts = ctx.vocab.starts(size)
+            p = pointer.get(size, 0)
+            while p < len(starts) and any(busy[starts[p]:starts[p] + size]):
+                p += 1
+            pointer[size] = p
+            if p < len(starts):
+                for r in range(starts[p], starts[p] + size):
+                    busy[r] = True
+                fresh = [work[i], starts[p], [i], need]
+                heapq.heappush(heap, fresh)
                 continue
-            best[0] += work[i]
-            best[2].append(i)
-            best[3] += need
-            heapq.heapreplace(heap, best)
-        round_end = clock
-        for size, blocks in sorted(open_blocks.items()):
-            for _, start, seqs, tokens in blocks:
-                c = depth if ctx.ckpt_for(tokens, size, "min") is not None else None
-                if c is None or cm.memory_of(tokens, size, c) > cm.budget:
-                    c = ctx.ckpt_for(tokens, size, "min") or cm.model.num_layers
-                d = ctx.draft(start, size, seqs, c, release=clock)
-                d.start = clock
-                drafts.append(d)
-                round_end = max(round_end, clock + d.duration)
-        clock = round_end
-        remaining = left
-    return drafts
+        if best is None:
+            left.append(i)
+            continue
+        best[0] += work[i]
+        best[2].append(i)
+        best[3] += need
+        heapq.heapreplace(heap, best)
+    return open_blocks, left
+
+
+def _greedy_cp_drafts(ctx: PlanContext, open_blocks: dict[int, list[list]], depth: int,
+                      clock: float, drafts: list[Draft]) -> float:
+    """Append one draft per block of a round starting at ``clock`` (the run's checkpoint depth
+    where it fits, else the fewest layers that fit, else every layer); returns the round's end."""
+    cm = ctx.cm
+    round_end = clock
+    for size, blocks in sorted(open_blocks.items()):
+        for _, start, seqs, tokens in blocks:
+            c = depth if ctx.ckpt_for(tokens, size, "min") is not None else None
+            if c is None or cm.memory_of(tokens, size, c) > cm.budget:
+                c = ctx.ckpt_for(tokens, size, "min") or cm.model.num_layers
+            d = ctx.draft(start, size, seqs, c, release=clock)
+            d.start = clock
+            drafts.append(d)
+            round_end = max(round_end, clock + d.duration)
+    return round_end

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.hardware import Hardware, layout_kind
 from megatron_dcp.plan.model import ModelShape
@@ -153,6 +153,20 @@ class PlanError(ValueError):
     """A plan cannot be made or is invalid: the message names the sequence, task or rank."""
 
 
+def _check_settings(zero_stage: Any, world_size: Any, memory_budget: Any,
+                    memory_fraction: Any) -> None:
+    """`PlanError` for a ZeRO stage outside 0-3, a world below one rank, or a memory budget or
+    fraction that is not a finite number > 0 (a ``None`` budget is allowed)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise PlanError(f"zero_stage={zero_stage!r}: must be 0, 1, 2 or 3")
+    if world_size < 1:
+        raise PlanError(f"world_size={world_size!r}: must be >= 1")
+    for key, value in (("memory_budget", memory_budget), ("memory_fraction", memory_fraction)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
+                                      and value > 0):
+            raise PlanError(f"{key}={value!r}: must be a finite number > 0")
+
+
 class CostModel:
     """Time and memory of tasks for one model on one hardware at one DCP world size.
 
@@ -168,26 +182,30 @@ class CostModel:
                  memory_fraction: float = 0.9, attention_layout: str = "auto",
                  ulysses_scope: str = "any", max_degree: Optional[int] = None,
                  communicators_per_rank: Optional[int] = None) -> None:
-        if zero_stage not in (0, 1, 2, 3):
-            raise PlanError(f"zero_stage={zero_stage!r}: must be 0, 1, 2 or 3")
-        if world_size < 1:
-            raise PlanError(f"world_size={world_size!r}: must be >= 1")
-        for key, value in (("memory_budget", memory_budget), ("memory_fraction", memory_fraction)):
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)
-                                          and value > 0):
-                raise PlanError(f"{key}={value!r}: must be a finite number > 0")
-        self.model = m = model
+        _check_settings(zero_stage, world_size, memory_budget, memory_fraction)
+        self.model = model
         self.hw = hardware
         self.world_size = int(world_size)
         self.zero_stage = zero_stage
         self.ranks_per_node = int(ranks_per_node or hardware.ranks_per_node)
         self.attention_layout = attention_layout
         self.ulysses_scope = ulysses_scope
+        self._init_sizes()
+        self._init_time_constants()
+        self._init_memory(communicators_per_rank, max_degree, memory_budget, memory_fraction)
+        self._layouts: dict[int, list[Layout]] = {}
+        self._pad: dict[int, int] = {}
+        self._best_layout: dict[tuple, Layout] = {}
+
+    def _init_sizes(self) -> None:
+        """Sizes per tensor-parallel rank (``tp = 1``: the whole model): attention widths,
+        parameters per layer and in all, activation bytes per token per layer (``A`` of the
+        module doc), a checkpointed layer's bytes per token, fp32 logit bytes per token."""
+        m = self.model
         h, n, f, v = m.hidden_size, m.num_layers, m.ffn_hidden_size, m.vocab_size
         self.kv_dim = kv_dim = m.kv_heads * m.head_dim
         self.q_dim = q_dim = m.num_heads * m.head_dim  # h unless head_dim is set apart
         self.tensor_parallel = tp = m.tensor_parallel
-        # per tensor-parallel rank (tp = 1: the whole model, the same integers as before)
         full_layer = h * (q_dim + 2 * kv_dim) + q_dim * h + (3 if m.gated_mlp else 2) * h * f \
             + (q_dim + 2 * kv_dim if m.qkv_bias else 0)
         embeddings = (1 if m.tied_embeddings else 2) * v * h
@@ -198,16 +216,28 @@ class CostModel:
         self.act_bytes = BF16 * (3 * h + (split if tp == 1 else split / tp))
         self.ckpt_bytes = BF16 * h
         self.logit_bytes = 4 * v if tp == 1 else 4 * v / tp
+
+    def _init_time_constants(self) -> None:
+        """The hardware's per-token and per-task overheads (measured, else analytic), its pack
+        curve and smallest pack factor, and the empty cache of per-shape rates."""
+        hardware = self.hw
         tok = hardware.token_overhead_s
         self._token_layer = tok if tok is not None else 2 * self.act_bytes / hardware.hbm_bandwidth
         ovh = hardware.task_overhead_s
-        self.task_overhead = (ovh if ovh is not None else n * LAUNCH_S_PER_LAYER) \
+        self.task_overhead = (ovh if ovh is not None
+                              else self.model.num_layers * LAUNCH_S_PER_LAYER) \
             * hardware.scale("per_task")
         self._pack_factor = hardware.pack_factor if hardware.pack_curve else None
         # marginal times use the smallest factor: they stay lower bounds of task times
         self._pack_floor = min(f for _, f in hardware.pack_curve) if hardware.pack_curve else 1.0
         self._rates: dict[tuple[Layout, int], _Rates] = {}
-        # memory
+
+    def _init_memory(self, communicators_per_rank: Optional[int], max_degree: Optional[int],
+                     memory_budget: Optional[float], memory_fraction: float) -> None:
+        """Communicators per rank, static memory, the budget per rank (given, else the
+        ``memory_fraction`` of HBM), the reserve and what is left for activations; `PlanError`
+        when nothing is left, naming what the static memory is made of."""
+        hardware = self.hw
         if communicators_per_rank is None:
             communicators_per_rank = self._vocabulary_communicators(max_degree)
         self.communicators_per_rank = int(communicators_per_rank)
@@ -221,16 +251,14 @@ class CostModel:
             comm = self.communicators_per_rank * hardware.communicator_bytes
             raise PlanError(
                 f"memory budget {self.budget / 2**30:.1f} GiB per rank is below the static memory "
-                f"{(self.static_memory + self.reserve) / 2**30:.1f} GiB of {m.name} "
-                f"({self.params / 1e9:.2f}B parameters per TP rank (tp {tp}), ZeRO stage "
-                f"{zero_stage}, DCP world {world_size}, {self.communicators_per_rank} "
-                f"communicators per rank ({comm / 2**30:.1f} GiB), {self.reserve / 2**30:.1f} "
+                f"{(self.static_memory + self.reserve) / 2**30:.1f} GiB of {self.model.name} "
+                f"({self.params / 1e9:.2f}B parameters per TP rank (tp {self.tensor_parallel}), "
+                f"ZeRO stage {self.zero_stage}, DCP world {self.world_size}, "
+                f"{self.communicators_per_rank} communicators per rank "
+                f"({comm / 2**30:.1f} GiB), {self.reserve / 2**30:.1f} "
                 "GiB reserve): raise the budget or the ZeRO stage, or shrink the group vocabulary "
                 "(max_degree, ulysses_scope)"
             )
-        self._layouts: dict[int, list[Layout]] = {}
-        self._pad: dict[int, int] = {}
-        self._best_layout: dict[tuple, Layout] = {}
 
     # ------------------------------------------------------------------ memory
     def _vocabulary_communicators(self, max_degree: Optional[int]) -> int:

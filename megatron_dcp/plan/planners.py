@@ -13,7 +13,7 @@ from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.lockstep import to_slots
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Plan, check_frame_tokens
-from megatron_dcp.plan.schedule import PlanContext, retime, to_plan
+from megatron_dcp.plan.schedule import Draft, PlanContext, retime, to_plan
 from megatron_dcp.plan.vocabulary import Vocabulary
 from megatron_dcp.plan.workload import WorkloadError, validate_lengths
 
@@ -152,11 +152,7 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
     """
     t0 = time.perf_counter()
-    try:
-        clean = validate_lengths(lengths)
-    except WorkloadError as err:
-        raise PlanError(str(err)) from None
-    frames = _frame_tokens(clean, frame_tokens)
+    clean, frames = _checked_batch(lengths, frame_tokens)
     if baseline_degree is None:
         baseline_degree = "min" if frames is not None else "tuned"
     if not isinstance(world_size, int) or world_size < 1:
@@ -165,15 +161,7 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     if zero_stage is None:
         zero_stage = cost_model.zero_stage if cost_model is not None else 1
     schedule = schedule_for(config.schedule, zero_stage)
-    if cost_model is None:
-        cm = build_cost_model(model, config, world_size, hardware, zero_stage)
-    else:
-        cm = cost_model
-        given = (model, world_size, memory_stage(zero_stage, schedule))
-        if (cm.model, cm.world_size, cm.zero_stage) != given:
-            raise PlanError(f"cost_model is for {cm.model.name}, DCP world {cm.world_size}, ZeRO "
-                            f"stage {cm.zero_stage}; the call asks for {model.name}, world "
-                            f"{world_size}, ZeRO stage {given[2]}")
+    cm = _cost_model_for(model, config, world_size, hardware, zero_stage, schedule, cost_model)
     vocab = Vocabulary.for_cost_model(cm, config.max_degree)
     _check_baseline_degree(baseline_degree, vocab)
     ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab,
@@ -183,30 +171,64 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     skipped = _oversize(ctx, config.oversize_policy)
     skip = set(skipped)
     ctx.active = [i for i in range(len(clean)) if i not in skip]
-    policy = config.policy
-    lockstep = schedule == "lockstep"
     meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
             "zero_stage": zero_stage, "schedule": schedule,
             "vocabulary_groups": len(vocab), "communicators_per_rank": cm.communicators_per_rank}
     if not ctx.active:
-        plan = Plan(tasks=(), lengths=tuple(clean), world_size=world_size, policy=policy,
+        plan = Plan(tasks=(), lengths=tuple(clean), world_size=world_size, policy=config.policy,
                     skipped=tuple(skipped), meta=meta,
                     frame_tokens=tuple(frames) if frames is not None else None)
-        plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
-        return plan
+    else:
+        drafts = _drafts_of_policy(ctx, config.policy, schedule == "lockstep", meta)
+        plan = to_plan(ctx, drafts, config.policy, skipped, meta)
+    plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
+    return plan
+
+
+def _checked_batch(lengths: Sequence[int], frame_tokens: Optional[Sequence[int]]
+                   ) -> tuple[list[int], Optional[list[int]]]:
+    """Step 1 of `make_plan`: the lengths as a clean list of ints and the frame sizes checked
+    against them (`PlanError` naming the bad sequence)."""
+    try:
+        clean = validate_lengths(lengths)
+    except WorkloadError as err:
+        raise PlanError(str(err)) from None
+    return clean, _frame_tokens(clean, frame_tokens)
+
+
+def _cost_model_for(model: ModelShape, config: DCPConfig, world_size: int,
+                    hardware: "Hardware | str | None", zero_stage: int, schedule: str,
+                    cost_model: Optional[CostModel]) -> CostModel:
+    """Step 2 of `make_plan`: the cost model to plan with, built from the settings
+    (`build_cost_model`) or the given one, checked to be for this model, DCP world and the
+    ZeRO stage whose memory ``schedule`` assumes (`memory_stage`)."""
+    if cost_model is None:
+        return build_cost_model(model, config, world_size, hardware, zero_stage)
+    given = (model, world_size, memory_stage(zero_stage, schedule))
+    cm = cost_model
+    if (cm.model, cm.world_size, cm.zero_stage) != given:
+        raise PlanError(f"cost_model is for {cm.model.name}, DCP world {cm.world_size}, ZeRO "
+                        f"stage {cm.zero_stage}; the call asks for {model.name}, world "
+                        f"{world_size}, ZeRO stage {given[2]}")
+    return cm
+
+
+def _drafts_of_policy(ctx: PlanContext, policy: str, lockstep: bool, meta: dict
+                      ) -> list[Draft]:
+    """Step 3 of `make_plan`: the timed drafts of ``policy`` for the context's active sequences.
+    A baseline's drafts are cut into lockstep slots or retimed with round barriers; the DCP
+    policies record their winning candidate and all candidates in ``meta``."""
     if policy in BASELINES:
         drafts = BASELINES[policy](ctx)
         if lockstep:
-            drafts = to_slots(ctx, drafts)
-        else:
-            retime(drafts, world_size, barriers=True)
-    elif policy == "dcp-intra":
+            return to_slots(ctx, drafts)
+        retime(drafts, ctx.world, barriers=True)
+        return drafts
+    if policy == "dcp-intra":
         drafts, meta["candidate"], meta["candidates"] = plan_dcp(
             ctx, inter=False, intra=True, baselines={"bucket": plan_bucket}, lockstep=lockstep)
     else:
         drafts, meta["candidate"], meta["candidates"] = plan_dcp(
             ctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=BASELINES,
             lockstep=lockstep)
-    plan = to_plan(ctx, drafts, policy, skipped, meta)
-    plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
-    return plan
+    return drafts

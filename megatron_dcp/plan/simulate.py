@@ -79,26 +79,47 @@ def _bound(lengths: Sequence[int], pairs_of: Sequence[float], cm: CostModel,
     total work / ranks <= T (a sequence that must be spread for time costs extra work).
     """
     world = world_size or cm.world_size
-    vocab = Vocabulary(world, cm.ranks_per_node, max_degree)
-    n_layers = cm.model.num_layers
+    options = _DegreeOptions(cm, Vocabulary(world, cm.ranks_per_node, max_degree), ckpt_policy,
+                             hidden)
+    work, seqs = _least_work(lengths, pairs_of, options)
+    per_rank = work / world
+    bound = max(per_rank, _longest_fastest(seqs, per_rank, options))
+    if not moldable:
+        return bound
+    return _moldable_bound(bound, work, seqs, options, world)
 
-    def ckpt(tokens: int, d: int) -> Optional[int]:
-        if ckpt_policy == "none":
+
+class _DegreeOptions:
+    """The (degree, time, work) choices of one sequence for `_bound`: every degree of the
+    vocabulary where it fits memory under the checkpoint policy, each with the time of its best
+    layout and the work (ranks x `CostModel.marginal_time`, ring traffic ``hidden``) of its
+    least-work layout."""
+
+    def __init__(self, cm: CostModel, vocab: Vocabulary, ckpt_policy: str, hidden: float) -> None:
+        self.cm, self.vocab, self.ckpt_policy, self.hidden = cm, vocab, ckpt_policy, hidden
+        self.kinds = {layout_kind(lay.ulysses, lay.ring) for d in vocab.sizes
+                      for lay in cm.layouts(d)}
+
+    def ckpt(self, tokens: int, d: int) -> Optional[int]:
+        """Recomputed layers of ``tokens`` local tokens on ``d`` ranks under the policy (``none``:
+        0, ``full``: every layer, else the fewest that fit); ``None`` where they do not fit."""
+        cm = self.cm
+        n_layers = cm.model.num_layers
+        if self.ckpt_policy == "none":
             return 0 if cm.memory_of(tokens, d, 0) <= cm.budget else None
-        if ckpt_policy == "full":
+        if self.ckpt_policy == "full":
             return n_layers if cm.memory_of(tokens, d, n_layers) <= cm.budget else None
         return cm.min_ckpt(tokens, d)
 
-    kinds = {layout_kind(lay.ulysses, lay.ring) for d in vocab.sizes for lay in cm.layouts(d)}
-
-    def options(n: int, pairs: float, least_work_only: bool):
-        """(time, work) per fitting degree, exact best layout. ``least_work_only``: stop once
-        no wider degree can need less work. Past the first degree without recompute, work only
-        grows with the degree within one layout kind (more communication, slower links), so
+    def __call__(self, n: int, pairs: float, least_work_only: bool):
+        """(degree, time, work) per fitting degree, exact best layout. ``least_work_only``: stop
+        once no wider degree can need less work. Past the first degree without recompute, work
+        only grows with the degree within one layout kind (more communication, slower links), so
         the search ends when every kind has been seen without recompute."""
+        cm, hidden = self.cm, self.hidden
         seen: set[str] = set()
-        for d in vocab.sizes:
-            c = ckpt(cm.padded(n, d), d)
+        for d in self.vocab.sizes:
+            c = self.ckpt(cm.padded(n, d), d)
             if c is None:
                 continue
             layouts = cm.layouts(d)
@@ -106,11 +127,16 @@ def _bound(lengths: Sequence[int], pairs_of: Sequence[float], cm: CostModel,
                 d * min(cm.marginal_time(n, pairs, lay, c, hidden) for lay in layouts)
             if least_work_only and c == 0:
                 seen.update(layout_kind(lay.ulysses, lay.ring) for lay in layouts)
-                if seen >= kinds:
+                if seen >= self.kinds:
                     return
 
+
+def _least_work(lengths: Sequence[int], pairs_of: Sequence[float], options: _DegreeOptions
+                ) -> tuple[float, list[tuple[int, float, float, float]]]:
+    """Total least work of the sequences that fit somewhere, and per such sequence
+    ``(length, pairs, least work, time at the least-work degree)``."""
     work = 0.0
-    seqs: list[tuple[int, float, float, float]] = []  # length, pairs, min work, time at it
+    seqs: list[tuple[int, float, float, float]] = []
     for n, pairs in zip(lengths, pairs_of):
         best = None
         for d, t, w in options(n, pairs, True):
@@ -120,16 +146,25 @@ def _bound(lengths: Sequence[int], pairs_of: Sequence[float], cm: CostModel,
             continue
         work += best[0]
         seqs.append((n, pairs, best[0], best[1]))
-    per_rank = work / world
+    return work, seqs
+
+
+def _longest_fastest(seqs: Sequence[tuple[int, float, float, float]], per_rank: float,
+                     options: _DegreeOptions) -> float:
+    """The longest of the sequences' fastest times over all degrees, visiting them by their
+    least-work time and stopping where none left can raise ``max(per_rank, longest)``."""
     longest = 0.0
     for n, pairs, w, t in sorted(seqs, key=lambda x: -x[3]):
         if t <= max(per_rank, longest):
             break  # its fastest time is at most t: cannot raise the bound
         longest = max(longest, min(t for _, t, _ in options(n, pairs, False)))
-    bound = max(per_rank, longest)
-    if not moldable:
-        return bound
-    # sequences whose least-work time exceeds the bound trade work for time
+    return longest
+
+
+def _moldable_bound(bound: float, work: float, seqs: Sequence[tuple[int, float, float, float]],
+                    options: _DegreeOptions, world: int) -> float:
+    """The moldable tightening of ``bound`` (see `_bound`): sequences whose least-work time
+    exceeds it trade work for time; bisection for the smallest feasible step length."""
     frontier, fixed = [], work
     for n, pairs, w, t in seqs:
         if t > bound:

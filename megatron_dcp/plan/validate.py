@@ -6,7 +6,7 @@ from typing import Optional
 
 from megatron_dcp.plan.cost import CostModel, PlanError
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.plan import Plan, check_frame_tokens
+from megatron_dcp.plan.plan import Plan, Task, check_frame_tokens
 from megatron_dcp.plan.vocabulary import Vocabulary
 
 _EPS = 1e-9
@@ -38,48 +38,18 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
             check_frame_tokens(plan.lengths, plan.frame_tokens)
         except ValueError as err:
             raise PlanError(f"plan frame_tokens: {err}") from None
-    seen: dict[int, int] = {}
-    ids = set()
     skipped = set(plan.skipped)
     for s in skipped:
         if not 0 <= s < n:
             raise PlanError(f"skipped sequence {s} is not in the batch of {n} sequences")
+    seen: dict[int, int] = {}  # sequence -> the task running it
+    ids: set[int] = set()
     for t in plan.tasks:
         if t.id in ids:
             raise PlanError(f"task id {t.id} appears twice")
         ids.add(t.id)
-        if not t.ranks:
-            raise PlanError(f"task {t.id} has no ranks")
-        if len(set(t.ranks)) != len(t.ranks):
-            raise PlanError(f"task {t.id} lists a rank twice: {list(t.ranks)}")
-        bad = [r for r in t.ranks if not 0 <= r < world]
-        if bad:
-            raise PlanError(f"task {t.id} uses rank(s) {bad} outside the world of {world}")
-        if t.ulysses < 1 or t.ring < 1 or t.ulysses * t.ring != len(t.ranks):
-            raise PlanError(f"task {t.id}: ulysses {t.ulysses} x ring {t.ring} != {len(t.ranks)} "
-                            "ranks")
-        if t.ckpt_layers < 0 or (model is not None and t.ckpt_layers > model.num_layers):
-            raise PlanError(f"task {t.id}: ckpt_layers {t.ckpt_layers} out of range")
-        if model is not None and (model.heads_per_rank % t.ulysses
-                                  or model.kv_heads_per_rank % t.ulysses):
-            raise PlanError(f"task {t.id}: Ulysses degree {t.ulysses} does not divide the "
-                            f"{model.heads_per_rank} heads and {model.kv_heads_per_rank} KV heads "
-                            f"per tensor-parallel rank (tp {model.tensor_parallel}) of "
-                            f"{model.name}")
-        if vocabulary is not None and t.ranks not in vocabulary:
-            raise PlanError(f"task {t.id} uses the group {list(t.ranks)}, which is not in the "
-                            "group vocabulary (the runtime's pool would have to create it)")
-        if not t.seqs:
-            raise PlanError(f"task {t.id} has no sequences")
-        for s in t.seqs:
-            if not 0 <= s < n:
-                raise PlanError(f"task {t.id} names sequence {s}, not in the batch of {n} "
-                                "sequences")
-            if s in skipped:
-                raise PlanError(f"sequence {s} is skipped but task {t.id} runs it")
-            if s in seen:
-                raise PlanError(f"sequence {s} is in task {seen[s]} and task {t.id}")
-            seen[s] = t.id
+        _check_group(t, world, model, vocabulary)
+        _check_sequences(t, n, skipped, seen)
         if t.duration < 0 or t.start < 0:
             raise PlanError(f"task {t.id}: negative start or duration")
     if plan.lockstep:
@@ -88,24 +58,77 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
     if missing:
         raise PlanError(f"sequence(s) {missing[:10]} are in no task (and not skipped)")
     if cost_model is not None:
-        for t in plan.tasks:
-            mem = cost_model.memory(t, plan.lengths)
-            if mem > cost_model.budget * (1 + 1e-9):
-                raise PlanError(f"task {t.id} needs {mem / 2**30:.2f} GiB per rank, above the "
-                                "budget "
-                                f"{cost_model.budget / 2**30:.2f} GiB")
+        _check_memory(plan, cost_model)
     if check_times:
-        order = sorted(plan.tasks, key=lambda t: (t.start, t.id))
-        last_end = [0.0] * world
-        last_task = [-1] * world
-        for t in order:
-            for r in t.ranks:
-                if t.start + _EPS * max(1.0, t.start) < last_end[r]:
-                    raise PlanError(f"rank {r} is in task {last_task[r]} and task {t.id} at the "
-                                    "same time "
-                                    f"(starts at {t.start:.6f} s before {last_end[r]:.6f} s)")
-                last_end[r] = t.start + t.duration
-                last_task[r] = t.id
+        _check_overlaps(plan)
+
+
+def _check_group(t: Task, world: int, model: Optional[ModelShape],
+                 vocabulary: Optional[Vocabulary]) -> None:
+    """A task's ranks, layout and recompute depth: ranks distinct and in the world, ``ulysses x
+    ring`` equal to their number, ``ckpt_layers`` within the model, the Ulysses degree dividing
+    the heads per tensor-parallel rank, the group one of the vocabulary's."""
+    if not t.ranks:
+        raise PlanError(f"task {t.id} has no ranks")
+    if len(set(t.ranks)) != len(t.ranks):
+        raise PlanError(f"task {t.id} lists a rank twice: {list(t.ranks)}")
+    bad = [r for r in t.ranks if not 0 <= r < world]
+    if bad:
+        raise PlanError(f"task {t.id} uses rank(s) {bad} outside the world of {world}")
+    if t.ulysses < 1 or t.ring < 1 or t.ulysses * t.ring != len(t.ranks):
+        raise PlanError(f"task {t.id}: ulysses {t.ulysses} x ring {t.ring} != {len(t.ranks)} "
+                        "ranks")
+    if t.ckpt_layers < 0 or (model is not None and t.ckpt_layers > model.num_layers):
+        raise PlanError(f"task {t.id}: ckpt_layers {t.ckpt_layers} out of range")
+    if model is not None and (model.heads_per_rank % t.ulysses
+                              or model.kv_heads_per_rank % t.ulysses):
+        raise PlanError(f"task {t.id}: Ulysses degree {t.ulysses} does not divide the "
+                        f"{model.heads_per_rank} heads and {model.kv_heads_per_rank} KV heads "
+                        f"per tensor-parallel rank (tp {model.tensor_parallel}) of "
+                        f"{model.name}")
+    if vocabulary is not None and t.ranks not in vocabulary:
+        raise PlanError(f"task {t.id} uses the group {list(t.ranks)}, which is not in the "
+                        "group vocabulary (the runtime's pool would have to create it)")
+
+
+def _check_sequences(t: Task, n: int, skipped: set[int], seen: dict[int, int]) -> None:
+    """A task's sequences: at least one, each in the batch of ``n``, not skipped and in no
+    earlier task (``seen``: sequence -> task, updated with this task's)."""
+    if not t.seqs:
+        raise PlanError(f"task {t.id} has no sequences")
+    for s in t.seqs:
+        if not 0 <= s < n:
+            raise PlanError(f"task {t.id} names sequence {s}, not in the batch of {n} "
+                            "sequences")
+        if s in skipped:
+            raise PlanError(f"sequence {s} is skipped but task {t.id} runs it")
+        if s in seen:
+            raise PlanError(f"sequence {s} is in task {seen[s]} and task {t.id}")
+        seen[s] = t.id
+
+
+def _check_memory(plan: Plan, cost_model: CostModel) -> None:
+    """Every task within the cost model's memory budget per rank."""
+    for t in plan.tasks:
+        mem = cost_model.memory(t, plan.lengths)
+        if mem > cost_model.budget * (1 + 1e-9):
+            raise PlanError(f"task {t.id} needs {mem / 2**30:.2f} GiB per rank, above the "
+                            f"budget {cost_model.budget / 2**30:.2f} GiB")
+
+
+def _check_overlaps(plan: Plan) -> None:
+    """No rank in two tasks at once, by predicted start and duration in ``(start, id)`` order."""
+    order = sorted(plan.tasks, key=lambda t: (t.start, t.id))
+    last_end = [0.0] * plan.world_size
+    last_task = [-1] * plan.world_size
+    for t in order:
+        for r in t.ranks:
+            if t.start + _EPS * max(1.0, t.start) < last_end[r]:
+                raise PlanError(f"rank {r} is in task {last_task[r]} and task {t.id} at the "
+                                f"same time (starts at {t.start:.6f} s before "
+                                f"{last_end[r]:.6f} s)")
+            last_end[r] = t.start + t.duration
+            last_task[r] = t.id
 
 
 def _check_slots(plan: Plan) -> None:
