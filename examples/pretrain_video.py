@@ -142,13 +142,10 @@ class VideoSteps:
         return self.engine.finish()
 
     def train_step(self, batch: VideoBatch):
-        """Plan (with every video's frame size), then one step through the engine's driver."""
+        """One step through the engine's driver (which plans with every video's frame size)."""
         self.batch = batch.to(self.engine.device)
-        driver = self.engine.driver
-        plan = driver.plan(batch.lengths, frame_tokens=batch.frame_tokens) \
-            if self.engine.dcp.enabled else None
         self.engine.engine.train()
-        return driver.step(self, batch.sequences(), plan)
+        return self.engine.driver.step(self, batch.sequences())
 
 
 def _ds_config(args: argparse.Namespace) -> dict:
@@ -209,9 +206,12 @@ def main(argv=None) -> int:
         batch = load_batch(videos, sampler.next_batch(), args.seed, it)
         result = steps.train_step(batch)
         summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s)
-        log.iteration(it + 1, loss=result.loss, tokens=sum(batch.lengths), step_s=result.wall_s,
-                      sequences=len(batch), grad_norm=result.grad_norm,
-                      peak_mem_mb=peak_memory_mb(engine.device), plan=summary)
+        dcp = engine.dcp.enabled
+        log.iteration(it + 1, loss=result.loss, tokens=result.tokens, step_s=result.wall_s,
+                      predicted_s=result.predicted_s if dcp else None,
+                      calibration_error=result.calibration_error, sequences=len(batch),
+                      grad_norm=result.grad_norm, peak_mem_mb=peak_memory_mb(engine.device),
+                      plan=summary)
         last = it + 1 == args.train_iters
         if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
             engine.save_checkpoint(args.save, tag=f"iter_{it + 1}",

@@ -284,7 +284,8 @@ class VideoBatch:
     def sequences(self) -> SelfTargetBatch:
         """The global batch for `run_plan` / `StepDriver.step`: every video's row ids, every
         token its own target, with the videos' content digests."""
-        return SelfTargetBatch([self.rows(i) for i in range(len(self))], self.digests)
+        return SelfTargetBatch([self.rows(i) for i in range(len(self))], self.digests,
+                               self.frame_tokens)
 
     def to(self, device: torch.device) -> "VideoBatch":
         """The table on ``device`` (shapes, offsets and digests stay on the host)."""

@@ -60,17 +60,22 @@ class SelfTargetBatch(list):
     batch on) labels every token with its own id (no shift), gives padding -100, and counts all
     ``n`` tokens of a sequence in the loss normalisation. ``content_digests``: one short digest
     per sequence of what its rows hold (the table), so the plan check compares the content across
-    ranks, not only the row ids.
+    ranks, not only the row ids. ``frame_tokens``: tokens per frame of every sequence (videos of
+    their own resolution), which `StepDriver.step` hands to the planner.
     """
 
     targets = "self"
 
-    def __init__(self, sequences, content_digests: Optional[Sequence[str]] = None) -> None:
+    def __init__(self, sequences, content_digests: Optional[Sequence[str]] = None,
+                 frame_tokens: Optional[Sequence[int]] = None) -> None:
         super().__init__(sequences)
-        if content_digests is not None and len(content_digests) != len(self):
-            raise ValueError(f"SelfTargetBatch: {len(content_digests)} content digests for "
-                             f"{len(self)} sequences")
+        for name, values in (("content digests", content_digests),
+                             ("frame_tokens", frame_tokens)):
+            if values is not None and len(values) != len(self):
+                raise ValueError(f"SelfTargetBatch: {len(values)} {name} for {len(self)} "
+                                 "sequences")
         self.content_digests = list(content_digests) if content_digests is not None else None
+        self.frame_tokens = [int(f) for f in frame_tokens] if frame_tokens is not None else None
 
 
 def batch_targets(sequences: Sequence[Any], targets: Optional[str] = None) -> str:

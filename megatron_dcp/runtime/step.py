@@ -44,7 +44,8 @@ from megatron_dcp.plan.calibration import Calibrator
 from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.runtime.context import TaskContext, current_task, task_context
-from megatron_dcp.runtime.executor import StepStats, global_sum, run_plan
+from megatron_dcp.runtime.executor import (StepStats, batch_targets, global_sum, run_plan,
+                                           target_count)
 from megatron_dcp.runtime.hardware_auto import detect_hardware
 from megatron_dcp.runtime.layout import ShardLayout
 from megatron_dcp.runtime.liveness import names_unresponsive_ranks
@@ -89,7 +90,8 @@ class StepResult:
     """Loss of the global batch (per-token mean, or the mean of per-sequence means under
     ``loss_reduction="sequence"``), reduced over ranks."""
     tokens: int
-    """Target tokens of the global batch."""
+    """Target tokens of the global batch (next-token targets, or every token of a
+    `megatron_dcp.runtime.executor.SelfTargetBatch`)."""
     sequences: int
     wall_s: float
     micro_steps: int
@@ -231,8 +233,9 @@ class StepDriver:
         backward, no optimizer step, the planning iteration does not advance. Collective over
         the DCP world: every rank calls it once per step."""
         t0 = time.perf_counter()
-        if plan is None:
-            plan = self.plan([int(s.shape[0]) for s in sequences])
+        if plan is None:  # a video batch tells the planner every video's frame size
+            plan = self.plan([int(s.shape[0]) for s in sequences],
+                             frame_tokens=getattr(sequences, "frame_tokens", None))
         plan_s = time.perf_counter() - t0
         counts = _micro_step_counts(plan)  # a plan for another world fails in run_plan's check
         mine = counts[self.rank] if self.rank < len(counts) else 0
@@ -291,7 +294,8 @@ class StepDriver:
         predicted_s = self.predicted_step_s(plan)
         if train and self._calibrating(plan):
             self._calibrate(plan, stats, wall_s, predicted_s)
-        return StepResult(loss=loss, tokens=plan.target_tokens, sequences=len(sequences),
+        tokens = target_count(plan, batch_targets(sequences))
+        return StepResult(loss=loss, tokens=tokens, sequences=len(sequences),
                           wall_s=wall_s, micro_steps=done, empty_micro_steps=empty, plan=plan,
                           plan_s=plan_s, predicted_s=predicted_s, grad_norm=grad_norm,
                           stats=stats, calibration_error=self.calibration_error)
