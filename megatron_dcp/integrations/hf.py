@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from megatron_dcp.models.common import check_inputs
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.checkpoint import run_layer
@@ -257,13 +258,8 @@ class DCPCausalLM(nn.Module):
                 task: Optional[TaskContext] = None) -> torch.Tensor:
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
         0..T-1: one whole sequence), as the local shard of ``task`` (default `current_task`)."""
-        if input_ids.dim() != 1:
-            raise ValueError(f"DCPCausalLM: input_ids must be 1-D [tokens], "
-                             f"got {tuple(input_ids.shape)}")
+        position_ids, ctx = check_inputs("DCPCausalLM", input_ids, position_ids, task)
         _check_recompute_hooks(self._layers)
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
-        ctx = current_task(task)
         kwargs = {TASK_KWARG: ctx} if ctx is not None else {}
         with task_context(ctx):
             out = self.causal_lm(input_ids=input_ids[None], position_ids=position_ids[None],

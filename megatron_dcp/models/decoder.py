@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_dcp.models.common import (RMSNorm, apply_rope, check_positions, init_weights,
+from megatron_dcp.models.common import (RMSNorm, apply_rope, check_inputs, init_weights,
                                         rope_tables, token_losses)
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.checkpoint import run_layer
-from megatron_dcp.runtime.context import TaskContext, current_task
+from megatron_dcp.runtime.context import TaskContext
 
 
 @dataclass
@@ -115,13 +115,8 @@ class Decoder(nn.Module):
                 task: Optional[TaskContext] = None) -> torch.Tensor:
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
         0..T-1: one whole sequence), as the local shard of ``task`` (default `current_task`)."""
-        if input_ids.dim() != 1:
-            raise ValueError(f"Decoder: input_ids must be 1-D [tokens], "
-                             f"got {tuple(input_ids.shape)}")
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
-        task = current_task(task)
-        check_positions(position_ids, self.config.max_position, "Decoder", task)
+        position_ids, task = check_inputs("Decoder", input_ids, position_ids, task,
+                                          self.config.max_position)
         x = self.embed(input_ids)
         cos, sin = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
