@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from distributed import launch_deepspeed
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 3
@@ -29,17 +29,6 @@ COMMON = ["--video-mix", "tiny", "--num-videos", "48", "--global-batch-tokens", 
           "--train-iters", str(ITERS), "--zero-stage", "1", "--quiet"]
 DCP = ["--dcp", "--dcp_hardware", "h200", "--dcp_calibration", "off"]
 """Plans a pure function of the batch (no calibration from measured times)."""
-
-
-def _launch(world_size: int, script_args: list[str], timeout: int) -> subprocess.CompletedProcess:
-    """``deepspeed --num_gpus world_size SCRIPT ARGS`` on a free port, output captured."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(world_size),
-           "--master_port", str(port), *script_args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _tight_budget(pretrain_video, world: int) -> str:
@@ -118,7 +107,7 @@ def test_dcp_equals_data_parallel_with_split_videos_and_recompute(world):
     4 ranks: --dcp against plain data parallel."""
     out = tempfile.mktemp(suffix=".json")
     flags = ["--out", out] + (["--full", "--data-path", _latent_dir()] if world == 2 else [])
-    proc = _launch(world, [__file__, *flags], timeout=280)
+    proc = launch_deepspeed(world, [__file__, *flags], timeout=280)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(out) as f:
         report = json.load(f)
