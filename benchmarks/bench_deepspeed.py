@@ -23,21 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deepspeed_job import ROOT, embedded_batches, run_job
 
 
 def _peak_rss_mb() -> float:
@@ -65,16 +56,8 @@ def _engine(mode: str, args, stage: int):
 
 
 def _batches(args):
-    import torch
-
-    from megatron_dcp.data import GlobalBatchSampler, embedded_dataset
-
-    data = embedded_dataset()
-    sampler = GlobalBatchSampler(data.lengths, args.global_batch_tokens, seed=args.seed,
-                                 max_seq_len=args.seq_length)
-    for _ in range(args.iters + args.warmup):
-        docs = sampler.next_batch()
-        yield [torch.from_numpy(data[d][: args.seq_length].astype("int64")) for d in docs]
+    return embedded_batches(args.global_batch_tokens, args.seq_length, args.seed,
+                            args.iters + args.warmup)
 
 
 def worker_throughput(args) -> dict:
@@ -146,24 +129,14 @@ def worker_main(args) -> None:
 # ---------------------------------------------------------------------- the driver
 def launch(args, part: str, modes: str, stage: int, out: str) -> dict:
     """Run one DeepSpeed job of this script; returns the JSON rank 0 wrote."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
-           "--master_port", str(_free_port()), __file__, "--worker", "--part", part, "--modes",
-           modes,
-           "--zero-stage", str(stage), "--out", out]
+    flags = ["--part", part, "--modes", modes, "--zero-stage", str(stage), "--out", out]
     for key in ("iters", "warmup", "seq_length", "global_batch_tokens", "hidden", "layers",
-                "heads", "seed",
-                "pack_tokens"):
+                "heads", "seed", "pack_tokens"):
         if getattr(args, key) is not None:
-            cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
+            flags += ["--" + key.replace("_", "-"), str(getattr(args, key))]
     if args.hardware:
-        cmd += ["--hardware", args.hardware]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{part} {modes} ZeRO {stage} "
-                           f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+        flags += ["--hardware", args.hardware]
+    return run_job(__file__, args.ranks, flags, out, f"{part} {modes} ZeRO {stage}")
 
 
 def main() -> int:

@@ -19,22 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from deepspeed_job import ROOT, embedded_batches, run_job
+
 MODEL = dict(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------- inside the job
@@ -63,17 +55,6 @@ def _engine(mode: str, args):
     return engine
 
 
-def _batches(args):
-    import torch
-
-    from megatron_dcp.data import GlobalBatchSampler, embedded_dataset
-
-    data = embedded_dataset()
-    sampler = GlobalBatchSampler(data.lengths, args.global_batch_tokens, seed=args.seed,
-                                 max_seq_len=args.seq_length)
-    for _ in range(args.iters + args.warmup):
-        docs = sampler.next_batch()
-        yield [torch.from_numpy(data[d][: args.seq_length].astype("int64")) for d in docs]
 
 
 def worker(args) -> dict:
@@ -85,7 +66,9 @@ def worker(args) -> dict:
     tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
     losses: dict[str, list[float]] = {m: [] for m in modes}
     steps = []
-    for it, batch in enumerate(_batches(args)):
+    batches = embedded_batches(args.global_batch_tokens, args.seq_length, args.seed,
+                               args.iters + args.warmup)
+    for it, batch in enumerate(batches):
         n = sum(int(s.shape[0]) for s in batch)
         step = {"tokens": n, "longest": max(int(s.shape[0]) for s in batch)}
         for m in modes if it % 2 == 0 else modes[::-1]:
@@ -158,19 +141,13 @@ def main() -> int:
                             f"512,2048,{args.seq_length}"], cwd=ROOT, check=True,
                            capture_output=True)
         args.hardware = str(profile)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
-           "--master_port", str(_free_port()), __file__, "--worker", "--modes", args.modes,
-           "--iters", str(args.iters), "--warmup", str(args.warmup), "--seq-length",
-           str(args.seq_length), "--global-batch-tokens", str(args.global_batch_tokens),
-           "--seed", str(args.seed), "--out", args.out]
-    cmd += ["--hf-model", args.hf_model] if args.hf_model else []
-    cmd += ["--hardware", args.hardware] if args.hardware else []
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"the job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    with open(args.out) as f:
-        report = json.load(f)
+    flags = ["--modes", args.modes, "--iters", str(args.iters), "--warmup", str(args.warmup),
+             "--seq-length", str(args.seq_length),
+             "--global-batch-tokens", str(args.global_batch_tokens), "--seed", str(args.seed),
+             "--out", args.out]
+    flags += ["--hf-model", args.hf_model] if args.hf_model else []
+    flags += ["--hardware", args.hardware] if args.hardware else []
+    report = run_job(__file__, args.ranks, flags, args.out, "the job")
     report["args"] = {k: v for k, v in vars(args).items() if k not in ("worker", "local_rank")}
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
