@@ -26,7 +26,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_deepspeed_parity import _launch, _tight_budget  # noqa: E402
+from distributed import launch_deepspeed  # noqa: E402
+from test_deepspeed_parity import _tight_budget  # noqa: E402
 
 ITERS = 5
 REL_TOL = 1e-5
@@ -156,7 +157,7 @@ def _check(report: dict, world: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero2_zero3_keep_sharding_and_match_plain_deepspeed(world_size):
     out = tempfile.mktemp(suffix=".json")
-    proc = _launch(world_size, [__file__, "--out", out], timeout=380)
+    proc = launch_deepspeed(world_size, [__file__, "--out", out], timeout=380)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(out) as f:
         _check(json.load(f), world_size)
