@@ -88,10 +88,10 @@ def fixed_degree_plan(lengths: list[int], cm: CostModel, world: int, degree: int
         ckpt = cm.min_ckpt(tokens, degree)
         if ckpt is None:
             raise SystemExit(f"fixed-{degree}: micro-batch of {tokens} tokens fits no depth")
-        probe = Task(id=k, ranks=g, seqs=tuple(b), ulysses=degree, ring=1, ckpt_layers=ckpt)
+        probe = Task(id=k, ranks=g, seqs=tuple(b), ulysses=degree, ring=1, recompute_layers=ckpt)
         duration = cm.time(probe, lengths)
         tasks.append(Task(id=k, ranks=g, seqs=tuple(b), ulysses=degree, ring=1,
-                          ckpt_layers=ckpt, start=clock[g], duration=duration))
+                          recompute_layers=ckpt, start=clock[g], duration=duration))
         clock[g] += duration
     return Plan(tasks=tuple(tasks), lengths=tuple(lengths), world_size=world,
                 policy=f"fixed-{degree}")
@@ -180,7 +180,7 @@ def summarise(raw: dict, world: int) -> dict:
             errors.append(t.duration / m - 1.0)
             task_rows.append({"id": t.id, "degree": t.degree,
                               "tokens": sum(plan.lengths[s] for s in t.seqs),
-                              "ckpt": t.ckpt_layers, "predicted_s": t.duration, "measured_s": m})
+                              "ckpt": t.recompute_layers, "predicted_s": t.duration, "measured_s": m})
         step = statistics.median(steps)
         out[name] = {"step_s": step, "tokens_per_s": tokens / step, "tasks": len(plan.tasks),
                      "loss": raw["records"][0][name][0]["loss"],

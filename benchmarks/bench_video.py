@@ -97,7 +97,7 @@ def worker(args) -> dict:
             step[m] = round(time.perf_counter() - t0, 4)
             if result.plan is not None and m != "dp":
                 step[m + "_degrees"] = sorted({t.degree for t in result.plan.tasks})
-                step[m + "_ckpt"] = sorted({t.ckpt_layers for t in result.plan.tasks})
+                step[m + "_ckpt"] = sorted({t.recompute_layers for t in result.plan.tasks})
             if it >= args.warmup:
                 tokens[m] += n
                 seconds[m] += step[m]

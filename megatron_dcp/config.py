@@ -23,13 +23,15 @@ from typing import Any, Callable, Optional
 POLICIES = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp")
 LAYOUTS = ("auto", "ulysses", "ring", "hybrid")
 ULYSSES_SCOPES = ("any", "node")
-CHECKPOINT_POLICIES = ("auto", "none", "full")
+RECOMPUTE_MODES = ("auto", "none", "full")
 LOSS_REDUCTIONS = ("token", "sequence")
 IGNORE_INDEX = -100
 """Label of a token without a next-token target (a sequence's last token, padding); the loss
 ignores it (torch's ``cross_entropy`` default)."""
-OVERSIZE_POLICIES = ("error", "truncate", "skip")
+OVERSIZE_MODES = ("error", "truncate", "skip")
 SCHEDULES = ("auto", "free", "lockstep")
+RENAMED = {"checkpoint_policy": "recompute", "oversize_policy": "oversize"}
+"""Old names of fields, still accepted as JSON keys and flags (``--dcp_checkpoint_policy``)."""
 CALIBRATION_MODES = ("on", "off")
 
 
@@ -90,7 +92,7 @@ class DCPConfig:
     ulysses_scope: str = "any"
     """Where Ulysses sub-groups may lie: any, or node (inside one node; groups spanning nodes run ring across nodes: fewer communicators per rank)."""
 
-    checkpoint_policy: str = "auto"
+    recompute: str = "auto"
     """Activation recompute: auto (fewest recomputed layers that fit memory), none, full (every layer)."""
 
     memory_budget_gb: Optional[float] = None
@@ -114,7 +116,7 @@ class DCPConfig:
     loss_reduction: str = "token"
     """Loss normalisation: token (sum over the global batch / its target tokens, exact) or sequence (mean of per-sequence means)."""
 
-    oversize_policy: str = "error"
+    oversize: str = "error"
     """A sequence that fits no degree in memory: error (name it), truncate (to the largest that fits), skip."""
 
     schedule: str = "auto"
@@ -136,9 +138,9 @@ class DCPConfig:
         one_of("policy", POLICIES)
         one_of("attention_layout", LAYOUTS)
         one_of("ulysses_scope", ULYSSES_SCOPES)
-        one_of("checkpoint_policy", CHECKPOINT_POLICIES)
+        one_of("recompute", RECOMPUTE_MODES)
         one_of("loss_reduction", LOSS_REDUCTIONS)
-        one_of("oversize_policy", OVERSIZE_POLICIES)
+        one_of("oversize", OVERSIZE_MODES)
         one_of("schedule", SCHEDULES)
         one_of("calibration", CALIBRATION_MODES)
         if self.max_degree is not None and self.max_degree < 1:
@@ -195,6 +197,7 @@ class DCPConfig:
         if not isinstance(section, dict):
             raise DCPConfigError('the "dcp" config section must be an object, got '
                                  f"{type(section).__name__}")
+        section = _renamed_keys(section)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(section) - known)
         if unknown:
@@ -233,13 +236,15 @@ class DCPConfig:
                 group.add_argument("--dcp", dest="dcp", action="store_true", help=help_text)
                 continue
             flag = "--dcp" + sep + f.name.replace("_", sep)
+            old = [("--dcp" + sep + o.replace("_", sep)) for o, new in RENAMED.items()
+                   if new == f.name]
             dest = "dcp_" + f.name
             kind = _field_type(f)
             kwargs: dict[str, Any] = dict(dest=dest, default=None, help=f"{help_text} (default: {f.default})")
             choices = _CHOICES.get(f.name)
             if choices:
                 kwargs["choices"] = choices
-            group.add_argument(flag, type=kind, **kwargs)
+            group.add_argument(flag, *old, type=kind, **kwargs)
         return parser
 
     @classmethod
@@ -277,12 +282,24 @@ _CHOICES = {
     "policy": POLICIES,
     "attention_layout": LAYOUTS,
     "ulysses_scope": ULYSSES_SCOPES,
-    "checkpoint_policy": CHECKPOINT_POLICIES,
+    "recompute": RECOMPUTE_MODES,
     "loss_reduction": LOSS_REDUCTIONS,
-    "oversize_policy": OVERSIZE_POLICIES,
+    "oversize": OVERSIZE_MODES,
     "schedule": SCHEDULES,
     "calibration": CALIBRATION_MODES,
 }
+
+
+def _renamed_keys(section: dict[str, Any]) -> dict[str, Any]:
+    """``section`` with old key names (`RENAMED`) under their new names; both is an error."""
+    out = dict(section)
+    for old, new in RENAMED.items():
+        if old in out:
+            if new in out:
+                raise DCPConfigError(f'the "dcp" config section gives both {new!r} and its old '
+                                     f"name {old!r}")
+            out[new] = out.pop(old)
+    return out
 
 
 def _field_type(f: dataclasses.Field) -> type:

@@ -120,7 +120,7 @@ def task(i: int, ranks: Sequence[int], seqs: Sequence[int], ulysses: int = 1,
          ckpt: int = 0, start: float = 0.0) -> Task:
     """A hand-built task (ring = degree / ulysses)."""
     return Task(id=i, ranks=tuple(ranks), seqs=tuple(seqs), ulysses=ulysses,
-                ring=len(ranks) // ulysses, ckpt_layers=ckpt, start=start)
+                ring=len(ranks) // ulysses, recompute_layers=ckpt, start=start)
 
 
 def plan_dict(tasks: Sequence[Task], lengths: Sequence[int], world: int) -> dict:

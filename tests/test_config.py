@@ -39,7 +39,7 @@ def test_every_field_has_a_flag_with_help():
 
 
 def test_json_round_trip():
-    cfg = DCPConfig(enabled=True, max_degree=3, oversize_policy="skip")
+    cfg = DCPConfig(enabled=True, max_degree=3, oversize="skip")
     assert DCPConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -62,3 +62,37 @@ def test_bad_sections_name_the_key(section, message):
 def test_degree_cap_above_world_is_an_error():
     with pytest.raises(DCPConfigError, match="exceeds the DCP world size 2"):
         DCPConfig(max_degree=4).check_world(2)
+
+
+def test_renamed_fields_keep_their_old_names():
+    """``recompute`` and ``oversize`` were ``checkpoint_policy`` and ``oversize_policy``: old JSON
+    keys and flags still work; giving both names is an error."""
+    import argparse
+
+    import pytest
+
+    from megatron_dcp.config import DCPConfig, DCPConfigError
+
+    assert DCPConfig.from_dict({"checkpoint_policy": "none",
+                                "oversize_policy": "skip"}).recompute == "none"
+    for style, flags in (("deepspeed", ["--dcp_checkpoint_policy", "full",
+                                        "--dcp_oversize_policy", "truncate"]),
+                         ("megatron", ["--dcp-checkpoint-policy", "full",
+                                       "--dcp-oversize-policy", "truncate"])):
+        parser = DCPConfig.add_arguments(argparse.ArgumentParser(), style=style)
+        config = DCPConfig.from_args(parser.parse_args(["--dcp", *flags]), style=style)
+        assert (config.recompute, config.oversize) == ("full", "truncate")
+    with pytest.raises(DCPConfigError, match="both 'recompute' and its old name"):
+        DCPConfig.from_dict({"checkpoint_policy": "none", "recompute": "full"})
+
+
+def test_plans_written_with_the_old_task_key_load():
+    import pytest
+
+    from megatron_dcp.plan.plan import Plan
+
+    old = {"world_size": 1, "lengths": [4], "tasks": [{"id": 0, "ranks": [0], "seqs": [0],
+                                                         "ckpt_layers": 2}]}
+    assert Plan.from_dict(old).tasks[0].recompute_layers == 2
+    with pytest.raises(ValueError, match="not both"):
+        Plan.from_dict({**old, "tasks": [{**old["tasks"][0], "recompute_layers": 1}]})

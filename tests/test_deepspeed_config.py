@@ -15,9 +15,9 @@ def test_flags_generated_from_dcpconfig():
     parser = argparse.ArgumentParser()
     add_dcp_arguments(parser)
     args = parser.parse_args(["--dcp", "--dcp_max_degree", "2", "--dcp_attention_layout", "ring"])
-    cfg = dcp_config_from({"dcp": {"checkpoint_policy": "none"}}, args)
+    cfg = dcp_config_from({"dcp": {"recompute": "none"}}, args)
     assert cfg.enabled and cfg.max_degree == 2 and cfg.attention_layout == "ring"
-    assert cfg.checkpoint_policy == "none"  # from the JSON section; flags given override it
+    assert cfg.recompute == "none"  # from the JSON section; flags given override it
     help_text = parser.format_help()
     assert "--dcp_memory_budget_gb" in help_text and "Largest sequence-parallel degree" in help_text
 
@@ -91,7 +91,7 @@ def test_data_parallel_plan():
     plan = data_parallel_plan([5, 6, 7, 8, 9], 2)
     assert [t.seqs for t in plan.tasks_for_rank(0)] == [(0,), (2,), (4,)]
     assert [t.seqs for t in plan.tasks_for_rank(1)] == [(1,), (3,)]
-    assert all(t.degree == 1 and t.ckpt_layers == 0 for t in plan.tasks)
+    assert all(t.degree == 1 and t.recompute_layers == 0 for t in plan.tasks)
     assert plan.target_tokens == 4 + 5 + 6 + 7 + 8
     assert data_parallel_plan([3], 4).tasks_for_rank(3) == []
 

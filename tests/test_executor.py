@@ -48,7 +48,7 @@ def _check(world: int, cases: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_degree1_plans_match_reference(world):
     results = _check(world, _degree1_cases(world))
-    # Checkpoint control: a task with ckpt_layers=c recomputes layers < c (two calls each).
+    # Checkpoint control: a task with recompute_layers=c recomputes layers < c (two calls each).
     calls = results[0]["all-on-rank0"]["calls"]
     assert calls == {0: 3 + 2, 1: 3 + 1, 2: 3 + 1}, calls
 

@@ -110,7 +110,7 @@ def _startup_body(rank: int, world_size: int) -> dict:
     pools = {}
     for scope in ("any", "node"):
         base = DCPConfig(memory_budget_gb=budget, ranks_per_node=1, ulysses_scope=scope,
-                         attention_layout="hybrid", oversize_policy="truncate")
+                         attention_layout="hybrid", oversize="truncate")
         vocab = Vocabulary.for_cost_model(build_cost_model(model, base, world_size))
         pool = pools[scope] = GroupPool()
         out["lines"][scope] = pool.create_all(vocab)

@@ -108,7 +108,7 @@ def _expected_calls(plan: dict, rank: int) -> list[int]:
     for t in plan["tasks"]:
         if rank in t["ranks"]:
             for i in range(len(calls)):
-                calls[i] += 1 + (i < t["ckpt_layers"])
+                calls[i] += 1 + (i < t["recompute_layers"])
     return calls
 
 
@@ -139,9 +139,9 @@ def _task(lengths, ckpt=0):
     from megatron_dcp.runtime.context import TaskContext
     from megatron_dcp.runtime.layout import ShardLayout
 
-    task = Task(id=0, ranks=(0,), seqs=tuple(range(len(lengths))), ckpt_layers=ckpt)
+    task = Task(id=0, ranks=(0,), seqs=tuple(range(len(lengths))), recompute_layers=ckpt)
     return TaskContext(task=task, group_rank=0, layout=ShardLayout.build(lengths, 1, 1, 0),
-                       ckpt_layers=ckpt)
+                       recompute_layers=ckpt)
 
 
 def test_dcp_attention_outside_a_task_equals_eager_with_padding_and_generate():

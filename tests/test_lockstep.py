@@ -62,12 +62,12 @@ def test_lockstep_plans_are_valid_one_depth_per_slot_and_timed_by_slot(policy, d
     clock = 0.0
     for k in sorted(slots):
         tasks = slots[k]
-        assert len({t.ckpt_layers for t in tasks}) == 1
+        assert len({t.recompute_layers for t in tasks}) == 1
         ranks = [r for t in tasks for r in t.ranks]
         assert len(ranks) == len(set(ranks))
         assert all(t.start == pytest.approx(clock) for t in tasks)
         clock += max(max(cm.time(t, plan.lengths) for t in tasks),
-                     cm.slot_time(tasks[0].ckpt_layers))
+                     cm.slot_time(tasks[0].recompute_layers))
     result = simulate(plan, cm)
     assert result.makespan_s == pytest.approx(clock)
     assert result.makespan_s >= plan.makespan * (1 - 1e-9)  # the last slot's floor on top
@@ -121,14 +121,14 @@ def _plan(tasks) -> Plan:
     return Plan(tasks=tuple(tasks), lengths=(10, 20, 30, 40), world_size=2, policy="manual")
 
 
-GOOD = [Task(0, (0, 1), (0,), ulysses=2, ckpt_layers=2, slot=0),
-        Task(1, (0,), (1,), ckpt_layers=1, start=1.0, slot=1),
-        Task(2, (1,), (2, 3), ckpt_layers=1, start=1.0, slot=1)]
+GOOD = [Task(0, (0, 1), (0,), ulysses=2, recompute_layers=2, slot=0),
+        Task(1, (0,), (1,), recompute_layers=1, start=1.0, slot=1),
+        Task(2, (1,), (2, 3), recompute_layers=1, start=1.0, slot=1)]
 
 
 @pytest.mark.parametrize("change, message", [
     (lambda t: [replace(t[0], slot=None)] + t[1:], "slot None in a lockstep plan"),
-    (lambda t: t[:2] + [replace(t[2], ckpt_layers=0)], "need one recompute depth"),
+    (lambda t: t[:2] + [replace(t[2], recompute_layers=0)], "need one recompute depth"),
     (lambda t: t[:2] + [replace(t[2], ranks=(0,))], "both in slot 1"),
     (lambda t: [replace(t[0], slot=2)] + t[1:], "slots must rise in execution order"),
     (lambda t: [replace(t[0], slot=-1)] + t[1:], "slot -1"),

@@ -98,7 +98,7 @@ def _run(stage: int, world: int, mode: str, iters: int) -> tuple[list[float], li
         tasks = result.plan.tasks
         held.append({"when": "step", "slots": result.micro_steps, **_held(engine, stage),
                      "degree": max((t.degree for t in tasks), default=1),
-                     "recompute": max((t.ckpt_layers for t in tasks), default=0)})
+                     "recompute": max((t.recompute_layers for t in tasks), default=0)})
     return losses, held
 
 

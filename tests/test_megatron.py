@@ -229,18 +229,18 @@ def _plan(world_size, tasks):
 
 # rank 0: 4 tasks, rank 1: 2; Ulysses, ring (reversed rank order), packing, recompute 0..3
 PLAN_2 = _plan(2, [
-    dict(ranks=(0, 1), seqs=(0,), ulysses=2, ring=1, ckpt_layers=1),
-    dict(ranks=(0,), seqs=(1, 2), ckpt_layers=0),
-    dict(ranks=(1, 0), seqs=(4, 5), ulysses=1, ring=2, ckpt_layers=3),
-    dict(ranks=(0,), seqs=(3, 6), ckpt_layers=2),
+    dict(ranks=(0, 1), seqs=(0,), ulysses=2, ring=1, recompute_layers=1),
+    dict(ranks=(0,), seqs=(1, 2), recompute_layers=0),
+    dict(ranks=(1, 0), seqs=(4, 5), ulysses=1, ring=2, recompute_layers=3),
+    dict(ranks=(0,), seqs=(3, 6), recompute_layers=2),
 ])
 # degree 4 hybrid (2 x 2), degree 3 ring, degree 2 Ulysses, singles; rank 3 runs one task
 PLAN_4 = _plan(4, [
-    dict(ranks=(0, 1, 2, 3), seqs=(0,), ulysses=2, ring=2, ckpt_layers=2),
-    dict(ranks=(2, 1, 0), seqs=(4, 1), ulysses=1, ring=3, ckpt_layers=1),
-    dict(ranks=(0, 1), seqs=(3,), ulysses=2, ring=1, ckpt_layers=0),
-    dict(ranks=(2,), seqs=(2, 5), ckpt_layers=3),
-    dict(ranks=(1,), seqs=(6,), ckpt_layers=0),
+    dict(ranks=(0, 1, 2, 3), seqs=(0,), ulysses=2, ring=2, recompute_layers=2),
+    dict(ranks=(2, 1, 0), seqs=(4, 1), ulysses=1, ring=3, recompute_layers=1),
+    dict(ranks=(0, 1), seqs=(3,), ulysses=2, ring=1, recompute_layers=0),
+    dict(ranks=(2,), seqs=(2, 5), recompute_layers=3),
+    dict(ranks=(1,), seqs=(6,), recompute_layers=0),
 ])
 
 

@@ -94,7 +94,7 @@ def test_dcp_with_distributed_optimizer_matches_plain_and_resumes_after_a_kill(t
         assert a["peak_mem_mb"] > 0 and b["peak_mem_mb"] > 0
     assert straight[-1]["loss"] < straight[0]["loss"]  # it trains
     plans = [r["plan"] for r in straight]
-    assert any("2" in p["degrees"] for p in plans) and any(max(p["ckpt_layers"]) > 0
+    assert any("2" in p["degrees"] for p in plans) and any(max(p["recompute_layers"]) > 0
                                                           for p in plans)
 
     # a job killed after its iteration-2 checkpoint; a new job resumes from it

@@ -60,7 +60,7 @@ def test_dcp_loss_per_iteration_equals_plain_data_parallel(tmp_path):
         assert a["tokens"] == b["tokens"]
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
     assert dcp[0]["plan"]["mode"] == "dcp" and plain[0]["plan"]["mode"] == "data-parallel"
-    assert "2" in dcp[0]["plan"]["degrees"] and max(dcp[0]["plan"]["ckpt_layers"]) > 0
+    assert "2" in dcp[0]["plan"]["degrees"] and max(dcp[0]["plan"]["recompute_layers"]) > 0
 
 
 @pytest.mark.parametrize("flags, message", [

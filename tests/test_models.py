@@ -10,7 +10,7 @@ from megatron_dcp.data.video import VideoBatch
 from megatron_dcp.models import Decoder, DecoderConfig, DiTConfig, VideoDiT
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Task
-from megatron_dcp.runtime.checkpoint import checkpoint_depth
+from megatron_dcp.runtime.checkpoint import recompute_outside_task
 from megatron_dcp.runtime.context import TaskContext, task_context
 from megatron_dcp.runtime.layout import ShardLayout
 
@@ -134,7 +134,7 @@ def test_checkpoint_depth_changes_per_forward_not_the_gradient(kind):
     for depth in range(len(layers) + 1):
         counter.calls.clear()
         model.zero_grad()
-        with checkpoint_depth(depth):
+        with recompute_outside_task(depth):
             model.loss(ids, None, labels, *extra).backward()
         assert counter.calls == {i: 2 if i < depth else 1 for i in range(len(layers))}
         grads = _grads(model)
@@ -160,8 +160,8 @@ def test_recompute_sees_the_task_even_if_backward_runs_outside():
         layer0 = model.layers[0]
         original = layer0.forward
         layer0.forward = counter.wrap(0, original)
-        task = Task(id=0, ranks=(0,), seqs=(0, 1), ckpt_layers=depth)
-        with task_context(TaskContext(task=task, group_rank=0, layout=layout, ckpt_layers=depth)):
+        task = Task(id=0, ranks=(0,), seqs=(0, 1), recompute_layers=depth)
+        with task_context(TaskContext(task=task, group_rank=0, layout=layout, recompute_layers=depth)):
             loss = model.loss(ids, layout.position_ids, labels)
             if not outside:
                 loss.backward()

@@ -256,9 +256,9 @@ def test_padding_is_the_runtimes_rule():
     for t in plan.tasks:
         assert t.ring == 1
         tokens = sum(padded_length(plan.lengths[s], t.ulysses, 1) for s in t.seqs)
-        assert t.memory == pytest.approx(uly.memory_of(tokens, t.degree, t.ckpt_layers))
+        assert t.memory == pytest.approx(uly.memory_of(tokens, t.degree, t.recompute_layers))
         twice = sum(-(-plan.lengths[s] // (2 * t.degree)) * 2 * t.degree for s in t.seqs)
-        assert t.memory < uly.memory_of(twice, t.degree, t.ckpt_layers)
+        assert t.memory < uly.memory_of(twice, t.degree, t.recompute_layers)
 
 
 def test_communicator_memory_is_static_memory():
@@ -379,11 +379,11 @@ def test_checkpoint_depth_is_fewest_that_fit():
     plan = plan_for([200_000, 1000], world=8, policy="dcp")
     for t in plan.tasks:
         tokens = sum(plan.lengths[s] for s in t.seqs)
-        assert t.ckpt_layers == 0 or cm.memory(replace(t, ckpt_layers=t.ckpt_layers - 1),
+        assert t.recompute_layers == 0 or cm.memory(replace(t, recompute_layers=t.recompute_layers - 1),
                                                plan.lengths) > cm.budget \
-            or cm.min_ckpt(tokens, t.degree) == t.ckpt_layers
-    full = plan_for([200_000, 1000], world=8, policy="dcp", checkpoint_policy="full")
-    assert all(t.ckpt_layers == LLAMA.num_layers for t in full.tasks)
+            or cm.min_ckpt(tokens, t.degree) == t.recompute_layers
+    full = plan_for([200_000, 1000], world=8, policy="dcp", recompute="full")
+    assert all(t.recompute_layers == LLAMA.num_layers for t in full.tasks)
 
 
 def test_pack_tokens_caps_packed_tasks():
@@ -456,10 +456,10 @@ def test_oversize_policies():
     assert "sequence 1 has 3000000 tokens" in text and "largest length that fits is" in text
     largest = int(text.split("largest length that fits is ")[1].split()[0])
     assert 0 < largest < 3_000_000
-    truncated = plan_for([1000, 3_000_000], world=2, oversize_policy="truncate")
+    truncated = plan_for([1000, 3_000_000], world=2, oversize="truncate")
     assert truncated.lengths[1] == largest
     validate_plan(truncated, LLAMA)
-    skipped = plan_for([1000, 3_000_000], world=2, oversize_policy="skip")
+    skipped = plan_for([1000, 3_000_000], world=2, oversize="skip")
     assert skipped.skipped == (1,) and all(1 not in t.seqs for t in skipped.tasks)
     validate_plan(skipped, LLAMA)
     assert plan_for([largest], world=2).tasks
@@ -595,7 +595,7 @@ def test_tensor_parallel_one_is_the_default_model():
     whole, half = plan_for([800_000], world=8), plan_for([800_000], world=8, model=tp2)
     cm2 = build_cost_model(tp2, DCPConfig(), 8)
     assert [t.degree for t in whole.tasks] == [t.degree for t in half.tasks] == [8]
-    assert half.tasks[0].ckpt_layers < whole.tasks[0].ckpt_layers
+    assert half.tasks[0].recompute_layers < whole.tasks[0].recompute_layers
     assert half.tasks[0].memory == pytest.approx(cm2.memory(half.tasks[0], half.lengths))
     assert half.tasks[0].memory <= cm2.budget
 

@@ -38,8 +38,8 @@ def cases(draw):
                             min_size=1, max_size=max_seqs))
     config = DCPConfig(ranks_per_node=per_node,
                        memory_budget_gb=draw(st.sampled_from([None, 40.0, 80.0, 200.0])),
-                       checkpoint_policy=draw(st.sampled_from(["auto", "auto", "full", "none"])),
-                       oversize_policy=draw(st.sampled_from(["skip", "truncate"])),
+                       recompute=draw(st.sampled_from(["auto", "auto", "full", "none"])),
+                       oversize=draw(st.sampled_from(["skip", "truncate"])),
                        hardware=draw(st.sampled_from(["h200", "h100", "a100"])))
     return world, lengths, config, draw(shapes())
 
@@ -79,7 +79,7 @@ def test_random_inputs_give_valid_deterministic_plans(case):
 @FAST
 @given(st.lists(st.integers(1, 300_000), min_size=1, max_size=40), st.integers(1, 64))
 def test_dcp_ablations_are_valid_and_dcp_is_not_slower(lengths, world):
-    config = DCPConfig(oversize_policy="skip")
+    config = DCPConfig(oversize="skip")
     model = MODEL_PRESETS["llama-7b"]
     cm = build_cost_model(model, config, world)
     times = {}

@@ -10,9 +10,9 @@ from megatron_dcp.runtime.report import TrainingLog, plan_summary, progress_bar
 
 
 def _plan() -> Plan:
-    tasks = (Task(id=0, ranks=(0, 1), seqs=(0,), ulysses=2, ring=1, ckpt_layers=2, start=0.0),
-             Task(id=1, ranks=(0,), seqs=(1, 2), ulysses=1, ring=1, ckpt_layers=0, start=1.0),
-             Task(id=2, ranks=(0,), seqs=(3,), ulysses=1, ring=1, ckpt_layers=0, start=2.0))
+    tasks = (Task(id=0, ranks=(0, 1), seqs=(0,), ulysses=2, ring=1, recompute_layers=2, start=0.0),
+             Task(id=1, ranks=(0,), seqs=(1, 2), ulysses=1, ring=1, recompute_layers=0, start=1.0),
+             Task(id=2, ranks=(0,), seqs=(3,), ulysses=1, ring=1, recompute_layers=0, start=2.0))
     return Plan(tasks=tasks, lengths=(40, 5, 7, 3), world_size=3, policy="manual")
 
 
@@ -21,7 +21,7 @@ def test_plan_summary_of_a_plan_and_of_data_parallel():
     assert got["mode"] == "dcp"
     assert got["degrees"] == {"1": 2, "2": 1}
     assert got["micro_steps_per_rank"] == [3, 1, 0]  # rank 2 has no task
-    assert got["ckpt_layers"] == [0, 2]
+    assert got["recompute_layers"] == [0, 2]
     assert got["plan_ms"] == 12.3 and got["predicted_s"] == round(_plan().makespan, 6)
     assert "plan_ms" not in plan_summary(_plan())
     assert plan_summary(None, micro_steps=(2, 1)) == {"mode": "data-parallel",

@@ -153,7 +153,7 @@ def _planned(world: int, free_tokens: int) -> dict:
     cm = CostModel(shape, hw, world_size=world, memory_budget=budget)
     plan = make_plan(list(LENGTHS), world_size=world, model=shape, config=DCPConfig(),
                      cost_model=cm)
-    assert max(t.degree for t in plan.tasks) >= 2 or any(t.ckpt_layers for t in plan.tasks)
+    assert max(t.degree for t in plan.tasks) >= 2 or any(t.recompute_layers for t in plan.tasks)
     return plan.to_dict()
 
 
@@ -330,8 +330,8 @@ def test_empty_lockstep_task_runs_with_zero_loss():
     runs the model's modules and contributes nothing."""
     model, batch = build_model(), build_batch()
     layout = ShardLayout.build([2], 1, 1, 0)
-    ctx = TaskContext(task=Task(id=-1, ranks=(0,), seqs=(-1,), ckpt_layers=2), group_rank=0,
-                      layout=layout, ckpt_layers=2)
+    ctx = TaskContext(task=Task(id=-1, ranks=(0,), seqs=(-1,), recompute_layers=2), group_rank=0,
+                      layout=layout, recompute_layers=2)
     with task_context(ctx):
         losses = model(torch.zeros(2, dtype=torch.long), torch.arange(2),
                        torch.full((2,), -100), batch, task=ctx)

@@ -120,7 +120,7 @@ def test_dcp_equals_data_parallel_with_split_videos_and_recompute(world):
             assert abs(a - b) <= REL_TOL * abs(b), f"{name} iteration {i + 1}: {a} vs dp {b}"
     plans = [r["plan"] for r in report["dcp"]]
     assert any(int(d) >= world for p in plans for d in p["degrees"]), plans  # a video split
-    assert any(max(p["ckpt_layers"]) > 0 for p in plans), plans             # and recomputed
+    assert any(max(p["recompute_layers"]) > 0 for p in plans), plans             # and recomputed
     for r in report["dcp"]:
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and "peak_mem_mb" in r
     if world == 2:

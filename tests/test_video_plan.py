@@ -135,12 +135,12 @@ def test_make_plan_rejects_bad_frame_tokens():
 
 def test_oversize_videos_are_truncated_to_whole_frames():
     lengths, frames = video_workload([(200, 45, 80), (4, 15, 26)])
-    cfg = config("dcp", memory_budget_gb=40.0, oversize_policy="truncate", max_degree=2)
+    cfg = config("dcp", memory_budget_gb=40.0, oversize="truncate", max_degree=2)
     plan = make_plan(lengths, world_size=2, model=DIT, config=cfg, frame_tokens=frames)
     assert plan.lengths[0] < lengths[0] and plan.lengths[0] % 3600 == 0
     assert plan.lengths[1] == lengths[1] and plan.frame_tokens == tuple(frames)
     with pytest.raises(PlanError, match=r"sequence 0 has 720000 tokens \(200 frames of 3600"):
-        make_plan(lengths, world_size=2, model=DIT, config=replace(cfg, oversize_policy="error"),
+        make_plan(lengths, world_size=2, model=DIT, config=replace(cfg, oversize="error"),
                   frame_tokens=frames)
 
 
@@ -154,7 +154,7 @@ def test_bucket_plans_group_videos_by_shape():
     for t in plan.tasks:
         keys = {video_bucket(lengths[s], frames[s]) for s in t.seqs}
         assert len(keys) == 1, (t.id, [shapes[s] for s in t.seqs])
-        assert t.ckpt_layers == DIT.num_layers  # the paper's baseline recomputes every layer
+        assert t.recompute_layers == DIT.num_layers  # the paper's baseline recomputes every layer
     # default for videos: the smallest degree at which the largest video fits
     cm = build_cost_model(DIT, config("bucket"), 8)
     longest = max(lengths)

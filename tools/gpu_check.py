@@ -312,8 +312,8 @@ def section_run_plan(ctx) -> dict:
 
     def step(ckpt: int):
         model = Decoder(cfg, seed=5).to(device=dev, dtype=dtype)
-        tasks = (Task(id=0, ranks=(0,), seqs=(0, 1), ckpt_layers=ckpt),
-                 Task(id=1, ranks=(0,), seqs=(2, 3), ckpt_layers=ckpt, start=1.0))
+        tasks = (Task(id=0, ranks=(0,), seqs=(0, 1), recompute_layers=ckpt),
+                 Task(id=1, ranks=(0,), seqs=(2, 3), recompute_layers=ckpt, start=1.0))
         plan = Plan(tasks=tasks, lengths=lengths, world_size=1)
 
         def run(check: bool):
@@ -388,8 +388,8 @@ def section_megatron(ctx) -> dict:
                          max_sequence_length=max(lengths), position_embedding_type="rope")
         model = model.to(dev)
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), module=model)
-        tasks = (Task(id=0, ranks=(0,), seqs=(0, 1), ckpt_layers=ckpt),
-                 Task(id=1, ranks=(0,), seqs=(2, 3), ckpt_layers=ckpt, start=1.0))
+        tasks = (Task(id=0, ranks=(0,), seqs=(0, 1), recompute_layers=ckpt),
+                 Task(id=1, ranks=(0,), seqs=(2, 3), recompute_layers=ckpt, start=1.0))
         plan = Plan(tasks=tasks, lengths=lengths, world_size=1)
 
         def loss_func(loss_mask, output):

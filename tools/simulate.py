@@ -85,8 +85,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", default="all", help="all, or a comma list of: " + ", ".join(ORDER))
     p.add_argument("--memory-budget-gb", type=float, default=None, help="GiB per rank for the "
                                                                         "planner")
-    p.add_argument("--checkpoint-policy", default="auto", choices=("auto", "none", "full"))
-    p.add_argument("--oversize-policy", default="error", choices=("error", "truncate", "skip"))
+    p.add_argument("--recompute", "--checkpoint-policy", default="auto",
+                   choices=("auto", "none", "full"),
+                   help="recomputed layers per task: auto (fewest that fit), none, full")
+    p.add_argument("--oversize", "--oversize-policy", default="error",
+                   choices=("error", "truncate", "skip"),
+                   help="a sequence that fits nowhere: error, truncate, skip")
     p.add_argument("--max-degree", type=int, default=None, help="largest group size")
     p.add_argument("--baseline-degree", default=None, type=baseline_degree,
                    help="baselines' fixed SP degree: tuned (fastest that fits), min (smallest "
@@ -177,8 +181,8 @@ def run(args: argparse.Namespace) -> dict:
     names = policies_of(args.policy)
     base = DCPConfig(hardware=args.hardware, ranks_per_node=args.gpus_per_node,
                      memory_budget_gb=args.memory_budget_gb,
-                     checkpoint_policy=args.checkpoint_policy,
-                     oversize_policy=args.oversize_policy, max_degree=args.max_degree,
+                     recompute=args.recompute,
+                     oversize=args.oversize, max_degree=args.max_degree,
                      schedule=args.schedule)
     cm = build_cost_model(model, base, world, zero_stage=args.zero_stage)
     plans: dict[str, Plan] = {}
@@ -199,9 +203,9 @@ def run(args: argparse.Namespace) -> dict:
     ran_frames = [first.frame_tokens[s] for s in ran_seqs] \
         if first.frame_tokens is not None else None
     bound = lower_bound(ran, cm, world_size=world, max_degree=args.max_degree,
-                        ckpt_policy=args.checkpoint_policy, frame_tokens=ran_frames)
+                        recompute_mode=args.recompute, frame_tokens=ran_frames)
     mold = lower_bound(ran, cm, world_size=world, max_degree=args.max_degree,
-                       ckpt_policy=args.checkpoint_policy, moldable=True, frame_tokens=ran_frames)
+                       recompute_mode=args.recompute, moldable=True, frame_tokens=ran_frames)
     results = {}
     for name, plan in plans.items():
         results[name] = simulate(plan, cm, bound=bound, moldable_bound=mold)
@@ -255,7 +259,7 @@ def plot_plans(shown: list, path: str, cm) -> None:
                              sharey=True, squeeze=False)
     for ax, (name, plan, result) in zip(axes[0], shown):
         for task, start, duration in zip(plan.tasks, result.starts, result.durations):
-            hatch = "//" if task.ckpt_layers else None
+            hatch = "//" if task.recompute_layers else None
             for r in task.ranks:
                 ax.broken_barh([(start, duration)], (r - 0.4, 0.8), facecolors=colour[task.degree],
                                edgecolor="white", linewidth=0.3, hatch=hatch)

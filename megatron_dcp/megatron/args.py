@@ -104,10 +104,10 @@ def _recompute_and_head_problems(args: argparse.Namespace, config: DCPConfig) ->
     """Megatron recompute flags DCP cannot drive per task, and Ulysses degrees heads refuse."""
     problems = []
     granularity = _get(args, "recompute_granularity", None)
-    if granularity == "selective" and config.checkpoint_policy != "none":
+    if granularity == "selective" and config.recompute != "none":
         problems.append("--recompute-granularity selective is fixed when the model is built; DCP "
                         "sets a recompute depth per task: use --recompute-granularity full "
-                        "--recompute-method block, or --dcp-checkpoint-policy none")
+                        "--recompute-method block, or --dcp-recompute none")
     if granularity == "full" and _get(args, "recompute_method", "block") != "block":
         problems.append("--dcp with --recompute-granularity full needs --recompute-method block "
                         "(DCP sets the number of recomputed layers per task)")

@@ -101,7 +101,7 @@ class MegatronStepEngine:
             "attention_mask": None,
             "packed_seq_params": DCPTaskParams.of(shard.task),
         }
-        depth = shard.task.ckpt_layers if shard.task is not None and not self.forward_only else 0
+        depth = shard.task.recompute_layers if shard.task is not None and not self.forward_only else 0
         with megatron_recompute(self.mconfig, depth):
             output_tensor, loss_func = self.forward_step_func(iter([micro_batch]), self.model)
         outputs = loss_func(output_tensor)

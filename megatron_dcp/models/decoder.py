@@ -3,7 +3,7 @@
 Inside a task, the model is called with the task (``model(ids, pos, task=ctx)``) and its input
 is the local shard of the task's packed sequences (``input_ids`` and the original
 ``position_ids`` of those tokens, which RoPE uses); `dcp_attention` attends within each sequence
-across the task's group; `run_layer` recomputes the first ``ckpt_layers`` layers of the task.
+across the task's group; `run_layer` recomputes the first ``recompute_layers`` layers of the task.
 The task travels as an argument, so a recompute on another thread (CUDA's autograd worker) sees
 it too. Without ``task`` the model reads the executor's task context (`current_task`). Outside a
 task the same code is a plain single-sequence decoder: the single-process reference of the tests.

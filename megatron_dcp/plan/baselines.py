@@ -9,7 +9,7 @@ degree (a group size at which the longest sequence fits) for every batch of a ru
 (ranks no group covers stay idle). Checkpointing: ``bucket`` recomputes every layer (the paper's
 baseline); the
 others use one depth for the whole run, the fewest layers that fit their largest micro-batch (what a
-practitioner tunes once); ``checkpoint_policy`` none/full overrides both.
+practitioner tunes once); ``recompute`` none/full overrides both.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def candidate_degrees(ctx: PlanContext, mode: str) -> list[int]:
     sizes = ctx.vocab.sizes
     pow2 = [s for s in sizes if s & (s - 1) == 0]
     for group in (pow2, sizes):
-        fit = [s for s in group if ctx.ckpt_for(ctx.padded(longest, s), s, mode) is not None]
+        fit = [s for s in group if ctx.recompute_for(ctx.padded(longest, s), s, mode) is not None]
         if fit:
             return fit if group is pow2 else fit[:1]
     raise PlanError(f"the longest sequence ({longest} tokens) fits no group size")
@@ -40,7 +40,7 @@ def fixed_degree(ctx: PlanContext, degree: int, mode: str) -> int:
     """``degree`` if the longest sequence fits a group of that size, else `PlanError`."""
     longest = max(ctx.active, key=lambda i: (ctx.lengths[i], -i))
     n = ctx.lengths[longest]
-    if ctx.ckpt_for(ctx.padded(n, degree), degree, mode) is None:
+    if ctx.recompute_for(ctx.padded(n, degree), degree, mode) is None:
         raise PlanError(f"baseline degree {degree}: sequence {longest} ({n} tokens) does not fit "
                         f"a group of {degree} ranks (recompute {mode}); choose a larger degree")
     return degree
@@ -83,9 +83,9 @@ def _groups(ctx: PlanContext, degree: int) -> list[int]:
 def _run_depth(ctx: PlanContext, degree: int, max_tokens: int) -> int:
     """One checkpoint depth for the run: fewest layers that fit the largest micro-batch."""
     mode = ctx.baseline_mode()
-    if ctx.ckpt_policy == "auto":
+    if ctx.recompute_mode == "auto":
         mode = "min"
-    c = ctx.ckpt_for(max_tokens, degree, mode)
+    c = ctx.recompute_for(max_tokens, degree, mode)
     if c is None:
         c = ctx.cm.model.num_layers
     return c
@@ -311,10 +311,10 @@ def _greedy_cp_sizes(ctx: PlanContext, cap: int) -> dict[int, int]:
     size_of = {}
     for i in ctx.active:
         want = 1 << max(0, math.ceil(math.log2(max(1, -(-ctx.lengths[i] // cap)))))
-        fits = [s for s in pow2 if s >= want and ctx.ckpt_for(ctx.padded(ctx.lengths[i], s), s,
+        fits = [s for s in pow2 if s >= want and ctx.recompute_for(ctx.padded(ctx.lengths[i], s), s,
                                                               "min") is not None]
         if not fits:
-            fits = [s for s in vocab.sizes if ctx.ckpt_for(ctx.padded(ctx.lengths[i], s), s,
+            fits = [s for s in vocab.sizes if ctx.recompute_for(ctx.padded(ctx.lengths[i], s), s,
                                                            "min") is not None]
         size_of[i] = fits[0]
     return size_of
@@ -369,9 +369,9 @@ def _greedy_cp_drafts(ctx: PlanContext, open_blocks: dict[int, list[list]], dept
     round_end = clock
     for size, blocks in sorted(open_blocks.items()):
         for _, start, seqs, tokens in blocks:
-            c = depth if ctx.ckpt_for(tokens, size, "min") is not None else None
+            c = depth if ctx.recompute_for(tokens, size, "min") is not None else None
             if c is None or cm.memory_of(tokens, size, c) > cm.budget:
-                c = ctx.ckpt_for(tokens, size, "min") or cm.model.num_layers
+                c = ctx.recompute_for(tokens, size, "min") or cm.model.num_layers
             d = ctx.draft(start, size, seqs, c, release=clock)
             d.start = clock
             drafts.append(d)

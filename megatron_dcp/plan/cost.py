@@ -519,26 +519,26 @@ class CostModel:
         of every sequence of the batch (`Plan.frame_tokens`; ``None``: the model's)."""
         tokens, pairs = self._task_sizes(task, lengths, frame_tokens)
         return self.time_of(tokens, pairs, self.group_layout(task.ranks, task.ulysses),
-                            task.ckpt_layers)
+                            task.recompute_layers)
 
     def task_terms(self, task: Task, plan: Plan) -> Terms:
         """The table of terms of ``task`` of ``plan``, placed on its ranks (calibration)."""
         tokens, pairs = self._task_sizes(task, plan.lengths, getattr(plan, "frame_tokens", None))
         return self.terms(tokens, pairs, self.group_layout(task.ranks, task.ulysses),
-                          task.ckpt_layers)
+                          task.recompute_layers)
 
     def task_breakdown(self, task: Task, lengths: Sequence[int],
                        frame_tokens: Optional[Sequence[int]] = None) -> TimeBreakdown:
         """`breakdown` of a placed task (``frame_tokens`` as in `time`)."""
         tokens, pairs = self._task_sizes(task, lengths, frame_tokens)
         return self.breakdown(tokens, pairs, self.group_layout(task.ranks, task.ulysses),
-                              task.ckpt_layers)
+                              task.recompute_layers)
 
     def memory(self, task: Task, lengths: Sequence[int]) -> float:
         """Predicted peak bytes per rank of ``task`` (static memory included), with the padding
         the runtime adds for the task's layout."""
         tokens = sum(padded_length(lengths[s], task.ulysses, task.ring) for s in task.seqs)
-        return self.memory_of(tokens, task.degree, task.ckpt_layers)
+        return self.memory_of(tokens, task.degree, task.recompute_layers)
 
     # ------------------------------------------------------------------ step level
     def sync_time(self) -> float:

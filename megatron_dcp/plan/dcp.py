@@ -118,7 +118,7 @@ def fill_options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0
     for d in ctx.vocab.sizes:
         if d < start_at:
             continue
-        c = ctx.ckpt_for(ctx.padded(info.length, d), d, mode)
+        c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
         if c is not None:
             info.fits.append((d, c))
 
@@ -130,7 +130,7 @@ def raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoic
     out = SeqChoice(info.i, info.length, info.pairs)
     for d in ctx.vocab.sizes:
         if d >= floor:
-            c = ctx.ckpt_for(ctx.padded(info.length, d), d, mode)
+            c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
             if c is not None:
                 out.degree, out.ckpt = d, c
                 out.time = ctx.cm.best_time(info.length, info.pairs, d, c)[0]
@@ -146,7 +146,7 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
     overhead = cm.task_overhead
     for info in infos:
         for d in sizes:
-            c = ctx.ckpt_for(ctx.padded(info.length, d), d, mode)
+            c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
             if c is not None:
                 info.degree, info.ckpt = d, c
                 break
@@ -199,7 +199,7 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
             tokens = ctx.padded(info.length, degree)
             if cur is not None:
                 new_tokens, new_pairs = cur.tokens + tokens, cur.pairs + info.pairs
-                c = ctx.ckpt_for(new_tokens, degree, mode) if new_tokens <= token_cap else None
+                c = ctx.recompute_for(new_tokens, degree, mode) if new_tokens <= token_cap else None
                 if c is not None:
                     t = cm.best_time(new_tokens, new_pairs, degree, c)[0]
                     if t <= limit:
@@ -221,7 +221,7 @@ def _options_for(ctx: PlanContext, task: PackedTask, mode: str):
         if d < task.degree:
             continue
         padded_tokens = raw if d == 1 else ctx.padded_tokens(task.seqs, d)
-        c = ctx.ckpt_for(padded_tokens, d, mode)
+        c = ctx.recompute_for(padded_tokens, d, mode)
         if c is None:
             continue
         t = task.time if d == task.degree else ctx.cm.best_time(raw, task.pairs, d, c)[0]
@@ -289,7 +289,7 @@ def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]
             seqs = prev.seqs + d.seqs
             tokens = ctx.padded_tokens(seqs, d.size)
             fits_cap = tokens <= (ctx.pack_tokens or tokens)
-            c = ctx.ckpt_for(tokens, d.size, mode) if fits_cap else None
+            c = ctx.recompute_for(tokens, d.size, mode) if fits_cap else None
             if c is not None:
                 merged = ctx.draft(a, d.size, seqs, c)
                 if merged.duration <= prev.duration + d.duration:

@@ -79,7 +79,7 @@ class _Task:
         padded = self.padded + ctx.padded(ctx.lengths[seq], self.size)
         if self.seqs and ctx.pack_tokens and padded > ctx.pack_tokens:
             return None
-        c = ctx.ckpt_for(padded, self.size, mode)
+        c = ctx.recompute_for(padded, self.size, mode)
         if c is None or c > self.slot.depth:
             return None
         t = ctx.cm.best_time(self.raw + ctx.lengths[seq], self.pairs + ctx.pairs[seq],

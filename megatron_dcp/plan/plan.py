@@ -57,7 +57,7 @@ class Task:
     """Ulysses (all-to-all, head-sharded) degree."""
     ring: int = 1
     """Ring (P2P, zigzag) degree; ``ulysses * ring == len(ranks)``."""
-    ckpt_layers: int = 0
+    recompute_layers: int = 0
     """Number of transformer layers whose activations are recomputed in backward."""
     start: float = 0.0
     """Predicted start time within the step, seconds (orders the tasks)."""
@@ -111,13 +111,19 @@ class Task:
         if ulysses * ring != len(ranks):
             raise ValueError(f"{where}: ulysses {ulysses} x ring {ring} != {len(ranks)} ranks")
         slot = d.get("slot")
+        if "ckpt_layers" in d:  # plans written before the rename
+            if "recompute_layers" in d:
+                raise ValueError(f"{where}: give recompute_layers or its old name ckpt_layers, "
+                                 "not both")
+            d = {**d, "recompute_layers": d["ckpt_layers"]}
         return cls(
             id=_integer(d["id"], f"{where}.id"),
             ranks=tuple(ranks),
             seqs=tuple(_integers(d["seqs"], f"{where}.seqs", 0)),
             ulysses=ulysses,
             ring=ring,
-            ckpt_layers=_integer(d.get("ckpt_layers", 0), f"{where}.ckpt_layers", 0),
+            recompute_layers=_integer(d.get("recompute_layers", 0), f"{where}.recompute_layers",
+                                      0),
             start=_number(d.get("start", 0.0), f"{where}.start"),
             duration=_number(d.get("duration", 0.0), f"{where}.duration"),
             memory=_number(d.get("memory", 0.0), f"{where}.memory"),
@@ -224,7 +230,7 @@ class Plan:
         depths = [0] * (max(slots) + 1 if slots else 0)
         for t in self.tasks:
             if t.slot is not None:
-                depths[t.slot] = t.ckpt_layers
+                depths[t.slot] = t.recompute_layers
         return depths
 
     def digest(self) -> str:
@@ -235,7 +241,7 @@ class Plan:
             "world_size": self.world_size,
             "skipped": list(self.skipped),
             "tasks": [
-                [t.id, list(t.ranks), list(t.seqs), t.ulysses, t.ring, t.ckpt_layers,
+                [t.id, list(t.ranks), list(t.seqs), t.ulysses, t.ring, t.recompute_layers,
                  round(t.start, 9)] + ([t.slot] if t.slot is not None else [])
                 for t in self.tasks
             ],

@@ -63,7 +63,7 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
     """Apply the oversize policy: returns the skipped sequences (truncation is done in place)."""
     sizes = ctx.vocab.sizes
     top = sizes[-1]
-    mode = "none" if ctx.ckpt_policy == "none" else "full"
+    mode = "none" if ctx.recompute_mode == "none" else "full"
     cap = ctx.cm.max_tokens(top, ctx.cm.model.num_layers if mode == "full" else 0)
     step = ctx.cm.pad_multiple(top)
     largest = (cap // step) * step
@@ -71,7 +71,7 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
     skipped = []
     for i, n in enumerate(ctx.lengths):
         too_long_model = limit is not None and n > limit
-        fits = not too_long_model and ctx.ckpt_for(ctx.padded(n, top), top, mode) is not None
+        fits = not too_long_model and ctx.recompute_for(ctx.padded(n, top), top, mode) is not None
         if fits:
             continue
         fit_len = min(largest, limit) if limit is not None else largest
@@ -91,7 +91,7 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
             video = f" ({n // frame} frames of {frame} tokens)" if frame else ""
             raise PlanError(
                 f"sequence {i} has {n} tokens{video} and {why}; the largest length that fits is "
-                f"{max(fit_len, 0)} tokens (set dcp.oversize_policy to truncate or skip, raise "
+                f"{max(fit_len, 0)} tokens (set dcp.oversize to truncate or skip, raise "
                 "the memory budget, the ZeRO stage or max_degree)"
             )
     return skipped
@@ -165,10 +165,10 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     vocab = Vocabulary.for_cost_model(cm, config.max_degree)
     _check_baseline_degree(baseline_degree, vocab)
     ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab,
-                      ckpt_policy=config.checkpoint_policy,
+                      recompute_mode=config.recompute,
                       pack_tokens=pack_budget(config, cm), baseline_degree=baseline_degree,
                       frame_tokens=frames)
-    skipped = _oversize(ctx, config.oversize_policy)
+    skipped = _oversize(ctx, config.oversize)
     skip = set(skipped)
     ctx.active = [i for i in range(len(clean)) if i not in skip]
     meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,

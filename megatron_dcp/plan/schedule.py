@@ -38,8 +38,8 @@ class PlanContext:
     """Sequences to plan (skipped ones are left out)."""
     cm: CostModel
     vocab: Vocabulary
-    ckpt_policy: str
-    """auto, none or full (from DCPConfig.checkpoint_policy)."""
+    recompute_mode: str
+    """auto, none or full (from DCPConfig.recompute)."""
     pack_tokens: Optional[int] = None
     baseline_degree: "str | int" = "tuned"
     """Fixed degree of the baselines: tuned (fastest power of two at which the longest sequence
@@ -73,7 +73,7 @@ class PlanContext:
         lengths, padded = self.lengths, self.cm.padded
         return sum(padded(lengths[s], degree) for s in seqs)
 
-    def ckpt_for(self, padded_tokens: int, degree: int, mode: str) -> Optional[int]:
+    def recompute_for(self, padded_tokens: int, degree: int, mode: str) -> Optional[int]:
         """Checkpoint depth of a task under ``mode`` (min, full, none); ``None``: does not fit."""
         local = -(-padded_tokens // degree)
         if mode == "none":
@@ -88,11 +88,11 @@ class PlanContext:
 
     def baseline_mode(self) -> str:
         """A baseline's checkpointing: full unless the config says none."""
-        return "none" if self.ckpt_policy == "none" else "full"
+        return "none" if self.recompute_mode == "none" else "full"
 
     def dcp_mode(self) -> str:
         """DCP-intra's checkpointing: fewest recomputed layers unless the config fixes it."""
-        return {"auto": "min"}.get(self.ckpt_policy, self.ckpt_policy)
+        return {"auto": "min"}.get(self.recompute_mode, self.recompute_mode)
 
     def draft(self, start_rank: int, size: int, seqs: list[int], ckpt: int, release: float = 0.0,
               layout: Optional[Layout] = None) -> Draft:
@@ -206,7 +206,7 @@ def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Seq
         d = drafts[k]
         task = Task(id=tid, ranks=tuple(range(d.start_rank, d.start_rank + d.size)),
                     seqs=tuple(d.seqs), ulysses=d.layout.ulysses, ring=d.layout.ring,
-                    ckpt_layers=d.ckpt, start=d.start, duration=d.duration, slot=d.slot)
+                    recompute_layers=d.ckpt, start=d.start, duration=d.duration, slot=d.slot)
         # memory with the padding of the layout the task got (the runtime's own rule)
         tasks.append(replace(task, memory=cm.memory(task, ctx.lengths)))
     frames = tuple(ctx.frame_tokens) if ctx.frame_tokens is not None else None
@@ -219,7 +219,7 @@ def lighten(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
     (same ranks, sequences and order)."""
     result = []
     for d in drafts:
-        ckpt = ctx.ckpt_for(ctx.padded_tokens(d.seqs, d.size), d.size, ctx.dcp_mode())
+        ckpt = ctx.recompute_for(ctx.padded_tokens(d.seqs, d.size), d.size, ctx.dcp_mode())
         if ckpt is None or ckpt >= d.ckpt:
             result.append(replace(d))
         else:

@@ -54,20 +54,20 @@ class SimResult:
 
 
 def lower_bound(lengths: Sequence[int], cm: CostModel, *, world_size: Optional[int] = None,
-                max_degree: Optional[int] = None, ckpt_policy: str = "auto",
+                max_degree: Optional[int] = None, recompute_mode: str = "auto",
                 moldable: bool = False, frame_tokens: Optional[Sequence[int]] = None) -> float:
     """The larger of `_bound` with ring traffic fully hidden and half hidden (both valid).
     ``frame_tokens``: tokens per frame of each of ``lengths`` (videos of mixed resolution;
     ``None``: the model's)."""
     pairs = [cm.pairs_of(n, s) for n, s in
              zip(lengths, frame_tokens if frame_tokens is not None else [None] * len(lengths))]
-    return max(_bound(lengths, pairs, cm, world_size, max_degree, ckpt_policy, moldable, hidden)
+    return max(_bound(lengths, pairs, cm, world_size, max_degree, recompute_mode, moldable, hidden)
                for hidden in (1.0, 0.5))
 
 
 def _bound(lengths: Sequence[int], pairs_of: Sequence[float], cm: CostModel,
            world_size: Optional[int], max_degree: Optional[int],
-           ckpt_policy: str, moldable: bool, hidden: float) -> float:
+           recompute_mode: str, moldable: bool, hidden: float) -> float:
     """Seconds (without the step's ``sync_time``) that no plan over the vocabulary's group sizes
     can beat: ``max(longest sequence at its fastest degree, total minimal work / ranks)``, work =
     ranks x `CostModel.marginal_time` at the least-work degree (per-task costs can be shared by
@@ -79,7 +79,7 @@ def _bound(lengths: Sequence[int], pairs_of: Sequence[float], cm: CostModel,
     total work / ranks <= T (a sequence that must be spread for time costs extra work).
     """
     world = world_size or cm.world_size
-    options = _DegreeOptions(cm, Vocabulary(world, cm.ranks_per_node, max_degree), ckpt_policy,
+    options = _DegreeOptions(cm, Vocabulary(world, cm.ranks_per_node, max_degree), recompute_mode,
                              hidden)
     work, seqs = _least_work(lengths, pairs_of, options)
     per_rank = work / world
@@ -95,8 +95,8 @@ class _DegreeOptions:
     layout and the work (ranks x `CostModel.marginal_time`, ring traffic ``hidden``) of its
     least-work layout."""
 
-    def __init__(self, cm: CostModel, vocab: Vocabulary, ckpt_policy: str, hidden: float) -> None:
-        self.cm, self.vocab, self.ckpt_policy, self.hidden = cm, vocab, ckpt_policy, hidden
+    def __init__(self, cm: CostModel, vocab: Vocabulary, recompute_mode: str, hidden: float) -> None:
+        self.cm, self.vocab, self.recompute_mode, self.hidden = cm, vocab, recompute_mode, hidden
         self.kinds = {layout_kind(lay.ulysses, lay.ring) for d in vocab.sizes
                       for lay in cm.layouts(d)}
 
@@ -105,9 +105,9 @@ class _DegreeOptions:
         0, ``full``: every layer, else the fewest that fit); ``None`` where they do not fit."""
         cm = self.cm
         n_layers = cm.model.num_layers
-        if self.ckpt_policy == "none":
+        if self.recompute_mode == "none":
             return 0 if cm.memory_of(tokens, d, 0) <= cm.budget else None
-        if self.ckpt_policy == "full":
+        if self.recompute_mode == "full":
             return n_layers if cm.memory_of(tokens, d, n_layers) <= cm.budget else None
         return cm.min_ckpt(tokens, d)
 
@@ -201,7 +201,7 @@ def _slot_starts(plan: Plan, cm: CostModel, parts: Sequence) -> list[float]:
 
 def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
              moldable_bound: Optional[float] = None, max_degree: Optional[int] = None,
-             ckpt_policy: str = "auto") -> SimResult:
+             recompute_mode: str = "auto") -> SimResult:
     """Simulate ``plan`` (see module doc); ``bound`` / ``moldable_bound``: precomputed
     `lower_bound` values without sync (computed from the plan's sequences when not given)."""
     world = plan.world_size
@@ -239,10 +239,10 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
     ran_frames = [frames[s] for s in seqs] if frames is not None else None
     if bound is None:
         bound = lower_bound(ran, cm, world_size=world, max_degree=max_degree,
-                            ckpt_policy=ckpt_policy, frame_tokens=ran_frames)
+                            recompute_mode=recompute_mode, frame_tokens=ran_frames)
     if moldable_bound is None:
         moldable_bound = lower_bound(ran, cm, world_size=world, max_degree=max_degree,
-                                     ckpt_policy=ckpt_policy, moldable=True,
+                                     recompute_mode=recompute_mode, moldable=True,
                                      frame_tokens=ran_frames)
     mean_busy = sum(busy) / world
     flops = cm.model_flops(ran, ran_frames)

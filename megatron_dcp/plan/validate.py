@@ -66,7 +66,7 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
 def _check_group(t: Task, world: int, model: Optional[ModelShape],
                  vocabulary: Optional[Vocabulary]) -> None:
     """A task's ranks, layout and recompute depth: ranks distinct and in the world, ``ulysses x
-    ring`` equal to their number, ``ckpt_layers`` within the model, the Ulysses degree dividing
+    ring`` equal to their number, ``recompute_layers`` within the model, the Ulysses degree dividing
     the heads per tensor-parallel rank, the group one of the vocabulary's."""
     if not t.ranks:
         raise PlanError(f"task {t.id} has no ranks")
@@ -78,8 +78,8 @@ def _check_group(t: Task, world: int, model: Optional[ModelShape],
     if t.ulysses < 1 or t.ring < 1 or t.ulysses * t.ring != len(t.ranks):
         raise PlanError(f"task {t.id}: ulysses {t.ulysses} x ring {t.ring} != {len(t.ranks)} "
                         "ranks")
-    if t.ckpt_layers < 0 or (model is not None and t.ckpt_layers > model.num_layers):
-        raise PlanError(f"task {t.id}: ckpt_layers {t.ckpt_layers} out of range")
+    if t.recompute_layers < 0 or (model is not None and t.recompute_layers > model.num_layers):
+        raise PlanError(f"task {t.id}: recompute_layers {t.recompute_layers} out of range")
     if model is not None and (model.heads_per_rank % t.ulysses
                               or model.kv_heads_per_rank % t.ulysses):
         raise PlanError(f"task {t.id}: Ulysses degree {t.ulysses} does not divide the "
@@ -133,15 +133,15 @@ def _check_overlaps(plan: Plan) -> None:
 
 def _check_slots(plan: Plan) -> None:
     """The slot rules of a lockstep plan (see `validate_plan`)."""
-    depth: dict[int, tuple[int, int]] = {}  # slot -> (ckpt_layers, first task id)
+    depth: dict[int, tuple[int, int]] = {}  # slot -> (recompute_layers, first task id)
     last = [(-1, -1)] * plan.world_size  # per rank: (slot, task id) of its previous task
     for t in plan.tasks:  # (start, id) order: the order every rank runs its tasks in
         if t.slot is None or t.slot < 0:
             raise PlanError(f"task {t.id} has slot {t.slot!r} in a lockstep plan (every task "
                             "needs a slot >= 0)")
-        c, first = depth.setdefault(t.slot, (t.ckpt_layers, t.id))
-        if c != t.ckpt_layers:
-            raise PlanError(f"slot {t.slot}: task {t.id} recomputes {t.ckpt_layers} layers, task "
+        c, first = depth.setdefault(t.slot, (t.recompute_layers, t.id))
+        if c != t.recompute_layers:
+            raise PlanError(f"slot {t.slot}: task {t.id} recomputes {t.recompute_layers} layers, task "
                             f"{first} {c}: the tasks of a slot need one recompute depth")
         for r in t.ranks:
             slot, tid = last[r]

@@ -84,10 +84,10 @@ def task_step(model: Decoder, cfg: DecoderConfig, lengths: list[int], device: to
     layers."""
     degree = ulysses * ring
     task = Task(id=0, ranks=tuple(range(degree)), seqs=tuple(range(len(lengths))),
-                ulysses=ulysses, ring=ring, ckpt_layers=ckpt)
+                ulysses=ulysses, ring=ring, recompute_layers=ckpt)
     layout = ShardLayout.build(lengths, ulysses, ring, rank)
     if degree == 1:
-        ctx = TaskContext(task=task, group_rank=0, layout=layout, ckpt_layers=ckpt)
+        ctx = TaskContext(task=task, group_rank=0, layout=layout, recompute_layers=ckpt)
     else:
         from megatron_dcp.runtime.groups import groups_of_task
 

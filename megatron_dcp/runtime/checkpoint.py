@@ -1,6 +1,6 @@
 """Per-task activation recomputation: how many layers recompute is read at every forward.
 
-A DCP plan gives every task its own checkpoint depth (``Task.ckpt_layers``): a long sequence at a
+A DCP plan gives every task its own checkpoint depth (``Task.recompute_layers``): a long sequence at a
 low degree recomputes many layers, a packed task of short sequences none. The model is built once;
 each layer call goes through `run_layer(i, layer, *args, task=task)`, which reads the depth of
 the task the model was called with (or, without ``task``, of `current_task`) and wraps the first
@@ -12,7 +12,7 @@ that passes the task to its layers as an argument recomputes with the same task 
 runs (the checkpoint keeps the arguments). For models that read the task context instead, the
 recompute re-enters the context captured at forward time (``context_fn``).
 
-Outside a task the depth is 0, or what `checkpoint_depth` sets (single-process references,
+Outside a task the depth is 0, or what `recompute_outside_task` sets (single-process references,
 profiling).
 """
 
@@ -32,9 +32,9 @@ _DEPTH_OUTSIDE_TASK: ContextVar[int] = ContextVar("megatron_dcp_ckpt_depth", def
 
 
 @contextmanager
-def checkpoint_depth(depth: int) -> Iterator[int]:
+def recompute_outside_task(depth: int) -> Iterator[int]:
     """Recompute the first ``depth`` layers of forwards run outside a task (inside a task the
-    task's own ``ckpt_layers`` wins)."""
+    task's own ``recompute_layers`` wins)."""
     if depth < 0:
         raise ValueError(f"checkpoint depth must be >= 0, got {depth}")
     token = _DEPTH_OUTSIDE_TASK.set(int(depth))
@@ -44,12 +44,12 @@ def checkpoint_depth(depth: int) -> Iterator[int]:
         _DEPTH_OUTSIDE_TASK.reset(token)
 
 
-def current_depth(task: Optional[TaskContext] = None) -> int:
+def current_recompute_layers(task: Optional[TaskContext] = None) -> int:
     """Number of leading layers to recompute in the forward being run now (for ``task``, else
     for `current_task`)."""
     ctx = current_task(task)
     if ctx is not None:
-        return int(ctx.ckpt_layers)
+        return int(ctx.recompute_layers)
     return _DEPTH_OUTSIDE_TASK.get()
 
 
@@ -72,7 +72,7 @@ def run_layer(index: int, layer: Callable[..., torch.Tensor], *args: Any,
     effect under ``torch.no_grad``).
     """
     ctx = current_task(task)
-    if index < current_depth(ctx) and torch.is_grad_enabled():
+    if index < current_recompute_layers(ctx) and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(
             layer, *args, use_reentrant=False, context_fn=_recompute_contexts(ctx)
         )

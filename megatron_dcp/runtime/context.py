@@ -39,8 +39,8 @@ class TaskContext:
     """Process group of this rank's ring sub-group (``None`` when ``task.ring == 1``)."""
     layout: Any = None
     """`megatron_dcp.runtime.layout.ShardLayout` of this rank's shard of the task's sequences."""
-    ckpt_layers: int = 0
-    """Layers to recompute in this task (first ``ckpt_layers`` layers of the model)."""
+    recompute_layers: int = 0
+    """Layers to recompute in this task (first ``recompute_layers`` layers of the model)."""
 
     @property
     def degree(self) -> int:

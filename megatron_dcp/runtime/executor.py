@@ -117,7 +117,7 @@ class TaskError(RuntimeError):
         more = f", ... {len(task.seqs)} in all" if len(task.seqs) > 8 else ""
         super().__init__(
             f"rank {rank}: task {task.id} (ranks {task.ranks}, ulysses {task.ulysses} x ring "
-            f"{task.ring}, ckpt_layers {task.ckpt_layers}; sequences {seqs}{more}) failed{hint}: "
+            f"{task.ring}, recompute_layers {task.recompute_layers}; sequences {seqs}{more}) failed{hint}: "
             f"{type(cause).__name__}: {text}")
 
 
@@ -129,7 +129,7 @@ class TaskStats:
     degree: int
     ulysses: int
     ring: int
-    ckpt_layers: int
+    recompute_layers: int
     num_seqs: int
     tokens: int
     """Tokens of the task's sequences (whole task, unpadded)."""
@@ -448,7 +448,7 @@ class _Clock:
 
 def _task_stats(done: list, gaps: list[float]) -> list[TaskStats]:
     """`TaskStats` of the tasks run, from the clock's gaps (forward, backward, between)."""
-    return [TaskStats(task.id, task.degree, task.ulysses, task.ring, task.ckpt_layers,
+    return [TaskStats(task.id, task.degree, task.ulysses, task.ring, task.recompute_layers,
                       len(task.seqs), layout.num_packed, layout.num_tokens, gaps[3 * i],
                       gaps[3 * i + 1], task.duration)
             for i, (task, layout) in enumerate(done)]

@@ -279,7 +279,7 @@ class GroupPool:
             ulysses_group=self.get(task.ulysses_group(g)),
             ring_group=self.get(task.ring_group(g)),
             layout=layout,
-            ckpt_layers=task.ckpt_layers,
+            recompute_layers=task.recompute_layers,
         )
 
     def report(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int],
     summary = {"mode": "dcp", "degrees": {str(k): v for k, v in sorted(degrees.items())},
                "micro_steps_per_rank": [len(plan.tasks_for_rank(r))
                                         for r in range(plan.world_size)],
-               "ckpt_layers": sorted({t.ckpt_layers for t in plan.tasks}),
+               "recompute_layers": sorted({t.recompute_layers for t in plan.tasks}),
                "predicted_s": round(plan.makespan, 6)}
     if plan.lockstep:  # every rank runs every slot: its tasks and empty micro-steps
         summary["slots"] = len(plan.slot_depths())
@@ -89,7 +89,7 @@ def _plan_text(summary: dict[str, Any]) -> str:
     if summary["mode"] != "dcp":
         return f"micro-steps/rank {summary['micro_steps_per_rank']}"
     return (f"degrees {summary['degrees']} micro-steps/rank {summary['micro_steps_per_rank']} "
-            f"ckpt {summary['ckpt_layers']}")
+            f"recompute {summary['recompute_layers']}")
 
 
 def _prediction_text(predicted_s: Optional[float], error: Optional[float]) -> str:

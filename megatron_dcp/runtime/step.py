@@ -356,7 +356,7 @@ class StepDriver:
                     train: bool) -> None:
         """An empty lockstep slot: a two-token task on this rank alone that recomputes ``depth``
         layers, with its loss multiplied by zero (no gradient, the same collectives)."""
-        task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), ckpt_layers=depth)
+        task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), recompute_layers=depth)
         layout = ShardLayout.build([2], 1, 1, 0)
         ctx = self.pool.context_for(task, self.rank, layout)
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
