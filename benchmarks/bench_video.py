@@ -61,12 +61,14 @@ def _steps(mode: str, args):
 
     import deepspeed_plugin
 
+    import training  # examples/training.py, on sys.path with the example
+
     example, ex_args = _example_args(args, mode)
     videos = example.open_videos(ex_args)
     torch.manual_seed(args.seed)
     model = example.build_model(ex_args, videos)
     engine, *_ = deepspeed_plugin.initialize(args=ex_args, model=model,
-                                             config=example._ds_config(ex_args),
+                                             config=training.ds_config(ex_args),
                                              model_parameters=model.parameters())
     return example.VideoSteps(engine), videos, example
 

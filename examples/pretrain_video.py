@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import sys
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -30,28 +28,20 @@ import torch
 
 import deepspeed
 import deepspeed_plugin
-from deepspeed_plugin.config import load_ds_config
+import training  # examples/training.py: the flags, config and checkpoints the examples share
 from megatron_dcp.config import float_flag, int_flag
 from megatron_dcp.data import GlobalBatchSampler
 from megatron_dcp.data.video import (SYNTHETIC_MIXES, LatentDirectory, SyntheticVideos, VideoBatch,
                                      mix_limits)
 from megatron_dcp.models.dit import DiTConfig, VideoDiT
-from megatron_dcp.runtime.checkpoint_dir import split_load_path
 from megatron_dcp.runtime.context import task_context
-from megatron_dcp.runtime.report import (TrainingLog, peak_memory_mb, plan_summary,
-                                         reset_peak_memory)
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pretrain import DEFAULT_DS_CONFIG  # noqa: E402 - the text example's default config
+from megatron_dcp.runtime.report import TrainingLog, reset_peak_memory
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Training flags (those of examples/pretrain.py, video data and model sizes), DeepSpeed's
     flags and the --dcp flags."""
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    g = p.add_argument_group("training")
+    p, g = training.argument_parser(__doc__)
     g.add_argument("--data-path", default=None,
                    help="directory of .pt/.npy latent videos [frames, height, width, channels]; "
                    "default: the embedded synthetic mix")
@@ -63,28 +53,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="channels of a synthetic latent patch")
     g.add_argument("--max-frames", type=int_flag(1), default=None,
                    help="keep at most this many frames of a video (default: all)")
-    g.add_argument("--train-iters", type=int_flag(1), default=10)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
-                   help="override zero_optimization.stage of the DeepSpeed config")
+    training.add_run_flags(g)  # --train-iters, --seed, --zero-stage
     g.add_argument("--global-batch-tokens", type=int_flag(1), default=16384,
                    help="latent-token budget of one global batch")
-    g.add_argument("--num-layers", type=int_flag(1), default=2)
-    g.add_argument("--hidden-size", type=int_flag(1), default=64)
-    g.add_argument("--num-heads", type=int_flag(1), default=4)
+    training.add_model_size_flags(g)  # --num-layers, --hidden-size, --num-heads
     g.add_argument("--lr", type=float_flag(), default=None, help="override the optimizer's lr")
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
-    g.add_argument("--save", default=None, help="checkpoint directory")
-    g.add_argument("--save-interval", type=int_flag(0), default=0,
-                   help="save every N iterations and after the last (0: only after the last)")
-    g.add_argument("--keep-last", type=int_flag(1), default=None,
-                   help="keep only the newest N checkpoints in --save (default: all)")
-    g.add_argument("--load", default=None,
-                   help="resume from the latest checkpoint in this directory, or from one "
-                   "checkpoint directory in it; loading unpickles: only load checkpoints you trust")
-    g.add_argument("--distributed-timeout-s", type=float_flag(), default=120.0,
-                   help="timeout of every process group (DeepSpeed's included)")
-    g.add_argument("--quiet", action="store_true", help="only the final line")
+    # --save, --save-interval, --keep-last, --load, --distributed-timeout-s, --quiet
+    training.add_checkpoint_flags(
+        g, load_help="resume from the latest checkpoint in this directory, or from one "
+        "checkpoint directory in it; loading unpickles: only load checkpoints you trust",
+        timeout_help="timeout of every process group (DeepSpeed's included)")
     deepspeed.add_config_arguments(p)
     deepspeed_plugin.add_dcp_arguments(p)
     return p.parse_args(argv)
@@ -148,17 +127,6 @@ class VideoSteps:
         return self.engine.driver.step(self, batch.sequences())
 
 
-def _ds_config(args: argparse.Namespace) -> dict:
-    """The DeepSpeed config with --zero-stage and --lr applied (as examples/pretrain.py)."""
-    ds_config = load_ds_config(args.deepspeed_config or DEFAULT_DS_CONFIG)
-    if args.zero_stage is not None:
-        ds_config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
-    if args.lr is not None:
-        ds_config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
-    args.deepspeed_config = None
-    return ds_config
-
-
 def load_batch(videos, indices, seed: int, iteration: int) -> VideoBatch:
     """The global batch of videos ``indices`` at ``iteration``."""
     labels = None if videos.labels is None else [videos.labels[i] for i in indices]
@@ -170,7 +138,7 @@ def main(argv=None) -> int:
     """Train; returns the process exit code."""
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    ds_config = _ds_config(args)
+    ds_config = training.ds_config(args)  # --zero-stage and --lr applied
     videos = open_videos(args)
     model = build_model(args, videos)
     engine, _, _, _ = deepspeed_plugin.initialize(
@@ -183,13 +151,7 @@ def main(argv=None) -> int:
     if max(videos.lengths) > args.global_batch_tokens:
         raise ValueError(f"--global-batch-tokens {args.global_batch_tokens} is below the longest "
                          f"video ({max(videos.lengths)} tokens)")
-    start = 0
-    if args.load:
-        _, client = engine.load_checkpoint(*split_load_path(args.load))
-        sampler.load_state_dict(client["sampler"])
-        start = int(client["iteration"])
-        if rank == 0 and not args.quiet:
-            print(f"resumed from {args.load} at iteration {start}", flush=True)
+    start = training.resume(engine, sampler, args)  # 0 without --load
 
     mode = ("dcp" if engine.dcp.policy == "dcp" else engine.dcp.policy) \
         if engine.dcp.enabled else "data-parallel"
@@ -205,27 +167,12 @@ def main(argv=None) -> int:
     for it in range(start, args.train_iters):
         batch = load_batch(videos, sampler.next_batch(), args.seed, it)
         result = steps.train_step(batch)
-        summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s)
-        dcp = engine.dcp.enabled
-        log.iteration(it + 1, loss=result.loss, tokens=result.tokens, step_s=result.wall_s,
-                      predicted_s=result.predicted_s if dcp else None,
-                      calibration_error=result.calibration_error, sequences=len(batch),
-                      grad_norm=result.grad_norm, peak_mem_mb=peak_memory_mb(engine.device),
-                      plan=summary)
-        last = it + 1 == args.train_iters
-        if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
-            engine.save_checkpoint(args.save, tag=f"iter_{it + 1}",
-                                   client_state={"sampler": sampler.state_dict(),
-                                                 "iteration": it + 1},
-                                   keep_last=args.keep_last)
+        training.log_step(log, engine, it + 1, result, tokens=result.tokens,
+                          sequences=len(batch))
+        training.save_if_due(engine, sampler, args, it + 1)  # every --save-interval, and last
     log.close()
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    sys.exit(code)
+    training.run_main(main)  # exits with main's code, the process group destroyed

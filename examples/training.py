@@ -1,0 +1,121 @@
+"""What the DeepSpeed examples (examples/pretrain.py, examples/pretrain_video.py) share: their
+command-line flags for the run, the model size and checkpoints, the DeepSpeed config with
+``--zero-stage`` and ``--lr`` applied, resuming and saving checkpoints, the log row of a step,
+and the process-group teardown at exit.
+
+An example imports it as ``training`` (its own directory, ``examples/``, is first on
+``sys.path`` when it runs as a script; tests and benchmarks put it there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+from megatron_dcp.config import float_flag, int_flag
+
+DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config.json")
+
+
+def argument_parser(description: str) -> tuple[argparse.ArgumentParser, Any]:
+    """The parser of an example (its docstring as description, ``--local_rank`` for the
+    DeepSpeed launcher) and its "training" argument group."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    return p, p.add_argument_group("training")
+
+
+def add_run_flags(g) -> None:
+    """--train-iters, --seed, --zero-stage."""
+    g.add_argument("--train-iters", type=int_flag(1), default=10)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3),
+                   help="override zero_optimization.stage of the DeepSpeed config")
+
+
+def add_model_size_flags(g) -> None:
+    """--num-layers, --hidden-size, --num-heads."""
+    g.add_argument("--num-layers", type=int_flag(1), default=2)
+    g.add_argument("--hidden-size", type=int_flag(1), default=64)
+    g.add_argument("--num-heads", type=int_flag(1), default=4)
+
+
+def add_checkpoint_flags(g, *, load_help: str, timeout_help: str) -> None:
+    """--save, --save-interval, --keep-last, --load (``load_help``), --distributed-timeout-s
+    (``timeout_help``) and --quiet."""
+    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--save-interval", type=int_flag(0), default=0,
+                   help="save every N iterations and after the last (0: only after the last)")
+    g.add_argument("--keep-last", type=int_flag(1), default=None,
+                   help="keep only the newest N checkpoints in --save (default: all)")
+    g.add_argument("--load", default=None, help=load_help)
+    g.add_argument("--distributed-timeout-s", type=float_flag(), default=120.0, help=timeout_help)
+    g.add_argument("--quiet", action="store_true", help="only the final line")
+
+
+def ds_config(args: argparse.Namespace) -> dict:
+    """``--deepspeed_config`` (default examples/ds_config.json) with --zero-stage and --lr
+    applied; ``args.deepspeed_config`` is then cleared (the engine gets the dict)."""
+    from deepspeed_plugin.config import load_ds_config
+
+    config = load_ds_config(args.deepspeed_config or DEFAULT_DS_CONFIG)
+    if args.zero_stage is not None:
+        config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    if args.lr is not None:
+        config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
+    args.deepspeed_config = None
+    return config
+
+
+def resume(engine, sampler, args: argparse.Namespace) -> int:
+    """The iteration to start at: 0, or with ``--load`` the saved one, after loading the
+    engine's checkpoint and the sampler's position (rank 0 says so unless ``--quiet``)."""
+    if not args.load:
+        return 0
+    from megatron_dcp.runtime.checkpoint_dir import split_load_path
+
+    _, client = engine.load_checkpoint(*split_load_path(args.load))
+    sampler.load_state_dict(client["sampler"])
+    start = int(client["iteration"])
+    if engine.rank == 0 and not args.quiet:
+        print(f"resumed from {args.load} at iteration {start}", flush=True)
+    return start
+
+
+def save_if_due(engine, sampler, args: argparse.Namespace, iteration: int) -> None:
+    """With ``--save``: a checkpoint ``iter_N`` of the engine, the sampler's position and
+    ``iteration`` every ``--save-interval`` iterations and always after the last one."""
+    last = iteration == args.train_iters
+    if args.save and (last or (args.save_interval and iteration % args.save_interval == 0)):
+        engine.save_checkpoint(args.save, tag=f"iter_{iteration}",
+                               client_state={"sampler": sampler.state_dict(),
+                                             "iteration": iteration},
+                               keep_last=args.keep_last)
+
+
+def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int) -> None:
+    """One row of the training log for the engine's step ``result`` (the planner's predicted
+    time only with --dcp; the plan summary; peak memory so far)."""
+    from megatron_dcp.runtime.report import peak_memory_mb, plan_summary
+
+    summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s)
+    log.iteration(iteration, loss=result.loss, tokens=tokens, step_s=result.wall_s,
+                  predicted_s=result.predicted_s if engine.dcp.enabled else None,
+                  calibration_error=result.calibration_error, sequences=sequences,
+                  grad_norm=result.grad_norm, peak_mem_mb=peak_memory_mb(engine.device),
+                  plan=summary)
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """Exit with ``main()``'s code, destroying the process group first (also when it raises)."""
+    import torch
+
+    try:
+        code = main()
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    sys.exit(code)
