@@ -17,13 +17,12 @@ once; it times the reference decoder, not the HF model).
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 
-from deepspeed_job import ROOT, embedded_batches, run_job
+from deepspeed_job import ROOT, embedded_batches, job_argument_parser, run_job, write_rank0_json
 
 MODEL = dict(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0)
@@ -53,8 +52,6 @@ def _engine(mode: str, args):
     engine, *_ = deepspeed_plugin.initialize(model=model, model_parameters=model.parameters(),
                                              config=config, dcp_config=dcp)
     return engine
-
-
 
 
 def worker(args) -> dict:
@@ -92,27 +89,10 @@ def worker(args) -> dict:
             "iterations": steps}
 
 
-def worker_main(args) -> None:
-    """Entry point inside the DeepSpeed job; rank 0 writes the JSON."""
-    import torch.distributed as dist
-
-    try:
-        out = worker(args)
-        if dist.get_rank() == 0:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------------- the driver
 def main() -> int:
     """Parse flags; run inside the job (``--worker``) or profile once and launch the job."""
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--local_rank", type=int, default=0)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p = job_argument_parser(__doc__)  # --local_rank, --worker
     p.add_argument("--hf-model", default=None, help="HF model directory; default: a tiny Llama")
     p.add_argument("--modes", default="dp,dcp-d1,dcp")
     p.add_argument("--ranks", type=int, default=2)
@@ -124,8 +104,8 @@ def main() -> int:
     p.add_argument("--hardware", default=None, help="planner hardware; default: CPU profile / h200")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_hf.json"))
     args = p.parse_args()
-    if args.worker:
-        worker_main(args)
+    if args.worker:  # inside the job
+        write_rank0_json(lambda: worker(args), args.out)
         return 0
 
     import torch

@@ -20,22 +20,12 @@ the same computation).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deepspeed_job import ROOT, job_argument_parser, run_job, write_rank0_json
 
 
 # ---------------------------------------------------------------------- inside the job
@@ -61,9 +51,9 @@ def _steps(mode: str, args):
 
     import deepspeed_plugin
 
-    import training  # examples/training.py, on sys.path with the example
-
     example, ex_args = _example_args(args, mode)
+    import training  # examples/training.py: on sys.path with the example
+
     videos = example.open_videos(ex_args)
     torch.manual_seed(args.seed)
     model = example.build_model(ex_args, videos)
@@ -113,27 +103,10 @@ def worker(args) -> dict:
             "max_rel_loss_diff": max(diffs), "losses": losses, "iterations": steps}
 
 
-def worker_main(args) -> None:
-    """Entry point inside the DeepSpeed job; rank 0 writes the JSON."""
-    import torch.distributed as dist
-
-    try:
-        out = worker(args)
-        if dist.get_rank() == 0:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------------- the driver
 def main() -> int:
     """Parse flags; run inside the job (``--worker``) or launch the job."""
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--local_rank", type=int, default=0)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p = job_argument_parser(__doc__)  # --local_rank, --worker
     p.add_argument("--modes", default="dp,dcp,bucket")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
@@ -146,23 +119,17 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_video.json"))
     args = p.parse_args()
-    if args.worker:
-        worker_main(args)
+    if args.worker:  # inside the job
+        write_rank0_json(lambda: worker(args), args.out)
         return 0
 
     (ROOT / "runs").mkdir(exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
-           "--master_port", str(_free_port()), __file__, "--worker"]
+    flags = []
     for key, value in vars(args).items():
         if key not in ("worker", "local_rank", "ranks"):
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
+            flags += [f"--{key.replace('_', '-')}", str(value)]
     load_before = os.getloadavg()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"the job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    with open(args.out) as f:
-        report = json.load(f)
+    report = run_job(__file__, args.ranks, flags, args.out, "the job")
     report["args"] = {k: v for k, v in vars(args).items() if k not in ("worker", "local_rank")}
     report["load_average"] = {"before": load_before, "after": os.getloadavg()}
     with open(args.out, "w") as f:

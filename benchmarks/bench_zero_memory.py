@@ -21,41 +21,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from deepspeed_job import ROOT, launch
+
 PACK = ["--dcp_pack_tokens", "256"]
 MODES = {"plain ZeRO-3": [], "--dcp (lockstep)": ["--dcp", *PACK],
          "--dcp free (parameters gathered)": ["--dcp", *PACK, "--dcp_schedule", "free"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(mode_flags: list[str], args) -> dict:
     """One launch; rank 0's last log row."""
     log = tempfile.mktemp(suffix=".jsonl")
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
-           "--master_port", str(_free_port()), "examples/pretrain.py", "--zero-stage", "3",
-           "--hidden-size", str(args.hidden), "--num-layers", str(args.layers),
-           "--num-heads", "8", "--seq-length", "256", "--global-batch-tokens", "2048",
-           "--train-iters", str(args.iters), "--seed", "5", "--quiet", "--log-json", log,
-           *mode_flags]
+    flags = ["--zero-stage", "3", "--hidden-size", str(args.hidden), "--num-layers",
+             str(args.layers), "--num-heads", "8", "--seq-length", "256",
+             "--global-batch-tokens", "2048", "--train-iters", str(args.iters), "--seed", "5",
+             "--quiet", "--log-json", log, *mode_flags]
     # glibc's malloc keeps freed blocks up to 32 MB in its heap (its mmap threshold grows as
     # large blocks are freed), so the RSS would count memory ZeRO-3 released long ago; a fixed
     # threshold returns every large tensor to the system when it is freed
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-               MALLOC_MMAP_THRESHOLD_="131072")
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
-    if done.returncode != 0:
-        raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
+    launch(args.ranks, "examples/pretrain.py", flags,
+           f"examples/pretrain.py {' '.join(mode_flags)}",
+           env={"MALLOC_MMAP_THRESHOLD_": "131072"}, timeout=3000)
     with open(log) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return {"peak_mem_mb": rows[-1]["peak_mem_mb"], "losses": [r["loss"] for r in rows],

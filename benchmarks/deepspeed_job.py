@@ -1,4 +1,5 @@
-"""What the DeepSpeed benchmarks share: launching a benchmark script as a DeepSpeed job and
+"""What the DeepSpeed benchmarks share: launching a script as a DeepSpeed job (a benchmark's own
+``--worker`` side, or an example), the flags of a benchmark that launches itself, writing and
 reading back the JSON its rank 0 wrote, and the global batches of the embedded corpus.
 
 A benchmark script imports it as ``deepspeed_job`` (its own directory, ``benchmarks/``, is first
@@ -7,13 +8,14 @@ on ``sys.path`` both when run directly and inside the job the launcher starts).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,19 +27,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(script: str, ranks: int, worker_args: Sequence[str], out: str, what: str) -> dict:
-    """Run ``script --worker WORKER_ARGS`` as a DeepSpeed job of ``ranks`` processes (the
-    DeepSpeed launcher, from the repository root, ``OMP_NUM_THREADS=1``) and return the JSON
-    that rank 0 wrote to ``out``. A failed job raises `RuntimeError` starting with ``what``
-    and holding the end of the job's output."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+def launch(ranks: int, script: str, script_args: Sequence[str], what: str, *,
+           env: Optional[Mapping[str, str]] = None,
+           timeout: Optional[float] = None) -> subprocess.CompletedProcess:
+    """Run ``script SCRIPT_ARGS`` as a DeepSpeed job of ``ranks`` processes: the DeepSpeed
+    launcher, from the repository root, ``OMP_NUM_THREADS=1`` and the repository on
+    ``PYTHONPATH``, plus ``env``; its output is captured. A failed job raises `RuntimeError`
+    starting with ``what`` and holding the end of the job's output."""
+    job_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks),
-           "--master_port", str(free_port()), script, "--worker", *worker_args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+           "--master_port", str(free_port()), script, *script_args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=job_env, capture_output=True, text=True,
+                          timeout=timeout)
     if proc.returncode:
         raise RuntimeError(f"{what} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def run_job(script: str, ranks: int, worker_args: Sequence[str], out: str, what: str) -> dict:
+    """Run ``script --worker WORKER_ARGS`` as a DeepSpeed job of ``ranks`` processes (`launch`)
+    and return the JSON that rank 0 wrote to ``out``. A failed job raises `RuntimeError`
+    starting with ``what`` and holding the end of the job's output."""
+    launch(ranks, script, ["--worker", *worker_args], what)
     with open(out) as f:
         return json.load(f)
+
+
+def job_argument_parser(description: str) -> argparse.ArgumentParser:
+    """The parser of a benchmark that launches itself with `run_job`: ``description`` shown as
+    written, ``--local_rank`` (passed by the launcher) and the hidden ``--worker`` (the job's
+    side)."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def write_rank0_json(work: Callable[[], Any], out: str) -> None:
+    """Inside the job: ``work()``, whose result rank 0 writes to ``out`` as JSON; the process
+    group is destroyed at the end, also when ``work`` raises."""
+    import torch.distributed as dist
+
+    try:
+        result = work()
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def embedded_batches(global_batch_tokens: int, seq_length: int, seed: int,
