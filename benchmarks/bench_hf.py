@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
-from deepspeed_job import ROOT, embedded_batches, job_argument_parser, run_job, write_rank0_json
+from deepspeed_job import (ROOT, alternate_modes, embedded_batches, job_argument_parser, run_job,
+                           write_rank0_json)
 
 MODEL = dict(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0)
@@ -56,37 +56,18 @@ def _engine(mode: str, args):
 
 def worker(args) -> dict:
     """Every mode on the same batches, alternating order; tokens/s after warm-up."""
-    import torch.distributed as dist
-
-    modes = args.modes.split(",")
-    engines = {m: _engine(m, args) for m in modes}
-    tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
-    losses: dict[str, list[float]] = {m: [] for m in modes}
-    steps = []
+    engines = {m: _engine(m, args) for m in args.modes.split(",")}
     batches = embedded_batches(args.global_batch_tokens, args.seq_length, args.seed,
                                args.iters + args.warmup)
-    for it, batch in enumerate(batches):
-        n = sum(int(s.shape[0]) for s in batch)
-        step = {"tokens": n, "longest": max(int(s.shape[0]) for s in batch)}
-        for m in modes if it % 2 == 0 else modes[::-1]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            result = engines[m].train_step(batch)
-            dist.barrier()
-            step[m] = round(time.perf_counter() - t0, 4)
-            if result.plan is not None and m != "dp":
-                step[m + "_degrees"] = sorted({t.degree for t in result.plan.tasks})
-            if it >= args.warmup:
-                tokens[m] += n
-                seconds[m] += step[m]
-            losses[m].append(result.loss)
-        if it >= args.warmup:
-            steps.append(step)
-    rates = {m: tokens[m] / seconds[m] for m in modes}
-    diffs = [abs(a - b) / abs(b) for m in modes for a, b in zip(losses[m], losses[modes[0]])]
+    timed = alternate_modes(
+        {m: engine.train_step for m, engine in engines.items()},
+        ((batch, {"tokens": sum(int(s.shape[0]) for s in batch),
+                  "longest": max(int(s.shape[0]) for s in batch)}) for batch in batches),
+        args.warmup, lambda plan: {"degrees": sorted({t.degree for t in plan.tasks})})
+    rates = timed["tokens_per_s"]
     return {"tokens_per_s": rates, "ratio_over_dp": {m: r / rates["dp"] for m, r in rates.items()}
-            if "dp" in rates else None, "seconds": seconds, "max_rel_loss_diff": max(diffs),
-            "iterations": steps}
+            if "dp" in rates else None, "seconds": timed["seconds"],
+            "max_rel_loss_diff": timed["max_rel_loss_diff"], "iterations": timed["iterations"]}
 
 
 # ---------------------------------------------------------------------- the driver

@@ -23,9 +23,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
-from deepspeed_job import ROOT, job_argument_parser, run_job, write_rank0_json
+from deepspeed_job import ROOT, alternate_modes, job_argument_parser, run_job, write_rank0_json
 
 
 # ---------------------------------------------------------------------- inside the job
@@ -63,44 +62,33 @@ def _steps(mode: str, args):
     return example.VideoSteps(engine), videos, example
 
 
-def worker(args) -> dict:
-    """Every mode on the same batches, alternating order; tokens/s after warm-up."""
-    import torch.distributed as dist
-
+def _batches(videos, example, args):
+    """The global batches of the synthetic mix, each with its record for `alternate_modes`."""
     from megatron_dcp.data import GlobalBatchSampler
 
+    sampler = GlobalBatchSampler(videos.lengths, args.global_batch_tokens, seed=args.seed,
+                                 min_seq_len=1)
+    for it in range(args.iters + args.warmup):
+        batch = example.load_batch(videos, sampler.next_batch(), args.seed, it)
+        yield batch, {"tokens": sum(batch.lengths), "videos": len(batch),
+                      "longest": max(batch.lengths)}
+
+
+def worker(args) -> dict:
+    """Every mode on the same batches, alternating order; tokens/s after warm-up."""
     modes = args.modes.split(",")
     built = {m: _steps(m, args) for m in modes}
     _, videos, example = built[modes[0]]
-    sampler = GlobalBatchSampler(videos.lengths, args.global_batch_tokens, seed=args.seed,
-                                 min_seq_len=1)
-    tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
-    losses: dict[str, list[float]] = {m: [] for m in modes}
-    steps = []
-    for it in range(args.iters + args.warmup):
-        batch = example.load_batch(videos, sampler.next_batch(), args.seed, it)
-        n = sum(batch.lengths)
-        step = {"tokens": n, "videos": len(batch), "longest": max(batch.lengths)}
-        for m in modes if it % 2 == 0 else modes[::-1]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            result = built[m][0].train_step(batch)
-            dist.barrier()
-            step[m] = round(time.perf_counter() - t0, 4)
-            if result.plan is not None and m != "dp":
-                step[m + "_degrees"] = sorted({t.degree for t in result.plan.tasks})
-                step[m + "_ckpt"] = sorted({t.recompute_layers for t in result.plan.tasks})
-            if it >= args.warmup:
-                tokens[m] += n
-                seconds[m] += step[m]
-            losses[m].append(result.loss)
-        if it >= args.warmup:
-            steps.append(step)
-    rates = {m: tokens[m] / seconds[m] for m in modes}
-    diffs = [abs(a - b) / abs(b) for m in modes for a, b in zip(losses[m], losses[modes[0]])]
+    timed = alternate_modes(
+        {m: steps.train_step for m, (steps, _, _) in built.items()},
+        _batches(videos, example, args), args.warmup,
+        lambda plan: {"degrees": sorted({t.degree for t in plan.tasks}),
+                      "ckpt": sorted({t.recompute_layers for t in plan.tasks})})
+    rates = timed["tokens_per_s"]
     ratios = {f"{a}/{b}": rates[a] / rates[b] for a in modes for b in modes if a != b}
-    return {"tokens_per_s": rates, "ratios": ratios, "seconds": seconds,
-            "max_rel_loss_diff": max(diffs), "losses": losses, "iterations": steps}
+    return {"tokens_per_s": rates, "ratios": ratios, "seconds": timed["seconds"],
+            "max_rel_loss_diff": timed["max_rel_loss_diff"], "losses": timed["losses"],
+            "iterations": timed["iterations"]}
 
 
 # ---------------------------------------------------------------------- the driver

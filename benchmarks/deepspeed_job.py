@@ -1,6 +1,7 @@
 """What the DeepSpeed benchmarks share: launching a script as a DeepSpeed job (a benchmark's own
 ``--worker`` side, or an example), the flags of a benchmark that launches itself, writing and
-reading back the JSON its rank 0 wrote, and the global batches of the embedded corpus.
+reading back the JSON its rank 0 wrote, timing several modes on the same batches, and the global
+batches of the embedded corpus.
 
 A benchmark script imports it as ``deepspeed_job`` (its own directory, ``benchmarks/``, is first
 on ``sys.path`` both when run directly and inside the job the launcher starts).
@@ -14,8 +15,9 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,6 +79,43 @@ def write_rank0_json(work: Callable[[], Any], out: str) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def alternate_modes(train_steps: Mapping[str, Callable[[Any], Any]],
+                    batches: Iterable[tuple[Any, dict]], warmup: int,
+                    plan_fields: Callable[[Any], dict]) -> dict:
+    """Every batch through every mode's ``train_steps[mode](batch)`` in turn, the order of the
+    modes alternating between iterations (so machine load hits them alike), each step timed
+    between two barriers. ``batches`` yields ``(batch, record)``: the record (its ``"tokens"``
+    and whatever else describes the batch) gets each mode's seconds under the mode's name and,
+    for the plan of a mode other than ``dp``, ``plan_fields(plan)`` as ``<mode>_<field>``.
+    Iterations after the first ``warmup`` count. Returns ``tokens_per_s``, ``seconds``,
+    ``losses`` (every iteration's, per mode), ``max_rel_loss_diff`` (against the first mode)
+    and ``iterations`` (the records that count)."""
+    import torch.distributed as dist
+
+    modes = list(train_steps)
+    tokens, seconds = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
+    losses: dict[str, list[float]] = {m: [] for m in modes}
+    records = []
+    for it, (batch, record) in enumerate(batches):
+        for m in modes if it % 2 == 0 else modes[::-1]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            result = train_steps[m](batch)
+            dist.barrier()
+            record[m] = round(time.perf_counter() - t0, 4)
+            if result.plan is not None and m != "dp":
+                record.update({f"{m}_{k}": v for k, v in plan_fields(result.plan).items()})
+            if it >= warmup:
+                tokens[m] += record["tokens"]
+                seconds[m] += record[m]
+            losses[m].append(result.loss)
+        if it >= warmup:
+            records.append(record)
+    diffs = [abs(a - b) / abs(b) for m in modes for a, b in zip(losses[m], losses[modes[0]])]
+    return {"tokens_per_s": {m: tokens[m] / seconds[m] for m in modes}, "seconds": seconds,
+            "losses": losses, "max_rel_loss_diff": max(diffs), "iterations": records}
 
 
 def embedded_batches(global_batch_tokens: int, seq_length: int, seed: int,
