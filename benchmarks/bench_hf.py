@@ -17,12 +17,11 @@ once; it times the reference decoder, not the HF model).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 from deepspeed_job import (ROOT, alternate_modes, embedded_batches, job_argument_parser, run_job,
-                           write_rank0_json)
+                           write_rank0_json, write_report)
 
 MODEL = dict(vocab_size=257, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.0)
@@ -109,12 +108,7 @@ def main() -> int:
     flags += ["--hf-model", args.hf_model] if args.hf_model else []
     flags += ["--hardware", args.hardware] if args.hardware else []
     report = run_job(__file__, args.ranks, flags, args.out, "the job")
-    report["args"] = {k: v for k, v in vars(args).items() if k not in ("worker", "local_rank")}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(json.dumps({k: report[k] for k in ("tokens_per_s", "ratio_over_dp",
-                                             "max_rel_loss_diff")}, indent=1))
-    print(f"wrote {args.out}")
+    write_report(report, args, ("tokens_per_s", "ratio_over_dp", "max_rel_loss_diff"))
     return 0
 
 

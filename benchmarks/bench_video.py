@@ -20,11 +20,11 @@ the same computation).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-from deepspeed_job import ROOT, alternate_modes, job_argument_parser, run_job, write_rank0_json
+from deepspeed_job import (ROOT, alternate_modes, job_argument_parser, run_job, write_rank0_json,
+                           write_report)
 
 
 # ---------------------------------------------------------------------- inside the job
@@ -118,13 +118,8 @@ def main() -> int:
             flags += [f"--{key.replace('_', '-')}", str(value)]
     load_before = os.getloadavg()
     report = run_job(__file__, args.ranks, flags, args.out, "the job")
-    report["args"] = {k: v for k, v in vars(args).items() if k not in ("worker", "local_rank")}
-    report["load_average"] = {"before": load_before, "after": os.getloadavg()}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(json.dumps({k: report[k] for k in ("tokens_per_s", "ratios", "max_rel_loss_diff",
-                                             "load_average")}, indent=1))
-    print(f"wrote {args.out}")
+    write_report(report, args, ("tokens_per_s", "ratios", "max_rel_loss_diff", "load_average"),
+                 load_average={"before": load_before, "after": os.getloadavg()})
     return 0
 
 

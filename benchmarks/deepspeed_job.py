@@ -1,7 +1,7 @@
 """What the DeepSpeed benchmarks share: launching a script as a DeepSpeed job (a benchmark's own
 ``--worker`` side, or an example), the flags of a benchmark that launches itself, writing and
-reading back the JSON its rank 0 wrote, timing several modes on the same batches, and the global
-batches of the embedded corpus.
+reading back the JSON its rank 0 wrote, timing several modes on the same batches, writing the
+report, and the global batches of the embedded corpus.
 
 A benchmark script imports it as ``deepspeed_job`` (its own directory, ``benchmarks/``, is first
 on ``sys.path`` both when run directly and inside the job the launcher starts).
@@ -64,6 +64,19 @@ def job_argument_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def write_report(report: dict, args: argparse.Namespace, shown: Sequence[str],
+                 **extra: Any) -> None:
+    """The job's ``report`` with the benchmark's flags (``args`` but ``--worker`` and
+    ``--local_rank``) under ``"args"`` and then ``extra``, written to ``args.out``; the keys
+    ``shown`` printed as JSON, then where the report was written."""
+    report["args"] = {k: v for k, v in vars(args).items() if k not in ("worker", "local_rank")}
+    report.update(extra)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({k: report[k] for k in shown}, indent=1))
+    print(f"wrote {args.out}")
 
 
 def write_rank0_json(work: Callable[[], Any], out: str) -> None:
