@@ -169,22 +169,28 @@ def sample_videos(mix: str, global_batch_tokens: int, *, seed: int = 0
     return shapes
 
 
-def read_shapes_file(path: str) -> list[tuple[int, int, int]]:
-    """Video shapes, one ``frames height width`` line (latent patches, whitespace-separated) per
-    video; blank lines and ``#`` comments are ignored. Errors name the file and line."""
+def _data_lines(path: str, what: str, layout: str) -> list[tuple[int, str]]:
+    """``(line number, text)`` of every line of the text file ``path`` that holds more than a
+    ``#`` comment, the comment cut off. A file that cannot be read, or is not text, is a
+    `WorkloadError` naming ``what`` (e.g. ``"lengths file"``) and, for the latter, the
+    expected ``layout``."""
     try:
         with open(path) as handle:
             lines = handle.readlines()
     except OSError as err:
-        raise WorkloadError(f"cannot read shapes file {path!r}: {err.strerror or err}") from None
+        raise WorkloadError(f"cannot read {what} {path!r}: {err.strerror or err}") from None
     except UnicodeDecodeError:
-        raise WorkloadError(f"shapes file {path!r} is not text (lines of 'frames height "
-                            "width')") from None
+        raise WorkloadError(f"{what} {path!r} is not text ({layout})") from None
+    numbered = ((number, line.split("#", 1)[0].strip()) for number, line in enumerate(lines, 1))
+    return [(number, text) for number, text in numbered if text]
+
+
+def read_shapes_file(path: str) -> list[tuple[int, int, int]]:
+    """Video shapes, one ``frames height width`` line (latent patches, whitespace-separated) per
+    video; blank lines and ``#`` comments are ignored. Errors name the file and line."""
     shapes = []
-    for number, line in enumerate(lines, 1):
-        fields = line.split("#", 1)[0].split()
-        if not fields:
-            continue
+    for number, text in _data_lines(path, "shapes file", "lines of 'frames height width'"):
+        fields = text.split()
         if len(fields) != 3:
             raise WorkloadError(f"{path}:{number}: expected 'frames height width' (three "
                                 f"integers), got {len(fields)} field(s): {' '.join(fields)!r}")
@@ -258,19 +264,9 @@ def read_lengths_file(path: str) -> list[int]:
     """One token count per line; blank lines and ``#`` comments are ignored."""
     if path.endswith(".idx"):
         return read_idx_lengths(path)
-    try:
-        with open(path) as handle:
-            lines = handle.readlines()
-    except OSError as err:
-        raise WorkloadError(f"cannot read lengths file {path!r}: {err.strerror or err}") from None
-    except UnicodeDecodeError:
-        raise WorkloadError(f"lengths file {path!r} is not text (one token count per line; a "
-                            "Megatron index must end in .idx)") from None
     values = []
-    for number, line in enumerate(lines, 1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
-            continue
+    for number, text in _data_lines(path, "lengths file", "one token count per line; a "
+                                    "Megatron index must end in .idx"):
         try:
             value = int(text)
         except ValueError:
