@@ -69,7 +69,22 @@ def mix_limits(mix: Sequence[VideoKind]) -> tuple[int, int, int]:
             max(w for k in mix for _, w in k.sizes))
 
 
-class SyntheticVideos:
+class _VideoShapes:
+    """What a set of latent videos knows from its ``shapes`` (``(frames, height, width)`` in
+    latent patches, one per video): how many videos and their tokens."""
+
+    shapes: list[tuple[int, int, int]]
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of every video (frames x height x width of its shape)."""
+        return [f * h * w for f, h, w in self.shapes]
+
+
+class SyntheticVideos(_VideoShapes):
     """``count`` latent videos drawn from ``SYNTHETIC_MIXES[mix]`` (see the module docstring); class
     label = the index of the video's kind in the mix."""
 
@@ -100,14 +115,6 @@ class SyntheticVideos:
         """Kinds of the mix (the class labels)."""
         return len(self.kinds)
 
-    def __len__(self) -> int:
-        return len(self.shapes)
-
-    @property
-    def lengths(self) -> list[int]:
-        """Tokens of every video."""
-        return [f * h * w for f, h, w in self.shapes]
-
     def __getitem__(self, i: int) -> torch.Tensor:
         """Video ``i`` as ``[frames, height, width, channels]`` float32."""
         f, h, w = self.shapes[i]
@@ -123,7 +130,7 @@ class SyntheticVideos:
         return video.contiguous()
 
 
-class LatentDirectory:
+class LatentDirectory(_VideoShapes):
     """The ``.pt`` / ``.npy`` files of ``path`` (sorted), one latent video each, checked at open:
     4-D ``[frames, height, width, channels]``, floating point, no empty dimension, one channel
     count for all. ``.npy`` shapes are read from the header (memory-mapped); ``.pt`` files are
@@ -164,14 +171,6 @@ class LatentDirectory:
             raise ValueError(f"{path}: {shape[3]} channels, the files before it have "
                              f"{self.channels}")
         return shape
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    @property
-    def lengths(self) -> list[int]:
-        """Tokens of every video (after ``max_frames``)."""
-        return [f * h * w for f, h, w in self.shapes]
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """Video ``i`` as float32 ``[frames, height, width, channels]`` (first ``max_frames``)."""
