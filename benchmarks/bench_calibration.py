@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from deepspeed_job import ROOT, launch
+
 sys.path.insert(0, str(ROOT))
 
 MODES = ("dp", "auto", "wrong", "off")
@@ -51,23 +50,13 @@ def wrong_profile(path: Path) -> str:
     return str(path)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(mode: str, args, log: Path, profile: str) -> list[dict]:
     """One training run of ``mode``; returns its --log-json rows."""
     extra = {"dp": [], "auto": ["--dcp"], "wrong": ["--dcp", "--dcp_hardware", profile],
              "off": ["--dcp", "--dcp_calibration", "off"]}[mode]
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-           "--master_port", str(_port()), "examples/pretrain.py", "--train-iters",
-           str(args.iters), "--seed", str(args.seed), "--log-json", str(log), "--quiet", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    launch(2, "examples/pretrain.py", ["--train-iters", str(args.iters), "--seed",
+                                       str(args.seed), "--log-json", str(log), "--quiet", *extra],
+           f"the {mode} run")
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
@@ -113,7 +102,8 @@ def main() -> int:
         dp = row["dp"]["tokens_per_s"] if "dp" in row else None
         cells = [f"{row[m]['tokens_per_s']:.0f}" for m in modes]
         cells += [f"{row[m]['tokens_per_s'] / dp:.2f}x" if dp else "-" for m in modes if m != "dp"]
-        cells += [f"{row[m]['median_error'] * 100:.1f} %" for m in modes if m != "dp"]
+        cells += [f"{row[m]['median_error'] * 100:.1f} %" if row[m]["median_error"] is not None
+                  else "-" for m in modes if m != "dp"]
         print(f"| {row['repeat']} ({row['load_before']:.1f}-{row['load_after']:.1f}) | "
               + " | ".join(cells) + " |")
     return 0

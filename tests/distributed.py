@@ -70,6 +70,24 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
+def smallest_budget_gb(plan_with: Callable[[float], Any], low: float, high: float) -> str:
+    """The smallest memory budget (GiB, as a flag value) in ``(low, high]`` for which
+    ``plan_with(budget)`` plans without a `PlanError` (60 bisection steps, a hair above)."""
+    from megatron_dcp.plan import PlanError
+
+    def fits(gib: float) -> bool:
+        try:
+            plan_with(gib)
+            return True
+        except PlanError:
+            return False
+
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return repr(high * (1 + 1e-7))
+
+
 def deepspeed_command(world_size: int, *args: str) -> list[str]:
     """``deepspeed --num_gpus world_size --master_port <free> ARGS`` (run it from ``ROOT`` with
     ``JOB_ENV``)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import JOB_ENV, deepspeed_command, launch_deepspeed
+from distributed import JOB_ENV, deepspeed_command, launch_deepspeed, smallest_budget_gb
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 5
@@ -63,19 +63,9 @@ def _tight_budget(world: int, stage: int) -> str:
     shape = ModelShape(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=c.ffn_hidden_size,
                        vocab_size=257, num_kv_heads=4, max_position=512, name="decoder")
 
-    def fits(gib: float) -> bool:
-        try:
-            make_plan([512], world_size=world, model=shape, zero_stage=stage,
-                      config=DCPConfig(enabled=True, memory_budget_gb=gib))
-            return True
-        except Exception:  # noqa: BLE001 - any PlanError: does not fit
-            return False
-
-    low, high = 0.5, 64.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    return repr(high * (1 + 1e-7))
+    return smallest_budget_gb(
+        lambda gib: make_plan([512], world_size=world, model=shape, zero_stage=stage,
+                              config=DCPConfig(enabled=True, memory_budget_gb=gib)), 0.5, 64.0)
 
 
 def _driver(stages: list[int], out: str, resume: bool, bad_input: bool) -> None:

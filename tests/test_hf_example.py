@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import launch_deepspeed
+from distributed import launch_deepspeed, smallest_budget_gb
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,19 +79,9 @@ def _tight_budget(model_dir: str, world: int, stage: int) -> str:
 
     shape = hf.model_shape(hf.load_causal_lm(model_dir))
 
-    def fits(gib: float) -> bool:
-        try:
-            make_plan([SEQ], world_size=world, model=shape, zero_stage=stage,
-                      config=DCPConfig(enabled=True, memory_budget_gb=gib))
-            return True
-        except Exception:  # noqa: BLE001 - any PlanError: does not fit
-            return False
-
-    low, high = 0.0, 64.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    return repr(high * (1 + 1e-7))
+    return smallest_budget_gb(
+        lambda gib: make_plan([SEQ], world_size=world, model=shape, zero_stage=stage,
+                              config=DCPConfig(enabled=True, memory_budget_gb=gib)), 0.0, 64.0)
 
 
 def _job(work: str, inputs: list[str]) -> None:

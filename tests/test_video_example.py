@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import launch_deepspeed
+from distributed import launch_deepspeed, smallest_budget_gb
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 3
@@ -42,20 +42,11 @@ def _tight_budget(pretrain_video, world: int) -> str:
     longest = max(range(len(videos)), key=lambda i: videos.lengths[i])
     frames = [videos.shapes[longest][1] * videos.shapes[longest][2]]
 
-    def fits(gib: float) -> bool:
-        try:
-            make_plan([videos.lengths[longest]], world_size=world, model=shape, zero_stage=1,
-                      config=DCPConfig(enabled=True, memory_budget_gb=gib, hardware="h200",
-                                       calibration="off"), frame_tokens=frames)
-            return True
-        except Exception:  # noqa: BLE001 - any PlanError: does not fit
-            return False
-
-    low, high = 0.01, 64.0
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
-    return repr(high * (1 + 1e-7))
+    return smallest_budget_gb(
+        lambda gib: make_plan([videos.lengths[longest]], world_size=world, model=shape,
+                              zero_stage=1, frame_tokens=frames,
+                              config=DCPConfig(enabled=True, memory_budget_gb=gib,
+                                               hardware="h200", calibration="off")), 0.01, 64.0)
 
 
 def _records(path: str) -> list[dict]:
