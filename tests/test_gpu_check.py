@@ -23,7 +23,7 @@ def test_gpu_check_cpu_mode(tmp_path, dtype, skip):
     report = json.loads(out.read_text())
     summary = report["summary"]
     assert res.returncode == 0, (summary, res.stdout[-3000:], res.stderr[-3000:])
-    for name in ("environment", "exactness", "ring", "run_plan"):
+    for name in ("environment", "exactness", "ring", "run_plan", "calibration"):
         assert summary[name] == "PASS", report["sections"][name]
     for name in skip:
         assert summary[name] == "SKIP"
@@ -31,5 +31,8 @@ def test_gpu_check_cpu_mode(tmp_path, dtype, skip):
     assert {"sdpa/causal", "torch/video-temporal"} <= set(errors)
     tol = 1e-10 if dtype == "float64" else 1e-5
     assert max(max(e.values()) for e in errors.values()) <= tol
+    calibration = report["sections"]["calibration"]["result"]
+    assert calibration["auto"] == "cpu-auto" and len(calibration["steps"]) == 8
+    assert calibration["factors"] and calibration["steps"][-1]["calibration_error"] is not None
     rings = report["sections"]["ring"]["result"]["errors"]
     assert "causal/ulysses 1 x ring 8" in rings and "non-causal/ulysses 2 x ring 2" in rings

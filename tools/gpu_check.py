@@ -20,6 +20,8 @@ PASS / FAIL / SKIP per section; the exit status is 1 if any section failed):
   run again without the check).
 * ``megatron``: the same for a megatron-core GPTModel with DCP's layer spec (skipped when
   megatron-core does not import).
+* ``calibration``: ``--dcp_hardware auto`` on the device and the online calibration over 8
+  planned steps of the reference decoder: predicted vs measured step time, the fitted factors.
 * ``profile``: the hardware profiler CLI writing ``runs/hardware_<device>.json`` (subprocess with a
   time limit).
 """
@@ -448,10 +450,44 @@ def section_profile(ctx) -> dict:
     return {"command": " ".join(cmd), "out": out, "tail": res.stdout[-1500:]}
 
 
-SECTIONS = {"environment": section_environment, "exactness": section_exactness,
-            "ring": section_ring, "throughput": section_throughput,
-            "run_plan": section_run_plan, "megatron": section_megatron,
-            "profile": section_profile}
+def section_calibration(ctx) -> dict:
+    """``--dcp_hardware auto`` on this device, then the online calibration over a few planned
+    steps of the reference decoder (world 1, a 2k-token pack budget so each step has several
+    tasks): predicted vs measured step time per step, and the fitted factors (how far the
+    starting numbers are from this device)."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from plain_torch import TorchEngine
+
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.models import Decoder, DecoderConfig
+    from megatron_dcp.runtime.groups import GroupPool
+    from megatron_dcp.runtime.step import StepDriver
+
+    sz, dev, dtype = ctx["size"], ctx["device"], ctx["dtype"]
+    longest = max(sz["model_lengths"])
+    cfg = DecoderConfig(vocab_size=512, hidden_size=sz["model_hidden"],
+                        num_layers=sz["model_layers"], num_heads=sz["model_heads"],
+                        num_kv_heads=sz["model_kv"], max_position=longest)
+    model = Decoder(cfg, seed=5).to(device=dev, dtype=dtype)
+    pool = GroupPool()
+    engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), pool.world_group)
+    driver = StepDriver(DCPConfig(enabled=True, pack_tokens=max(longest // 2, 8)), pool=pool,
+                        model_shape=model.shape(), device=dev)
+    start = driver.hardware.name
+    gen = torch.Generator().manual_seed(6)
+    rows = []
+    for _ in range(8):
+        count = int(torch.randint(6, 16, (1,), generator=gen))
+        lengths = [max(2, int(longest * float(torch.rand(1, generator=gen)) ** 3))
+                   for _ in range(count)]
+        batch = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lengths]
+        result = driver.step(engine, batch)
+        rows.append({"tasks": len(result.plan.tasks), "step_s": round(result.wall_s, 5),
+                     "predicted_s": round(result.predicted_s, 5),
+                     "calibration_error": result.calibration_error})
+    hw = driver.hardware
+    return {"auto": start, "steps": rows, "factors": dict(hw.calibration or ()),
+            "step_overhead_s": hw.step_overhead_s}
 
 
 def _init_world(dev) -> str:
@@ -464,6 +500,12 @@ def _init_world(dev) -> str:
     dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1,
                             timeout=timedelta(seconds=120), **kwargs)
     return backend
+
+
+SECTIONS = {"environment": section_environment, "exactness": section_exactness,
+            "ring": section_ring, "throughput": section_throughput,
+            "run_plan": section_run_plan, "megatron": section_megatron,
+            "calibration": section_calibration, "profile": section_profile}
 
 
 def main(argv=None) -> int:
@@ -496,7 +538,7 @@ def main(argv=None) -> int:
             continue
         start = time.monotonic()
         try:
-            if name in ("run_plan", "megatron") and world is None:
+            if name in ("run_plan", "megatron", "calibration") and world is None:
                 world = _init_world(dev)
             entry = {"status": "PASS", "result": fn(ctx)}
         except Skip as exc:
