@@ -306,6 +306,8 @@ class StepDriver:
         own overhead (the measured one once calibrated, else the analytic `sync_time`)."""
         if not self.config.enabled or self.model_shape is None or plan.policy == "data-parallel":
             return plan.makespan
+        if self.hardware.step_overhead_s is not None:  # measured (calibrated)
+            return plan.makespan + self.hardware.step_overhead_s
         hw, sync = self._sync_cache
         if hw is not self.hardware:
             from megatron_dcp.plan import build_cost_model
