@@ -24,6 +24,7 @@ from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_con
 from deepspeed_plugin.engine import DCPEngine, StepResult
 from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.integrations import hf
+from megatron_dcp.runtime.groups import before_init_process_group
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
 
@@ -65,6 +66,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     dcp = dcp_config if dcp_config is not None else dcp_config_from(ds_config, args)
 
     accelerator = get_accelerator()
+    before_init_process_group()
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
                                timeout=timeout)
     import torch.distributed as dist

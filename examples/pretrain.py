@@ -116,8 +116,15 @@ def main(argv=None) -> int:
     engine, _, _, _ = deepspeed_plugin.initialize(
         args=args, model=model, config=ds_config, model_parameters=model.parameters(),
         timeout=timedelta(seconds=args.distributed_timeout_s))
-    rank, world = engine.rank, engine.world_size
+    try:
+        return train(args, engine, tokenizer)
+    finally:
+        engine.destroy()  # ZeRO's gradient hooks would keep the engine and its groups alive
 
+
+def train(args, engine, tokenizer) -> int:
+    """The training loop of `main` on an initialised engine; returns the exit code."""
+    rank, world = engine.rank, engine.world_size
     dataset = _dataset(args.data_path, tokenizer)
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)

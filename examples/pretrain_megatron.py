@@ -39,6 +39,8 @@ from megatron_dcp.config import float_flag, int_flag
 from megatron_dcp.data import GlobalBatchSampler, open_dataset
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
+from megatron_dcp.megatron.parallel import destroy_model_parallel
+from megatron_dcp.runtime.groups import before_init_process_group, destroy_process_groups
 from megatron_dcp.runtime.report import (TrainingLog, peak_memory_mb, plan_summary,
                                          reset_peak_memory)
 
@@ -107,6 +109,7 @@ def init_distributed(args) -> None:
     else:
         enable_cpu()
     if not dist.is_initialized():
+        before_init_process_group()
         dist.init_process_group("nccl" if cuda else "gloo",
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     parallel_state.initialize_model_parallel(
@@ -415,9 +418,7 @@ if __name__ == "__main__":
     finally:
         if dist.is_available() and dist.is_initialized():
             try:
-                from megatron.core import parallel_state
-
-                parallel_state.destroy_model_parallel()
+                destroy_model_parallel()  # Megatron's, and the group globals it leaves set
             finally:
-                dist.destroy_process_group()
+                destroy_process_groups()  # and free them: no backend thread outlives this
     sys.exit(code)

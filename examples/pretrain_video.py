@@ -144,6 +144,15 @@ def main(argv=None) -> int:
     engine, _, _, _ = deepspeed_plugin.initialize(
         args=args, model=model, config=ds_config, model_parameters=model.parameters(),
         timeout=timedelta(seconds=args.distributed_timeout_s))
+    try:
+        return train(args, engine, videos)
+    finally:
+        engine.destroy()  # ZeRO's gradient hooks would keep the engine and its groups alive
+
+
+def train(args, engine, videos) -> int:
+    """The training loop of `main` on an initialised engine; returns the exit code."""
+    model = engine.module
     steps = VideoSteps(engine)
     rank, world = engine.rank, engine.world_size
     sampler = GlobalBatchSampler(videos.lengths, args.global_batch_tokens, seed=args.seed,

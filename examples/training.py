@@ -110,12 +110,12 @@ def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int
 
 
 def run_main(main: Callable[[], int]) -> None:
-    """Exit with ``main()``'s code, destroying the process group first (also when it raises)."""
-    import torch
+    """Exit with ``main()``'s code, every process group destroyed and freed first (also when
+    ``main`` raises); ``main`` destroys its engine (``engine.destroy()``) before it returns."""
+    from megatron_dcp.runtime.groups import destroy_process_groups
 
     try:
         code = main()
     finally:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_process_groups()
     sys.exit(code)

@@ -111,7 +111,10 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
     import torch
     import torch.distributed as dist
 
+    from megatron_dcp.runtime.groups import before_init_process_group, destroy_process_groups
+
     torch.set_num_threads(1)
+    before_init_process_group()
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
@@ -122,11 +125,10 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - teardown after a failure may itself fail
-                pass
+        try:
+            destroy_process_groups()
+        except Exception:  # noqa: BLE001 - teardown after a failure may itself fail
+            pass
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),

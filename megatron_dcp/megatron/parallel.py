@@ -176,3 +176,18 @@ def restore_pg_collections(model) -> None:
         if isinstance(pgc, _TaskCP):
             pgc.__class__ = next(c for c in type(pgc).__mro__[1:] if c is not _TaskCP
                                  and not issubclass(c, _TaskCP))
+
+
+def destroy_model_parallel() -> None:
+    """Megatron's ``parallel_state.destroy_model_parallel()``, then the group globals it leaves
+    set (megatron-core 0.16 keeps ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its gloo
+    twin). A group still referenced is not freed by ``destroy_process_group``: its backend's
+    threads then live on into interpreter finalization, where freeing them can abort the process.
+    """
+    import importlib
+
+    parallel_state = importlib.import_module(_PS)
+    parallel_state.destroy_model_parallel()
+    for name, value in list(vars(parallel_state).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)

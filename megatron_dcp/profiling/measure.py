@@ -217,11 +217,13 @@ def _comm_worker(rank: int, world: int, port: int, job: dict, out_path: str) -> 
     """One rank of the communication test (see `measure_comm`)."""
     import torch.distributed as dist
 
-    from megatron_dcp.runtime.groups import GroupPool
+    from megatron_dcp.runtime.groups import (GroupPool, before_init_process_group,
+                                             destroy_process_groups)
 
     torch.set_num_threads(job["threads"])
     device = _device_of_rank(job["device"], rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    before_init_process_group()
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
     try:
@@ -257,7 +259,7 @@ def _comm_worker(rank: int, world: int, port: int, job: dict, out_path: str) -> 
                 json.dump({"all_to_all": results, "tasks": tasks,
                            "communicator_bytes": values[-1]}, handle)
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def measure_comm(world: int, job: dict) -> dict:

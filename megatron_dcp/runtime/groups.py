@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import inspect
 import time
 import warnings
@@ -40,6 +41,40 @@ DEFAULT_GROUP_TIMEOUT = timedelta(seconds=120)
 
 # torch >= 2.6 can keep the rank order of a group; older versions sort it.
 _HAS_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def before_init_process_group() -> None:
+    """Call before ``init_process_group``: imports ``torch.distributed.nn`` while no world
+    group exists.
+
+    Its functions take ``group=group.WORLD`` as a default argument, evaluated when the module is
+    imported. Imported after the world group exists (``torch._dynamo`` imports it, and DeepSpeed
+    imports that lazily), they hold the world group: ``destroy_process_group`` then cannot free
+    it, and its backend's threads (gloo's) live on into interpreter finalization, where freeing
+    them can abort the process ("terminate called without an active exception").
+    """
+    importlib.import_module("torch.distributed.nn")
+
+
+def destroy_process_groups() -> None:
+    """Destroy every process group of the job and free them now, while the interpreter is
+    whole: the backend's threads end here, not during interpreter finalization.
+
+    Through DeepSpeed's ``deepspeed.comm`` when it initialised the job (it then also drops its
+    own references to the groups); a garbage collection frees groups that only reference cycles
+    (a DeepSpeed engine and its module's hooks) still held. A DeepSpeed engine must be
+    ``destroy()``-ed first: its ZeRO gradient hooks keep it, and its groups, alive.
+    """
+    import gc
+    import sys
+
+    if dist.is_available() and dist.is_initialized():
+        ds_comm = sys.modules.get("deepspeed.comm")
+        if ds_comm is not None and ds_comm.is_initialized():
+            ds_comm.destroy_process_group()
+        else:
+            dist.destroy_process_group()
+    gc.collect()
 
 
 def groups_of_task(task: Task) -> list[tuple[int, ...]]:
