@@ -225,7 +225,7 @@ def test_kill_and_resume_across_processes(tmp_path):
     args = COMMON + ["--dcp", *budget, "--zero-stage", "2", "--train-iters", "6"]
     straight = tmp_path / "straight.jsonl"
     proc = launch_deepspeed(2, ["examples/pretrain.py", *args, "--log-json", str(straight)], timeout=110)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
     ckpt, killed = tmp_path / "ckpt", tmp_path / "killed.jsonl"
     cmd = deepspeed_command(2, "examples/pretrain.py", *args, "--save", str(ckpt),
@@ -248,7 +248,7 @@ def test_kill_and_resume_across_processes(tmp_path):
     proc = launch_deepspeed(2, ["examples/pretrain.py", *args, "--load", str(ckpt), "--log-json",
                        str(resumed)],
                    timeout=110)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     want = {r["iteration"]: r["loss"] for r in _records(str(straight))}
     got = _records(str(resumed))
     assert [r["iteration"] for r in got] == [4, 5, 6]
