@@ -122,8 +122,9 @@ def worker_main(args) -> None:
             with open(args.out, "w") as f:
                 json.dump(gathered if args.part == "memory" else gathered[0], f, indent=1)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from megatron_dcp.runtime.groups import destroy_process_groups
+
+        destroy_process_groups()
 
 
 # ---------------------------------------------------------------------- the driver

@@ -90,8 +90,9 @@ def write_rank0_json(work: Callable[[], Any], out: str) -> None:
             with open(out, "w") as f:
                 json.dump(result, f, indent=1)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from megatron_dcp.runtime.groups import destroy_process_groups
+
+        destroy_process_groups()
 
 
 def alternate_modes(train_steps: Mapping[str, Callable[[Any], Any]],

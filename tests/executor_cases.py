@@ -15,7 +15,7 @@ import torch
 
 from megatron_dcp.models import Decoder, DecoderConfig
 from megatron_dcp.plan.plan import Plan, Task
-from megatron_dcp.runtime.context import current_task
+from megatron_dcp.runtime.context import TaskContext, current_task
 
 # Four query heads, two KV heads: Ulysses degrees 1 and 2 divide both, 3 and 4 need ring/hybrid.
 DECODER = dict(vocab_size=48, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2,

@@ -277,7 +277,6 @@ if __name__ == "__main__":
     try:
         _driver([int(s) for s in a.stages.split(",")], a.out, a.resume, a.bad_input)
     finally:
-        import torch.distributed as dist
+        from megatron_dcp.runtime.groups import destroy_process_groups
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()

@@ -167,7 +167,6 @@ if __name__ == "__main__":  # the job the launcher runs: --work DIR -- <example 
     try:
         _job(work_dir, sys.argv[sys.argv.index("--") + 1:])
     finally:
-        import torch.distributed
+        from megatron_dcp.runtime.groups import destroy_process_groups
 
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        destroy_process_groups()

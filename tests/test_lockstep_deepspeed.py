@@ -99,6 +99,7 @@ def _run(stage: int, world: int, mode: str, iters: int) -> tuple[list[float], li
         held.append({"when": "step", "slots": result.micro_steps, **_held(engine, stage),
                      "degree": max((t.degree for t in tasks), default=1),
                      "recompute": max((t.recompute_layers for t in tasks), default=0)})
+    engine.destroy()  # its ZeRO hooks would keep it (and its groups) alive to interpreter exit
     return losses, held
 
 
@@ -173,7 +174,6 @@ if __name__ == "__main__":
     try:
         _driver(a.out)
     finally:
-        import torch.distributed as dist
+        from megatron_dcp.runtime.groups import destroy_process_groups
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()

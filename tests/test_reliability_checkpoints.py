@@ -198,7 +198,6 @@ if __name__ == "__main__":
     try:
         _job(a.work, a.phase)
     finally:
-        import torch.distributed as dist
+        from megatron_dcp.runtime.groups import destroy_process_groups
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
