@@ -46,7 +46,9 @@ def _inside(args) -> None:
 
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.data import GlobalBatchSampler, open_dataset
+    from megatron_dcp.megatron.parallel import destroy_model_parallel
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
+    from megatron_dcp.runtime.groups import destroy_process_groups
 
     targs = ex.parse_args(["--calculate-per-token-loss", "--num-layers", str(args.layers),
                            "--hidden-size", str(args.hidden), "--num-attention-heads",
@@ -123,8 +125,8 @@ def _inside(args) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2), flush=True)
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    destroy_model_parallel()  # Megatron's, and the group globals it leaves set
+    destroy_process_groups()
 
 
 def simulate_vs_megatron(args) -> dict:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from megatron_dcp.megatron.parallel import destroy_model_parallel
 from megatron_dcp.plan.plan import Plan, Task
 
 LENGTHS = (37, 5, 9, 16, 23, 2, 11)
@@ -62,8 +63,6 @@ def _sequences():
 def _reference(rank, world_size, loss_reduction="token"):
     """Single process: Megatron's local spec on the whole batch; returns state, loss, grads.
     ``loss_reduction="sequence"``: the mean of the per-sequence mean losses."""
-    from megatron.core import parallel_state
-
     model = _build(1, dcp=False)
     seqs = _sequences()
     total_targets = sum(n - 1 for n in LENGTHS)
@@ -81,7 +80,7 @@ def _reference(rank, world_size, loss_reduction="token"):
     state = {k: v.detach().clone() for k, v in model.state_dict().items()
              if "_extra_state" not in k}
     grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     return state, loss, grads
 
 
@@ -194,7 +193,7 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", ba
     # outside a task: Megatron's own (a one-rank CP group)
     assert parallel_state.get_context_parallel_world_size() == 1
     assert ddp.module.decoder.layers[0].self_attention.pg_collection.cp.size() == 1
-    parallel_state.destroy_model_parallel()
+    destroy_model_parallel()
     return train_loss, grads, reported
 
 

@@ -362,6 +362,7 @@ def section_megatron(ctx) -> dict:
 
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
+    from megatron_dcp.megatron.parallel import destroy_model_parallel
     from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
     from megatron_dcp.plan.plan import Plan, Task
@@ -421,7 +422,7 @@ def section_megatron(ctx) -> dict:
         result = _grads_equal(step(0), step(sz["model_layers"]),
                               3e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5)
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_model_parallel()  # Megatron's, and the group globals it leaves set
     if dev.type == "cuda":
         # the whole Megatron step ran under the checker (its own reductions may sync)
         result["host_syncs_in_step"] = found or "none found"
@@ -494,9 +495,12 @@ def _init_world(dev) -> str:
     """A one-rank process group (NCCL on CUDA, gloo on the CPU)."""
     import torch.distributed as dist
 
+    from megatron_dcp.runtime.groups import before_init_process_group
+
     backend = "nccl" if dev.type == "cuda" else "gloo"
     store = tempfile.NamedTemporaryFile(prefix="dcp_gpu_check_", delete=False).name
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+    before_init_process_group()
     dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1,
                             timeout=timedelta(seconds=120), **kwargs)
     return backend
@@ -552,8 +556,9 @@ def main(argv=None) -> int:
         if entry["status"] == "FAIL":
             print(entry["error"], flush=True)
     if world is not None:
-        import torch.distributed as dist
-        dist.destroy_process_group()
+        from megatron_dcp.runtime.groups import destroy_process_groups
+
+        destroy_process_groups()  # freed now: no NCCL thread outlives the interpreter
     report["summary"] = {n: e["status"] for n, e in report["sections"].items()}
     text = json.dumps(report, indent=1, default=str)
     print(text)
