@@ -11,6 +11,7 @@ when the script exits (``tests/threads_at_exit.py``), on the real launchers.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -34,8 +35,7 @@ def _backend_threads(names: list[str]) -> list[str]:
 
 def _threads_at_exit(done: subprocess.CompletedProcess, ranks: int) -> dict[int, list[str]]:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    rows = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
-            if line.startswith("THREADS_AT_EXIT ")]
+    rows = [json.loads(m) for m in re.findall(r"THREADS_AT_EXIT (\{[^{}]*\})", done.stdout)]
     assert sorted(r["rank"] for r in rows) == list(range(ranks)), done.stdout[-2000:]
     return {r["rank"]: r["threads"] for r in rows}
 

@@ -37,8 +37,10 @@ def main() -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        print("THREADS_AT_EXIT", json.dumps({"rank": int(os.environ.get("RANK", 0)),
-                                             "threads": native_threads()}), flush=True)
+        line = json.dumps({"rank": int(os.environ.get("RANK", 0)), "threads": native_threads()})
+        sys.stdout.flush()
+        # one write of a short line: ranks sharing the launcher's pipe cannot interleave it
+        os.write(sys.stdout.fileno(), f"THREADS_AT_EXIT {line}\n".encode())
 
 
 if __name__ == "__main__":
