@@ -31,7 +31,7 @@ DCP = ["--dcp", "--dcp_hardware", "h200", "--dcp_calibration", "off"]
 """Plans a pure function of the batch (no calibration from measured times)."""
 
 
-def _tight_budget(pretrain_video, world: int) -> str:
+def _tight_budget(pretrain_video, world: int, stage: int = 1) -> str:
     """The smallest budget (GiB) in which the planner fits the data set's longest video at all."""
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.plan import make_plan
@@ -44,7 +44,7 @@ def _tight_budget(pretrain_video, world: int) -> str:
 
     return smallest_budget_gb(
         lambda gib: make_plan([videos.lengths[longest]], world_size=world, model=shape,
-                              zero_stage=1, frame_tokens=frames,
+                              zero_stage=stage, frame_tokens=frames,
                               config=DCPConfig(enabled=True, memory_budget_gb=gib,
                                                hardware="h200", calibration="off")), 0.01, 64.0)
 
@@ -67,6 +67,8 @@ def _driver(out: str, full: bool, data_path: str = "") -> None:
     runs = {"dp": [], "dcp": [*DCP, *budget]}
     if full:
         runs["bucket"] = [*DCP, "--dcp_policy", "bucket"]
+        runs["dcp_zero2"] = [*DCP, "--zero-stage", "2", "--dcp_memory_budget_gb",
+                             _tight_budget(pretrain_video, world, 2)]  # lockstep plans
     logs = {}
     for name, flags in runs.items():
         logs[name] = os.path.join(work, f"{name}.jsonl")
@@ -94,8 +96,8 @@ def _driver(out: str, full: bool, data_path: str = "") -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_dcp_equals_data_parallel_with_split_videos_and_recompute(world):
-    """2 ranks: --dcp, the bucket policy and a resumed --dcp run against plain data parallel;
-    4 ranks: --dcp against plain data parallel."""
+    """2 ranks: --dcp (ZeRO-1 and ZeRO-2), the bucket policy and a resumed --dcp run against
+    plain data parallel; 4 ranks: --dcp against plain data parallel."""
     out = tempfile.mktemp(suffix=".json")
     flags = ["--out", out] + (["--full", "--data-path", _latent_dir()] if world == 2 else [])
     proc = launch_deepspeed(world, [__file__, *flags], timeout=280)
@@ -104,7 +106,7 @@ def test_dcp_equals_data_parallel_with_split_videos_and_recompute(world):
         report = json.load(f)
     dp = [r["loss"] for r in report["dp"]]
     assert len(dp) == ITERS
-    for name in ("dcp", "bucket", "resume") if world == 2 else ("dcp",):
+    for name in ("dcp", "bucket", "resume", "dcp_zero2") if world == 2 else ("dcp",):
         got = [r["loss"] for r in report[name]]
         assert len(got) == ITERS, (name, got)
         for i, (a, b) in enumerate(zip(got, dp)):
@@ -114,7 +116,10 @@ def test_dcp_equals_data_parallel_with_split_videos_and_recompute(world):
     assert any(max(p["recompute_layers"]) > 0 for p in plans), plans             # and recomputed
     for r in report["dcp"]:
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and "peak_mem_mb" in r
-    if world == 2:
+    if world == 2:  # ZeRO-2 runs lockstep plans, here with a split video and recompute
+        zero2 = [r["plan"] for r in report["dcp_zero2"]]
+        assert all("slots" in p for p in zero2), zero2
+        assert any("2" in p["degrees"] and max(p["recompute_layers"]) > 0 for p in zero2), zero2
         dir_dp, dir_dcp = ([r["loss"] for r in report[k]] for k in ("dir_dp", "dir_dcp"))
         assert len(dir_dp) == 2 and all(abs(a - b) <= REL_TOL * abs(b)
                                         for a, b in zip(dir_dcp, dir_dp)), (dir_dcp, dir_dp)
