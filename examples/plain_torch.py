@@ -52,13 +52,15 @@ def main() -> None:
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.data import ByteTokenizer, GlobalBatchSampler, open_dataset
     from megatron_dcp.models import Decoder, DecoderConfig
-    from megatron_dcp.runtime.groups import GroupPool
+    from megatron_dcp.runtime.groups import (GroupPool, before_init_process_group,
+                                             destroy_process_groups)
     from megatron_dcp.runtime.step import StepDriver
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-iters", type=int_flag(1), default=4)
     DCPConfig.add_arguments(parser)
     args = parser.parse_args()
+    before_init_process_group()
     dist.init_process_group("gloo")
     model = Decoder(DecoderConfig(vocab_size=ByteTokenizer().vocab_size, hidden_size=64,
                                   num_layers=2, max_position=512), seed=1)
@@ -75,7 +77,8 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"iteration {it + 1}: loss {result.loss:.4f}, "
                   f"micro-steps {result.micro_steps}, {result.wall_s:.2f} s", flush=True)
-    dist.destroy_process_group()
+    del engine, driver, pool  # they hold the groups: freed below, before the interpreter exits
+    destroy_process_groups()
 
 
 if __name__ == "__main__":
