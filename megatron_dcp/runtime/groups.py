@@ -51,9 +51,11 @@ def before_init_process_group() -> None:
     imported. Imported after the world group exists (``torch._dynamo`` imports it, and DeepSpeed
     imports that lazily), they hold the world group: ``destroy_process_group`` then cannot free
     it, and its backend's threads (gloo's) live on into interpreter finalization, where freeing
-    them can abort the process ("terminate called without an active exception").
+    them can abort the process ("terminate called without an active exception"). Nothing is
+    imported once a world group exists (the import would then hold it).
     """
-    importlib.import_module("torch.distributed.nn")
+    if not (dist.is_available() and dist.is_initialized()):
+        importlib.import_module("torch.distributed.nn")
 
 
 def destroy_process_groups() -> None:
