@@ -375,9 +375,11 @@ def main(argv=None) -> int:
         ddp.zero_grad_buffer()
         optimizer.zero_grad(set_to_none=True)
         if step_fn is not None:
+            t_in = time.perf_counter()
             reports = step_fn(forward_step_func=forward_step,
                               data_iterator=iter([GlobalBatch(sequences)]), model=[ddp],
                               num_microbatches=1, seq_length=args.seq_length, micro_batch_size=1)
+            t_out = time.perf_counter()
         else:
             reports = plain_step(ddp, sequences, args, device)
         # Megatron's loss reduction: sum (loss, tokens) over micro-steps and data-parallel ranks
@@ -392,11 +394,14 @@ def main(argv=None) -> int:
             optimizer.step()
         else:
             optimizer.step()  # Megatron's: the shards' update, then the parameter all-gather
+        t_end = time.perf_counter()
         plan = step_fn.last_plan if step_fn is not None else None
         micro = [len(sequences[r::dp_size]) for r in range(dp_size)]
         result = step_fn.last_result if step_fn is not None else None
+        if step_fn is not None:  # the calibration learns the iteration, optimizer step included
+            step_fn.driver.add_time_outside_step((t_in - t0) + (t_end - t_out))
         log.iteration(it + 1, loss=loss, tokens=sum(int(s.numel()) for s in sequences),
-                      step_s=time.perf_counter() - t0, sequences=len(sequences),
+                      step_s=t_end - t0, sequences=len(sequences),
                       predicted_s=result.predicted_s if result is not None else None,
                       calibration_error=result.calibration_error if result is not None else None,
                       peak_mem_mb=peak_memory_mb(device),

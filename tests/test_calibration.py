@@ -266,3 +266,50 @@ def test_calibration_off_keeps_the_given_hardware():
     for out, calibration, overhead in results:
         assert calibration is None and overhead is None
         assert all(step[3] is None for step in out)
+
+
+def _outside_body(rank, world_size, outside_s):
+    """Steps followed by ``outside_s[rank]`` seconds (an optimizer step outside the driver),
+    reported with `add_time_outside_step`; then steps followed by the largest of them on every
+    rank, not reported. The fitted step overheads."""
+    import time
+
+    from plain_torch import TorchEngine
+
+    from megatron_dcp.runtime.groups import GroupPool
+    from megatron_dcp.runtime.step import StepDriver
+
+    model = build_model("decoder")
+    pool = GroupPool()
+    engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), pool.world_group)
+    config = DCPConfig(enabled=True, memory_budget_gb=0.01)
+    overheads = {}
+    for report in (True, False):
+        driver = StepDriver(config, pool=pool, model_shape=model.shape())
+        for lengths in LENGTHS_BY_STEP:
+            driver.step(engine, make_batch(lengths, DECODER["vocab_size"]))
+            time.sleep(outside_s[rank] if report else max(outside_s))
+            if report:
+                driver.add_time_outside_step(outside_s[rank])
+        overheads[report] = driver.hardware.step_overhead_s
+    with pytest.raises(ValueError, match="not a time"):
+        driver.add_time_outside_step(-1.0)
+    return overheads
+
+
+@pytest.mark.timeout(200)
+def test_time_outside_the_step_joins_the_step_overhead():
+    """Megatron's optimizer step runs after the driver returns. Reported, the iteration time
+    (inside + outside, the largest over the ranks: a rank with less outside time waits for the
+    others inside the next step) becomes the step's wall time: the fitted overhead holds the
+    outside time once, the same on every rank. Not reported, the overhead leaves it out."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    outside = (0.2, 0.05)
+    results = run_distributed(_outside_body, world_size=2, args=(outside,), timeout_s=180)
+    assert results[0] == results[1]  # one fit on every rank
+    reported, unreported = results[0][True], results[0][False]
+    assert 0.8 * max(outside) <= reported <= max(outside) + 0.1, (reported, unreported)
+    assert unreported < 0.5 * max(outside), (reported, unreported)

@@ -78,6 +78,9 @@ class StepSample:
     """Per rank, the sum of its measured tasks' regressors (`Calibrator._regressors`, the ring
     overlap linearised at the factors of the time): ``factors . busy[r]`` is rank r's predicted
     task time."""
+    provisional: bool = False
+    """``wall_s`` is the time inside the driver only, the whole iteration's follows
+    (`Calibrator.amend_last_wall`): the step overhead and the error leave it out meanwhile."""
 
 
 def _median(values: Sequence[float]) -> float:
@@ -134,9 +137,10 @@ class Calibrator:
 
     # ------------------------------------------------------------------ samples
     def add_step(self, plan: Plan, task_seconds: Sequence[Optional[float]], wall_s: float,
-                 predicted_s: float = 0.0) -> None:
+                 predicted_s: float = 0.0, provisional: bool = False) -> None:
         """Record one step: ``task_seconds[k]`` for ``plan.tasks[k]`` (``None``: not measured),
-        ``wall_s`` the step's wall time, ``predicted_s`` what was predicted for it."""
+        ``wall_s`` the step's wall time, ``predicted_s`` what was predicted for it;
+        ``provisional``: the whole iteration's wall time follows (`amend_last_wall`)."""
         if len(task_seconds) != len(plan.tasks):
             raise ValueError(f"{len(task_seconds)} task times for {len(plan.tasks)} tasks")
         step = self.steps[-1].step + 1 if self.steps else 0
@@ -151,16 +155,28 @@ class Calibrator:
             x = self._regressors(sample, self._factors)
             for r in task.ranks:
                 busy[r] = [a + b for a, b in zip(busy[r], x)]
-        self.steps.append(StepSample(step, wall_s, predicted_s, tuple(map(tuple, busy))))
+        self.steps.append(StepSample(step, wall_s, predicted_s, tuple(map(tuple, busy)),
+                                     provisional))
         first_kept = self.steps[-self.window].step if len(self.steps) > self.window else 0
         self.steps = [s for s in self.steps if s.step >= first_kept]
         self.tasks = [t for t in self.tasks if t.step >= first_kept]
+
+    def amend_last_wall(self, wall_s: float) -> None:
+        """Replace the wall time of the last step recorded by ``wall_s``, measured after the
+        step returned (the whole iteration: Megatron's optimizer step runs outside the driver)."""
+        if self.steps and wall_s > 0:
+            self.steps[-1] = replace(self.steps[-1], wall_s=wall_s, provisional=False)
+
+    def _final_steps(self) -> list[StepSample]:
+        """The window's steps whose wall time is final (all of them when none is)."""
+        final = [s for s in self.steps if not s.provisional]
+        return final or self.steps
 
     @property
     def error(self) -> Optional[float]:
         """Median over the window of |predicted / measured - 1| of the step time (``None``:
         no step with a prediction yet)."""
-        errors = [abs(s.predicted_s / s.wall_s - 1.0) for s in self.steps
+        errors = [abs(s.predicted_s / s.wall_s - 1.0) for s in self._final_steps()
                   if s.predicted_s > 0 and s.wall_s > 0]
         return _median(errors) if errors else None
 
@@ -259,9 +275,10 @@ class Calibrator:
         return self.hardware
 
     def _step_overhead(self, theta: list[float]) -> float:
-        """Median over the window (the first step left out once two more are there) of the wall
-        time less the busiest rank's predicted task time under ``theta``."""
-        steps = [s for s in self.steps if s.step != 0] if len(self.steps) >= 3 else self.steps
+        """Median over the window's final steps (the first step left out once two more are
+        there) of the wall time less the busiest rank's predicted task time under ``theta``."""
+        steps = self._final_steps()
+        steps = [s for s in steps if s.step != 0] if len(steps) >= 3 else steps
         return max(0.0, _median([
             s.wall_s - max((sum(t * x for t, x in zip(theta, rank)) for rank in s.busy),
                            default=0.0) for s in steps]))

@@ -157,6 +157,13 @@ class StepDriver:
         """The online calibration (`megatron_dcp.plan.calibration`), made at the first step
         when ``config.calibration`` is on; ``hardware`` follows its fits."""
         self._sync_cache: tuple = (None, 0.0)
+        self._outside_s = 0.0
+        """Seconds of the last step spent outside `step` (`add_time_outside_step`)."""
+        self._last_wall_s: Optional[float] = None
+        """This rank's wall time of the calibration's last step (None: no such step)."""
+        self._outside_reported = False
+        """Whether this rank's caller reports time outside the steps (then a step's wall time
+        is provisional until the next step)."""
         if config.enabled:
             from megatron_dcp.plan.hardware import load_hardware
 
@@ -233,6 +240,7 @@ class StepDriver:
         backward, no optimizer step, the planning iteration does not advance. Collective over
         the DCP world: every rank calls it once per step."""
         t0 = time.perf_counter()
+        outside_s, self._outside_s = self._outside_s, 0.0  # of the previous step
         if plan is None:  # a video batch tells the planner every video's frame size
             plan = self.plan([int(s.shape[0]) for s in sequences],
                              frame_tokens=getattr(sequences, "frame_tokens", None))
@@ -293,7 +301,9 @@ class StepDriver:
         wall_s = time.perf_counter() - t0
         predicted_s = self.predicted_step_s(plan)
         if train and self._calibrating(plan):
-            self._calibrate(plan, stats, wall_s, predicted_s)
+            self._calibrate(plan, stats, wall_s, predicted_s, outside_s)
+        else:
+            self._last_wall_s = None  # time reported outside this step amends no calibrated one
         tokens = target_count(plan, batch_targets(sequences))
         return StepResult(loss=loss, tokens=tokens, sequences=len(sequences),
                           wall_s=wall_s, micro_steps=done, empty_micro_steps=empty, plan=plan,
@@ -328,11 +338,23 @@ class StepDriver:
                 and self.model_shape is not None and plan.policy != "data-parallel"
                 and plan.world_size == self.world_size)
 
+    def add_time_outside_step(self, seconds: float) -> None:
+        """Report ``seconds`` of the last step spent outside `step` (Megatron's loss reduction
+        and optimizer step run after the driver returns). The next step's calibration takes
+        that step's wall time as the largest over the ranks of (time inside `step` + time
+        reported), so the step overhead, and with it ``predicted_s``, covers the whole
+        iteration. Call it on every rank after every step, or never."""
+        if not seconds >= 0 or seconds == float("inf"):
+            raise ValueError(f"add_time_outside_step: {seconds} is not a time in seconds")
+        self._outside_s += seconds
+        self._outside_reported = True
+
     def _calibrate(self, plan: Plan, stats: StepStats, wall_s: float,
-                   predicted_s: float) -> None:
-        """Share this step's measured task times and wall time with every rank (one small
-        MIN all-reduce: a task's time on its least-waiting rank, the slowest rank's wall time),
-        fit the cost model to the window and plan the next step with it."""
+                   predicted_s: float, outside_s: float = 0.0) -> None:
+        """Share this step's measured task times and wall time, and the previous step's whole
+        iteration time (`add_time_outside_step`), with every rank (one small MIN all-reduce: a
+        task's time on its least-waiting rank, the slowest rank's times), fit the cost model to
+        the window and plan the next step with it."""
         if self.calibrator is None:
             from megatron_dcp.plan import build_cost_model
 
@@ -341,7 +363,9 @@ class StepDriver:
                                     Calibrator.uncalibrated(prior), self.zero_stage)
             self.calibrator = Calibrator(base, prior)
         index = {t.id: k for k, t in enumerate(plan.tasks)}
-        values = [float("inf")] * len(plan.tasks) + [-wall_s]
+        previous = self._last_wall_s  # None on every rank alike (same calibration history)
+        values = [float("inf")] * len(plan.tasks) + [
+            -wall_s, -((previous or 0.0) + outside_s), -float(self._outside_reported)]
         for t in stats.tasks:
             if t.task_id in index:
                 values[index[t.task_id]] = t.total_s
@@ -350,8 +374,13 @@ class StepDriver:
         if self.world_size > 1:
             dist.all_reduce(shared, op=dist.ReduceOp.MIN, group=self.pool.world_group)
         measured = shared.tolist()
-        seconds = [v if v != float("inf") else None for v in measured[:-1]]
-        self.calibrator.add_step(plan, seconds, -measured[-1], predicted_s)
+        seconds = [v if v != float("inf") else None for v in measured[:-3]]
+        wall, iteration_s, reported = (-v for v in measured[-3:])
+        if previous is not None:
+            self.calibrator.amend_last_wall(iteration_s)
+        # Provisional once any rank reports time outside the steps: the same on every rank.
+        self.calibrator.add_step(plan, seconds, wall, predicted_s, provisional=reported > 0)
+        self._last_wall_s = wall_s
         self.hardware = self.calibrator.fit()
 
     def _empty_task(self, engine: StepEngine, depth: int, last: bool, per_token: bool,
@@ -393,6 +422,7 @@ class StepDriver:
 
             self.hardware = hardware_from_dict(dict(saved), where="checkpoint's hardware")
             self.calibrator = None  # the next step starts a window with this as its prior
+            self._last_wall_s = None
 
     def save_profile(self, path: str) -> None:
         """Write the current (calibrated) hardware as a profile JSON that
