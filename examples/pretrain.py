@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from datetime import timedelta
 
 import torch
 
@@ -113,13 +112,8 @@ def main(argv=None) -> int:
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's "
                          f"vocabulary only {vocab} (bytes need 257): pass --tokenizer")
-    engine, _, _, _ = deepspeed_plugin.initialize(
-        args=args, model=model, config=ds_config, model_parameters=model.parameters(),
-        timeout=timedelta(seconds=args.distributed_timeout_s))
-    try:
+    with training.engine_for(args, model, ds_config) as engine:  # destroyed at the end
         return train(args, engine, tokenizer)
-    finally:
-        engine.destroy()  # ZeRO's gradient hooks would keep the engine and its groups alive
 
 
 def train(args, engine, tokenizer) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -141,13 +140,8 @@ def main(argv=None) -> int:
     ds_config = training.ds_config(args)  # --zero-stage and --lr applied
     videos = open_videos(args)
     model = build_model(args, videos)
-    engine, _, _, _ = deepspeed_plugin.initialize(
-        args=args, model=model, config=ds_config, model_parameters=model.parameters(),
-        timeout=timedelta(seconds=args.distributed_timeout_s))
-    try:
+    with training.engine_for(args, model, ds_config) as engine:  # destroyed at the end
         return train(args, engine, videos)
-    finally:
-        engine.destroy()  # ZeRO's gradient hooks would keep the engine and its groups alive
 
 
 def train(args, engine, videos) -> int:

@@ -10,9 +10,11 @@ An example imports it as ``training`` (its own directory, ``examples/``, is firs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from typing import Any, Callable
+from datetime import timedelta
+from typing import Any, Callable, Iterator
 
 from megatron_dcp.config import float_flag, int_flag
 
@@ -109,9 +111,25 @@ def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int
                   plan=summary)
 
 
+@contextlib.contextmanager
+def engine_for(args, model, ds_config: dict) -> Iterator[Any]:
+    """``deepspeed_plugin.initialize`` with the examples' flags (``--dcp*``, the timeout); the
+    engine is destroyed when the block ends (ZeRO's gradient hooks would keep it, and its process
+    groups, alive to interpreter exit)."""
+    import deepspeed_plugin
+
+    engine, _, _, _ = deepspeed_plugin.initialize(
+        args=args, model=model, config=ds_config, model_parameters=model.parameters(),
+        timeout=timedelta(seconds=args.distributed_timeout_s))
+    try:
+        yield engine
+    finally:
+        engine.destroy()
+
+
 def run_main(main: Callable[[], int]) -> None:
     """Exit with ``main()``'s code, every process group destroyed and freed first (also when
-    ``main`` raises); ``main`` destroys its engine (``engine.destroy()``) before it returns."""
+    ``main`` raises); ``main`` destroys its engine first (`engine_for`)."""
     from megatron_dcp.runtime.groups import destroy_process_groups
 
     try:
