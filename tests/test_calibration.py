@@ -76,6 +76,20 @@ def _run(prior_hw, steps, *, outlier=False):
     return cal, true_cm, config
 
 
+def test_a_provisional_wall_time_waits_for_its_amendment():
+    """A step recorded as provisional (its time outside the driver comes later) is left out of
+    the step overhead and the error until `amend_last_wall` gives its whole iteration."""
+    cal, _, config = _run(cpu_start(), 6)
+    overhead, error = cal.fit().step_overhead_s, cal.error
+    lengths = _batches(7)[-1]
+    plan = make_plan(lengths, world_size=WORLD, model=MODEL, config=config, hardware=cal.hardware)
+    seconds = [1e-3] * len(plan.tasks)
+    cal.add_step(plan, seconds, 100.0, plan.makespan, provisional=True)  # an absurd inside time
+    assert cal.error == error and cal.fit().step_overhead_s == pytest.approx(overhead, rel=0.05)
+    cal.amend_last_wall(100.0)  # now final: it counts
+    assert cal.error > error and not cal.steps[-1].provisional
+
+
 def _held_out_errors(cal, true_cm, config):
     """Relative errors of the calibrated model on tasks and steps it has not seen."""
     cm = build_cost_model(MODEL, config, WORLD, cal.hardware)
