@@ -26,7 +26,7 @@ from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.integrations import hf
 from megatron_dcp.runtime.groups import before_init_process_group
 
-PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 
 __all__ = ["DCPConfig", "DCPConfigError", "DCPEngine", "StepResult", "add_dcp_arguments",
            "initialize"]
@@ -45,7 +45,9 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     model, ``hardware`` overrides ``dcp.hardware``. Bad combinations raise `DCPConfigError` here,
     before any step. With DCP off the engine runs plain data parallel on the same global batches.
     ``timeout``: of every process group of the job, DeepSpeed's own (ZeRO's) included
-    (`patches.process_group_timeout`): a stalled rank fails the others' collectives after it.
+    (`patches.process_group_timeout`); 30 minutes, as torch's default: a long, healthy step
+    must not reach it. A stalled rank ends the job sooner through the liveness watch
+    (``dcp.liveness_interval_s``).
     A Hugging Face ``PreTrainedModel`` is wrapped in `megatron_dcp.integrations.hf.DCPCausalLM`
     (``engine.module``; its ``causal_lm`` is the model given).
     """

@@ -61,7 +61,8 @@ def dcp_config_from(ds_config: dict[str, Any],
     if args is None:
         return base
     # The plain data-parallel run (the same step driver) honours the loss reduction too.
-    return DCPConfig.from_args(args, base, style="deepspeed", used_without_dcp=("loss_reduction",))
+    return DCPConfig.from_args(args, base, style="deepspeed",
+                               used_without_dcp=("loss_reduction", "liveness_interval_s"))
 
 
 def check_supported(ds_config: dict[str, Any], dcp: DCPConfig, world_size: int,

@@ -63,8 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         g, load_help="resume from the latest checkpoint in this directory, or from one "
         "checkpoint directory in it; at any world size and ZeRO 1-3 stage (ZeRO 0: any world "
         "size); loading unpickles: only load checkpoints you trust",
-        timeout_help="timeout of every process group (DeepSpeed's included): a rank stalled "
-        "this long fails the job, naming it")
+        timeout_help="timeout of every process group (DeepSpeed's included); long enough for "
+        "a long, healthy step (a stalled rank ends the job sooner: --dcp_liveness_interval_s)")
     deepspeed.add_config_arguments(p)
     deepspeed_plugin.add_dcp_arguments(p)
     args = p.parse_args(argv)

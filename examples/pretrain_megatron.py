@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--save-profile", default=None, metavar="PATH",
                    help="with --dcp: write the calibrated cost-model hardware at the end as a "
                         "profile JSON (for --dcp-hardware and tools/simulate.py --hardware)")
-    g.add_argument("--distributed-timeout-minutes", type=float_flag(), default=2.0,
+    g.add_argument("--distributed-timeout-minutes", type=float_flag(), default=30.0,
                    help="timeout of every process group, Megatron's own included")
     g.add_argument("--quiet", action="store_true", help="only the final line")
     add_dcp_args(p)

@@ -54,7 +54,7 @@ def add_checkpoint_flags(g, *, load_help: str, timeout_help: str) -> None:
     g.add_argument("--keep-last", type=int_flag(1), default=None,
                    help="keep only the newest N checkpoints in --save (default: all)")
     g.add_argument("--load", default=None, help=load_help)
-    g.add_argument("--distributed-timeout-s", type=float_flag(), default=120.0, help=timeout_help)
+    g.add_argument("--distributed-timeout-s", type=float_flag(), default=1800.0, help=timeout_help)
     g.add_argument("--quiet", action="store_true", help="only the final line")
 
 

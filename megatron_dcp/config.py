@@ -122,6 +122,9 @@ class DCPConfig:
     schedule: str = "auto"
     """Micro-step schedule: free (ranks run different numbers of micro-steps), lockstep (every rank runs the same slots, each slot one recompute depth: what ZeRO-2/3's sharded gradients and parameters need), auto (lockstep for ZeRO-2/3, else free)."""
 
+    liveness_interval_s: float = 60.0
+    """Seconds between the liveness watch's probes (by the first and the last rank); a rank that misses two in a row (stopped, hung in a device call, dead) is named on every rank and the job ends then, not at the collective timeout; 0: no watch (a stalled rank is named when a collective times out)."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -153,6 +156,9 @@ class DCPConfig:
             raise DCPConfigError(f"dcp.ranks_per_node={self.ranks_per_node!r}: must be >= 1")
         if self.pack_tokens is not None and self.pack_tokens < 1:
             raise DCPConfigError(f"dcp.pack_tokens={self.pack_tokens!r}: must be >= 1")
+        if self.liveness_interval_s < 0:
+            raise DCPConfigError(f"dcp.liveness_interval_s={self.liveness_interval_s!r}: must be "
+                                 ">= 0 (0: no watch)")
         if not self.hardware:
             raise DCPConfigError("dcp.hardware='': must name a preset or a profile JSON")
 

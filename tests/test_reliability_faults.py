@@ -66,16 +66,16 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
     return found
 
 
-@pytest.mark.timeout(240)
-def test_stalled_rank_ends_the_job_naming_it(tmp_path):
+def _stall_rank_1(tmp_path, flags: list[str], limit_s: float):
+    """Launch a 2-rank ``--dcp`` job, SIGSTOP rank 1 after two iterations; returns (launcher exit
+    status, output, seconds until rank 0 ended, seconds until the launcher ended)."""
     import psutil
 
     log = tmp_path / "train.jsonl"
     cmd = deepspeed_command(
         2, "examples/pretrain.py", "--dcp", "--zero-stage", "1", "--train-iters", "100000",
         "--global-batch-tokens", "1024", "--seq-length", "256", "--num-layers", "1",
-        "--hidden-size", "32", "--num-heads", "4", "--quiet", "--distributed-timeout-s",
-        str(TIMEOUT_S), "--log-json", str(log))
+        "--hidden-size", "32", "--num-heads", "4", "--quiet", "--log-json", str(log), *flags)
     out = open(tmp_path / "out.txt", "w")
     job = subprocess.Popen(cmd, cwd=ROOT, env=JOB_ENV, stdout=out, stderr=subprocess.STDOUT,
                            start_new_session=True)
@@ -92,9 +92,9 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
         os.kill(pids[1], signal.SIGSTOP)  # rank 1 hangs mid-training
         t_stop = time.monotonic()
         survivor = psutil.Process(pids[0])
-        survivor.wait(timeout=TIMEOUT_S + 30)
+        survivor.wait(timeout=limit_s)
         t_survivor = time.monotonic() - t_stop
-        job.wait(timeout=TIMEOUT_S + 30 + LAUNCHER_GRACE_S)
+        job.wait(timeout=limit_s + LAUNCHER_GRACE_S)
         t_launcher = time.monotonic() - t_stop
     finally:
         if job.poll() is None:
@@ -103,11 +103,29 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
         if stopped is not None and stopped.is_running():
             stopped.kill()
         out.close()
-    text = (tmp_path / "out.txt").read_text()
-    assert job.returncode != 0
+    return job.returncode, (tmp_path / "out.txt").read_text(), t_survivor, t_launcher
+
+
+@pytest.mark.timeout(240)
+def test_stalled_rank_ends_the_job_naming_it(tmp_path):
+    """The collective timeout's path (the watch off): the failed collective names the rank."""
+    code, text, t_survivor, t_launcher = _stall_rank_1(
+        tmp_path, ["--distributed-timeout-s", str(TIMEOUT_S), "--dcp_liveness_interval_s", "0"],
+        TIMEOUT_S + 30)
+    assert code != 0
     assert "rank(s) [1] did not answer a liveness probe" in text, text[-4000:]
     # the other rank ends within the timeout; the launcher within it and its own grace period
     assert t_survivor <= TIMEOUT_S + 30, t_survivor
     assert t_launcher <= TIMEOUT_S + 30 + LAUNCHER_GRACE_S, t_launcher
     print(f"stalled rank 1: rank 0 exited after {t_survivor:.1f} s, the launcher after "
           f"{t_launcher:.1f} s (timeout {TIMEOUT_S} s)")
+
+
+@pytest.mark.timeout(240)
+def test_stall_under_the_default_timeout_ends_the_job_within_two_intervals(tmp_path):
+    """The default 30-minute timeout: the liveness watch ends the job, naming the rank."""
+    code, text, t_survivor, _ = _stall_rank_1(tmp_path, ["--dcp_liveness_interval_s", "2"], 60)
+    assert code != 0
+    assert "rank(s) [1] did not answer two liveness probes" in text, text[-4000:]
+    assert t_survivor <= 30, t_survivor
+    print(f"stalled rank 1 under a 30 min timeout: rank 0 exited after {t_survivor:.1f} s")

@@ -225,7 +225,7 @@ def _comm_worker(rank: int, world: int, port: int, job: dict, out_path: str) -> 
     backend = "nccl" if device.type == "cuda" else "gloo"
     before_init_process_group()
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=300))
+                            world_size=world, timeout=timedelta(minutes=30))
     try:
         results = []
         for nbytes in job["sizes"]:

@@ -37,7 +37,7 @@ from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.plan.vocabulary import Vocabulary, communicators
 from megatron_dcp.runtime.context import TaskContext
 
-DEFAULT_GROUP_TIMEOUT = timedelta(seconds=120)
+DEFAULT_GROUP_TIMEOUT = timedelta(minutes=30)
 
 # torch >= 2.6 can keep the rank order of a group; older versions sort it.
 _HAS_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters

@@ -1,37 +1,57 @@
-"""Name the rank that stalled or died when a collective fails.
+"""Name the rank that stalled or died: at once while the others wait, and when a collective fails.
 
 A collective that times out (a rank stopped, hung in a device call, or dead) says nothing about
 *which* rank is missing: gloo reports "Timed out waiting ... for recv", NCCL the operation. So
 every rank runs a *responder*: a daemon thread that looks for a probe key in the job's
-rendezvous store (its own connection) once a second and answers it. When a step fails with a
-communication error, the rank sets the probe key and waits a few seconds for the answers: the
-threads of live ranks answer within a second, even while their main thread is blocked in a
-collective; a stopped or dead process cannot. `RankFailureError` then names the ranks that did
-not answer. The good case costs one tiny store lookup per rank and second (a thread blocked in
-the store's ``wait`` instead would abort the process at exit, inside the C++ call), and the
-thread is stopped at interpreter exit.
+rendezvous store (its own connection) once a second and answers it. A probe sets the key and
+waits a few seconds for the answers: the threads of live ranks answer within a second, even while
+their main thread is blocked in a collective; a stopped or dead process cannot. A rank whose
+responder stopped on purpose (its process ended) is marked done and never named.
 
-`names_unresponsive_ranks` wraps a step function with this (`StepDriver.step` uses it). On NCCL,
-torch's watchdog ends a process whose collective timed out before Python sees an exception; its
-own message names the collective, this one is not printed there.
+Two uses:
+* the *watch* (``interval_s`` > 0, `StepDriver` passes ``DCPConfig.liveness_interval_s``): the
+  first and the last rank probe every ``interval_s`` seconds; a rank missing from two probes in a
+  row is named on every live rank, which then ends (exit status `STALL_EXIT_CODE`). The job's
+  collective timeout can then be long (a long, healthy step never reaches it) while a stalled
+  rank still ends the job within about two intervals;
+* when a step fails with a communication error, `RankFailureError` names the ranks that did not
+  answer (`names_unresponsive_ranks`).
+The good case costs a few tiny store lookups per rank and second, and one probe per watching
+rank and interval (a thread blocked in the store's ``wait`` instead would abort the process at
+exit, inside the C++ call); the thread is stopped at interpreter exit. On NCCL, torch's watchdog
+ends a process whose collective timed out before Python sees an exception; its own message names
+the collective, the second use's message is not printed there (the watch's is).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import os
+import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
 PROBE_KEY = "megatron_dcp/liveness/probe"
-ANSWER_KEY = "megatron_dcp/liveness/alive/{rank}"
+"""The newest probe's generation (an integer); responders answer every generation they see."""
+GENERATION_KEY = "megatron_dcp/liveness/generation"
+ANSWER_KEY = "megatron_dcp/liveness/alive/{generation}/{rank}"
+DONE_KEY = "megatron_dcp/liveness/done/{rank}"
+"""Set by a rank whose responder stopped on purpose (its process is ending): not a stall."""
+STARTED_KEY = "megatron_dcp/liveness/started"
+"""How many ranks started a responder: the watch probes nobody until every rank has."""
+VERDICT_KEY = "megatron_dcp/liveness/verdict"
+"""Set by the watch when a rank missed two probes in a row: every live rank reads it and ends."""
 POLL_S = 1.0
 """How often a responder looks for the probe key."""
 PROBE_WAIT_S = 3.0
 """How long a probing rank waits for the answers (live ranks answer within ``POLL_S``)."""
+STALL_EXIT_CODE = 75
+"""Exit status of a rank the watch ends because another rank stalled."""
 COMMUNICATION_ERRORS = ("timed out", "timeout", "connection closed", "connection reset",
                         "broken pipe", "connection refused", "remote worker")
 """Words of the errors of a collective whose peer is missing (gloo, NCCL, the store)."""
@@ -58,9 +78,87 @@ def _store() -> Optional[Any]:
         return None
 
 
-def start_responder() -> bool:
+def _probe(store: Any, world: int, wait_s: float,
+           answer: Optional[Callable[[], None]] = None) -> list[int]:
+    """One probe of every rank over ``store``: the ranks that neither answered within ``wait_s``
+    nor ended on purpose (their responder stopped at exit). ``answer``: called while waiting, by
+    a prober on a responder's own thread (it keeps answering other probes, its own included)."""
+    generation = int(store.add(GENERATION_KEY, 1))
+    keys = [ANSWER_KEY.format(generation=generation, rank=r) for r in range(world)]
+    store.set(PROBE_KEY, str(generation))
+    deadline = time.monotonic() + wait_s
+    while True:  # polled, not store.wait: the store logs every wait that times out
+        if answer is not None:
+            answer()
+        if store.check(keys):
+            missing: list[int] = []
+            break
+        if time.monotonic() >= deadline:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])
+                       and not store.check([DONE_KEY.format(rank=r)])]
+            break
+        time.sleep(min(0.1, POLL_S))
+    for key in keys:  # the store keeps no key per rank and probe
+        try:
+            store.delete_key(key)
+        except Exception:  # noqa: BLE001 - a store without delete: the keys stay, harmless
+            break
+    return missing
+
+
+def _end_job(verdict: str) -> None:
+    """Every live rank's end once the watch has named a stalled rank: the main thread is blocked
+    in a collective that would wait for the whole process-group timeout."""
+    print(verdict, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(STALL_EXIT_CODE)
+
+
+def _serve(store: Any, rank: int, world: int, interval_s: float) -> None:
+    """The responder thread: answer every probe, and, on the watching ranks (the first and the
+    last), probe every ``interval_s`` seconds; a rank missing from two probes in a row is named
+    on every live rank, which then ends (`_end_job`)."""
+    answered = 0
+
+    def answer() -> None:
+        nonlocal answered
+        if store.check([VERDICT_KEY]):
+            _end_job(store.get(VERDICT_KEY).decode())
+        if store.check([PROBE_KEY]):
+            newest = int(store.get(PROBE_KEY))
+            # answer every generation since the last one seen (two ranks may probe at once)
+            for generation in range(max(answered + 1, newest - 15), newest + 1):
+                store.set(ANSWER_KEY.format(generation=generation, rank=rank), "1")
+            answered = max(answered, newest)
+
+    watching = interval_s > 0 and world > 1 and rank in (0, world - 1)
+    next_probe = time.monotonic() + interval_s
+    suspects: list[int] = []
+    while not _stop.wait(POLL_S):
+        try:
+            answer()
+            if not watching or time.monotonic() < next_probe:
+                continue
+            next_probe = time.monotonic() + interval_s
+            if int(store.add(STARTED_KEY, 0)) < world:
+                continue  # a rank still starting up is not stalled
+            missing = _probe(store, world, PROBE_WAIT_S, answer)
+            stalled = sorted(set(missing) & set(suspects))
+            suspects = missing
+            if stalled:
+                store.set(VERDICT_KEY, (
+                    f"megatron-dcp liveness watch (rank {rank}): rank(s) {stalled} did not "
+                    f"answer two liveness probes {interval_s:g} s apart: stalled (stopped, hung "
+                    "in a device call) or dead; the other ranks answered. Ending the job now "
+                    f"(exit status {STALL_EXIT_CODE}) instead of at the process-group timeout."))
+        except Exception:  # noqa: BLE001 - the store is busy or gone: look again later
+            continue
+
+
+def start_responder(interval_s: float = 0.0) -> bool:
     """Start this process's responder thread once (after the default process group exists);
-    returns whether one runs."""
+    returns whether one runs. ``interval_s`` > 0: the first and the last rank also watch (probe
+    every ``interval_s`` seconds and end the job when a rank misses two probes in a row)."""
     global _responder
     if not dist.is_available() or not dist.is_initialized():
         return False
@@ -71,30 +169,36 @@ def start_responder() -> bool:
         if store is None:
             return False
         store.set_timeout(timedelta(seconds=5 * POLL_S))  # a stopped store host: give up soon
-        rank = dist.get_rank()
-
-        def answer() -> None:
-            while not _stop.wait(POLL_S):
-                try:
-                    if store.check([PROBE_KEY]):
-                        store.set(ANSWER_KEY.format(rank=rank), "alive")
-                        return
-                except Exception:  # noqa: BLE001 - the store is busy or gone: look again later
-                    continue
-
+        rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            store.add(STARTED_KEY, 1)
+        except Exception:  # noqa: BLE001 - no store: nothing to answer
+            return False
         _stop.clear()
-        _responder = threading.Thread(target=answer, name="megatron-dcp-liveness", daemon=True)
+        _responder = threading.Thread(target=_serve, args=(store, rank, world, interval_s),
+                                      name="megatron-dcp-liveness", daemon=True)
         _responder.start()
     return True
 
 
 def stop_responder() -> None:
     """Stop this process's responder (also at interpreter exit: a thread inside a store call
-    while the interpreter shuts down aborts the process)."""
+    while the interpreter shuts down aborts the process); the rank is then marked as ended on
+    purpose, so the watch does not name it."""
+    global _responder
     _stop.set()
     thread = _responder
     if thread is not None and thread is not threading.current_thread():
         thread.join(timeout=10 * POLL_S)
+    if thread is not None and dist.is_available() and dist.is_initialized():
+        store = _store()
+        if store is not None:
+            try:
+                store.set_timeout(timedelta(seconds=5 * POLL_S))
+                store.set(DONE_KEY.format(rank=dist.get_rank()), "1")
+            except Exception:  # noqa: BLE001 - the store's host is gone: nobody watches
+                pass
+    _responder = None
 
 
 atexit.register(stop_responder)
@@ -106,16 +210,9 @@ def unresponsive_ranks(wait_s: float = PROBE_WAIT_S) -> Optional[list[int]]:
     store = _store()
     if store is None:
         return None
-    world = dist.get_world_size()
-    keys = [ANSWER_KEY.format(rank=r) for r in range(world)]
     try:
         store.set_timeout(timedelta(seconds=wait_s))
-        store.set(PROBE_KEY, "1")
-        try:
-            store.wait(keys, timedelta(seconds=wait_s))
-            return []
-        except Exception:  # noqa: BLE001 - some did not answer: find which
-            return [r for r, key in enumerate(keys) if not store.check([key])]
+        return _probe(store, dist.get_world_size(), wait_s)
     except Exception:  # noqa: BLE001 - the store's host is gone or stopped
         return None
 
@@ -153,11 +250,11 @@ def describe(exc: BaseException, wait_s: float = PROBE_WAIT_S) -> Optional[RankF
 
 def names_unresponsive_ranks(step: Callable) -> Callable:
     """Decorator: ``step`` raises `RankFailureError` (naming the stalled or dead ranks, the
-    original error chained) instead of a bare communication error."""
+    original error chained) instead of a bare communication error. The step starts the
+    responders (`start_responder`), at its beginning on every rank."""
 
     @functools.wraps(step)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start_responder()
         try:
             return step(*args, **kwargs)
         except RankFailureError:

@@ -48,7 +48,7 @@ from megatron_dcp.runtime.executor import (StepStats, batch_targets, global_sum,
                                            target_count)
 from megatron_dcp.runtime.hardware_auto import detect_hardware
 from megatron_dcp.runtime.layout import ShardLayout
-from megatron_dcp.runtime.liveness import names_unresponsive_ranks
+from megatron_dcp.runtime.liveness import names_unresponsive_ranks, start_responder
 
 
 @dataclass
@@ -239,6 +239,7 @@ class StepDriver:
         the data loader); default: `plan`. ``train=False``: forward only (evaluation), no
         backward, no optimizer step, the planning iteration does not advance. Collective over
         the DCP world: every rank calls it once per step."""
+        start_responder(self.config.liveness_interval_s)  # once per process: the liveness watch
         t0 = time.perf_counter()
         outside_s, self._outside_s = self._outside_s, 0.0  # of the previous step
         if plan is None:  # a video batch tells the planner every video's frame size
