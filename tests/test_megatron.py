@@ -121,7 +121,8 @@ def _gather_tp(name, p, grad, tp: int):
     return torch.cat(parts, dim=p.partition_dim)
 
 
-def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", backward=None):
+def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", backward=None,
+              ddp_config=None):
     """One DCP step with Megatron DDP; returns (loss, full gradients).
 
     ``backward``: None (the calling thread), ``"thread"`` (every backward on a fresh thread, as
@@ -150,7 +151,8 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", ba
         context._ProcessTask = NoTaskFallback()
     model = _build(tp, dcp=True)
     _load_full_state(model, state, parallel_state.get_tensor_model_parallel_rank(), tp)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), module=model)
+    ddp = DistributedDataParallel(model.config,
+                                  DistributedDataParallelConfig(**(ddp_config or {})), module=model)
     ddp.zero_grad_buffer()
 
     def loss_func(loss_mask, output_tensor):
@@ -267,6 +269,32 @@ def test_gpt_sequence_mean_loss_under_dcp_matches_single_process():
     results = run_distributed(_dcp_step, world_size=2,
                               args=(1, PLAN_2, reference[0], "sequence"), timeout_s=200)
     _check(results, reference, 2)
+
+
+@pytest.mark.timeout(240)
+def test_gpt_overlap_grad_reduce_under_dcp_matches_single_process(reference):
+    """Megatron DDP with ``overlap_grad_reduce`` and small buckets: under DCP every micro-step
+    runs in ``no_sync``, so no bucket is reduced inside a task's backward; the reduction runs
+    once, in ``finish``, on every rank (rank 1 has fewer tasks than rank 0)."""
+    results = run_distributed(
+        _dcp_step, world_size=2, timeout_s=200,
+        args=(1, PLAN_2, reference[0], "token", None,
+              {"overlap_grad_reduce": True, "bucket_size": 2000}))
+    _check(results, reference, 2)
+
+
+def test_overlap_param_gather_is_refused_before_any_collective():
+    """A rank without a task runs no forward, so the all-gathers Megatron dispatches from forward
+    pre-hooks would hang: the step refuses the setting at once."""
+    from types import SimpleNamespace
+
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.megatron.step import DCPForwardBackward
+
+    model = SimpleNamespace(ddp_config=SimpleNamespace(overlap_param_gather=True))
+    step = DCPForwardBackward(DCPConfig(enabled=True))
+    with pytest.raises(ValueError, match="overlap_param_gather.*runs no forward"):
+        step(forward_step_func=None, data_iterator=iter([]), model=[model])
 
 
 @pytest.mark.timeout(300)

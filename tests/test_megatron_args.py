@@ -22,6 +22,8 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute-method", default=None)
     p.add_argument("--num-attention-heads", type=int, default=8)
     p.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None)
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--overlap-param-gather", action="store_true")
     return add_dcp_args(p)
 
 
@@ -54,6 +56,8 @@ def test_disabled_is_fine_but_knobs_without_dcp_fail():
     ("--dcp --calculate-per-token-loss --hybrid-context-parallel", "--hybrid-context-parallel"),
     ("--dcp --calculate-per-token-loss --sequence-parallel", "--sequence-parallel"),
     ("--dcp --calculate-per-token-loss --recompute-granularity selective", "selective"),
+    ("--dcp --calculate-per-token-loss --overlap-grad-reduce --overlap-param-gather",
+     "--overlap-param-gather: .* runs no forward"),
     ("--dcp --calculate-per-token-loss --dcp-max-degree 8", "exceeds the DCP world size 4"),
     ("--dcp --calculate-per-token-loss --tensor-model-parallel-size 2 --dcp-attention-layout "
      "ulysses --dcp-max-degree 4 --num-attention-heads 4", "divisible by the degree"),
@@ -61,6 +65,11 @@ def test_disabled_is_fine_but_knobs_without_dcp_fail():
 def test_bad_combinations_fail_with_a_clear_message(line, message):
     with pytest.raises(DCPArgumentError, match=message):
         validate_dcp_args(parse(line), world_size=4 if "tensor" not in line else 8)
+
+
+def test_overlap_grad_reduce_is_accepted():
+    args = parse("--dcp --calculate-per-token-loss --overlap-grad-reduce")
+    assert validate_dcp_args(args, world_size=2).enabled
 
 
 def test_max_seqlen_per_dp_cp_rank_becomes_the_pack_budget():

@@ -225,6 +225,11 @@ class DCPForwardBackward:
         if collect_non_loss_data:
             raise ValueError("DCPForwardBackward: collect_non_loss_data is not supported")
         model = _single_model(model)
+        if getattr(getattr(model, "ddp_config", None), "overlap_param_gather", False):
+            from megatron_dcp.megatron.args import OVERLAP_PARAM_GATHER_PROBLEM
+
+            raise ValueError(OVERLAP_PARAM_GATHER_PROBLEM.replace(
+                "--overlap-param-gather", "DistributedDataParallelConfig.overlap_param_gather"))
         engine = MegatronStepEngine(model, forward_step_func, forward_only)
         if not forward_only and not engine.mconfig.calculate_per_token_loss:
             raise ValueError("DCP needs calculate_per_token_loss=True in the model's "
