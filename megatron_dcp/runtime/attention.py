@@ -105,7 +105,8 @@ def _check_task(ctx: TaskContext, q, k, v) -> None:
 def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                   softmax_scale: Optional[float] = None,
                   group_of_position: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                  task: Optional[TaskContext] = None) -> torch.Tensor:
+                  task: Optional[TaskContext] = None,
+                  deterministic: Optional[bool] = None) -> torch.Tensor:
     """Attention of the local shard ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` -> ``[T, Hq, D]``.
 
     Inside a task (``task``, or else `current_task`), tokens attend within their sequence across
@@ -115,6 +116,8 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     attention, spatial index for temporal attention); tokens attend only within their group.
     With ``group_of_position.per_sequence`` true it is called with the task-local sequence ids
     too (`per_sequence_groups`; outside a task they are all 0). Differentiable.
+    ``deterministic``: a deterministic backward (a framework's switch, such as Megatron's
+    ``deterministic_mode``; default: ``torch.are_deterministic_algorithms_enabled()``).
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ctx = current_task(task)
@@ -122,7 +125,8 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         _check_shapes(q, k, v, "outside a task")
         meta = TokenMeta.contiguous(q.shape[0], q.device)
         return local_attention(q, k, v, meta, causal=causal, softmax_scale=scale,
-                               groups=per_sequence_groups(group_of_position, meta))
+                               groups=per_sequence_groups(group_of_position, meta),
+                               deterministic=deterministic)
     _check_task(ctx, q, k, v)
     planned, layout = ctx.task, ctx.layout
     u, r = planned.ulysses, planned.ring
@@ -135,11 +139,12 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         q, k, v = SeqToHeadQKV.apply(comm, q, k, v)
     if r == 1:
         out = local_attention(q, k, v, metas[0], causal=causal, softmax_scale=scale,
-                              groups=groups[0])
+                              groups=groups[0], deterministic=deterministic)
     else:
         ring = RingComm(ctx.ring_group if ctx.ring_group is not None else ctx.group,
                         planned.ring_group(ctx.group_rank), layout.ring_rank)
-        out = ring_attention(q, k, v, ring, metas, groups, causal=causal, scale=scale)
+        out = ring_attention(q, k, v, ring, metas, groups, causal=causal, scale=scale,
+                             deterministic=deterministic)
     if u > 1:
         out = HeadToSeq.apply(comm, out)
     return out

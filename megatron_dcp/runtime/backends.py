@@ -9,8 +9,25 @@ computes. GQA is native everywhere (query head ``h`` uses key head ``h // (Hq //
 * ``flash``: flash-attn 2's ``_flash_attn_varlen_forward/backward`` (CUDA, fp16/bf16).
 * ``torch_flash``: torch's own ``aten._flash_attention_forward/backward`` with cumulative
   lengths (CUDA sm80+, fp16/bf16). Both flash LSEs are ``[Hq, Tq]`` fp32.
+* ``efficient``: torch's memory-efficient op ``aten._efficient_attention_forward/backward``
+  (the fused kernel of SDPA's memory-efficient path; CUDA, float32/float16/bfloat16, any sm50+
+  GPU): varlen through cumulative lengths, LSE ``[segments, Hq, ceil32(max_q)]`` fp32. It has no
+  GQA, so K/V heads are repeated for it (and their gradients summed back). float32 on CUDA
+  runs here.
 * ``sdpa``: torch's fused CPU flash-attention op, one call per group of equal-shape segments.
-* ``torch``: the exact chunked torch kernel (any device and dtype): reference and fallback.
+* ``torch``: the exact chunked torch kernel: the reference on the CPU (float16 there too), and
+  float64 on an accelerator (no fused kernel takes it), with blocks sized for the device
+  (`score_block`). Other dtypes on CUDA never reach it: no fused kernel is an error
+  (`choose_backend`), not hundreds of thousands of small launches per layer.
+
+Which backend runs is a pure function of (device type, dtype, head size, what is installed):
+`backend_supports` and `choose_backend` over `Capabilities`, so CPU tests check the CUDA choice.
+
+Determinism (`deterministic`): when asked for (an argument, else
+``torch.are_deterministic_algorithms_enabled()``), flash-attn and the efficient op run their
+deterministic backward and gradients of repeated key rows are summed with a sorted
+``index_put_`` instead of ``index_add_``'s atomics. torch's own flash op follows torch's setting
+only.
 
 Index tensors come from the host decomposition, uploaded once: nothing here reads a device value
 back to the host.
@@ -19,6 +36,7 @@ back to the host.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
@@ -26,14 +44,23 @@ import torch
 
 from megatron_dcp.runtime.segments import Call
 
+ORDER = ("flash", "torch_flash", "efficient", "sdpa", "torch")
+"""Backends in the order a call falls back through (`choose_backend`)."""
+
 SCORE_BLOCK = 1 << 20
-"""Score elements per dense block of the exact kernel (query rows x keys x heads): bounds its
-memory and keeps every elementwise pass over the scores inside the CPU caches."""
+"""Score elements per dense block of the exact kernel on the CPU (query rows x keys x heads):
+bounds its memory and keeps every elementwise pass over the scores inside the CPU caches."""
+DEVICE_SCORE_BLOCK = 1 << 26
+"""The same on an accelerator (256 MB of fp64 scores per temporary): few, large launches."""
 
 _CPU_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _TORCH_FLASH_FWD = getattr(torch.ops.aten, "_flash_attention_forward", None)
 _TORCH_FLASH_BWD = getattr(torch.ops.aten, "_flash_attention_backward", None)
+_EFF_FWD = getattr(torch.ops.aten, "_efficient_attention_forward", None)
+_EFF_BWD = getattr(torch.ops.aten, "_efficient_attention_backward", None)
+LSE_ALIGN = 32
+"""The efficient op pads each segment's LSE row to a multiple of this many queries."""
 
 try:  # optional: flash-attn 2, only used on CUDA in half precision
     import flash_attn
@@ -52,8 +79,10 @@ FLASH_ATTN_AVAILABLE = _FA_FWD is not None
 class Grads:
     """Accumulates ``dq, dk, dv`` of a block; one call over all rows in order is kept as is."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype,
+                 deterministic: bool = False) -> None:
         self.q_shape, self.k_shape, self.dtype, self.device = q.shape, k.shape, dtype, q.device
+        self.deterministic = deterministic
         self.whole: Optional[tuple] = None
         self.buffers: Optional[list[torch.Tensor]] = None
 
@@ -76,6 +105,9 @@ class Grads:
         for buf, rows, g in ((dq_all, q_rows, dq), (dk_all, k_rows, dk), (dv_all, k_rows, dv)):
             if rows is None:
                 buf += g
+            elif self.deterministic:  # key rows repeat across segments: no atomics
+                buf.index_put_((rows,), g.reshape(-1, *buf.shape[1:]).to(self.dtype),
+                               accumulate=True)
             else:
                 buf.index_add_(0, rows, g.reshape(-1, *buf.shape[1:]).to(self.dtype))
 
@@ -100,14 +132,30 @@ def _scatter(rows, o, lse, q):
     return out, lse_all
 
 
+def deterministic(flag: Optional[bool] = None) -> bool:
+    """Whether backward must be deterministic: ``flag`` when given (a framework's own switch,
+    such as Megatron's ``deterministic_mode``), else torch's ``use_deterministic_algorithms``
+    (not in its warn-only mode, which asks for a warning, not for slower kernels)."""
+    if flag is not None:
+        return bool(flag)
+    return (torch.are_deterministic_algorithms_enabled()
+            and not torch.is_deterministic_algorithms_warn_only_enabled())
+
+
 # ---------------------------------------------------------------------------- exact kernel
+def score_block(device_type: str) -> int:
+    """Score elements per block of the exact kernel on a device of this type."""
+    return SCORE_BLOCK if device_type == "cpu" else DEVICE_SCORE_BLOCK
+
+
 def _exact_chunks(call: Call, device, heads: int):
     """``(query rows [b, n], key rows [b, m], first query index)`` blocks of at most
-    ``SCORE_BLOCK`` scores; causal blocks drop the keys after their last query."""
+    `score_block` scores; causal blocks drop the keys after their last query."""
+    budget = score_block(torch.device(device).type)
     for q2, k2 in call.shapes(device):
         b, n = q2.shape
         m = k2.shape[1]
-        per = max(1, SCORE_BLOCK // (heads * m))  # query rows per block
+        per = max(1, budget // (heads * m))  # query rows per block
         if n <= per:
             step = max(1, per // n)
             for b0 in range(0, b, step):
@@ -221,7 +269,7 @@ def _device_state(device: torch.device):
 
 
 @lru_cache(maxsize=None)
-def _flash_attn_kwargs(fn, backward: bool) -> dict:
+def _flash_attn_kwargs(fn, backward: bool, deterministic: bool = False) -> dict:
     """Keyword arguments of flash-attn's varlen functions beyond the common ones; their names
     changed between releases (``window_size`` became ``window_size_left/right`` in 2.7)."""
     try:
@@ -237,7 +285,7 @@ def _flash_attn_kwargs(fn, backward: bool) -> dict:
         kw["softcap"] = 0.0
     kw["alibi_slopes"] = None
     if backward:
-        kw["deterministic"] = False
+        kw["deterministic"] = deterministic
         kw["rng_state"] = None
     else:
         kw["return_softmax"] = False
@@ -271,7 +319,8 @@ def flash_forward(name: str, call: Call, q, k, v, scale: float):
 
 def flash_backward(name: str, call: Call, dout, q, k, v, out, lse, scale: float,
                    grads: Grads) -> None:
-    """Backward of one call with a flash varlen kernel, from the final ``out`` and ``lse``."""
+    """Backward of one call with a flash varlen kernel, from the final ``out`` and ``lse``
+    (torch's flash op reads torch's deterministic setting itself; flash-attn is told ours)."""
     rows = call.rows(q.device)
     qg, kg, vg = _take(q, rows.q), _take(k, rows.k), _take(v, rows.k)
     dog, og = _take(dout, rows.q).to(q.dtype), _take(out, rows.q).to(q.dtype)
@@ -285,27 +334,153 @@ def flash_backward(name: str, call: Call, dout, q, k, v, out, lse, scale: float,
     else:
         dq, dk, dv = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
         _FA_BWD(dog, qg, kg, vg, og, lse_g, dq, dk, dv, rows.cu_q, rows.cu_k, call.max_q,
-                call.max_k, 0.0, scale, call.causal, **_flash_attn_kwargs(_FA_BWD, True))
+                call.max_k, 0.0, scale, call.causal,
+                **_flash_attn_kwargs(_FA_BWD, True, grads.deterministic))
     grads.add(rows.q, dq, rows.k, dk, dv)
 
 
-# ---------------------------------------------------------------------------- capabilities
+# ---------------------------------------------------------------------------- efficient (CUDA)
+def _lse_width(call: Call) -> int:
+    return -(-call.max_q // LSE_ALIGN) * LSE_ALIGN
+
+
 @lru_cache(maxsize=None)
-def _sm80(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+def _no_dropout_state():
+    """The op's philox seed/offset when dropout is off: host scalars it never reads."""
+    return torch.empty((), dtype=torch.long), torch.empty((), dtype=torch.long)
+
+
+def _efficient_inputs(call: Call, q, k, v):
+    """Gathered rows as ``[1, N, H, D]`` with K/V heads repeated to the query heads."""
+    rows = call.rows(q.device)
+    rep = q.shape[1] // k.shape[1]
+    qg = _take(q, rows.q)
+    kg, vg = (_take(x, rows.k) for x in (k, v))
+    if rep > 1:
+        kg, vg = (x.repeat_interleave(rep, dim=1) for x in (kg, vg))
+    return rows, rep, qg.unsqueeze(0), kg.unsqueeze(0), vg.unsqueeze(0)
+
+
+def efficient_forward(call: Call, q, k, v, scale: float):
+    """Forward of one call with the efficient op; ``out`` in the input dtype, LSE fp32."""
+    rows, _, qg, kg, vg = _efficient_inputs(call, q, k, v)
+    o, lse = _EFF_FWD(qg, kg, vg, None, rows.cu_q, rows.cu_k, call.max_q, call.max_k, 0.0,
+                      int(call.causal), True, scale=scale)[:2]
+    want = (call.num_segments, q.shape[1], _lse_width(call))
+    if tuple(lse.shape) != want:
+        raise RuntimeError(f"efficient attention: LSE of shape {tuple(lse.shape)}, expected "
+                           f"[segments, Hq, ceil32(max_q)] = {want}")
+    lse = lse.transpose(1, 2).reshape(-1, q.shape[1])
+    lse = lse.index_select(0, call.padded_rows(q.device, _lse_width(call)))
+    return _scatter(rows.q, o[0], lse, q)
+
+
+def efficient_backward(call: Call, dout, q, k, v, out, lse, scale: float, grads: Grads) -> None:
+    """Backward of one call with the efficient op, from the final ``out`` and ``lse``."""
+    rows, rep, qg, kg, vg = _efficient_inputs(call, q, k, v)
+    dog = _take(dout, rows.q).to(q.dtype).unsqueeze(0)
+    og = _take(out, rows.q).to(q.dtype).unsqueeze(0)
+    lse_g = (lse if rows.q is None else lse.index_select(0, rows.q)).float()
+    width, heads = _lse_width(call), q.shape[1]
+    padded = lse_g.new_zeros((call.num_segments * width, heads))
+    padded.index_copy_(0, call.padded_rows(q.device, width), lse_g)
+    padded = padded.view(call.num_segments, width, heads).transpose(1, 2).contiguous()
+    seed, offset = _no_dropout_state()
+    dq, dk, dv = _EFF_BWD(dog, qg, kg, vg, None, og, rows.cu_q, rows.cu_k, call.max_q,
+                          call.max_k, padded, 0.0, seed, offset, int(call.causal), False,
+                          scale=scale, num_splits_key=1 if grads.deterministic else None)[:3]
+    dk, dv = dk[0], dv[0]
+    if rep > 1:  # the repeated heads' gradients summed back onto their K/V head
+        dk, dv = (x.float().unflatten(1, (-1, rep)).sum(2) for x in (dk, dv))
+    grads.add(rows.q, dq[0], rows.k, dk, dv)
+
+
+# ---------------------------------------------------------------------------- choice
+class BackendError(RuntimeError):
+    """No attention backend can run these inputs (names device, dtype and what is missing)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one device offers the backends (`capabilities`); tests build their own."""
+
+    flash_attn: bool = False
+    """flash-attn >= 2.6 is installed."""
+    torch_flash: bool = False
+    """torch's flash varlen ops run on this device (a CUDA build, sm80 or newer)."""
+    efficient: bool = False
+    """torch's memory-efficient attention op has a kernel for this device."""
+    cpu_fused: bool = False
+    """torch's fused CPU flash-attention op exists."""
+
+
+def _has_kernel(op: str, key: str) -> bool:
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(op, key))
+    except Exception:  # noqa: BLE001 - an older torch without the query: assume present
+        return True
+
+
+@lru_cache(maxsize=None)
+def capabilities(device: torch.device) -> Capabilities:
+    """The `Capabilities` of ``device`` (a CUDA device's compute capability is read once)."""
+    if device.type == "cuda":
+        sm80 = torch.cuda.get_device_capability(device) >= (8, 0)
+        return Capabilities(
+            flash_attn=FLASH_ATTN_AVAILABLE,
+            torch_flash=(sm80 and _TORCH_FLASH_FWD is not None
+                         and _has_kernel("aten::_flash_attention_forward", "CUDA")),
+            efficient=(_EFF_FWD is not None
+                       and _has_kernel("aten::_efficient_attention_forward", "CUDA")))
+    return Capabilities(cpu_fused=device.type == "cpu" and _CPU_FWD is not None)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def backend_supports(name: str, device_type: str, dtype: torch.dtype, head_dim: int,
+                     caps: Capabilities) -> bool:
+    """Whether backend ``name`` runs attention of this device type, dtype and head size."""
+    if name == "torch":  # on an accelerator only where no fused kernel takes the dtype
+        return device_type == "cpu" or dtype == torch.float64
+    if name == "sdpa":
+        return (device_type == "cpu" and caps.cpu_fused
+                and dtype in (torch.float32, torch.float64, torch.bfloat16))
+    if name == "efficient":
+        return (device_type == "cuda" and caps.efficient
+                and dtype in (torch.float32, *_HALF) and head_dim % (16 // (
+                    4 if dtype == torch.float32 else 2)) == 0)
+    flash_ok = (device_type == "cuda" and dtype in _HALF and head_dim % 8 == 0
+                and head_dim <= 256)
+    if name == "torch_flash":
+        return flash_ok and caps.torch_flash
+    if name == "flash":
+        return flash_ok and caps.flash_attn
+    return False
+
+
+def choose_backend(device_type: str, dtype: torch.dtype, head_dim: int, caps: Capabilities,
+                   start: Optional[str] = None) -> str:
+    """``start`` (default: the first of `ORDER`) or the first backend after it in `ORDER` that
+    supports the inputs; `BackendError` when none does."""
+    names = ORDER[ORDER.index(start):] if start is not None else ORDER
+    for name in names:
+        if backend_supports(name, device_type, dtype, head_dim, caps):
+            return name
+    missing = []
+    if device_type == "cuda":
+        if not caps.efficient:
+            missing.append("this torch build has no memory-efficient attention kernel for CUDA")
+        missing.append("the efficient kernel needs a head size that is a multiple of 4 "
+                       "(float32) or 8 (float16/bfloat16), the flash kernels half precision")
+    raise BackendError(
+        f"no attention backend for {dtype} with head size {head_dim} on {device_type}"
+        f" (tried {', '.join(names)}){': ' + '; '.join(missing) if missing else ''}. Train in "
+        "bfloat16, use a head size that is a multiple of 8, or a torch build with "
+        "memory-efficient attention; the exact torch kernel is not run on an accelerator "
+        "for this dtype (too slow).")
 
 
 def supports(name: str, q: torch.Tensor) -> bool:
     """Whether backend ``name`` can run attention on ``q``'s device, dtype and head size."""
-    if name == "torch":
-        return True
-    if name == "sdpa":
-        return (q.device.type == "cpu" and _CPU_FWD is not None
-                and q.dtype in (torch.float32, torch.float64, torch.bfloat16))
-    flash_ok = (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-                and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256)
-    if name == "torch_flash":
-        return flash_ok and _TORCH_FLASH_FWD is not None and _sm80(q.device)
-    if name == "flash":
-        return flash_ok and FLASH_ATTN_AVAILABLE
-    return False
+    return backend_supports(name, q.device.type, q.dtype, q.shape[-1], capabilities(q.device))

@@ -13,11 +13,15 @@ with ``Hq % Hkv == 0`` (GQA); ``lse [Tq, Hq]``.
   call over all packed sequences (and attention groups) for degree 1 and after Ulysses.
 
 Backends (`BACKENDS`, in fallback order): ``flash`` (flash-attn 2, CUDA), ``torch_flash``
-(torch's own flash varlen ops, CUDA), ``sdpa`` (torch's fused CPU op), ``torch`` (exact kernel:
-the reference, and what runs float32/float64 on CUDA and float16 on the CPU). The process picks
-the first one available (`selected_backend`); `forced_backend` overrides it; a call that the
-chosen backend cannot run (device, dtype, head size) uses the next one in the order, so results
-never depend on the choice beyond rounding. Half inputs are merged in float32 (`compute_dtype`).
+(torch's own flash varlen ops, CUDA sm80+), ``efficient`` (torch's memory-efficient op, CUDA:
+float32, or half precision on older GPUs), ``sdpa`` (torch's fused CPU op), ``torch`` (exact
+kernel: the reference, float16 on the CPU and float64 anywhere). The process picks the first one
+available (`selected_backend`); `forced_backend` overrides it; a call that the chosen backend
+cannot run (device, dtype, head size) uses the next one in the order
+(`megatron_dcp.runtime.backends.choose_backend`), so results never depend on the choice beyond
+rounding; on CUDA a dtype no fused kernel takes is an error, never the exact kernel's loop. Half
+inputs are merged in float32 (`compute_dtype`). ``deterministic`` (default: torch's
+``use_deterministic_algorithms``) selects deterministic backward kernels and accumulation.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from megatron_dcp.runtime import backends as _bk
 from megatron_dcp.runtime.layout import TokenMeta
 from megatron_dcp.runtime.segments import Block, decompose, upload
 
-BACKENDS = ("flash", "torch_flash", "sdpa", "torch")
+BACKENDS = _bk.ORDER
 _SELECTED: Optional[str] = None
 _FORCED: ContextVar[Optional[str]] = ContextVar("megatron_dcp_attention_backend", default=None)
 _CACHED_GROUPS = 16
@@ -47,15 +51,13 @@ def selected_backend() -> str:
     if forced is not None:
         return forced
     if _SELECTED is None:
+        # The first backend any dtype can use here; calls fall forward from it (resolve_backend).
         cuda = torch.cuda.is_available()
-        if cuda and _bk.FLASH_ATTN_AVAILABLE:
-            _SELECTED = "flash"
-        elif cuda and _bk._TORCH_FLASH_FWD is not None:
-            _SELECTED = "torch_flash"
-        elif _bk._CPU_FWD is not None:
-            _SELECTED = "sdpa"
-        else:
-            _SELECTED = "torch"
+        caps = _bk.capabilities(torch.device("cuda") if cuda else torch.device("cpu"))
+        _SELECTED = next((b for b, ok in (("flash", caps.flash_attn),
+                                          ("torch_flash", caps.torch_flash),
+                                          ("efficient", caps.efficient),
+                                          ("sdpa", caps.cpu_fused)) if ok), "torch")
     return _SELECTED
 
 
@@ -75,9 +77,14 @@ def forced_backend(name: str) -> Iterator[None]:
 
 def resolve_backend(q: torch.Tensor, name: Optional[str] = None) -> str:
     """The backend that runs attention on ``q``: ``name`` (default `selected_backend`) or the
-    first one after it in `BACKENDS` that supports ``q``'s device, dtype and head size."""
-    start = BACKENDS.index(name or selected_backend())
-    return next(b for b in BACKENDS[start:] if _bk.supports(b, q))
+    first one after it in `BACKENDS` that supports ``q``'s device, dtype and head size
+    (`megatron_dcp.runtime.backends.BackendError` when none does)."""
+    start = name or selected_backend()
+    for b in BACKENDS[BACKENDS.index(start):]:
+        if _bk.supports(b, q):
+            return b
+    return _bk.choose_backend(q.device.type, q.dtype, q.shape[-1], _bk.capabilities(q.device),
+                              start)  # raises, naming what is missing
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -152,6 +159,8 @@ def run_forward(block: Block, q, k, v, scale: float, backend: str):
     for call in block.calls:
         if backend in ("flash", "torch_flash"):
             o, l = _bk.flash_forward(backend, call, q, k, v, scale)
+        elif backend == "efficient":
+            o, l = _bk.efficient_forward(call, q, k, v, scale)
         elif backend == "sdpa":
             o, l = _bk.cpu_forward(call, q, k, v, scale, cdt)
         else:
@@ -163,14 +172,17 @@ def run_forward(block: Block, q, k, v, scale: float, backend: str):
     return out, lse
 
 
-def run_backward(block: Block, dout, q, k, v, out, lse, scale: float, backend: str):
+def run_backward(block: Block, dout, q, k, v, out, lse, scale: float, backend: str,
+                 deterministic: bool = False):
     """``dq, dk, dv`` of a decomposed block from the final ``out``/``lse`` (dtype: see `Grads`)."""
     cdt = compute_dtype(q.dtype)
-    grads = _bk.Grads(q, k, cdt)
+    grads = _bk.Grads(q, k, cdt, deterministic)
     delta = None
     for call in block.calls:
         if backend in ("flash", "torch_flash"):
             _bk.flash_backward(backend, call, dout, q, k, v, out, lse, scale, grads)
+        elif backend == "efficient":
+            _bk.efficient_backward(call, dout, q, k, v, out, lse, scale, grads)
         elif backend == "sdpa":
             _bk.cpu_backward(call, dout, q, k, v, out, lse, scale, cdt, grads)
         else:
@@ -194,11 +206,13 @@ def block_forward(q, k, v, q_meta: TokenMeta, k_meta: TokenMeta, *, causal: bool
 
 def block_backward(dout, q, k, v, out, lse, q_meta: TokenMeta, k_meta: TokenMeta, *,
                    causal: bool, scale: float, q_groups=None, k_groups=None,
-                   backend: Optional[str] = None):
-    """``dq, dk, dv`` (compute dtype) of one K/V block from the final merged ``out``/``lse``."""
+                   backend: Optional[str] = None, deterministic: Optional[bool] = None):
+    """``dq, dk, dv`` (compute dtype) of one K/V block from the final merged ``out``/``lse``
+    (``deterministic``: see `megatron_dcp.runtime.backends.deterministic`)."""
     block = _block(q_meta, k_meta, causal, q_groups, k_groups)
     cdt = compute_dtype(q.dtype)
-    grads = run_backward(block, dout, q, k, v, out, lse, scale, resolve_backend(q, backend))
+    grads = run_backward(block, dout, q, k, v, out, lse, scale, resolve_backend(q, backend),
+                         _bk.deterministic(deterministic))
     return tuple(g.to(cdt) for g in grads)
 
 
@@ -216,28 +230,33 @@ class LocalAttention(torch.autograd.Function):
     """Attention of a token set with itself; the backward recomputes from ``lse`` (saves memory)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, meta: TokenMeta, causal: bool, scale: float, groups, backend: str):
+    def forward(ctx, q, k, v, meta: TokenMeta, causal: bool, scale: float, groups, backend: str,
+                deterministic: bool):
         block = _block(meta, meta, causal, groups, groups)
         out, lse = run_forward(block, q, k, v, scale, backend)
         ctx.save_for_backward(q, k, v, out, lse)
         # The backend travels with the graph: CUDA runs backward on a thread without our context.
-        ctx.block, ctx.scale, ctx.backend = block, scale, backend
+        ctx.block, ctx.scale, ctx.backend, ctx.deterministic = block, scale, backend, deterministic
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = run_backward(ctx.block, dout, q, k, v, out, lse, ctx.scale, ctx.backend)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dq, dk, dv = run_backward(ctx.block, dout, q, k, v, out, lse, ctx.scale, ctx.backend,
+                                  ctx.deterministic)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
+                None)
 
 
 def local_attention(q, k, v, meta: TokenMeta, *, causal: bool = True,
-                    softmax_scale: Optional[float] = None, groups: Optional[torch.Tensor] = None
-                    ) -> torch.Tensor:
+                    softmax_scale: Optional[float] = None, groups: Optional[torch.Tensor] = None,
+                    deterministic: Optional[bool] = None) -> torch.Tensor:
     """Attention of the tokens of ``meta`` among themselves (differentiable); ``out [T, Hq, D]``.
 
     ``groups`` (attention-group id per token, see `attention_groups`) further restricts attention
     to equal ids: each (sequence, group) is one varlen segment, no mask is built.
+    ``deterministic``: a deterministic backward (default: torch's setting, read now).
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return LocalAttention.apply(q, k, v, meta, causal, scale, groups, resolve_backend(q))
+    return LocalAttention.apply(q, k, v, meta, causal, scale, groups, resolve_backend(q),
+                                _bk.deterministic(deterministic))

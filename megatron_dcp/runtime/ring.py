@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dcp.runtime.backends import deterministic as _deterministic
 from megatron_dcp.runtime.kernels import (block_backward, block_forward, compute_dtype,
                                           merge_block, resolve_backend)
 from megatron_dcp.runtime.layout import TokenMeta
@@ -57,7 +58,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, comm: RingComm, metas: list, groups: list, causal: bool,
-                scale: float):
+                scale: float, deterministic: bool):
         j, r, hkv = comm.rank, comm.size, k.shape[1]
         # Chosen here and kept: CUDA runs backward on a thread that does not see forced_backend.
         backend = resolve_backend(q)
@@ -74,10 +75,13 @@ class RingAttention(torch.autograd.Function):
             if pending is not None:
                 _wait(pending[0])
                 kv = pending[1]
+        # Saved as returned, in q's dtype (what the flash backward reads, and what the next
+        # layer keeps anyway): no float32 copy of the merged output lives until backward.
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.metas, ctx.causal, ctx.scale, ctx.groups = comm, metas, causal, scale, groups
-        ctx.backend = backend
-        return out.to(q.dtype)
+        ctx.backend, ctx.deterministic = backend, deterministic
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -95,7 +99,8 @@ class RingAttention(torch.autograd.Function):
             dq_b, dk_b, dv_b = block_backward(dout, q, k_blk, v_blk, out, lse, metas[j],
                                               metas[src], causal=ctx.causal, scale=ctx.scale,
                                               q_groups=groups[j], k_groups=groups[src],
-                                              backend=ctx.backend)
+                                              backend=ctx.backend,
+                                              deterministic=ctx.deterministic)
             dq += dq_b
             contrib = torch.cat([dk_b, dv_b], dim=1)
             if dkv_pending is not None:  # the accumulator of block src, from the previous rank
@@ -112,19 +117,22 @@ class RingAttention(torch.autograd.Function):
             _wait(dkv_pending[0])
             dkv = dkv_pending[1]
         dk, dv = dkv.split([hkv, hkv], dim=1)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
+                None)
 
 
 def ring_attention(q, k, v, comm: RingComm, metas: list[TokenMeta],
                    groups: Optional[list[Optional[torch.Tensor]]] = None, *, causal: bool,
-                   scale: float) -> torch.Tensor:
+                   scale: float, deterministic: Optional[bool] = None) -> torch.Tensor:
     """Ring attention over ``comm``.
 
     ``metas[j]`` describes the tokens of ring rank ``j``; ``groups[j]`` (optional) their
-    attention-group ids (`megatron_dcp.runtime.kernels.attention_groups`).
+    attention-group ids (`megatron_dcp.runtime.kernels.attention_groups`). ``deterministic``:
+    a deterministic backward (default: torch's setting, read now).
     """
     groups = groups if groups is not None else [None] * len(metas)
-    return RingAttention.apply(q, k, v, comm, metas, groups, causal, scale)
+    return RingAttention.apply(q, k, v, comm, metas, groups, causal, scale,
+                               _deterministic(deterministic))
 
 
 def ring_in_one_process(q, k, v, lengths, ulysses: int, ring: int, *, causal: bool, scale: float,

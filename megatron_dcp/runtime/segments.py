@@ -95,6 +95,19 @@ class Call:
                 upload(cu_q, device), upload(cu_k, device))
         return self._device[key]
 
+    def padded_rows(self, device: torch.device, width: int) -> torch.Tensor:
+        """``segment * width + offset in segment`` of every query row of the call, in call
+        order: its row in a ``[segments, width]`` layout (the efficient op's padded LSE), on
+        ``device`` (built on the host, uploaded once)."""
+        key = ("padded", str(device), width)
+        if key not in self._device:
+            lens = self.q_lens
+            seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+            start = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+            flat = seg * width + torch.arange(int(lens.sum())) - start
+            self._device[key] = upload(flat, device)
+        return self._device[key]
+
     def shapes(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Segments grouped by shape: ``(q_rows [B, n], k_rows [B, m])`` per distinct ``(n, m)``,
         on ``device`` (for dense kernels that batch equal-shape segments; cached)."""
