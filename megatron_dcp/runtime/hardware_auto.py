@@ -1,8 +1,12 @@
 """``--dcp_hardware auto``: the cost model's starting hardware for the device the run is on.
 
-* CUDA: the preset whose name is in the device name (H200, H100, A100); any other GPU: the H100
-  preset with its compute rates scaled by a quick measured bf16 GEMM rate (a fraction of a
-  second; the smallest over the ranks, so that every rank plans with the same numbers).
+* CUDA: the preset of the device's model, matched by name precisely (`preset_for_device_name`:
+  H100 SXM / PCIe / NVL, H200 / H200 NVL, GH200, A100 SXM / PCIe, 40 or 80 GB), with the
+  device's real ``total_memory`` (a MIG slice, an 80 GB part in a 40 GB name) and the ranks per
+  node of the launcher (``LOCAL_WORLD_SIZE``; else at most the visible GPUs) in place of the
+  preset's. Any other GPU: the H100 preset with its compute rates scaled by a quick measured
+  bf16 GEMM rate (a fraction of a second; the smallest over the ranks, so that every rank plans
+  with the same numbers).
 * CPU: `cpu_start`, an uncalibrated start (rates typical of one core of a server CPU, gloo's
   effective bandwidth, the pack curve CPUs show) that the online calibration corrects within a
   few steps (`megatron_dcp.plan.calibration`).
@@ -14,6 +18,7 @@ kind and on the host's memory and local rank count; a measured GPU rate is reduc
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import replace
 from typing import Any, Optional
@@ -63,37 +68,108 @@ def _gemm_flops(device: torch.device, size: int = 4096, repeats: int = 10) -> fl
     return 2.0 * size**3 * repeats / (time.perf_counter() - t0)
 
 
-def preset_for_device_name(name: str) -> Optional[Hardware]:
-    """The preset whose name appears in a CUDA device name (``NVIDIA H200`` -> h200)."""
+# Variants of the presets (`megatron_dcp.plan.hardware.PRESETS`) by data sheet. PCIe cards
+# talk to each other over PCIe (an NVLink bridge joins pairs at most, which a ring or Ulysses
+# group of more than two cannot count on): Gen5 x16 64 GB/s per direction, Gen4 32 GB/s, ~80 %
+# achieved.
+_PCIE5, _PCIE4 = 50e9, 25e9
+_VARIANTS: dict[str, tuple[str, dict]] = {
+    # H100 PCIe: 756 TFLOPS dense BF16, 80 GB HBM2e at 2.0 TB/s
+    "h100-pcie": ("h100", dict(peak_flops=756e12, hbm_bandwidth=2.0e12,
+                               intra_bandwidth=_PCIE5)),
+    # H100 NVL: 835 TFLOPS dense BF16 (1671 sparse), 94 GB HBM3 at 3.9 TB/s
+    "h100-nvl": ("h100", dict(peak_flops=835e12, hbm_bytes=94e9, hbm_bandwidth=3.9e12,
+                              intra_bandwidth=_PCIE5)),
+    # H200 NVL: 835 TFLOPS dense BF16, 141 GB HBM3e at 4.8 TB/s
+    "h200-nvl": ("h200", dict(peak_flops=835e12, intra_bandwidth=_PCIE5)),
+    # GH200: the H100 SXM's compute, 96 GB HBM3 at 4 TB/s (the 144 GB HBM3e part: 4.9 TB/s);
+    # one GPU per Grace superchip node unless the launcher says otherwise
+    "gh200": ("h100", dict(hbm_bytes=96e9, hbm_bandwidth=4.0e12, ranks_per_node=1)),
+    # A100 40GB SXM: 1,555 GB/s
+    "a100-40gb": ("a100", dict(hbm_bytes=40e9, hbm_bandwidth=1.555e12)),
+    # A100 PCIe: 40 GB at 1,555 GB/s or 80 GB at 1,935 GB/s; PCIe Gen4
+    "a100-pcie-40gb": ("a100", dict(hbm_bytes=40e9, hbm_bandwidth=1.555e12,
+                                    intra_bandwidth=_PCIE4)),
+    "a100-pcie": ("a100", dict(hbm_bandwidth=1.935e12, intra_bandwidth=_PCIE4)),
+}
+
+
+def _preset(key: str) -> Hardware:
+    if key in PRESETS:
+        return PRESETS[key]
+    base, changes = _VARIANTS[key]
+    return replace(PRESETS[base], name=key, **changes)
+
+
+def preset_key_for_device_name(name: str) -> Optional[str]:
+    """The preset (or variant) key of a CUDA device name, matched as whole words
+    (``NVIDIA GH200 480GB`` is not an H200; ``NVIDIA H100 PCIe`` not an SXM part)."""
     upper = name.upper()
-    for key, hw in PRESETS.items():
-        if key.upper() in upper:
-            return hw
+
+    def word(w: str) -> bool:
+        return re.search(rf"(?<![A-Z0-9]){w}(?![A-Z0-9])", upper) is not None
+
+    pcie = word("PCIE")
+    if word("GH200"):
+        return "gh200"
+    if word("H200"):
+        return "h200-nvl" if word("NVL") else "h200"
+    if word("H100"):
+        return "h100-nvl" if word("NVL") else "h100-pcie" if pcie else "h100"
+    if word("A100"):
+        small = re.search(r"(?<![0-9])40 ?GB", upper) is not None
+        if pcie:
+            return "a100-pcie-40gb" if small else "a100-pcie"
+        return "a100-40gb" if small else "a100"
     return None
+
+
+def preset_for_device_name(name: str) -> Optional[Hardware]:
+    """The preset of a CUDA device name (``NVIDIA H200`` -> h200), ``None`` for another GPU."""
+    key = preset_key_for_device_name(name)
+    return None if key is None else _preset(key)
+
+
+def _ranks_per_node(local_ranks: Optional[int], default: int) -> int:
+    """Processes per node on CUDA: the launcher's ``LOCAL_WORLD_SIZE``, else ``local_ranks``
+    (default: the preset's), at most the GPUs this process sees."""
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env:
+        return max(1, int(env))
+    wanted = local_ranks if local_ranks is not None else default
+    return max(1, min(int(wanted), torch.cuda.device_count() or int(wanted)))
+
+
+def _agreed_rate(rate: float, device: torch.device, group: Any) -> float:
+    """The smallest ``rate`` over ``group`` (this rank's own when not distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return rate
+    t = torch.tensor([rate], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return float(t[0])
 
 
 def detect_hardware(device: Optional[torch.device] = None, *, group: Any = None,
                     local_ranks: Optional[int] = None) -> Hardware:
     """The starting hardware of a run on ``device`` (module doc). ``group``: the ranks that
     must agree on a measured GPU rate (a MIN all-reduce; default: the world when initialised).
-    ``local_ranks``: processes sharing this host (default ``LOCAL_WORLD_SIZE`` or 1)."""
-    if local_ranks is None:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ``local_ranks``: processes sharing this host (default ``LOCAL_WORLD_SIZE``; on the CPU 1,
+    on CUDA the preset's)."""
     if device is None or torch.device(device).type != "cuda":
+        if local_ranks is None:
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return cpu_start(local_ranks)
     device = torch.device(device)
-    preset = preset_for_device_name(torch.cuda.get_device_name(device))
-    if preset is not None:
-        return preset
-    rate = torch.tensor([_gemm_flops(device)], dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=group)
-    base = PRESETS["h100"]
-    factor = float(rate[0]) / base.linear_flops
-    total = torch.cuda.get_device_properties(device).total_memory
-    return replace(base, name=f"cuda-auto ({torch.cuda.get_device_name(device)})",
-                   peak_flops=base.peak_flops * factor, linear_flops=float(rate[0]),
-                   attention_flops=base.attention_flops * factor,
-                   ring_attention_flops=base.ring_attention_flops * factor,
-                   hybrid_attention_flops=base.hybrid_attention_flops * factor,
-                   hbm_bytes=float(total))
+    props = torch.cuda.get_device_properties(device)
+    preset = preset_for_device_name(props.name)
+    if preset is None:
+        base = PRESETS["h100"]
+        rate = _agreed_rate(_gemm_flops(device), device, group)
+        factor = rate / base.linear_flops
+        preset = replace(base, name=f"cuda-auto ({props.name})",
+                         peak_flops=base.peak_flops * factor, linear_flops=rate,
+                         attention_flops=base.attention_flops * factor,
+                         ring_attention_flops=base.ring_attention_flops * factor,
+                         hybrid_attention_flops=base.hybrid_attention_flops * factor)
+    return replace(preset, hbm_bytes=float(props.total_memory),
+                   ranks_per_node=_ranks_per_node(local_ranks, preset.ranks_per_node))
