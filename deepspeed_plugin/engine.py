@@ -44,10 +44,16 @@ class DCPEngine:
         self.device = torch.device(getattr(engine, "device", None) or "cpu")
         # The planner picks lockstep slots for ZeRO-2/3 (unless dcp.schedule says free): every
         # rank then runs the same micro-steps and DeepSpeed's own per-micro-step collectives
-        # line up. A free schedule there needs one coalesced reduction (and, at ZeRO-3,
-        # parameters kept gathered: config.py, patches.py).
+        # line up. A free schedule runs one coalesced reduction after the rank's last
+        # micro-step (at ZeRO-3 with parameters kept gathered: config.py, patches.py): ZeRO-2/3
+        # reduce in every backward, and ZeRO-1 with overlap_comm reduces buckets from the
+        # backward hooks of the boundary micro-step, in the middle of a task a peer still
+        # needs (issue 18: a deadlock). Coalesced, the hooks only accumulate locally.
+        # DeepSpeed's BF16_Optimizer (ZeRO-1, bf16 with fp32 accumulation) and ZeRO-0 have no
+        # coalesced reduction and need none: their boundary reduction runs after the backward.
         self.lockstep = dcp.enabled and schedule_for(dcp.schedule, self.zero_stage) == "lockstep"
-        self.coalesce = dcp.enabled and not self.lockstep and self.zero_stage in (2, 3)
+        self.coalesce = (dcp.enabled and not self.lockstep and self.zero_stage in (1, 2, 3)
+                         and hasattr(engine.optimizer, "_coalesce_grad_reduction"))
         self.driver = StepDriver(dcp, pool=pool, model_shape=model_shape, hardware=hardware,
                                  zero_stage=self.zero_stage, device=self.device)
         # Plain data parallel runs DeepSpeed's ordinary accumulation: equal micro-step counts.
@@ -114,8 +120,8 @@ class DCPEngine:
             self.backward(logits.float().sum() * 0.0, last)
 
     def micro_steps(self) -> contextlib.AbstractContextManager:
-        """Stages 2/3 with a free schedule: one coalesced reduction when the rank's micro-steps
-        end. Lockstep and plain data parallel: DeepSpeed's own accumulation."""
+        """Stages 1-3 with a free schedule: one coalesced reduction when the rank's micro-steps
+        end. Lockstep, ZeRO-0 and plain data parallel: DeepSpeed's own accumulation."""
         if self.coalesce:
             return self.engine.coalesce_grad_reduction()
         return contextlib.nullcontext()
