@@ -33,6 +33,8 @@ SCHEDULES = ("auto", "free", "lockstep")
 RENAMED = {"checkpoint_policy": "recompute", "oversize_policy": "oversize"}
 """Old names of fields, still accepted as JSON keys and flags (``--dcp_checkpoint_policy``)."""
 CALIBRATION_MODES = ("on", "off")
+WITHOUT_DCP = ("skip_nonfinite",)
+"""Fields every engine honours in its plain data-parallel run too (no ``--dcp`` needed)."""
 
 
 class DCPConfigError(ValueError):
@@ -124,6 +126,9 @@ class DCPConfig:
 
     liveness_interval_s: float = 60.0
     """Seconds between the liveness watch's probes (by the first and the last rank); a rank that misses two in a row (stopped, hung in a device call, dead) is named on every rank and the job ends then, not at the collective timeout; 0: no watch (a stalled rank is named when a collective times out)."""
+
+    skip_nonfinite: bool = False
+    """A step whose loss or gradient norm is not finite is skipped (no update, counted in the log) instead of stopping the job before it saves; honoured with and without --dcp (an fp16 loss scaler's overflow steps are skipped by the engine either way)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -247,6 +252,9 @@ class DCPConfig:
             dest = "dcp_" + f.name
             kind = _field_type(f)
             kwargs: dict[str, Any] = dict(dest=dest, default=None, help=f"{help_text} (default: {f.default})")
+            if kind is bool:  # a switch: given is True, absent None (the JSON or default decides)
+                group.add_argument(flag, *old, action="store_true", **kwargs)
+                continue
             choices = _CHOICES.get(f.name)
             if choices:
                 kwargs["choices"] = choices
@@ -275,7 +283,7 @@ class DCPConfig:
         config = cls(**values)
         if not config.enabled:
             given = sorted(f.name for f in fields(cls) if f.name != "enabled"
-                           and f.name not in used_without_dcp
+                           and f.name not in used_without_dcp + WITHOUT_DCP
                            and getattr(args, "dcp_" + f.name, None) is not None)
             if given:
                 sep = "_" if style == "deepspeed" else "-"

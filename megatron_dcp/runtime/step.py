@@ -18,6 +18,15 @@ global loss and the timings. An engine supplies only the `StepEngine` protocol:
 * ``equal_micro_steps``: True when every rank must run the same number of micro-steps (the
   driver pads a free plan with empty ones).
 
+Optional, for a step whose loss or gradient norm is not finite (`megatron_dcp.runtime.nonfinite`:
+stopped before ``finish``, or with ``DCPConfig.skip_nonfinite`` skipped):
+
+* ``skip_update()``: discard the step's gradients without an update (absent: nothing to do, the
+  caller steps the optimizer, e.g. Megatron's example, and skips it on ``StepResult.skipped``);
+* ``scales_loss``: True when the engine skips overflow steps itself (an fp16 loss scaler): the
+  driver then leaves such a step to the engine and counts it as skipped;
+* ``update_applied()``: whether ``finish`` applied its update (absent: assumed applied).
+
 A *lockstep* plan (`Plan.lockstep`, planned for ZeRO-2/3) needs no more of the engine: every rank
 runs every slot, its task of the slot or, in a slot where it has none, an empty task: one
 two-token sequence on this rank alone, with the slot's recompute depth and a loss multiplied by
@@ -44,11 +53,13 @@ from megatron_dcp.plan.calibration import Calibrator
 from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.runtime.context import TaskContext, current_task, task_context
-from megatron_dcp.runtime.executor import (StepStats, batch_targets, global_sum, run_plan,
+from megatron_dcp.runtime.executor import (StepStats, batch_targets, run_plan,
                                            target_count)
 from megatron_dcp.runtime.hardware_auto import detect_hardware
 from megatron_dcp.runtime.layout import ShardLayout
 from megatron_dcp.runtime.liveness import names_unresponsive_ranks, start_responder
+from megatron_dcp.runtime.nonfinite import (check_step, describe_ranks, first_nonfinite_task,
+                                            rank_losses)
 
 
 @dataclass
@@ -109,6 +120,9 @@ class StepResult:
     calibration_error: Optional[float] = None
     """Median |predicted / measured - 1| of the step time over the calibration window, after
     this step (``None``: calibration off)."""
+    skipped: bool = False
+    """No update was applied: a non-finite loss or gradient norm with
+    ``DCPConfig.skip_nonfinite``, or an overflow step the engine's loss scaler skipped."""
 
 
 def data_parallel_plan(lengths: Sequence[int], world_size: int) -> Plan:
@@ -256,10 +270,13 @@ class StepDriver:
         per_token = self.config.loss_reduction == "sequence"
         done = 0
         next_slot = 0
+        task_losses: list = []  # (task id, loss): checked once after the loop (one sync)
 
         def forward_step(input_ids, position_ids, labels):
-            return engine.forward_loss(Shard(input_ids, position_ids, labels, current_task()),
-                                       per_token)
+            task = current_task()
+            loss = engine.forward_loss(Shard(input_ids, position_ids, labels, task), per_token)
+            task_losses.append((task.task.id if task is not None else -1, loss.detach()))
+            return loss
 
         def backward(loss):
             nonlocal done
@@ -295,10 +312,14 @@ class StepDriver:
                 if train:
                     engine.empty_micro_step(done == slots)
         empty = slots - len(stats.tasks)
-        grad_norm = engine.finish() if train else None
+        # Every backward has run on every rank (ZeRO 0/1 reduce inside a rank's last one, an
+        # idle rank's comes after the task loop): the loss collective may come now, before the
+        # update, so a non-finite step is stopped or skipped before it changes the model.
+        loss, bad = self._global_loss(stats.local_loss, first_nonfinite_task(task_losses))
+        grad_norm, skipped = None, False
         if train:
+            grad_norm, skipped = self._update(engine, loss, bad)
             self.iteration += 1
-        loss = self._global_loss(stats.local_loss)
         wall_s = time.perf_counter() - t0
         predicted_s = self.predicted_step_s(plan)
         if train and self._calibrating(plan):
@@ -309,7 +330,30 @@ class StepDriver:
         return StepResult(loss=loss, tokens=tokens, sequences=len(sequences),
                           wall_s=wall_s, micro_steps=done, empty_micro_steps=empty, plan=plan,
                           plan_s=plan_s, predicted_s=predicted_s, grad_norm=grad_norm,
-                          stats=stats, calibration_error=self.calibration_error)
+                          stats=stats, calibration_error=self.calibration_error,
+                          skipped=skipped)
+
+    def _update(self, engine: StepEngine, loss: float,
+                bad: dict[int, Optional[int]]) -> tuple[Optional[float], bool]:
+        """``engine.finish()`` unless the loss is not finite (`check_step`: stop, or skip with
+        ``skip_update``); then the gradient norm is checked. Returns (gradient norm, skipped)."""
+        iteration, skip = self.iteration + 1, self.config.skip_nonfinite
+        if getattr(engine, "scales_loss", False):  # fp16 overflow: the loss scaler's business
+            grad_norm = engine.finish()
+            applied = getattr(engine, "update_applied", lambda: True)()
+            return grad_norm, not applied
+        if check_step(iteration, loss, skip=skip, where=describe_ranks(bad)):
+            skip_update = getattr(engine, "skip_update", None)
+            if skip_update is not None:
+                skip_update()
+            return None, True
+        grad_norm = engine.finish()
+        applied = getattr(engine, "update_applied", lambda: True)()
+        # A finite loss with a non-finite norm: skipped only where the engine did not apply it.
+        if check_step(iteration, loss, grad_norm, skip=skip and not applied,
+                      where="the update was applied" if applied else ""):
+            return grad_norm, True
+        return grad_norm, False
 
     # ------------------------------------------------------------------ calibration
     def predicted_step_s(self, plan: Plan) -> float:
@@ -399,11 +443,13 @@ class StepDriver:
             if train:
                 engine.backward(loss.sum() * 0.0, last)
 
-    def _global_loss(self, local_loss: float) -> float:
-        # After finish: DeepSpeed ZeRO 0/1 reduce inside a rank's last backward, which an idle
-        # rank reaches only after the task loop, so no other collective may come between.
+    def _global_loss(self, local_loss: float,
+                     bad_task: Optional[int]) -> tuple[float, dict[int, Optional[int]]]:
+        """The loss of the global batch and the ranks with a non-finite one (`rank_losses`).
+        Only after every rank's task loop: no collective may come between a rank's tasks."""
         device = self.device if self.device is not None and self.device.type == "cuda" else None
-        return global_sum(local_loss, self.pool.world_group, device)
+        return rank_losses(local_loss, bad_task, self.rank, self.world_size,
+                           self.pool.world_group, device)
 
     def state_dict(self) -> dict[str, Any]:
         """Resumable state: the planning iteration and the calibrated hardware (profile JSON

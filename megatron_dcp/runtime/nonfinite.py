@@ -1,0 +1,87 @@
+"""A step whose loss or gradient norm is not finite: stopped before its update, or skipped.
+
+Training on after a ``nan`` loss writes checkpoints of a broken model (and ``--keep-last`` then
+prunes the good ones), so by default such a step ends the job before the optimizer step and
+before any save: the last checkpoint stays the one of a finite step. With
+``DCPConfig.skip_nonfinite`` the step is skipped instead (no update; the log counts it).
+
+`rank_losses` is the step's one loss collective: every rank's loss and its first task with a
+non-finite loss, so the error names the ranks and tasks. `check_step` decides (the same on every
+rank, from the same all-reduced numbers): `StepDriver` calls it for both engines, and an example
+whose plain data-parallel step runs outside the driver (Megatron) calls it on its reduced loss.
+An fp16 loss scaler skips overflow steps itself: the engine says so (``scales_loss``) and such a
+step is its business, counted as skipped, never fatal.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+SKIP_HINT = ("to skip such steps instead (no update, counted in the log), pass "
+             "--dcp_skip_nonfinite (Megatron: --dcp-skip-nonfinite; DeepSpeed JSON: "
+             '"dcp": {"skip_nonfinite": true})')
+
+
+class NonFiniteStepError(RuntimeError):
+    """A step's loss or gradient norm is not finite and skipping such steps is off."""
+
+
+def first_nonfinite_task(losses: Sequence[tuple[int, torch.Tensor]]) -> Optional[int]:
+    """The id of the first task whose loss (a tensor) is not finite; ``None`` when all are.
+    One host synchronisation for all of them."""
+    if not losses:
+        return None
+    finite = torch.stack([loss.detach().float().sum() for _, loss in losses]).isfinite()
+    bad = (~finite).nonzero()
+    return losses[int(bad[0])][0] if bad.numel() else None
+
+
+def rank_losses(local_loss: float, bad_task: Optional[int], rank: int, world_size: int,
+                group: Any = None, device: Optional[torch.device] = None
+                ) -> tuple[float, dict[int, Optional[int]]]:
+    """One all-reduce over ``group``: the SUM of the ranks' ``local_loss`` and the ranks whose
+    loss is not finite, each with its first such task (``None``: not known, e.g. a rank whose
+    tasks were finite but whose sum overflowed)."""
+    values = torch.zeros(2 * world_size, dtype=torch.float64, device=device)
+    values[rank] = local_loss
+    if not math.isfinite(local_loss):
+        values[world_size + rank] = 1.0 + (bad_task + 2 if bad_task is not None else 0)
+    if world_size > 1:
+        dist.all_reduce(values, group=group)
+    host = values.tolist()
+    bad = {r: (int(host[world_size + r]) - 3 if host[world_size + r] > 1 else None)
+           for r in range(world_size) if host[world_size + r] > 0}
+    return sum(host[:world_size]), bad
+
+
+def describe_ranks(bad: dict[int, Optional[int]], limit: int = 8) -> str:
+    """``rank 1 (task 3), rank 4`` for the ranks of `rank_losses`."""
+    parts = [f"rank {r}" + (f" (task {t})" if t is not None else "")
+             for r, t in sorted(bad.items())[:limit]]
+    more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
+    return ", ".join(parts) + more
+
+
+def check_step(iteration: int, loss: float, grad_norm: Optional[float] = None, *,
+               skip: bool, where: str = "") -> bool:
+    """Whether step ``iteration`` (1-based) must be skipped: False when its loss and gradient
+    norm are finite; True when one is not and ``skip`` is set; else `NonFiniteStepError`
+    naming the iteration, the value and ``where`` (ranks, tasks). Call it before the update."""
+    problems = []
+    if not math.isfinite(loss):
+        problems.append(f"loss {loss}")
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        problems.append(f"gradient norm {grad_norm}")
+    if not problems:
+        return False
+    if skip:
+        return True
+    raise NonFiniteStepError(
+        f"iteration {iteration}: {' and '.join(problems)} is not finite"
+        + (f" ({where})" if where else "")
+        + ": stopped before the optimizer step and before saving (the last checkpoint is of a "
+        f"finite step); {SKIP_HINT}")

@@ -1,0 +1,101 @@
+"""A non-finite loss stops the step before its update (naming iteration, rank and task), or
+with ``skip_nonfinite`` skips it without an update (issue 22, item 2).
+
+Two ranks on gloo run `StepDriver` with the plain-torch engine on a fixed plan; one token's
+embedding row is ``nan`` and only sequence 1 (task 2, rank 0 alone) holds that token.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import DistributedError, run_distributed
+from executor_cases import DECODER, build_model, plan_dict, task
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+LENGTHS = (29, 7, 13, 18, 3, 22)
+PLAN = plan_dict([task(0, (0, 1), (0,), ulysses=2, start=0.0),
+                  task(1, (1, 0), (3, 4), start=1.0),
+                  task(2, (0,), (1, 2), start=2.0),
+                  task(3, (0,), (5,), start=3.0)], LENGTHS, 2)
+POISON = DECODER["vocab_size"] - 1
+
+
+def _batch(poisoned: bool) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    batch = [torch.randint(0, POISON, (n,), generator=gen) for n in LENGTHS]
+    if poisoned:
+        batch[1][3] = POISON
+    return batch
+
+
+def _body(rank, world_size, skip):
+    from plain_torch import TorchEngine
+
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.plan.plan import Plan
+    from megatron_dcp.runtime.groups import GroupPool
+    from megatron_dcp.runtime.step import StepDriver
+
+    model = build_model("decoder")
+    with torch.no_grad():
+        model.embed.weight[POISON] = float("nan")
+    engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    pool = GroupPool()
+    engine.group = pool.world_group
+    driver = StepDriver(DCPConfig(enabled=True, skip_nonfinite=skip), pool=pool,
+                        model_shape=model.shape())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan = Plan.from_dict(PLAN)
+    bad = driver.step(engine, _batch(True), plan)
+    same = lambda: all(torch.allclose(p, before[n], rtol=0, atol=0, equal_nan=True)  # noqa: E731
+                       for n, p in model.named_parameters())
+    unchanged = same()
+    good = driver.step(engine, _batch(False), plan)
+    changed = not same()
+    return bad.skipped, bad.loss, unchanged, good.skipped, good.loss, changed, driver.iteration
+
+
+@pytest.mark.timeout(120)
+def test_nonfinite_loss_stops_before_the_update_naming_iteration_rank_and_task():
+    with pytest.raises(DistributedError) as err:
+        run_distributed(_body, world_size=2, args=(False,), timeout_s=100)
+    text = str(err.value)
+    assert "NonFiniteStepError" in text and "iteration 1: loss nan is not finite" in text
+    assert "rank 0 (task 2)" in text and "--dcp_skip_nonfinite" in text
+
+
+@pytest.mark.timeout(120)
+def test_skip_nonfinite_skips_the_update_and_trains_on():
+    results = run_distributed(_body, world_size=2, args=(True,), timeout_s=100)
+    for skipped, loss, unchanged, good_skipped, good_loss, changed, iteration in results:
+        assert skipped and loss != loss  # nan
+        assert unchanged  # no update from the skipped step
+        assert not good_skipped and good_loss == good_loss and changed
+        assert iteration == 2
+
+
+def test_check_step_decides_alike_for_loss_and_gradient_norm():
+    from megatron_dcp.runtime.nonfinite import NonFiniteStepError, check_step
+
+    assert check_step(3, 1.5, 2.0, skip=False) is False
+    assert check_step(3, float("inf"), skip=True) is True
+    with pytest.raises(NonFiniteStepError, match="iteration 4: gradient norm nan"):
+        check_step(4, 1.0, float("nan"), skip=False, where="rank 1")
+
+
+def test_skip_flag_in_both_flag_styles_and_json():
+    import argparse
+
+    from megatron_dcp.config import DCPConfig
+
+    for style, flag in (("deepspeed", "--dcp_skip_nonfinite"), ("megatron", "--dcp-skip-nonfinite")):
+        p = DCPConfig.add_arguments(argparse.ArgumentParser(), style=style)
+        assert DCPConfig.from_args(p.parse_args([flag]), style=style).skip_nonfinite  # no --dcp
+        assert not DCPConfig.from_args(p.parse_args([]), style=style).skip_nonfinite
+    assert DCPConfig.from_dict({"skip_nonfinite": True}).skip_nonfinite
