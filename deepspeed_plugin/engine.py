@@ -133,6 +133,27 @@ class DCPEngine:
         norm = get_norm() if get_norm is not None else None
         return float(norm) if norm is not None else None
 
+    @property
+    def scales_loss(self) -> bool:
+        """fp16 with a loss scaler: DeepSpeed skips overflow steps itself (the driver's
+        non-finite check leaves them to it)."""
+        return bool(self.engine.fp16_enabled())
+
+    def update_applied(self) -> bool:
+        """Whether the last ``finish`` updated the parameters (DeepSpeed skips a step whose
+        gradient norm is not finite under ZeRO 1-3, bf16 and fp16; ZeRO 0 in fp32 does not)."""
+        return bool(self.engine.was_step_applied())
+
+    def skip_update(self) -> None:
+        """A non-finite step skipped (``skip_nonfinite``): no update. DeepSpeed's step with the
+        gradients dropped (ZeRO 0: torch's optimizer skips parameters without a gradient) or
+        non-finite (ZeRO 1-3, bf16: its own overflow check discards them), so its counters and
+        buffers stay consistent."""
+        if self.zero_stage == 0:
+            for p in self.engine.module.parameters():
+                p.grad = None
+        self.engine.step()
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """DCP's own resumable state (stored in DeepSpeed's ``client_state``)."""
