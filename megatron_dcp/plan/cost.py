@@ -9,7 +9,9 @@ attention pairs ``U`` (the query/key pairs one attention layer computes over its
     gemm         T/d * (N * 2*P_layer * passes + 2*V*h * 3) / linear_flops     x pack factor
     weights      weight bytes * passes / hbm_bandwidth       a floor under gemm (streaming)
     attention    U/d * N * 4*h * (3.5 + c/N) / attention rate of the layout (flash bwd ~2.5 fwd)
-    p2p          (r-1) * T/d * 2*kv_dim*2 B * N * passes / bw          ring K/V blocks
+    p2p          ((r-1) * (passes - 1) + 2r) * T/d * 2*kv_dim*2 B * N / bw    ring K/V blocks
+                 (forward, recompute, backward), and dK/dV's r hops back in fp32 (their
+                 partial sums stay exact): each twice a bf16 K/V block's bytes
     p2p_latency  (r-1) * N * passes * latency
     all_to_all   T/d * (2h + 2*kv_dim)*2 B * (u-1)/u * N * (2 + c/N) / bw   Ulysses
     all_to_all_latency   N * (2 + c/N) * 4 * latency
@@ -396,7 +398,9 @@ class CostModel:
             bw, lat = (hw.intra_bandwidth, hw.intra_latency) if layout.ring_intra else \
                 (hw.inter_bandwidth, hw.inter_latency)
             steps = (layout.ring - 1) * n * passes
-            p2p = steps * BF16 * 2 * self.kv_dim / tp / bw
+            # K/V blocks: r-1 hops per pass; dK/dV: r hops in fp32 (runtime/ring.py)
+            blocks = (layout.ring - 1) * n * (passes - 1.0) + 2.0 * layout.ring * n
+            p2p = blocks * BF16 * 2 * self.kv_dim / tp / bw
             p2p_latency = steps * lat
         if layout.ulysses > 1:
             bw, lat = (hw.intra_bandwidth, hw.intra_latency) if layout.ulysses_intra else \
