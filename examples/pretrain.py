@@ -32,7 +32,7 @@ from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, embedde
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.integrations import hf
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
-from megatron_dcp.runtime.report import TrainingLog, reset_peak_memory
+from megatron_dcp.runtime.report import TrainingLog, reset_peak_memory, trained_tokens
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -142,8 +142,8 @@ def train(args, engine, tokenizer) -> int:
         docs = sampler.next_batch()
         sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
         result = engine.train_step(sequences)
-        training.log_step(log, engine, it + 1, result, sequences=len(sequences),
-                          tokens=sum(int(s.shape[0]) for s in sequences))
+        tokens, _ = trained_tokens(result.plan, [int(s.shape[0]) for s in sequences])
+        training.log_step(log, engine, it + 1, result, sequences=len(sequences), tokens=tokens)
         training.save_if_due(engine, sampler, args, it + 1)  # every --save-interval, and last
     if args.save_profile and engine.dcp.enabled and rank == 0:
         engine.driver.save_profile(args.save_profile)

@@ -41,8 +41,9 @@ from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
 from megatron_dcp.megatron.parallel import destroy_model_parallel
 from megatron_dcp.runtime.groups import before_init_process_group, destroy_process_groups
-from megatron_dcp.runtime.report import (TrainingLog, peak_memory_mb, plan_summary,
-                                         reset_peak_memory)
+from megatron_dcp.runtime.nonfinite import check_step
+from megatron_dcp.runtime.report import (TrainingLog, check_resume_point, peak_memory_mb,
+                                         plan_summary, reset_peak_memory, trained_tokens)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -388,7 +389,13 @@ def main(argv=None) -> int:
         loss = float(summed[0] / summed[1])
         if step_fn is not None and dcp_config.loss_reduction == "sequence":
             loss = step_fn.last_stats.loss  # the loss optimised: the mean of per-sequence means
-        if isinstance(optimizer, torch.optim.Optimizer):
+        result = step_fn.last_result if step_fn is not None else None
+        # non-finite: DCP's driver stopped the step or marked it skipped; plain mode checks here
+        skipped = result.skipped if result is not None else \
+            check_step(it + 1, loss, skip=dcp_config.skip_nonfinite)
+        if skipped:
+            pass  # no update; the next iteration zeroes the gradient buffers
+        elif isinstance(optimizer, torch.optim.Optimizer):
             for p in params:
                 p.grad = p.main_grad
             optimizer.step()
@@ -397,11 +404,11 @@ def main(argv=None) -> int:
         t_end = time.perf_counter()
         plan = step_fn.last_plan if step_fn is not None else None
         micro = [len(sequences[r::dp_size]) for r in range(dp_size)]
-        result = step_fn.last_result if step_fn is not None else None
         if step_fn is not None:  # the calibration learns the iteration, optimizer step included
             step_fn.driver.add_time_outside_step((t_in - t0) + (t_end - t_out))
-        log.iteration(it + 1, loss=loss, tokens=sum(int(s.numel()) for s in sequences),
-                      step_s=t_end - t0, sequences=len(sequences),
+        tokens, skipped_seqs = trained_tokens(plan, [int(s.numel()) for s in sequences])
+        log.iteration(it + 1, loss=loss, tokens=tokens, step_s=t_end - t0,
+                      sequences=len(sequences), skipped=skipped, skipped_sequences=skipped_seqs,
                       predicted_s=result.predicted_s if result is not None else None,
                       calibration_error=result.calibration_error if result is not None else None,
                       peak_mem_mb=peak_memory_mb(device),
@@ -422,6 +429,8 @@ if __name__ == "__main__":
         code = main()
     finally:
         if dist.is_available() and dist.is_initialized():
+    if args.load:
+        check_resume_point(start, args.train_iters, args.load, primary=rank == 0)
             try:
                 destroy_model_parallel()  # Megatron's, and the group globals it leaves set
             finally:

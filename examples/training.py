@@ -74,16 +74,19 @@ def ds_config(args: argparse.Namespace) -> dict:
 
 def resume(engine, sampler, args: argparse.Namespace) -> int:
     """The iteration to start at: 0, or with ``--load`` the saved one, after loading the
-    engine's checkpoint and the sampler's position (rank 0 says so unless ``--quiet``)."""
+    engine's checkpoint and the sampler's position (rank 0 says so unless ``--quiet``; past
+    ``--train-iters``: exit 1, `check_resume_point`)."""
     if not args.load:
         return 0
     from megatron_dcp.runtime.checkpoint_dir import split_load_path
+    from megatron_dcp.runtime.report import check_resume_point
 
     _, client = engine.load_checkpoint(*split_load_path(args.load))
     sampler.load_state_dict(client["sampler"])
     start = int(client["iteration"])
     if engine.rank == 0 and not args.quiet:
         print(f"resumed from {args.load} at iteration {start}", flush=True)
+    check_resume_point(start, args.train_iters, args.load, primary=engine.rank == 0)
     return start
 
 
@@ -104,7 +107,9 @@ def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int
     from megatron_dcp.runtime.report import peak_memory_mb, plan_summary
 
     summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s)
+    skipped_sequences = len(result.plan.skipped) if result.plan is not None else 0
     log.iteration(iteration, loss=result.loss, tokens=tokens, step_s=result.wall_s,
+                  skipped=result.skipped, skipped_sequences=skipped_sequences,
                   predicted_s=result.predicted_s if engine.dcp.enabled else None,
                   calibration_error=result.calibration_error, sequences=sequences,
                   grad_norm=result.grad_norm, peak_mem_mb=peak_memory_mb(engine.device),

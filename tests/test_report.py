@@ -44,7 +44,7 @@ def test_training_log_lines_json_and_final_line(tmp_path, capsys):
     assert out[0].startswith(progress_bar(1, 2) + " iter 1/2 loss 2.5000 tokens 100 200 tok/s")
     assert "degrees {'1': 2, '2': 1} micro-steps/rank [3, 1, 0]" in out[0]
     assert out[1].endswith("| micro-steps/rank 1")
-    assert out[2] == "done: dcp, 2 iterations, 400 tokens, 400 tokens/s"
+    assert out[2] == "done: dcp, 2 iterations, 400 tokens trained, 400 tokens/s"
     # a resumed run appends; a non-primary rank writes and prints nothing
     TrainingLog("dcp", 3, json_path=str(path), append=True).iteration(
         3, loss=1.0, tokens=1, step_s=1.0, plan={"mode": "data-parallel",
@@ -72,3 +72,30 @@ def test_lockstep_summary_counts_slots_and_peak_memory_is_measured():
     reset_peak_memory()
     if os.path.exists("/proc/self/clear_refs"):  # Linux resets the peak RSS
         assert peak_memory_mb() < high - 200  # measured from the reset, not since the start
+
+
+def test_skipped_steps_and_sequences_are_counted_and_train_no_tokens(tmp_path, capsys):
+    """Issue 22: a skipped step (non-finite) and oversize-skipped sequences are shown and
+    counted; tokens and tokens/s cover trained tokens only."""
+    from megatron_dcp.plan.plan import Plan, Task
+    from megatron_dcp.runtime.report import trained_tokens
+
+    plan = Plan(tasks=(Task(id=0, ranks=(0,), seqs=(0,), start=0.0),), lengths=(100, 900),
+                world_size=1, policy="dcp", skipped=(1,))
+    assert trained_tokens(plan, [100, 900]) == (100, 1)
+    assert trained_tokens(None, [100, 900]) == (1000, 0)
+    path = tmp_path / "log.jsonl"
+    log = TrainingLog("dcp", 2, json_path=str(path))
+    log.iteration(1, loss=2.0, tokens=100, step_s=1.0, plan={"mode": "x", "micro_steps_per_rank":
+                                                            1}, skipped_sequences=1)
+    log.iteration(2, loss=float("nan"), tokens=100, step_s=1.0, skipped=True,
+                  plan=plan_summary(None, micro_steps=1))
+    log.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["skipped_sequences"] for r in records] == [1, 0]
+    assert [(r["skipped"], r["skipped_steps"], r["tokens"]) for r in records] == \
+        [(False, 0, 100), (True, 1, 0)]
+    out = capsys.readouterr().out.splitlines()
+    assert "1 sequences skipped (oversize)" in out[0] and "SKIPPED step" in out[1]
+    assert out[2] == ("done: dcp, 2 iterations, 100 tokens trained, 50 tokens/s, 1 steps "
+                      "skipped, 1 sequences skipped")

@@ -3,9 +3,11 @@
 `plan_summary` condenses a step's plan (degrees used, micro-steps per rank, checkpointed layers,
 predicted step time) into a JSON-ready dict; `TrainingLog` prints one line per iteration with a
 progress bar, writes the ``--log-json`` lines (one JSON object per iteration: ``iteration``,
-``loss``, ``tokens``, ``tokens_per_s``, ``step_s``, with DCP ``predicted_s`` and
-``calibration_error``, ``plan`` and whatever else the caller adds,
-e.g. `peak_memory_mb`) and the final throughput line. Pure Python (torch only where a CUDA
+``loss``, ``tokens``, ``tokens_per_s``, ``step_s``, ``skipped`` and ``skipped_steps``, with DCP
+``predicted_s`` and ``calibration_error``, ``plan`` and whatever else the caller adds,
+e.g. `peak_memory_mb`) and the final throughput line. Tokens are the tokens trained: a sequence
+the oversize policy skipped is counted as skipped (``skipped_sequences``), not as trained
+(`trained_tokens`), and a skipped step trains none. Pure Python (torch only where a CUDA
 device is measured): the examples of both engines use it.
 """
 
@@ -39,6 +41,26 @@ def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int],
     if plan_s is not None:
         summary["plan_ms"] = round(plan_s * 1e3, 2)
     return summary
+
+
+def trained_tokens(plan: Optional[Plan], lengths: Sequence[int]) -> tuple[int, int]:
+    """(tokens trained, sequences skipped) of a global batch of sequences with these lengths:
+    without a plan every token; with one, the sequences in its tasks at their planned lengths
+    (``dcp.oversize`` truncate shortens them, skip leaves them out)."""
+    if plan is None:
+        return sum(int(n) for n in lengths), 0
+    return sum(plan.lengths[s] for t in plan.tasks for s in t.seqs), len(plan.skipped)
+
+
+def check_resume_point(start: int, train_iters: int, load: str, *, primary: bool) -> None:
+    """A checkpoint past ``--train-iters`` is an error (`SystemExit`, exit 1: nothing would be
+    trained, and ``done: 0 iterations`` would hide it); one at it says the run is complete."""
+    if start > train_iters:
+        raise SystemExit(f"error: --load {load} is at iteration {start}, past --train-iters "
+                         f"{train_iters}: nothing to train (raise --train-iters to continue)")
+    if start == train_iters and primary:
+        print(f"--load {load} is at iteration {start} = --train-iters: already complete, "
+              "nothing to train", flush=True)
 
 
 def peak_memory_mb(device: Any = None) -> float:
@@ -99,6 +121,11 @@ def _prediction_text(predicted_s: Optional[float], error: Optional[float]) -> st
     return text + (f" (calibration error {error * 100:.0f}%)" if error is not None else "")
 
 
+def _skip_text(step: bool, steps: int, sequences: int) -> str:
+    text = f" | SKIPPED step (non-finite; {steps} so far)" if step else ""
+    return text + (f" | {sequences} sequences skipped (oversize)" if sequences else "")
+
+
 class TrainingLog:
     """Iteration lines, ``--log-json`` records and the final line of one training run.
 
@@ -115,19 +142,30 @@ class TrainingLog:
         self.iterations = 0
         self.tokens = 0
         self.seconds = 0.0
+        self.skipped_steps = 0
+        self.skipped_sequences = 0
         self._json = open(json_path, "a" if append else "w") if (json_path and primary) else None
 
     def iteration(self, iteration: int, *, loss: float, tokens: int, step_s: float,
                   plan: dict[str, Any], predicted_s: Optional[float] = None,
-                  calibration_error: Optional[float] = None, **extra: Any) -> dict[str, Any]:
+                  calibration_error: Optional[float] = None, skipped: bool = False,
+                  skipped_sequences: int = 0, **extra: Any) -> dict[str, Any]:
         """Record one iteration (1-based ``iteration``); returns the JSON record.
-        ``predicted_s``: the step time the cost model predicted (DCP); ``calibration_error``:
-        the online calibration's current median relative error of that prediction."""
+        ``tokens``: tokens trained (`trained_tokens`); ``predicted_s``: the step time the cost
+        model predicted (DCP); ``calibration_error``: the online calibration's current median
+        relative error of that prediction; ``skipped``: the step applied no update (a non-finite
+        loss skipped, an fp16 overflow): it trained no tokens; ``skipped_sequences``: sequences
+        of the batch the oversize policy left out."""
         self.iterations += 1
+        tokens = 0 if skipped else tokens
         self.tokens += tokens
         self.seconds += step_s
+        self.skipped_steps += int(skipped)
+        self.skipped_sequences += skipped_sequences
         record = {"iteration": iteration, "loss": loss, "tokens": tokens,
-                  "tokens_per_s": tokens / step_s if step_s > 0 else 0.0, "step_s": step_s}
+                  "tokens_per_s": tokens / step_s if step_s > 0 else 0.0, "step_s": step_s,
+                  "skipped": skipped, "skipped_steps": self.skipped_steps,
+                  "skipped_sequences": skipped_sequences}
         if predicted_s is not None:
             record["predicted_s"] = predicted_s
             record["calibration_error"] = calibration_error
@@ -140,16 +178,18 @@ class TrainingLog:
             print(f"{progress_bar(iteration, self.train_iters)} iter {iteration}/"
                   f"{self.train_iters} loss {loss:.4f} tokens {tokens} "
                   f"{record['tokens_per_s']:.0f} tok/s step {step_s * 1e3:.0f} ms"
-                  f"{_prediction_text(predicted_s, calibration_error)} | {_plan_text(plan)}",
-                  flush=True)
+                  f"{_prediction_text(predicted_s, calibration_error)} | {_plan_text(plan)}"
+                  f"{_skip_text(skipped, self.skipped_steps, skipped_sequences)}", flush=True)
         return record
 
     def close(self) -> None:
         """Print the final line (throughput over the iterations run) and close the JSON log."""
         if self.primary:
             rate = self.tokens / self.seconds if self.seconds else 0.0
-            print(f"done: {self.mode}, {self.iterations} iterations, {self.tokens} tokens, "
-                  f"{rate:.0f} tokens/s", flush=True)
+            skips = [f"{n} {what} skipped" for n, what in
+                     ((self.skipped_steps, "steps"), (self.skipped_sequences, "sequences")) if n]
+            print(f"done: {self.mode}, {self.iterations} iterations, {self.tokens} tokens "
+                  f"trained, {rate:.0f} tokens/s" + "".join(f", {t}" for t in skips), flush=True)
         if self._json is not None:
             self._json.close()
             self._json = None
