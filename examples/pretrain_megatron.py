@@ -361,6 +361,8 @@ def main(argv=None) -> int:
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
     start = load_checkpoint(args, ddp, optimizer, sampler, step_fn) if args.load else 0
+    if args.load:
+        check_resume_point(start, args.train_iters, args.load, primary=rank == 0)
     mode = "dcp" if dcp_config.enabled else "data-parallel"
     log = TrainingLog(mode, args.train_iters, json_path=args.log_json, primary=rank == 0,
                       quiet=args.quiet, append=bool(args.load))
@@ -429,8 +431,6 @@ if __name__ == "__main__":
         code = main()
     finally:
         if dist.is_available() and dist.is_initialized():
-    if args.load:
-        check_resume_point(start, args.train_iters, args.load, primary=rank == 0)
             try:
                 destroy_model_parallel()  # Megatron's, and the group globals it leaves set
             finally:
