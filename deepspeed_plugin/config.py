@@ -86,9 +86,23 @@ def check_supported(ds_config: dict[str, Any], dcp: DCPConfig, world_size: int,
                                  "plain engine")
     if ds_config.get("pipeline", {}).get("stages", 1) not in (1, "auto"):
         raise DCPConfigError("--dcp with DeepSpeed pipeline stages is not supported")
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    zero = ds_config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise DCPConfigError(f"zero_optimization.stage={stage!r}: must be 0, 1, 2 or 3")
+    # overlap_comm, the bucket sizes, contiguous_gradients and reduce_scatter run as they are
+    # (docs/DEEPSPEED.md: a free plan coalesces the reduction, a lockstep plan keeps the hooks'
+    # reductions in step on every rank). These two move the reduction where DCP cannot keep it:
+    if ds_config.get("managed_gradient_accumulation", True) is False:
+        raise DCPConfigError(
+            "--dcp with managed_gradient_accumulation=false is not supported: the plan sets "
+            "each rank's accumulation boundary (its last micro-step) and a coalesced reduction "
+            "needs DeepSpeed's managed accumulation; remove managed_gradient_accumulation")
+    if zero.get("zenflow") is not None:
+        raise DCPConfigError(
+            "--dcp with zero_optimization.zenflow is not supported: ZenFlow reduces gradients "
+            "in every micro-step's backward and updates on DeepSpeed's micro-step counter, "
+            "while ranks run different tasks and micro-step counts; remove zenflow")
 
 
 def prepare_config(ds_config: dict[str, Any], world_size: int, *, cpu: bool,

@@ -123,3 +123,19 @@ def test_patches_refuse_an_unchecked_deepspeed_version(monkeypatch):
     with pytest.raises(patching.PatchVersionError, match="deepspeed 0.99.1 is not supported"):
         patches.apply_all()
     assert module.build_shm_op is original and patches.applied() == []
+
+
+def test_settings_that_move_the_reduction_are_refused_with_dcp():
+    on = DCPConfig(enabled=True)
+    with pytest.raises(DCPConfigError, match="managed_gradient_accumulation=false"):
+        check_supported({"managed_gradient_accumulation": False}, on, world_size=2)
+    with pytest.raises(DCPConfigError, match="zero_optimization.zenflow"):
+        check_supported({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, on,
+                        world_size=2)
+    # DCP off: plain DeepSpeed decides; the hook-reducing settings run under DCP
+    check_supported({"managed_gradient_accumulation": False}, DCPConfig(), world_size=2)
+    for stage in (0, 1, 2, 3):
+        check_supported({"zero_optimization": {
+            "stage": stage, "overlap_comm": True, "reduce_bucket_size": 2000,
+            "allgather_bucket_size": 2000, "contiguous_gradients": False,
+            "reduce_scatter": False}}, on, world_size=2)

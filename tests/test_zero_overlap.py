@@ -63,12 +63,20 @@ def _cases(world: int) -> dict[str, tuple[dict, str, dict]]:
     """name -> (zero_optimization, dcp.schedule, plan)."""
     zero3 = {"stage": 3, **OVERLAP, "stage3_prefetch_bucket_size": 2000,
              "stage3_param_persistence_threshold": 0, "stage3_model_persistence_threshold": 0}
-    return {
+    cases = {
         "zero1-free": ({"stage": 1, **OVERLAP}, "auto", _shared_then_alone(world)),
         "zero2-free": ({"stage": 2, **OVERLAP}, "free", _shared_then_alone(world)),
         "zero2-lockstep": ({"stage": 2, **OVERLAP}, "auto", _slotted(world)),
         "zero3-lockstep": (zero3, "auto", _slotted(world)),
     }
+    if world == 2:  # the other bucket settings, and free ZeRO-3 (parameters kept gathered)
+        plain = {**OVERLAP, "contiguous_gradients": False, "reduce_scatter": False}
+        cases.update({
+            "zero1-free-plain-buckets": ({"stage": 1, **plain}, "auto", _shared_then_alone(2)),
+            "zero2-lockstep-plain-buckets": ({"stage": 2, **plain}, "auto", _slotted(2)),
+            "zero3-free": (zero3, "free", _shared_then_alone(2)),
+        })
+    return cases
 
 
 def _train(rank: int, world: int, zero: dict, schedule: str, plan: Optional[dict]) -> dict:
