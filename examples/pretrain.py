@@ -73,14 +73,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _dataset(path, tokenizer):
+def _dataset(path, tokenizer, vocab_size=None):
     """The embedded corpus or a jsonl/text file, tokenized by ``tokenizer``; else a Megatron
-    indexed dataset (tokens already)."""
+    indexed dataset (tokens already, checked below ``vocab_size``: the model's)."""
     if path is None:
         return embedded_dataset(tokenizer)
     if path.removesuffix(".gz").endswith((".jsonl", ".json", ".txt")):
         return InMemoryTokenDataset([tokenizer.encode(t) for t in read_documents(path)], path)
-    return open_dataset(path)
+    return open_dataset(path, vocab_size)
 
 
 def _save_hf(engine, directory: str) -> None:
@@ -109,6 +109,7 @@ def main(argv=None) -> int:
                                       num_layers=args.num_layers, num_heads=args.num_heads,
                                       num_kv_heads=args.num_kv_heads,
                                       max_position=args.seq_length), seed=args.seed)
+    args.model_vocab = vocab  # an indexed dataset's ids are checked against it
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's "
                          f"vocabulary only {vocab} (bytes need 257): pass --tokenizer")
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
 def train(args, engine, tokenizer) -> int:
     """The training loop of `main` on an initialised engine; returns the exit code."""
     rank, world = engine.rank, engine.world_size
-    dataset = _dataset(args.data_path, tokenizer)
+    dataset = _dataset(args.data_path, tokenizer, getattr(args, "model_vocab", None))
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
     start = training.resume(engine, sampler, args)  # 0 without --load

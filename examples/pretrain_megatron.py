@@ -357,7 +357,7 @@ def main(argv=None) -> int:
         step_fn = DCPForwardBackward(dcp_config, model_shape=shape, pool=pool,
                                      zero_stage=1 if args.use_distributed_optimizer else 0)
 
-    dataset = open_dataset(args.data_path)
+    dataset = open_dataset(args.data_path, padded_vocab_size(args))  # ids checked
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
     start = load_checkpoint(args, ddp, optimizer, sampler, step_fn) if args.load else 0

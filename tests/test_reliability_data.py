@@ -135,3 +135,55 @@ def test_validation_spans_chunks(tmp_path, monkeypatch):
     _write_idx(prefix, bytes(broken))
     with pytest.raises(ValueError, match="sequence 3 starts at byte 16, expected 20"):
         IndexedDataset(prefix)
+
+
+# ------------------------------------------------------------------ issue 22: clear or refused
+def test_non_utf8_jsonl_line_names_file_and_line(tmp_path, capsys):
+    from megatron_dcp.data import read_documents
+
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not UTF-8 text \(byte 0xe9"):
+        list(read_documents(str(path)))
+    text = tmp_path / "bad.txt"
+    text.write_bytes(b"para one\n\n\xff\xfe para two\n")
+    with pytest.raises(ValueError, match=r"bad.txt:3: not UTF-8"):
+        list(read_documents(str(text)))
+    assert _build_tool()(["--input", str(path), "--output-prefix", str(tmp_path / "x")]) == 1
+    assert "bad.jsonl:2: not UTF-8" in capsys.readouterr().err
+
+
+def test_empty_dataset_build_is_an_error(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    prefix = tmp_path / "out"
+    assert _build_tool()(["--input", str(empty), "--output-prefix", str(prefix)]) == 1
+    assert "no documents in" in capsys.readouterr().err
+    assert not (tmp_path / "out.bin").exists() and not (tmp_path / "out.idx").exists()
+
+
+def test_token_id_past_the_vocabulary_names_the_document(tmp_path):
+    from megatron_dcp.data import open_dataset
+
+    prefix = str(tmp_path / "ids")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for doc in ([1, 2, 3], [4, 5], [6, 300, 7, 8]):
+            w.add_document(doc)
+    open_dataset(prefix, vocab_size=301)  # every id fits
+    with pytest.raises(ValueError, match=r"document 2 has token id 300 at position 1, outside "
+                                         r"the model's vocabulary of 257"):
+        open_dataset(prefix, vocab_size=257)
+
+
+def test_batch_larger_than_the_corpus_is_refused_at_once():
+    import time
+
+    from megatron_dcp.data import GlobalBatchSampler
+
+    lengths = [100, 300, 50]
+    GlobalBatchSampler(lengths, 350, max_seq_len=200)  # 100 + 200 (cut) + 50: exactly fits
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"global batch of 100000000 tokens needs more than the "
+                                         r"corpus holds: 350 tokens in 3 usable documents"):
+        GlobalBatchSampler(lengths, 100_000_000, max_seq_len=200)
+    assert time.perf_counter() - t0 < 1.0

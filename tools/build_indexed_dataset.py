@@ -50,6 +50,9 @@ def main(argv=None) -> int:
                     writer.add_document(ids)
                     docs += 1
                     tokens += len(ids)
+            if docs == 0:  # a 0-document dataset fails later, far from its cause
+                raise ValueError("no documents in " + (", ".join(args.input or ["the corpus"]))
+                                 + " (empty files, or only blank lines)")
     except (OSError, ValueError) as err:
         print(f"error: {err}; nothing written to {args.output_prefix}.bin/.idx", file=sys.stderr)
         return 1

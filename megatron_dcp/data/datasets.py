@@ -55,10 +55,16 @@ def embedded_dataset(tokenizer: Optional[ByteTokenizer] = None) -> InMemoryToken
     return InMemoryTokenDataset(docs, name="embedded:pystdlib")
 
 
-def open_dataset(data_path: Optional[str] = None) -> TokenDataset:
-    """``--data-path PREFIX`` (a Megatron ``.bin/.idx`` pair) or, when None, the embedded corpus."""
+def open_dataset(data_path: Optional[str] = None,
+                 vocab_size: Optional[int] = None) -> TokenDataset:
+    """``--data-path PREFIX`` (a Megatron ``.bin/.idx`` pair) or, when None, the embedded corpus.
+    ``vocab_size``: check every token id of an indexed dataset against it now
+    (`IndexedDataset.check_vocabulary`)."""
     if data_path is None:
         return embedded_dataset()
     if data_path.endswith((".bin", ".idx")):
         data_path = data_path[:-4]
-    return IndexedDataset(data_path)
+    dataset = IndexedDataset(data_path)
+    if vocab_size is not None:
+        dataset.check_vocabulary(vocab_size)
+    return dataset

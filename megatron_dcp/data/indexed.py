@@ -227,6 +227,25 @@ class IndexedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Every token id below ``vocab_size``, else a ValueError naming the first document,
+        position and id (an id past the vocabulary fails only when its document is sampled,
+        as an ``IndexError`` deep inside a task). One pass over the ``.bin`` in chunks."""
+        tokens = np.frombuffer(self._bin, dtype=self.dtype,
+                               count=len(self._bin) // self.dtype.itemsize)
+        for start in range(0, len(tokens), _CHECK_CHUNK):
+            chunk = tokens[start:start + _CHECK_CHUNK]
+            if not len(chunk) or int(chunk.max()) < vocab_size:
+                continue
+            at = start + int(np.argmax(chunk >= vocab_size))
+            byte = at * self.dtype.itemsize
+            seq = int(np.searchsorted(self.sequence_pointers, byte, side="right")) - 1
+            pos = (byte - int(self.sequence_pointers[seq])) // self.dtype.itemsize
+            raise ValueError(f"{self.prefix}.bin: document {seq} has token id {int(tokens[at])} "
+                             f"at position {pos}, outside the model's vocabulary of {vocab_size} "
+                             "(built with another tokenizer? rebuild the dataset, or use a model "
+                             "with a larger vocabulary)")
+
 
 _CHECK_CHUNK = 1 << 24
 """Sequences checked per vectorised pass (bounds the temporary arrays at a few hundred MB)."""

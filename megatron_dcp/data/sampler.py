@@ -5,7 +5,10 @@ planner then decides which rank runs what). Documents are visited in a seeded pe
 epoch (``numpy`` PCG64 of ``(seed, epoch)``: identical on every machine); a batch takes documents
 in that order while the budget allows, at least one. Documents are truncated to ``max_seq_len``
 tokens, and documents with fewer than ``min_seq_len`` tokens are skipped (a 1-token document has no
-next-token target). ``state_dict()`` / ``load_state_dict()`` resume exactly where a run stopped.
+next-token target). A budget above the tokens of the whole corpus is refused at construction
+(a batch would hold every document several times, and a huge one would cycle epochs for minutes
+before the first step). ``state_dict()`` / ``load_state_dict()`` resume exactly where a run
+stopped.
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ class GlobalBatchSampler:
         self.usable = np.flatnonzero(self.lengths >= self.min_seq_len)
         if len(self.usable) == 0:
             raise ValueError(f"no document has at least {self.min_seq_len} tokens")
+        corpus = int(np.minimum(self.lengths[self.usable], max_seq_len or np.inf).sum())
+        if self.tokens_per_batch > corpus:
+            raise ValueError(
+                f"a global batch of {self.tokens_per_batch} tokens needs more than the corpus "
+                f"holds: {corpus} tokens in {len(self.usable)} usable documents (cut at "
+                f"max_seq_len={max_seq_len}); every batch would repeat documents about "
+                f"{self.tokens_per_batch / corpus:.1f} times: lower --global-batch-tokens to at "
+                f"most {corpus} or use more data")
         self.epoch = 0
         self.position = 0
         self.batches = 0
