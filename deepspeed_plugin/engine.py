@@ -15,9 +15,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from megatron_dcp.config import IGNORE_INDEX, DCPConfig
+from megatron_dcp.config import DCPConfig
+from megatron_dcp.models.common import token_losses
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.planners import schedule_for
 from megatron_dcp.runtime.context import task_context
@@ -100,8 +100,8 @@ class DCPEngine:
         losses themselves ``[T]`` (0 where ignored: ``sequence`` reduction)."""
         kwargs = {"task": shard.task} if self._takes_task else {}
         logits = self.engine(shard.input_ids, shard.position_ids, **kwargs)
-        return F.cross_entropy(logits.float(), shard.labels, ignore_index=IGNORE_INDEX,
-                               reduction="none" if per_token else "sum")
+        losses = token_losses(logits, shard.labels)  # chunked: no whole fp32 copy of the logits
+        return losses if per_token else losses.sum()
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         """One micro-step's backward; the rank's last one is the accumulation boundary (except

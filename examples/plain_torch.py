@@ -13,9 +13,9 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from megatron_dcp.config import IGNORE_INDEX, int_flag
+from megatron_dcp.config import int_flag
+from megatron_dcp.models.common import token_losses
 from megatron_dcp.runtime.executor import reduce_gradients
 
 
@@ -29,8 +29,8 @@ class TorchEngine:
 
     def forward_loss(self, shard, per_token: bool) -> torch.Tensor:
         logits = self.model(shard.input_ids, shard.position_ids, task=shard.task)
-        return F.cross_entropy(logits.float(), shard.labels, ignore_index=IGNORE_INDEX,
-                               reduction="none" if per_token else "sum")
+        losses = token_losses(logits, shard.labels)  # chunked: no whole fp32 copy of the logits
+        return losses if per_token else losses.sum()
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         loss.backward()

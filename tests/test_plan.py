@@ -587,7 +587,8 @@ def test_tensor_parallel_one_is_the_default_model():
     assert (base.params, base.static_memory, base.token_bytes(5)) == \
         (same.params, same.static_memory, same.token_bytes(5))
     assert base.params == 32 * (4096 * 3 * 4096 + 4096 * 4096 + 3 * 4096 * 11008) + 2 * 32000 * 4096
-    assert base.token_bytes(0) == 32 * 2 * (5 * 4096 + 2 * 4096 + 3 * 11008) + 4 * 32000
+    # activations + bf16 logits and their gradient (or Megatron's fp32 softmax): `loss_bytes`
+    assert base.token_bytes(0) == 32 * 2 * (5 * 4096 + 2 * 4096 + 3 * 11008) + (2 + 4) * 32000
     # the planner plans with the model's TP size: a sequence that needs recompute on whole
     # ranks needs less on half of every weight and activation (and every task records the
     # memory the TP-2 cost model gives it)

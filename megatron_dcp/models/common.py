@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_dcp.config import IGNORE_INDEX
+from megatron_dcp.plan.cost import loss_chunk_tokens
 from megatron_dcp.runtime.context import TaskContext, current_task
 
 
@@ -47,9 +47,65 @@ def apply_rope(x_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x_THD * cos + rotated * sin
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of every token ``[T]`` (0 where ``labels == -100``)."""
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Token losses computed ``chunk`` tokens at a time, in float32 (float64 stays).
+
+    Saves the logits themselves and one log-sum-exp per token. Forward and backward each make
+    one float32 tensor of a chunk at a time (logits minus their max or log-sum-exp: type
+    promotion converts and subtracts in one kernel; the rest is in place), never a whole float32
+    copy of the logits or of their softmax. The gradient is ``g * (softmax - one_hot(label))``,
+    as torch's.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_TV, labels_T, chunk: int):
+        cdt = torch.float64 if logits_TV.dtype == torch.float64 else torch.float32
+        valid_T = labels_T != IGNORE_INDEX
+        target_T1 = torch.where(valid_T, labels_T, 0)[:, None]
+        lse_T = torch.empty(logits_TV.shape[0], dtype=cdt, device=logits_TV.device)
+        picked_T = torch.empty_like(lse_T)
+        for s in range(0, logits_TV.shape[0], chunk):
+            x = logits_TV[s:s + chunk]
+            top = x.amax(dim=-1).to(cdt)
+            top = torch.where(torch.isfinite(top), top, 0.0)
+            z = torch.sub(x, top[:, None])  # float32 (promoted), a new tensor
+            lse_T[s:s + chunk] = z.exp_().sum(dim=-1).log_() + top
+            picked_T[s:s + chunk] = x.gather(1, target_T1[s:s + chunk])[:, 0]
+            del z
+        ctx.save_for_backward(logits_TV, target_T1, valid_T, lse_T)
+        ctx.chunk = chunk
+        return torch.where(valid_T, lse_T - picked_T, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_T):
+        logits_TV, target_T1, valid_T, lse_T = ctx.saved_tensors
+        g_T1 = torch.where(valid_T, grad_T.to(lse_T.dtype), 0.0)[:, None]
+        grad_TV = torch.empty_like(logits_TV)
+        for s in range(0, logits_TV.shape[0], ctx.chunk):
+            e = s + ctx.chunk
+            # softmax in float32 (promoted), a new tensor: the saved logits stay intact
+            p = torch.sub(logits_TV[s:e], lse_T[s:e, None]).exp_()
+            p.mul_(g_T1[s:e]).scatter_add_(1, target_T1[s:e], -g_T1[s:e])
+            grad_TV[s:e] = p
+            del p
+        return grad_TV, None, None
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor,
+                 chunk_tokens: Optional[int] = None) -> torch.Tensor:
+    """Cross-entropy of every token ``[T]`` (0 where ``labels == -100``) of ``logits [T, V]``.
+
+    Computed in float32 (float64 stays), ``chunk_tokens`` tokens at a time (default
+    `megatron_dcp.plan.cost.loss_chunk_tokens`: 128 MiB of float32 logits), so a large vocabulary
+    never holds a whole float32 copy of the logits or of their softmax: the loss path holds the
+    logits, their gradient and a few chunks (`megatron_dcp.plan.cost.loss_bytes`, what the
+    planner counts). Values and gradients are those of ``F.cross_entropy(logits.float(), ...)``.
+    """
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(f"token_losses: logits [T, V] and labels [T], got "
+                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+    chunk = int(chunk_tokens or loss_chunk_tokens(logits.shape[1]))
+    return _ChunkedCrossEntropy.apply(logits, labels, max(1, chunk))
 
 
 def check_positions(position_ids: torch.Tensor, max_position: Optional[int], model: str,

@@ -38,9 +38,18 @@ stage 2/3 add the gradient bucket a rank fills before each reduce-scatter (DeepS
 ``reduce_bucket_size``, 5e8 elements, or the model if smaller), stage 3 the parameters gathered
 at a time: two layers (the running one and the prefetched one) and the largest single weight, the
 embedding or head), plus ``communicators_per_rank x Hardware.communicator_bytes`` (the group
-vocabulary's process groups this rank belongs to), plus a fixed reserve (CUDA context, the
-engine's own communicators, fragmentation), plus per local token: ``(N-c)*A + c*2h`` (a checkpointed layer keeps its bf16
-input only) + ``A`` while one layer recomputes + fp32 logits. ``A`` (bytes per token per layer,
+vocabulary's process groups this rank belongs to; warmed with every collective they run, so
+their per-peer buffers are in the measured ``communicator_bytes``), plus the loss's workspace
+(`LOSS_CHUNK_COPIES` fp32 tensor of one chunk of `loss_chunk_tokens`: 128 MiB), plus a fixed
+reserve (CUDA context, the engine's own communicators, fragmentation), plus per local token:
+``(N-c)*A + c*2h`` (a checkpointed layer keeps its bf16 input only) + ``A`` while one layer
+recomputes + ``(2 + 4) * V`` for the logits (`loss_bytes`): the head's bf16 logits, kept until
+the loss's backward, and 4 B per entry for their gradient (the chunked loss's, 2 B) or the fp32
+softmax Megatron's vocabulary-parallel loss saves for backward (4 B). The chunked loss
+(`megatron_dcp.models.common.token_losses`) never holds a whole fp32 copy of the logits;
+``F.cross_entropy(logits.float())`` held ~12 B per entry more. Ring attention saves its merged
+output in the input dtype (the tensor it returns, which the next layer keeps anyway), so it adds
+nothing to ``A``. ``A`` (bytes per token per layer,
 flash attention, no dropout) = 2 B x (5h + 2*kv_dim + 3f) for a gated MLP (2f otherwise): norm
 inputs/outputs, q/k/v, attention output, MLP intermediates. Local tokens count the padding of
 `megatron_dcp.plan.plan.padded_length`, the runtime's own rule. Where heads are not ``h / heads``
@@ -49,7 +58,7 @@ head_dim`` for ``h``; tied embeddings and q/k/v biases count in the parameters.
 
 Megatron tensor parallelism (``model.tensor_parallel = tp``): every number above is per TP rank.
 Parameters (static memory, weight streaming, gradient sync), linear and attention FLOPs (heads are
-split), the vocabulary-parallel head and its fp32 logits, and the Ulysses/ring volumes divide by
+split), the vocabulary-parallel head and its logits term, and the Ulysses/ring volumes divide by
 ``tp``. Of ``A``, the head-/FFN-split part (q, k, v, attention output, MLP intermediates:
 ``2h + 2*kv_dim + 3f``) divides by ``tp``; the ``3h`` of layer inputs, norm outputs and residuals
 stays whole (replicated: no sequence parallelism), as does a checkpointed layer's ``2h`` input.
@@ -77,6 +86,28 @@ RESERVE_BYTES = 4e9
 (data/tensor parallel), fragmentation (``Hardware.reserve_bytes`` overrides it)."""
 LAUNCH_S_PER_LAYER = 90 * 2e-6
 """Analytic task overhead: ~90 kernels per layer (fwd+bwd), 2 us each when kernels are short."""
+LOSS_CHUNK_BYTES = 128 * 2**20
+"""fp32 bytes of logits the loss converts at a time: `megatron_dcp.models.common.token_losses`
+takes `loss_chunk_tokens` tokens per chunk."""
+LOSS_CHUNK_COPIES = 1
+"""fp32 tensors of one chunk alive at once in the chunked loss (logits minus their max in
+forward, the softmax gradient in backward)."""
+
+
+def loss_chunk_tokens(vocab: int, chunk_bytes: float = LOSS_CHUNK_BYTES) -> int:
+    """Tokens per chunk of the chunked loss: ``chunk_bytes`` of fp32 logits (at least one)."""
+    return max(1, int(chunk_bytes // (4 * vocab)))
+
+
+def loss_bytes(tokens: int, vocab: float, logit_bytes: float = BF16,
+               chunk_tokens: Optional[int] = None) -> float:
+    """Peak bytes of the logits-and-loss path of ``tokens`` local tokens (module doc): the head's
+    logits (``logit_bytes`` per entry) kept until the loss's backward, 4 B per entry for the
+    logits' gradient in their own dtype (chunked loss) or the fp32 softmax that Megatron's
+    vocabulary-parallel loss saves, and `LOSS_CHUNK_COPIES` fp32 tensor of one chunk
+    (``chunk_tokens``, default `loss_chunk_tokens`)."""
+    chunk = min(tokens, chunk_tokens or loss_chunk_tokens(int(vocab)))
+    return tokens * vocab * (logit_bytes + 4) + LOSS_CHUNK_COPIES * chunk * vocab * 4
 
 
 class Layout(NamedTuple):
@@ -217,7 +248,10 @@ class CostModel:
         split = 2 * q_dim + 2 * kv_dim + (3 if m.gated_mlp else 2) * f
         self.act_bytes = BF16 * (3 * h + (split if tp == 1 else split / tp))
         self.ckpt_bytes = BF16 * h
-        self.logit_bytes = 4 * v if tp == 1 else 4 * v / tp
+        self.logit_bytes = (BF16 + 4) * v if tp == 1 else (BF16 + 4) * v / tp
+        """Bytes per local token of the bf16 logits and their gradient (`loss_bytes`)."""
+        self.loss_workspace = LOSS_CHUNK_COPIES * 4 * v * loss_chunk_tokens(v)
+        """The chunked loss's fp32 tensor of one chunk: a constant, counted in static memory."""
 
     def _init_time_constants(self) -> None:
         """The hardware's per-token and per-task overheads (measured, else analytic), its pack
@@ -283,7 +317,7 @@ class CostModel:
             head = m.vocab_size * m.hidden_size / m.tensor_parallel
             params = params / w + BF16 * min(p, 2 * self.layer_params + head)
         comms = self.communicators_per_rank * self.hw.communicator_bytes
-        return params + grads + states + comms
+        return params + grads + states + comms + self.loss_workspace
 
     def token_bytes(self, ckpt: int) -> float:
         """Activation bytes per local token with ``ckpt`` recomputed layers."""
