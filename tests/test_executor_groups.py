@@ -44,10 +44,10 @@ def _pool_body(rank: int, world_size: int) -> dict:
     out["vocab_created"] = pool.startup["created"]
     out["report"] = pool.report()
     out["vocab_all"] = all(g in pool for g in vocab.communicators())
-    # Two DCP worlds (like tensor parallelism 2): (0, 2) and (1, 3). Only world (0, 2) needs a
-    # ring group; the other world creates it along (creation is job-wide).
+    # Two DCP worlds (like tensor parallelism 2): (0, 2) and (1, 3), running the same plan (as
+    # tensor parallelism needs); its ring group is created in both worlds together.
     sub = GroupPool(all_worlds=[(0, 2), (1, 3)])
-    tasks = (Task(id=0, ranks=(1, 0), seqs=(0,), ulysses=1, ring=2),) if rank in (0, 2) else ()
+    tasks = (Task(id=0, ranks=(1, 0), seqs=(0,), ulysses=1, ring=2),)
     sub_plan = Plan(tasks=tasks, lengths=(8,), world_size=2)
     out["sub_created"] = sub.ensure(sub_plan)
     t = torch.tensor([float(rank)])

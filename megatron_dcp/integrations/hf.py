@@ -13,6 +13,12 @@ The task travels as the ``dcp_task`` keyword through HF's forward to every atten
 passes unknown keywords down as ``**kwargs``) and, as part of the layer's bound forward, into
 recomputation on whatever thread runs backward. HF's mask builder takes no keywords: it reads
 `current_task`, which the wrapper enters around the call.
+
+Inside a task the wrapper passes HF an all-ones padding mask (``[1, T]`` booleans made on the
+device, nothing read back): with no mask, HF's mask builder would look for packed sequences in
+the position ids (``find_packed_sequence_indices``), which reads a device value and so waits for
+the device on every forward. With a padding mask HF skips that search and calls the ``"dcp"``
+mask function, which returns no mask inside a task.
 """
 
 from __future__ import annotations
@@ -260,7 +266,11 @@ class DCPCausalLM(nn.Module):
         0..T-1: one whole sequence), as the local shard of ``task`` (default `current_task`)."""
         position_ids, ctx = check_inputs("DCPCausalLM", input_ids, position_ids, task)
         _check_recompute_hooks(self._layers)
-        kwargs = {TASK_KWARG: ctx} if ctx is not None else {}
+        kwargs: dict[str, Any] = {}
+        if ctx is not None:
+            # "no padding": keeps HF from searching the positions for packed sequences (a sync)
+            kwargs = {TASK_KWARG: ctx, "attention_mask": torch.ones(
+                1, input_ids.shape[0], dtype=torch.bool, device=input_ids.device)}
         with task_context(ctx):
             out = self.causal_lm(input_ids=input_ids[None], position_ids=position_ids[None],
                                  use_cache=False, **kwargs)

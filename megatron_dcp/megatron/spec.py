@@ -201,9 +201,11 @@ class DCPRotaryEmbedding(nn.Module):
         ctx = current_task()
         if ctx is None or ctx.layout is None:
             return self.inner(max_seq_len, offset, packed_seq, cp_group)
-        positions = ctx.layout.position_ids.clamp(min=0)
-        table = self.inner.get_emb(int(positions.max()) + 1 if positions.numel() else 1, offset)
-        return table[positions.to(table.device)]
+        # The table's length from the host positions, the index from the layout's device copy
+        # (pinned, asynchronous, made once per shard): no device sync and no pageable copy.
+        host = ctx.layout.position_ids
+        table = self.inner.get_emb(int(host.max()) + 1 if host.numel() else 1, offset)
+        return table[ctx.layout.meta().to(table.device).positions]
 
     def __getattr__(self, name: str):
         try:

@@ -48,6 +48,7 @@ from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.checkpoint import run_layer
 from megatron_dcp.runtime.context import TaskContext, current_task
+from megatron_dcp.runtime.segments import upload
 
 
 @dataclass
@@ -131,8 +132,9 @@ class VideoGroups:
     per_sequence = True
 
     def __call__(self, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-        size = torch.tensor(self.frame_tokens, dtype=torch.long,
-                            device=positions.device)[seq_ids.long()]
+        # called on the host positions (`attention_groups`); uploaded if ever given a device's
+        size = upload(torch.tensor(self.frame_tokens, dtype=torch.long),
+                      positions.device)[seq_ids.long()]
         if self.kind == "frame":
             return torch.div(positions, size, rounding_mode="floor")
         return torch.remainder(positions, size)
@@ -220,7 +222,7 @@ class VideoDiT(nn.Module):
         label ignored) borrows video 0's shape."""
         if ctx is not None and ctx.layout is not None:
             videos = tuple(max(int(s), 0) for s in ctx.task.seqs)
-            seq_ids = ctx.layout.seq_ids.to(rows.device)
+            seq_ids = ctx.layout.meta().to(rows.device).seq_ids  # copied once per shard
         else:
             if rows.numel() == 0:
                 raise ValueError("VideoDiT: no tokens given")
@@ -239,8 +241,8 @@ class VideoDiT(nn.Module):
         """Position embedding of every token from its position and its own video's shape
         (padding tokens are clamped into range; they are masked anyway)."""
         c = self.config
-        hw = torch.tensor([[h * w, w] for _, h, w in tv.shapes], dtype=torch.long,
-                          device=position_ids.device)[tv.seq_ids]
+        hw = upload(torch.tensor([[h * w, w] for _, h, w in tv.shapes], dtype=torch.long),
+                    position_ids.device)[tv.seq_ids]
         frame = torch.div(position_ids, hw[:, 0], rounding_mode="floor")
         cell = torch.remainder(position_ids, hw[:, 0])
         row = torch.div(cell, hw[:, 1], rounding_mode="floor")
@@ -282,7 +284,7 @@ class VideoDiT(nn.Module):
             position_ids = torch.arange(rows.shape[0], device=rows.device)
         check_positions(position_ids, self.config.max_position, "VideoDiT", ctx)
         tv = self._task_videos(rows, batch, ctx)
-        index = torch.tensor(tv.videos, dtype=torch.long, device=rows.device)
+        index = upload(torch.tensor(tv.videos, dtype=torch.long), rows.device)
         t_S = batch.t[index]
         cond = self.conditioning(t_S, None if batch.labels is None else batch.labels[index])
         x0, noise = batch.x0[rows], batch.noise[rows]

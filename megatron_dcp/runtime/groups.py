@@ -184,39 +184,41 @@ class GroupPool:
         return mine
 
     def ensure_groups(self, groups: Iterable[Sequence[int]]) -> int:
-        """Create any of ``groups`` not in the pool; collective over the job. Returns the number
-        created. With one DCP world every rank must pass the same groups (any order); with
-        several, the union of what the worlds lack is created (one small extra collective)."""
+        """Create any of ``groups`` not in the pool; collective over the job when one is missing.
+        Returns the number created.
+
+        Every job rank must pass the same groups (any order): every rank of a DCP world runs the
+        same plan (its digest is checked), and with several DCP worlds (tensor or pipeline
+        parallelism) every world runs that same plan, which the model's own tensor- and
+        pipeline-parallel communication needs anyway. Every job rank's pool holds the same rank
+        tuples (groups are created for all worlds together), so each rank finds the same missing
+        groups by itself: when none is missing, nothing is communicated. When some are, every
+        job rank first checks that all found the same ones (one all-reduce; a mismatch raises on
+        every rank), then creates them in one order."""
         wanted = {tuple(int(r) for r in g) for g in groups}
         for ranks in wanted:
             if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.world_size for r in ranks):
                 raise ValueError(f"group {ranks}: ranks must be distinct DCP ranks in "
                                  f"0..{self.world_size - 1}")
-        missing = {g for g in wanted if len(g) > 1 and g not in self._groups}
+        order = sorted((g for g in wanted if len(g) > 1 and g not in self._groups),
+                       key=lambda r: (len(r), r))
+        if not order:
+            return 0
         if len(self.all_worlds) > 1:
-            missing = self._union_over_worlds(missing)
-        order = sorted(missing, key=lambda r: (len(r), r))
+            self._check_same_everywhere(
+                f"missing:{order}", "GroupPool.ensure_groups: the DCP worlds lack different "
+                "groups (their plans differ); every DCP world of the job must run the same plan")
         t0 = time.perf_counter()
         for ranks in order:
             self._groups[ranks] = self._new_group(ranks)
         self.creation_s += time.perf_counter() - t0
-        if order and self.vocabulary is not None:
+        if self.vocabulary is not None:
             if not self.outside_vocabulary:
                 warnings.warn(f"GroupPool: {len(order)} process group(s) created inside the step, "
                               f"outside the start-up vocabulary (first: {order[0]}); on NCCL each "
                               "is a communicator split every rank joins", stacklevel=2)
             self.outside_vocabulary.extend(order)
         return len(order)
-
-    def _union_over_worlds(self, missing: set) -> set:
-        """Groups some DCP world lacks (all worlds must create every group together)."""
-        count = torch.tensor([len(missing)], dtype=torch.int64, device=_device_of(None))
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        if int(count.item()) == 0:
-            return set()
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, sorted(missing))
-        return {tuple(g) for part in gathered for g in part if tuple(g) not in self._groups}
 
     def ensure(self, plan: Plan) -> int:
         """Create the groups ``plan`` needs that the pool lacks (collective; same order on every
@@ -260,16 +262,18 @@ class GroupPool:
                 f"{len(mine)}, at most {self.startup['max_per_rank']} per rank; "
                 f"created in {t1 - t0:.2f} s, warmed in {t2 - t1:.2f} s")
 
-    def _check_same_everywhere(self, key: str) -> None:
-        """Raise on every rank unless every job rank passed the same ``key`` (one all-reduce)."""
+    def _check_same_everywhere(self, key: str, error: Optional[str] = None) -> None:
+        """Raise on every rank unless every job rank passed the same ``key`` (one all-reduce);
+        ``error``: the message (default: the vocabularies differ)."""
         value = int(hashlib.sha256(key.encode()).hexdigest()[:15], 16)
         t = torch.tensor([value, -value], dtype=torch.int64, device=_device_of(None))
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         low, high = t.tolist()
         if low != -high:
-            raise RuntimeError("GroupPool.create_all: the ranks hold different vocabularies "
-                               "(world size, ranks per node, heads, attention layout, Ulysses "
-                               "scope and max degree must be equal on every rank)")
+            raise RuntimeError(error or (
+                "GroupPool.create_all: the ranks hold different vocabularies (world size, ranks "
+                "per node, heads, attention layout, Ulysses scope and max degree must be equal "
+                "on every rank)"))
 
     def _warm(self, mine: Sequence[tuple[int, ...]]) -> None:
         """One all-reduce of a one on each group in ``mine`` (same order on every member, so no
