@@ -48,7 +48,8 @@ def add_model_size_flags(g) -> None:
 def add_checkpoint_flags(g, *, load_help: str, timeout_help: str) -> None:
     """--save, --save-interval, --keep-last, --load (``load_help``), --distributed-timeout-s
     (``timeout_help``) and --quiet."""
-    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--save", default=None, type=_save_dir,
+                   help="checkpoint directory (checked writable at start)")
     g.add_argument("--save-interval", type=int_flag(0), default=0,
                    help="save every N iterations and after the last (0: only after the last)")
     g.add_argument("--keep-last", type=int_flag(1), default=None,
@@ -56,6 +57,34 @@ def add_checkpoint_flags(g, *, load_help: str, timeout_help: str) -> None:
     g.add_argument("--load", default=None, help=load_help)
     g.add_argument("--distributed-timeout-s", type=float_flag(), default=1800.0, help=timeout_help)
     g.add_argument("--quiet", action="store_true", help="only the final line")
+
+
+def _save_dir(path: str) -> str:
+    """``--save``: a writable directory or one that can be created, checked at start."""
+    from megatron_dcp.runtime.checkpoint_dir import CheckpointError, check_save_dir
+
+    try:
+        check_save_dir(path)
+    except CheckpointError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return path
+
+
+PRECISION_HELP = '''precision: bf16 on CUDA (a "bf16": {"enabled": true} section is added to the
+DeepSpeed config), fp32 on CPU. A config with a "bf16", "fp16" or "amp" section keeps its own
+choice ("bf16": {"enabled": false}: fp32 on CUDA too).'''
+"""What `with_default_precision` does, for the examples' --help."""
+
+
+def with_default_precision(config: dict) -> dict:
+    """``config`` with bf16 on CUDA unless it chooses a precision itself (see `PRECISION_HELP`):
+    fp32 on CUDA takes attention's slow exact path, so a GPU run defaults to bf16."""
+    import torch
+
+    chosen = any(key in config for key in ("bf16", "bfloat16", "fp16", "amp", "torch_autocast"))
+    if not chosen and torch.cuda.is_available():
+        config["bf16"] = {"enabled": True}
+    return config
 
 
 def ds_config(args: argparse.Namespace) -> dict:
