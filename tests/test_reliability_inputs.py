@@ -92,3 +92,23 @@ def test_example_flags_are_checked(script, flags, message, capsys):
     with pytest.raises(SystemExit):
         module.parse_args(flags)
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ issue 22: --hf-model
+@pytest.mark.parametrize("config_name, kind", [("BertConfig", "bert"), ("GPT2Config", "gpt2")])
+def test_unsupported_hf_architecture_is_refused_naming_it(tmp_path, config_name, kind):
+    """A BERT config trained with bidirectional attention under a next-token loss, a GPT-2 config
+    failed with an AttributeError: both are refused at start, naming what is supported."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_dcp.integrations import hf
+
+    config = getattr(transformers, config_name)(vocab_size=300, hidden_size=32, n_embd=32,
+                                                num_hidden_layers=1, n_layer=1,
+                                                num_attention_heads=2, n_head=2)
+    config.save_pretrained(tmp_path)
+    want = rf"architecture '{kind}' .* not supported by DCP; supported: llama, qwen2, mistral"
+    with pytest.raises(ValueError, match=want):
+        hf.load_causal_lm(str(tmp_path))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match=want):
+        hf.enable(model)

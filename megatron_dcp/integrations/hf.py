@@ -43,8 +43,8 @@ ATTENTION = "dcp"
 TASK_KWARG = "dcp_task"
 """The keyword that carries the `TaskContext` through HF's forward to the attention calls."""
 
-__all__ = ["ATTENTION", "DCPCausalLM", "HFTokenizer", "enable", "is_hf_model", "load_causal_lm",
-           "model_shape", "sliding_window"]
+__all__ = ["ATTENTION", "DCPCausalLM", "HFTokenizer", "SUPPORTED_MODEL_TYPES", "check_supported",
+           "enable", "is_hf_model", "load_causal_lm", "model_shape", "sliding_window"]
 
 
 def is_hf_model(model: Any) -> bool:
@@ -181,20 +181,39 @@ def model_shape(model: nn.Module) -> ModelShape:
                       name=str(getattr(config, "model_type", "hf")))
 
 
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+"""The architectures tested under DCP: decoder-only, causal, RoPE positions per token, a gated
+MLP, attention replaceable through transformers' ``AttentionInterface``."""
+
+
+def check_supported(config: Any, what: str = "the model") -> None:
+    """Refuse an architecture outside `SUPPORTED_MODEL_TYPES`, naming it: an encoder (BERT)
+    would train with bidirectional attention under a next-token loss (it sees the token it
+    predicts), and others lack what the cost model reads (GPT-2 has no ``intermediate_size``)."""
+    kind = getattr(config.get_text_config(), "model_type", None) or getattr(
+        config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{what}: architecture {kind!r} ({type(config).__name__}) is not "
+                         f"supported by DCP; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
+                         "(decoder-only causal LMs with RoPE and a gated MLP, as tested)")
+
+
 def enable(model: nn.Module, *, max_sequence_length: Optional[int] = None) -> ModelShape:
     """Prepare an HF causal LM for DCP in place and return its `ModelShape`.
 
     Registers and selects the ``"dcp"`` attention, sets ``use_cache=False`` (a cache disables
     HF's packed-document detection and is useless in training), and makes every decoder layer
-    recompute by the task's depth. Refuses attention dropout > 0, a model whose attention cannot
-    be replaced, and a sliding window shorter than ``max_sequence_length`` (when given; else
-    each task checks its own sequences). Calling it again is harmless.
+    recompute by the task's depth. Refuses an architecture not in `SUPPORTED_MODEL_TYPES`,
+    attention dropout > 0, a model whose attention cannot be replaced, and a sliding window
+    shorter than ``max_sequence_length`` (when given; else each task checks its own
+    sequences). Calling it again is harmless.
     """
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable() takes a transformers PreTrainedModel, got {type(model)}")
+    check_supported(model.config, type(model).__name__)
     config = model.config.get_text_config()
     dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if dropout > 0:
@@ -289,9 +308,10 @@ def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{path}: no config.json (a local Hugging Face model directory)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_supported(config, path)  # before building it
     if any(os.path.exists(os.path.join(path, name)) for name in WEIGHT_FILES):
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
     return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
