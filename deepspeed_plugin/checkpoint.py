@@ -1,8 +1,11 @@
 """DeepSpeed checkpoints of a `DCPEngine`: atomic saves, verified loads, another world size.
 
-* ``save``: DeepSpeed writes every rank's files into a staging directory; the checkpoint and
-  ``latest`` appear only after every rank confirmed (`megatron_dcp.runtime.checkpoint_dir`).
-* ``load``: the checkpoint is verified on every rank first (manifest, every file and its size).
+* ``save``: DeepSpeed writes every rank's files into a staging directory, through a checkpoint
+  engine that checksums each file as it is written (`ChecksummingEngine`, over DeepSpeed's
+  ``TorchCheckpointEngine``); the checkpoint and ``latest`` appear only after every rank
+  confirmed (`megatron_dcp.runtime.checkpoint_dir`).
+* ``load``: the checkpoint is verified on every rank first (manifest, every file's size and
+  checksum; a corrupt ``latest`` falls back to the newest checkpoint that verifies).
   Saved at the same world size and ZeRO stage, DeepSpeed loads it as usual. Saved at another
   world size (or stage) with ZeRO 1-3, whose optimizer states are partitioned by rank, it is
   converted once to DeepSpeed's *universal* checkpoint (``ds_to_universal``: one file per
@@ -11,8 +14,8 @@
   size directly. DCP's update does not depend on the plan, so the resumed run continues the
   trajectory of the run that saved (elastic training).
 
-Loading unpickles (DeepSpeed's ``torch.load(weights_only=False)``): only load checkpoints you
-trust.
+Loading unpickles (DeepSpeed's ``torch.load(weights_only=False)``, which DeepSpeed's loader
+needs): only load checkpoints you trust. The checksums catch corruption, not a crafted file.
 """
 
 from __future__ import annotations
@@ -24,24 +27,56 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, read_manifest,
-                                                 save_atomically, verify_checkpoint)
+                                                 save_atomically, save_file,
+                                                 verify_checkpoint)
 
 UNIVERSAL = ".universal"
 
 
-def save(engine: Any, save_dir: str, tag: str, client_state: dict, *,
-         keep_last: Optional[int] = None, **kwargs: Any) -> str:
-    """Collective: DeepSpeed's ``save_checkpoint`` of ``engine`` (a `DCPEngine`) made atomic;
-    returns the checkpoint's path."""
-    import deepspeed
+class ChecksummingEngine:
+    """DeepSpeed's ``TorchCheckpointEngine`` whose ``save`` checksums each file while writing
+    it (`save_file`); everything else is the wrapped engine's. ``checksums``: path -> checksum
+    of the files saved through it."""
 
-    def write(staging: str) -> None:
-        engine.engine.save_checkpoint(save_dir, tag=staging, client_state=client_state,
-                                      save_latest=False, **kwargs)
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.checksums: dict[str, str] = {}
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """``torch.save`` as DeepSpeed's engine does it, through the checksumming writer."""
+        self.checksums[path] = save_file(
+            state_dict, path, _use_new_zipfile_serialization=self.inner.zipfile_serialization)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def save(engine: Any, save_dir: str, tag: str, client_state: dict, *,
+         keep_last: Optional[int] = None, verified: bool = True, **kwargs: Any) -> str:
+    """Collective: DeepSpeed's ``save_checkpoint`` of ``engine`` (a `DCPEngine`) made atomic,
+    every file checksummed while written (with DeepSpeed's torch checkpoint engine; with another
+    one, rank 0 reads the files back to checksum them); ``verified``: see `save_atomically`.
+    Returns the checkpoint's path."""
+    import deepspeed
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    ds = engine.engine
+
+    def write(staging: str) -> dict[str, str]:
+        own = ds.checkpoint_engine
+        hashing = ChecksummingEngine(own) if type(own) is TorchCheckpointEngine else None
+        ds.checkpoint_engine = hashing or own
+        try:
+            ds.save_checkpoint(save_dir, tag=staging, client_state=client_state,
+                               save_latest=False, **kwargs)
+        finally:
+            ds.checkpoint_engine = own
+        return hashing.checksums if hashing is not None else {}
 
     meta = {"world_size": engine.world_size, "zero_stage": engine.zero_stage,
             "iteration": engine.iteration, "deepspeed": deepspeed.__version__}
-    return save_atomically(save_dir, tag, write, meta=meta, keep_last=keep_last)
+    return save_atomically(save_dir, tag, write, meta=meta, keep_last=keep_last,
+                           verified=verified)
 
 
 def load(engine: Any, load_dir: str, tag: Optional[str] = None,

@@ -94,6 +94,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.save_profile and not args.dcp:
         p.error("--save-profile writes the calibrated DCP cost model: it needs --dcp")
+    if args.save:  # at start, not at the first save after hours of training
+        from megatron_dcp.runtime.checkpoint_dir import CheckpointError, check_save_dir
+
+        try:
+            check_save_dir(args.save)
+        except CheckpointError as err:
+            p.error(f"argument --save: {err}")
     args.group_query_attention = args.num_query_groups is not None
     return args
 
@@ -212,10 +219,11 @@ def _load_optimizer_state(optimizer, state: list) -> None:
 
 
 def save_checkpoint(args, iteration: int, ddp, optimizer, sampler, step_fn) -> None:
-    """Collective: every rank writes its file (model, optimizer, data position, planner)."""
+    """Collective: every rank writes its file (model, optimizer, data position, planner: tensors
+    and plain types, which ``torch.load(weights_only=True)`` reads back), checksummed."""
     from megatron.core import parallel_state
 
-    from megatron_dcp.runtime.checkpoint_dir import save_atomically
+    from megatron_dcp.runtime.checkpoint_dir import save_atomically, save_file
 
     rank = dist.get_rank()
     state = {"model": ddp.module.state_dict(), "optimizer": _optimizer_state(optimizer),
@@ -225,15 +233,18 @@ def save_checkpoint(args, iteration: int, ddp, optimizer, sampler, step_fn) -> N
             "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
             "distributed_optimizer": args.use_distributed_optimizer}
 
-    def write(tag: str) -> None:
+    def write(tag: str) -> dict[str, str]:
         os.makedirs(os.path.join(args.save, tag), exist_ok=True)
-        torch.save(state, os.path.join(args.save, tag, f"rank_{rank}.pt"))
+        path = os.path.join(args.save, tag, f"rank_{rank}.pt")
+        return {path: save_file(state, path)}  # checksummed while written
 
     save_atomically(args.save, f"iter_{iteration}", write, meta=meta)
 
 
 def load_checkpoint(args, ddp, optimizer, sampler, step_fn) -> int:
-    """Collective: restore every rank from ``--load``; returns the iteration to continue from."""
+    """Collective: restore every rank from ``--load`` (verified first: sizes and checksums;
+    ``latest`` corrupt: the newest checkpoint that verifies); returns the iteration to continue
+    from. Loads with ``weights_only=True``: nothing in the file is executed."""
     from megatron.core import parallel_state
 
     from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, split_load_path,
@@ -250,7 +261,12 @@ def load_checkpoint(args, ddp, optimizer, sampler, step_fn) -> int:
                               + ", ".join(f"{k}={a} (this run: {b})" for k, (a, b) in
                                           differ.items()))
     path = os.path.join(load_dir, tag, f"rank_{dist.get_rank()}.pt")
-    state = torch.load(path, map_location="cpu", weights_only=False)  # our own files
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors, plain types
+    except Exception as err:  # noqa: BLE001 - a file that verified yet holds more than weights
+        raise CheckpointError(f"{path} is not a checkpoint of this example: it holds more than "
+                              f"tensors and plain types, which --load refuses to unpickle "
+                              f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
     ddp.module.load_state_dict(state["model"])
     _load_optimizer_state(optimizer, state["optimizer"])
     sampler.load_state_dict(state["sampler"])

@@ -2,7 +2,8 @@
 
 * The protocol (`megatron_dcp.runtime.checkpoint_dir`) with real processes: a rank that dies
   while writing its shard leaves ``latest`` on the previous checkpoint, which still loads; a
-  checkpoint with a file missing or cut short fails on every rank, naming the file.
+  checkpoint with a file missing or cut short fails on every rank, naming the file (corrupt
+  files of the same size: tests/test_checkpoint_integrity.py).
 * DeepSpeed, launched the way users launch: ``examples/pretrain.py`` saves at 2 ranks after 4
   iterations (and after 6); resumed at 1 rank and at 4 ranks for 2 more iterations, the losses
   equal the uninterrupted run's (fp32, relative error <= 1e-5), at ZeRO 1 and ZeRO 3. One launch
@@ -90,8 +91,10 @@ def test_failed_write_is_an_error_on_every_rank(tmp_path):
     root = str(tmp_path / "ckpt")
     for message in run_distributed(_failing_write, world_size=2, args=(root,)):
         assert "checkpoint 'iter_2'" in message and "latest still names 'iter_1'" in message
-        assert "rank 1: OSError: [Errno 28] No space left on device" in message
+        assert "rank 1: the disk is full" in message
+        assert "OSError: [Errno 28] No space left on device" in message
     assert Path(root, "latest").read_text().strip() == "iter_1"
+    assert not Path(root, "iter_2.partial").exists()  # its space given back
 
 
 def test_incomplete_checkpoints_name_what_is_missing(tmp_path):
@@ -108,7 +111,7 @@ def test_incomplete_checkpoints_name_what_is_missing(tmp_path):
     assert split_load_path(str(root)) == (str(root), None)
     (root / "iter_3" / "shard_0.bin").unlink()
     with pytest.raises(CheckpointError, match=r"iter_3 is incomplete: missing shard_0.bin"):
-        verify_checkpoint(str(root))
+        verify_checkpoint(str(root), "iter_3")
     (root / "iter_2" / "shard_0.bin").write_bytes(b"z" * 10)
     with pytest.raises(CheckpointError, match=r"wrong size shard_0.bin \(10 of 100 bytes\)"):
         verify_checkpoint(str(root), "iter_2")
@@ -154,8 +157,8 @@ def _job(work: str, phase: str) -> None:
         broken = os.path.join(work, "broken")
         shutil.copytree(os.path.join(work, "ckpt_zero1"), broken)
         os.remove(os.path.join(broken, "iter_6", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
-        try:
-            pretrain.main(COMMON + ["--zero-stage", "1", "--load", broken])
+        try:  # this checkpoint, by name (loading latest would fall back to iter_4)
+            pretrain.main(COMMON + ["--zero-stage", "1", "--load", os.path.join(broken, "iter_6")])
             message = "loaded"
         except CheckpointError as err:
             message = str(err)
