@@ -99,3 +99,18 @@ def test_skipped_steps_and_sequences_are_counted_and_train_no_tokens(tmp_path, c
     assert "1 sequences skipped (oversize)" in out[0] and "SKIPPED step" in out[1]
     assert out[2] == ("done: dcp, 2 iterations, 100 tokens trained, 50 tokens/s, 1 steps "
                       "skipped, 1 sequences skipped")
+
+
+def test_resuming_past_train_iters_exits_non_zero_saying_so(capsys):
+    """Issue 22: ``--train-iters 3`` with a checkpoint at 6 printed ``done: 0 iterations``,
+    exit 0."""
+    import pytest
+
+    from megatron_dcp.runtime.report import check_resume_point
+
+    with pytest.raises(SystemExit, match="at iteration 6, past --train-iters 3") as exit_:
+        check_resume_point(6, 3, "ckpt", primary=True)
+    assert exit_.value.code != 0
+    check_resume_point(3, 3, "ckpt", primary=True)  # complete: said, not an error
+    assert "already complete" in capsys.readouterr().out
+    check_resume_point(2, 3, "ckpt", primary=True)
