@@ -94,7 +94,8 @@ def test_skip_flag_in_both_flag_styles_and_json():
 
     from megatron_dcp.config import DCPConfig
 
-    for style, flag in (("deepspeed", "--dcp_skip_nonfinite"), ("megatron", "--dcp-skip-nonfinite")):
+    for style, flag in (("deepspeed", "--dcp_skip_nonfinite"),
+                        ("megatron", "--dcp-skip-nonfinite")):
         p = DCPConfig.add_arguments(argparse.ArgumentParser(), style=style)
         assert DCPConfig.from_args(p.parse_args([flag]), style=style).skip_nonfinite  # no --dcp
         assert not DCPConfig.from_args(p.parse_args([]), style=style).skip_nonfinite
