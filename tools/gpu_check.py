@@ -114,7 +114,7 @@ MEMORY_TOLERANCE = 0.10
 """Measured / predicted activation memory of a planned step must lie within 1 +- this."""
 SECTION_LIMIT_S = {"environment": 30, "exactness": 75, "ring": 30, "throughput": 45,
                    "run_plan": 30, "memory": 45, "megatron": 45, "hf": 45, "deepspeed": 75,
-                   "calibration": 40, "profile": 60}
+                   "calibration": 40, "profile": 150}
 """Seconds each section may run (an alarm ends it); the whole run is also held to ``--budget``."""
 HANG_GRACE_S = 30.0
 """A section still running this long after its limit (stuck in C code the alarm cannot
@@ -341,7 +341,8 @@ def section_environment(ctx) -> dict:
         info["name"] = torch.cuda.get_device_name(dev)
         info["capability"] = list(torch.cuda.get_device_capability(dev))
         info["total_memory_bytes"] = int(props.total_memory)
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        nccl = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     info["packages"] = {name: _version(module) for name, module in (
         ("flash-attn", "flash_attn"), ("megatron-core", "megatron.core"),
         ("transformers", "transformers"), ("deepspeed", "deepspeed"), ("numpy", "numpy"))}
@@ -797,6 +798,8 @@ def section_hf(ctx) -> dict:
     batch = [torch.randint(0, common["vocab_size"], (n,), generator=gen) for n in lengths]
     total = sum(n - 1 for n in lengths)
     pool = GroupPool()
+    # bf16/fp16: packed flash varlen vs HF's SDPA one sequence at a time, rounded differently
+    tol = 5e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-5
     result, found = {}, []
     for kind, (name, values) in kinds.items():
         config = getattr(transformers, name)(**values)
@@ -830,8 +833,8 @@ def section_hf(ctx) -> dict:
         got = {n: p.grad for n, p in wrapped.named_parameters()}
         result[kind] = {"loss": got_loss, "reference_loss": want_loss,
                         "loss_rel_diff": abs(got_loss - want_loss) / abs(want_loss),
-                        **_grads_equal(got, want, half_tolerance(dtype))}
-        if result[kind]["loss_rel_diff"] > half_tolerance(dtype):
+                        **_grads_equal(got, want, tol)}
+        if result[kind]["loss_rel_diff"] > tol:
             raise SectionFailure(f"{kind}: loss differs from HF's own attention", result)
     return fail_on_sync(result, found[0] if found else None)
 
@@ -1084,7 +1087,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join("runs", "gpu_check.json"))
     p.add_argument("--skip", nargs="*", default=[], choices=list(SECTIONS),
                    help="sections to leave out")
-    p.add_argument("--budget", type=float, default=450.0,
+    p.add_argument("--budget", type=float, default=420.0,
                    help="seconds for all sections; a section gets at most what is left")
     p.add_argument("--wheels", default=None,
                    help="folder of wheels (deepspeed, megatron-core, transformers and their "
