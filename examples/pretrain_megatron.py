@@ -7,9 +7,13 @@
 
 Model: a megatron-core ``GPTModel`` (RoPE, GQA, SwiGLU, RMSNorm) wrapped in Megatron's DDP.
 With ``--dcp`` its core attention is DCP's (`get_gpt_layer_dcp_spec`) and every step runs the
-plan of the global batch through `DCPForwardBackward`; without it, Megatron's own local spec and
-its ``forward_backward_no_pipelining`` run the global batch split over the data-parallel ranks
-(one sequence per micro-batch, so nothing is padded and the two modes see the same math).
+plan of the global batch through `DCPForwardBackward`; without it, Megatron's own core attention
+and its ``forward_backward_no_pipelining`` run the global batch split over the data-parallel ranks
+(one sequence per micro-batch, so nothing is padded and the two modes see the same math). The
+rest of the layer is the same in both modes (`layer_spec`: Transformer Engine's when installed,
+else Megatron's local one). Precision: bf16 on CUDA, fp32 on CPU (`params_dtype`; ``--bf16`` or
+``--fp32`` choose); in bf16 the model runs in Megatron's ``Float16Module``, gradients are
+accumulated and reduced in fp32 and Megatron's optimizer keeps fp32 master weights.
 Data: the embedded corpus or ``--data-path PREFIX`` (Megatron ``.bin/.idx``), byte tokens,
 global batches of up to ``--global-batch-tokens`` tokens, identical in both modes. The optimizer
 is torch AdamW on Megatron DDP's ``main_grad``, or with ``--use-distributed-optimizer``
@@ -78,6 +82,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-seqlen-per-dp-cp-rank", type=int_flag(1), default=None)
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Megatron's distributed optimizer (states sharded over data parallel)")
+    precision = g.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true",
+                           help="bf16 parameters and compute, fp32 gradients and master weights "
+                                "(the default on CUDA)")
+    precision.add_argument("--fp32", action="store_true",
+                           help="fp32 throughout (the default on CPU; on CUDA the slower choice)")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--save-interval", type=int, default=0,
                    help="save every N iterations and after the last (0: only after the last)")
@@ -148,52 +158,86 @@ def model_shape(args):
                       tensor_parallel=args.tensor_model_parallel_size)
 
 
-def build_model(args, dcp: bool):
-    """A megatron-core GPTModel in Megatron DDP, and the planner's ModelShape of it."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def params_dtype(args) -> torch.dtype:
+    """The model's precision: ``--bf16`` or ``--fp32`` when given, else bf16 on CUDA (fp32 there
+    takes attention's slow exact path) and fp32 on CPU."""
+    if args.bf16 or args.fp32:
+        return torch.bfloat16 if args.bf16 else torch.float32
+    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def layer_spec(dcp: bool, use_transformer_engine=None):
+    """The GPT layer spec of both modes, built from one layer implementation (Transformer
+    Engine's when installed, ``use_transformer_engine=None``: detect; else Megatron's local
+    spec), so that a comparison of the modes differs in the core attention only: DCP's with
+    ``dcp``, Megatron's own without."""
+    from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
+
+    if use_transformer_engine is None:
+        use_transformer_engine = bool(getattr(gpt_layer_specs, "HAVE_TE", False))
+    if dcp:
+        return get_gpt_layer_dcp_spec(normalization="RMSNorm",
+                                      use_transformer_engine=use_transformer_engine)
+    if use_transformer_engine:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(args, dcp: bool):
+    """A megatron-core GPTModel in Megatron DDP (in bf16 inside Megatron's ``Float16Module``),
+    and the planner's ModelShape of it."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     vocab = padded_vocab_size(args)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     groups = args.num_query_groups or args.num_attention_heads
     cuda = torch.cuda.is_available()
+    dtype = params_dtype(args)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=ffn,
         num_attention_heads=args.num_attention_heads, num_query_groups=groups,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel, use_cpu_initialization=not cuda,
-        params_dtype=torch.float32, normalization="RMSNorm", gated_linear_unit=True,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, normalization="RMSNorm",
+        gated_linear_unit=True,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         calculate_per_token_loss=args.calculate_per_token_loss,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers)
-    spec = get_gpt_layer_dcp_spec() if dcp else get_gpt_layer_local_spec(normalization="RMSNorm")
-    model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=args.seq_length,
-                     position_embedding_type="rope")
+    model = GPTModel(config, layer_spec(dcp), vocab_size=vocab,
+                     max_sequence_length=args.seq_length, position_embedding_type="rope")
     if cuda:
         model.cuda()
+    if config.bf16:
+        model = Float16Module(config, model)  # as Megatron-LM: bf16 inside, fp32 losses out
+    # bf16: gradients accumulated and reduced in fp32 (Megatron-LM's rule for bf16)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=args.use_distributed_optimizer)
+        use_distributed_optimizer=args.use_distributed_optimizer, grad_reduce_in_fp32=config.bf16)
     ddp = DistributedDataParallel(config, ddp_config, module=model)
     return ddp, model_shape(args)
 
 
 def build_optimizer(args, ddp):
-    """torch AdamW on the parameters (their ``main_grad``), or Megatron's distributed optimizer
-    (Adam, no clipping: the same update as the AdamW path)."""
-    if not args.use_distributed_optimizer:
+    """torch AdamW on the fp32 parameters (their ``main_grad``), or Megatron's optimizer (Adam,
+    no clipping: the same update as the AdamW path) with ``--use-distributed-optimizer`` and in
+    bf16 (fp32 master weights)."""
+    bf16 = params_dtype(args) == torch.bfloat16
+    if not (args.use_distributed_optimizer or bf16):
         params = [p for p in ddp.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
-                             clip_grad=0.0, use_distributed_optimizer=True)
+                             clip_grad=0.0, bf16=bf16,
+                             params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                             use_distributed_optimizer=args.use_distributed_optimizer)
     return get_megatron_optimizer(config, [ddp])
 
 
@@ -385,7 +429,8 @@ def main(argv=None) -> int:
     if rank == 0 and not args.quiet:
         print(f"pretrain_megatron: {mode}, {world} ranks (tp {args.tensor_model_parallel_size}, "
               f"dp {dp_size}), data {args.data_path or 'embedded corpus'} ({len(dataset)} "
-              f"documents), model {args.num_layers}x{args.hidden_size}", flush=True)
+              f"documents), model {args.num_layers}x{args.hidden_size} "
+              f"{str(params_dtype(args)).removeprefix('torch.')}", flush=True)
     reset_peak_memory(device)  # peak_mem_mb: what training holds, not the start-up
     for it in range(start, args.train_iters):
         t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """What the DeepSpeed examples (examples/pretrain.py, examples/pretrain_video.py) share: their
 command-line flags for the run, the model size and checkpoints, the DeepSpeed config with
-``--zero-stage`` and ``--lr`` applied, resuming and saving checkpoints, the log row of a step,
-and the process-group teardown at exit.
+``--zero-stage``, ``--lr`` and the default precision (bf16 on CUDA) applied, resuming and saving
+checkpoints, the log row of a step, and the process-group teardown at exit.
 
 An example imports it as ``training`` (its own directory, ``examples/``, is first on
 ``sys.path`` when it runs as a script; tests and benchmarks put it there).
@@ -24,7 +24,7 @@ DEFAULT_DS_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds
 def argument_parser(description: str) -> tuple[argparse.ArgumentParser, Any]:
     """The parser of an example (its docstring as description, ``--local_rank`` for the
     DeepSpeed launcher) and its "training" argument group."""
-    p = argparse.ArgumentParser(description=description,
+    p = argparse.ArgumentParser(description=description, epilog=PRECISION_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return p, p.add_argument_group("training")
@@ -87,9 +87,27 @@ def with_default_precision(config: dict) -> dict:
     return config
 
 
+PRECISION_HELP = '''precision: bf16 on CUDA (a "bf16": {"enabled": true} section is added to the
+DeepSpeed config), fp32 on CPU. A config with a "bf16", "fp16" or "amp" section keeps its own
+choice ("bf16": {"enabled": false}: fp32 on CUDA too).'''
+"""What `with_default_precision` does, for the examples' --help."""
+
+
+def with_default_precision(config: dict) -> dict:
+    """``config`` with bf16 on CUDA unless it chooses a precision itself (see `PRECISION_HELP`):
+    fp32 on CUDA takes attention's slow exact path, so a GPU run defaults to bf16."""
+    import torch
+
+    chosen = any(key in config for key in ("bf16", "bfloat16", "fp16", "amp", "torch_autocast"))
+    if not chosen and torch.cuda.is_available():
+        config["bf16"] = {"enabled": True}
+    return config
+
+
 def ds_config(args: argparse.Namespace) -> dict:
     """``--deepspeed_config`` (default examples/ds_config.json) with --zero-stage and --lr
-    applied; ``args.deepspeed_config`` is then cleared (the engine gets the dict)."""
+    applied and the default precision (`with_default_precision`); ``args.deepspeed_config`` is
+    then cleared (the engine gets the dict)."""
     from deepspeed_plugin.config import load_ds_config
 
     config = load_ds_config(args.deepspeed_config or DEFAULT_DS_CONFIG)
@@ -98,7 +116,7 @@ def ds_config(args: argparse.Namespace) -> dict:
     if args.lr is not None:
         config.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
     args.deepspeed_config = None
-    return config
+    return with_default_precision(config)
 
 
 def resume(engine, sampler, args: argparse.Namespace) -> int:
