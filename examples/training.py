@@ -87,23 +87,6 @@ def with_default_precision(config: dict) -> dict:
     return config
 
 
-PRECISION_HELP = '''precision: bf16 on CUDA (a "bf16": {"enabled": true} section is added to the
-DeepSpeed config), fp32 on CPU. A config with a "bf16", "fp16" or "amp" section keeps its own
-choice ("bf16": {"enabled": false}: fp32 on CUDA too).'''
-"""What `with_default_precision` does, for the examples' --help."""
-
-
-def with_default_precision(config: dict) -> dict:
-    """``config`` with bf16 on CUDA unless it chooses a precision itself (see `PRECISION_HELP`):
-    fp32 on CUDA takes attention's slow exact path, so a GPU run defaults to bf16."""
-    import torch
-
-    chosen = any(key in config for key in ("bf16", "bfloat16", "fp16", "amp", "torch_autocast"))
-    if not chosen and torch.cuda.is_available():
-        config["bf16"] = {"enabled": True}
-    return config
-
-
 def ds_config(args: argparse.Namespace) -> dict:
     """``--deepspeed_config`` (default examples/ds_config.json) with --zero-stage and --lr
     applied and the default precision (`with_default_precision`); ``args.deepspeed_config`` is
