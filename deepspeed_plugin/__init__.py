@@ -24,6 +24,7 @@ from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_con
 from deepspeed_plugin.engine import DCPEngine, StepResult
 from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.integrations import hf
+from megatron_dcp.runtime.allocator import use_expandable_segments
 from megatron_dcp.runtime.groups import before_init_process_group
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
@@ -58,6 +59,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
 
     if model is None:
         raise ValueError("deepspeed_plugin.initialize requires a model")
+    use_expandable_segments()  # before CUDA initialises: shapes change every micro-step
     if hf.is_hf_model(model):  # the runtime's forward signature, DCP's attention and recompute
         model = hf.DCPCausalLM(model)
     patches.apply_all()

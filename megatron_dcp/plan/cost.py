@@ -47,7 +47,8 @@ recomputes + ``(2 + 4) * V`` for the logits (`loss_bytes`): the head's bf16 logi
 the loss's backward, and 4 B per entry for their gradient (the chunked loss's, 2 B) or the fp32
 softmax Megatron's vocabulary-parallel loss saves for backward (4 B). The chunked loss
 (`megatron_dcp.models.common.token_losses`) never holds a whole fp32 copy of the logits;
-``F.cross_entropy(logits.float())`` held ~12 B per entry more. Ring attention saves its merged
+``F.cross_entropy(logits.float())`` held 12 B per entry with fp32 logits (measured on CPU,
+docs/BENCHMARKS.md; the chunked loss 8), more with bf16 ones. Ring attention saves its merged
 output in the input dtype (the tensor it returns, which the next layer keeps anyway), so it adds
 nothing to ``A``. ``A`` (bytes per token per layer,
 flash attention, no dropout) = 2 B x (5h + 2*kv_dim + 3f) for a gated MLP (2f otherwise): norm

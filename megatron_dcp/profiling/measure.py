@@ -199,16 +199,19 @@ def _layout_tasks(cfg: DecoderConfig, world: int, job: dict) -> list[dict]:
 
 
 def _communicator_bytes(world: int, device: torch.device) -> float:
-    """Device memory one more NCCL communicator over every rank takes once it has run an
-    all-reduce (the free memory the driver reports before and after two of them)."""
+    """Device memory one more NCCL communicator over every rank takes once it has run every
+    collective the runtime runs on a group (`megatron_dcp.runtime.groups.warm_group`: all-reduce,
+    all-to-all, ring send/receive, so the per-peer buffers NCCL connects lazily are counted);
+    the free memory the driver reports before and after two of them."""
     import torch.distributed as dist
+
+    from megatron_dcp.runtime.groups import warm_group
 
     torch.cuda.synchronize(device)
     before = torch.cuda.mem_get_info(device)[0]
     for _ in range(2):
         group = dist.new_group(list(range(world)))
-        x = torch.ones(1024, device=device)
-        dist.all_reduce(x, group=group)
+        warm_group(group, list(range(world)))
     torch.cuda.synchronize(device)
     return max(0.0, (before - torch.cuda.mem_get_info(device)[0]) / 2)
 

@@ -92,6 +92,31 @@ def _device_of(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def warm_group(group: Any, global_ranks: Sequence[int]) -> torch.Tensor:
+    """Run every kind of collective the runtime runs on a group once on ``group`` (members
+    ``global_ranks`` in group order, this rank among them): an all-reduce, an all-to-all
+    (Ulysses) and a batched send to the next member and receive from the previous one (the
+    ring's order and ops). NCCL sets up the per-peer buffers of all-to-all and P2P lazily, at
+    their first use; after this their memory is taken, so memory measured next counts it.
+
+    Returns, without reading it on the host, ``[sum of ones (n), 0 .. n-1 (what each member
+    sent), the previous member's index]`` (``n + 2`` values) for the caller to check.
+    """
+    device = _device_of(group)
+    n, me = len(global_ranks), list(global_ranks).index(dist.get_rank())
+    total = torch.ones(1, dtype=torch.float32, device=device)
+    dist.all_reduce(total, group=group)
+    sent = torch.full((n,), float(me), dtype=torch.float32, device=device)
+    got = torch.empty_like(sent)
+    dist.all_to_all_single(got, sent, group=group)
+    prev = torch.empty(1, dtype=torch.float32, device=device)
+    ops = [dist.P2POp(dist.isend, sent[:1].clone(), global_ranks[(me + 1) % n], group),
+           dist.P2POp(dist.irecv, prev, global_ranks[(me - 1) % n], group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return torch.cat([total, got, prev])
+
+
 def groups_of_plan(plan: Plan) -> list[tuple[int, ...]]:
     """Every multi-rank group of ``plan``, in a canonical order (size, then ranks)."""
     needed: set[tuple[int, ...]] = set()
@@ -231,11 +256,13 @@ class GroupPool:
     def create_all(self, vocabulary: Vocabulary, *, warm: bool = True) -> str:
         """Start-up: create every communicator ``vocabulary`` can use (its task groups and the
         sub-groups of their allowed layouts, `Vocabulary.communicators`) in its fixed order, then
-        warm each once with a one-element all-reduce on the group's device, so the first step
-        pays neither. Collective over the job: every job rank calls it with the same vocabulary
-        (checked first: a mismatch raises on every rank instead of hanging). Returns a one-line
-        report; the numbers are in ``self.startup``. Plans of `megatron_dcp.plan.make_plan` with
-        the same settings (`Vocabulary.for_cost_model`) then create no group inside the step.
+        warm each with every collective it will run (`warm_group`), so the first step pays
+        neither the creation nor the lazy set-up of per-peer buffers, and memory measured after
+        start-up counts them. Collective over the job: every job rank calls it with the same
+        vocabulary (checked first: a mismatch raises on every rank instead of hanging). Returns
+        a one-line report; the numbers are in ``self.startup``. Plans of
+        `megatron_dcp.plan.make_plan` with the same settings (`Vocabulary.for_cost_model`) then
+        create no group inside the step.
         """
         if vocabulary.world_size != self.world_size:
             raise ValueError(f"vocabulary is for a DCP world of {vocabulary.world_size} ranks, "
@@ -276,19 +303,21 @@ class GroupPool:
                 "on every rank)"))
 
     def _warm(self, mine: Sequence[tuple[int, ...]]) -> None:
-        """One all-reduce of a one on each group in ``mine`` (same order on every member, so no
-        two ranks wait on each other in opposite orders); checks the sums once at the end."""
-        sums = []
+        """`warm_group` on each group in ``mine`` (same order on every member, so no two ranks
+        wait on each other in opposite orders); checks the results once at the end."""
+        results = [warm_group(self._groups[ranks], [self.world_ranks[r] for r in ranks])
+                   for ranks in mine]
+        got = torch.cat([t.cpu() for t in results]).tolist() if results else []
+        bad = []
         for ranks in mine:
-            group = self._groups[ranks]
-            t = torch.ones(1, dtype=torch.float32, device=_device_of(group))
-            dist.all_reduce(t, group=group)
-            sums.append(t)
-        got = [int(v) for v in torch.cat([t.cpu() for t in sums]).tolist()] if sums else []
-        bad = [(ranks, v) for ranks, v in zip(mine, got) if v != len(ranks)]
+            n, me = len(ranks), ranks.index(self.rank)
+            want = [float(n), *range(n), float((me - 1) % n)]
+            if got[:n + 2] != want:
+                bad.append((ranks, got[:n + 2]))
+            got = got[n + 2:]
         if bad:
-            raise RuntimeError(f"GroupPool: warm-up all-reduce gave wrong sums (group, sum): "
-                               f"{bad[:4]}")
+            raise RuntimeError(f"GroupPool: warm-up collectives gave wrong results (group; "
+                               f"all-reduce sum, all-to-all, ring receive): {bad[:4]}")
 
     def get(self, ranks: Sequence[int]) -> Any:
         """The process group of ``ranks`` (DCP ranks, group order); ``None`` for a single rank."""

@@ -1,0 +1,140 @@
+"""Memory the planner counts (issue 18 item 6): the chunked loss (exact against torch's), the
+cost model's loss term against measured peak RSS, group warm-up with every collective, and the
+CUDA allocator's default."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distributed import run_distributed
+
+from megatron_dcp.models.common import token_losses
+from megatron_dcp.plan.cost import CostModel, loss_bytes, loss_chunk_tokens
+from megatron_dcp.plan.hardware import load_hardware
+from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.runtime.allocator import use_expandable_segments
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_loss_memory", ROOT / "benchmarks" / "bench_loss_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk", [1, 5, 16, 100])
+def test_chunked_loss_is_exact(dtype, chunk):
+    gen = torch.Generator().manual_seed(3)
+    t, v = 37, 101
+    logits = (torch.randn(t, v, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    labels = torch.randint(0, v, (t,), generator=gen)
+    labels[::6] = -100
+    weights = torch.randn(t, generator=gen, dtype=torch.float64).to(dtype)
+    a = logits.clone().requires_grad_()
+    got = token_losses(a, labels, chunk_tokens=chunk)
+    (got * weights).sum().backward()
+    b = logits.clone().requires_grad_()
+    want = F.cross_entropy(b, labels, ignore_index=-100, reduction="none")
+    (want * weights).sum().backward()
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    assert got.dtype == dtype and a.grad.dtype == dtype
+    assert (got - want).abs().max() <= tol * want.abs().max()
+    assert (a.grad - b.grad).norm() <= tol * b.grad.norm()
+    assert bool((got[::6] == 0).all()) and bool((a.grad[::6] == 0).all())
+
+
+def test_chunked_loss_bf16_computes_in_fp32():
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(20, 50, generator=gen) * 3).bfloat16().requires_grad_()
+    labels = torch.randint(0, 50, (20,), generator=gen)
+    got = token_losses(logits, labels, chunk_tokens=3)
+    got.sum().backward()
+    ref = logits.detach().float().requires_grad_()
+    want = F.cross_entropy(ref, labels, reduction="none")
+    want.sum().backward()
+    assert got.dtype == torch.float32 and logits.grad.dtype == torch.bfloat16
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(logits.grad.float(), ref.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_cost_model_counts_the_loss_path():
+    """The planner's per-token logits term and workspace are `loss_bytes` (bf16 logits)."""
+    vocab = 131072
+    model = ModelShape(num_layers=2, hidden_size=256, num_heads=4, ffn_hidden_size=512,
+                       vocab_size=vocab, name="big-vocab")
+    cm = CostModel(model, load_hardware("h100"), world_size=2, memory_budget=80e9)
+    chunk = loss_chunk_tokens(vocab)
+    for tokens in (chunk, 4 * chunk, 16384):
+        assert tokens * cm.logit_bytes + cm.loss_workspace == loss_bytes(tokens, vocab)
+    # 16K local tokens at a 128K vocabulary: ~12.9 GB, the old count 4 B x V held ~8.6 GB
+    assert 12e9 < loss_bytes(16384, vocab) < 14e9
+
+
+def test_loss_memory_matches_measured_peak():
+    """Measured peak RSS of the chunked loss (fp32 on CPU, fresh process) within 15 % of
+    `loss_bytes`; the old count (4 B x vocab per token) is far outside."""
+    bench = _bench()
+    vocab, tokens, hidden, chunk = 32768, 1024, 64, 128
+    row = bench.run_case(vocab, tokens, hidden, "chunked", chunk)
+    measured = row["measured_mib"] * 2**20
+    assert abs(row["predicted_over_measured"] - 1) <= 0.15, row
+    old = 4.0 * vocab * tokens + 4.0 * hidden * (tokens + vocab)
+    assert abs(old / measured - 1) > 0.15, row
+
+
+def _warm_body(rank, world_size):
+    from megatron_dcp.runtime import groups
+
+    calls = {"all_reduce": 0, "all_to_all_single": 0, "batch_isend_irecv": 0}
+
+    def counted(name):
+        real = getattr(dist, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    pool = groups.GroupPool()
+    ring_order = (2, 0, 1)  # group order is ring order, not sorted
+    pool.ensure_groups([(0, 1), ring_order])
+    for name in calls:
+        setattr(groups.dist, name, counted(name))
+    try:
+        mine = [g for g in [(0, 1), ring_order] if rank in g]
+        pool._warm(mine)  # raises unless the sums, all-to-all and ring receive are right
+    finally:
+        for name in calls:
+            setattr(groups.dist, name, getattr(dist, name))
+    return len(mine), calls
+
+
+def test_groups_warmed_with_every_collective():
+    for member_of, calls in run_distributed(_warm_body, world_size=3):
+        assert calls == {"all_reduce": member_of, "all_to_all_single": member_of,
+                         "batch_isend_irecv": member_of}
+
+
+def test_expandable_segments_default(monkeypatch):
+    env: dict = {}
+    assert use_expandable_segments(env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        user = {name: "max_split_size_mb:128"}
+        assert not use_expandable_segments(user)
+        assert user == {name: "max_split_size_mb:128"}  # the user's setting stays
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    use_expandable_segments()
+    import os
+
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
