@@ -75,26 +75,29 @@ def _stub_packages(folder, names):
     for name in names:
         os.makedirs(folder / name, exist_ok=True)
         (folder / name / "__init__.py").write_text(
-            f"raise ImportError('No module named {name!r} (test stub)')\n")
+            f"raise ModuleNotFoundError(\"No module named '{name}' (test stub)\")\n")
     return str(folder)
 
 
 @pytest.mark.timeout(120)
-def test_cpu_mode_float64_without_optional_packages(tmp_path):
-    """Only torch (and numpy) importable: the sections of megatron-core, transformers and
-    deepspeed skip and name their package; the rest pass at float64 precision."""
-    stubs = _stub_packages(tmp_path / "stubs", ("megatron", "transformers", "deepspeed"))
+def test_cpu_mode_float64_with_only_torch(tmp_path):
+    """Only torch importable (a CUDA torch does not require numpy): the sections of
+    megatron-core, transformers and deepspeed skip and name their package; the runtime's
+    sections (the plan check's batch digest included) pass at float64 precision."""
+    stubs = _stub_packages(tmp_path / "stubs", ("numpy", "megatron", "transformers",
+                                                "deepspeed"))
     code, report, output = run_check(
         tmp_path, "--dtype", "float64", "--skip", "profile", "throughput", "calibration",
-        "memory", env={"PYTHONPATH": stubs})
+        env={"PYTHONPATH": stubs})
     summary, sections = report["summary"], report["sections"]
     assert code == 0, (summary, output)
     for name, package in (("megatron", "megatron-core"), ("hf", "transformers"),
                           ("deepspeed", "deepspeed")):
         assert summary[name] == "SKIP" and package in sections[name]["reason"], sections[name]
-    for name in ("environment", "exactness", "ring", "run_plan"):
+    for name in ("environment", "exactness", "ring", "run_plan", "memory"):
         assert summary[name] == "PASS", sections[name]
-    assert sections["environment"]["result"]["packages"]["deepspeed"].startswith("missing")
+    packages = sections["environment"]["result"]["packages"]
+    assert packages["deepspeed"].startswith("missing") and packages["numpy"].startswith("missing")
     errors = sections["exactness"]["result"]["errors"]
     assert max(max(e.values()) for e in errors.values()) <= 1e-10
 

@@ -27,6 +27,7 @@ rank that ran no task).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import time
@@ -212,11 +213,13 @@ _NO_OPINION = (1 << 63) - 1
 """Digest slot of a rank that does not hold the whole batch: neutral under MIN."""
 
 
-def _host_tokens(sequences: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The batch's token ids concatenated as int64 on the host (one copy from a device)."""
+def _host_tokens(sequences: Sequence[torch.Tensor]) -> bytes:
+    """The bytes of the batch's token ids concatenated as int64 on the host (one copy from a
+    device; read without numpy, which a CUDA torch does not require)."""
     device = sequences[0].device
-    return torch.cat([s.reshape(-1).to(device=device, dtype=torch.int64)
-                      for s in sequences]).cpu()
+    tokens = torch.cat([s.reshape(-1).to(device=device, dtype=torch.int64)
+                        for s in sequences]).cpu().contiguous()
+    return ctypes.string_at(tokens.data_ptr(), tokens.numel() * tokens.element_size())
 
 
 def batch_digest(sequences: Sequence[Optional[torch.Tensor]]) -> Optional[str]:
@@ -226,7 +229,7 @@ def batch_digest(sequences: Sequence[Optional[torch.Tensor]]) -> Optional[str]:
     per million tokens on one CPU core."""
     if not sequences or any(s is None for s in sequences):
         return None
-    h = hashlib.sha256(_host_tokens(sequences).numpy().data)
+    h = hashlib.sha256(_host_tokens(sequences))
     for extra in getattr(sequences, "content_digests", None) or ():
         h.update(extra.encode())
     return h.hexdigest()[:16]
@@ -236,11 +239,11 @@ def sequence_digests(sequences: Sequence[Optional[torch.Tensor]]) -> Optional[li
     """`batch_digest` of every sequence on its own (to name the first one that differs)."""
     if not sequences or any(s is None for s in sequences):
         return None
-    tokens, out, start = _host_tokens(sequences).numpy(), [], 0
+    tokens, out, start = _host_tokens(sequences), [], 0
     extras = getattr(sequences, "content_digests", None) or [""] * len(sequences)
     for s, extra in zip(sequences, extras):
-        end = start + int(s.numel())
-        h = hashlib.sha256(tokens[start:end].data)
+        end = start + 8 * int(s.numel())  # int64 bytes
+        h = hashlib.sha256(tokens[start:end])
         h.update(extra.encode())
         out.append(h.hexdigest()[:16])
         start = end
