@@ -935,6 +935,10 @@ def section_profile(ctx) -> dict:
     script = os.path.join(ROOT, "tools", "profile_hardware.py")
     if not os.path.exists(script):
         raise Skip("no hardware profiler in tools/")
+    try:
+        import numpy  # noqa: F401 - the profiler's fits
+    except Exception as exc:  # noqa: BLE001 - optional dependency
+        raise Skip(f"the hardware profiler needs numpy, which does not import: {exc}")
     out = os.path.join(ROOT, "runs", f"hardware_{ctx['hardware_name']}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     cmd = [sys.executable, script, "--device", dev.type, "--out", out,
