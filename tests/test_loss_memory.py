@@ -75,7 +75,7 @@ def test_cost_model_counts_the_loss_path():
     chunk = loss_chunk_tokens(vocab)
     for tokens in (chunk, 4 * chunk, 16384):
         assert tokens * cm.logit_bytes + cm.loss_workspace == loss_bytes(tokens, vocab)
-    # 16K local tokens at a 128K vocabulary: ~12.9 GB, the old count 4 B x V held ~8.6 GB
+    # 16K local tokens at a 128K vocabulary: 13.0 GB (the old count, 4 B x V: 8.6 GB)
     assert 12e9 < loss_bytes(16384, vocab) < 14e9
 
 
