@@ -132,8 +132,9 @@ def save_if_due(engine, sampler, args: argparse.Namespace, iteration: int) -> No
 
 
 def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int) -> None:
-    """One row of the training log for the engine's step ``result`` (the planner's predicted
-    time only with --dcp; the plan summary; peak memory so far)."""
+    """One row of the training log for the engine's step ``result`` (``tokens``: those trained;
+    the planner's predicted time only with --dcp; the plan summary; a skipped step and the
+    sequences the oversize policy skipped; peak memory so far)."""
     from megatron_dcp.runtime.report import peak_memory_mb, plan_summary
 
     summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s)
