@@ -145,3 +145,33 @@ def test_collective_timeout_names_rank_and_task():
     msg = results[0]
     assert msg.startswith("rank 0: task 5 (ranks (1, 0), ulysses 2 x ring 1"), msg
     assert "timed out" in msg, msg
+
+
+def _worlds_body(rank: int, world_size: int) -> str:
+    """Two DCP worlds (0, 2) and (1, 3), as under tensor parallelism 2; rank 3's world plans
+    differently (another start time): the plan check must fail on every rank of the job."""
+    from megatron_dcp.plan.plan import Plan
+    from megatron_dcp.runtime.executor import PlanMismatchError
+    from megatron_dcp.runtime.groups import GroupPool
+
+    pool = GroupPool(all_worlds=[(0, 2), (1, 3)])
+    model = build_model("decoder")
+    lengths = (10, 20)
+    start = 0.5 if rank in (1, 3) else 0.0
+    plan = Plan.from_dict(plan_dict([task(0, [0], [0], start=start), task(1, [1], [1])],
+                                    lengths, 2))
+    try:
+        _run(plan, pool.rank, model, pool)
+        return "no error"
+    except PlanMismatchError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_plans_that_differ_between_dcp_worlds_fail_the_check():
+    """Tensor-parallel peers sit in different DCP worlds and must run the same tasks: the plan
+    check compares plans job-wide (a world-local check passed both worlds, then hung)."""
+    results = run_distributed(_worlds_body, 4, timeout_s=100)
+    for rank, msg in enumerate(results):
+        assert msg.startswith(f"rank {rank}: plan check failed"), msg
+        assert "plan digest differs on rank(s) [1, 3]" in msg, msg

@@ -254,7 +254,8 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
                device: Optional[torch.device] = None, *,
                sequences: Optional[Sequence[Optional[torch.Tensor]]] = None,
                config: Any = None) -> str:
-    """Collective: check every rank of the DCP world holds the same plan, the same ``config``
+    """Collective over the job (every DCP world: tensor-parallel peers must run the same plan):
+    check every rank holds the same plan, the same ``config``
     (the DCP configuration: ranks that differ, say in ``loss_reduction``, would otherwise train
     on a wrong loss without an error) and the same global batch ``sequences`` (a digest of the
     tokens, and of a `SelfTargetBatch`'s content digests; a rank that lacks some sequences is
@@ -276,7 +277,7 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
     negated = [v if v == _NO_OPINION else -v for v in pieces]
     flag = 1 if problems else 0
     t = torch.tensor(pieces + negated + [-flag], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pool.world_group)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pool.job_group)
     n = len(pieces)
     merged = t.tolist()
     agree = all(low == -high or low == _NO_OPINION
@@ -285,13 +286,13 @@ def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
         return digest
     report = (digest, settings, config.to_dict() if hasattr(config, "to_dict") else config,
               sequence_digests(sequences) if compare else None, list(problems))
-    gathered: list[Any] = [None] * pool.world_size
-    dist.all_gather_object(gathered, report, group=pool.world_group)
+    gathered: list[Any] = [None] * dist.get_world_size(pool.job_group)  # named by job rank
+    dist.all_gather_object(gathered, report, group=pool.job_group)
     disagreements = _disagreements(gathered)
     lines = disagreements + [f"rank {r}: {m}" for r, entry in enumerate(gathered)
                              for m in entry[4]]
     error = PlanMismatchError if disagreements else BatchError
-    raise error(f"rank {pool.rank}: plan check failed before running any task:\n  "
+    raise error(f"rank {dist.get_rank()}: plan check failed before running any task:\n  "
                 + "\n  ".join(lines))
 
 

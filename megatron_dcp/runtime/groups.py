@@ -179,6 +179,10 @@ class GroupPool:
         if len(everyone) > 1:
             # A task over the whole DCP world in rank order reuses this group.
             self._groups[everyone] = self.world_group
+        self.job_group = dist.group.WORLD
+        """Every rank of every DCP world (the job): what must agree job-wide goes over it, as
+        tensor-parallel peers in different DCP worlds run the same tasks (the plan check, the
+        calibration's measured times, the starting hardware)."""
 
     @property
     def world_size(self) -> int:

@@ -190,7 +190,7 @@ class StepDriver:
 
         if self.config.hardware.lower() != AUTO:
             return load_hardware(self.config.hardware)
-        group = getattr(self.pool, "world_group", None) if self.pool is not None else None
+        group = getattr(self.pool, "job_group", None) if self.pool is not None else None
         # processes sharing this host: the launcher's count, else (a CPU run) the DCP world
         local = os.environ.get("LOCAL_WORLD_SIZE") or (self.world_size if self.pool else 1)
         return detect_hardware(self.device, group=group, local_ranks=int(local))
@@ -416,8 +416,8 @@ class StepDriver:
                 values[index[t.task_id]] = t.total_s
         device = self.device if self.device is not None and self.device.type == "cuda" else None
         shared = torch.tensor(values, dtype=torch.float64, device=device)
-        if self.world_size > 1:
-            dist.all_reduce(shared, op=dist.ReduceOp.MIN, group=self.pool.world_group)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # job-wide: TP peers fit alike
+            dist.all_reduce(shared, op=dist.ReduceOp.MIN, group=self.pool.job_group)
         measured = shared.tolist()
         seconds = [v if v != float("inf") else None for v in measured[:-3]]
         wall, iteration_s, reported = (-v for v in measured[-3:])
