@@ -550,11 +550,11 @@ def _decoder_loss(model, shard, per_token: bool) -> torch.Tensor:
 
 def _logits_loss(model, shard, per_token: bool) -> torch.Tensor:
     """Cross-entropy of a model that returns logits ``[T, V]`` for ``(ids, positions, task)``."""
-    from megatron_dcp.config import IGNORE_INDEX
+    from megatron_dcp.models.common import token_losses
 
-    logits = model(shard.input_ids, shard.position_ids, task=shard.task)
-    return F.cross_entropy(logits.float(), shard.labels, ignore_index=IGNORE_INDEX,
-                           reduction="none" if per_token else "sum")
+    losses = token_losses(model(shard.input_ids, shard.position_ids, task=shard.task),
+                          shard.labels)  # chunked: what the engines run
+    return losses if per_token else losses.sum()
 
 
 def _decoder_config(sz, **changes):

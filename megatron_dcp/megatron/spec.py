@@ -147,9 +147,12 @@ class DCPCoreAttention(_megatron_module()):
 
         task = current_task(getattr(packed_seq_params, "task", None))
 
+        # Megatron's --deterministic-mode; else torch's use_deterministic_algorithms decides
+        deterministic = True if getattr(self.config, "deterministic_mode", False) else None
+
         def attend(q, k, v, task=task):
             return dcp_attention(q, k, v, causal=causal, softmax_scale=self.softmax_scale,
-                                 task=task)
+                                 task=task, deterministic=deterministic)
 
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             out = self._thd(query, key, value, packed_seq_params, attend, task)
