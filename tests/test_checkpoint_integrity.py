@@ -73,6 +73,24 @@ def test_first_bytes_flipped_names_the_file(tmp_path):
         verify_checkpoint(str(root), "iter_1")
 
 
+def test_a_file_written_another_way_is_checksummed_by_reading_it(tmp_path):
+    from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, file_checksum,
+                                                     save_atomically, verify_checkpoint)
+
+    root = tmp_path / "ckpt"
+
+    def write(staging: str) -> None:  # no save_file: rank 0 reads the file back
+        (root / staging).mkdir()
+        (root / staging / "plain.bin").write_bytes(b"abc" * 1000)
+
+    save_atomically(str(root), "iter_1", write)
+    _, manifest = verify_checkpoint(str(root))
+    assert manifest["checksums"] == {"plain.bin": file_checksum(str(root / "iter_1/plain.bin"))}
+    _flip(root / "iter_1" / "plain.bin", 10, 1)
+    with pytest.raises(CheckpointError, match="the checksum of plain.bin"):
+        verify_checkpoint(str(root), "iter_1")
+
+
 def _two_ranks(rank: int, world_size: int, root: str) -> tuple:
     import torch.distributed as dist
 

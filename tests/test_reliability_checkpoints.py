@@ -143,13 +143,21 @@ def _job(work: str, phase: str) -> None:
 
     from megatron_dcp.runtime.checkpoint_dir import CheckpointError
 
+    from megatron_dcp.runtime import checkpoint_dir
+
     world = int(os.environ["WORLD_SIZE"])
+    reread, checksum = [], checkpoint_dir.file_checksum  # files checksummed by reading them back
+    checkpoint_dir.file_checksum = lambda path: reread.append(os.path.basename(path)) or \
+        checksum(path)
     for stage in STAGES:
         ckpt = os.path.join(work, f"ckpt_zero{stage}")
         flags = COMMON + ["--zero-stage", str(stage), "--train-iters", "6"]
         if phase == "save":
             pretrain.main(flags + ["--save", ckpt, "--save-interval", "2", "--keep-last", "2",
                                    "--log-json", os.path.join(work, f"straight{stage}.jsonl")])
+            if dist.get_rank() == 0:
+                with open(os.path.join(work, f"reread{stage}.txt"), "w") as f:
+                    f.write(" ".join(sorted(set(reread))))
             continue
         pretrain.main(flags + ["--load", os.path.join(ckpt, "iter_4"), "--log-json",
                                os.path.join(work, f"resumed{stage}_w{world}.jsonl")])
@@ -164,15 +172,28 @@ def _job(work: str, phase: str) -> None:
             message = str(err)
         with open(os.path.join(work, "broken.txt"), "w") as f:
             f.write(message)
+        # 64 bytes flipped in an optimizer shard of latest (same size): iter_4 is loaded instead
+        corrupt = os.path.join(work, "corrupt")
+        shutil.copytree(os.path.join(work, "ckpt_zero1"), corrupt)
+        with open(os.path.join(corrupt, "iter_6", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                  "r+b") as f:
+            f.seek(os.fstat(f.fileno()).st_size // 2)
+            data = f.read(64)
+            f.seek(-len(data), os.SEEK_CUR)
+            f.write(bytes(b ^ 0xFF for b in data))
+        pretrain.main(COMMON + ["--zero-stage", "1", "--train-iters", "6", "--load", corrupt,
+                                "--log-json", os.path.join(work, "corrupt.jsonl")])
     dist.barrier()
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(480)
 def test_resume_at_another_world_size_continues_the_trajectory(tmp_path):
     work = str(tmp_path)
-    for world, phase, timeout in ((2, "save", 150), (1, "resume", 100), (4, "resume", 160)):
+    said = {}
+    for world, phase, timeout in ((2, "save", 150), (1, "resume", 130), (4, "resume", 160)):
         proc = launch_deepspeed(world, [__file__, "--work", work, "--phase", phase], timeout)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        said[world] = proc.stdout + proc.stderr
     for stage in STAGES:
         ckpt = tmp_path / f"ckpt_zero{stage}"
         # --keep-last 2 removed iter_2; iter_4 has its universal conversion beside it
@@ -188,6 +209,16 @@ def test_resume_at_another_world_size_continues_the_trajectory(tmp_path):
                 assert abs(loss - straight[it]) <= REL_TOL * straight[it], (stage, world, it)
     broken = (tmp_path / "broken.txt").read_text()
     assert "iter_6 is incomplete: missing zero_pp_rank_1_mp_rank_00_optim_states.pt" in broken
+    said = said[1]  # the world-1 resume: the corrupt shard is named, iter_4 loaded instead
+    assert "iter_6 is corrupt: the checksum of zero_pp_rank_1_mp_rank_00_optim_states.pt" in said
+    assert f"loading {tmp_path / 'corrupt' / 'iter_4'} instead" in said
+    straight = _losses(str(tmp_path / "straight1.jsonl"))
+    corrupt = _losses(str(tmp_path / "corrupt.jsonl"))
+    assert sorted(corrupt) == [5, 6]
+    for it, loss in corrupt.items():
+        assert abs(loss - straight[it]) <= REL_TOL * straight[it], it
+    for stage in STAGES:  # DeepSpeed's files were checksummed while written, none read back
+        assert (tmp_path / f"reread{stage}.txt").read_text() == ""
 
 
 if __name__ == "__main__":
