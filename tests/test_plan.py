@@ -108,7 +108,7 @@ def test_non_finite_or_out_of_range_profile_fields_name_the_field_and_file(tmp_p
 
 @pytest.mark.timeout(20)
 def test_planner_loop_cannot_spin_on_non_finite_times():
-    from megatron_dcp.plan.schedule import BlockClock
+    from megatron_dcp.plan.drafts import BlockClock
 
     clock = BlockClock(Vocabulary(4, 4))
     assert clock.peek(2) == (0, 0.0)

@@ -20,7 +20,7 @@ import math
 from typing import Callable, Optional
 
 from megatron_dcp.plan.cost import Layout, PlanError
-from megatron_dcp.plan.schedule import Draft, PlanContext, retime
+from megatron_dcp.plan.drafts import Draft, PlanContext, retime
 
 
 def candidate_degrees(ctx: PlanContext, mode: str) -> list[int]:

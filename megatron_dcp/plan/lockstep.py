@@ -20,7 +20,8 @@ groups of any size side by side, short sequences packed to the slot's length.
 3. The short items left over get slots of their own: as few as memory (and ``pack_tokens``)
    allow, every rank's task balanced to the same length.
 
-`to_slots` turns any free schedule (the baselines') into a lockstep one in its own order.
+`lockstep_candidates` runs the passes of `LOCKSTEP_PASSES`; `to_slots` turns any free schedule
+(the baselines') into a lockstep one in its own order.
 """
 
 from __future__ import annotations
@@ -30,12 +31,23 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from megatron_dcp.plan.dcp import MAX_WORK_GROWTH, SeqChoice, fill_options
-from megatron_dcp.plan.schedule import Draft, PlanContext, retime_slots
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice, fill_options,
+                                       floor_of, passes_for, raised)
+from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 
 MEMORY_SLACK = 0.9
 """Step 3 plans the short items' slots to fill at most this share of a rank's token capacity:
 packing is not perfect, and a slot that overflows would need another."""
+LOCKSTEP_PASSES = (("node", 1.0, "min", False), ("node", 1.0, "min", True),
+                   ("node", 1.0, "full", True), (1, 0.25, "min", False),
+                   ("node", 1.0, "full", False), ("node", 0.5, "min", True),
+                   (1, 0.5, "min", False), (1, 0.25, "full", False))
+"""(degree floor, target factor, recompute, extend) of the lockstep passes, most useful first:
+the target is the slot length a wide sequence should stay within (a multiple of the lower
+bound); recompute ``full`` (every layer, where the recompute mode is ``auto``) fits several
+times the tokens into a slot: fewer slots, where each costs ZeRO-3's parameter all-gathers;
+``extend`` lets a sequence lengthen a slot rather than open one (better where few sequences are
+left over, worse where later ones would fill a new slot)."""
 
 
 @dataclass
@@ -349,3 +361,29 @@ def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
         out.append(new)
     retime_slots(out, ctx.cm)
     return out
+
+
+def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
+                        longest: float) -> list[tuple[float, str, list[Draft]]]:
+    """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
+    the ``full`` ones only where ``mode`` is ``min``), from the sequences' degree choices
+    ``infos`` under ``mode``; ``bound`` and ``longest`` as in `megatron_dcp.plan.dcp`."""
+    passes = [(floor_of(ctx, floor), factor, mode if depth == "min" else depth, extend)
+              for floor, factor, depth, extend in LOCKSTEP_PASSES
+              if depth == "min" or mode == "min"]
+    candidates = []
+    full = None
+    for floor, factor, depth, extend in passes_for(ctx, passes):
+        use = infos
+        if depth != mode:
+            if full is None:
+                full = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
+                degree_choice(ctx, full, depth)
+            use = full
+        if floor > 1:
+            use = [raised(ctx, info, depth, floor) for info in use]
+        drafts = lockstep_pass(ctx, use, depth, max(bound * factor, longest), extend)
+        makespan = retime_slots(drafts, ctx.cm)
+        name = f"lockstep(floor={floor},M={factor},ckpt={depth}{',extend' if extend else ''})"
+        candidates.append((makespan, name, drafts))
+    return candidates

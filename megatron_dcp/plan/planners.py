@@ -1,24 +1,38 @@
-"""`make_plan`: one entry point for every policy (dcp, dcp-inter, dcp-intra and the baselines)."""
+"""`make_plan`: one entry point for every policy (dcp, dcp-inter, dcp-intra and the baselines).
+
+The DCP policies are a contest (`plan_dcp`): the passes of `megatron_dcp.plan.dcp` (free) or
+`megatron_dcp.plan.lockstep` (slots) and, for inputs up to ``BASELINE_CANDIDATE_LIMIT`` sequences
+x ranks, the baselines' own plans, lightened by DCP-intra (fewest recomputed layers per task,
+barriers dropped, same order: never longer), are candidates; the shortest plan wins. So DCP is
+never slower than a baseline there by construction (unless ``pack_tokens`` is set: a baseline plan
+that packs beyond it is not a candidate of ``dcp``/``dcp-inter``; ``dcp-intra`` keeps the bucket
+plan, which ignores ``pack_tokens``).
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan.baselines import plan_bucket, plan_greedy_cp, plan_packed, plan_static
 from megatron_dcp.plan.cost import CostModel, PlanError
-from megatron_dcp.plan.dcp import plan_dcp
+from megatron_dcp.plan.choices import SeqChoice, degree_choice
+from megatron_dcp.plan.dcp import free_candidates
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
-from megatron_dcp.plan.lockstep import to_slots
+from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Plan, check_frame_tokens
-from megatron_dcp.plan.schedule import Draft, PlanContext, retime, to_plan
+from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import Vocabulary
 from megatron_dcp.plan.workload import WorkloadError, validate_lengths
 
 BASELINES = {"bucket": plan_bucket, "packed": plan_packed, "static": plan_static,
              "greedy-cp": plan_greedy_cp}
+BASELINE_CANDIDATE_LIMIT = 20_000
+"""Sequences x ranks up to which the baselines' plans join DCP's candidates."""
+Candidate = tuple[float, str, list[Draft]]
+"""(makespan, name, timed drafts) of one candidate plan."""
 
 
 def schedule_for(schedule: str, zero_stage: int) -> str:
@@ -232,3 +246,39 @@ def _drafts_of_policy(ctx: PlanContext, policy: str, lockstep: bool, meta: dict
             ctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=BASELINES,
             lockstep=lockstep)
     return drafts
+
+
+def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
+             baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None,
+             lockstep: bool = False) -> tuple[list[Draft], str, dict[str, float]]:
+    """DCP drafts, the name of the candidate that won (``dcp(...)``, ``lockstep(...)`` or
+    ``<baseline>+intra``) and every candidate's predicted makespan (module doc). ``inter``: the
+    DCP passes are candidates; ``intra``: fewest recomputed layers (else the baselines' full
+    recompute); ``lockstep``: every candidate in slots."""
+    mode = ctx.dcp_mode() if intra else ctx.baseline_mode()
+    candidates: list[Candidate] = []
+    if inter:
+        infos = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
+        per_rank, longest = degree_choice(ctx, infos, mode)
+        passes = lockstep_candidates if lockstep else free_candidates
+        candidates += passes(ctx, infos, mode, max(per_rank, longest), longest)
+        if len(ctx.active) * ctx.world > BASELINE_CANDIDATE_LIMIT:
+            baselines = {}  # large inputs: the planner's latency budget has no room for them
+    for name, planner in (baselines or {}).items():
+        drafts = planner(ctx)
+        # DCP-inter has its own candidates, so a baseline plan that packs beyond the configured
+        # token budget is dropped; DCP-intra alone keeps the bucket plan as the bucket policy does
+        if inter and ctx.pack_tokens and any(len(d.seqs) > 1 and d.tokens > ctx.pack_tokens
+                                             for d in drafts):
+            continue
+        if intra:
+            drafts = lighten(ctx, drafts)
+        if lockstep:
+            drafts = to_slots(ctx, drafts)
+            makespan = retime_slots(drafts, ctx.cm)
+        else:
+            makespan = retime(drafts, ctx.world, barriers=False if inter else "rounds")
+        candidates.append((makespan, f"{name}+intra" if intra else name, drafts))
+    candidates.sort(key=lambda c: c[0])  # stable: ties keep the pass order
+    _, name, drafts = candidates[0]
+    return drafts, name, {c[1]: round(c[0], 6) for c in candidates}

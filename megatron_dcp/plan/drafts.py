@@ -1,4 +1,6 @@
-"""Shared pieces of every planner: the planning context, draft tasks, placement and re-timing."""
+"""Drafts and their timing, shared by every planner: the planning context (`PlanContext`), draft
+tasks (`Draft`), rank availability (`BlockClock`), re-timing, DCP-intra on a finished structure
+(`lighten`) and the conversion to a `Plan`."""
 
 from __future__ import annotations
 

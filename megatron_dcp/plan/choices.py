@@ -1,0 +1,118 @@
+"""Degree choices of single sequences and the constants every DCP pass shares (a leaf of the
+planner: the free passes of `megatron_dcp.plan.dcp` and the lockstep passes of
+`megatron_dcp.plan.lockstep` both start from `degree_choice`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence, TypeVar
+
+from megatron_dcp.plan.drafts import PlanContext
+
+OVERHEAD_TASKS = 2
+"""Packed tasks are allowed to grow to this many times the fixed per-task cost."""
+MAX_WORK_GROWTH = 1.3
+"""A task is not widened past the degree where its work (ranks x time) grows by more than this."""
+MIN_WORK_SAVING = 0.02
+"""A sequence is widened for less recompute only when that cuts its work (ranks x time) by at
+least this share: below it the wider group's fragmentation costs more than it saves."""
+LARGE_INPUT, LARGE_INPUT_PASSES = 10_000, 4
+HUGE_INPUT, HUGE_INPUT_PASSES = 2_000_000, 2
+"""Sequences x ranks above which only the first passes run: the planner runs ahead of every
+step and must stay within its latency budget (<= 1 s at 16,000 sequences on 1,024 ranks,
+docs/BENCHMARKS.md), and every pass re-plans the whole batch."""
+
+P = TypeVar("P", bound=tuple)
+
+
+def passes_for(ctx: PlanContext, passes: Sequence[P]) -> list[P]:
+    """The passes (tuples whose first entry is a degree floor) this input gets: those whose floor
+    is a vocabulary size, fewer for large inputs (`LARGE_INPUT`, `HUGE_INPUT`)."""
+    kept = [p for p in passes if p[0] in ctx.vocab.sizes]
+    size = len(ctx.active) * ctx.world
+    if size > HUGE_INPUT:
+        return kept[:HUGE_INPUT_PASSES]
+    return kept[:LARGE_INPUT_PASSES] if size > LARGE_INPUT else kept
+
+
+def floor_of(ctx: PlanContext, floor: "int | str") -> int:
+    """A pass's degree floor in ranks (``"node"``: one node's ranks)."""
+    return ctx.vocab.ranks_per_node if floor == "node" else floor
+
+
+@dataclass(slots=True)
+class SeqChoice:
+    """One sequence and the degree, recompute depth and time chosen for it."""
+
+    i: int
+    length: int
+    pairs: float
+    degree: int = 0
+    ckpt: int = 0
+    time: float = 0.0
+    fits: list[tuple[int, int]] = field(default_factory=list)
+    """(degree, recompute depth) of every vocabulary size from ``degree`` on where it fits."""
+
+
+def fill_options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:
+    """Fill ``info.fits`` with (degree, ckpt) for every vocabulary size from ``start_at`` on."""
+    for d in ctx.vocab.sizes:
+        if d < start_at:
+            continue
+        c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
+        if c is not None:
+            info.fits.append((d, c))
+
+
+def raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoice:
+    """A copy of ``info`` at degree ``floor`` or more (fewer degrees mean less fragmentation)."""
+    if info.degree >= floor:
+        return info
+    out = SeqChoice(info.i, info.length, info.pairs)
+    for d in ctx.vocab.sizes:
+        if d >= floor:
+            c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
+            if c is not None:
+                out.degree, out.ckpt = d, c
+                out.time = ctx.cm.best_time(info.length, info.pairs, d, c)[0]
+                return out
+    return info
+
+
+def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[float, float]:
+    """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
+    cm = ctx.cm
+    sizes = ctx.vocab.sizes
+    total = 0.0
+    overhead = cm.task_overhead
+    for info in infos:
+        for d in sizes:
+            c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
+            if c is not None:
+                info.degree, info.ckpt = d, c
+                break
+        info.time = cm.best_time(info.length, info.pairs, info.degree, info.ckpt)[0]
+        if info.ckpt:
+            # recompute costs work: more ranks (less recompute) may do the sequence with less work
+            fill_options(ctx, info, mode, info.degree)
+            work = info.degree * info.time
+            for d, c in info.fits[1:]:
+                t = cm.best_time(info.length, info.pairs, d, c)[0]
+                if d * t < work * (1.0 - MIN_WORK_SAVING):
+                    info.degree, info.ckpt, info.time, work = d, c, t, d * t
+                if c == 0:
+                    break  # no recompute left to save: wider groups only add communication
+        total += info.degree * max(info.time - overhead, 0.0)
+    per_rank = total / ctx.world
+    longest = 0.0
+    for info in sorted(infos, key=lambda x: -x.time):
+        if info.time <= max(per_rank, longest):
+            break  # its fastest time is at most its current time: cannot raise the bound
+        if not info.fits:
+            fill_options(ctx, info, mode, info.degree)
+        fastest = info.time
+        for d, c in info.fits:
+            t = cm.best_time(info.length, info.pairs, d, c)[0]
+            fastest = min(fastest, t)
+        longest = max(longest, fastest)
+    return per_rank, longest
