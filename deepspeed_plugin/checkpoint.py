@@ -60,7 +60,7 @@ def save(engine: Any, save_dir: str, tag: str, client_state: dict, *,
     import deepspeed
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-    ds = engine.engine
+    ds = engine.deepspeed
 
     def write(staging: str) -> dict[str, str]:
         own = ds.checkpoint_engine
@@ -93,7 +93,7 @@ def load(engine: Any, load_dir: str, tag: Optional[str] = None,
                                                                     engine.zero_stage)
     if universal:
         tag = _universal(load_dir, tag, manifest)
-    ds = engine.engine
+    ds = engine.deepspeed
     previous = ds._config.load_universal_checkpoint
     ds._config.load_universal_checkpoint = universal
     try:
@@ -107,9 +107,16 @@ def load(engine: Any, load_dir: str, tag: Optional[str] = None,
 
 def _universal(load_dir: str, tag: str, manifest: dict) -> str:
     """Collective: the tag of the universal conversion of ``tag`` (made now by rank 0 unless a
-    complete one exists)."""
+    complete one exists; an existing one is verified like any checkpoint). Its files, written
+    by DeepSpeed's converter, are checksummed by reading them back once."""
     target = tag + UNIVERSAL
-    if read_manifest(os.path.join(load_dir, target)) is None:
+    if read_manifest(os.path.join(load_dir, target)) is not None:
+        try:
+            verify_checkpoint(load_dir, target)
+        except CheckpointError as err:
+            raise CheckpointError(f"{err}\n(delete {os.path.join(load_dir, target)} to convert "
+                                  f"{tag} again)") from None
+    else:
         rank = dist.get_rank()
 
         def convert(staging: str) -> None:
