@@ -85,13 +85,13 @@ def fixed_degree_plan(lengths: list[int], cm: CostModel, world: int, degree: int
     for k, b in enumerate(bins):
         g = min(groups, key=lambda x: (clock[x], x))
         tokens = sum(lengths[i] for i in b)
-        ckpt = cm.min_ckpt(tokens, degree)
-        if ckpt is None:
-            raise SystemExit(f"fixed-{degree}: micro-batch of {tokens} tokens fits no depth")
-        probe = Task(id=k, ranks=g, seqs=tuple(b), ulysses=degree, ring=1, recompute_layers=ckpt)
+        layers = cm.min_recompute_layers(tokens, degree)
+        if layers is None:
+            raise SystemExit(f"fixed-{degree}: micro-batch of {tokens} tokens fits no recompute")
+        probe = Task(id=k, ranks=g, seqs=tuple(b), ulysses=degree, ring=1, recompute_layers=layers)
         duration = cm.time(probe, lengths)
         tasks.append(Task(id=k, ranks=g, seqs=tuple(b), ulysses=degree, ring=1,
-                          recompute_layers=ckpt, start=clock[g], duration=duration))
+                          recompute_layers=layers, start=clock[g], duration=duration))
         clock[g] += duration
     return Plan(tasks=tuple(tasks), lengths=tuple(lengths), world_size=world,
                 policy=f"fixed-{degree}")

@@ -122,7 +122,7 @@ class DCPConfig:
     """A sequence that fits no degree in memory: error (name it), truncate (to the largest that fits), skip."""
 
     schedule: str = "auto"
-    """Micro-step schedule: free (ranks run different numbers of micro-steps), lockstep (every rank runs the same slots, each slot one recompute depth: what ZeRO-2/3's sharded gradients and parameters need), auto (lockstep for ZeRO-2/3, else free)."""
+    """Micro-step schedule: free (ranks run different numbers of micro-steps), lockstep (every rank runs the same slots, each slot one number of recomputed layers: what ZeRO-2/3's sharded gradients and parameters need), auto (lockstep for ZeRO-2/3, else free)."""
 
     liveness_interval_s: float = 60.0
     """Seconds between the liveness watch's probes (by the first and the last rank); a rank that misses two in a row (stopped, hung in a device call, dead) is named on every rank and the job ends then, not at the collective timeout; 0: no watch (a stalled rank is named when a collective times out)."""

@@ -128,7 +128,7 @@ GOOD = [Task(0, (0, 1), (0,), ulysses=2, recompute_layers=2, slot=0),
 
 @pytest.mark.parametrize("change, message", [
     (lambda t: [replace(t[0], slot=None)] + t[1:], "slot None in a lockstep plan"),
-    (lambda t: t[:2] + [replace(t[2], recompute_layers=0)], "need one recompute depth"),
+    (lambda t: t[:2] + [replace(t[2], recompute_layers=0)], "recompute as many layers"),
     (lambda t: t[:2] + [replace(t[2], ranks=(0,))], "both in slot 1"),
     (lambda t: [replace(t[0], slot=2)] + t[1:], "slots must rise in execution order"),
     (lambda t: [replace(t[0], slot=-1)] + t[1:], "slot -1"),

@@ -178,14 +178,15 @@ def test_cost_model_memory_and_time():
     assert cm.best_time(8000, pairs, 1, 32)[0] > cm.best_time(8000, pairs, 1, 0)[0]
     # fewest recomputed layers that fit
     for tokens in (1000, 60_000, 150_000):
-        c = cm.min_ckpt(tokens, 1)
+        c = cm.min_recompute_layers(tokens, 1)
         if c is not None:
             assert cm.memory_of(tokens, 1, c) <= cm.budget
             if c > 0:
                 assert cm.memory_of(tokens, 1, c - 1) > cm.budget
     # a long sequence gets faster with more ranks; attention is quadratic
     n = 131072
-    times = [cm.best_time(n, cm.attn_pairs(n), d, cm.min_ckpt(n, d))[0] for d in (2, 4, 8)]
+    times = [cm.best_time(n, cm.attn_pairs(n), d, cm.min_recompute_layers(n, d))[0]
+             for d in (2, 4, 8)]
     assert times == sorted(times, reverse=True)
     assert cm.attn_pairs(2000) > 3.9 * cm.attn_pairs(1000)
     # inter-node ring is slower than intra-node
@@ -358,14 +359,14 @@ def test_dcp_uses_variable_degrees_and_per_rank_task_counts():
     assert any(len(t.seqs) > 1 for t in plan.tasks)  # short sequences packed
 
 
-def test_checkpoint_depth_is_fewest_that_fit():
+def test_recompute_layers_are_the_fewest_that_fit():
     cm = build_cost_model(LLAMA, DCPConfig(), 8)
     plan = plan_for([200_000, 1000], world=8, policy="dcp")
     for t in plan.tasks:
         tokens = sum(plan.lengths[s] for s in t.seqs)
-        assert t.recompute_layers == 0 or cm.memory(replace(t, recompute_layers=t.recompute_layers - 1),
-                                               plan.lengths) > cm.budget \
-            or cm.min_ckpt(tokens, t.degree) == t.recompute_layers
+        fewer = replace(t, recompute_layers=t.recompute_layers - 1)
+        assert t.recompute_layers == 0 or cm.memory(fewer, plan.lengths) > cm.budget \
+            or cm.min_recompute_layers(tokens, t.degree) == t.recompute_layers
     full = plan_for([200_000, 1000], world=8, policy="dcp", recompute="full")
     assert all(t.recompute_layers == LLAMA.num_layers for t in full.tasks)
 

@@ -1,15 +1,15 @@
 """Baseline planners in the same framework: bucket, packed, static and greedy-cp.
 
 All share one choice: the fixed sequence-parallel degree ``D`` of the run, a power of two at which
-the longest sequence fits memory with the baseline's checkpointing. By default for text
+the longest sequence fits memory with the baseline's recompute mode. By default for text
 (``tuned``) every such degree is tried and the fastest kept, as a practitioner tunes the SP degree
 once for a data set: a strong baseline. ``baseline_degree="min"`` takes the smallest one (the
 paper's literal "what the longest sequence needs", the default for videos); an integer fixes the
-degree (a group size at which the longest sequence fits) for every batch of a run. The DCP world is tiled by the vocabulary's groups of ``D`` ranks
-(ranks no group covers stay idle). Checkpointing: ``bucket`` recomputes every layer (the paper's
-baseline); the
-others use one depth for the whole run, the fewest layers that fit their largest micro-batch (what a
-practitioner tunes once); ``recompute`` none/full overrides both.
+degree (a group size at which the longest sequence fits) for every batch of a run. The DCP world
+is tiled by the vocabulary's groups of ``D`` ranks (ranks no group covers stay idle). Recompute:
+``bucket`` recomputes every layer (the paper's baseline); the others recompute one number of
+layers for the whole run, the fewest that fit their largest micro-batch (what a practitioner
+tunes once); ``recompute`` none/full overrides both.
 """
 
 from __future__ import annotations
@@ -80,12 +80,9 @@ def _groups(ctx: PlanContext, degree: int) -> list[int]:
     return list(ctx.vocab.starts(degree))
 
 
-def _run_depth(ctx: PlanContext, degree: int, max_tokens: int) -> int:
-    """One checkpoint depth for the run: fewest layers that fit the largest micro-batch."""
-    mode = ctx.baseline_mode()
-    if ctx.recompute_mode == "auto":
-        mode = "min"
-    c = ctx.recompute_for(max_tokens, degree, mode)
+def _run_recompute_layers(ctx: PlanContext, degree: int, max_tokens: int) -> int:
+    """Recomputed layers for the whole run: the fewest that fit the largest micro-batch."""
+    c = ctx.recompute_for(max_tokens, degree, ctx.recompute_mode)
     if c is None:
         c = ctx.cm.model.num_layers
     return c
@@ -105,23 +102,23 @@ def plan_bucket(ctx: PlanContext, degree: int) -> list[Draft]:
     the micro-batches of all buckets, longest first (the order that wastes the least at the
     rounds' barriers)."""
     mode = ctx.baseline_mode()
-    ckpt = ctx.cm.model.num_layers if mode == "full" else 0
+    recompute_layers = ctx.cm.model.num_layers if mode == "full" else 0
     starts = _groups(ctx, degree)
     if ctx.frame_tokens is not None:
-        micro = [mb for bucket in _video_micro_batches(ctx, degree, ckpt, len(starts))
+        micro = [mb for bucket in _video_micro_batches(ctx, degree, recompute_layers, len(starts))
                  for mb in bucket]
-        times = [ctx.draft(starts[0], degree, mb, ckpt).duration for mb in micro]
+        times = [ctx.draft(starts[0], degree, mb, recompute_layers).duration for mb in micro]
         order = sorted(range(len(micro)), key=lambda k: (-times[k], micro[k][0]))
         buckets = [[micro[k] for k in order]]
     else:
-        buckets = _text_micro_batches(ctx, degree, ckpt)
+        buckets = _text_micro_batches(ctx, degree, recompute_layers)
     drafts: list[Draft] = []
     clock = 0.0
     for micro in buckets:
         for r in range(0, len(micro), len(starts)):
             round_end = clock
             for start, mb in zip(starts, micro[r:r + len(starts)]):
-                d = ctx.draft(start, degree, mb, ckpt, release=clock)
+                d = ctx.draft(start, degree, mb, recompute_layers, release=clock)
                 d.start = clock
                 drafts.append(d)
                 round_end = max(round_end, clock + d.duration)
@@ -129,7 +126,8 @@ def plan_bucket(ctx: PlanContext, degree: int) -> list[Draft]:
     return drafts
 
 
-def _text_micro_batches(ctx: PlanContext, degree: int, ckpt: int) -> list[list[list[int]]]:
+def _text_micro_batches(ctx: PlanContext, degree: int, recompute_layers: int
+                        ) -> list[list[list[int]]]:
     """Micro-batches of each power-of-two length bucket, the longest bucket first: each takes
     about as long as one longest sequence and fits memory."""
     cm = ctx.cm
@@ -137,13 +135,13 @@ def _text_micro_batches(ctx: PlanContext, degree: int, ckpt: int) -> list[list[l
     for i in ctx.active:
         buckets.setdefault(max(0, math.ceil(math.log2(ctx.lengths[i]))), []).append(i)
     longest = max(ctx.lengths[i] for i in ctx.active)
-    t_ref = cm.best_time(longest, cm.attn_pairs(longest), degree, ckpt)[0]
-    cap = cm.max_tokens(degree, ckpt)
+    t_ref = cm.best_time(longest, cm.attn_pairs(longest), degree, recompute_layers)[0]
+    cap = cm.max_tokens(degree, recompute_layers)
     result = []
     for k in sorted(buckets, reverse=True):
         seqs = sorted(buckets[k], key=lambda i: (-ctx.lengths[i], i))
         upper = min(2 ** k, longest)
-        t_one = cm.best_time(upper, cm.attn_pairs(upper), degree, ckpt)[0]
+        t_one = cm.best_time(upper, cm.attn_pairs(upper), degree, recompute_layers)[0]
         batch = max(1, min(int(t_ref // t_one), cap // max(1, ctx.padded(upper, degree))))
         result.append([seqs[j:j + batch] for j in range(0, len(seqs), batch)])
     return result
@@ -156,13 +154,13 @@ def video_bucket(length: int, frame_tokens: int) -> tuple[int, int]:
     return frame_tokens, max(0, math.ceil(math.log2(frames)))
 
 
-def _video_micro_batches(ctx: PlanContext, degree: int, ckpt: int,
+def _video_micro_batches(ctx: PlanContext, degree: int, recompute_layers: int,
                          groups: int) -> list[list[list[int]]]:
     """Micro-batches of each shape bucket (`video_bucket`), the bucket of the largest videos
     first. Batch size: as many videos of the bucket's largest as fit memory at ``ckpt`` (VideoSys
     tunes one per bucket so a micro-batch fills memory), lowered to spread the bucket's videos
     evenly over the ``groups`` SP groups when it holds fewer than that many full batches."""
-    cap = ctx.cm.max_tokens(degree, ckpt)
+    cap = ctx.cm.max_tokens(degree, recompute_layers)
     buckets: dict[tuple[int, int], list[int]] = {}
     for i in ctx.active:
         buckets.setdefault(video_bucket(ctx.lengths[i], ctx.frame_tokens[i]), []).append(i)
@@ -217,11 +215,11 @@ def _equal_count(ctx: PlanContext, bins: list[list[int]],
 
 
 def _sequential(ctx: PlanContext, per_group: list[list[list[int]]], starts: list[int], degree: int,
-                ckpt: int, layout: Optional[Layout] = None) -> list[Draft]:
+                recompute_layers: int, layout: Optional[Layout] = None) -> list[Draft]:
     drafts = []
     for start, group_bins in zip(starts, per_group):
         for b in group_bins:
-            drafts.append(ctx.draft(start, degree, b, ckpt, layout=layout))
+            drafts.append(ctx.draft(start, degree, b, recompute_layers, layout=layout))
     retime(drafts, ctx.world)
     return drafts
 
@@ -237,8 +235,8 @@ def plan_packed(ctx: PlanContext, degree: int) -> list[Draft]:
     bins = _best_fit(ctx, order, budget, degree)
     starts = _groups(ctx, degree)
     biggest = max(sum(ctx.padded(ctx.lengths[i], degree) for i in b) for b in bins)
-    ckpt = _run_depth(ctx, degree, biggest)
-    return _sequential(ctx, _equal_count(ctx, bins, starts), starts, degree, ckpt)
+    recompute_layers = _run_recompute_layers(ctx, degree, biggest)
+    return _sequential(ctx, _equal_count(ctx, bins, starts), starts, degree, recompute_layers)
 
 
 @tuned
@@ -260,26 +258,27 @@ def plan_static(ctx: PlanContext, degree: int) -> list[Draft]:
     per_group: list[list[list[int]]] = [[] for _ in starts]
     for j, b in enumerate(bins):
         per_group[j % len(starts)].append(b)
-    ckpt = _run_depth(ctx, degree, budget)
+    recompute_layers = _run_recompute_layers(ctx, degree, budget)
     # ring unless the configured attention_layout rules it out (then its best allowed layout)
     ring_allowed = any(lay.ulysses == 1 for lay in ctx.cm.layouts(degree))
     ring_only = Layout(1, degree, True, degree <= ctx.cm.ranks_per_node) if ring_allowed else None
-    return _sequential(ctx, per_group, starts, degree, ckpt, layout=ring_only)
+    return _sequential(ctx, per_group, starts, degree, recompute_layers, layout=ring_only)
 
 
 def plan_greedy_cp(ctx: PlanContext) -> list[Draft]:
     """The shape of Megatron-LM's dynamic (hybrid) context parallel: per sequence a power-of-two CP
     size from a tokens-per-rank cap, workload estimate L^2/cp, greedy filling of lockstep rounds in
     which the ranks are partitioned into CP groups. The cap (Megatron's max tokens per rank) is
-    tuned: the memory limit at the run's checkpoint depth and halvings of it, fastest kept."""
+    tuned: the memory limit at the run's recomputed layers and halvings of it, fastest kept."""
     cm = ctx.cm
-    depth = _run_depth(ctx, 1, ctx.padded(max(ctx.lengths[i] for i in ctx.active), 1))
-    mem_cap = max(1, cm.max_tokens(1, depth))
+    longest = max(ctx.lengths[i] for i in ctx.active)
+    recompute_layers = _run_recompute_layers(ctx, 1, ctx.padded(longest, 1))
+    mem_cap = max(1, cm.max_tokens(1, recompute_layers))
     floor = max(1, sum(ctx.lengths[i] for i in ctx.active) // (4 * ctx.world))
     best = None
     cap = mem_cap
     while True:
-        drafts = _greedy_cp(ctx, cap, depth)
+        drafts = _greedy_cp(ctx, cap, recompute_layers)
         makespan = retime(drafts, ctx.world, barriers=True)
         if best is None or makespan < best[0]:
             best = (makespan, drafts)
@@ -288,8 +287,8 @@ def plan_greedy_cp(ctx: PlanContext) -> list[Draft]:
             return best[1]
 
 
-def _greedy_cp(ctx: PlanContext, cap: int, depth: int) -> list[Draft]:
-    """One greedy-cp plan for a tokens-per-rank ``cap`` and checkpoint depth: sequences sorted
+def _greedy_cp(ctx: PlanContext, cap: int, recompute_layers: int) -> list[Draft]:
+    """One greedy-cp plan for a tokens-per-rank ``cap`` and ``recompute_layers``: sequences sorted
     by estimated work (L^2 / CP size, largest first) fill lockstep rounds one after the other;
     a round ends when its longest task does."""
     size_of = _greedy_cp_sizes(ctx, cap)
@@ -299,7 +298,7 @@ def _greedy_cp(ctx: PlanContext, cap: int, depth: int) -> list[Draft]:
     clock = 0.0
     while remaining:
         open_blocks, remaining = _greedy_cp_round(ctx, remaining, size_of, work, cap)
-        clock = _greedy_cp_drafts(ctx, open_blocks, depth, clock, drafts)
+        clock = _greedy_cp_drafts(ctx, open_blocks, recompute_layers, clock, drafts)
     return drafts
 
 
@@ -312,10 +311,10 @@ def _greedy_cp_sizes(ctx: PlanContext, cap: int) -> dict[int, int]:
     for i in ctx.active:
         want = 1 << max(0, math.ceil(math.log2(max(1, -(-ctx.lengths[i] // cap)))))
         fits = [s for s in pow2 if s >= want and ctx.recompute_for(ctx.padded(ctx.lengths[i], s), s,
-                                                              "min") is not None]
+                                                              "auto") is not None]
         if not fits:
             fits = [s for s in vocab.sizes if ctx.recompute_for(ctx.padded(ctx.lengths[i], s), s,
-                                                           "min") is not None]
+                                                           "auto") is not None]
         size_of[i] = fits[0]
     return size_of
 
@@ -361,17 +360,17 @@ def _greedy_cp_round(ctx: PlanContext, remaining: list[int], size_of: dict[int, 
     return open_blocks, left
 
 
-def _greedy_cp_drafts(ctx: PlanContext, open_blocks: dict[int, list[list]], depth: int,
+def _greedy_cp_drafts(ctx: PlanContext, open_blocks: dict[int, list[list]], recompute_layers: int,
                       clock: float, drafts: list[Draft]) -> float:
-    """Append one draft per block of a round starting at ``clock`` (the run's checkpoint depth
+    """Append one draft per block of a round starting at ``clock`` (the run's ``recompute_layers``
     where it fits, else the fewest layers that fit, else every layer); returns the round's end."""
     cm = ctx.cm
     round_end = clock
     for size, blocks in sorted(open_blocks.items()):
         for _, start, seqs, tokens in blocks:
-            c = depth if ctx.recompute_for(tokens, size, "min") is not None else None
+            c = recompute_layers if ctx.recompute_for(tokens, size, "auto") is not None else None
             if c is None or cm.memory_of(tokens, size, c) > cm.budget:
-                c = ctx.recompute_for(tokens, size, "min") or cm.model.num_layers
+                c = ctx.recompute_for(tokens, size, "auto") or cm.model.num_layers
             d = ctx.draft(start, size, seqs, c, release=clock)
             d.start = clock
             drafts.append(d)

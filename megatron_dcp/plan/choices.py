@@ -42,16 +42,16 @@ def floor_of(ctx: PlanContext, floor: "int | str") -> int:
 
 @dataclass(slots=True)
 class SeqChoice:
-    """One sequence and the degree, recompute depth and time chosen for it."""
+    """One sequence and the degree, recomputed layers and time chosen for it."""
 
     i: int
     length: int
     pairs: float
     degree: int = 0
-    ckpt: int = 0
+    recompute_layers: int = 0
     time: float = 0.0
     fits: list[tuple[int, int]] = field(default_factory=list)
-    """(degree, recompute depth) of every vocabulary size from ``degree`` on where it fits."""
+    """(degree, recompute_layers) of every vocabulary size from ``degree`` on where it fits."""
 
 
 def fill_options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:
@@ -73,7 +73,7 @@ def raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoic
         if d >= floor:
             c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
             if c is not None:
-                out.degree, out.ckpt = d, c
+                out.degree, out.recompute_layers = d, c
                 out.time = ctx.cm.best_time(info.length, info.pairs, d, c)[0]
                 return out
     return info
@@ -89,17 +89,17 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
         for d in sizes:
             c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
             if c is not None:
-                info.degree, info.ckpt = d, c
+                info.degree, info.recompute_layers = d, c
                 break
-        info.time = cm.best_time(info.length, info.pairs, info.degree, info.ckpt)[0]
-        if info.ckpt:
+        info.time = cm.best_time(info.length, info.pairs, info.degree, info.recompute_layers)[0]
+        if info.recompute_layers:
             # recompute costs work: more ranks (less recompute) may do the sequence with less work
             fill_options(ctx, info, mode, info.degree)
             work = info.degree * info.time
             for d, c in info.fits[1:]:
                 t = cm.best_time(info.length, info.pairs, d, c)[0]
                 if d * t < work * (1.0 - MIN_WORK_SAVING):
-                    info.degree, info.ckpt, info.time, work = d, c, t, d * t
+                    info.degree, info.recompute_layers, info.time, work = d, c, t, d * t
                 if c == 0:
                     break  # no recompute left to save: wider groups only add communication
         total += info.degree * max(info.time - overhead, 0.0)

@@ -42,7 +42,7 @@ vocabulary's process groups this rank belongs to; warmed with every collective t
 their per-peer buffers are in the measured ``communicator_bytes``), plus the loss's workspace
 (`LOSS_CHUNK_COPIES` fp32 tensor of one chunk of `loss_chunk_tokens`: 128 MiB), plus a fixed
 reserve (CUDA context, the engine's own communicators, fragmentation), plus per local token:
-``(N-c)*A + c*2h`` (a checkpointed layer keeps its bf16 input only) + ``A`` while one layer
+``(N-c)*A + c*2h`` (a recomputed layer keeps its bf16 input only) + ``A`` while one layer
 recomputes + ``(2 + 4) * V`` for the logits (`loss_bytes`): the head's bf16 logits, kept until
 the loss's backward, and 4 B per entry for their gradient (the chunked loss's, 2 B) or the fp32
 softmax Megatron's vocabulary-parallel loss saves for backward (4 B). The chunked loss
@@ -62,7 +62,7 @@ Parameters (static memory, weight streaming, gradient sync), linear and attentio
 split), the vocabulary-parallel head and its logits term, and the Ulysses/ring volumes divide by
 ``tp``. Of ``A``, the head-/FFN-split part (q, k, v, attention output, MLP intermediates:
 ``2h + 2*kv_dim + 3f``) divides by ``tp``; the ``3h`` of layer inputs, norm outputs and residuals
-stays whole (replicated: no sequence parallelism), as does a checkpointed layer's ``2h`` input.
+stays whole (replicated: no sequence parallelism), as does a recomputed layer's ``2h`` input.
 Each layer adds 2 TP all-reduces of ``T/d x h x 2 B`` in forward, 2 in backward and 2 per
 recomputed layer, ring all-reduce volume ``2 (tp-1)/tp`` at the intra-node link (not overlapped).
 With ``tp = 1`` nothing changes. Ulysses degrees must divide the heads per TP rank.
@@ -153,7 +153,7 @@ _new_terms = tuple.__new__
 
 
 class _Rates(NamedTuple):
-    """Seconds per unit of each term for one (layout, recompute depth): per local token, per
+    """Seconds per unit of each term for one (layout, recompute_layers): per local token, per
     attention pair per rank, or per task. Computed once per task shape, then scaled."""
 
     gemm: float
@@ -178,7 +178,7 @@ class TimeBreakdown:
     comm: float
     """Exposed communication (Ulysses all-to-all, ring P2P not hidden behind attention)."""
     recompute: float
-    """Share of ``compute`` and ``comm`` spent recomputing checkpointed layers."""
+    """Share of ``compute`` and ``comm`` spent recomputing layers."""
     overhead: float
     """Fixed per-task cost (weight streaming beyond GEMM time, kernel launches)."""
 
@@ -234,7 +234,7 @@ class CostModel:
     def _init_sizes(self) -> None:
         """Sizes per tensor-parallel rank (``tp = 1``: the whole model): attention widths,
         parameters per layer and in all, activation bytes per token per layer (``A`` of the
-        module doc), a checkpointed layer's bytes per token, fp32 logit bytes per token."""
+        module doc), a recomputed layer's bytes per token, fp32 logit bytes per token."""
         m = self.model
         h, n, f, v = m.hidden_size, m.num_layers, m.ffn_hidden_size, m.vocab_size
         self.kv_dim = kv_dim = m.kv_heads * m.head_dim
@@ -248,7 +248,7 @@ class CostModel:
         """Parameters per tensor-parallel rank."""
         split = 2 * q_dim + 2 * kv_dim + (3 if m.gated_mlp else 2) * f
         self.act_bytes = BF16 * (3 * h + (split if tp == 1 else split / tp))
-        self.ckpt_bytes = BF16 * h
+        self.recomputed_layer_bytes = BF16 * h
         self.logit_bytes = (BF16 + 4) * v if tp == 1 else (BF16 + 4) * v / tp
         """Bytes per local token of the bf16 logits and their gradient (`loss_bytes`)."""
         self.loss_workspace = LOSS_CHUNK_COPIES * 4 * v * loss_chunk_tokens(v)
@@ -320,33 +320,34 @@ class CostModel:
         comms = self.communicators_per_rank * self.hw.communicator_bytes
         return params + grads + states + comms + self.loss_workspace
 
-    def token_bytes(self, ckpt: int) -> float:
+    def token_bytes(self, recompute_layers: int) -> float:
         """Activation bytes per local token with ``ckpt`` recomputed layers."""
         n = self.model.num_layers
-        recompute_buffer = self.act_bytes if ckpt else 0
-        kept = (n - ckpt) * self.act_bytes + ckpt * self.ckpt_bytes
+        recompute_buffer = self.act_bytes if recompute_layers else 0
+        kept = (n - recompute_layers) * self.act_bytes \
+            + recompute_layers * self.recomputed_layer_bytes
         return kept + recompute_buffer + self.logit_bytes
 
-    def memory_of(self, tokens: int, degree: int, ckpt: int) -> float:
+    def memory_of(self, tokens: int, degree: int, recompute_layers: int) -> float:
         """Peak bytes per rank of a task with ``tokens`` (padded) tokens over ``degree`` ranks."""
         local = math.ceil(tokens / degree)
-        return self.static_memory + self.reserve + local * self.token_bytes(ckpt)
+        return self.static_memory + self.reserve + local * self.token_bytes(recompute_layers)
 
-    def min_ckpt(self, tokens: int, degree: int) -> Optional[int]:
+    def min_recompute_layers(self, tokens: int, degree: int) -> Optional[int]:
         """Fewest recomputed layers for which the task fits the budget; ``None``: none does."""
         local = math.ceil(tokens / degree)
         n = self.model.num_layers
         if local * self.token_bytes(0) <= self._free:
             return 0
         # token_bytes(c) = token_bytes(0) + act - c*(act - ckpt) for c >= 1
-        gain = self.act_bytes - self.ckpt_bytes
+        gain = self.act_bytes - self.recomputed_layer_bytes
         need = (local * (self.token_bytes(0) + self.act_bytes) - self._free) / (local * gain)
         c = max(1, math.ceil(need - 1e-12))
         return c if c <= n else None
 
-    def max_tokens(self, degree: int, ckpt: int) -> int:
+    def max_tokens(self, degree: int, recompute_layers: int) -> int:
         """Most tokens a task of ``degree`` ranks with ``ckpt`` recomputed layers can hold."""
-        return int(self._free // self.token_bytes(ckpt)) * degree
+        return int(self._free // self.token_bytes(recompute_layers)) * degree
 
     def pad_multiple(self, degree: int) -> int:
         """The largest `megatron_dcp.plan.plan.pad_multiple` over the layouts allowed at
@@ -416,12 +417,12 @@ class CostModel:
         return result
 
     # ------------------------------------------------------------------ time
-    def _rates_for(self, layout: Layout, ckpt: int) -> _Rates:
+    def _rates_for(self, layout: Layout, recompute_layers: int) -> _Rates:
         """Seconds per unit of every term for one task shape (cached: the planner asks for the
         same few shapes thousands of times)."""
         m, hw = self.model, self.hw
         n, h, tp = m.num_layers, m.hidden_size, self.tensor_parallel
-        rc = ckpt / n
+        rc = recompute_layers / n
         passes = 3.0 + rc
         gemm = (n * 2 * self.layer_params * passes + 3 * 2 * m.vocab_size * h / tp) \
             / hw.linear_flops
@@ -456,15 +457,15 @@ class CostModel:
                        attention * s("attention_" + layout_kind(layout.ulysses, layout.ring)),
                        p2p * p2p_s, p2p_latency * p2p_s, a2a * a2a_s, a2a_latency * a2a_s,
                        tp_rate * tp_s, tp_latency * tp_s, per_token * s("per_token"))
-        self._rates[(layout, ckpt)] = rates
+        self._rates[(layout, recompute_layers)] = rates
         return rates
 
-    def terms(self, tokens: float, pairs: float, layout: Layout, ckpt: int,
+    def terms(self, tokens: float, pairs: float, layout: Layout, recompute_layers: int,
               pack: Optional[float] = None) -> Terms:
         """The table of a task with ``tokens`` tokens and ``pairs`` attention pairs (hot path:
         plain float arithmetic on the cached rates). ``pack``: the pack factor to use instead
         of the hardware's curve at this task's size."""
-        r = self._rates.get((layout, ckpt)) or self._rates_for(layout, ckpt)
+        r = self._rates.get((layout, recompute_layers)) or self._rates_for(layout, recompute_layers)
         d = layout.ulysses * layout.ring
         local = tokens / d
         if pack is None:
@@ -488,11 +489,11 @@ class CostModel:
                 + t.all_to_all_latency + t.tensor_parallel + t.tensor_parallel_latency
                 + t.per_token + t.per_task)
 
-    def time_of(self, tokens: float, pairs: float, layout: Layout, ckpt: int) -> float:
+    def time_of(self, tokens: float, pairs: float, layout: Layout, recompute_layers: int) -> float:
         """Predicted seconds of a task."""
-        return self.total(self.terms(tokens, pairs, layout, ckpt))
+        return self.total(self.terms(tokens, pairs, layout, recompute_layers))
 
-    def marginal_time(self, tokens: float, pairs: float, layout: Layout, ckpt: int,
+    def marginal_time(self, tokens: float, pairs: float, layout: Layout, recompute_layers: int,
                       hidden: float = 1.0) -> float:
         """The part of ``time_of`` that grows with the task's sequences (GEMM FLOPs, attention,
         element-wise work, all-to-all and TP volume), without per-task costs (launches, weight
@@ -500,25 +501,26 @@ class CostModel:
         attention + (1 - hidden) x ring traffic`` (their time has ``max(attention, traffic)``,
         which any fixed mix stays below). For one ``hidden``, the sum over a task's sequences
         never exceeds the task's time: valid lower bounds."""
-        t = self.terms(tokens, pairs, layout, ckpt, pack=self._pack_floor)
+        t = self.terms(tokens, pairs, layout, recompute_layers, pack=self._pack_floor)
         attention = t.attention
         if layout.ring > 1 and hidden < 1.0:
             attention = hidden * t.attention + (1.0 - hidden) * t.p2p
         return t.gemm + attention + t.per_token + t.all_to_all + t.tensor_parallel
 
-    def breakdown(self, tokens: float, pairs: float, layout: Layout, ckpt: int) -> TimeBreakdown:
+    def breakdown(self, tokens: float, pairs: float, layout: Layout, recompute_layers: int
+                  ) -> TimeBreakdown:
         """Parts of ``time_of`` (for the simulator's shares)."""
-        t = self.terms(tokens, pairs, layout, ckpt)
+        t = self.terms(tokens, pairs, layout, recompute_layers)
         total = self.total(t)
         compute = t.gemm + t.attention + t.per_token
         overhead = max(0.0, t.weights - t.gemm) + t.per_task
         comm = max(0.0, total - compute - overhead)
-        recompute = total - self.time_of(tokens, pairs, layout, 0) if ckpt else 0.0
+        recompute = total - self.time_of(tokens, pairs, layout, 0) if recompute_layers else 0.0
         return TimeBreakdown(total=total, compute=compute, comm=comm, recompute=recompute,
                              overhead=overhead)
 
     def best_time(self, tokens: float, pairs: float, degree: int,
-                  ckpt: int) -> tuple[float, Layout]:
+                  recompute_layers: int) -> tuple[float, Layout]:
         """Fastest allowed layout of an aligned group of ``degree`` ranks.
 
         The layout is chosen on a canonical representative of the task's size class (tokens and
@@ -527,20 +529,21 @@ class CostModel:
         """
         layouts = self.layouts(degree)
         if len(layouts) == 1:
-            return self.time_of(tokens, pairs, layouts[0], ckpt), layouts[0]
+            return self.time_of(tokens, pairs, layouts[0], recompute_layers), layouts[0]
         if not layouts:
             raise PlanError(f"no attention layout allows degree {degree} for {self.model.name}")
         # classes: tokens and pairs/token within a factor of two (bit lengths: cheap)
         t_class = int(tokens).bit_length()
         r_class = int(4.0 * pairs / (tokens or 1.0)).bit_length()
-        key = (degree, ckpt, t_class, r_class)
+        key = (degree, recompute_layers, t_class, r_class)
         lay = self._best_layout.get(key)
         if lay is None:
             rep_tokens = 1.5 * 2.0 ** (t_class - 1) if t_class else 1.0
             rep_pairs = rep_tokens * (1.5 * 2.0 ** (r_class - 1) if r_class else 0.0) / 4.0
-            lay = min(layouts, key=lambda x: self.time_of(rep_tokens, rep_pairs, x, ckpt))
+            lay = min(layouts,
+                      key=lambda x: self.time_of(rep_tokens, rep_pairs, x, recompute_layers))
             self._best_layout[key] = lay
-        return self.time_of(tokens, pairs, lay, ckpt), lay
+        return self.time_of(tokens, pairs, lay, recompute_layers), lay
 
     # ------------------------------------------------------------------ placed tasks
     def _task_sizes(self, task: Task, lengths: Sequence[int],
@@ -595,7 +598,7 @@ class CostModel:
         states = 16.0 * self.params / (w if self.zero_stage >= 1 else 1)
         return comm + 2 * states / self.hw.hbm_bandwidth
 
-    def slot_time(self, ckpt: int) -> float:
+    def slot_time(self, recompute_layers: int) -> float:
         """Shortest lockstep slot whose tasks recompute ``ckpt`` layers: every rank runs a
         micro-step in every slot (an idle one a one-token task), and ZeRO moves parameters and
         gradients over the DCP world in each: stage 3 all-gathers the bf16 parameters in forward,
@@ -607,9 +610,9 @@ class CostModel:
         if w > 1 and s >= 2:
             bw = self.hw.intra_bandwidth if w <= self.ranks_per_node else self.hw.inter_bandwidth
             share = (w - 1) / w * BF16 * self.params / bw
-            passes = 1.0 + (2.0 + ckpt / self.model.num_layers if s >= 3 else 0.0)
+            passes = 1.0 + (2.0 + recompute_layers / self.model.num_layers if s >= 3 else 0.0)
             comm = passes * share
-        one = self.time_of(1, self.attn_pairs(1), self.layouts(1)[0], ckpt)
+        one = self.time_of(1, self.attn_pairs(1), self.layouts(1)[0], recompute_layers)
         return max(one, comm)
 
     def model_flops(self, lengths: Sequence[int],

@@ -1,6 +1,6 @@
 """The free passes of the DCP planner: DCP-inter (per-sequence degree, heterogeneous groups
 running at once, short sequences packed, a different number of micro-steps per rank) with
-DCP-intra (per-task recompute depth: the fewest recomputed layers that fit; a wider group where
+DCP-intra (per task: the fewest recomputed layers that fit; a wider group where
 that needs less work). `megatron_dcp.plan.planners.plan_dcp` runs them as candidates.
 
 One *pass*, for a degree floor ``f``, a target makespan ``M`` and a packing grain ``g``:
@@ -174,17 +174,17 @@ def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]
     last: list[Optional[int]] = [None] * ctx.world  # index into ``out`` of each rank's last task
     out: list[Draft] = []
     for d in drafts:
-        a, b = d.start_rank, d.start_rank + d.size
+        a, b = d.start_rank, d.start_rank + d.degree
         k = last[a]
         prev = out[k] if k is not None else None
-        if prev is not None and prev.start_rank == a and prev.size == d.size and \
+        if prev is not None and prev.start_rank == a and prev.degree == d.degree and \
                 all(last[r] == k for r in range(a, b)):
             seqs = prev.seqs + d.seqs
-            tokens = ctx.padded_tokens(seqs, d.size)
+            tokens = ctx.padded_tokens(seqs, d.degree)
             fits_cap = tokens <= (ctx.pack_tokens or tokens)
-            c = ctx.recompute_for(tokens, d.size, mode) if fits_cap else None
+            c = ctx.recompute_for(tokens, d.degree, mode) if fits_cap else None
             if c is not None:
-                merged = ctx.draft(a, d.size, seqs, c)
+                merged = ctx.draft(a, d.degree, seqs, c)
                 if merged.duration <= prev.duration + d.duration:
                     merged.start = prev.start
                     out[k] = merged

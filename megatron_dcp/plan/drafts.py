@@ -15,12 +15,12 @@ from megatron_dcp.plan.vocabulary import Vocabulary
 
 @dataclass
 class Draft:
-    """A task before it becomes a `Task`: contiguous ranks ``[start_rank, start_rank + size)``."""
+    """A task before it becomes a `Task`: contiguous ranks ``[start_rank, start_rank + degree)``."""
 
     start_rank: int
-    size: int
+    degree: int
     seqs: list[int]
-    ckpt: int
+    recompute_layers: int
     layout: Layout
     duration: float
     release: float = 0.0
@@ -76,7 +76,8 @@ class PlanContext:
         return sum(padded(lengths[s], degree) for s in seqs)
 
     def recompute_for(self, padded_tokens: int, degree: int, mode: str) -> Optional[int]:
-        """Checkpoint depth of a task under ``mode`` (min, full, none); ``None``: does not fit."""
+        """Recomputed layers of a task under the recompute ``mode`` (`DCPConfig.recompute`: auto,
+        the fewest that fit; full; none); ``None``: does not fit."""
         local = -(-padded_tokens // degree)
         if mode == "none":
             return 0 if local <= self._local0 else None
@@ -86,26 +87,23 @@ class PlanContext:
             return 0
         if local > self._local_full:
             return None
-        return self.cm.min_ckpt(padded_tokens, degree)
+        return self.cm.min_recompute_layers(padded_tokens, degree)
 
     def baseline_mode(self) -> str:
-        """A baseline's checkpointing: full unless the config says none."""
+        """A baseline's recompute mode: full unless the config says none."""
         return "none" if self.recompute_mode == "none" else "full"
 
-    def dcp_mode(self) -> str:
-        """DCP-intra's checkpointing: fewest recomputed layers unless the config fixes it."""
-        return {"auto": "min"}.get(self.recompute_mode, self.recompute_mode)
-
-    def draft(self, start_rank: int, size: int, seqs: list[int], ckpt: int, release: float = 0.0,
-              layout: Optional[Layout] = None) -> Draft:
+    def draft(self, start_rank: int, degree: int, seqs: list[int], recompute_layers: int,
+              release: float = 0.0, layout: Optional[Layout] = None) -> Draft:
         """A draft task with its best layout and predicted duration."""
         tokens = sum(self.lengths[s] for s in seqs)
         pairs = sum(self.pairs[s] for s in seqs)
         if layout is None:
-            duration, layout = self.cm.best_time(tokens, pairs, size, ckpt)
+            duration, layout = self.cm.best_time(tokens, pairs, degree, recompute_layers)
         else:
-            duration = self.cm.time_of(tokens, pairs, layout, ckpt)
-        return Draft(start_rank, size, list(seqs), ckpt, layout, duration, release, tokens)
+            duration = self.cm.time_of(tokens, pairs, layout, recompute_layers)
+        return Draft(start_rank, degree, list(seqs), recompute_layers, layout, duration, release,
+                     tokens)
 
 
 def retime(drafts: Sequence[Draft], world: int, barriers: "bool | str" = True) -> float:
@@ -121,7 +119,7 @@ def retime(drafts: Sequence[Draft], world: int, barriers: "bool | str" = True) -
         if barriers == "rounds" and d.release != round_key:
             round_key = d.release
             round_start = end_max
-        a, b = d.start_rank, d.start_rank + d.size
+        a, b = d.start_rank, d.start_rank + d.degree
         start = max(avail[a:b]) if b - a > 1 else avail[a]
         if barriers == "rounds":
             start = max(start, round_start)
@@ -144,14 +142,14 @@ def retime_slots(drafts: Sequence[Draft], cm: CostModel) -> float:
     lasts the longer of its longest task and `CostModel.slot_time` (every rank runs a micro-step
     in every slot). Every draft needs a slot. Returns the makespan (the simulator's rule too)."""
     slot_len: dict[int, float] = {}
-    depth: dict[int, int] = {}
+    recompute_layers: dict[int, int] = {}
     for d in drafts:
         slot_len[d.slot] = max(slot_len.get(d.slot, 0.0), d.duration)
-        depth[d.slot] = d.ckpt
+        recompute_layers[d.slot] = d.recompute_layers
     starts, clock = {}, 0.0
     for k in sorted(slot_len):
         starts[k] = clock
-        clock += max(slot_len[k], cm.slot_time(depth[k]))
+        clock += max(slot_len[k], cm.slot_time(recompute_layers[k]))
     for d in drafts:
         d.start = starts[d.slot]
     return clock
@@ -206,9 +204,10 @@ def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Seq
     cm = ctx.cm
     for tid, k in enumerate(order):
         d = drafts[k]
-        task = Task(id=tid, ranks=tuple(range(d.start_rank, d.start_rank + d.size)),
+        task = Task(id=tid, ranks=tuple(range(d.start_rank, d.start_rank + d.degree)),
                     seqs=tuple(d.seqs), ulysses=d.layout.ulysses, ring=d.layout.ring,
-                    recompute_layers=d.ckpt, start=d.start, duration=d.duration, slot=d.slot)
+                    recompute_layers=d.recompute_layers, start=d.start, duration=d.duration,
+                    slot=d.slot)
         # memory with the padding of the layout the task got (the runtime's own rule)
         tasks.append(replace(task, memory=cm.memory(task, ctx.lengths)))
     frames = tuple(ctx.frame_tokens) if ctx.frame_tokens is not None else None
@@ -221,9 +220,10 @@ def lighten(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
     (same ranks, sequences and order)."""
     result = []
     for d in drafts:
-        ckpt = ctx.recompute_for(ctx.padded_tokens(d.seqs, d.size), d.size, ctx.dcp_mode())
-        if ckpt is None or ckpt >= d.ckpt:
+        tokens = ctx.padded_tokens(d.seqs, d.degree)
+        recompute_layers = ctx.recompute_for(tokens, d.degree, ctx.recompute_mode)
+        if recompute_layers is None or recompute_layers >= d.recompute_layers:
             result.append(replace(d))
         else:
-            result.append(ctx.draft(d.start_rank, d.size, d.seqs, ckpt, d.release))
+            result.append(ctx.draft(d.start_rank, d.degree, d.seqs, recompute_layers, d.release))
     return result

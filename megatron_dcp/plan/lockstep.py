@@ -1,22 +1,24 @@
-"""Lockstep schedules: every rank runs the same micro-step slots, each slot one recompute depth.
+"""Lockstep schedules: every rank runs the same micro-step slots, each slot one number of
+recomputed layers.
 
 ZeRO-3 all-gathers every module's parameters over the DCP world in forward, backward and
 recompute, ZeRO-2 reduce-scatters gradients in every backward: both need every rank to run the
-same number of micro-steps, and ZeRO-3 the same modules in each (the same recompute depth). In a
-lockstep plan a slot lasts as long as its longest task (`retime_slots`); a rank without a task in
-a slot runs an empty micro-step of the slot's depth. So DCP keeps its freedom inside a slot:
-groups of any size side by side, short sequences packed to the slot's length.
+same number of micro-steps, and ZeRO-3 the same modules in each (the same recomputed layers). In
+a lockstep plan a slot lasts as long as its longest task (`retime_slots`); a rank without a task
+in a slot runs an empty micro-step with the slot's recomputed layers. So DCP keeps its freedom
+inside a slot: groups of any size side by side, short sequences packed to the slot's length.
 
 `lockstep_pass` builds slots in three steps, longest work first:
 
 1. *Wide or deep items* (a sequence whose degree is above 1 or that needs more recompute than
-   the short ones): each slot is opened by the longest one left (its length and depth are the
-   slot's); later ones join the first slot where a free group of their degree (or a wider one,
-   while work grows less than `MAX_WORK_GROWTH`) finishes within the slot at its depth, or pack
-   into a group of their degree already there (with ``extend``: else lengthen the slot where
-   that costs least, if less than a slot of their own).
-2. *Short items* (one rank, the base depth) fill the ranks those slots leave free, worst-fit
-   decreasing (each to the rank of a slot with the most time left, packed into one task).
+   the short ones): each slot is opened by the longest one left (its length and recomputed
+   layers are the slot's); later ones join the first slot where a free group of their degree
+   (or a wider one, while work grows less than `MAX_WORK_GROWTH`) finishes within the slot at
+   its recomputed layers, or pack into a group of their degree already there (with ``extend``:
+   else lengthen the slot where that costs least, if less than a slot of their own).
+2. *Short items* (one rank, the base recomputed layers) fill the ranks those slots leave free,
+   worst-fit decreasing (each to the rank of a slot with the most time left, packed into one
+   task).
 3. The short items left over get slots of their own: as few as memory (and ``pack_tokens``)
    allow, every rank's task balanced to the same length.
 
@@ -38,10 +40,10 @@ from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 MEMORY_SLACK = 0.9
 """Step 3 plans the short items' slots to fill at most this share of a rank's token capacity:
 packing is not perfect, and a slot that overflows would need another."""
-LOCKSTEP_PASSES = (("node", 1.0, "min", False), ("node", 1.0, "min", True),
-                   ("node", 1.0, "full", True), (1, 0.25, "min", False),
-                   ("node", 1.0, "full", False), ("node", 0.5, "min", True),
-                   (1, 0.5, "min", False), (1, 0.25, "full", False))
+LOCKSTEP_PASSES = (("node", 1.0, "auto", False), ("node", 1.0, "auto", True),
+                   ("node", 1.0, "full", True), (1, 0.25, "auto", False),
+                   ("node", 1.0, "full", False), ("node", 0.5, "auto", True),
+                   (1, 0.5, "auto", False), (1, 0.25, "full", False))
 """(degree floor, target factor, recompute, extend) of the lockstep passes, most useful first:
 the target is the slot length a wide sequence should stay within (a multiple of the lower
 bound); recompute ``full`` (every layer, where the recompute mode is ``auto``) fits several
@@ -52,29 +54,29 @@ left over, worse where later ones would fill a new slot)."""
 
 @dataclass
 class _Item:
-    """One sequence with the degree and depth it runs at, and its time there."""
+    """One sequence with the degree and recomputed layers it runs at, and its time there."""
 
     seq: int
     degree: int
-    ckpt: int
+    recompute_layers: int
     time: float
     options: list[tuple[int, int]] = field(default_factory=list)
     """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where it
     fits."""
     times: dict[tuple[int, int], float] = field(default_factory=dict)
-    """Time by (degree, depth), filled as slots ask."""
+    """Time by (degree, recompute_layers), filled as slots ask."""
 
 
 class _Task:
     """A task of a slot being filled: a group of ranks and the sequences packed on it."""
 
-    __slots__ = ("slot", "start", "size", "seqs", "padded", "raw", "pairs", "time")
+    __slots__ = ("slot", "start", "degree", "seqs", "padded", "raw", "pairs", "time")
 
     def __init__(self, slot: "_Slot", start: int, size: int) -> None:
-        self.slot, self.start, self.size = slot, start, size
+        self.slot, self.start, self.degree = slot, start, size
         self.seqs: list[int] = []
         self.padded = 0
-        """Tokens after padding at ``size``: what the task's memory counts."""
+        """Tokens after padding at ``degree``: what the task's memory counts."""
         self.raw = 0
         self.pairs = 0.0
         self.time = 0.0
@@ -87,23 +89,25 @@ class _Task:
 
     def with_seq(self, ctx: PlanContext, seq: int, mode: str) -> Optional[tuple[int, float]]:
         """(padded tokens, time) of the task with ``seq`` added; ``None`` if that does not fit
-        the slot's depth, the pack budget (a sequence alone may exceed it) or its length."""
-        padded = self.padded + ctx.padded(ctx.lengths[seq], self.size)
+        the slot's recomputed layers, the pack budget (a sequence alone may exceed it) or its
+        length."""
+        padded = self.padded + ctx.padded(ctx.lengths[seq], self.degree)
         if self.seqs and ctx.pack_tokens and padded > ctx.pack_tokens:
             return None
-        c = ctx.recompute_for(padded, self.size, mode)
-        if c is None or c > self.slot.depth:
+        c = ctx.recompute_for(padded, self.degree, mode)
+        if c is None or c > self.slot.recompute_layers:
             return None
         t = ctx.cm.best_time(self.raw + ctx.lengths[seq], self.pairs + ctx.pairs[seq],
-                             self.size, self.slot.depth)[0]
+                             self.degree, self.slot.recompute_layers)[0]
         return (padded, t) if t <= self.slot.length else None
 
 
 @dataclass
 class _Slot:
-    """A slot being filled: its depth, its length (its first task's time) and its tasks."""
+    """A slot being filled: its recomputed layers, its length (its first task's time) and its
+    tasks."""
 
-    depth: int
+    recompute_layers: int
     length: float
     busy: bytearray
     tasks: list[_Task] = field(default_factory=list)
@@ -113,8 +117,8 @@ class _Slot:
 
     def added(self, task: _Task) -> None:
         """Keep `emptiest` right after ``task`` got a sequence."""
-        same = self.by_size[task.size]
-        self.emptiest[task.size] = min(same, key=lambda t: t.time) if len(same) > 1 else task
+        same = self.by_size[task.degree]
+        self.emptiest[task.degree] = min(same, key=lambda t: t.time) if len(same) > 1 else task
     no_block: set[int] = field(default_factory=set)
     """Sizes of which no free group is left."""
 
@@ -145,7 +149,7 @@ def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: i
             break
         if best is None or t < best.time:
             best = _Item(info.i, d, c, t)
-    item = best or _Item(info.i, info.degree, info.ckpt, info.time)
+    item = best or _Item(info.i, info.degree, info.recompute_layers, info.time)
     item.options = [(d, c) for d, c in info.fits if d >= item.degree]
     return item
 
@@ -162,24 +166,25 @@ def _free_block(ctx: PlanContext, slot: _Slot, size: int) -> Optional[int]:
     return None
 
 
-def _time(ctx: PlanContext, item: _Item, degree: int, depth: int) -> float:
-    key = (degree, depth)
+def _time(ctx: PlanContext, item: _Item, degree: int, recompute_layers: int) -> float:
+    key = (degree, recompute_layers)
     t = item.times.get(key)
     if t is None:
         s = item.seq
-        t = item.times[key] = ctx.cm.best_time(ctx.lengths[s], ctx.pairs[s], degree, depth)[0]
+        t = ctx.cm.best_time(ctx.lengths[s], ctx.pairs[s], degree, recompute_layers)[0]
+        item.times[key] = t
     return t
 
 
 def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
-    """Put a wide or deep item into ``slot`` if it finishes within the slot at its depth: packed
-    into the task of its degree with the most time left, or on a free group of its degree (or a
-    wider one, while its work grows less than `MAX_WORK_GROWTH`)."""
+    """Put a wide or deep item into ``slot`` if it finishes within the slot at its recomputed
+    layers: packed into the task of its degree with the most time left, or on a free group of its
+    degree (or a wider one, while its work grows less than `MAX_WORK_GROWTH`)."""
     size = item.degree
     # packing adds at least the item's time less the fixed per-task cost
     task = slot.emptiest.get(size)
     if task is not None and slot.length - task.time >= \
-            _time(ctx, item, size, slot.depth) - ctx.cm.task_overhead:
+            _time(ctx, item, size, slot.recompute_layers) - ctx.cm.task_overhead:
         fit = task.with_seq(ctx, item.seq, mode)
         if fit is not None:
             task.add(ctx, item.seq, *fit)
@@ -187,9 +192,9 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
             return True
     work = None
     for d, c in item.options:
-        if c > slot.depth:
+        if c > slot.recompute_layers:
             continue
-        t = _time(ctx, item, d, slot.depth)
+        t = _time(ctx, item, d, slot.recompute_layers)
         if work is None:
             work = d * t
         elif d * t > MAX_WORK_GROWTH * work:
@@ -212,14 +217,14 @@ def _extend(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> boo
     size, best = item.degree, None
     for slot in slots:
         task = slot.emptiest.get(size)
-        if slot.depth < item.ckpt or task is None:
+        if slot.recompute_layers < item.recompute_layers or task is None:
             continue
         saved, slot.length = slot.length, math.inf
         fit = task.with_seq(ctx, item.seq, mode)
         slot.length = saved
         if fit is not None and (best is None or fit[1] - saved < best[0]):
             best = (fit[1] - saved, slot, task, fit)
-    alone = max(item.time, ctx.cm.slot_time(item.ckpt))
+    alone = max(item.time, ctx.cm.slot_time(item.recompute_layers))
     if best is None or best[0] >= alone:
         return False
     _, slot, task, fit = best
@@ -294,19 +299,20 @@ def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targe
     base = cm.model.num_layers if mode == "full" else 0
     wide, short = [], []
     for info in infos:
-        if info.degree > 1 or info.ckpt > base:
+        if info.degree > 1 or info.recompute_layers > base:
             wide.append(_choose(ctx, info, mode, target, base))
         else:
-            short.append(_Item(info.i, 1, info.ckpt, info.time))
+            short.append(_Item(info.i, 1, info.recompute_layers, info.time))
     wide.sort(key=lambda x: (-x.time, x.seq))
     short.sort(key=lambda x: (-x.time, x.seq))
     slots: list[_Slot] = []
     for item in wide:
         if not any(_join(ctx, slot, item, mode) for slot in slots
-                   if slot.depth >= item.ckpt) and \
+                   if slot.recompute_layers >= item.recompute_layers) and \
                 not (extend and _extend(ctx, slots, item, mode)):
             # a slot bound by ZeRO's traffic has room for more work at no cost
-            slot = _Slot(item.ckpt, max(item.time, cm.slot_time(item.ckpt)), bytearray(world))
+            layers = item.recompute_layers
+            slot = _Slot(layers, max(item.time, cm.slot_time(layers)), bytearray(world))
             task = _occupy(ctx, slot, _free_block(ctx, slot, item.degree), item.degree)
             task.add(ctx, item.seq, ctx.padded(ctx.lengths[item.seq], item.degree), item.time)
             slot.added(task)
@@ -331,7 +337,7 @@ def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targe
     for k, slot in enumerate(s for s in slots if any(t.seqs for t in s.tasks)):
         for t in slot.tasks:
             if t.seqs:
-                draft = ctx.draft(t.start, t.size, t.seqs, slot.depth)
+                draft = ctx.draft(t.start, t.degree, t.seqs, slot.recompute_layers)
                 draft.slot = k
                 drafts.append(draft)
     retime_slots(drafts, cm)
@@ -345,18 +351,18 @@ def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
     next_slot = [0] * ctx.world
     placed = []
     for d in order:
-        ranks = range(d.start_rank, d.start_rank + d.size)
+        ranks = range(d.start_rank, d.start_rank + d.degree)
         k = max(next_slot[r] for r in ranks)
         for r in ranks:
             next_slot[r] = k + 1
         placed.append((k, d))
-    depth: dict[int, int] = {}
+    recompute_layers: dict[int, int] = {}
     for k, d in placed:
-        depth[k] = max(depth.get(k, 0), d.ckpt)
+        recompute_layers[k] = max(recompute_layers.get(k, 0), d.recompute_layers)
     out = []
     for k, d in placed:
-        new = ctx.draft(d.start_rank, d.size, d.seqs, depth[k], layout=d.layout) \
-            if d.ckpt != depth[k] else replace(d)
+        new = ctx.draft(d.start_rank, d.degree, d.seqs, recompute_layers[k], layout=d.layout) \
+            if d.recompute_layers != recompute_layers[k] else replace(d)
         new.slot = k
         out.append(new)
     retime_slots(out, ctx.cm)
@@ -366,24 +372,25 @@ def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
 def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
                         longest: float) -> list[tuple[float, str, list[Draft]]]:
     """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
-    the ``full`` ones only where ``mode`` is ``min``), from the sequences' degree choices
+    the ``full`` ones only where ``mode`` is ``auto``), from the sequences' degree choices
     ``infos`` under ``mode``; ``bound`` and ``longest`` as in `megatron_dcp.plan.dcp`."""
-    passes = [(floor_of(ctx, floor), factor, mode if depth == "min" else depth, extend)
-              for floor, factor, depth, extend in LOCKSTEP_PASSES
-              if depth == "min" or mode == "min"]
+    passes = [(floor_of(ctx, floor), factor, mode if recompute == "auto" else recompute, extend)
+              for floor, factor, recompute, extend in LOCKSTEP_PASSES
+              if recompute == "auto" or mode == "auto"]
     candidates = []
     full = None
-    for floor, factor, depth, extend in passes_for(ctx, passes):
+    for floor, factor, recompute, extend in passes_for(ctx, passes):
         use = infos
-        if depth != mode:
+        if recompute != mode:
             if full is None:
                 full = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
-                degree_choice(ctx, full, depth)
+                degree_choice(ctx, full, recompute)
             use = full
         if floor > 1:
-            use = [raised(ctx, info, depth, floor) for info in use]
-        drafts = lockstep_pass(ctx, use, depth, max(bound * factor, longest), extend)
+            use = [raised(ctx, info, recompute, floor) for info in use]
+        drafts = lockstep_pass(ctx, use, recompute, max(bound * factor, longest), extend)
         makespan = retime_slots(drafts, ctx.cm)
-        name = f"lockstep(floor={floor},M={factor},ckpt={depth}{',extend' if extend else ''})"
+        name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
+                f"{',extend' if extend else ''})")
         candidates.append((makespan, name, drafts))
     return candidates

@@ -2,14 +2,15 @@
 
 A plan assigns every sequence of one global batch to exactly one task. A task is a set of
 sequences (packed, varlen) run together by a group of ranks with one attention layout
-(``ulysses`` x ``ring`` = group size) and one checkpoint depth. Every rank runs its tasks in
-``(start, id)`` order, so two tasks that share ranks are ordered the same on all of them.
+(``ulysses`` x ``ring`` = group size) and one number of recomputed layers. Every rank runs its
+tasks in ``(start, id)`` order, so two tasks that share ranks are ordered the same on all of them.
 
 A *lockstep* plan also gives every task a ``slot``: every rank of the world runs every slot of the
 plan, its own task of the slot or, where it has none, an empty micro-step (zero loss weight) with
-the slot's recompute depth, so all ranks issue the same sequence of engine collectives (ZeRO-3's
-per-module all-gathers, ZeRO-2's per-micro-step reduce-scatters). All tasks of a slot recompute
-the same number of layers. A plan without slots is *free*: ranks run different numbers of tasks.
+the slot's ``recompute_layers``, so all ranks issue the same sequence of engine collectives
+(ZeRO-3's per-module all-gathers, ZeRO-2's per-micro-step reduce-scatters). All tasks of a slot
+recompute the same number of layers. A plan without slots is *free*: ranks run different numbers
+of tasks.
 
 Group layout convention (shared by planner, cost model and runtime): group-local rank ``g`` of a
 task is ``ranks[g]``; its ring index is ``g // ulysses`` and its Ulysses index ``g % ulysses``.
@@ -45,8 +46,8 @@ def padded_length(n: int, ulysses: int, ring: int) -> int:
 
 @dataclass(frozen=True)
 class Task:
-    """One unit of work: sequences ``seqs`` run by ``ranks`` with one layout and recompute
-    depth."""
+    """One unit of work: sequences ``seqs`` run by ``ranks`` with one layout and
+    ``recompute_layers``."""
 
     id: int
     ranks: tuple[int, ...]
@@ -224,8 +225,8 @@ class Plan:
         return any(t.slot is not None for t in self.tasks)
 
     def slot_depths(self) -> list[int]:
-        """Recompute depth of every slot of a lockstep plan, by slot index (``[]`` when free).
-        A slot no task uses (allowed, never planned) has depth 0."""
+        """``recompute_layers`` of every slot of a lockstep plan, by slot index (``[]`` when free).
+        A slot no task uses (allowed, never planned) recomputes 0."""
         slots = [t.slot for t in self.tasks if t.slot is not None]
         depths = [0] * (max(slots) + 1 if slots else 0)
         for t in self.tasks:

@@ -146,7 +146,7 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     """Plan one global batch with ``config.policy``; deterministic in its inputs.
 
     Policies: ``dcp`` (DCP-inter + DCP-intra, `megatron_dcp.plan.dcp`), ``dcp-inter`` (the same
-    passes with the baselines' checkpointing: every layer recomputed), ``dcp-intra`` (the bucket
+    passes with the baselines' recompute: every layer recomputed), ``dcp-intra`` (the bucket
     plan, lockstep rounds kept, each task with the fewest recomputed layers that fit), and the
     baselines ``bucket``, ``packed``, ``static``, ``greedy-cp`` (`megatron_dcp.plan.baselines`).
 
@@ -255,7 +255,7 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
     ``<baseline>+intra``) and every candidate's predicted makespan (module doc). ``inter``: the
     DCP passes are candidates; ``intra``: fewest recomputed layers (else the baselines' full
     recompute); ``lockstep``: every candidate in slots."""
-    mode = ctx.dcp_mode() if intra else ctx.baseline_mode()
+    mode = ctx.recompute_mode if intra else ctx.baseline_mode()
     candidates: list[Candidate] = []
     if inter:
         infos = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]

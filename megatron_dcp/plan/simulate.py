@@ -91,7 +91,7 @@ def _bound(lengths: Sequence[int], pairs_of: Sequence[float], cm: CostModel,
 
 class _DegreeOptions:
     """The (degree, time, work) choices of one sequence for `_bound`: every degree of the
-    vocabulary where it fits memory under the checkpoint policy, each with the time of its best
+    vocabulary where it fits memory under the recompute mode, each with the time of its best
     layout and the work (ranks x `CostModel.marginal_time`, ring traffic ``hidden``) of its
     least-work layout."""
 
@@ -100,7 +100,7 @@ class _DegreeOptions:
         self.kinds = {layout_kind(lay.ulysses, lay.ring) for d in vocab.sizes
                       for lay in cm.layouts(d)}
 
-    def ckpt(self, tokens: int, d: int) -> Optional[int]:
+    def recompute_layers(self, tokens: int, d: int) -> Optional[int]:
         """Recomputed layers of ``tokens`` local tokens on ``d`` ranks under the policy (``none``:
         0, ``full``: every layer, else the fewest that fit); ``None`` where they do not fit."""
         cm = self.cm
@@ -109,7 +109,7 @@ class _DegreeOptions:
             return 0 if cm.memory_of(tokens, d, 0) <= cm.budget else None
         if self.recompute_mode == "full":
             return n_layers if cm.memory_of(tokens, d, n_layers) <= cm.budget else None
-        return cm.min_ckpt(tokens, d)
+        return cm.min_recompute_layers(tokens, d)
 
     def __call__(self, n: int, pairs: float, least_work_only: bool):
         """(degree, time, work) per fitting degree, exact best layout. ``least_work_only``: stop
@@ -119,7 +119,7 @@ class _DegreeOptions:
         cm, hidden = self.cm, self.hidden
         seen: set[str] = set()
         for d in self.vocab.sizes:
-            c = self.ckpt(cm.padded(n, d), d)
+            c = self.recompute_layers(cm.padded(n, d), d)
             if c is None:
                 continue
             layouts = cm.layouts(d)

@@ -65,7 +65,7 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
 
 def _check_group(t: Task, world: int, model: Optional[ModelShape],
                  vocabulary: Optional[Vocabulary]) -> None:
-    """A task's ranks, layout and recompute depth: ranks distinct and in the world, ``ulysses x
+    """A task's ranks, layout and ``recompute_layers``: ranks distinct and in the world, ``ulysses x
     ring`` equal to their number, ``recompute_layers`` within the model, the Ulysses degree dividing
     the heads per tensor-parallel rank, the group one of the vocabulary's."""
     if not t.ranks:
@@ -133,16 +133,16 @@ def _check_overlaps(plan: Plan) -> None:
 
 def _check_slots(plan: Plan) -> None:
     """The slot rules of a lockstep plan (see `validate_plan`)."""
-    depth: dict[int, tuple[int, int]] = {}  # slot -> (recompute_layers, first task id)
+    recompute_layers: dict[int, tuple[int, int]] = {}  # slot -> (recompute_layers, first task id)
     last = [(-1, -1)] * plan.world_size  # per rank: (slot, task id) of its previous task
     for t in plan.tasks:  # (start, id) order: the order every rank runs its tasks in
         if t.slot is None or t.slot < 0:
             raise PlanError(f"task {t.id} has slot {t.slot!r} in a lockstep plan (every task "
                             "needs a slot >= 0)")
-        c, first = depth.setdefault(t.slot, (t.recompute_layers, t.id))
+        c, first = recompute_layers.setdefault(t.slot, (t.recompute_layers, t.id))
         if c != t.recompute_layers:
-            raise PlanError(f"slot {t.slot}: task {t.id} recomputes {t.recompute_layers} layers, task "
-                            f"{first} {c}: the tasks of a slot need one recompute depth")
+            raise PlanError(f"slot {t.slot}: task {t.id} recomputes {t.recompute_layers} layers, "
+                            f"task {first} {c}: the tasks of a slot recompute as many layers")
         for r in t.ranks:
             slot, tid = last[r]
             if t.slot == slot:
