@@ -30,8 +30,6 @@ IGNORE_INDEX = -100
 ignores it (torch's ``cross_entropy`` default)."""
 OVERSIZE_MODES = ("error", "truncate", "skip")
 SCHEDULES = ("auto", "free", "lockstep")
-RENAMED = {"checkpoint_policy": "recompute", "oversize_policy": "oversize"}
-"""Old names of fields, still accepted as JSON keys and flags (``--dcp_checkpoint_policy``)."""
 CALIBRATION_MODES = ("on", "off")
 WITHOUT_DCP = ("skip_nonfinite",)
 """Fields every engine honours in its plain data-parallel run too (no ``--dcp`` needed)."""
@@ -208,7 +206,6 @@ class DCPConfig:
         if not isinstance(section, dict):
             raise DCPConfigError('the "dcp" config section must be an object, got '
                                  f"{type(section).__name__}")
-        section = _renamed_keys(section)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(section) - known)
         if unknown:
@@ -247,18 +244,16 @@ class DCPConfig:
                 group.add_argument("--dcp", dest="dcp", action="store_true", help=help_text)
                 continue
             flag = "--dcp" + sep + f.name.replace("_", sep)
-            old = [("--dcp" + sep + o.replace("_", sep)) for o, new in RENAMED.items()
-                   if new == f.name]
             dest = "dcp_" + f.name
             kind = _field_type(f)
             kwargs: dict[str, Any] = dict(dest=dest, default=None, help=f"{help_text} (default: {f.default})")
             if kind is bool:  # a switch: given is True, absent None (the JSON or default decides)
-                group.add_argument(flag, *old, action="store_true", **kwargs)
+                group.add_argument(flag, action="store_true", **kwargs)
                 continue
             choices = _CHOICES.get(f.name)
             if choices:
                 kwargs["choices"] = choices
-            group.add_argument(flag, *old, type=kind, **kwargs)
+            group.add_argument(flag, type=kind, **kwargs)
         return parser
 
     @classmethod
@@ -302,18 +297,6 @@ _CHOICES = {
     "schedule": SCHEDULES,
     "calibration": CALIBRATION_MODES,
 }
-
-
-def _renamed_keys(section: dict[str, Any]) -> dict[str, Any]:
-    """``section`` with old key names (`RENAMED`) under their new names; both is an error."""
-    out = dict(section)
-    for old, new in RENAMED.items():
-        if old in out:
-            if new in out:
-                raise DCPConfigError(f'the "dcp" config section gives both {new!r} and its old '
-                                     f"name {old!r}")
-            out[new] = out.pop(old)
-    return out
 
 
 def _field_type(f: dataclasses.Field) -> type:

@@ -64,35 +64,33 @@ def test_degree_cap_above_world_is_an_error():
         DCPConfig(max_degree=4).check_world(2)
 
 
-def test_renamed_fields_keep_their_old_names():
-    """``recompute`` and ``oversize`` were ``checkpoint_policy`` and ``oversize_policy``: old JSON
-    keys and flags still work; giving both names is an error."""
+def test_old_names_of_fields_are_refused():
+    """``recompute`` and ``oversize`` were ``checkpoint_policy`` and ``oversize_policy`` before
+    0.1.0, never released: the old JSON keys and flags are errors, not aliases."""
     import argparse
 
     import pytest
 
     from megatron_dcp.config import DCPConfig, DCPConfigError
 
-    assert DCPConfig.from_dict({"checkpoint_policy": "none",
-                                "oversize_policy": "skip"}).recompute == "none"
-    for style, flags in (("deepspeed", ["--dcp_checkpoint_policy", "full",
-                                        "--dcp_oversize_policy", "truncate"]),
-                         ("megatron", ["--dcp-checkpoint-policy", "full",
-                                       "--dcp-oversize-policy", "truncate"])):
+    with pytest.raises(DCPConfigError, match="unknown key.*checkpoint_policy"):
+        DCPConfig.from_dict({"checkpoint_policy": "none"})
+    for style, flag in (("deepspeed", "--dcp_checkpoint_policy"),
+                        ("megatron", "--dcp-oversize-policy")):
         parser = DCPConfig.add_arguments(argparse.ArgumentParser(), style=style)
-        config = DCPConfig.from_args(parser.parse_args(["--dcp", *flags]), style=style)
-        assert (config.recompute, config.oversize) == ("full", "truncate")
-    with pytest.raises(DCPConfigError, match="both 'recompute' and its old name"):
-        DCPConfig.from_dict({"checkpoint_policy": "none", "recompute": "full"})
+        assert parser.parse_known_args(["--dcp", flag, "full"])[1] == [flag, "full"]
 
 
-def test_plans_written_with_the_old_task_key_load():
+def test_a_task_key_the_format_does_not_have_is_refused():
+    """``ckpt_layers`` (the old name of ``recompute_layers``) or any misspelt key is an error
+    naming it, not a task that silently recomputes nothing."""
     import pytest
 
     from megatron_dcp.plan.plan import Plan
 
-    old = {"world_size": 1, "lengths": [4], "tasks": [{"id": 0, "ranks": [0], "seqs": [0],
-                                                         "ckpt_layers": 2}]}
-    assert Plan.from_dict(old).tasks[0].recompute_layers == 2
-    with pytest.raises(ValueError, match="not both"):
-        Plan.from_dict({**old, "tasks": [{**old["tasks"][0], "recompute_layers": 1}]})
+    plan = {"world_size": 1, "lengths": [4], "tasks": [{"id": 0, "ranks": [0], "seqs": [0],
+                                                          "recompute_layers": 2}]}
+    assert Plan.from_dict(plan).tasks[0].recompute_layers == 2
+    plan["tasks"][0]["ckpt_layers"] = plan["tasks"][0].pop("recompute_layers")
+    with pytest.raises(ValueError, match="plan task \\[0\\]: unknown key\\(s\\) 'ckpt_layers'"):
+        Plan.from_dict(plan)

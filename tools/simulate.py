@@ -85,10 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", default="all", help="all, or a comma list of: " + ", ".join(ORDER))
     p.add_argument("--memory-budget-gb", type=float, default=None, help="GiB per rank for the "
                                                                         "planner")
-    p.add_argument("--recompute", "--checkpoint-policy", default="auto",
+    p.add_argument("--recompute", default="auto",
                    choices=("auto", "none", "full"),
                    help="recomputed layers per task: auto (fewest that fit), none, full")
-    p.add_argument("--oversize", "--oversize-policy", default="error",
+    p.add_argument("--oversize", default="error",
                    choices=("error", "truncate", "skip"),
                    help="a sequence that fits nowhere: error, truncate, skip")
     p.add_argument("--max-degree", type=int, default=None, help="largest group size")

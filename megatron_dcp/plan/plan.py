@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 PLAN_FORMAT_VERSION = 1
@@ -111,12 +111,11 @@ class Task:
         ring = _integer(d.get("ring", max(len(ranks) // ulysses, 1)), f"{where}.ring", 1)
         if ulysses * ring != len(ranks):
             raise ValueError(f"{where}: ulysses {ulysses} x ring {ring} != {len(ranks)} ranks")
+        unknown = sorted(set(d) - TASK_KEYS)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; known: "
+                             f"{', '.join(sorted(TASK_KEYS))}")
         slot = d.get("slot")
-        if "ckpt_layers" in d:  # plans written before the rename
-            if "recompute_layers" in d:
-                raise ValueError(f"{where}: give recompute_layers or its old name ckpt_layers, "
-                                 "not both")
-            d = {**d, "recompute_layers": d["ckpt_layers"]}
         return cls(
             id=_integer(d["id"], f"{where}.id"),
             ranks=tuple(ranks),
@@ -131,6 +130,10 @@ class Task:
             slot=_integer(slot, f"{where}.slot", 0) if slot is not None else None,
         )
 
+
+
+TASK_KEYS = frozenset(f.name for f in fields(Task))
+"""The keys of a task's JSON object; others are an error (a misspelt key would be dropped)."""
 
 def check_frame_tokens(lengths: "tuple[int, ...] | list[int]",
                        frame_tokens: "tuple[int, ...] | list[int]") -> None:
