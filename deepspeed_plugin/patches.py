@@ -1,8 +1,8 @@
 """Every change this plugin makes to DeepSpeed's behaviour, in one place: small, named, checked.
 
-The version policy and the registry are megatron-dcp's one for every library
-(`megatron_dcp.patching`): a patch refuses DeepSpeed versions it was not tested against, and
-every applied patch is listed by ``applied()`` and undone by ``undo_all()`` (also at exit).
+Every patch is applied through megatron-dcp's one registry (`megatron_dcp.patching.apply`): it
+refuses DeepSpeed versions it was not tested against, is applied once, listed by ``applied()``
+and undone by ``undo_all()`` (also at exit).
 
 * ``skip_shm_op_build``: ``deepspeed.init_distributed`` JIT-compiles the C++ op
   ``deepspeed_shm_comm`` (~50 s cold) on the CPU accelerator; it serves only inference all-reduce.
@@ -32,133 +32,119 @@ every applied patch is listed by ``applied()`` and undone by ``undo_all()`` (als
 
 from __future__ import annotations
 
-import importlib
+import collections
 import inspect
 from datetime import timedelta
 from typing import Any
 
-from megatron_dcp.patching import (PatchVersionError, applied, check_version, is_applied,
-                                   package_version, register, undo, undo_all)
+from megatron_dcp import patching
+from megatron_dcp.patching import PatchSet, PatchVersionError, applied, undo, undo_all
 
 __all__ = ["apply_all", "applied", "process_group_timeout", "skip_shm_op_build", "undo_all",
            "zero3_untraced_coordinator"]
 
-
-def _deepspeed_version() -> str:
-    return ".".join(map(str, package_version("deepspeed")))
-
-
-def _check_version(patch: str) -> None:
-    check_version("deepspeed", f"megatron-dcp patch {patch}")
+_UPDATE = "update deepspeed_plugin/patches.py"
 
 
 def skip_shm_op_build() -> None:
     """Make ``deepspeed.comm.torch.build_shm_op`` a no-op (see the module docstring). Reversible."""
-    name = "skip_shm_op_build"
-    if is_applied(name):
-        return
-    _check_version(name)
-    module: Any = importlib.import_module("deepspeed.comm.torch")
-    if not hasattr(module, "build_shm_op"):
-        raise PatchVersionError(f"megatron-dcp patch {name}: deepspeed.comm.torch.build_shm_op does "
-                           f"not exist in DeepSpeed {_deepspeed_version()}; update "
-                           "deepspeed_plugin/patches.py")
-    original = module.build_shm_op
-    module.build_shm_op = lambda: None
 
-    def undo() -> None:
-        module.build_shm_op = original
+    def install(patches: PatchSet) -> None:
+        patches.replace("deepspeed.comm.torch", "build_shm_op", lambda: None, aliases=False)
 
-    register(name, undo)
+    patching.apply("skip_shm_op_build", "deepspeed", install)
 
 
 def process_group_timeout(timeout: timedelta) -> None:
     """DeepSpeed's own process groups get ``timeout`` (see the module docstring). Reversible; a
     second call replaces the timeout."""
     name = "process_group_timeout"
-    undo(name)
-    _check_version(name)
-    from deepspeed.comm.torch import TorchBackend
-
-    original = TorchBackend.__dict__.get("new_group")
-    if original is None or list(inspect.signature(original).parameters) != ["self", "ranks"]:
-        raise PatchVersionError(f"megatron-dcp patch {name}: DeepSpeed {_deepspeed_version()}'s "
-                                "TorchBackend.new_group is not new_group(self, ranks); update "
-                                "deepspeed_plugin/patches.py")
 
     def new_group(self: Any, ranks: Any) -> Any:
         import torch.distributed
 
         return torch.distributed.new_group(ranks, timeout=timeout)
 
-    TorchBackend.new_group = new_group
+    def install(patches: PatchSet) -> None:
+        from deepspeed.comm.torch import TorchBackend
 
-    def revert() -> None:
-        TorchBackend.new_group = original
+        original = TorchBackend.__dict__.get("new_group")
+        if original is None or list(inspect.signature(original).parameters) != ["self", "ranks"]:
+            raise PatchVersionError(f"megatron-dcp patch {name}: DeepSpeed's "
+                                    f"TorchBackend.new_group is not new_group(self, ranks); "
+                                    f"{_UPDATE}")
+        patches.set(TorchBackend, "new_group", new_group)
 
-    register(name, revert)
+    undo(name)
+    patching.apply(name, "deepspeed", install)
+
+
+_COORDINATOR_STATE = ("trace_mode", "param_queue", "most_recent_step_id_param_fetched_for",
+                      "step_id_module_fetched_for", "step_id", "n_available_params", "profiler",
+                      "ongoing_fetch_leaf_module_events")
+
+
+def _coordinator(engine: Any, name: str) -> Any:
+    """``engine``'s ZeRO-3 parameter coordinator, checked to be the one the patch expects."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
+
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    coordinator = offload.get_param_coordinator() if offload is not None else None
+    prefix = "_PartitionedParameterCoordinator__"
+    missing = [n for n in _COORDINATOR_STATE if not hasattr(coordinator, prefix + n)]
+    if not isinstance(coordinator, ppc.PartitionedParameterCoordinator) or missing or \
+            not hasattr(coordinator, "_clean_inflight_param_registry"):
+        raise PatchVersionError(f"megatron-dcp patch {name}: DeepSpeed's ZeRO-3 parameter "
+                                f"coordinator differs from the one this patch was written for; "
+                                f"{_UPDATE}")
+    return coordinator
 
 
 def zero3_untraced_coordinator(engine: Any) -> None:
     """Replace ``reset_step`` of ``engine``'s ZeRO-3 parameter coordinator (see the docstring)."""
-    name = "zero3_untraced_coordinator"
-    _check_version(name)
     from deepspeed.runtime.zero import partitioned_param_coordinator as ppc
 
-    cls = ppc.PartitionedParameterCoordinator
-    offload = getattr(engine.optimizer, "parameter_offload", None)
-    coordinator = offload.get_param_coordinator() if offload is not None else None
+    name = "zero3_untraced_coordinator"
     prefix = "_PartitionedParameterCoordinator__"
-    needed = ("trace_mode", "param_queue", "most_recent_step_id_param_fetched_for",
-              "step_id_module_fetched_for", "step_id", "n_available_params", "profiler",
-              "ongoing_fetch_leaf_module_events")
-    missing = [n for n in needed if not hasattr(coordinator, prefix + n)]
-    if not isinstance(coordinator, cls) or missing or \
-            not hasattr(coordinator, "_clean_inflight_param_registry"):
-        raise PatchVersionError(f"megatron-dcp patch {name}: DeepSpeed {_deepspeed_version()}'s ZeRO-3 "
-                           "parameter coordinator differs from the one this patch was written for; "
-                           "update deepspeed_plugin/patches.py")
-    import collections
 
-    def reset_step() -> None:
-        coordinator._clean_inflight_param_registry()
-        setattr(coordinator, prefix + "trace_mode", ppc.ZeRoTraceMode.INVALID)
-        setattr(coordinator, prefix + "param_queue", collections.deque())
-        setattr(coordinator, prefix + "most_recent_step_id_param_fetched_for",
-                collections.defaultdict(lambda: int(-1e10)))
-        setattr(coordinator, prefix + "step_id_module_fetched_for",
-                collections.defaultdict(collections.deque))
-        setattr(coordinator, prefix + "step_id", 0)
-        setattr(coordinator, prefix + "n_available_params", 0)
-        getattr(coordinator, prefix + "profiler").reset_events()
-        getattr(coordinator, prefix + "ongoing_fetch_leaf_module_events").clear()
+    def install(patches: PatchSet) -> None:
+        coordinator = _coordinator(engine, name)
 
-    release = coordinator.release_sub_module
+        def reset_step() -> None:
+            coordinator._clean_inflight_param_registry()
+            setattr(coordinator, prefix + "trace_mode", ppc.ZeRoTraceMode.INVALID)
+            setattr(coordinator, prefix + "param_queue", collections.deque())
+            setattr(coordinator, prefix + "most_recent_step_id_param_fetched_for",
+                    collections.defaultdict(lambda: int(-1e10)))
+            setattr(coordinator, prefix + "step_id_module_fetched_for",
+                    collections.defaultdict(collections.deque))
+            setattr(coordinator, prefix + "step_id", 0)
+            setattr(coordinator, prefix + "n_available_params", 0)
+            getattr(coordinator, prefix + "profiler").reset_events()
+            getattr(coordinator, prefix + "ongoing_fetch_leaf_module_events").clear()
 
-    def release_sub_module(submodule: Any, forward: bool = False) -> None:
-        # Mark persistent parameters external for the call: the untraced path then skips them.
-        owned = list(submodule.parameters())
-        owned += list(getattr(submodule, "ds_recompute_parameters", ()))
-        kept = [p for p in owned
-                if getattr(p, "ds_persist", False) and not getattr(p, "is_external_param", False)]
-        for p in kept:
-            p.is_external_param = True
-        try:
-            release(submodule, forward=forward)
-        finally:
+        release = coordinator.release_sub_module
+
+        def release_sub_module(submodule: Any, forward: bool = False) -> None:
+            # Mark persistent parameters external for the call: the untraced path skips them.
+            owned = list(submodule.parameters())
+            owned += list(getattr(submodule, "ds_recompute_parameters", ()))
+            kept = [p for p in owned if getattr(p, "ds_persist", False)
+                    and not getattr(p, "is_external_param", False)]
             for p in kept:
-                p.is_external_param = False
+                p.is_external_param = True
+            try:
+                release(submodule, forward=forward)
+            finally:
+                for p in kept:
+                    p.is_external_param = False
 
-    # instance attributes: only this engine's coordinator changes; undo deletes them
-    coordinator.reset_step = reset_step
-    coordinator.release_sub_module = release_sub_module
-    setattr(coordinator, prefix + "trace_mode", ppc.ZeRoTraceMode.INVALID)
+        # instance attributes: only this engine's coordinator changes; undo deletes them
+        patches.set(coordinator, "reset_step", reset_step)
+        patches.set(coordinator, "release_sub_module", release_sub_module)
+        setattr(coordinator, prefix + "trace_mode", ppc.ZeRoTraceMode.INVALID)
 
-    def undo() -> None:
-        coordinator.__dict__.pop("reset_step", None)
-        coordinator.__dict__.pop("release_sub_module", None)
-
-    register(f"{name}@{id(engine)}", undo)
+    patching.apply(f"{name}@{id(engine)}", "deepspeed", install)
 
 
 def apply_all() -> list[str]:

@@ -211,8 +211,10 @@ def build_model(args, dcp: bool):
         masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         calculate_per_token_loss=args.calculate_per_token_loss,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers)
+        # under --dcp the recompute depth is per task (the DCP layers read it from their call)
+        **({} if dcp else dict(recompute_granularity=args.recompute_granularity,
+                               recompute_method=args.recompute_method,
+                               recompute_num_layers=args.recompute_num_layers)))
     model = GPTModel(config, layer_spec(dcp), vocab_size=vocab,
                      max_sequence_length=args.seq_length, position_embedding_type="rope")
     if cuda:
@@ -452,9 +454,9 @@ def main(argv=None) -> int:
         summed = torch.stack([r["lm loss"].to(device) for r in reports]).sum(0).double()
         dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
         loss = float(summed[0] / summed[1])
-        if step_fn is not None and dcp_config.loss_reduction == "sequence":
-            loss = step_fn.last_stats.loss  # the loss optimised: the mean of per-sequence means
-        result = step_fn.last_result if step_fn is not None else None
+        result = reports.result if step_fn is not None else None
+        if result is not None and dcp_config.loss_reduction == "sequence":
+            loss = result.loss  # the loss optimised: the mean of per-sequence means
         # non-finite: DCP's driver stopped the step or marked it skipped; plain mode checks here
         skipped = result.skipped if result is not None else \
             check_step(it + 1, loss, skip=dcp_config.skip_nonfinite)
@@ -467,7 +469,7 @@ def main(argv=None) -> int:
         else:
             optimizer.step()  # Megatron's: the shards' update, then the parameter all-gather
         t_end = time.perf_counter()
-        plan = step_fn.last_plan if step_fn is not None else None
+        plan = result.plan if result is not None else None
         micro = [len(sequences[r::dp_size]) for r in range(dp_size)]
         if step_fn is not None:  # the calibration learns the iteration, optimizer step included
             step_fn.driver.add_time_outside_step((t_in - t0) + (t_end - t_out))

@@ -6,11 +6,16 @@ Patches of Megatron-core and DeepSpeed internals are small, named and reversible
   minor)`` versions in ``SUPPORTED`` it was written and tested against; on any other version it
   refuses with `PatchVersionError` naming the package, its version and the patch, so an upgrade
   that moves an internal fails at start-up instead of training wrongly later.
-* **Registry**: every applied patch is registered under its name with its undo; `applied` lists
-  them, `undo` / `undo_all` revert them, and `undo_all` runs when the interpreter exits.
+* **Registry**: `apply(name, package, install)` is the one way to apply a patch: it checks the
+  version, runs ``install(patches)`` on a fresh `PatchSet` (undone if ``install`` raises) and
+  registers the set under ``name``; a second `apply` of an applied name does nothing. `applied`
+  lists the patches, `undo` / `undo_all` revert them, `undo_all` runs when the interpreter exits,
+  and `scoped` applies one for a block.
 * `PatchSet` replaces ``module.attr`` and, because Megatron and DeepSpeed modules often bind
   functions with ``from x import f``, every alias of the same object in the already imported
-  modules of the same package; ``undo()`` restores exactly what was replaced.
+  modules of the same package; `PatchSet.set` replaces an attribute of one object (a class, an
+  instance); ``undo()`` restores exactly what was replaced (an attribute the object did not hold
+  itself is deleted again).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import importlib
 import importlib.metadata
 import re
 import sys
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 SUPPORTED = {"megatron-core": ((0, 16),), "deepspeed": ((0, 19),)}
 """(major, minor) versions per package that the patches were written and tested against."""
@@ -50,9 +56,21 @@ def check_version(package: str, what: str) -> None:
 _REGISTRY: dict[str, Callable[[], None]] = {}
 
 
-def register(name: str, undo: Callable[[], None]) -> None:
-    """Record an applied patch and how to revert it."""
-    _REGISTRY[name] = undo
+def apply(name: str, package: str, install: Callable[["PatchSet"], None]) -> bool:
+    """Apply the patch ``name`` of ``package`` (a distribution name in `SUPPORTED`) unless it is
+    applied: `check_version`, then ``install(patches)`` makes its replacements on a new `PatchSet`
+    (undone if it raises). Returns whether it was applied now."""
+    if name in _REGISTRY:
+        return False
+    check_version(package, f"megatron-dcp patch {name}")
+    patches = PatchSet(name)
+    try:
+        install(patches)
+    except BaseException:
+        patches.undo()
+        raise
+    _REGISTRY[name] = patches.undo
+    return True
 
 
 def is_applied(name: str) -> bool:
@@ -81,16 +99,25 @@ def undo_all() -> None:
 atexit.register(undo_all)
 
 
+@contextmanager
+def scoped(name: str, enable: Callable[[], Any]) -> Iterator[None]:
+    """Run the block with the patch ``name`` applied by ``enable()``; undone after, unless it was
+    applied before."""
+    already = is_applied(name)
+    enable()
+    try:
+        yield
+    finally:
+        if not already:
+            undo(name)
+
+
 class PatchSet:
-    """A named set of attribute replacements, registered while applied, undone as one."""
+    """The attribute replacements of one patch, undone as one (made by `apply`)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._saved: list[tuple[Any, str, Any]] = []
-
-    @property
-    def active(self) -> bool:
-        return bool(self._saved)
+        self._saved: list[tuple[Any, str, bool, Any]] = []
 
     def replace(self, module_name: str, attr: str, new: Any, *, aliases: bool = True,
                 check: Optional[Callable[[Any], bool]] = None) -> Any:
@@ -106,7 +133,7 @@ class PatchSet:
         original = getattr(module, attr)
         if check is not None and not check(original):
             raise PatchVersionError(f"patch {self.name}: {module_name}.{attr} is not as expected")
-        self._set(module, attr, new)
+        self.set(module, attr, new)
         if aliases:
             package = module_name.split(".")[0] + "."
             for mod_name, mod in list(sys.modules.items()):
@@ -114,17 +141,20 @@ class PatchSet:
                     continue
                 for alias, value in list(vars(mod).items()):
                     if value is original:
-                        self._set(mod, alias, new)
-        register(self.name, self.undo)
+                        self.set(mod, alias, new)
         return original
 
-    def _set(self, owner: Any, attr: str, new: Any) -> None:
-        self._saved.append((owner, attr, getattr(owner, attr)))
+    def set(self, owner: Any, attr: str, new: Any) -> None:
+        """Set ``owner.attr = new`` (a class, an instance, a module), to be restored by `undo`."""
+        own = attr in vars(owner)
+        self._saved.append((owner, attr, own, vars(owner).get(attr)))
         setattr(owner, attr, new)
 
     def undo(self) -> None:
         """Restore every replaced attribute (latest first)."""
-        _REGISTRY.pop(self.name, None)
         while self._saved:
-            owner, attr, old = self._saved.pop()
-            setattr(owner, attr, old)
+            owner, attr, own, old = self._saved.pop()
+            if own:
+                setattr(owner, attr, old)
+            else:
+                delattr(owner, attr)

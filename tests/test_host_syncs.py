@@ -77,16 +77,14 @@ def test_megatron_rope_indexes_by_the_layouts_device_copy(monkeypatch):
 
     from megatron_dcp.megatron import spec
     from megatron_dcp.megatron.cpu import cpu_patches
-    from megatron_dcp.runtime.context import task_context
 
     with cpu_patches():
         inner = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True,
                                 cp_group=None)
-        rope = spec.DCPRotaryEmbedding(inner)
         ctx = _one_rank_task([11, 6], ring=2, group_rank=1)
+        params = spec.DCPTaskParams.of(ctx)
         seen = _Uploads(monkeypatch, spec, ctx)
-        with task_context(ctx):
-            table = rope(ctx.layout.num_tokens)
+        table = params.rotary_rows(inner(params.max_seqlen_q))
         full = inner.get_emb(20)
     assert torch.equal(table, full[ctx.layout.position_ids])
     assert seen.meta_to == ["cpu"]  # the positions reach the table's device through the layout

@@ -10,6 +10,7 @@ the shards are gathered first.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -121,39 +122,80 @@ def _gather_tp(name, p, grad, tp: int):
     return torch.cat(parts, dim=p.partition_dim)
 
 
+class _NoProcessTask:
+    """Stands in for the runtime's process-wide task fallback, where it still exists (None)."""
+
+    lock = threading.Lock()
+    ctx = property(lambda self: None, lambda self, value: None)
+
+
+def _patch_counter():
+    """Counts the patches applied through the registry from now on (`megatron_dcp.patching`)."""
+    from megatron_dcp import patching
+
+    applied = []
+    plain = patching.apply
+
+    def counted(name, package, install):
+        done = plain(name, package, install)
+        if done:
+            applied.append(name)
+        return done
+
+    patching.apply = counted
+    return applied
+
+
+def _megatron_state(ddp):
+    """What a per-step patch would change: parallel_state's CP getters, the model's
+    ``pg_collection`` and RoPE module, the config's recompute settings."""
+    from megatron.core import parallel_state as ps
+
+    inner = ddp.module
+    config = inner.config
+    return ([getattr(ps, n) for n in dir(ps) if n.startswith("get_context_parallel")],
+            type(inner.decoder.layers[0].self_attention.pg_collection),
+            type(inner.rotary_pos_emb),
+            (config.recompute_granularity, config.recompute_method, config.recompute_num_layers))
+
+
 def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", backward=None,
               ddp_config=None):
-    """One DCP step with Megatron DDP; returns (loss, full gradients).
+    """Three DCP steps (train, two evaluations) with Megatron DDP; returns (loss, full gradients,
+    reports).
 
     ``backward``: None (the calling thread), ``"thread"`` (every backward on a fresh thread, as
-    CUDA's autograd engine: Megatron's reentrant recompute re-runs layers there; the forward step
-    passes the task as ``packed_seq_params``), ``"thread-explicit"`` (the same with the
-    process-wide task fallback off) or ``"thread-no-task"`` (fallback off and the task not passed:
-    what the code did before the task became an argument; must come out wrong)."""
+    CUDA's autograd engine: the reentrant recompute re-runs layers there; the forward step passes
+    the task as ``packed_seq_params``), ``"thread-explicit"`` (the same with the runtime's
+    process-wide task fallback off, where it still exists) or ``"thread-no-task"`` (fallback off
+    and the task not passed: first the step must refuse it, naming ``packed_seq_params``; then,
+    with that check fooled, the result must come out wrong)."""
     from functools import partial
 
-    from executor_cases import NoTaskFallback, on_fresh_thread
-    from megatron_dcp.megatron.step import MegatronStepEngine
-    from megatron_dcp.runtime import context
-
+    from executor_cases import on_fresh_thread
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from megatron_dcp import patching
     from megatron_dcp.config import DCPConfig
-    from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
-    from megatron_dcp.runtime.context import current_task
+    from megatron_dcp.megatron.spec import DCPCoreAttention
+    from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch, MegatronStepEngine
+    from megatron_dcp.runtime import context
 
+    applied = _patch_counter()
     if backward is not None:
         plain = MegatronStepEngine.backward
         MegatronStepEngine.backward = lambda self, loss, last: on_fresh_thread(
             lambda: plain(self, loss, last))
-    if backward in ("thread-explicit", "thread-no-task"):
-        context._ProcessTask = NoTaskFallback()
+    if backward in ("thread-explicit", "thread-no-task") and hasattr(context, "_ProcessTask"):
+        context._ProcessTask = _NoProcessTask()
     model = _build(tp, dcp=True)
     _load_full_state(model, state, parallel_state.get_tensor_model_parallel_rank(), tp)
     ddp = DistributedDataParallel(model.config,
                                   DistributedDataParallelConfig(**(ddp_config or {})), module=model)
     ddp.zero_grad_buffer()
+    before = _megatron_state(ddp)
+    assert applied == ["megatron-cpu"] and patching.applied() == ["megatron-cpu"]
 
     def loss_func(loss_mask, output_tensor):
         losses = output_tensor.view(-1).float()
@@ -161,40 +203,60 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", ba
         tokens = loss_mask.sum().to(torch.int)
         return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
 
-    cp_seen = []
+    seen = []
+    hide_task = backward == "thread-no-task"
 
     def forward_step(data_iterator, model):
-        # Megatron code asking for the CP group inside a task gets the task's (parallel.py)
-        ctx = current_task()
-        attention = ddp.module.decoder.layers[0].self_attention
-        cp_seen.append((parallel_state.get_context_parallel_world_size() == ctx.degree,
-                        parallel_state.get_context_parallel_rank() == ctx.group_rank,
-                        ctx.degree == 1 or attention.pg_collection.cp is ctx.group,
-                        ctx.degree == 1
-                        or parallel_state.get_context_parallel_group() is ctx.group))
+        seen.append(_megatron_state(ddp) == before)  # inside a task: nothing patched or changed
         b = next(data_iterator)
-        task = b["packed_seq_params"] if backward != "thread-no-task" else None
+        params = b["packed_seq_params"]
         out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"],
-                    packed_seq_params=task)
+                    packed_seq_params=None if hide_task else params)
+        if hide_task and fooled:
+            params.reached = True
         return out, partial(loss_func, b["loss_mask"])
 
     step = DCPForwardBackward(DCPConfig(enabled=True, loss_reduction=loss_reduction))
     plan = Plan.from_dict(plan_dict)
-    reports = step(forward_step_func=forward_step, data_iterator=iter([GlobalBatch(_sequences(),
-                   plan)]), model=[ddp], num_microbatches=1, seq_length=0, micro_batch_size=1)
+
+    def run(forward_only=False):
+        return step(forward_step_func=forward_step, data_iterator=iter([GlobalBatch(
+            _sequences(), plan)]), model=[ddp], num_microbatches=1, seq_length=0,
+            micro_batch_size=1, forward_only=forward_only)
+
+    # every layer's attention runs once per task, and again in backward where recomputed
+    calls = {}
+    attend = DCPCoreAttention.forward
+
+    def counted(self, *args, **kwargs):
+        calls[self.layer_number - 1] = calls.get(self.layer_number - 1, 0) + 1
+        return attend(self, *args, **kwargs)
+
+    fooled = False
+    if hide_task:
+        with pytest.raises(Exception, match="must pass packed_seq_params="):  # names the task
+            run()
+        fooled = True
+        ddp.zero_grad_buffer()
+    DCPCoreAttention.forward = counted
+    reports = run()
+    DCPCoreAttention.forward = attend
+    mine = [t for t in plan.tasks if rank // tp in t.ranks]
+    expected = {i: sum(1 + (i < t.recompute_layers) for t in mine) for i in range(3)}
+    assert hide_task or calls == expected, calls
     grads = {name: _gather_tp(name, p, p.main_grad.detach().clone(), tp)
              for name, p in model.named_parameters()}
-    train_loss = step.last_stats.loss
+    train_loss = reports.result.loss
     # evaluation through the same step: no gradients, same loss, cached groups reused
-    step(forward_step_func=forward_step, data_iterator=iter([GlobalBatch(_sequences(), plan)]),
-         model=[ddp], forward_only=True)
-    assert step.last_stats.groups_created == 0
-    assert abs(step.last_stats.loss - train_loss) <= 1e-6 * abs(train_loss)
+    for _ in range(2):
+        result = run(forward_only=True).result
+        assert result.stats.groups_created == 0
+        assert abs(result.loss - train_loss) <= 1e-6 * abs(train_loss)
     reported = torch.stack([r["lm loss"] for r in reports]).sum(0)
-    assert cp_seen and all(all(c) for c in cp_seen), cp_seen
-    # outside a task: Megatron's own (a one-rank CP group)
-    assert parallel_state.get_context_parallel_world_size() == 1
-    assert ddp.module.decoder.layers[0].self_attention.pg_collection.cp.size() == 1
+    assert seen and all(seen)
+    # three steps, one patch applied (at setup, the CPU patches), nothing changed after them
+    assert applied == ["megatron-cpu"], applied
+    assert _megatron_state(ddp) == before
     destroy_model_parallel()
     return train_loss, grads, reported
 
@@ -311,8 +373,9 @@ def test_gpt_recompute_with_backward_on_another_thread(reference, world_size, pl
 
 @pytest.mark.timeout(300)
 def test_gpt_recompute_on_another_thread_without_the_task_is_wrong(reference):
-    """Negative control: the same run with the task neither passed nor visible on the autograd
-    thread (the code before this test existed) must not match."""
+    """Negative control: the task not passed to the model is refused (naming
+    ``packed_seq_params``); with that check fooled, the run (the task neither passed nor visible
+    on the autograd thread) must not match."""
     results = run_distributed(_dcp_step, world_size=2,
                               args=(1, PLAN_2, reference[0], "token", "thread-no-task"),
                               timeout_s=240)

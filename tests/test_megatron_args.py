@@ -1,5 +1,5 @@
 """Megatron flags for DCP: generation from DCPConfig, validation against Megatron's arguments;
-the CPU and CP-group patches being reversible and refusing an unchecked megatron-core version."""
+the patches (one registry) being reversible and refusing an unchecked megatron-core version."""
 
 import argparse
 
@@ -101,59 +101,35 @@ def test_cpu_patches_are_reversible():
     assert torch.cuda.current_device is original_device
 
 
-def test_task_cp_group_patches_follow_the_task_and_are_reversible(monkeypatch):
-    """Inside a task Megatron's CP getters (also aliases bound by name in other ``megatron.*``
-    modules) and a captured ``pg_collection.cp`` answer for the task; all of it undoes."""
-    import sys
-    import types
-
-    import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from megatron_dcp.megatron.parallel import (disable_task_cp_groups,
-                                                make_pg_collections_dynamic,
-                                                restore_pg_collections, task_cp_groups)
-    from megatron_dcp.plan.plan import Task
-    from megatron_dcp.runtime.context import TaskContext, task_context
-
-    disable_task_cp_groups()
-    names = ("get_context_parallel_world_size", "get_context_parallel_rank",
-             "get_context_parallel_group")
-    originals = {n: getattr(ps, n) for n in names}
-    alias = types.ModuleType("megatron._dcp_alias_test")
-    alias.get_context_parallel_world_size = originals["get_context_parallel_world_size"]
-    monkeypatch.setitem(sys.modules, alias.__name__, alias)
-    group, own = object(), object()
-    ctx = TaskContext(task=Task(id=5, ranks=(2, 0, 1), seqs=(0,), ulysses=1, ring=3),
-                      group_rank=1, group=group)
-    holder = torch.nn.Module()
-    holder.pg_collection = ProcessGroupCollection(cp=own)
-    assert make_pg_collections_dynamic(holder) == 1
-    with task_cp_groups():
-        with task_context(ctx):
-            assert ps.get_context_parallel_world_size() == 3
-            assert alias.get_context_parallel_world_size() == 3
-            assert ps.get_context_parallel_rank() == 1
-            assert ps.get_context_parallel_group() is group
-            assert holder.pg_collection.cp is group
-        assert holder.pg_collection.cp is own
-    for name, original in originals.items():
-        assert getattr(ps, name) is original, name
-    assert alias.get_context_parallel_world_size is originals["get_context_parallel_world_size"]
-    restore_pg_collections(holder)
-    assert type(holder.pg_collection) is ProcessGroupCollection and holder.pg_collection.cp is own
-
-
 def test_patches_refuse_an_unchecked_megatron_version(monkeypatch):
-    from megatron.core import parallel_state as ps
+    import torch
+    from megatron.core.transformer import utils
 
     from megatron_dcp import patching
-    from megatron_dcp.megatron import parallel
+    from megatron_dcp.megatron import cpu
 
-    parallel.disable_task_cp_groups()
-    original = ps.get_context_parallel_group
+    if torch.cuda.is_available():
+        pytest.skip("CPU patches are refused on a GPU machine")
+    cpu.disable_cpu()
+    original = utils.get_default_causal_mask
     monkeypatch.setattr(patching, "package_version", lambda package: (0, 99, 0))
     with pytest.raises(patching.PatchVersionError, match="megatron-core 0.99.0 is not"):
-        parallel.enable_task_cp_groups()
-    assert parallel._ACTIVE is None and ps.get_context_parallel_group is original
+        cpu.enable_cpu()
+    assert not cpu.cpu_enabled() and utils.get_default_causal_mask is original
+
+
+def test_a_patch_that_fails_half_way_is_undone_and_not_registered():
+    import types
+
+    from megatron_dcp import patching
+
+    holder = types.SimpleNamespace(a=1)
+
+    def install(patches):
+        patches.set(holder, "a", 2)
+        patches.set(holder, "b", 3)  # an attribute the object did not have
+        raise patching.PatchVersionError("internals moved")
+
+    with pytest.raises(patching.PatchVersionError, match="internals moved"):
+        patching.apply("test-half-way", "megatron-core", install)
+    assert vars(holder) == {"a": 1} and not patching.is_applied("test-half-way")

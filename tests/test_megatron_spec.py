@@ -1,5 +1,5 @@
-"""DCPCoreAttention outside a task (bshd and Megatron THD packing) and DCPRotaryEmbedding inside a
-task, single process (the distributed cases are in test_megatron.py)."""
+"""DCPCoreAttention outside a task (bshd and Megatron THD packing), the rotary rows of a shard and
+the model check, single process (the distributed cases are in test_megatron.py)."""
 
 import warnings
 
@@ -45,25 +45,39 @@ def test_thd_packing_equals_each_sequence_alone():
         start += n
 
 
-def test_rotary_follows_the_shard_positions():
+def test_rotary_rows_follow_the_shard_positions():
+    """Megatron's own RotaryEmbedding, asked for ``max_seqlen_q`` rows of a `DCPTaskParams`,
+    covers every position of the shard; ``rotary_rows`` picks the row of each token."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_dcp.megatron.cpu import cpu_patches
-    from megatron_dcp.megatron.spec import DCPRotaryEmbedding
+    from megatron_dcp.megatron.spec import DCPTaskParams
     from megatron_dcp.plan.plan import Task
-    from megatron_dcp.runtime.context import TaskContext, task_context
+    from megatron_dcp.runtime.context import TaskContext
     from megatron_dcp.runtime.layout import ShardLayout
 
     with cpu_patches():
         inner = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True,
                                 cp_group=None)
-        rope = DCPRotaryEmbedding(inner)
         full = inner.get_emb(20)
-        assert torch.equal(rope(20), inner(20))  # outside a task: Megatron's own
         layout = ShardLayout.build([11, 6], ulysses=1, ring=2, group_rank=1)
-        task = Task(id=0, ranks=(0, 1), seqs=(0, 1), ring=2)
-        with task_context(TaskContext(task=task, group_rank=1, layout=layout)):
-            table = rope(layout.num_tokens)
+        task = Task(id=0, ranks=(0, 1), seqs=(0, 1), ring=2, recompute_layers=2)
+        params = DCPTaskParams.of(TaskContext(task=task, group_rank=1, layout=layout,
+                                              recompute_layers=2))
+        assert params.max_seqlen_q == int(layout.position_ids.max()) + 1
+        assert params.recompute_layers == 2
+        table = params.rotary_rows(inner(params.max_seqlen_q))
         positions = layout.position_ids.clamp(min=0)
         assert table.shape == (layout.num_tokens, 1, 1, 8)
         assert torch.equal(table, full[positions])
+    assert DCPTaskParams.of(None) is None
+
+
+def test_a_model_without_the_dcp_layers_is_refused():
+    import pytest
+
+    from megatron_dcp.megatron.spec import DCPTransformerLayer, check_model
+
+    with pytest.raises(TypeError, match="no DCPCoreAttention.*get_gpt_layer_dcp_spec"):
+        check_model(torch.nn.Linear(2, 2))
+    assert issubclass(DCPTransformerLayer, torch.nn.Module)

@@ -1,4 +1,4 @@
-"""Megatron-core integration of DCP: flags, CP-group patch, core-attention spec, fwd/bwd step.
+"""Megatron-core integration of DCP: flags, layer spec (layers, core attention), fwd/bwd step.
 
 ``add_dcp_args`` / ``validate_dcp_args`` import nothing of Megatron, so they work in a Megatron-LM
 argument parser before anything else is set up; the other names load their module on first use.
@@ -10,9 +10,9 @@ from importlib import import_module
 from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
 
 _LAZY = {
-    "get_gpt_layer_dcp_spec": "spec", "DCPCoreAttention": "spec", "DCPRotaryEmbedding": "spec",
-    "prepare_model": "spec", "DCPForwardBackward": "step", "GlobalBatch": "step",
-    "enable_task_cp_groups": "parallel", "disable_task_cp_groups": "parallel",
+    "get_gpt_layer_dcp_spec": "spec", "DCPCoreAttention": "spec", "DCPTransformerLayer": "spec",
+    "DCPTaskParams": "spec", "check_model": "spec", "DCPForwardBackward": "step",
+    "GlobalBatch": "step", "StepReports": "step",
     "enable_cpu": "cpu", "disable_cpu": "cpu", "seed_rng": "cpu",
     "hybrid_cp_plan": "hybrid_cp_baseline",
 }

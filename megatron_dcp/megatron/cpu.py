@@ -1,8 +1,9 @@
 """CPU-only patches that let megatron-core 0.16 run forward/backward without CUDA (tests, CPU runs).
 
 Never needed on GPUs: `enable_cpu()` refuses to patch anything when CUDA is available. Each patch
-is named, version-checked (see ``megatron_dcp.patching.SUPPORTED``) and undone by
-``disable_cpu()`` or at the end of ``with cpu_patches():``. What and why:
+is applied once through the one registry (`megatron_dcp.patching`, name ``megatron-cpu``),
+version-checked, and undone by ``disable_cpu()``, at the end of ``with cpu_patches():`` or at
+exit. What and why:
 
 * ``torch.cuda.current_device``: Megatron allocates buffers (RoPE ``inv_freq``, DDP grad buffers,
   TP layers, GlobalMemoryBuffer) with ``device=torch.cuda.current_device()``; on CPU it returns
@@ -26,15 +27,13 @@ is named, version-checked (see ``megatron_dcp.patching.SUPPORTED``) and undone b
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_dcp.patching import PatchSet, check_version
-
-_ACTIVE: Optional[PatchSet] = None
+from megatron_dcp import patching
+from megatron_dcp.patching import PatchSet
 
 
 def _cpu_current_device() -> str:
@@ -113,67 +112,51 @@ def _optimizer_on_cpu(get_optimizer: Callable) -> Callable:
     return build
 
 
-def enable_cpu() -> PatchSet:
-    """Apply the CPU patches (idempotent). Raises on a GPU machine or an unchecked version."""
-    global _ACTIVE
-    if _ACTIVE is not None:
-        return _ACTIVE
-    if torch.cuda.is_available():
-        raise RuntimeError("megatron_dcp.megatron.cpu: CUDA is available; the CPU patches are for "
-                           "CPU-only runs and tests, do not enable them on a GPU machine")
-    check_version("megatron-core", "megatron_dcp.megatron.cpu")
+NAME = "megatron-cpu"
+"""The CPU patches' name in the registry (`megatron_dcp.patching.applied`)."""
+
+
+def _install(patches: PatchSet) -> None:
     # Import the modules whose by-name aliases must be patched too, before patching.
     import megatron.core.fusions.fused_softmax  # noqa: F401
     import megatron.core.models.common.embeddings.rotary_pos_embedding  # noqa: F401
+    import megatron.core.optimizer as optimizer
     import megatron.core.transformer.dot_product_attention  # noqa: F401
 
-    patches = PatchSet("cpu")
-    try:
-        patches.replace("torch.cuda", "current_device", _cpu_current_device, aliases=False)
-        patches.replace("megatron.core.transformer.utils", "get_default_causal_mask", _causal_mask,
-                        check=callable)
-        patches.replace("megatron.core.transformer.utils", "get_sliding_window_causal_mask",
-                        _sliding_window_causal_mask, check=callable)
-        patches.replace("megatron.core.models.common.embeddings.rope_utils",
-                        "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank, check=callable)
-        patches.replace("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
-                        _get_rng_state, check=callable)
-        patches.replace("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
-                        _set_rng_state, check=callable)
-        import megatron.core.optimizer as optimizer
+    utils, random = "megatron.core.transformer.utils", "megatron.core.tensor_parallel.random"
+    patches.replace("torch.cuda", "current_device", _cpu_current_device, aliases=False)
+    patches.replace(utils, "get_default_causal_mask", _causal_mask, check=callable)
+    patches.replace(utils, "get_sliding_window_causal_mask", _sliding_window_causal_mask,
+                    check=callable)
+    patches.replace("megatron.core.models.common.embeddings.rope_utils",
+                    "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank, check=callable)
+    patches.replace(random, "_get_cuda_rng_state", _get_rng_state, check=callable)
+    patches.replace(random, "_set_cuda_rng_state", _set_rng_state, check=callable)
+    patches.replace("megatron.core.optimizer", "get_megatron_optimizer",
+                    _optimizer_on_cpu(optimizer.get_megatron_optimizer), check=callable)
 
-        patches.replace("megatron.core.optimizer", "get_megatron_optimizer",
-                        _optimizer_on_cpu(optimizer.get_megatron_optimizer), check=callable)
-    except Exception:
-        patches.undo()
-        raise
-    _ACTIVE = patches
-    return patches
+
+def enable_cpu() -> None:
+    """Apply the CPU patches (idempotent). Raises on a GPU machine or an unchecked version."""
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_dcp.megatron.cpu: CUDA is available; the CPU patches are for "
+                           "CPU-only runs and tests, do not enable them on a GPU machine")
+    patching.apply(NAME, "megatron-core", _install)
 
 
 def disable_cpu() -> None:
     """Undo `enable_cpu` (no-op when not enabled)."""
-    global _ACTIVE
-    if _ACTIVE is not None:
-        _ACTIVE.undo()
-        _ACTIVE = None
+    patching.undo(NAME)
 
 
 def cpu_enabled() -> bool:
     """Whether the CPU patches are active."""
-    return _ACTIVE is not None
+    return patching.is_applied(NAME)
 
 
-@contextmanager
-def cpu_patches() -> Iterator[PatchSet]:
+def cpu_patches() -> ContextManager[None]:
     """``with cpu_patches():`` the CPU patches, undone on exit (unless enabled before)."""
-    already = _ACTIVE is not None
-    patches = enable_cpu()
-    try:
-        yield patches
-    finally:
-        if not already:
-            disable_cpu()
+    return patching.scoped(NAME, enable_cpu)
 
 
 def seed_rng(seed: int) -> None:

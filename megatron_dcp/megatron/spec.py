@@ -1,53 +1,50 @@
-"""A GPT layer spec whose core attention is DCP's, and RoPE that follows a shard's tokens.
+"""A GPT layer spec whose core attention and layers are DCP's; the task arrives as an argument.
 
-Core attention enters through Megatron's own extension point, the layer spec
-(``ModuleSpec.submodules.self_attention.submodules.core_attention``), the way Transformer Engine
-plugs in; no Megatron file is edited. `DCPCoreAttention` calls
-`megatron_dcp.runtime.attention.dcp_attention`, which reads the current task (group, Ulysses/ring
-layout, which tokens belong to which packed sequence) and runs Ulysses, ring or both; it uses
-flash-attn varlen kernels where installed and an exact torch kernel otherwise, so no Transformer
+Everything enters through Megatron's own extension point, the layer spec (the way Transformer
+Engine plugs in): `get_gpt_layer_dcp_spec` puts `DCPCoreAttention` in the ``core_attention`` slot
+and `DCPTransformerLayer` in place of ``TransformerLayer``. No Megatron file is edited and nothing
+is patched. The task reaches them as the model's ``packed_seq_params``: the DCP step hands every
+micro-batch a `DCPTaskParams` (Megatron's ``PackedSeqParams`` in the plain ``sbhd`` format, plus
+the task and its recompute depth), which a ``forward_step_func`` passes to the model (as
+Megatron's own ``pretrain_gpt.py`` passes its packed parameters) and Megatron hands to every
+layer and every core attention, also when a recompute re-runs a layer in backward on CUDA's
+autograd thread (the arguments are saved with the checkpoint).
+
+`DCPCoreAttention` calls `megatron_dcp.runtime.attention.dcp_attention` with the task (group,
+Ulysses/ring layout, which tokens belong to which packed sequence): Ulysses, ring or both, with
+flash-attn varlen kernels where installed and an exact torch kernel otherwise; no Transformer
 Engine is needed.
 
-RoPE positions. ``GPTModel`` computes rotary frequencies itself, for positions ``0..S-1`` of the
-input it is given (``RotaryEmbedding(seq_len)``; ``position_ids`` are only read by learned
-absolute embeddings), and ``SelfAttention`` rotates q/k *before* core attention. A DCP shard's
-tokens are neither contiguous nor from one sequence (zigzag ring chunks, Ulysses pieces, several
-packed sequences), so positions ``0..S-1`` would be wrong. Options considered:
+RoPE positions. ``GPTModel`` computes the rotary table itself, for positions ``0..S-1`` with
+``S = max(max_seqlen_q, max_seqlen_kv)`` of ``packed_seq_params``, and ``SelfAttention`` rotates
+q/k *before* core attention. A DCP shard's tokens are neither contiguous nor from one sequence
+(zigzag ring chunks, Ulysses pieces, several packed sequences). Options considered:
 
-* Megatron's THD path (``packed_seq_params`` with cu_seqlens) restarts positions per sequence,
-  but slices them with Megatron's own CP chunk order (chunks r and 2cp-r-1 of the rotary table
-  per sequence), which is not DCP's layout (zigzag over ring x contiguous over Ulysses);
+* Megatron's THD path (cu_seqlens) restarts positions per sequence, but slices them with
+  Megatron's own CP chunk order (chunks r and 2cp-r-1 per sequence), which is not DCP's layout;
 * applying RoPE inside core attention needs ``position_embedding_type='none'`` and duplicates
   Megatron's RoPE variants (base, percent, interleaving, scaling);
-* **chosen:** `DCPRotaryEmbedding` wraps the model's own ``RotaryEmbedding``. Inside a task it
-  returns the frequency table indexed by the shard's original positions
-  (``layout.position_ids``), shape ``[T_local, 1, 1, dim]``; Megatron's bshd rotation applies
-  row t to token t, so every token is rotated by its position in its own sequence. Outside a
-  task it is Megatron's module unchanged. The model is called in bshd (batch 1) under DCP; the
-  packing lives in the layout.
+* **chosen:** `DCPTaskParams` sets ``max_seqlen_q`` to the shard's largest position + 1, so
+  Megatron's own ``RotaryEmbedding`` builds the table of every position the shard holds, and
+  `DCPTransformerLayer` hands its attention the rows of the shard's tokens (``layout.position_ids``,
+  ``[T_local, 1, 1, dim]``); Megatron's bshd rotation applies row t to token t. The model runs in
+  bshd (batch 1) under DCP; the packing lives in the layout.
 
-The task reaches core attention explicitly: the DCP step hands every micro-batch a
-`DCPTaskParams` (Megatron's ``PackedSeqParams`` in the plain ``sbhd`` format, plus the task);
-a ``forward_step_func`` that passes it to the model as ``packed_seq_params=`` (as Megatron's
-own ``pretrain_gpt.py`` passes its packed parameters) gets it to every layer's core attention,
-also in a recompute that Megatron's reentrant checkpoint runs in backward on CUDA's autograd
-thread. Without it, core attention falls back to `current_task`.
-
-`prepared_model(model)` installs the RoPE wrapper and the dynamic CP groups (`parallel`) for one
-step and undoes both; the DCP step uses it, so users rarely need to.
+Recompute depth. `DCPTransformerLayer` runs itself under Megatron's reentrant checkpoint
+(``tensor_parallel.checkpoint``, as Megatron's block recompute does per layer) when its index is
+below ``packed_seq_params.recompute_layers``: the depth of the task, read per call, so the
+``TransformerConfig`` is never changed (its ``recompute_granularity`` must be unset under DCP).
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
-from torch import nn
 
-from megatron_dcp.runtime.context import TaskContext, current_task
+from megatron_dcp.runtime.context import TaskContext
 
 
 def _packed_seq_params_class():
@@ -59,30 +56,49 @@ def _packed_seq_params_class():
 @dataclass
 class DCPTaskParams(_packed_seq_params_class()):
     """Megatron's ``PackedSeqParams`` (format ``sbhd``: one packed row per shard) carrying the
-    DCP task to `DCPCoreAttention` through the model's ``packed_seq_params`` argument."""
+    DCP task to `DCPTransformerLayer` and `DCPCoreAttention` through the model's
+    ``packed_seq_params`` argument."""
 
     task: Any = None
     """The `TaskContext` of the shard."""
+    recompute_layers: int = 0
+    """Recompute the first ``recompute_layers`` layers in this call (the task's depth; 0 in a
+    forward-only step)."""
+    reached: bool = False
+    """Set by the first `DCPTransformerLayer` that runs with these parameters: the step checks it
+    to name a ``forward_step_func`` that did not pass them to the model."""
 
     @classmethod
-    def of(cls, task: Optional[TaskContext]) -> Optional["DCPTaskParams"]:
-        """Parameters for ``task`` (``None`` outside a task)."""
+    def of(cls, task: Optional[TaskContext], train: bool = True) -> Optional["DCPTaskParams"]:
+        """Parameters for ``task`` (``None`` outside a task); ``train=False``: no recompute."""
         if task is None or task.layout is None:
             return None
-        n = task.layout.num_tokens
-        # max_seqlen_*: what GPTModel asks the rotary embedding for (our wrapper reads the
-        # task's positions instead); no cu_seqlens: the layout describes the packing.
-        return cls(qkv_format="sbhd", max_seqlen_q=n, max_seqlen_kv=n, task=task)
+        # GPTModel asks its RotaryEmbedding for the table of positions 0..max_seqlen-1: every
+        # position of the shard (host positions: no device sync); no cu_seqlens: the layout
+        # describes the packing.
+        host = task.layout.position_ids
+        n = int(host.max()) + 1 if host.numel() else 1
+        return cls(qkv_format="sbhd", max_seqlen_q=n, max_seqlen_kv=n, task=task,
+                   recompute_layers=task.recompute_layers if train else 0)
+
+    def rotary_rows(self, table):
+        """The rows of Megatron's rotary table ``[max_seqlen_q, 1, 1, dim]`` (or of each of a
+        (q, k) pair) at the shard's positions, ``[T_local, 1, 1, dim]``: indexed by the layout's
+        pinned device copy, made once per shard (no device sync, no pageable copy)."""
+        if isinstance(table, (tuple, list)):
+            return type(table)(self.rotary_rows(t) if t is not None else None for t in table)
+        return table[self.task.layout.meta().to(table.device).positions]
 
 
 def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernorm: bool = False,
                            use_transformer_engine: Optional[bool] = None):
-    """Megatron-core GPT layer spec with `DCPCoreAttention` as core attention.
+    """Megatron-core GPT layer spec with `DCPTransformerLayer` and `DCPCoreAttention`.
 
     The rest of the layer comes from Megatron's Transformer Engine spec when TE is installed
     (``use_transformer_engine=None``: detect) or its local spec (pure torch) otherwise.
     """
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     if use_transformer_engine is None:
         use_transformer_engine = bool(getattr(gpt_layer_specs, "HAVE_TE", False))
@@ -92,10 +108,56 @@ def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernor
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization,
                                                         qk_layernorm=qk_layernorm)
     attention = spec.submodules.self_attention
-    if not hasattr(attention.submodules, "core_attention"):
-        raise TypeError(f"get_gpt_layer_dcp_spec: {attention.module} has no core_attention slot")
+    if spec.module is not TransformerLayer or not hasattr(attention.submodules, "core_attention"):
+        raise TypeError(f"get_gpt_layer_dcp_spec: expected Megatron's TransformerLayer with a "
+                        f"core_attention slot, got {spec.module} / {attention.module}")
+    spec.module = DCPTransformerLayer
     attention.submodules.core_attention = DCPCoreAttention
     return spec
+
+
+def _transformer_layer():
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    return TransformerLayer
+
+
+class DCPTransformerLayer(_transformer_layer()):
+    """Megatron's ``TransformerLayer`` that runs a DCP task given as ``packed_seq_params``.
+
+    With a `DCPTaskParams`: RoPE rows of the shard's positions, and the layer recomputed in
+    backward when its index is below ``recompute_layers``. Otherwise Megatron's layer unchanged.
+    """
+
+    def forward(self, *args, **kwargs):
+        """Megatron's layer forward (``hidden_states, ..., packed_seq_params=...``)."""
+        params = kwargs.get("packed_seq_params")
+        if getattr(params, "task", None) is None:
+            return super().forward(*args, **kwargs)
+        params.reached = True
+        rope = kwargs.get("rotary_pos_emb")
+        if rope is not None:
+            kwargs["rotary_pos_emb"] = params.rotary_rows(rope)
+        if not (self.training and torch.is_grad_enabled()
+                and self.layer_number - 1 < params.recompute_layers):
+            return super().forward(*args, **kwargs)
+        return self._recomputed(*args, **kwargs)
+
+    def _recomputed(self, *args, **kwargs):
+        from megatron.core import tensor_parallel
+
+        if args:
+            kwargs["hidden_states"], args = args[0], args[1:]
+        # The tensors go through the checkpoint (saved for backward); the rest in the closure.
+        names = ("hidden_states", "attention_mask", "context", "context_mask", "rotary_pos_emb")
+        tensors = [kwargs.pop(name, None) for name in names]
+
+        def run(*values):
+            return super(DCPTransformerLayer, self).forward(*args, **dict(zip(names, values)),
+                                                            **kwargs)
+
+        return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations,
+                                          *tensors)
 
 
 def _megatron_module():
@@ -110,8 +172,9 @@ class DCPCoreAttention(_megatron_module()):
     Same constructor and call signature as Megatron's ``DotProductAttention``. Inputs are
     ``[s, b, heads, dim]`` (bshd) or ``[t, heads, dim]`` (THD with ``packed_seq_params``); GQA
     key/value heads are passed through un-expanded. Inside a task the batch must be 1 (the
-    task's packed shard). Outside a task: plain attention per batch row, or per packed sequence
-    with THD ``packed_seq_params`` (run as a one-rank task).
+    task's packed shard). The task comes from ``packed_seq_params`` (a `DCPTaskParams`); without
+    it: plain attention per batch row, or per packed sequence with THD ``packed_seq_params`` (run
+    as a one-rank task).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
@@ -145,7 +208,7 @@ class DCPCoreAttention(_megatron_module()):
 
             causal = attn_mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
 
-        task = current_task(getattr(packed_seq_params, "task", None))
+        task = getattr(packed_seq_params, "task", None)
 
         # Megatron's --deterministic-mode; else torch's use_deterministic_algorithms decides
         deterministic = True if getattr(self.config, "deterministic_mode", False) else None
@@ -187,78 +250,27 @@ class DCPCoreAttention(_megatron_module()):
         return attend(query, key, value, TaskContext(task=one_rank, group_rank=0, layout=layout))
 
 
-class DCPRotaryEmbedding(nn.Module):
-    """Megatron's ``RotaryEmbedding`` whose table follows the shard's tokens inside a DCP task.
-
-    Inside a task: frequencies for ``layout.position_ids`` (``[T_local, 1, 1, dim]``). Outside:
-    exactly the wrapped module's output. Other attributes are the wrapped module's.
-    """
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group=None) -> torch.Tensor:
-        """Rotary table: by the task's original positions, else Megatron's own."""
-        ctx = current_task()
-        if ctx is None or ctx.layout is None:
-            return self.inner(max_seq_len, offset, packed_seq, cp_group)
-        # The table's length from the host positions, the index from the layout's device copy
-        # (pinned, asynchronous, made once per shard): no device sync and no pageable copy.
-        host = ctx.layout.position_ids
-        table = self.inner.get_emb(int(host.max()) + 1 if host.numel() else 1, offset)
-        return table[ctx.layout.meta().to(table.device).positions]
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["inner"], name)
-
-
 def _unwrap(model):
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module
     return model
 
 
-@contextmanager
-def prepared_model(model) -> Iterator[Any]:
-    """``with prepared_model(model):`` `prepare_model` for the block, undone on exit (unless the
-    model was prepared before)."""
-    from megatron_dcp.megatron.parallel import restore_pg_collections
-
+def check_model(model) -> None:
+    """Raise unless the (DDP-wrapped) Megatron GPT model was built with `get_gpt_layer_dcp_spec`
+    (Megatron's own layers and attention would silently ignore the task) and uses positions DCP
+    can follow (RoPE by Megatron's ``RotaryEmbedding``, learned absolute, or none)."""
     inner = _unwrap(model)
+    modules = list(inner.modules())
+    for kind in (DCPCoreAttention, DCPTransformerLayer):
+        if not any(isinstance(m, kind) for m in modules):
+            raise TypeError(f"the model has no {kind.__name__}: build it with "
+                            "megatron_dcp.megatron.get_gpt_layer_dcp_spec()")
     rope = getattr(inner, "rotary_pos_emb", None)
-    already = isinstance(rope, DCPRotaryEmbedding)
-    prepare_model(model)
-    try:
-        yield model
-    finally:
-        if not already:
-            wrapped = getattr(inner, "rotary_pos_emb", None)
-            if isinstance(wrapped, DCPRotaryEmbedding):
-                inner.rotary_pos_emb = wrapped.inner
-            restore_pg_collections(inner)
-
-
-def prepare_model(model) -> None:
-    """Make a (DDP-wrapped) Megatron GPT model DCP-ready: task-following RoPE and CP groups.
-
-    Idempotent. Raises when the core attention is not DCP's (the model was built without
-    `get_gpt_layer_dcp_spec`), since Megatron's attention would silently ignore the task.
-    """
-    from megatron_dcp.megatron.parallel import make_pg_collections_dynamic
-
-    inner = _unwrap(model)
-    if not any(isinstance(m, DCPCoreAttention) for m in inner.modules()):
-        raise TypeError("the model's core attention is not DCPCoreAttention: build it with "
-                        "megatron_dcp.megatron.get_gpt_layer_dcp_spec()")
-    rope = getattr(inner, "rotary_pos_emb", None)
-    if rope is not None and not isinstance(rope, DCPRotaryEmbedding):
-        if not hasattr(rope, "get_emb"):
-            raise TypeError(f"DCP supports RoPE via Megatron's RotaryEmbedding, got "
-                            f"{type(rope).__name__}")
-        inner.rotary_pos_emb = DCPRotaryEmbedding(rope)
-    make_pg_collections_dynamic(inner)
+    if rope is not None and not hasattr(rope, "get_emb"):
+        raise TypeError(f"DCP supports RoPE via Megatron's RotaryEmbedding, got "
+                        f"{type(rope).__name__}")
+    kind = getattr(inner, "position_embedding_type", "rope")
+    if kind not in ("rope", "learned_absolute", "none"):
+        raise TypeError(f"DCP does not follow position_embedding_type={kind!r} (rope, "
+                        "learned_absolute and none are supported)")

@@ -4,20 +4,23 @@
     losses_reduced = forward_backward(forward_step_func=forward_step, data_iterator=it,
                                       model=[model], num_microbatches=1, seq_length=0,
                                       micro_batch_size=1)
+    result = losses_reduced.result  # the step's StepResult: loss, plan, timings
 
 ``data_iterator`` yields one global batch per call; the step is the engine-neutral
 `megatron_dcp.runtime.step.StepDriver` and `MegatronStepEngine` is Megatron's side of it
-(micro-batches that carry the task as ``packed_seq_params``, per-task block recompute, DDP's
-``no_sync``, one ``finalize_model_grads``). What differs from Megatron's schedules, and why:
+(micro-batches that carry the task and its recompute depth as ``packed_seq_params``, DDP's
+``no_sync``, one ``finalize_model_grads``). Nothing of Megatron is patched and its
+``TransformerConfig`` is not changed: the layers of `get_gpt_layer_dcp_spec` read the task from
+their call. What differs from Megatron's schedules, and why:
 docs/MEGATRON.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -25,6 +28,16 @@ from megatron_dcp.config import IGNORE_INDEX, DCPConfig
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.runtime.groups import GroupPool
 from megatron_dcp.runtime.step import Shard, StepDriver, StepResult
+
+
+class StepReports(list):
+    """What one call of `DCPForwardBackward` returns: Megatron's loss reports (a list of dicts,
+    as Megatron's schedules return), and ``result``, the step's `StepResult` (loss, plan,
+    timings, this rank's `StepStats`)."""
+
+    def __init__(self, reports: list[dict], result: StepResult) -> None:
+        super().__init__(reports)
+        self.result = result
 
 
 @dataclass
@@ -55,25 +68,6 @@ def _tensor_parallel_size() -> int:
     return int(parallel_state.get_tensor_model_parallel_world_size())
 
 
-@contextmanager
-def megatron_recompute(config, num_layers: int) -> Iterator[None]:
-    """Recompute the first ``num_layers`` transformer layers in the forwards run inside.
-
-    Sets Megatron's full/block recompute on the (shared) TransformerConfig and restores it.
-    """
-    saved = (config.recompute_granularity, config.recompute_method, config.recompute_num_layers)
-    if num_layers > 0:
-        config.recompute_granularity, config.recompute_method = "full", "block"
-        config.recompute_num_layers = num_layers
-    elif saved[0] == "full":
-        config.recompute_granularity = None
-    try:
-        yield
-    finally:
-        (config.recompute_granularity, config.recompute_method,
-         config.recompute_num_layers) = saved
-
-
 class MegatronStepEngine:
     """Megatron's side of the `StepDriver` protocol for one call of `DCPForwardBackward`."""
 
@@ -89,9 +83,11 @@ class MegatronStepEngine:
         self.reports: list[dict] = []
 
     def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor:
-        """Megatron's ``forward_step_func`` and ``loss_func`` on one shard."""
+        """Megatron's ``forward_step_func`` and ``loss_func`` on one shard; the task (and its
+        recompute depth) travels in the micro-batch's ``packed_seq_params``."""
         from megatron_dcp.megatron.spec import DCPTaskParams
 
+        params = DCPTaskParams.of(shard.task, train=not self.forward_only)
         loss_mask = (shard.labels != IGNORE_INDEX).to(torch.float32)
         micro_batch = {
             "tokens": shard.input_ids.view(1, -1),
@@ -99,11 +95,15 @@ class MegatronStepEngine:
             "loss_mask": loss_mask.view(1, -1),
             "position_ids": shard.position_ids.view(1, -1),
             "attention_mask": None,
-            "packed_seq_params": DCPTaskParams.of(shard.task),
+            "packed_seq_params": params,
         }
-        depth = shard.task.recompute_layers if shard.task is not None and not self.forward_only else 0
-        with megatron_recompute(self.mconfig, depth):
-            output_tensor, loss_func = self.forward_step_func(iter([micro_batch]), self.model)
+        output_tensor, loss_func = self.forward_step_func(iter([micro_batch]), self.model)
+        if params is not None and not params.reached:
+            raise ValueError(
+                f"task {shard.task.task.id}: no DCP layer ran with the micro-batch's "
+                "packed_seq_params; the forward_step_func must pass "
+                "packed_seq_params=micro_batch['packed_seq_params'] to the model (else the shard "
+                "runs as one ordinary sequence: wrong attention and positions)")
         outputs = loss_func(output_tensor)
         if len(outputs) != 3:
             raise ValueError("DCP needs the per-token loss_func form (loss_sum, num_tokens, "
@@ -162,9 +162,7 @@ class DCPForwardBackward:
         self.pool = pool
         self.hardware = hardware
         self._driver: Optional[StepDriver] = None
-        self.last_plan: Optional[Plan] = None
-        self.last_stats: Any = None
-        self.last_result: Optional[StepResult] = None
+        self._checked: set[int] = set()  # ids of the models checked (once, at their first step)
         self._report_keys: tuple[str, ...] = ("lm loss",)
 
     @property
@@ -217,24 +215,14 @@ class DCPForwardBackward:
                  micro_batch_size: Optional[int] = None, decoder_seq_length=None,
                  forward_only: bool = False, collect_non_loss_data: bool = False,
                  first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None,
-                 pg_collection=None) -> list[dict]:
-        """Run this rank's tasks of the next global batch; returns the loss reports."""
-        from megatron_dcp.megatron.parallel import task_cp_groups
-        from megatron_dcp.megatron.spec import prepared_model
-
+                 pg_collection=None) -> StepReports:
+        """Run this rank's tasks of the next global batch; returns the loss reports and the
+        `StepResult` (`StepReports`)."""
         if collect_non_loss_data:
             raise ValueError("DCPForwardBackward: collect_non_loss_data is not supported")
         model = _single_model(model)
-        if getattr(getattr(model, "ddp_config", None), "overlap_param_gather", False):
-            from megatron_dcp.megatron.args import OVERLAP_PARAM_GATHER_PROBLEM
-
-            raise ValueError(OVERLAP_PARAM_GATHER_PROBLEM.replace(
-                "--overlap-param-gather", "DistributedDataParallelConfig.overlap_param_gather"))
+        self._check(model, forward_only)
         engine = MegatronStepEngine(model, forward_step_func, forward_only)
-        if not forward_only and not engine.mconfig.calculate_per_token_loss:
-            raise ValueError("DCP needs calculate_per_token_loss=True in the model's "
-                             "TransformerConfig (Megatron's DDP must SUM gradients over "
-                             "data-parallel ranks; DCP applies 1/T itself)")
         batch = next(data_iterator)
         if not isinstance(batch, GlobalBatch):
             batch = GlobalBatch(sequences=list(batch))
@@ -242,15 +230,37 @@ class DCPForwardBackward:
         if batch.plan is not None and batch.plan.world_size != driver.world_size:
             raise ValueError(f"plan for a DCP world of {batch.plan.world_size} ranks, but the "
                              f"data-parallel size is {driver.world_size}")
-        with prepared_model(model), task_cp_groups():
-            result = driver.step(engine, list(batch.sequences), batch.plan,
-                                 train=not forward_only)
-        self.last_result, self.last_plan, self.last_stats = result, result.plan, result.stats
-        self.last_stats.loss = result.loss
+        result = driver.step(engine, list(batch.sequences), batch.plan, train=not forward_only)
         reports = engine.reports
         if reports:
             self._report_keys = tuple(reports[0])
         else:  # a rank without tasks reports zero tokens (Megatron sums the reports)
             device = driver.device
             reports.append({k: torch.zeros(2, device=device) for k in self._report_keys})
-        return reports
+        return StepReports(reports, result)
+
+    def _check(self, model, forward_only: bool) -> None:
+        """Settings DCP cannot run, refused before any collective."""
+        from megatron.core.utils import get_model_config
+
+        if getattr(getattr(model, "ddp_config", None), "overlap_param_gather", False):
+            from megatron_dcp.megatron.args import OVERLAP_PARAM_GATHER_PROBLEM
+
+            raise ValueError(OVERLAP_PARAM_GATHER_PROBLEM.replace(
+                "--overlap-param-gather", "DistributedDataParallelConfig.overlap_param_gather"))
+        mconfig = get_model_config(model)
+        if not forward_only and not mconfig.calculate_per_token_loss:
+            raise ValueError("DCP needs calculate_per_token_loss=True in the model's "
+                             "TransformerConfig (Megatron's DDP must SUM gradients over "
+                             "data-parallel ranks; DCP applies 1/T itself)")
+        if id(model) in self._checked:
+            return
+        if mconfig.recompute_granularity == "full":
+            raise ValueError("DCP recomputes the first task.recompute_layers layers of each task "
+                             "itself (DCPTransformerLayer); with recompute_granularity='full' in "
+                             "the TransformerConfig Megatron's block would recompute its own "
+                             "layers on top: build the config with recompute_granularity=None")
+        from megatron_dcp.megatron.spec import check_model
+
+        check_model(model)
+        self._checked.add(id(model))
