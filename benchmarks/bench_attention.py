@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from megatron_dcp.plan.plan import Task
 from megatron_dcp.runtime.attention import dcp_attention
-from megatron_dcp.runtime.context import TaskContext, task_context
+from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.kernels import forced_backend
 from megatron_dcp.runtime.layout import ShardLayout
 from megatron_dcp.runtime.ring import ring_in_one_process
@@ -68,8 +68,7 @@ def _time_one(rank, world, n, u, r, args, groups) -> float:
         dist.barrier()
         start = time.perf_counter()
         if u * r > 1 or rank == 0:
-            with task_context(ctx):
-                dcp_attention(q, k, v, causal=not args.non_causal).sum().backward()
+            dcp_attention(q, k, v, causal=not args.non_causal, task=ctx).sum().backward()
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())

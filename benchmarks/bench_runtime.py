@@ -128,6 +128,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
         lengths = next(iter(plans.values())).lengths
         batch = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lengths]
         pool = GroupPool()
+
+        def shard_loss(shard):
+            return model.loss(shard.input_ids, shard.position_ids, shard.labels, task=shard.task)
+
         for plan in plans.values():
             pool.ensure(plan)
         records: dict[str, list] = {name: [] for name in plans}
@@ -135,8 +139,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
             for name, plan in plans.items():
                 dist.barrier()
                 t0 = time.perf_counter()
-                stats = run_plan(plan, batch, rank, lambda i, p, l: model.loss(i, p, l),
-                                 pool=pool, max_position=cfg.max_position)
+                stats = run_plan(plan, batch, rank, shard_loss, pool=pool,
+                                 max_position=cfg.max_position)
                 reduce_gradients(list(model.parameters()), pool.world_group)
                 model.zero_grad(set_to_none=True)
                 dist.barrier()

@@ -45,7 +45,7 @@ def _example_args(args, mode: str):
 
 
 def _steps(mode: str, args):
-    """The example's engine for one mode, wrapped in its `VideoSteps`."""
+    """The example's engine for one mode, as a ``train_step(batch)`` of a `VideoBatch`."""
     import torch
 
     import deepspeed_plugin
@@ -56,10 +56,16 @@ def _steps(mode: str, args):
     videos = example.open_videos(ex_args)
     torch.manual_seed(args.seed)
     model = example.build_model(ex_args, videos)
+    loss = example.FlowMatchingLoss()
     engine, *_ = deepspeed_plugin.initialize(args=ex_args, model=model,
                                              config=training.ds_config(ex_args),
-                                             model_parameters=model.parameters())
-    return example.VideoSteps(engine), videos, example
+                                             model_parameters=model.parameters(), loss_fn=loss)
+
+    def train_step(batch):
+        loss.batch = batch.to(engine.device)
+        return engine.train_step(batch.sequences())
+
+    return train_step, videos, example
 
 
 def _batches(videos, example, args):
@@ -80,7 +86,7 @@ def worker(args) -> dict:
     built = {m: _steps(m, args) for m in modes}
     _, videos, example = built[modes[0]]
     timed = alternate_modes(
-        {m: steps.train_step for m, (steps, _, _) in built.items()},
+        {m: train_step for m, (train_step, _, _) in built.items()},
         _batches(videos, example, args), args.warmup,
         lambda plan: {"degrees": sorted({t.degree for t in plan.tasks}),
                       "ckpt": sorted({t.recompute_layers for t in plan.tasks})})

@@ -9,6 +9,10 @@
         args=args, model=model, model_parameters=model.parameters())
     for sequences in global_batches:              # lists of 1-D token id tensors
         result = engine.train_step(sequences)    # plan, micro-steps, one reduction, one step
+
+The model gets every micro-step's task as an argument (``forward(input_ids, position_ids,
+task=...)``); ``initialize(..., loss_fn=)`` takes another objective (or a model that is called
+differently). ``engine.deepspeed`` is DeepSpeed's own engine, ``engine.module`` the model.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, Optional
 from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_config_from,
                                      load_ds_config,
                                      prepare_config)
-from deepspeed_plugin.engine import DCPEngine, StepResult
+from deepspeed_plugin.engine import DCPEngine, LossFn, StepResult, check_takes_task, token_loss
 from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.integrations import hf
 from megatron_dcp.runtime.allocator import use_expandable_segments
@@ -29,26 +33,28 @@ from megatron_dcp.runtime.groups import before_init_process_group
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 
-__all__ = ["DCPConfig", "DCPConfigError", "DCPEngine", "StepResult", "add_dcp_arguments",
-           "initialize"]
+__all__ = ["DCPConfig", "DCPConfigError", "DCPEngine", "LossFn", "StepResult",
+           "add_dcp_arguments", "initialize", "token_loss"]
 
 
 def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, optimizer: Any = None,
                model_parameters: Any = None, lr_scheduler: Any = None, config: Any = None, *,
                dcp_config: Optional[DCPConfig] = None, model_shape: Any = None,
                hardware: Any = None, timeout: timedelta = PROCESS_GROUP_TIMEOUT,
+               loss_fn: Optional[LossFn] = None,
                **deepspeed_kwargs: Any) -> tuple[DCPEngine, Any, Any, Any]:
     """``deepspeed.initialize`` with DCP: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
     The DeepSpeed config comes from ``config`` (path or dict) or ``args.deepspeed_config``; its
     ``"dcp"`` section and the ``--dcp*`` flags in ``args`` give the `DCPConfig` (or pass
     ``dcp_config``). ``model_shape`` (a `ModelShape`; default ``model.shape()``) feeds the cost
-    model, ``hardware`` overrides ``dcp.hardware``. Bad combinations raise `DCPConfigError` here,
-    before any step. With DCP off the engine runs plain data parallel on the same global batches.
-    ``timeout``: of every process group of the job, DeepSpeed's own (ZeRO's) included
-    (`patches.process_group_timeout`); 30 minutes, as torch's default: a long, healthy step
-    must not reach it. A stalled rank ends the job sooner through the liveness watch
-    (``dcp.liveness_interval_s``).
+    model, ``hardware`` overrides ``dcp.hardware``. ``loss_fn(model, shard)``: the per-token
+    losses of a shard (`deepspeed_plugin.engine.LossFn`; default `token_loss`, whose model must
+    take ``task``). Bad combinations raise `DCPConfigError` here, before any step. With DCP off
+    the engine runs plain data parallel on the same global batches. ``timeout``: of every
+    process group of the job, DeepSpeed's (ZeRO's) included (`patches.process_group_timeout`);
+    30 minutes, as torch's default: a long, healthy step must not reach it. A stalled rank ends
+    the job sooner through the liveness watch (``dcp.liveness_interval_s``).
     A Hugging Face ``PreTrainedModel`` is wrapped in `megatron_dcp.integrations.hf.DCPCausalLM`
     (``engine.module``; its ``causal_lm`` is the model given).
     """
@@ -60,13 +66,11 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     if model is None:
         raise ValueError("deepspeed_plugin.initialize requires a model")
     use_expandable_segments()  # before CUDA initialises: shapes change every micro-step
-    if hf.is_hf_model(model):  # the runtime's forward signature, DCP's attention and recompute
-        model = hf.DCPCausalLM(model)
+    model = _prepared_model(model, loss_fn)
     patches.apply_all()
     patches.process_group_timeout(timeout)
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
-    ds_config = load_ds_config(config)
+    ds_config = load_ds_config(config if config is not None or args is None
+                               else getattr(args, "deepspeed_config", None))
     dcp = dcp_config if dcp_config is not None else dcp_config_from(ds_config, args)
 
     accelerator = get_accelerator()
@@ -89,12 +93,24 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
         args=ds_args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, config=ds_ready, **deepspeed_kwargs)
 
-    wrapper = _wrap(engine, dcp, model, model_shape, hardware, notices, rank, timeout)
+    wrapper = _wrap(engine, dcp, model, model_shape, hardware, notices, rank, timeout, loss_fn)
     return wrapper, ds_optimizer, dataloader, scheduler
 
 
+def _prepared_model(model: Any, loss_fn: Optional[LossFn]) -> Any:
+    """The model DeepSpeed gets: an HF ``PreTrainedModel`` wrapped in `hf.DCPCausalLM` (the
+    runtime's forward signature, DCP's attention and recompute); without ``loss_fn`` it must take
+    the task (`token_loss` passes each micro-step's task to it)."""
+    if hf.is_hf_model(model):
+        model = hf.DCPCausalLM(model)
+    if loss_fn is None:
+        check_takes_task(model)
+    return model
+
+
 def _wrap(engine: Any, dcp: DCPConfig, model: Any, model_shape: Any, hardware: Any,
-          notices: list, rank: int, timeout: timedelta = PROCESS_GROUP_TIMEOUT) -> DCPEngine:
+          notices: list, rank: int, timeout: timedelta = PROCESS_GROUP_TIMEOUT,
+          loss_fn: Optional[LossFn] = None) -> DCPEngine:
     """The DCP engine around DeepSpeed's, with its groups created (collective)."""
     from deepspeed_plugin import patches
     from megatron_dcp.plan.planners import schedule_for
@@ -107,7 +123,7 @@ def _wrap(engine: Any, dcp: DCPConfig, model: Any, model_shape: Any, hardware: A
         model_shape = model.shape()
     wrapper = DCPEngine(engine, dcp, model_shape=model_shape,
                         pool=GroupPool(timeout=timeout), hardware=hardware,
-                        notices=notices)
+                        notices=notices, loss_fn=loss_fn)
     if dcp.enabled and model_shape is not None:
         notices = notices + [wrapper.driver.create_groups()]  # none created inside a step
     if rank == 0:

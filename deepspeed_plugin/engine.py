@@ -1,41 +1,72 @@
 """`DCPEngine`: a DeepSpeed engine that runs one DCP plan per optimizer step, exactly.
 
 ``train_step(sequences)`` is one global batch and one optimizer step, run by the engine-neutral
-`megatron_dcp.runtime.step.StepDriver`; this module is DeepSpeed's side of its protocol. With
-DCP off the driver runs plain data parallel (the baseline the tests compare against). How each
-ZeRO stage stays exact with a different number of micro-steps per rank, and what it costs:
-docs/DEEPSPEED.md.
+`megatron_dcp.runtime.step.StepDriver`; `_DeepSpeedSteps`, a private adapter, is DeepSpeed's side
+of its protocol, with the objective given as ``loss_fn(model, shard)`` (default `token_loss`).
+DeepSpeed's own engine is ``.deepspeed`` and the model ``.module``: `DCPEngine` forwards nothing
+else to it. With DCP off the driver runs plain data parallel (the baseline the tests compare
+against). How each ZeRO stage stays exact with a different number of micro-steps per rank, and
+what it costs: docs/DEEPSPEED.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.config import DCPConfig
+from megatron_dcp.config import IGNORE_INDEX, DCPConfig
 from megatron_dcp.models.common import token_losses
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.planners import schedule_for
-from megatron_dcp.runtime.context import task_context
 from megatron_dcp.runtime.step import Shard, StepDriver, StepResult
 
-__all__ = ["DCPEngine", "StepResult"]
+__all__ = ["DCPEngine", "LossFn", "StepResult", "token_loss"]
+
+LossFn = Callable[[torch.nn.Module, Shard], torch.Tensor]
+"""``loss_fn(model, shard)``: the per-token losses ``[T]`` of a shard (0 where
+``shard.labels == -100``; or their sum, for the ``token`` reduction only). It calls the model with
+the shard's task (``shard.task``; ``None`` outside a task): nothing else carries it."""
+
+
+def token_loss(model: torch.nn.Module, shard: Shard) -> torch.Tensor:
+    """The default objective: next-token cross-entropy of every token of the shard, from
+    ``model(input_ids, position_ids, task=shard.task) -> logits [T, V]`` (chunked:
+    `megatron_dcp.models.common.token_losses`, no whole fp32 copy of the logits)."""
+    logits = model(shard.input_ids, shard.position_ids, task=shard.task)
+    return token_losses(logits, shard.labels)
+
+
+def check_takes_task(model: Any) -> None:
+    """Refuse a model whose forward takes no ``task`` (the default `token_loss` passes it),
+    naming the model: DCP gives every micro-step's task to the model as an argument."""
+    forward = getattr(model, "forward", None)
+    params = inspect.signature(forward).parameters.values() if forward is not None else ()
+    if not any(p.name == "task" or p.kind is p.VAR_KEYWORD for p in params):
+        raise TypeError(
+            f"{type(model).__name__}.forward takes no 'task' argument: under DCP the model gets "
+            "each micro-step's task as an argument (forward(input_ids, position_ids, task=...) "
+            "handing it to dcp_attention and run_layer; megatron_dcp.models.Decoder does). "
+            "Add it, or pass loss_fn=(model, shard) -> per-token losses to call your model "
+            "yourself (docs/DEEPSPEED.md, 'Your own model or objective')")
 
 
 class DCPEngine:
-    """Wraps a ``deepspeed.DeepSpeedEngine``; attribute access falls through to it.
+    """A DeepSpeed engine (``.deepspeed``) whose ``train_step`` runs one DCP step.
 
-    ``train_step(sequences)`` runs one step through ``self.driver`` (a `StepDriver`); the methods
-    ``forward_loss`` ... ``finish`` are DeepSpeed's side of the driver's protocol.
+    ``train_step(sequences)`` runs one step through ``self.driver`` (a `StepDriver`);
+    ``.module`` is the model, ``.deepspeed`` DeepSpeed's engine for everything else
+    (``destroy()``, ``optimizer``, ``global_steps`` ...). ``loss_fn``: see `LossFn`.
     """
 
     def __init__(self, engine: Any, dcp: DCPConfig, *, pool: Any, model_shape: Any = None,
-                 hardware: Any = None, notices: Sequence[str] = ()) -> None:
-        self.engine = engine
+                 hardware: Any = None, notices: Sequence[str] = (),
+                 loss_fn: Optional[LossFn] = None) -> None:
+        self.deepspeed = engine
+        """The ``deepspeed.DeepSpeedEngine``."""
         self.dcp = dcp
         self.notices = list(notices)
         self.world_size = dist.get_world_size()
@@ -44,40 +75,21 @@ class DCPEngine:
         self.device = torch.device(getattr(engine, "device", None) or "cpu")
         # The planner picks lockstep slots for ZeRO-2/3 (unless dcp.schedule says free): every
         # rank then runs the same micro-steps and DeepSpeed's own per-micro-step collectives
-        # line up. A free schedule runs one coalesced reduction after the rank's last
-        # micro-step (at ZeRO-3 with parameters kept gathered: config.py, patches.py): ZeRO-2/3
-        # reduce in every backward, and ZeRO-1 with overlap_comm reduces buckets from the
-        # backward hooks of the boundary micro-step, in the middle of a task a peer still
-        # needs (issue 18: a deadlock). Coalesced, the hooks only accumulate locally.
-        # DeepSpeed's BF16_Optimizer (ZeRO-1, bf16 with fp32 accumulation) and ZeRO-0 have no
-        # coalesced reduction and need none: their boundary reduction runs after the backward.
+        # line up.
         self.lockstep = dcp.enabled and schedule_for(dcp.schedule, self.zero_stage) == "lockstep"
-        self.coalesce = (dcp.enabled and not self.lockstep and self.zero_stage in (1, 2, 3)
-                         and hasattr(engine.optimizer, "_coalesce_grad_reduction"))
         self.driver = StepDriver(dcp, pool=pool, model_shape=model_shape, hardware=hardware,
                                  zero_stage=self.zero_stage, device=self.device)
-        # Plain data parallel runs DeepSpeed's ordinary accumulation: equal micro-step counts.
-        self.equal_micro_steps = not dcp.enabled
-        module = getattr(engine, "module", None)
-        self._takes_task = module is not None and "task" in inspect.signature(
-            module.forward).parameters
-        """Whether the model's forward takes ``task=`` (then the task travels as an argument;
-        otherwise the model reads the task context)."""
+        self._steps = _DeepSpeedSteps(self, loss_fn or token_loss)
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names this wrapper lacks: the DeepSpeed engine's API stays reachable.
-        if name == "engine":
-            raise AttributeError(name)
-        return getattr(self.engine, name)
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model (DeepSpeed's ``engine.module``)."""
+        return self.deepspeed.module
 
     @property
     def iteration(self) -> int:
         """Optimizer steps taken (the planner's ``iteration``); saved in checkpoints."""
         return self.driver.iteration
-
-    def make_plan(self, lengths: Sequence[int], iteration: Optional[int] = None) -> Plan:
-        """The plan of a global batch with these sequence lengths (deterministic on every rank)."""
-        return self.driver.plan(lengths, iteration)
 
     def train_step(self, sequences: Sequence[torch.Tensor],
                    plan: Optional[Plan] = None) -> StepResult:
@@ -91,16 +103,66 @@ class DCPEngine:
                              "with a slot: docs/PLAN_FORMAT.md); this plan is free (set "
                              "dcp.schedule=free to run free plans with parameters and "
                              "gradients kept whole)")
-        self.engine.train()
-        return self.driver.step(self, sequences, plan)
+        self.deepspeed.train()
+        return self.driver.step(self._steps, sequences, plan)
 
-    # ------------------------------------------------------------------ the driver's protocol
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """DCP's own resumable state (stored in DeepSpeed's ``client_state``)."""
+        return {**self.driver.state_dict(), "dcp": self.dcp.to_dict(),
+                "world_size": self.world_size}
+
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
+                        client_state: Optional[dict] = None, *,
+                        keep_last: Optional[int] = None, **kwargs: Any) -> str:
+        """Collective: an atomic ``engine.save_checkpoint`` (`deepspeed_plugin.checkpoint`) with
+        DCP's state under ``client_state["dcp_engine"]``; ``latest`` moves only after every rank
+        wrote its files; ``keep_last`` keeps that many checkpoints. Returns the path."""
+        from deepspeed_plugin import checkpoint
+
+        state = dict(client_state or {})
+        state["dcp_engine"] = self.state_dict()
+        tag = tag if tag is not None else f"global_step{self.deepspeed.global_steps}"
+        return checkpoint.save(self, save_dir, tag, state, keep_last=keep_last, **kwargs)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
+                        **kwargs: Any) -> tuple[Any, dict]:
+        """Collective: verify the checkpoint (``tag`` or ``latest``) on every rank, load it (at
+        another world size through DeepSpeed's universal format), restore the iteration;
+        returns ``(path, client_state)``. Loading unpickles: only load checkpoints you trust."""
+        from deepspeed_plugin import checkpoint
+
+        path, client_state = checkpoint.load(self, load_dir, tag, **kwargs)
+        self.driver.load_state_dict(client_state.get("dcp_engine", {}))
+        return path, client_state
+
+
+class _DeepSpeedSteps:
+    """DeepSpeed's side of the step driver's protocol (`megatron_dcp.runtime.step.StepEngine`)
+    for one `DCPEngine`: forward and loss through ``loss_fn``, DeepSpeed's backward with the
+    accumulation boundary, the micro-step scope and the optimizer step."""
+
+    def __init__(self, owner: DCPEngine, loss_fn: LossFn) -> None:
+        engine, dcp = owner.deepspeed, owner.dcp
+        self.engine, self.loss_fn = engine, loss_fn
+        self.world_size, self.zero_stage, self.device = (owner.world_size, owner.zero_stage,
+                                                          owner.device)
+        # A free schedule runs one coalesced reduction after the rank's last micro-step (at
+        # ZeRO-3 with parameters kept gathered: config.py, patches.py): ZeRO-2/3 reduce in every
+        # backward, and ZeRO-1 with overlap_comm reduces buckets from the backward hooks of the
+        # boundary micro-step, in the middle of a task a peer still needs (issue 18: a
+        # deadlock). Coalesced, the hooks only accumulate locally. DeepSpeed's BF16_Optimizer
+        # (ZeRO-1, bf16 with fp32 accumulation) and ZeRO-0 have no coalesced reduction and need
+        # none: their boundary reduction runs after the backward.
+        self.coalesce = (dcp.enabled and not owner.lockstep and self.zero_stage in (1, 2, 3)
+                         and hasattr(engine.optimizer, "_coalesce_grad_reduction"))
+        # Plain data parallel runs DeepSpeed's ordinary accumulation: equal micro-step counts.
+        self.equal_micro_steps = not dcp.enabled
+
     def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor:
-        """Sum of the token losses of a shard through ``engine(...)``; with ``per_token`` the
-        losses themselves ``[T]`` (0 where ignored: ``sequence`` reduction)."""
-        kwargs = {"task": shard.task} if self._takes_task else {}
-        logits = self.engine(shard.input_ids, shard.position_ids, **kwargs)
-        losses = token_losses(logits, shard.labels)  # chunked: no whole fp32 copy of the logits
+        """``loss_fn(engine, shard)``: the per-token losses ``[T]`` (``sequence`` reduction), or
+        their sum."""
+        losses = self.loss_fn(self.engine, shard)
         return losses if per_token else losses.sum()
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
@@ -112,12 +174,13 @@ class DCPEngine:
         self.engine.backward(loss * self.world_size)
 
     def empty_micro_step(self, last: bool) -> None:
-        """A forward and backward with zero gradient (keeps collectives matched across ranks);
-        its loss ``0 * logits.sum()`` has the graph of a real micro-step."""
+        """A forward and backward with zero gradient (keeps collectives matched across ranks):
+        ``loss_fn`` on two tokens outside any task, times zero (the graph of a real
+        micro-step)."""
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
-        with task_context(None):
-            logits = self.engine(ids, torch.arange(2, device=self.device))
-            self.backward(logits.float().sum() * 0.0, last)
+        labels = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=self.device)
+        shard = Shard(ids, torch.arange(2, device=self.device), labels, None)
+        self.backward(self.loss_fn(self.engine, shard).float().sum() * 0.0, last)
 
     def micro_steps(self) -> contextlib.AbstractContextManager:
         """Stages 1-3 with a free schedule: one coalesced reduction when the rank's micro-steps
@@ -153,33 +216,3 @@ class DCPEngine:
             for p in self.engine.module.parameters():
                 p.grad = None
         self.engine.step()
-
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """DCP's own resumable state (stored in DeepSpeed's ``client_state``)."""
-        return {**self.driver.state_dict(), "dcp": self.dcp.to_dict(),
-                "world_size": self.world_size}
-
-    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, *,
-                        keep_last: Optional[int] = None, **kwargs: Any) -> str:
-        """Collective: an atomic ``engine.save_checkpoint`` (`deepspeed_plugin.checkpoint`) with
-        DCP's state under ``client_state["dcp_engine"]``; ``latest`` moves only after every rank
-        wrote its files; ``keep_last`` keeps that many checkpoints. Returns the path."""
-        from deepspeed_plugin import checkpoint
-
-        state = dict(client_state or {})
-        state["dcp_engine"] = self.state_dict()
-        tag = tag if tag is not None else f"global_step{self.engine.global_steps}"
-        return checkpoint.save(self, save_dir, tag, state, keep_last=keep_last, **kwargs)
-
-    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
-                        **kwargs: Any) -> tuple[Any, dict]:
-        """Collective: verify the checkpoint (``tag`` or ``latest``) on every rank, load it (at
-        another world size through DeepSpeed's universal format), restore the iteration;
-        returns ``(path, client_state)``. Loading unpickles: only load checkpoints you trust."""
-        from deepspeed_plugin import checkpoint
-
-        path, client_state = checkpoint.load(self, load_dir, tag, **kwargs)
-        self.driver.load_state_dict(client_state.get("dcp_engine", {}))
-        return path, client_state

@@ -20,7 +20,6 @@ those of examples/pretrain.py.
 from __future__ import annotations
 
 import argparse
-import contextlib
 from typing import Any, Optional
 
 import torch
@@ -33,7 +32,6 @@ from megatron_dcp.data import GlobalBatchSampler
 from megatron_dcp.data.video import (SYNTHETIC_MIXES, LatentDirectory, SyntheticVideos, VideoBatch,
                                      mix_limits)
 from megatron_dcp.models.dit import DiTConfig, VideoDiT
-from megatron_dcp.runtime.context import task_context
 from megatron_dcp.runtime.report import TrainingLog, reset_peak_memory
 
 
@@ -88,42 +86,16 @@ def build_model(args: argparse.Namespace, videos) -> VideoDiT:
                               num_classes=videos.num_classes), seed=args.seed)
 
 
-class VideoSteps:
-    """DeepSpeed's side of the step driver's protocol for the video DiT: the `DCPEngine`'s own
-    backward, micro-step scope and optimizer step; the loss is the flow-matching loss of the
-    current `VideoBatch` (the engine's module returns per-token losses)."""
+class FlowMatchingLoss:
+    """The engine's ``loss_fn``: the per-token flow-matching losses of a shard of the current
+    `VideoBatch` (``batch``, set before each step), from the DiT called with the shard's task."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.equal_micro_steps = engine.equal_micro_steps
+    def __init__(self) -> None:
         self.batch: Optional[VideoBatch] = None
 
-    def forward_loss(self, shard, per_token: bool) -> torch.Tensor:
-        losses = self.engine.engine(shard.input_ids, shard.position_ids, shard.labels,
-                                    self.batch, task=shard.task)
-        return losses if per_token else losses.sum()
-
-    def backward(self, loss: torch.Tensor, last: bool) -> None:
-        self.engine.backward(loss, last)
-
-    def empty_micro_step(self, last: bool) -> None:
-        """One token of video 0 with a zero loss: the graph of a real micro-step, no gradient."""
-        rows = torch.zeros(1, dtype=torch.long, device=self.engine.device)
-        with task_context(None):
-            losses = self.engine.engine(rows, None, None, self.batch)
-            self.backward(losses.sum() * 0.0, last)
-
-    def micro_steps(self) -> contextlib.AbstractContextManager:
-        return self.engine.micro_steps()
-
-    def finish(self) -> Optional[float]:
-        return self.engine.finish()
-
-    def train_step(self, batch: VideoBatch):
-        """One step through the engine's driver (which plans with every video's frame size)."""
-        self.batch = batch.to(self.engine.device)
-        self.engine.engine.train()
-        return self.engine.driver.step(self, batch.sequences())
+    def __call__(self, model: Any, shard) -> torch.Tensor:
+        return model(shard.input_ids, shard.position_ids, shard.labels, self.batch,
+                     task=shard.task)
 
 
 def load_batch(videos, indices, seed: int, iteration: int) -> VideoBatch:
@@ -140,14 +112,15 @@ def main(argv=None) -> int:
     ds_config = training.ds_config(args)  # --zero-stage and --lr applied
     videos = open_videos(args)
     model = build_model(args, videos)
-    with training.engine_for(args, model, ds_config) as engine:  # destroyed at the end
-        return train(args, engine, videos)
+    loss = FlowMatchingLoss()
+    with training.engine_for(args, model, ds_config, loss) as engine:  # destroyed at the end
+        return train(args, engine, videos, loss)
 
 
-def train(args, engine, videos) -> int:
-    """The training loop of `main` on an initialised engine; returns the exit code."""
+def train(args, engine, videos, loss: FlowMatchingLoss) -> int:
+    """The training loop of `main` on an initialised engine whose ``loss_fn`` is ``loss``;
+    returns the exit code."""
     model = engine.module
-    steps = VideoSteps(engine)
     rank, world = engine.rank, engine.world_size
     sampler = GlobalBatchSampler(videos.lengths, args.global_batch_tokens, seed=args.seed,
                                  min_seq_len=1, max_seq_len=None)
@@ -169,7 +142,8 @@ def train(args, engine, videos) -> int:
     reset_peak_memory(engine.device)
     for it in range(start, args.train_iters):
         batch = load_batch(videos, sampler.next_batch(), args.seed, it)
-        result = steps.train_step(batch)
+        loss.batch = batch.to(engine.device)
+        result = engine.train_step(batch.sequences())  # planned with every video's frame size
         training.log_step(log, engine, it + 1, result, tokens=result.tokens,
                           sequences=len(batch))
         training.save_if_due(engine, sampler, args, it + 1)  # every --save-interval, and last

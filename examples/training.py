@@ -148,19 +148,19 @@ def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int
 
 
 @contextlib.contextmanager
-def engine_for(args, model, ds_config: dict) -> Iterator[Any]:
-    """``deepspeed_plugin.initialize`` with the examples' flags (``--dcp*``, the timeout); the
-    engine is destroyed when the block ends (ZeRO's gradient hooks would keep it, and its process
+def engine_for(args, model, ds_config: dict, loss_fn=None) -> Iterator[Any]:
+    """``deepspeed_plugin.initialize`` with the examples' flags (``--dcp*``, the timeout) and
+    ``loss_fn`` (default: next-token cross-entropy); the engine is destroyed when the block ends (ZeRO's gradient hooks would keep it, and its process
     groups, alive to interpreter exit)."""
     import deepspeed_plugin
 
     engine, _, _, _ = deepspeed_plugin.initialize(
         args=args, model=model, config=ds_config, model_parameters=model.parameters(),
-        timeout=timedelta(seconds=args.distributed_timeout_s))
+        timeout=timedelta(seconds=args.distributed_timeout_s), loss_fn=loss_fn)
     try:
         yield engine
     finally:
-        engine.destroy()
+        engine.deepspeed.destroy()
 
 
 def run_main(main: Callable[[], int]) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from megatron_dcp.models import Decoder, DecoderConfig
 from megatron_dcp.plan.plan import Plan, Task
-from megatron_dcp.runtime.context import TaskContext, current_task
+from megatron_dcp.runtime.context import TaskContext
 
 # Four query heads, two KV heads: Ulysses degrees 1 and 2 divide both, 3 and 4 need ring/hybrid.
 DECODER = dict(vocab_size=48, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -79,7 +79,7 @@ def run_cases(rank: int, world_size: int, cases: list[dict]) -> dict[str, Any]:
         batch = make_batch(plan.lengths, model.config.vocab_size)
         reduction = case.get("loss_reduction", "token")
         mode = "none" if reduction == "sequence" else "sum"
-        stats = run_plan(plan, batch, rank, lambda i, p, l: model.loss(i, p, l, reduction=mode),
+        stats = run_plan(plan, batch, rank, shard_loss(model, mode),
                          pool=pool, loss_reduction=reduction,
                          max_position=model.config.max_position)
         reduce_gradients(list(model.parameters()), pool.world_group)
@@ -129,6 +129,36 @@ def plan_dict(tasks: Sequence[Task], lengths: Sequence[int], world: int) -> dict
                 policy="manual").to_dict()
 
 
+def shard_loss(model: torch.nn.Module, reduction: str = "sum") -> Callable[[Any], torch.Tensor]:
+    """``run_plan``'s ``forward_step`` for a reference model: its loss on a shard, with the
+    shard's task passed on."""
+    return lambda s: model.loss(s.input_ids, s.position_ids, s.labels, reduction=reduction,
+                                task=s.task)
+
+
+class _Forbidden:
+    """Stands in for `megatron_dcp.runtime.context`'s ContextVar and process-wide task: any
+    lookup raises."""
+
+    lock = threading.Lock()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a task was looked up from a context variable or the process on "
+                             "the path of a DCP step: the task must travel as an argument")
+
+    get = set = reset = _refuse
+    ctx = property(_refuse, _refuse)
+
+
+def forbid_task_lookup() -> None:
+    """Make every lookup of a task from `megatron_dcp.runtime.context` (``current_task``,
+    ``task_context``, whatever module imported them) raise in this process."""
+    from megatron_dcp.runtime import context
+
+    context._CURRENT = _Forbidden()
+    context._ProcessTask = _Forbidden()
+
+
 class NoTaskFallback:
     """Replaces the process-wide task of `megatron_dcp.runtime.context` (always None)."""
 
@@ -172,11 +202,12 @@ class RecomputeCounter:
         self.contexts: dict[int, list[Optional[TaskContext]]] = {}
 
     def wrap(self, index: int, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """A callable that records the call (and the task context it ran under), then runs fn."""
+        """A callable that records the call (and the task it was given), then runs fn."""
 
         def counted(*args: Any) -> torch.Tensor:
             self.calls[index] = self.calls.get(index, 0) + 1
-            self.contexts.setdefault(index, []).append(current_task())
+            task = args[-1] if args and isinstance(args[-1], TaskContext) else None
+            self.contexts.setdefault(index, []).append(task)
             return fn(*args)
 
         return counted

@@ -19,7 +19,7 @@ from distributed import run_distributed
 from megatron_dcp.plan.plan import Task
 from megatron_dcp.runtime import kernels
 from megatron_dcp.runtime.attention import dcp_attention
-from megatron_dcp.runtime.context import TaskContext, task_context
+from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.layout import ShardLayout, gather_packed
 
 LENGTHS = (13, 6, 21)  # uneven: padding needed for every degree > 1
@@ -101,8 +101,8 @@ def run_case_tasks(rank, case, groups, errors):
                           ring_group=groups.get(tuple(sorted(task.ring_group(g)))) if r > 1
                           else None)
         backend = spec.get("backend", kernels.selected_backend())
-        with task_context(ctx), kernels.forced_backend(backend):
-            out = dcp_attention(ql, kl, vl, causal=causal, group_of_position=gfn)
+        with kernels.forced_backend(backend):
+            out = dcp_attention(ql, kl, vl, causal=causal, group_of_position=gfn, task=ctx)
             out.backward(local[3])
         tol = 1e-10 if dtype == torch.float64 else 1e-5
         keep, idx = layout.valid, layout.index[layout.valid]
@@ -152,8 +152,7 @@ def bad_heads_case(rank, case, groups, errors):
     ctx = TaskContext(task=task, group_rank=g, group=group, ulysses_group=group, layout=layout)
     q, kv = torch.randn(layout.num_tokens, 4, 8), torch.randn(layout.num_tokens, 1, 8)
     try:
-        with task_context(ctx):
-            dcp_attention(q, kv, kv)
+        dcp_attention(q, kv, kv, task=ctx)
         errors.append(f"rank {rank}: no error for 1 KV head at Ulysses degree {len(ranks)}")
     except ValueError as e:
         msg = str(e)
@@ -161,8 +160,7 @@ def bad_heads_case(rank, case, groups, errors):
             errors.append(f"rank {rank}: unclear error: {msg}")
     kv = torch.randn(layout.num_tokens, 2, 8)
     try:
-        with task_context(ctx):
-            dcp_attention(q, kv, kv, group_of_position=lambda pos: pos[:1])
+        dcp_attention(q, kv, kv, group_of_position=lambda pos: pos[:1], task=ctx)
         errors.append(f"rank {rank}: no error for a bad group_of_position")
     except ValueError as e:
         if "group_of_position" not in str(e):

@@ -9,21 +9,21 @@ import pytest
 import torch
 
 from distributed import DistributedError, run_distributed
-from executor_cases import build_model, make_batch, plan_dict, reference, task
+from executor_cases import build_model, make_batch, plan_dict, reference, shard_loss, task
 
 
 def _run(plan, rank, model, pool):
     from megatron_dcp.runtime.executor import run_plan
 
     batch = make_batch(plan.lengths, model.config.vocab_size)
-    return run_plan(plan, batch, rank, lambda i, p, l: model.loss(i, p, l), pool=pool,
+    return run_plan(plan, batch, rank, shard_loss(model), pool=pool,
                     max_position=model.config.max_position)
 
 
 def _bad_inputs(rank: int, world_size: int) -> dict:
     """Digest mismatch, too-long sequence, batch/plan disagreement; then a good plan still runs."""
     from megatron_dcp.plan.plan import Plan
-    from megatron_dcp.runtime.executor import BatchError, PlanMismatchError
+    from megatron_dcp.runtime.digests import BatchError, PlanMismatchError
     from megatron_dcp.runtime.groups import GroupPool
 
     pool = GroupPool()
@@ -57,7 +57,7 @@ def _bad_inputs(rank: int, world_size: int) -> dict:
     if rank == world_size - 1:
         batch[2] = batch[2][:5]
     try:
-        run_plan(good, batch, rank, lambda i, p, l: model.loss(i, p, l), pool=pool)
+        run_plan(good, batch, rank, shard_loss(model), pool=pool)
         out["batch"] = "no error"
     except BatchError as exc:
         out["batch"] = str(exc)
@@ -72,7 +72,7 @@ def _bad_inputs(rank: int, world_size: int) -> dict:
     from megatron_dcp.runtime.executor import TaskError
 
     try:
-        run_plan(good, make_batch(lengths, 48), rank, lambda i, p, l: model.loss(i, p, l),
+        run_plan(good, make_batch(lengths, 48), rank, shard_loss(model),
                  pool=pool, loss_reduction="sequence")
         out["sequence"] = "no error"
     except TaskError as exc:
@@ -127,8 +127,8 @@ def _timeout_body(rank: int, world_size: int) -> str:
     try:
         # Skip the digest check (its collective is on the world group): go straight to the task.
         ex.check_plan = lambda *a, **k: plan.digest()
-        ex.run_plan(plan, make_batch(plan.lengths, 48), rank, lambda i, p, l: model.loss(i, p, l),
-                    pool=pool, reduce_loss=False)
+        ex.run_plan(plan, make_batch(plan.lengths, 48), rank, shard_loss(model),
+                    pool=pool)
         return "no error"
     except ex.TaskError as exc:
         return str(exc)
@@ -151,7 +151,7 @@ def _worlds_body(rank: int, world_size: int) -> str:
     """Two DCP worlds (0, 2) and (1, 3), as under tensor parallelism 2; rank 3's world plans
     differently (another start time): the plan check must fail on every rank of the job."""
     from megatron_dcp.plan.plan import Plan
-    from megatron_dcp.runtime.executor import PlanMismatchError
+    from megatron_dcp.runtime.digests import PlanMismatchError
     from megatron_dcp.runtime.groups import GroupPool
 
     pool = GroupPool(all_worlds=[(0, 2), (1, 3)])

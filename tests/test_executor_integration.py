@@ -15,7 +15,8 @@ from megatron_dcp.runtime.checkpoint import run_layer
 
 
 class TinyGPT(nn.Module):
-    """A user's model: learned absolute positions, LayerNorm, GELU MLP (no DCP arguments)."""
+    """A user's model: learned absolute positions, LayerNorm, GELU MLP; its forward takes the
+    task and hands it to the two DCP calls."""
 
     def __init__(self, vocab=40, dim=16, heads=2, layers=2, max_len=64):
         super().__init__()
@@ -30,21 +31,21 @@ class TinyGPT(nn.Module):
             for _ in range(layers))
         self.out = nn.Linear(dim, vocab)
 
-    def block(self, b, x):
+    def block(self, b, x, task):
         t = x.shape[0]
         q, k, v = b["qkv"](b["ln1"](x)).view(t, 3, self.heads, -1).unbind(1)
-        x = x + b["proj"](dcp_attention(q, k, v, causal=True).reshape(t, -1))   # DCP line 1
+        x = x + b["proj"](dcp_attention(q, k, v, causal=True, task=task).reshape(t, -1))  # DCP 1
         return x + b["mlp"](b["ln2"](x))
 
-    def forward(self, ids, pos):
+    def forward(self, ids, pos, task=None):
         x = self.tok(ids) + self.pos(pos)
         for i, b in enumerate(self.blocks):
-            x = run_layer(i, lambda y, b=b: self.block(b, y), x)                    # DCP line 2
+            x = run_layer(i, lambda y, b=b: self.block(b, y, task), x, task=task)      # DCP 2
         return self.out(x)
 
 
-def loss_sum(model, ids, pos, labels):
-    return F.cross_entropy(model(ids, pos), labels, ignore_index=-100, reduction="sum")
+def loss_sum(model, ids, pos, labels, task=None):
+    return F.cross_entropy(model(ids, pos, task), labels, ignore_index=-100, reduction="sum")
 
 
 def batches():
@@ -78,7 +79,7 @@ def _train(rank: int, world_size: int) -> dict:
         plan = make_plan([len(s) for s in batch], world_size=dist.get_world_size(), model=shape,
                          config=cfg, iteration=step, cost_model=cm)
         stats = run_plan(plan, batch, dist.get_rank(),
-                         lambda ids, pos, labels: loss_sum(model, ids, pos, labels),
+                         lambda s: loss_sum(model, s.input_ids, s.position_ids, s.labels, s.task),
                          pool=pool, max_position=64)
         reduce_gradients(model.parameters(), pool.world_group)
         opt.step()

@@ -20,7 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from distributed import run_distributed  # noqa: E402
-from executor_cases import (NoTaskFallback, make_batch, on_fresh_thread,  # noqa: E402
+from executor_cases import (forbid_task_lookup, make_batch, on_fresh_thread,  # noqa: E402
                             plan_dict, rel_err)
 from executor_cases import task as make_task  # noqa: E402
 
@@ -79,11 +79,10 @@ def _body(rank, world_size, plan):
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.integrations.hf import DCPCausalLM
     from megatron_dcp.plan.plan import Plan
-    from megatron_dcp.runtime import context
     from megatron_dcp.runtime.groups import GroupPool
     from megatron_dcp.runtime.step import StepDriver
 
-    context._ProcessTask = NoTaskFallback()  # only the explicit task may reach attention
+    forbid_task_lookup()  # only the explicit task may reach attention: any lookup raises
     pool = GroupPool()
     plan = Plan.from_dict(plan)
     out = {}

@@ -1,7 +1,7 @@
 """The one input checker of the token models' forward (`megatron_dcp.models.common.check_inputs`),
 used by the reference `Decoder` and by the Hugging Face wrapper `DCPCausalLM`: errors name the
-model, positions default to one whole sequence, the task comes from the argument or the
-context, and the decoder's ``max_position`` is enforced."""
+model, positions default to one whole sequence, the task comes from the argument only (never
+from a context), and the decoder's ``max_position`` is enforced."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def test_check_inputs_defaults_and_task():
     ctx = _task()
     positions, task = check_inputs("M", ids, given, ctx)
     assert positions is given and task is ctx
-    with task_context(ctx):
-        assert check_inputs("M", ids, given, None)[1] is ctx
+    with task_context(ctx):  # a context entered around the call is not read
+        assert check_inputs("M", ids, given, None)[1] is None
 
 
 def test_check_inputs_errors_name_the_model():

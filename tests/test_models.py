@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from executor_cases import RecomputeCounter, build_model, make_batch
+from executor_cases import RecomputeCounter, build_model, make_batch, on_fresh_thread
 from megatron_dcp.data.video import VideoBatch
 from megatron_dcp.models import Decoder, DecoderConfig, DiTConfig, VideoDiT
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Task
 from megatron_dcp.runtime.checkpoint import recompute_outside_task
-from megatron_dcp.runtime.context import TaskContext, task_context
+from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.layout import ShardLayout
 
 
@@ -103,9 +103,9 @@ def test_error_names_sequence_inside_a_task():
     model = Decoder(DecoderConfig(vocab_size=8, hidden_size=8, num_heads=2, max_position=10))
     task = Task(id=4, ranks=(0,), seqs=(7, 2))
     layout = ShardLayout.build([5, 12], 1, 1, 0)
-    with task_context(TaskContext(task=task, group_rank=0, layout=layout)):
-        with pytest.raises(ValueError, match="in sequence 2 .length 12. of task 4"):
-            model(torch.zeros(17, dtype=torch.long), layout.position_ids)
+    with pytest.raises(ValueError, match="in sequence 2 .length 12. of task 4"):
+        model(torch.zeros(17, dtype=torch.long), layout.position_ids,
+              TaskContext(task=task, group_rank=0, layout=layout))
 
 
 def test_config_errors():
@@ -145,8 +145,8 @@ def test_checkpoint_depth_changes_per_forward_not_the_gradient(kind):
 
 
 def test_recompute_sees_the_task_even_if_backward_runs_outside():
-    """Recomputation re-enters the task context captured at forward (CUDA runs backward on
-    autograd worker threads, where the caller's context is not visible)."""
+    """Recomputation gets the task the model was called with (CUDA runs backward on autograd
+    worker threads, where nothing of the caller's thread is visible)."""
     model = build_model("decoder")
     lengths = [9, 14]
     batch = make_batch(lengths, model.config.vocab_size)
@@ -161,11 +161,11 @@ def test_recompute_sees_the_task_even_if_backward_runs_outside():
         original = layer0.forward
         layer0.forward = counter.wrap(0, original)
         task = Task(id=0, ranks=(0,), seqs=(0, 1), recompute_layers=depth)
-        with task_context(TaskContext(task=task, group_rank=0, layout=layout, recompute_layers=depth)):
-            loss = model.loss(ids, layout.position_ids, labels)
-            if not outside:
-                loss.backward()
+        ctx = TaskContext(task=task, group_rank=0, layout=layout, recompute_layers=depth)
+        loss = model.loss(ids, layout.position_ids, labels, task=ctx)
         if outside:
+            on_fresh_thread(loss.backward)
+        else:
             loss.backward()
         layer0.forward = original
         assert all(c is not None and c.task.id == 0 for c in counter.contexts[0])

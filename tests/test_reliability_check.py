@@ -7,13 +7,14 @@ from __future__ import annotations
 import torch
 
 from distributed import run_distributed
-from executor_cases import build_model, make_batch, plan_dict, task
+from executor_cases import build_model, make_batch, plan_dict, shard_loss, task
 
 
 def _disagreeing_ranks(rank: int, world_size: int) -> dict:
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.plan.plan import Plan
-    from megatron_dcp.runtime.executor import PlanMismatchError, run_plan
+    from megatron_dcp.runtime.digests import PlanMismatchError
+    from megatron_dcp.runtime.executor import run_plan
     from megatron_dcp.runtime.groups import GroupPool
 
     pool = GroupPool()
@@ -24,7 +25,7 @@ def _disagreeing_ranks(rank: int, world_size: int) -> dict:
 
     def run(batch, config) -> str:
         try:
-            stats = run_plan(plan, batch, rank, lambda i, p, l: model.loss(i, p, l), pool=pool,
+            stats = run_plan(plan, batch, rank, shard_loss(model), pool=pool,
                              config=config)
             return f"ran {stats.loss:.6f}"
         except PlanMismatchError as exc:
@@ -70,7 +71,7 @@ def test_config_and_batch_disagreements_name_the_ranks():
 
 
 def test_batch_digest_sees_changed_and_swapped_tokens():
-    from megatron_dcp.runtime.executor import batch_digest, sequence_digests
+    from megatron_dcp.runtime.digests import batch_digest, sequence_digests
 
     batch = make_batch((9, 4, 12), 48)
     base = batch_digest(batch)

@@ -9,10 +9,11 @@ Modes of a run:
 * ``"same-thread"``: backward in the calling thread (what CPU autograd does);
 * ``"thread"``: every backward on a fresh thread, where the caller's context variables are not
   visible; the model gets its task as an argument;
-* ``"thread-explicit"``: as ``"thread"`` with the process-wide task fallback switched off, so
-  only the explicit task reaches attention and recompute;
+* ``"thread-explicit"``: as ``"thread"`` with every task lookup of
+  `megatron_dcp.runtime.context` made to raise (its ContextVar and process-wide task): the step
+  must run and be exact with the task travelling only as an argument;
 * ``"thread-reentrant-no-task"``: a model that neither takes the task nor uses `run_layer`
-  (torch's reentrant checkpoint, which re-runs forward in backward), fallback off: the negative
+  (torch's reentrant checkpoint, which re-runs forward in backward), lookups refused: the negative
   control, which must come out wrong (the check can fail).
 """
 
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from executor_cases import (DECODER, NoTaskFallback, build_model, make_batch, on_fresh_thread,
+from executor_cases import (DECODER, build_model, forbid_task_lookup, make_batch, on_fresh_thread,
                             plan_dict, reference, rel_err, task)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -68,12 +69,11 @@ def _body(rank, world_size, plan, mode, enabled=True):
 
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.plan.plan import Plan
-    from megatron_dcp.runtime import context
     from megatron_dcp.runtime.groups import GroupPool
     from megatron_dcp.runtime.step import StepDriver
 
     if mode in ("thread-explicit", "thread-reentrant-no-task"):
-        context._ProcessTask = NoTaskFallback()
+        forbid_task_lookup()
     model = build_model("decoder")
     if mode == "thread-reentrant-no-task":
         _reentrant_no_task(model)

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from executor_cases import NoTaskFallback, on_fresh_thread, plan_dict, rel_err, task
+from executor_cases import forbid_task_lookup, on_fresh_thread, plan_dict, rel_err, task
 from megatron_dcp.data.video import (LatentDirectory, SyntheticVideos, VideoBatch, video_noise)
 from megatron_dcp.models.dit import DiTConfig, VideoDiT, VideoGroups
 from megatron_dcp.plan.plan import Task
-from megatron_dcp.runtime.context import TaskContext, task_context
-from megatron_dcp.runtime.executor import (SelfTargetBatch, batch_digest, target_count,
-                                           target_weights)
+from megatron_dcp.runtime.context import TaskContext
+from megatron_dcp.runtime.digests import batch_digest
+from megatron_dcp.runtime.executor import SelfTargetBatch, target_count, target_weights
 from megatron_dcp.runtime.layout import ShardLayout
 
 DIT = dict(in_channels=3, hidden_size=16, num_layers=3, num_heads=4, ffn_hidden_size=32,
@@ -64,14 +64,13 @@ def ref():
 
 # ---------------------------------------------------------------------- distributed bodies
 def _run_plans(rank, world_size, cases):
-    """Per rank: every case's plan through `run_plan`, backward on a fresh thread with no
-    process-wide task (only the task passed as an argument may reach attention/recompute)."""
+    """Per rank: every case's plan through `run_plan`, backward on a fresh thread, every task
+    lookup refused (only the task passed as an argument may reach attention/recompute)."""
     from megatron_dcp.plan.plan import Plan
-    from megatron_dcp.runtime import context
     from megatron_dcp.runtime.executor import reduce_gradients, run_plan
     from megatron_dcp.runtime.groups import GroupPool
 
-    context._ProcessTask = NoTaskFallback()
+    forbid_task_lookup()
     pool = GroupPool()
     out = {}
     for case in cases:
@@ -79,9 +78,9 @@ def _run_plans(rank, world_size, cases):
         reduction = case.get("loss_reduction", "token")
         mode = "none" if reduction == "sequence" else "sum"
 
-        def forward_step(rows, positions, labels):
-            return model.loss(rows, positions, labels, batch, reduction=mode,
-                              task=context.current_task())
+        def forward_step(shard):
+            return model.loss(shard.input_ids, shard.position_ids, shard.labels, batch,
+                              reduction=mode, task=shard.task)
 
         stats = run_plan(Plan.from_dict(case["plan"]), batch.sequences(), rank, forward_step,
                          pool=pool, loss_reduction=reduction,
@@ -125,11 +124,10 @@ def _run_driver(rank, world_size, plan_dict_or_none, enabled):
     """Per rank: one `StepDriver` step (a given plan, the planner's, or plain data parallel)."""
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.plan.plan import Plan
-    from megatron_dcp.runtime import context
     from megatron_dcp.runtime.groups import GroupPool
     from megatron_dcp.runtime.step import StepDriver
 
-    context._ProcessTask = NoTaskFallback()
+    forbid_task_lookup()
     model, batch = build_model(), build_batch()
     pool = GroupPool()
     engine = VideoTorchEngine(model, batch, pool.world_group)
@@ -233,11 +231,10 @@ def test_packed_videos_attend_within_their_own_frames():
     ctx = TaskContext(task=Task(id=0, ranks=(0,), seqs=seqs), group_rank=0, layout=layout)
 
     def velocity(b):
-        with task_context(ctx):
-            index = torch.tensor(seqs)
-            tv = model._task_videos(rows, b, ctx)
-            cond = model.conditioning(b.t[index], b.labels[index])
-            return model.velocity(b.x0[rows], layout.position_ids, cond, tv, ctx)
+        index = torch.tensor(seqs)
+        tv = model._task_videos(rows, b, ctx)
+        cond = model.conditioning(b.t[index], b.labels[index])
+        return model.velocity(b.x0[rows], layout.position_ids, cond, tv, ctx)
 
     changed_batch = build_batch()
     target = batch.offsets[4] + 9 * 2 + 5              # video 4, frame 2, cell 5
@@ -332,9 +329,8 @@ def test_empty_lockstep_task_runs_with_zero_loss():
     layout = ShardLayout.build([2], 1, 1, 0)
     ctx = TaskContext(task=Task(id=-1, ranks=(0,), seqs=(-1,), recompute_layers=2), group_rank=0,
                       layout=layout, recompute_layers=2)
-    with task_context(ctx):
-        losses = model(torch.zeros(2, dtype=torch.long), torch.arange(2),
-                       torch.full((2,), -100), batch, task=ctx)
-        (losses.sum() * 0.0).backward()
+    losses = model(torch.zeros(2, dtype=torch.long), torch.arange(2), torch.full((2,), -100),
+                   batch, task=ctx)
+    (losses.sum() * 0.0).backward()
     assert losses.tolist() == [0.0, 0.0]
     assert all(p.grad is not None and not p.grad.any() for p in model.blocks.parameters())

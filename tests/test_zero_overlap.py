@@ -114,7 +114,7 @@ def _train(rank: int, world: int, zero: dict, schedule: str, plan: Optional[dict
             params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         return {"losses": losses, "params": params}
     finally:
-        engine.destroy()  # its ZeRO hooks would keep it (and its groups) alive
+        engine.deepspeed.destroy()  # its ZeRO hooks would keep it (and its groups) alive
 
 
 def _run_cases(rank: int, world: int) -> dict:

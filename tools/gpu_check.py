@@ -45,8 +45,8 @@ Sections:
   a time limit).
 
 Host syncs: ``run_plan``, ``megatron`` and ``hf`` run each step under the device's sync checker,
-on only inside tasks (from a task's forward, ``before_task`` for ``run_plan``, until its
-backward has ended); the plan check, the driver's collective and the optimizer step stay
+on only inside tasks (from a task's forward until its backward has ended); the plan check, the
+driver's collective and the optimizer step stay
 outside. A sync inside a task fails the section; the step then runs again unchecked so the
 section still reports its numbers. On CUDA the checker is
 ``torch.cuda.set_sync_debug_mode("error")``; on the CPU a stand-in (`SyncCheck`) raises when a
@@ -605,8 +605,10 @@ def section_run_plan(ctx) -> dict:
     def step(dtype, ckpt: int, check: SyncCheck):
         model = Decoder(cfg, seed=5).to(device=dev, dtype=dtype)
 
-        def forward_step(ids, pos, labels):
-            loss = model.loss(ids, pos, labels)
+        def forward_step(shard):
+            check.on()
+            loss = model.loss(shard.input_ids, shard.position_ids, shard.labels,
+                              task=shard.task)
             check.probe(loss)
             return loss
 
@@ -616,8 +618,7 @@ def section_run_plan(ctx) -> dict:
             finally:
                 check.off()
         stats = run_plan(_two_tasks(lengths, ckpt), batch, 0, forward_step, pool=pool,
-                         backward=backward, device=dev, max_position=cfg.max_position,
-                         before_task=lambda task: check.on())
+                         backward=backward, device=dev, max_position=cfg.max_position)
         return stats.loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     result, found = {}, []
@@ -880,7 +881,7 @@ def section_deepspeed(ctx) -> dict:
             try:
                 losses[mode] = [engine.train_step(b).loss for b in batches]
             finally:
-                engine.destroy()
+                engine.deepspeed.destroy()
                 del engine
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses["dcp"], losses["plain"]))
         result[f"zero{stage}"] = {"dcp_losses": losses["dcp"], "plain_losses": losses["plain"],

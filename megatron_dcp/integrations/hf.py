@@ -11,14 +11,13 @@ loss shifts the labels again inside the row, which is wrong on a shard.
 
 The task travels as the ``dcp_task`` keyword through HF's forward to every attention call (HF
 passes unknown keywords down as ``**kwargs``) and, as part of the layer's bound forward, into
-recomputation on whatever thread runs backward. HF's mask builder takes no keywords: it reads
-`current_task`, which the wrapper enters around the call.
+recomputation on whatever thread runs backward; nothing is looked up from the calling thread.
 
-Inside a task the wrapper passes HF an all-ones padding mask (``[1, T]`` booleans made on the
-device, nothing read back): with no mask, HF's mask builder would look for packed sequences in
-the position ids (``find_packed_sequence_indices``), which reads a device value and so waits for
-the device on every forward. With a padding mask HF skips that search and calls the ``"dcp"``
-mask function, which returns no mask inside a task.
+Inside a task the wrapper passes HF an empty 4-D mask (``[1, 1, 0, 0]`` booleans made on the
+device, nothing read back): HF takes a 4-D mask as already built, so it neither builds a
+``[T, T]`` mask from a shard's positions nor searches them for packed sequences
+(``find_packed_sequence_indices`` reads a device value and so waits for the device on every
+forward); the ``"dcp"`` attention takes the empty mask as "the task's layout decides".
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from megatron_dcp.models.common import check_inputs
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.checkpoint import run_layer
-from megatron_dcp.runtime.context import TaskContext, current_task, task_context
+from megatron_dcp.runtime.context import TaskContext
 
 ATTENTION = "dcp"
 """The name of DCP's attention in HF's ``AttentionInterface`` and ``AttentionMaskInterface``."""
@@ -64,12 +63,12 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     """HF's attention-function signature: ``query [B, Hq, T, D]``, ``key, value [B, Hkv, T, D]``
     -> ``(out [B, T, Hq, D], None)``.
 
-    Inside a task (``kwargs["dcp_task"]``, else `current_task`): `dcp_attention` on the local
-    shard (``B == 1``); the task's layout decides which tokens attend, so a mask, dropout or a
-    sliding window shorter than the task's longest sequence is refused. Outside a task: HF's
-    SDPA attention with the mask HF built.
+    Inside a task (``kwargs["dcp_task"]``): `dcp_attention` on the local shard (``B == 1``);
+    the task's layout decides which tokens attend, so a mask (other than the wrapper's empty
+    one), dropout or a sliding window shorter than the task's longest sequence is refused.
+    Outside a task: HF's SDPA attention with the mask HF built.
     """
-    ctx = current_task(kwargs.pop(TASK_KWARG, None))
+    ctx = kwargs.pop(TASK_KWARG, None)
     if ctx is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -82,11 +81,10 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if dropout:
         raise ValueError(f"dcp attention ({where}): attention dropout {dropout} is not supported "
                          "(the random stream would depend on the plan); set attention_dropout=0")
-    if attention_mask is not None:
+    if attention_mask is not None and attention_mask.numel():
         raise ValueError(f"dcp attention ({where}): an attention mask was given inside a task; "
                          "the plan's layout decides which tokens attend: pass no attention_mask "
-                         "and call the model through DCPCausalLM (or inside task_context), so "
-                         "HF builds none")
+                         "and call the model through DCPCausalLM, which passes the task")
     # Gemma's logit soft-capping and gpt-oss's attention sinks change the softmax itself.
     unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
     if unsupported:
@@ -102,16 +100,6 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     out = dcp_attention(q, k, v, causal=getattr(module, "is_causal", True),
                         softmax_scale=scaling, task=ctx)
     return out.unsqueeze(0), None
-
-
-def hf_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
-    """HF's mask builder for ``"dcp"``: no mask inside a task (the layout knows the sequences;
-    a shard's positions would otherwise make HF build a [T, T] mask), SDPA's mask outside."""
-    if current_task() is not None:
-        return None
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, **kwargs)
 
 
 class _TaskRecompute:
@@ -209,7 +197,7 @@ def enable(model: nn.Module, *, max_sequence_length: Optional[int] = None) -> Mo
     sequences). Calling it again is harmless.
     """
     from transformers import AttentionInterface, PreTrainedModel
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"enable() takes a transformers PreTrainedModel, got {type(model)}")
@@ -227,7 +215,8 @@ def enable(model: nn.Module, *, max_sequence_length: Optional[int] = None) -> Mo
                          "whole sequences: cut sequences to the window")
     # Registering under our own name (never overwriting "sdpa") leaves other models untouched.
     AttentionInterface.register(ATTENTION, hf_attention)
-    AttentionMaskInterface.register(ATTENTION, hf_mask)
+    # Outside a task (evaluation, generate) HF builds SDPA's mask; inside one it builds none.
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
     if model.config._attn_implementation != ATTENTION:
         raise ValueError(f"{type(model).__name__} does not support replacing its attention "
@@ -282,17 +271,18 @@ class DCPCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 task: Optional[TaskContext] = None) -> torch.Tensor:
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
-        0..T-1: one whole sequence), as the local shard of ``task`` (default `current_task`)."""
+        0..T-1: one whole sequence), as the local shard of ``task`` (``None``: outside a
+        task)."""
         position_ids, ctx = check_inputs("DCPCausalLM", input_ids, position_ids, task)
         _check_recompute_hooks(self._layers)
         kwargs: dict[str, Any] = {}
         if ctx is not None:
-            # "no padding": keeps HF from searching the positions for packed sequences (a sync)
-            kwargs = {TASK_KWARG: ctx, "attention_mask": torch.ones(
-                1, input_ids.shape[0], dtype=torch.bool, device=input_ids.device)}
-        with task_context(ctx):
-            out = self.causal_lm(input_ids=input_ids[None], position_ids=position_ids[None],
-                                 use_cache=False, **kwargs)
+            # an empty 4-D mask: HF builds none (nor searches the positions for packed
+            # sequences, a sync); the task's layout decides who attends
+            kwargs = {TASK_KWARG: ctx, "attention_mask": torch.empty(
+                1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)}
+        out = self.causal_lm(input_ids=input_ids[None], position_ids=position_ids[None],
+                             use_cache=False, **kwargs)
         return out.logits[0]
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from megatron_dcp.config import IGNORE_INDEX
 from megatron_dcp.plan.cost import loss_chunk_tokens
-from megatron_dcp.runtime.context import TaskContext, current_task
+from megatron_dcp.runtime.context import TaskContext
 
 
 class RMSNorm(nn.Module):
@@ -138,14 +138,13 @@ def check_inputs(model: str, input_ids: torch.Tensor, position_ids: Optional[tor
                  ) -> tuple[torch.Tensor, Optional[TaskContext]]:
     """The inputs of a token model's forward (``model`` names it in errors), checked:
     ``input_ids`` must be 1-D ``[T]`` (the local shard of a task, or one whole sequence).
-    Returns ``position_ids`` (default ``0..T-1``: one whole sequence) and the task (``task``,
-    else `current_task`); with ``max_position``, a position beyond it raises
-    (`check_positions`)."""
+    Returns ``position_ids`` (default ``0..T-1``: one whole sequence) and ``task`` (the task the
+    model was called with; ``None``: outside a task); with ``max_position``, a position beyond
+    it raises (`check_positions`)."""
     if input_ids.dim() != 1:
         raise ValueError(f"{model}: input_ids must be 1-D [tokens], got {tuple(input_ids.shape)}")
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[0], device=input_ids.device)
-    task = current_task(task)
     if max_position is not None:
         check_positions(position_ids, max_position, model, task)
     return position_ids, task

@@ -5,8 +5,8 @@ is the local shard of the task's packed sequences (``input_ids`` and the origina
 ``position_ids`` of those tokens, which RoPE uses); `dcp_attention` attends within each sequence
 across the task's group; `run_layer` recomputes the first ``recompute_layers`` layers of the task.
 The task travels as an argument, so a recompute on another thread (CUDA's autograd worker) sees
-it too. Without ``task`` the model reads the executor's task context (`current_task`). Outside a
-task the same code is a plain single-sequence decoder: the single-process reference of the tests.
+it too; nothing is looked up. Without ``task`` (outside a task) the same code is a plain
+single-sequence decoder: the single-process reference of the tests.
 
 Tensor names: ``T`` tokens, ``E`` hidden size, ``H`` heads, ``D`` head dim, ``V`` vocabulary.
 """
@@ -114,7 +114,7 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 task: Optional[TaskContext] = None) -> torch.Tensor:
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
-        0..T-1: one whole sequence), as the local shard of ``task`` (default `current_task`)."""
+        0..T-1: one whole sequence), as the local shard of ``task`` (``None``: outside a task)."""
         position_ids, task = check_inputs("Decoder", input_ids, position_ids, task,
                                           self.config.max_position)
         x = self.embed(input_ids)

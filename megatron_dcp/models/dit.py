@@ -47,7 +47,7 @@ from megatron_dcp.models.common import check_positions, init_weights
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.checkpoint import run_layer
-from megatron_dcp.runtime.context import TaskContext, current_task
+from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.segments import upload
 
 
@@ -295,7 +295,7 @@ class VideoDiT(nn.Module):
     def predict(self, rows: torch.Tensor, position_ids: Optional[torch.Tensor], batch: Any,
                 task: Optional[TaskContext] = None) -> torch.Tensor:
         """Predicted velocity ``[T, C]`` of the noisy rows ``rows`` of ``batch``."""
-        ctx = current_task(task)
+        ctx = task
         x_t, _, position_ids, cond, tv = self._noisy_inputs(rows, position_ids, batch, ctx)
         return self.velocity(x_t, position_ids, cond, tv, ctx)
 
@@ -304,9 +304,9 @@ class VideoDiT(nn.Module):
                 task: Optional[TaskContext] = None) -> torch.Tensor:
         """Per-token flow-matching losses ``[T]`` (0 where ``labels == -100``) of the rows
         ``rows [T]`` of ``batch`` (a `VideoBatch`) at ``position_ids [T]`` (position in the video;
-        default 0..T-1: one whole video), as the local shard of ``task`` (default
-        `current_task`). ``labels``: the row ids with -100 at padding (default: none ignored)."""
-        ctx = current_task(task)
+        default 0..T-1: one whole video), as the local shard of ``task`` (``None``: outside
+        a task). ``labels``: the row ids with -100 at padding (default: none ignored)."""
+        ctx = task
         x_t, target, position_ids, cond, tv = self._noisy_inputs(rows, position_ids, batch, ctx)
         pred = self.velocity(x_t, position_ids, cond, tv, ctx)
         losses = (pred.float() - target.float()).pow(2).mean(dim=-1)

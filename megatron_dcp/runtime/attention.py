@@ -1,9 +1,8 @@
 """`dcp_attention`: the attention call of a model under DCP, for whatever layout the task has.
 
 The model calls ``dcp_attention(q, k, v, task=task)`` on its local shard, with the
-`TaskContext` its forward was called with (group, layout, degrees). A model that does not pass
-the task (``task=None``) gets the task context entered by the executor
-(`megatron_dcp.runtime.context.current_task`). Layouts:
+`TaskContext` its forward was called with (group, layout, degrees); nothing else carries the
+task: ``task=None`` is attention outside any task (one whole sequence). Layouts:
 
 * degree 1: local attention over the task's packed sequences (varlen);
 * Ulysses (``ulysses > 1``): all-to-all from sequence to head sharding inside the Ulysses
@@ -27,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_dcp.runtime.context import TaskContext, current_task
+from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.kernels import attention_groups, local_attention
 from megatron_dcp.runtime.layout import TokenMeta
 from megatron_dcp.runtime.ring import RingComm, ring_attention
@@ -109,7 +108,7 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                   deterministic: Optional[bool] = None) -> torch.Tensor:
     """Attention of the local shard ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` -> ``[T, Hq, D]``.
 
-    Inside a task (``task``, or else `current_task`), tokens attend within their sequence across
+    Inside a task (``task``), tokens attend within their sequence across
     the whole group as the task's layout says; outside, the tokens given are one sequence at
     positions 0..T-1.
     ``group_of_position`` maps positions to attention-group ids (video: frame index for spatial
@@ -120,7 +119,7 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     ``deterministic_mode``; default: ``torch.are_deterministic_algorithms_enabled()``).
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    ctx = current_task(task)
+    ctx = task
     if ctx is None:
         _check_shapes(q, k, v, "outside a task")
         meta = TokenMeta.contiguous(q.shape[0], q.device)

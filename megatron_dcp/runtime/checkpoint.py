@@ -1,16 +1,14 @@
 """Per-task activation recomputation: how many layers recompute is read at every forward.
 
-A DCP plan gives every task its own checkpoint depth (``Task.recompute_layers``): a long sequence at a
-low degree recomputes many layers, a packed task of short sequences none. The model is built once;
-each layer call goes through `run_layer(i, layer, *args, task=task)`, which reads the depth of
-the task the model was called with (or, without ``task``, of `current_task`) and wraps the first
-``depth`` layers in non-reentrant ``torch.utils.checkpoint``. So the depth changes every
-micro-step without rebuilding anything.
+A DCP plan gives every task its own recompute depth (``Task.recompute_layers``): a long sequence
+at a low degree recomputes many layers, a packed task of short sequences none. The model is built
+once; each layer call goes through `run_layer(i, layer, *args, task=task)`, which reads the depth of
+the task the model was called with and wraps the first ``depth`` layers in non-reentrant
+``torch.utils.checkpoint``. So the depth changes every micro-step without rebuilding anything.
 
-Recomputation happens during backward, on CUDA on the autograd engine's worker thread. A model
-that passes the task to its layers as an argument recomputes with the same task wherever it
-runs (the checkpoint keeps the arguments). For models that read the task context instead, the
-recompute re-enters the context captured at forward time (``context_fn``).
+Recomputation happens during backward, on CUDA on the autograd engine's worker thread. The model
+passes the task to its layers as an argument, so it recomputes with the same task wherever it
+runs (the checkpoint keeps the arguments); nothing is looked up from the calling thread.
 
 Outside a task the depth is 0, or what `recompute_outside_task` sets (single-process references,
 profiling).
@@ -18,7 +16,6 @@ profiling).
 
 from __future__ import annotations
 
-import contextlib
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator, Optional
@@ -26,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.utils.checkpoint
 
-from megatron_dcp.runtime.context import TaskContext, current_task, task_context
+from megatron_dcp.runtime.context import TaskContext
 
 _DEPTH_OUTSIDE_TASK: ContextVar[int] = ContextVar("megatron_dcp_ckpt_depth", default=0)
 
@@ -45,21 +42,11 @@ def recompute_outside_task(depth: int) -> Iterator[int]:
 
 
 def current_recompute_layers(task: Optional[TaskContext] = None) -> int:
-    """Number of leading layers to recompute in the forward being run now (for ``task``, else
-    for `current_task`)."""
-    ctx = current_task(task)
-    if ctx is not None:
-        return int(ctx.recompute_layers)
+    """Number of leading layers to recompute in a forward for ``task`` (``None``: outside a
+    task, `recompute_outside_task`)."""
+    if task is not None:
+        return int(task.recompute_layers)
     return _DEPTH_OUTSIDE_TASK.get()
-
-
-def _recompute_contexts(ctx: Optional[TaskContext]) -> Callable[[], tuple[Any, Any]]:
-    """``context_fn`` for checkpoint: nothing extra in forward, the captured task in recompute."""
-
-    def make() -> tuple[Any, Any]:
-        return contextlib.nullcontext(), task_context(ctx)
-
-    return make
 
 
 def run_layer(index: int, layer: Callable[..., torch.Tensor], *args: Any,
@@ -67,13 +54,10 @@ def run_layer(index: int, layer: Callable[..., torch.Tensor], *args: Any,
     """Run ``layer(*args)``, recomputing its activations in backward if ``index < depth``.
 
     ``index`` is the layer's position in the model (0 = first); ``task`` the task the model was
-    called with (default: `current_task`). Pass the task to the layer in ``args`` too when the
-    layer's attention takes it. Recomputation is only used when autograd records the forward (no
-    effect under ``torch.no_grad``).
+    called with (``None``: outside a task). Pass the task to the layer in ``args`` too: the
+    layer's attention takes it, and a recompute gets the same arguments. Recomputation is only
+    used when autograd records the forward (no effect under ``torch.no_grad``).
     """
-    ctx = current_task(task)
-    if index < current_recompute_layers(ctx) and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(
-            layer, *args, use_reentrant=False, context_fn=_recompute_contexts(ctx)
-        )
+    if index < current_recompute_layers(task) and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
     return layer(*args)

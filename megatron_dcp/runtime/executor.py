@@ -1,52 +1,48 @@
-"""`run_plan`: run this rank's tasks of a plan, with an exact per-token (or per-sequence) loss.
+"""This rank's work of a plan: the micro-steps `PlanWork` yields, with an exact loss weighting.
 
-For each task of this rank, in plan order ``(start, id)``:
+For each task of this rank, in plan order ``(start, id)``, `PlanWork` yields a `MicroStep`:
 
-1. build the task's `ShardLayout` and cut this rank's shard of the packed input ids, position ids,
-   labels and loss weights. Labels are next-token targets computed on each *whole* sequence before
-   sharding, so the last token of a shard keeps its target from the next shard; a sequence's last
-   token and padding get -100. With ``targets="self"`` (a `SelfTargetBatch`: every token is its
-   own target, e.g. the latent rows of a video diffusion model) the label of a token is its own
-   id, only padding gets -100, and all ``n`` tokens of a sequence count as targets;
-2. enter the task context (group, sub-groups, layout, checkpoint depth) and call
-   ``forward_step(input_ids, position_ids, labels)``;
-3. weight the loss: ``token`` reduction scales the summed token losses by ``1 / T``
+1. the task's `ShardLayout` and this rank's shard of the packed input ids, position ids and
+   labels, with the task itself (`Shard`). Labels are next-token targets computed on each *whole*
+   sequence before sharding, so the last token of a shard keeps its target from the next shard; a
+   sequence's last token and padding get -100. With ``targets="self"`` (a `SelfTargetBatch`:
+   every token is its own target, e.g. the latent rows of a video diffusion model) the label of a
+   token is its own id, only padding gets -100, and all ``n`` tokens of a sequence count;
+2. the per-token loss weights: ``token`` reduction scales the summed token losses by ``1 / T``
    (``T = target_count(plan, targets)``, the target tokens of the *global* batch), ``sequence``
    weights every token by ``1 / (S * targets of its sequence)``; the SUM of gradients over the
-   DCP world then equals the gradient of single-device training on the whole batch;
-4. call ``backward(weighted_loss)`` still inside the task context (recomputation and the
-   attention's backward collectives need it).
+   DCP world then equals the gradient of single-device training on the whole batch
+   (`PlanWork.loss` applies them to what the model returned).
+
+A lockstep plan's slots where this rank has no task are micro-steps too (``task`` None, a
+two-token shard on this rank alone with the slot's recompute depth, its loss multiplied by zero),
+and ``min_micro_steps`` pads the rank's count with the engine's own empty micro-steps (``shard``
+None). The caller (`megatron_dcp.runtime.step.StepDriver`, or `run_plan` for plain torch) runs
+forward, loss and backward of each; the model gets the task as an argument (``shard.task``),
+nothing is looked up.
 
 Before anything else one tiny collective checks that every rank holds the same plan, the same DCP
-configuration and the same global batch (digests of each) and that no rank found
-a problem in its input; a mismatch raises on every rank, naming the ranks, instead of hanging in a
-later collective or training on a wrong loss. Gradient reduction is left to the engine;
-`reduce_gradients` does it for plain torch (SUM over the DCP world, once per step, also on a
-rank that ran no task).
+configuration and the same global batch (`megatron_dcp.runtime.digests.check_plan`). Gradient
+reduction is left to the engine; `reduce_gradients` does it for plain torch (SUM over the DCP
+world, once per step, also on a rank that ran no task).
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_dcp.config import IGNORE_INDEX, LOSS_REDUCTIONS
-from megatron_dcp.plan.cost import PlanError
 from megatron_dcp.plan.plan import Plan, Task
-from megatron_dcp.plan.validate import validate_plan
-from megatron_dcp.runtime.context import task_context
+from megatron_dcp.runtime.context import TaskContext
+from megatron_dcp.runtime.digests import check_plan, local_problems
 from megatron_dcp.runtime.groups import GroupPool
 from megatron_dcp.runtime.layout import ShardLayout
-
-
-ForwardStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 TARGET_KINDS = ("next", "self")
 """What a token's loss target is: the next token of its sequence, or the token itself."""
@@ -95,15 +91,6 @@ def target_count(plan: Plan, targets: str = "next") -> int:
         return plan.target_tokens
     return sum(plan.lengths[s] for t in plan.tasks for s in t.seqs)
 
-
-class PlanMismatchError(RuntimeError):
-    """Ranks of the DCP world hold different plans (or one of them found bad input)."""
-
-
-class BatchError(ValueError):
-    """The global batch does not fit the plan or the model (names the sequence)."""
-
-
 class TaskError(RuntimeError):
     """A task failed on this rank; the message names the rank, the task and its sequences."""
 
@@ -118,8 +105,8 @@ class TaskError(RuntimeError):
         more = f", ... {len(task.seqs)} in all" if len(task.seqs) > 8 else ""
         super().__init__(
             f"rank {rank}: task {task.id} (ranks {task.ranks}, ulysses {task.ulysses} x ring "
-            f"{task.ring}, recompute_layers {task.recompute_layers}; sequences {seqs}{more}) failed{hint}: "
-            f"{type(cause).__name__}: {text}")
+            f"{task.ring}, recompute_layers {task.recompute_layers}; sequences {seqs}{more}) "
+            f"failed{hint}: {type(cause).__name__}: {text}")
 
 
 @dataclass
@@ -163,178 +150,6 @@ class StepStats:
     wall_s: float = 0.0
     digest: str = ""
     groups_created: int = 0
-
-
-# ---------------------------------------------------------------------- checks before running
-def _digest_pieces(digest: str) -> list[int]:
-    """The 64-bit hex digest as 4 non-negative 16-bit integers (exact in any dtype used)."""
-    value = int(digest, 16)
-    return [(value >> (16 * i)) & 0xFFFF for i in range(4)]
-
-
-def _local_problems(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
-                    max_position: Optional[int]) -> list[str]:
-    """Problems this rank can see without talking to the others."""
-    problems = []
-    if not 0 <= rank < plan.world_size:
-        return [f"rank {rank} is outside the plan's world of {plan.world_size} ranks"]
-    if len(sequences) != len(plan.lengths):
-        return [f"the batch has {len(sequences)} sequences, the plan {len(plan.lengths)}"]
-    try:
-        # Structure only: hand-written plans may leave start times at 0.
-        validate_plan(plan, check_times=False)
-    except PlanError as exc:
-        return [f"invalid plan: {exc}"]
-    for task in plan.tasks:
-        for s in task.seqs:
-            n = plan.lengths[s]
-            if max_position is not None and n > max_position:
-                problems.append(f"sequence {s} has {n} tokens, more than the model's "
-                                f"max_position {max_position} (task {task.id}, ranks {task.ranks})")
-            if rank in task.ranks:
-                seq = sequences[s]
-                if seq is None or seq.dim() != 1 or seq.shape[0] != n:
-                    got = "None" if seq is None else f"shape {tuple(seq.shape)}"
-                    problems.append(f"sequence {s} of task {task.id}: the plan says {n} tokens, "
-                                    f"the batch holds {got}")
-    return problems
-
-
-def config_digest(config: Any) -> str:
-    """64-bit hex digest of a configuration (a `DCPConfig` or a JSON-able dict); ``""`` for None."""
-    if config is None:
-        return ""
-    data = config.to_dict() if hasattr(config, "to_dict") else config
-    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-_NO_OPINION = (1 << 63) - 1
-"""Digest slot of a rank that does not hold the whole batch: neutral under MIN."""
-
-
-def _host_tokens(sequences: Sequence[torch.Tensor]) -> bytes:
-    """The bytes of the batch's token ids concatenated as int64 on the host (one copy from a
-    device; read without numpy, which a CUDA torch does not require)."""
-    device = sequences[0].device
-    tokens = torch.cat([s.reshape(-1).to(device=device, dtype=torch.int64)
-                        for s in sequences]).cpu().contiguous()
-    return ctypes.string_at(tokens.data_ptr(), tokens.numel() * tokens.element_size())
-
-
-def batch_digest(sequences: Sequence[Optional[torch.Tensor]]) -> Optional[str]:
-    """64-bit hex digest (SHA-256) of a global batch's token ids, in batch order (the lengths are
-    in the plan digest); None when an entry is missing (a rank that holds only its own sequences
-    has no view of the whole batch). Tokens on a device are copied to the host once: about 5 ms
-    per million tokens on one CPU core."""
-    if not sequences or any(s is None for s in sequences):
-        return None
-    h = hashlib.sha256(_host_tokens(sequences))
-    for extra in getattr(sequences, "content_digests", None) or ():
-        h.update(extra.encode())
-    return h.hexdigest()[:16]
-
-
-def sequence_digests(sequences: Sequence[Optional[torch.Tensor]]) -> Optional[list[str]]:
-    """`batch_digest` of every sequence on its own (to name the first one that differs)."""
-    if not sequences or any(s is None for s in sequences):
-        return None
-    tokens, out, start = _host_tokens(sequences), [], 0
-    extras = getattr(sequences, "content_digests", None) or [""] * len(sequences)
-    for s, extra in zip(sequences, extras):
-        end = start + 8 * int(s.numel())  # int64 bytes
-        h = hashlib.sha256(tokens[start:end])
-        h.update(extra.encode())
-        out.append(h.hexdigest()[:16])
-        start = end
-    return out
-
-
-def check_plan(plan: Plan, pool: GroupPool, problems: Sequence[str] = (),
-               device: Optional[torch.device] = None, *,
-               sequences: Optional[Sequence[Optional[torch.Tensor]]] = None,
-               config: Any = None) -> str:
-    """Collective over the job (every DCP world: tensor-parallel peers must run the same plan):
-    check every rank holds the same plan, the same ``config``
-    (the DCP configuration: ranks that differ, say in ``loss_reduction``, would otherwise train
-    on a wrong loss without an error) and the same global batch ``sequences`` (a digest of the
-    tokens, and of a `SelfTargetBatch`'s content digests; a rank that lacks some sequences is
-    not compared), and that none has problems.
-
-    One all-reduce (MIN) of the digests' pieces, their negatives and the problem flag; only on
-    a mismatch a second collective gathers the digests and messages to name the ranks. Raises
-    on every rank alike, so no rank is left waiting: `PlanMismatchError` when plans,
-    configurations or batches differ, else `BatchError` with every rank's problems (e.g. a
-    sequence longer than the model's positions).
-    """
-    digest = plan.digest()
-    settings = config_digest(config)
-    # a rank whose batch does not even fit the plan reports that as a problem, not a mismatch
-    compare = sequences is not None and not problems
-    tokens = batch_digest(sequences) if compare else None
-    pieces = _digest_pieces(digest) + _digest_pieces(settings or "0")
-    pieces += _digest_pieces(tokens) if tokens else [_NO_OPINION] * 4
-    negated = [v if v == _NO_OPINION else -v for v in pieces]
-    flag = 1 if problems else 0
-    t = torch.tensor(pieces + negated + [-flag], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pool.job_group)
-    n = len(pieces)
-    merged = t.tolist()
-    agree = all(low == -high or low == _NO_OPINION
-                for low, high in zip(merged[:n], merged[n:2 * n]))
-    if agree and not merged[2 * n]:
-        return digest
-    report = (digest, settings, config.to_dict() if hasattr(config, "to_dict") else config,
-              sequence_digests(sequences) if compare else None, list(problems))
-    gathered: list[Any] = [None] * dist.get_world_size(pool.job_group)  # named by job rank
-    dist.all_gather_object(gathered, report, group=pool.job_group)
-    disagreements = _disagreements(gathered)
-    lines = disagreements + [f"rank {r}: {m}" for r, entry in enumerate(gathered)
-                             for m in entry[4]]
-    error = PlanMismatchError if disagreements else BatchError
-    raise error(f"rank {dist.get_rank()}: plan check failed before running any task:\n  "
-                + "\n  ".join(lines))
-
-
-def _odd_ranks(values: list) -> tuple[list[int], Any]:
-    """Ranks whose value differs from the majority's (on a tie, the lowest rank's), and it."""
-    keys = [json.dumps(v, sort_keys=True, default=str) for v in values]
-    common = min(set(keys), key=lambda k: (-keys.count(k), keys.index(k)))
-    return [r for r, k in enumerate(keys) if k != common], values[keys.index(common)]
-
-
-def _disagreements(gathered: list) -> list[str]:
-    """One line per kind of disagreement (plan, configuration, batch), naming the ranks."""
-    lines = []
-    odd, common = _odd_ranks([g[0] for g in gathered])
-    if odd:
-        lines.append(f"plan digest differs on rank(s) {odd} (theirs: "
-                     f"{', '.join(gathered[r][0] for r in odd)}; the other ranks: {common}): "
-                     "every rank must build the same plan (same lengths, config, iteration, "
-                     "seed)")
-    settings = [g[1] for g in gathered]
-    odd, common = _odd_ranks(settings)
-    if odd:
-        reference = gathered[settings.index(common)][2] or {}
-        theirs = {r: gathered[r][2] or {} for r in odd}
-        fields = sorted(k for k in set(reference).union(*theirs.values())
-                        if any(t.get(k) != reference.get(k) for t in theirs.values()))
-        shown = "; ".join(f"rank {r}: " + ", ".join(f"{k}={t.get(k)!r}" for k in fields)
-                          for r, t in theirs.items())
-        others = ", ".join(f"{k}={reference.get(k)!r}" for k in fields)
-        lines.append(f"DCP configuration differs on rank(s) {odd} ({shown}; the other ranks: "
-                     f"{others}): every rank must run with the same settings")
-    holders = [r for r, g in enumerate(gathered) if g[3] is not None]
-    if holders:
-        odd_local, common_fp = _odd_ranks([gathered[r][3] for r in holders])
-        odd = [holders[i] for i in odd_local]
-        if odd:
-            first = min(next((s for s, (a, b) in enumerate(zip(gathered[r][3], common_fp))
-                              if a != b), len(common_fp)) for r in odd)
-            lines.append(f"global batch content differs on rank(s) {odd} (first at sequence "
-                         f"{first}): every rank must read the same global batch (same data "
-                         "files, seed and sampler position)")
-    return lines
 
 
 # ---------------------------------------------------------------------- building shards
@@ -458,79 +273,182 @@ def _task_stats(done: list, gaps: list[float]) -> list[TaskStats]:
             for i, (task, layout) in enumerate(done)]
 
 
-# ---------------------------------------------------------------------- the executor
-def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
-             forward_step: ForwardStep, *, pool: GroupPool,
-             backward: Optional[Callable[[torch.Tensor], Any]] = None,
-             config: Any = None,
-             loss_reduction: str = "token", max_position: Optional[int] = None,
-             device: Optional[torch.device] = None, reduce_loss: bool = True,
-             before_task: Optional[Callable[[Task], Any]] = None,
-             targets: Optional[str] = None) -> StepStats:
-    """Run DCP rank ``rank``'s tasks of ``plan`` (forward + backward); see the module docstring.
+# ---------------------------------------------------------------------- the work of this rank
+@dataclass
+class Shard:
+    """The input of one micro-step on this rank: its shard of a task, and the task."""
 
-    ``config``: the DCP configuration in effect (a `DCPConfig`); the plan check compares it, and
-    the content of ``sequences``, across the ranks.
+    input_ids: torch.Tensor
+    """``[T]`` token ids."""
+    position_ids: torch.Tensor
+    """``[T]`` positions within each token's own sequence (RoPE must use these)."""
+    labels: torch.Tensor
+    """``[T]`` targets; ``IGNORE_INDEX`` where there is none."""
+    task: Optional[TaskContext]
+    """The task this shard belongs to: pass it to the model (``model(..., task=shard.task)``),
+    so attention, positions and recompute follow it on whatever thread they run."""
 
-    ``sequences``: the global batch (1-D token ids, host tensors preferred; entries no task of
-    this rank uses may be ``None``). ``forward_step(input_ids, position_ids, labels)`` runs
-    inside the task's context (pass `current_task()` on to the model, so a recompute on another
-    thread sees it) and returns the summed token losses (labels -100 ignored) or per-token
-    losses ``[T_local]`` (needed for ``loss_reduction="sequence"``). ``backward`` defaults to
-    ``loss.backward()``; ``max_position`` is checked for every sequence before any task runs;
-    ``device``: where shards go (default: the host); ``before_task(task)`` runs before each of
-    this rank's tasks, outside its context (the step driver's empty lockstep slots);
-    ``targets``: ``"next"`` (next-token labels) or ``"self"`` (every token its own target,
-    see `SelfTargetBatch`); default: the batch's own kind (`batch_targets`).
-    Collective over the DCP world of ``pool``, once per step on every rank. Gradients are not
-    reduced here. Nothing in the task loop waits for the device (host-built shards,
-    asynchronous copies, CUDA-event timings).
+
+@dataclass
+class MicroStep:
+    """One micro-step of this rank, as `PlanWork` yields it."""
+
+    task: Optional[Task]
+    """The plan's task; ``None``: an empty micro-step (no gradient, the same collectives)."""
+    shard: Optional[Shard]
+    """The input (an empty lockstep slot: two tokens on this rank alone, recomputing the slot's
+    depth); ``None``: the engine's own empty micro-step (``engine.empty_micro_step``)."""
+    weights: Optional[torch.Tensor]
+    """Per-token loss weights of the shard (``None`` for an empty micro-step)."""
+    last: bool
+    """The rank's last micro-step of the step (the accumulation boundary)."""
+    layout: Optional[ShardLayout] = None
+    tokens: int = 0
+    """Target tokens of the shard."""
+
+
+class PlanWork:
+    """This rank's micro-steps of ``plan``, in plan order: iterate to get them (`MicroStep`).
+
+    Constructing it is collective over the job (the plan check: the same plan, ``config`` and
+    batch on every rank, `megatron_dcp.runtime.digests.check_plan`) and creates the plan's
+    missing groups. ``sequences``: the global batch (1-D token ids, host tensors preferred;
+    entries no task of this rank uses may be ``None``); ``max_position``: checked for every
+    sequence before any task runs; ``device``: where shards go (default: the host);
+    ``targets``: ``"next"`` or ``"self"`` (default: the batch's own kind, `batch_targets`);
+    ``min_micro_steps``: pad with the engine's own empty micro-steps up to this count.
+    Nothing in the loop waits for the device (host-built shards, asynchronous copies,
+    CUDA-event timings).
     """
-    if loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(f"loss_reduction={loss_reduction!r}: must be one of {LOSS_REDUCTIONS}")
-    targets = batch_targets(sequences, targets)
-    t_start = time.perf_counter()
-    device = torch.device(device) if device is not None else None
-    comm_device = device if device is not None and device.type == "cuda" else None
-    digest = check_plan(plan, pool, _local_problems(plan, sequences, rank, max_position),
-                        comm_device, sequences=sequences, config=config)
-    created = pool.ensure(plan)
-    backward = backward or (lambda loss: loss.backward())
-    weight_of = _weighting(plan, loss_reduction, targets)
-    total = target_count(plan, targets)
 
-    local_loss = torch.zeros((), dtype=torch.float64, device=device)
-    local_tokens = 0
-    clock = _Clock(device)
-    done: list[tuple[Task, ShardLayout]] = []
-    for task in plan.tasks_for_rank(rank):
-        if before_task is not None:
-            before_task(task)
+    def __init__(self, plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int, *,
+                 pool: GroupPool, config: Any = None, loss_reduction: str = "token",
+                 max_position: Optional[int] = None, device: Optional[torch.device] = None,
+                 targets: Optional[str] = None, min_micro_steps: int = 0) -> None:
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction={loss_reduction!r}: must be one of "
+                             f"{LOSS_REDUCTIONS}")
+        self.t_start = time.perf_counter()
+        self.plan, self.sequences, self.rank = plan, sequences, rank
+        self.pool, self.loss_reduction = pool, loss_reduction
+        self.targets = batch_targets(sequences, targets)
+        self.device = torch.device(device) if device is not None else None
+        self.comm_device = self.device if self.device is not None \
+            and self.device.type == "cuda" else None
+        self.digest = check_plan(plan, pool, local_problems(plan, sequences, rank, max_position),
+                                 self.comm_device, sequences=sequences, config=config)
+        self.groups_created = pool.ensure(plan)
+        self.weight_of = _weighting(plan, loss_reduction, self.targets)
+        self.total = target_count(plan, self.targets)
+        self.order = _rank_order(plan, rank)
+        self.micro_steps = max(len(self.order), min_micro_steps)
+        """This rank's micro-steps, empty ones included."""
+        self.local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.local_tokens = 0
+        self._clock = _Clock(self.device)
+        self._done: list[tuple[Task, ShardLayout]] = []
+
+    def __iter__(self) -> Iterator[MicroStep]:
+        for i in range(self.micro_steps):
+            last = i == self.micro_steps - 1
+            if i >= len(self.order):
+                yield MicroStep(None, None, None, last)
+                continue
+            task, depth = self.order[i]
+            yield self._empty_slot(depth, last) if task is None else self._task_step(task, last)
+
+    def _task_step(self, task: Task, last: bool) -> MicroStep:
         try:
-            layout = ShardLayout.build([plan.lengths[s] for s in task.seqs], task.ulysses,
-                                       task.ring, task.ranks.index(rank))
-            labels_host, ids_l, pos_l, labels_l, weights_l = _shard_inputs(
-                task, layout, sequences, weight_of, device, targets)
-            ctx = pool.context_for(task, rank, layout)
-            with task_context(ctx):
-                clock.mark()
-                out = forward_step(ids_l, pos_l, labels_l)
-                loss = _weighted_loss(out, labels_l, weights_l, loss_reduction, total)
-                clock.mark()
-                backward(loss)
-                clock.mark()
+            layout = ShardLayout.build([self.plan.lengths[s] for s in task.seqs], task.ulysses,
+                                       task.ring, task.ranks.index(self.rank))
+            labels_host, ids, positions, labels, weights = _shard_inputs(
+                task, layout, self.sequences, self.weight_of, self.device, self.targets)
+            ctx = self.pool.context_for(task, self.rank, layout)
         except Exception as exc:  # noqa: BLE001 - re-raised with rank / task / sequences
-            raise TaskError(rank, task, plan.lengths, exc) from exc
-        local_loss = local_loss + loss.detach().to(torch.float64)
-        local_tokens += int((labels_host != IGNORE_INDEX).sum())
-        done.append((task, layout))
+            raise TaskError(self.rank, task, self.plan.lengths, exc) from exc
+        tokens = int((labels_host != IGNORE_INDEX).sum())
+        return MicroStep(task, Shard(ids, positions, labels, ctx), weights, last, layout, tokens)
 
-    stats = _task_stats(done, clock.seconds())
-    global_loss = global_sum(float(local_loss), pool.world_group, comm_device) \
-        if reduce_loss else float(local_loss)
-    return StepStats(loss=global_loss, tokens=total, local_loss=float(local_loss),
-                     local_tokens=local_tokens, tasks=stats, wall_s=time.perf_counter() - t_start,
-                     digest=digest, groups_created=created)
+    def _empty_slot(self, depth: int, last: bool) -> MicroStep:
+        """An empty lockstep slot: a two-token task on this rank alone that recomputes ``depth``
+        layers (its loss is multiplied by zero: no gradient, the same collectives)."""
+        task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), recompute_layers=depth)
+        ctx = self.pool.context_for(task, self.rank, ShardLayout.build([2], 1, 1, 0))
+        ids = torch.zeros(2, dtype=torch.long, device=self.device)
+        positions = torch.arange(2, device=self.device)
+        labels = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=self.device)
+        return MicroStep(None, Shard(ids, positions, labels, ctx), None, last)
+
+    @contextmanager
+    def running(self, step: MicroStep) -> Iterator[MicroStep]:
+        """Around a micro-step's forward, loss and backward: times a task's micro-step and
+        re-raises its failure as a `TaskError` naming the rank, the task and its sequences."""
+        if step.task is None:
+            yield step
+            return
+        self._clock.mark()
+        try:
+            yield step
+        except Exception as exc:  # noqa: BLE001 - re-raised with rank / task / sequences
+            raise TaskError(self.rank, step.task, self.plan.lengths, exc) from exc
+        self._clock.mark()
+        self.local_tokens += step.tokens
+        self._done.append((step.task, step.layout))
+
+    def loss(self, step: MicroStep, out: torch.Tensor) -> torch.Tensor:
+        """The weighted loss of a micro-step from what the model returned for its shard (the
+        summed token losses, or per-token losses ``[T]``): the loss to run backward on. An empty
+        micro-step's is ``0 * out.sum()`` (the graph of a real one, no gradient)."""
+        if step.task is None:
+            return out.sum() * 0.0
+        loss = _weighted_loss(out, step.shard.labels, step.weights, self.loss_reduction,
+                              self.total)
+        self._clock.mark()
+        self.local_loss = self.local_loss + loss.detach().to(torch.float64)
+        return loss
+
+    def stats(self, loss: Optional[float] = None) -> StepStats:
+        """`StepStats` of the micro-steps run (``loss``: the global loss; default: this
+        rank's)."""
+        local = float(self.local_loss)
+        return StepStats(loss=local if loss is None else loss, tokens=self.total,
+                         local_loss=local, local_tokens=self.local_tokens,
+                         tasks=_task_stats(self._done, self._clock.seconds()),
+                         wall_s=time.perf_counter() - self.t_start, digest=self.digest,
+                         groups_created=self.groups_created)
+
+
+def _rank_order(plan: Plan, rank: int) -> list[tuple[Optional[Task], int]]:
+    """``(task, recompute depth)`` of this rank's micro-steps in plan order; in a lockstep plan
+    ``(None, slot depth)`` for each slot where this rank has no task."""
+    depths = plan.slot_depths()  # [] for a free plan
+    order: list[tuple[Optional[Task], int]] = []
+    next_slot = 0
+    for task in plan.tasks_for_rank(rank):
+        if depths:
+            order += [(None, d) for d in depths[next_slot:task.slot]]
+            next_slot = task.slot + 1
+        order.append((task, task.recompute_layers))
+    return order + [(None, d) for d in depths[next_slot:]]
+
+
+def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
+             forward_step: Callable[[Shard], torch.Tensor], *, pool: GroupPool,
+             backward: Optional[Callable[[torch.Tensor], Any]] = None,
+             **work: Any) -> StepStats:
+    """Run DCP rank ``rank``'s micro-steps of ``plan`` (forward + backward) in a plain torch
+    loop: `PlanWork` (``work``: its keyword arguments) over ``forward_step(shard)``, which passes
+    ``shard.task`` on to the model and returns the summed token losses (labels -100 ignored) or
+    per-token losses ``[T_local]`` (needed for ``loss_reduction="sequence"``); ``backward``
+    defaults to ``loss.backward()``. Collective over the DCP world of ``pool``, once per step on
+    every rank; the returned loss is the global one. Gradients are not reduced here
+    (`reduce_gradients`)."""
+    steps = PlanWork(plan, sequences, rank, pool=pool, **work)
+    backward = backward or (lambda loss: loss.backward())
+    for step in steps:
+        with steps.running(step):
+            backward(steps.loss(step, forward_step(step.shard)))
+    return steps.stats(global_sum(float(steps.local_loss), pool.world_group, steps.comm_device))
 
 
 def global_sum(value: float, group: Any, device: Optional[torch.device] = None) -> float:

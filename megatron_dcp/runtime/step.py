@@ -1,13 +1,16 @@
 """`StepDriver`: one DCP step, from global batch to reduced gradient, for any engine.
 
 The driver owns everything both engines need alike: planning (with the iteration the planner
-sees), the plan check, the groups, this rank's tasks in plan order, the per-token or
-per-sequence loss weights, empty micro-steps for a rank with fewer tasks than it must run, the
-global loss and the timings. An engine supplies only the `StepEngine` protocol:
+sees), the global loss, the non-finite checks and the timings (`StepTiming`). It owns the one
+loop of the step: `megatron_dcp.runtime.executor.PlanWork` yields this rank's micro-steps (the
+plan check, the groups, the shards with their task, the loss weights, empty micro-steps for a
+rank with fewer tasks than it must run) and the driver hands each to the engine. An engine
+supplies only the `StepEngine` protocol:
 
 * ``forward_loss(shard, per_token)``: forward and loss of one shard (sum of token losses, or
   per-token losses for the ``sequence`` reduction); ``shard.task`` is the task, to be passed on
-  to the model (so recomputation on CUDA's autograd thread sees it);
+  to the model as an argument (nothing else carries it: recomputation on CUDA's autograd thread
+  sees it because the model was called with it);
 * ``backward(loss, last)``: backward of one micro-step; ``last`` marks the rank's last one (the
   accumulation boundary);
 * ``empty_micro_step(last)``: a micro-step that contributes nothing but joins the collectives a
@@ -46,34 +49,19 @@ from dataclasses import dataclass
 from typing import Any, ContextManager, Optional, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
 
-from megatron_dcp.config import IGNORE_INDEX, DCPConfig
+from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan.calibration import Calibrator
 from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.plan import Plan, Task
-from megatron_dcp.runtime.context import TaskContext, current_task, task_context
-from megatron_dcp.runtime.executor import (StepStats, batch_targets, run_plan,
-                                           target_count)
+from megatron_dcp.runtime.executor import PlanWork, Shard, StepStats
 from megatron_dcp.runtime.hardware_auto import detect_hardware
-from megatron_dcp.runtime.layout import ShardLayout
 from megatron_dcp.runtime.liveness import names_unresponsive_ranks, start_responder
 from megatron_dcp.runtime.nonfinite import (check_step, describe_ranks, first_nonfinite_task,
                                             rank_losses)
+from megatron_dcp.runtime.step_timing import StepTiming
 
-
-@dataclass
-class Shard:
-    """The input of one micro-step on this rank: the local shard of a task."""
-
-    input_ids: torch.Tensor
-    """``[T]`` token ids."""
-    position_ids: torch.Tensor
-    """``[T]`` positions within each token's own sequence (RoPE must use these)."""
-    labels: torch.Tensor
-    """``[T]`` next-token targets; ``IGNORE_INDEX`` where there is none."""
-    task: Optional[TaskContext]
-    """The task this shard belongs to (pass it to the model)."""
+__all__ = ["Shard", "StepDriver", "StepEngine", "StepResult", "data_parallel_plan"]
 
 
 class StepEngine(Protocol):
@@ -167,17 +155,8 @@ class StepDriver:
             self.max_position = getattr(model_shape, "max_position", None)
         self.iteration = 0
         """Training steps taken (the planner's ``iteration``); save it with checkpoints."""
-        self.calibrator: Optional[Calibrator] = None
-        """The online calibration (`megatron_dcp.plan.calibration`), made at the first step
-        when ``config.calibration`` is on; ``hardware`` follows its fits."""
-        self._sync_cache: tuple = (None, 0.0)
-        self._outside_s = 0.0
-        """Seconds of the last step spent outside `step` (`add_time_outside_step`)."""
-        self._last_wall_s: Optional[float] = None
-        """This rank's wall time of the calibration's last step (None: no such step)."""
-        self._outside_reported = False
-        """Whether this rank's caller reports time outside the steps (then a step's wall time
-        is provisional until the next step)."""
+        self.timing = StepTiming(config, model_shape, zero_stage)
+        """Predicted step times and the online calibration (`StepTiming`)."""
         if config.enabled:
             from megatron_dcp.plan.hardware import load_hardware
 
@@ -255,63 +234,13 @@ class StepDriver:
         the DCP world: every rank calls it once per step."""
         start_responder(self.config.liveness_interval_s)  # once per process: the liveness watch
         t0 = time.perf_counter()
-        outside_s, self._outside_s = self._outside_s, 0.0  # of the previous step
+        outside_s = self.timing.take_outside_s()  # of the previous step
         if plan is None:  # a video batch tells the planner every video's frame size
             plan = self.plan([int(s.shape[0]) for s in sequences],
                              frame_tokens=getattr(sequences, "frame_tokens", None))
         plan_s = time.perf_counter() - t0
-        counts = _micro_step_counts(plan)  # a plan for another world fails in run_plan's check
-        mine = counts[self.rank] if self.rank < len(counts) else 0
-        depths = plan.slot_depths()  # [] for a free plan
-        if depths:
-            slots = len(depths)
-        else:
-            slots = max(max(counts, default=0) if engine.equal_micro_steps else mine, 1)
-        per_token = self.config.loss_reduction == "sequence"
-        done = 0
-        next_slot = 0
-        task_losses: list = []  # (task id, loss): checked once after the loop (one sync)
-
-        def forward_step(input_ids, position_ids, labels):
-            task = current_task()
-            loss = engine.forward_loss(Shard(input_ids, position_ids, labels, task), per_token)
-            task_losses.append((task.task.id if task is not None else -1, loss.detach()))
-            return loss
-
-        def backward(loss):
-            nonlocal done
-            done += 1
-            if train:
-                engine.backward(loss, done == slots)
-
-        def empty_slots(until: int) -> None:
-            """Empty tasks for this rank's slots before slot ``until``."""
-            nonlocal done, next_slot
-            while next_slot < until:
-                done += 1
-                self._empty_task(engine, depths[next_slot], done == slots, per_token, train)
-                next_slot += 1
-
-        def before_task(task: Task) -> None:
-            nonlocal next_slot
-            if depths:
-                empty_slots(task.slot)
-                next_slot = task.slot + 1
-
-        scope = engine.micro_steps() if train else nullcontext()
-        grad = nullcontext() if train else torch.no_grad()
-        with scope, grad:
-            stats = run_plan(plan, sequences, self.rank, forward_step, pool=self.pool,
-                             backward=backward, loss_reduction=self.config.loss_reduction,
-                             max_position=self.max_position, device=self.device,
-                             config=self.config,
-                             reduce_loss=False, before_task=before_task)
-            empty_slots(len(depths))
-            while done < slots:  # a free plan: the engine's own empty micro-steps
-                done += 1
-                if train:
-                    engine.empty_micro_step(done == slots)
-        empty = slots - len(stats.tasks)
+        work, task_losses = self._micro_steps(engine, plan, sequences, train)
+        stats = work.stats()
         # Every backward has run on every rank (ZeRO 0/1 reduce inside a rank's last one, an
         # idle rank's comes after the task loop): the loss collective may come now, before the
         # update, so a non-finite step is stopped or skipped before it changes the model.
@@ -322,16 +251,46 @@ class StepDriver:
             self.iteration += 1
         wall_s = time.perf_counter() - t0
         predicted_s = self.predicted_step_s(plan)
-        if train and self._calibrating(plan):
+        if train and self.timing.calibrating(plan, self.world_size):
             self._calibrate(plan, stats, wall_s, predicted_s, outside_s)
         else:
-            self._last_wall_s = None  # time reported outside this step amends no calibrated one
-        tokens = target_count(plan, batch_targets(sequences))
-        return StepResult(loss=loss, tokens=tokens, sequences=len(sequences),
-                          wall_s=wall_s, micro_steps=done, empty_micro_steps=empty, plan=plan,
+            self.timing.forget_last_step()
+        return StepResult(loss=loss, tokens=work.total, sequences=len(sequences),
+                          wall_s=wall_s, micro_steps=work.micro_steps,
+                          empty_micro_steps=work.micro_steps - len(stats.tasks), plan=plan,
                           plan_s=plan_s, predicted_s=predicted_s, grad_norm=grad_norm,
                           stats=stats, calibration_error=self.calibration_error,
                           skipped=skipped)
+
+    def _micro_steps(self, engine: StepEngine, plan: Plan, sequences: Sequence[torch.Tensor],
+                     train: bool) -> tuple[PlanWork, list]:
+        """The one loop: this rank's micro-steps of ``plan`` (`PlanWork`: its tasks, a lockstep
+        plan's empty slots, and with ``engine.equal_micro_steps`` the engine's own empty
+        micro-steps up to the busiest rank's count), each through the engine. Returns the work
+        and the ``(task id, loss)`` of every task, checked once after the loop (one sync)."""
+        per_token = self.config.loss_reduction == "sequence"
+        counts = _micro_step_counts(plan)  # a plan for another world fails in the plan check
+        task_losses: list = []
+        scope = engine.micro_steps() if train else nullcontext()
+        with scope, nullcontext() if train else torch.no_grad():
+            work = PlanWork(plan, sequences, self.rank, pool=self.pool, config=self.config,
+                            loss_reduction=self.config.loss_reduction,
+                            max_position=self.max_position, device=self.device,
+                            min_micro_steps=max(max(counts, default=0)
+                                                if engine.equal_micro_steps else 0, 1))
+            for step in work:
+                with work.running(step):
+                    if step.shard is None:  # the engine's own empty micro-step
+                        if train:
+                            engine.empty_micro_step(step.last)
+                        continue
+                    out = engine.forward_loss(step.shard, per_token)
+                    if step.task is not None:
+                        task_losses.append((step.task.id, out.detach()))
+                    loss = work.loss(step, out)
+                    if train:
+                        engine.backward(loss, step.last)
+        return work, task_losses
 
     def _update(self, engine: StepEngine, loss: float,
                 bad: dict[int, Optional[int]]) -> tuple[Optional[float], bool]:
@@ -359,29 +318,20 @@ class StepDriver:
     def predicted_step_s(self, plan: Plan) -> float:
         """The step time the cost model predicts for ``plan``: its makespan plus the step's
         own overhead (the measured one once calibrated, else the analytic `sync_time`)."""
-        if not self.config.enabled or self.model_shape is None or plan.policy == "data-parallel":
-            return plan.makespan
-        if self.hardware.step_overhead_s is not None:  # measured (calibrated)
-            return plan.makespan + self.hardware.step_overhead_s
-        hw, sync = self._sync_cache
-        if hw is not self.hardware:
-            from megatron_dcp.plan import build_cost_model
+        world_size = self.world_size if self.pool is not None else plan.world_size
+        return self.timing.predicted_step_s(plan, self.hardware, world_size)
 
-            sync = build_cost_model(self.model_shape, self.config, self.world_size,
-                                    self.hardware, self.zero_stage).sync_time()
-            self._sync_cache = (self.hardware, sync)
-        return plan.makespan + sync
+    @property
+    def calibrator(self) -> Optional[Calibrator]:
+        """The online calibration (`megatron_dcp.plan.calibration`), made at the first step
+        when ``config.calibration`` is on; ``hardware`` follows its fits."""
+        return self.timing.calibrator
 
     @property
     def calibration_error(self) -> Optional[float]:
         """Median |predicted / measured - 1| of the step time over the calibration window
         (``None``: calibration off, or no step measured yet)."""
-        return self.calibrator.error if self.calibrator is not None else None
-
-    def _calibrating(self, plan: Plan) -> bool:
-        return (self.config.enabled and self.config.calibration == "on"
-                and self.model_shape is not None and plan.policy != "data-parallel"
-                and plan.world_size == self.world_size)
+        return self.timing.error
 
     def add_time_outside_step(self, seconds: float) -> None:
         """Report ``seconds`` of the last step spent outside `step` (Megatron's loss reduction
@@ -389,59 +339,17 @@ class StepDriver:
         that step's wall time as the largest over the ranks of (time inside `step` + time
         reported), so the step overhead, and with it ``predicted_s``, covers the whole
         iteration. Call it on every rank after every step, or never."""
-        if not seconds >= 0 or seconds == float("inf"):
-            raise ValueError(f"add_time_outside_step: {seconds} is not a time in seconds")
-        self._outside_s += seconds
-        self._outside_reported = True
+        self.timing.add_time_outside_step(seconds)
 
     def _calibrate(self, plan: Plan, stats: StepStats, wall_s: float,
                    predicted_s: float, outside_s: float = 0.0) -> None:
-        """Share this step's measured task times and wall time, and the previous step's whole
-        iteration time (`add_time_outside_step`), with every rank (one small MIN all-reduce: a
-        task's time on its least-waiting rank, the slowest rank's times), fit the cost model to
-        the window and plan the next step with it."""
-        if self.calibrator is None:
-            from megatron_dcp.plan import build_cost_model
-
-            prior = self.hardware
-            base = build_cost_model(self.model_shape, self.config, self.world_size,
-                                    Calibrator.uncalibrated(prior), self.zero_stage)
-            self.calibrator = Calibrator(base, prior)
-        index = {t.id: k for k, t in enumerate(plan.tasks)}
-        previous = self._last_wall_s  # None on every rank alike (same calibration history)
-        values = [float("inf")] * len(plan.tasks) + [
-            -wall_s, -((previous or 0.0) + outside_s), -float(self._outside_reported)]
-        for t in stats.tasks:
-            if t.task_id in index:
-                values[index[t.task_id]] = t.total_s
+        """Fit the cost model to this step's measured times (`StepTiming.calibrate`, one small
+        all-reduce over the job) and plan the next step with it."""
         device = self.device if self.device is not None and self.device.type == "cuda" else None
-        shared = torch.tensor(values, dtype=torch.float64, device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # job-wide: TP peers fit alike
-            dist.all_reduce(shared, op=dist.ReduceOp.MIN, group=self.pool.job_group)
-        measured = shared.tolist()
-        seconds = [v if v != float("inf") else None for v in measured[:-3]]
-        wall, iteration_s, reported = (-v for v in measured[-3:])
-        if previous is not None:
-            self.calibrator.amend_last_wall(iteration_s)
-        # Provisional once any rank reports time outside the steps: the same on every rank.
-        self.calibrator.add_step(plan, seconds, wall, predicted_s, provisional=reported > 0)
-        self._last_wall_s = wall_s
-        self.hardware = self.calibrator.fit()
-
-    def _empty_task(self, engine: StepEngine, depth: int, last: bool, per_token: bool,
-                    train: bool) -> None:
-        """An empty lockstep slot: a two-token task on this rank alone that recomputes ``depth``
-        layers, with its loss multiplied by zero (no gradient, the same collectives)."""
-        task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), recompute_layers=depth)
-        layout = ShardLayout.build([2], 1, 1, 0)
-        ctx = self.pool.context_for(task, self.rank, layout)
-        ids = torch.zeros(2, dtype=torch.long, device=self.device)
-        positions = torch.arange(2, device=self.device)
-        labels = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=self.device)
-        with task_context(ctx):
-            loss = engine.forward_loss(Shard(ids, positions, labels, ctx), per_token)
-            if train:
-                engine.backward(loss.sum() * 0.0, last)
+        self.hardware = self.timing.calibrate(
+            plan, {t.task_id: t.total_s for t in stats.tasks}, wall_s, predicted_s, outside_s,
+            hardware=self.hardware, world_size=self.world_size, group=self.pool.job_group,
+            device=device)
 
     def _global_loss(self, local_loss: float,
                      bad_task: Optional[int]) -> tuple[float, dict[int, Optional[int]]]:
@@ -468,8 +376,7 @@ class StepDriver:
             from megatron_dcp.plan.hardware import hardware_from_dict
 
             self.hardware = hardware_from_dict(dict(saved), where="checkpoint's hardware")
-            self.calibrator = None  # the next step starts a window with this as its prior
-            self._last_wall_s = None
+            self.timing.restart()  # the next step starts a window with this as its prior
 
     def save_profile(self, path: str) -> None:
         """Write the current (calibrated) hardware as a profile JSON that
