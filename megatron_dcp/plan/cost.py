@@ -251,8 +251,8 @@ class CostModel:
         self.recomputed_layer_bytes = BF16 * h
         self.logit_bytes = (BF16 + 4) * v if tp == 1 else (BF16 + 4) * v / tp
         """Bytes per local token of the bf16 logits and their gradient (`loss_bytes`)."""
-        self.loss_workspace = LOSS_CHUNK_COPIES * 4 * v * loss_chunk_tokens(v)
-        """The chunked loss's fp32 tensor of one chunk: a constant, counted in static memory."""
+        self._loss_chunk = (LOSS_CHUNK_COPIES * 4 * v, loss_chunk_tokens(v))
+        """The chunked loss's fp32 tensor of one chunk: bytes per token and tokens per chunk."""
 
     def _init_time_constants(self) -> None:
         """The hardware's per-token and per-task overheads (measured, else analytic), its pack
@@ -278,11 +278,18 @@ class CostModel:
         if communicators_per_rank is None:
             communicators_per_rank = self._vocabulary_communicators(max_degree)
         self.communicators_per_rank = int(communicators_per_rank)
-        self.static_memory = self._static_memory()
         hbm = hardware.hbm_bytes * memory_fraction
         self.budget = float(memory_budget) if memory_budget is not None else hbm
         self.reserve = hardware.reserve_bytes if hardware.reserve_bytes is not None \
             else RESERVE_BYTES
+        static = self._static_memory()
+        # The loss's chunk workspace: one chunk, or fewer tokens where no task can hold a chunk
+        # (the most local tokens any task fits, every layer recomputed): a constant per rank.
+        per_token, chunk = self._loss_chunk
+        most_local = max(0.0, self.budget - static - self.reserve) \
+            // self.token_bytes(self.model.num_layers)
+        self.loss_workspace = per_token * min(chunk, most_local)
+        self.static_memory = static + self.loss_workspace
         self._free = self.budget - self.static_memory - self.reserve
         if self._free <= 0:
             comm = self.communicators_per_rank * hardware.communicator_bytes
@@ -318,7 +325,7 @@ class CostModel:
             head = m.vocab_size * m.hidden_size / m.tensor_parallel
             params = params / w + BF16 * min(p, 2 * self.layer_params + head)
         comms = self.communicators_per_rank * self.hw.communicator_bytes
-        return params + grads + states + comms + self.loss_workspace
+        return params + grads + states + comms
 
     def token_bytes(self, recompute_layers: int) -> float:
         """Activation bytes per local token with ``ckpt`` recomputed layers."""
