@@ -12,9 +12,9 @@ from megatron_dcp.plan.hardware import HardwareError
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.plan.presets import ModelPresetError
 from megatron_dcp.plan.vocabulary import Vocabulary
+from megatron_dcp.plan.idx_format import write_lengths
 from megatron_dcp.plan.workload import (WorkloadError, read_idx_lengths, read_lengths_file,
-                                        sample_lengths, validate_lengths, video_lengths,
-                                        write_idx_lengths)
+                                        sample_lengths, validate_lengths, video_lengths)
 
 LLAMA = load_model("llama-7b")
 POLICIES = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp")
@@ -155,13 +155,32 @@ def test_lengths_validation(tmp_path):
 
 def test_idx_reader(tmp_path):
     path = str(tmp_path / "d.idx")
-    write_idx_lengths(path, [5, 17, 4096])
+    write_lengths(path, [5, 17, 4096])
     assert read_idx_lengths(path) == [5, 17, 4096]
     assert read_lengths_file(path) == [5, 17, 4096]
     with open(path, "r+b") as handle:
         handle.write(b"NOTMAGIC!")
-    with pytest.raises(WorkloadError, match="bad magic"):
+    with pytest.raises(WorkloadError, match="d.idx: not a Megatron MMIDIDX index"):
         read_idx_lengths(path)
+
+
+def test_one_idx_reader_for_the_planner_and_the_data_layer(tmp_path):
+    """The planner's lengths (no numpy) and the memory-mapped dataset read one index alike, and
+    a truncated index is the same error in both (`megatron_dcp.plan.idx_format`)."""
+    from megatron_dcp.data.indexed import IndexedDataset, IndexedDatasetWriter
+
+    prefix = str(tmp_path / "ds")
+    with IndexedDatasetWriter(prefix) as writer:
+        for n in (3, 1, 7):
+            writer.add_document(range(n))
+    assert read_idx_lengths(prefix + ".idx") == IndexedDataset(prefix).lengths.tolist() == [3, 1, 7]
+    data = (tmp_path / "ds.idx").read_bytes()
+    (tmp_path / "ds.idx").write_bytes(data[:-8])
+    with pytest.raises(WorkloadError, match="ds.idx is truncated") as planner:
+        read_idx_lengths(prefix + ".idx")
+    with pytest.raises(ValueError, match="ds.idx is truncated") as dataset:
+        IndexedDataset(prefix)
+    assert str(planner.value) == str(dataset.value)
 
 
 # ---------------------------------------------------------------------------- cost model

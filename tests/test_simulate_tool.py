@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_dcp.plan.workload import write_idx_lengths
+from megatron_dcp.plan.idx_format import write_lengths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "simulate.py")
@@ -59,7 +59,7 @@ def test_lengths_file_idx_and_plot(tmp_path):
     lengths = tmp_path / "batch.txt"
     lengths.write_text("\n".join(str(n) for n in [100, 2000, 40000, 512, 9000]) + "\n")
     idx = str(tmp_path / "d.idx")
-    write_idx_lengths(idx, [100, 2000, 40000, 512, 9000])
+    write_lengths(idx, [100, 2000, 40000, 512, 9000])
     a = run_tool("--gpus", "4", "--lengths", str(lengths), "--json", "--policy", "dcp")
     b = run_tool("--gpus", "4", "--idx", idx, "--json", "--policy", "dcp")
     c = run_tool("--gpus", "4", "--lengths", idx, "--json", "--policy", "dcp")

@@ -1,34 +1,21 @@
 """Megatron indexed datasets: ``PREFIX.bin`` (token ids) and ``PREFIX.idx`` (index), MMIDIDX v1.
 
-Layout of ``.idx`` (all little-endian), the one Megatron-LM and megatron-core read and write:
-
-====================  ===========================================================
-``b"MMIDIDX\\0\\0"``   9-byte magic
-``<Q`` version         1
-``<B`` dtype code      1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16
-``<Q`` sequences       S
-``<Q`` doc entries     D (= documents + 1: document_indices starts with 0)
-int32[S]               sequence lengths (in tokens)
-int64[S]               sequence pointers (byte offsets into ``.bin``)
-int64[D]               document indices (sequence index where each document ends; first 0)
-====================  ===========================================================
-
-``.bin`` is the concatenation of every sequence's tokens in the dtype above. This writer puts
-one sequence per document (Megatron's preprocess_data.py without sentence splitting); the reader
-accepts any number of sequences per document and reads sequences.
+The layout of ``.idx`` and the reader of its header are `megatron_dcp.plan.idx_format` (the
+planner reads lengths from it without numpy). ``.bin`` is the concatenation of every sequence's
+tokens in the index's dtype. This writer puts one sequence per document (Megatron's
+preprocess_data.py without sentence splitting); the reader accepts any number of sequences per
+document and reads sequences.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from typing import Iterable, Union
 
 import numpy as np
 
-MAGIC = b"MMIDIDX\x00\x00"
-VERSION = 1
-HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8
+from megatron_dcp.plan.idx_format import HEADER_BYTES, pack_header, read_header
+
 DTYPE_CODES = {
     1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
     8: np.uint16,
@@ -105,11 +92,7 @@ class IndexedDatasetWriter:
             pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * self.dtype.itemsize
         doc_indices = np.arange(len(lengths) + 1, dtype=np.int64)
         with open(self._partial + ".idx", "wb") as idx:
-            idx.write(MAGIC)
-            idx.write(struct.pack("<Q", VERSION))
-            idx.write(struct.pack("<B", CODE_OF_DTYPE[self.dtype]))
-            idx.write(struct.pack("<Q", len(lengths)))
-            idx.write(struct.pack("<Q", len(doc_indices)))
+            idx.write(pack_header(CODE_OF_DTYPE[self.dtype], len(lengths), len(doc_indices)))
             idx.write(lengths.tobytes(order="C"))
             idx.write(pointers.tobytes(order="C"))
             idx.write(doc_indices.tobytes(order="C"))
@@ -168,29 +151,10 @@ class IndexedDataset:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"indexed dataset file {path} does not exist (--data-path "
                                         f"{prefix})")
-        with open(idx_path, "rb") as f:
-            header = f.read(HEADER_BYTES)
-        magic = header[:len(MAGIC)]
-        if magic != MAGIC:
-            raise ValueError(f"{idx_path}: not a Megatron MMIDIDX index (header {magic!r})")
-        if len(header) < HEADER_BYTES:
-            raise ValueError(f"{idx_path} is truncated: {len(header)} bytes, shorter than the "
-                             f"{HEADER_BYTES}-byte header")
-        version, code, num_sequences, num_doc_entries = struct.unpack("<QBQQ",
-                                                                      header[len(MAGIC):])
-        if version != VERSION:
-            raise ValueError(f"{idx_path}: index version {version} is not supported (expected "
-                             f"{VERSION})")
-        if code not in DTYPE_CODES:
-            raise ValueError(f"{idx_path}: unknown dtype code {code}")
-        self.dtype = np.dtype(DTYPE_CODES[code])
+        header = read_header(idx_path)
+        self.dtype = np.dtype(DTYPE_CODES[header.dtype_code])
+        num_sequences, num_doc_entries = header.sequences, header.doc_entries
         offset = HEADER_BYTES
-        needed = offset + num_sequences * (4 + 8) + num_doc_entries * 8
-        idx_size = os.path.getsize(idx_path)
-        if idx_size < needed:
-            raise ValueError(f"{idx_path} is truncated: its header announces {num_sequences} "
-                             f"sequences and {num_doc_entries} document entries ({needed} "
-                             f"bytes), the file has {idx_size} bytes")
         index = np.memmap(idx_path, mode="r", dtype=np.uint8)
         self.sequence_lengths = np.frombuffer(index, dtype=np.int32, count=num_sequences,
                                               offset=offset)

@@ -26,13 +26,12 @@
 from __future__ import annotations
 
 import math
-import os
 import random
-import struct
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-IDX_MAGIC = b"MMIDIDX\x00\x00"
+from megatron_dcp.plan.idx_format import read_lengths
+
 DEFAULT_MAX_LEN = 131072
 
 
@@ -281,44 +280,12 @@ def read_lengths_file(path: str) -> list[int]:
 
 
 def read_idx_lengths(path: str) -> list[int]:
-    """Sequence lengths of a Megatron indexed dataset index (``.idx``).
-
-    Layout: 9-byte magic ``MMIDIDX\\x00\\x00``, ``<Q`` version (1), ``<B`` dtype code, ``<Q``
-    sequence count, ``<Q`` document count, then ``int32`` sequence lengths (then pointers and
-    document indices, not read here).
-    """
-    header = 9 + 8 + 1 + 8 + 8
+    """Sequence lengths of a Megatron indexed dataset index (``.idx``, read by
+    `megatron_dcp.plan.idx_format`), checked as lengths; `WorkloadError` naming the file."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as handle:
-            head = handle.read(header)
-            if len(head) < header or head[:9] != IDX_MAGIC:
-                raise WorkloadError(f"{path}: not a Megatron indexed dataset index (bad magic or "
-                                    "too short)")
-            (version,) = struct.unpack("<Q", head[9:17])
-            if version != 1:
-                raise WorkloadError(f"{path}: index version {version} is not supported (expected "
-                                    "1)")
-            (count,) = struct.unpack("<Q", head[18:26])
-            if header + 4 * count > size:
-                raise WorkloadError(f"{path}: truncated: header says {count} sequences")
-            data = handle.read(4 * count)
+        lengths = read_lengths(path)
+    except ValueError as err:
+        raise WorkloadError(str(err)) from None
     except OSError as err:
         raise WorkloadError(f"cannot read index {path!r}: {err.strerror or err}") from None
-    lengths = list(struct.unpack(f"<{count}i", data))
     return validate_lengths(lengths, where=path)
-
-
-def write_idx_lengths(path: str, lengths: Sequence[int], dtype_code: int = 4) -> None:
-    """Write a minimal ``.idx`` holding ``lengths`` (for tests; pointers and doc index included)."""
-    count = len(lengths)
-    with open(path, "wb") as handle:
-        handle.write(IDX_MAGIC + struct.pack("<Q", 1) + struct.pack("<B", dtype_code))
-        handle.write(struct.pack("<Q", count) + struct.pack("<Q", count + 1))
-        handle.write(struct.pack(f"<{count}i", *lengths))
-        pointers, offset = [], 0
-        for n in lengths:
-            pointers.append(offset)
-            offset += 4 * n
-        handle.write(struct.pack(f"<{count}q", *pointers))
-        handle.write(struct.pack(f"<{count + 1}q", *range(count + 1)))
