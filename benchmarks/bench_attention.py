@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.kernels import forced_backend
 from megatron_dcp.runtime.layout import ShardLayout
+from megatron_dcp.runtime.ports import free_port
 from megatron_dcp.runtime.ring import ring_in_one_process
 
 
@@ -290,9 +290,7 @@ def main(argv=None) -> None:
         return video_table(args)
     if args.kernels:
         return kernel_table(args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_body, args=(r, args.world, port, args, queue))

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 from datetime import timedelta
@@ -39,6 +38,7 @@ from megatron_dcp.config import DCPConfig  # noqa: E402
 from megatron_dcp.plan import (Vocabulary, build_cost_model, load_model, make_plan,  # noqa: E402
                                simulate)
 from megatron_dcp.plan.workload import sample_lengths  # noqa: E402
+from megatron_dcp.runtime.ports import free_port  # noqa: E402
 
 
 def vocabularies(model_name: str, world: int, per_node: int) -> dict[str, Vocabulary]:
@@ -111,9 +111,7 @@ def _rank_body(rank: int, world: int, per_node: int, port: int, model_name: str,
 def gloo_startup(world: int, per_node: int, model_name: str,
                  repeats: int) -> list[list[dict]]:
     """Per-rank ``GroupPool.startup`` records of ``repeats`` pools at ``world`` gloo ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_body, args=(r, world, per_node, port, model_name, repeats,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from megatron_dcp.config import DCPConfig  # noqa: E402
 from megatron_dcp.models import Decoder, DecoderConfig  # noqa: E402
 from megatron_dcp.plan import CostModel, Plan, Task, load_hardware, make_plan  # noqa: E402
 from megatron_dcp.plan.cost import RESERVE_BYTES  # noqa: E402
+from megatron_dcp.runtime.ports import free_port  # noqa: E402
 
 
 def long_tailed_lengths(seed: int, scale: float) -> list[int]:
@@ -231,9 +231,7 @@ def main(argv=None) -> int:
     for name, plan in plans.items():
         print(f"{name}: {len(plan.tasks)} tasks, degrees {sorted({t.degree for t in plan.tasks})}, "
               f"predicted makespan {plan.makespan:.2f} s")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     raw_path = args.out + ".raw"
     t0 = time.perf_counter()

@@ -30,7 +30,6 @@ import multiprocessing
 import os
 import pickle
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
+
+from megatron_dcp.runtime.ports import free_port
 
 GROUP_TIMEOUT_S = 120.0
 """Timeout of every process group in tests (long: a loaded machine must not fail a test)."""
@@ -56,13 +57,6 @@ class DistributedError(RuntimeError):
     def message_of(self, rank: int) -> str:
         """The traceback text of ``rank`` ('' if it did not fail)."""
         return self.failures.get(rank, "")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0 and let the OS choose)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 ROOT = Path(__file__).resolve().parents[1]

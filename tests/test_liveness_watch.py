@@ -8,14 +8,13 @@ timeout: only the watch can end a stalled job within the test's limits.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from distributed import JOB_ENV, ROOT
+from distributed import JOB_ENV, ROOT, free_port
 
 _RANK_SCRIPT = r"""
 import os, sys, time
@@ -46,14 +45,8 @@ print(f"rank {rank} done", flush=True)
 """
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _launch(case: str, tmp_path, world: int = 3):
-    port = _free_port()
+    port = str(free_port())
     procs = []
     for rank in range(world):
         out = open(tmp_path / f"rank{rank}.txt", "w")

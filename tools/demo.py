@@ -14,19 +14,14 @@ measured one and the calibration's error, which falls within a few iterations. W
 """
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_dcp.runtime.ports import free_port  # noqa: E402
 
 
 def main() -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 from datetime import timedelta
@@ -22,6 +21,7 @@ from megatron_dcp.models import Decoder, DecoderConfig
 from megatron_dcp.plan.plan import Task
 from megatron_dcp.runtime.context import TaskContext, task_context
 from megatron_dcp.runtime.layout import ShardLayout
+from megatron_dcp.runtime.ports import free_port
 
 TASK_ANCHOR_TOKENS = 16
 """Length of the tiny one-sequence task timed with the model points (fixed per-task cost)."""
@@ -271,9 +271,7 @@ def measure_comm(world: int, job: dict) -> dict:
     threads, repeat, sizes, cfg (`DecoderConfig`), layout_lengths, sp_lengths."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "comm.json")
         mp.spawn(_comm_worker, args=(world, port, job, path), nprocs=world)
