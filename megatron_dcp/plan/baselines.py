@@ -157,9 +157,10 @@ def video_bucket(length: int, frame_tokens: int) -> tuple[int, int]:
 def _video_micro_batches(ctx: PlanContext, degree: int, recompute_layers: int,
                          groups: int) -> list[list[list[int]]]:
     """Micro-batches of each shape bucket (`video_bucket`), the bucket of the largest videos
-    first. Batch size: as many videos of the bucket's largest as fit memory at ``ckpt`` (VideoSys
-    tunes one per bucket so a micro-batch fills memory), lowered to spread the bucket's videos
-    evenly over the ``groups`` SP groups when it holds fewer than that many full batches."""
+    first. Batch size: as many videos of the bucket's largest as fit memory at
+    ``recompute_layers`` (VideoSys tunes one per bucket so a micro-batch fills memory), lowered
+    to spread the bucket's videos evenly over the ``groups`` SP groups when it holds fewer than
+    that many full batches."""
     cap = ctx.cm.max_tokens(degree, recompute_layers)
     buckets: dict[tuple[int, int], list[int]] = {}
     for i in ctx.active:

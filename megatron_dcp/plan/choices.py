@@ -55,7 +55,8 @@ class SeqChoice:
 
 
 def fill_options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:
-    """Fill ``info.fits`` with (degree, ckpt) for every vocabulary size from ``start_at`` on."""
+    """Fill ``info.fits`` with (degree, recompute_layers) for every vocabulary size from
+    ``start_at`` on."""
     for d in ctx.vocab.sizes:
         if d < start_at:
             continue

@@ -328,7 +328,7 @@ class CostModel:
         return params + grads + states + comms
 
     def token_bytes(self, recompute_layers: int) -> float:
-        """Activation bytes per local token with ``ckpt`` recomputed layers."""
+        """Activation bytes per local token with ``recompute_layers`` layers."""
         n = self.model.num_layers
         recompute_buffer = self.act_bytes if recompute_layers else 0
         kept = (n - recompute_layers) * self.act_bytes \
@@ -346,14 +346,14 @@ class CostModel:
         n = self.model.num_layers
         if local * self.token_bytes(0) <= self._free:
             return 0
-        # token_bytes(c) = token_bytes(0) + act - c*(act - ckpt) for c >= 1
+        # token_bytes(c) = token_bytes(0) + act - c*(act - recomputed_layer_bytes) for c >= 1
         gain = self.act_bytes - self.recomputed_layer_bytes
         need = (local * (self.token_bytes(0) + self.act_bytes) - self._free) / (local * gain)
         c = max(1, math.ceil(need - 1e-12))
         return c if c <= n else None
 
     def max_tokens(self, degree: int, recompute_layers: int) -> int:
-        """Most tokens a task of ``degree`` ranks with ``ckpt`` recomputed layers can hold."""
+        """Most tokens a task of ``degree`` ranks with ``recompute_layers`` can hold."""
         return int(self._free // self.token_bytes(recompute_layers)) * degree
 
     def pad_multiple(self, degree: int) -> int:
@@ -606,7 +606,7 @@ class CostModel:
         return comm + 2 * states / self.hw.hbm_bandwidth
 
     def slot_time(self, recompute_layers: int) -> float:
-        """Shortest lockstep slot whose tasks recompute ``ckpt`` layers: every rank runs a
+        """Shortest lockstep slot whose tasks recompute ``recompute_layers``: every rank runs a
         micro-step in every slot (an idle one a one-token task), and ZeRO moves parameters and
         gradients over the DCP world in each: stage 3 all-gathers the bf16 parameters in forward,
         backward and for every recomputed layer, stages 2/3 reduce-scatter the bf16 gradients.

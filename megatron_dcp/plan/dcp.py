@@ -107,7 +107,8 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
 
 
 def _options_for(ctx: PlanContext, task: PackedTask, mode: str):
-    """(degree, ckpt, time) of a packed task for every vocabulary degree from its minimum on."""
+    """(degree, recompute_layers, time) of a packed task for every vocabulary degree from its
+    minimum on."""
     lengths = ctx.lengths
     raw = task.tokens if task.degree == 1 else sum(lengths[s] for s in task.seqs)
     for d in ctx.vocab.sizes:
