@@ -79,13 +79,14 @@ def _run(prior_hw, steps, *, outlier=False):
 def test_a_provisional_wall_time_waits_for_its_amendment():
     """A step recorded as provisional (its time outside the driver comes later) is left out of
     the step overhead and the error until `amend_last_wall` gives its whole iteration."""
-    cal, _, config = _run(cpu_start(), 6)
+    cal, true_cm, config = _run(cpu_start(), 6)
     overhead, error = cal.fit().step_overhead_s, cal.error
     lengths = _batches(7)[-1]
     plan = make_plan(lengths, world_size=WORLD, model=MODEL, config=config, hardware=cal.hardware)
-    seconds = [1e-3] * len(plan.tasks)
-    cal.add_step(plan, seconds, 100.0, plan.makespan, provisional=True)  # an absurd inside time
-    assert cal.error == error and cal.fit().step_overhead_s == pytest.approx(overhead, rel=0.05)
+    seconds, _ = _measure(plan, true_cm, random.Random(7))  # true task times: only the wall
+    cal.add_step(plan, seconds, 100.0, plan.makespan, provisional=True)  # is absurd
+    # the new step's task times refit the factors a little; its 100 s wall would add ~10 s
+    assert cal.error == error and cal.fit().step_overhead_s == pytest.approx(overhead, rel=0.25)
     cal.amend_last_wall(100.0)  # now final: it counts
     assert cal.error > error and not cal.steps[-1].provisional
 
@@ -110,7 +111,9 @@ def test_calibration_learns_the_machine_from_a_right_prior():
     median_task, worst_step = _held_out_errors(cal, true_cm, config)
     assert median_task <= 0.05
     assert worst_step <= 0.10
-    assert cal.hardware.step_overhead_s == pytest.approx(OVERHEAD_S, rel=0.5, abs=5e-3)
+    # the overhead absorbs what the factors miss: within 1 % of a typical step (1-7 s here)
+    typical = sorted(s.wall_s for s in cal.steps)[len(cal.steps) // 2]
+    assert abs(cal.hardware.step_overhead_s - OVERHEAD_S) <= 0.01 * typical
     assert cal.error is not None and cal.error <= 0.10  # the last steps' own predictions
 
 
@@ -133,10 +136,20 @@ def test_calibration_recovers_from_a_prior_ten_times_too_fast():
 
 
 def test_one_outlier_task_does_not_move_the_fit():
+    """A task measured 10x too slow moves no prediction: held-out task times of the fit with
+    the outlier stay within 2 % (median) and 10 % (worst) of the fit without it. (A factor of a
+    term few tasks exercise, e.g. all-to-all here, may move more; the predictions must not.)"""
     clean, true_cm, config = _run(cpu_start(), steps=6)
     dirty, _, _ = _run(cpu_start(), steps=6, outlier=True)
-    for term in CALIBRATED_TERMS:
-        assert dirty.factors()[term] == pytest.approx(clean.factors()[term], rel=0.15)
+    clean_cm = build_cost_model(MODEL, config, WORLD, clean.hardware)
+    dirty_cm = build_cost_model(MODEL, config, WORLD, dirty.hardware)
+    moved = sorted(abs(dirty_cm.time(t, plan.lengths) / clean_cm.time(t, plan.lengths) - 1)
+                   for lengths in _batches(6, seed=99)
+                   for plan in [make_plan(lengths, world_size=WORLD, model=MODEL, config=config,
+                                          hardware=clean.hardware)]
+                   for t in plan.tasks)
+    assert moved[len(moved) // 2] <= 0.02 and moved[-1] <= 0.10, moved
+    assert dirty.factors()["linear"] == pytest.approx(clean.factors()["linear"], rel=0.15)
 
 
 def test_the_same_measurements_give_the_same_hardware():
