@@ -10,7 +10,6 @@ the shards are gathered first.
 
 from __future__ import annotations
 
-import threading
 import warnings
 
 import pytest
@@ -122,28 +121,23 @@ def _gather_tp(name, p, grad, tp: int):
     return torch.cat(parts, dim=p.partition_dim)
 
 
-class _NoProcessTask:
-    """Stands in for the runtime's process-wide task fallback, where it still exists (None)."""
-
-    lock = threading.Lock()
-    ctx = property(lambda self: None, lambda self, value: None)
-
-
 def _patch_counter():
-    """Counts the patches applied through the registry from now on (`megatron_dcp.patching`)."""
+    """The patches applied through the registry (`megatron_dcp.patching`) in this process since
+    the first call (one list per process, however many steps and models it runs)."""
     from megatron_dcp import patching
 
-    applied = []
-    plain = patching.apply
+    if not hasattr(patching.apply, "counted"):
+        plain = patching.apply
 
-    def counted(name, package, install):
-        done = plain(name, package, install)
-        if done:
-            applied.append(name)
-        return done
+        def counted(name, package, install):
+            done = plain(name, package, install)
+            if done:
+                counted.counted.append(name)
+            return done
 
-    patching.apply = counted
-    return applied
+        counted.counted = []
+        patching.apply = counted
+    return patching.apply.counted
 
 
 def _megatron_state(ddp):
@@ -166,13 +160,13 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", ba
 
     ``backward``: None (the calling thread), ``"thread"`` (every backward on a fresh thread, as
     CUDA's autograd engine: the reentrant recompute re-runs layers there; the forward step passes
-    the task as ``packed_seq_params``), ``"thread-explicit"`` (the same with the runtime's
-    process-wide task fallback off, where it still exists) or ``"thread-no-task"`` (fallback off
-    and the task not passed: first the step must refuse it, naming ``packed_seq_params``; then,
+    the task as ``packed_seq_params``), ``"thread-explicit"`` (the same with every task lookup from
+    `megatron_dcp.runtime.context` raising) or ``"thread-no-task"`` (lookups raising and the task
+    not passed: first the step must refuse it, naming ``packed_seq_params``; then,
     with that check fooled, the result must come out wrong)."""
     from functools import partial
 
-    from executor_cases import on_fresh_thread
+    from executor_cases import forbid_task_lookup, on_fresh_thread
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -180,15 +174,14 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", ba
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.megatron.spec import DCPCoreAttention
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch, MegatronStepEngine
-    from megatron_dcp.runtime import context
 
     applied = _patch_counter()
-    if backward is not None:
-        plain = MegatronStepEngine.backward
+    if backward is not None and not hasattr(MegatronStepEngine, "plain_backward"):
+        MegatronStepEngine.plain_backward = MegatronStepEngine.backward
         MegatronStepEngine.backward = lambda self, loss, last: on_fresh_thread(
-            lambda: plain(self, loss, last))
-    if backward in ("thread-explicit", "thread-no-task") and hasattr(context, "_ProcessTask"):
-        context._ProcessTask = _NoProcessTask()
+            lambda: self.plain_backward(loss, last))
+    if backward in ("thread-explicit", "thread-no-task"):
+        forbid_task_lookup()  # any lookup of a task from megatron_dcp.runtime.context raises
     model = _build(tp, dcp=True)
     _load_full_state(model, state, parallel_state.get_tensor_model_parallel_rank(), tp)
     ddp = DistributedDataParallel(model.config,
@@ -359,16 +352,24 @@ def test_overlap_param_gather_is_refused_before_any_collective():
         step(forward_step_func=None, data_iterator=iter([]), model=[model])
 
 
+def _dcp_steps(rank, world_size, tp, plan_dict, state, modes):
+    """`_dcp_step` once per backward mode, in one launch; returns {mode: result}."""
+    return {mode: _dcp_step(rank, world_size, tp, plan_dict, state, "token", mode)
+            for mode in modes}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["thread", "thread-explicit"])
 @pytest.mark.parametrize("world_size, plan", [(2, PLAN_2), (4, PLAN_4)], ids=["dcp2", "dcp4"])
-def test_gpt_recompute_with_backward_on_another_thread(reference, world_size, plan, mode):
-    """Megatron's reentrant full/block recompute re-runs layers in backward; on CUDA that is the
-    autograd engine's thread, where the forward's context variables are not visible. The task
-    reaches the recomputed attention through ``packed_seq_params`` (Ulysses, ring, hybrid)."""
-    results = run_distributed(_dcp_step, world_size=world_size,
-                              args=(1, plan, reference[0], "token", mode), timeout_s=240)
-    _check(results, reference, world_size)
+def test_gpt_recompute_with_backward_on_another_thread(reference, world_size, plan):
+    """The reentrant recompute re-runs layers in backward; on CUDA that is the autograd engine's
+    thread, where the forward's context variables are not visible. The task reaches the
+    recomputed layers through ``packed_seq_params`` (Ulysses, ring, hybrid); ``thread-explicit``
+    (run second) also makes every task lookup from `megatron_dcp.runtime.context` raise."""
+    modes = ("thread", "thread-explicit")
+    results = run_distributed(_dcp_steps, world_size=world_size,
+                              args=(1, plan, reference[0], modes), timeout_s=280)
+    for mode in modes:
+        _check([r[mode] for r in results], reference, world_size)
 
 
 @pytest.mark.timeout(300)
