@@ -229,7 +229,7 @@ class CostModel:
         self._init_memory(communicators_per_rank, max_degree, memory_budget, memory_fraction)
         self._layouts: dict[int, list[Layout]] = {}
         self._pad: dict[int, int] = {}
-        self._best_layout: dict[tuple, Layout] = {}
+        self._best_layout: dict[tuple, tuple[Layout, ...]] = {}
 
     def _init_sizes(self) -> None:
         """Sizes per tensor-parallel rank (``tp = 1``: the whole model): attention widths,
@@ -530,9 +530,14 @@ class CostModel:
                   recompute_layers: int) -> tuple[float, Layout]:
         """Fastest allowed layout of an aligned group of ``degree`` ranks.
 
-        The layout is chosen on a canonical representative of the task's size class (tokens and
-        attention intensity pairs/tokens on a log grid) and cached, then timed exactly: fast, and
-        independent of earlier calls (plans stay deterministic when a cost model is reused).
+        The task's size class (tokens and attention intensity pairs/tokens, each within a factor
+        of two) keeps the layouts that are fastest anywhere on a 3 x 3 grid over the class
+        (cached); the fastest of those at the task's own size wins. One representative per class
+        was not enough: where ring traffic and attention cross (``max(attention, p2p)``), the
+        winner changes inside a class, and a task could get a layout 35 % slower than its best
+        (a 128k-token sequence on 16 ranks: ring 8 over two nodes instead of Ulysses 4 x ring 4).
+        Deterministic: independent of earlier calls (plans stay the same when a cost model is
+        reused).
         """
         layouts = self.layouts(degree)
         if len(layouts) == 1:
@@ -543,14 +548,29 @@ class CostModel:
         t_class = int(tokens).bit_length()
         r_class = int(4.0 * pairs / (tokens or 1.0)).bit_length()
         key = (degree, recompute_layers, t_class, r_class)
-        lay = self._best_layout.get(key)
-        if lay is None:
-            rep_tokens = 1.5 * 2.0 ** (t_class - 1) if t_class else 1.0
-            rep_pairs = rep_tokens * (1.5 * 2.0 ** (r_class - 1) if r_class else 0.0) / 4.0
-            lay = min(layouts,
-                      key=lambda x: self.time_of(rep_tokens, rep_pairs, x, recompute_layers))
-            self._best_layout[key] = lay
-        return self.time_of(tokens, pairs, lay, recompute_layers), lay
+        found = self._best_layout.get(key)
+        if found is None:
+            found = self._best_layout[key] = self._class_layouts(layouts, t_class, r_class,
+                                                                 recompute_layers)
+        if len(found) == 1:
+            return self.time_of(tokens, pairs, found[0], recompute_layers), found[0]
+        return min((self.time_of(tokens, pairs, lay, recompute_layers), k, lay)
+                   for k, lay in enumerate(found))[::2]
+
+    def _class_layouts(self, layouts: list[Layout], t_class: int, r_class: int,
+                       recompute_layers: int) -> tuple[Layout, ...]:
+        """The layouts (in ``layouts`` order) fastest at some point of a 3 x 3 grid over a size
+        class of `best_time`."""
+        t_lo = 2.0 ** (t_class - 1) if t_class else 1.0
+        r_lo = 2.0 ** (r_class - 1) if r_class else 0.0
+        winners = set()
+        for ft in (1.0, 1.5, 2.0):
+            for fr in (1.0, 1.5, 2.0):
+                tokens = t_lo * ft if t_class else 1.0
+                pairs = tokens * (r_lo * fr if r_class else 0.0) / 4.0
+                winners.add(min(range(len(layouts)), key=lambda k: self.time_of(
+                    tokens, pairs, layouts[k], recompute_layers)))
+        return tuple(layouts[k] for k in sorted(winners))
 
     # ------------------------------------------------------------------ placed tasks
     def _task_sizes(self, task: Task, lengths: Sequence[int],

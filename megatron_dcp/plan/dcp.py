@@ -88,12 +88,14 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
     for degree, items in by_degree.items():
         items.sort(key=lambda x: (-x.length, x.i))
         cur: Optional[PackedTask] = None
+        cur_recompute = 0
         for info in items:
             tokens = ctx.padded(info.length, degree)
             if cur is not None:
                 new_tokens, new_pairs = cur.tokens + tokens, cur.pairs + info.pairs
                 c = ctx.recompute_for(new_tokens, degree, mode) if new_tokens <= token_cap else None
-                if c is not None:
+                # no more recompute than its longest sequence needs alone: recompute is work
+                if c is not None and c <= cur_recompute:
                     t = cm.best_time(new_tokens, new_pairs, degree, c)[0]
                     if t <= limit:
                         cur.seqs.append(info.i)
@@ -101,6 +103,7 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
                         continue
                 tasks.append(cur)
             cur = PackedTask([info.i], tokens, info.pairs, degree, info.time)
+            cur_recompute = info.recompute_layers
         if cur is not None:
             tasks.append(cur)
     return tasks
@@ -122,28 +125,93 @@ def _options_for(ctx: PlanContext, task: PackedTask, mode: str):
         yield d, c, t
 
 
+class Holes:
+    """Idle intervals the list scheduler leaves: a task placed on a group waits until all its
+    ranks are free, and ranks that freed earlier idle until it starts. A later (shorter) task of
+    a vocabulary group inside such an interval can run there without delaying anything
+    (backfilling). Each hole is ``(first rank, end rank, free from, busy from)``; ranks whose
+    free times differ form separate holes."""
+
+    def __init__(self, vocab, min_length: float) -> None:
+        self.vocab = vocab
+        self.min_length = min_length
+        """Shorter holes are not kept (nothing worth placing fits them)."""
+        self.holes: list[list[float]] = []
+
+    def record(self, avail: list[float], start: int, size: int, at: float) -> None:
+        """Ranks ``[start, start + size)`` (free times ``avail``) get a task at ``at``."""
+        r = start
+        end = start + size
+        while r < end:
+            free = avail[r]
+            q = r + 1
+            while q < end and avail[q] == free:
+                q += 1
+            if at - free > self.min_length:
+                self.holes.append([r, q, free, at])
+            r = q
+
+    def find(self, size: int, duration: float) -> "tuple[int, int, float] | None":
+        """(hole index, start rank, start time) of the earliest hole where a vocabulary group of
+        ``size`` ranks can run ``duration`` seconds; ``None``: no hole fits."""
+        best = None
+        starts = None
+        for k, (r0, r1, free, busy) in enumerate(self.holes):
+            if busy - free < duration or r1 - r0 < size or (best and free >= best[2]):
+                continue
+            if starts is None:
+                starts = self.vocab.starts(size)
+            for s in starts:
+                if s >= r0 and s + size <= r1:
+                    best = (k, s, free)
+                    break
+        return best
+
+    def take(self, k: int, start: int, size: int, end: float) -> None:
+        """Hole ``k`` runs a task on ``[start, start + size)`` until ``end``: what is left of it
+        stays a hole (the ranks beside the task, and the task's ranks after it)."""
+        r0, r1, free, busy = self.holes.pop(k)
+        for a, b, f in ((r0, start, free), (start + size, r1, free), (start, start + size, end)):
+            if b > a and busy - f > self.min_length:
+                self.holes.append([a, b, f, busy])
+
+
 def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
            ) -> list[Draft]:
     """Moldable list scheduling, longest first: each task on the smallest degree whose earliest
-    finish meets ``target``, on the group of that size that frees first. Tasks that meet the target
-    nowhere wait until all others are placed (so short tasks fill the gaps first), then take the
-    degree with the earliest finish."""
+    finish meets ``target``, on the group of that size that frees first or in an idle interval
+    an earlier task left (`Holes`). Tasks that meet the target nowhere wait until all others are
+    placed (so short tasks fill the gaps first), then take the degree with the earliest finish."""
     clock = BlockClock(ctx.vocab)
+    holes = Holes(ctx.vocab, 1e-3 * target)
     drafts = []
     deferred = []
 
-    def put(task: PackedTask, d: int, c: int, start_rank: int, at: float) -> None:
+    def earliest(d: int, t: float) -> tuple[float, int, float, "int | None"]:
+        """(finish, start rank, start time, hole index or None) of a task of ``t`` s on ``d``."""
+        start_rank, at = clock.peek(d)
+        found = holes.find(d, t) if holes.holes else None
+        if found is not None and found[2] < at:
+            return found[2] + t, found[1], found[2], found[0]
+        return at + t, start_rank, at, None
+
+    def put(task: PackedTask, d: int, c: int, start_rank: int, at: float,
+            hole: "int | None") -> None:
         draft = ctx.draft(start_rank, d, task.seqs, c)
         draft.start = at
-        clock.occupy(start_rank, d, at + draft.duration)
+        if hole is None:
+            holes.record(clock.avail, start_rank, d, at)
+            clock.occupy(start_rank, d, at + draft.duration)
+        else:
+            holes.take(hole, start_rank, d, at + draft.duration)
         drafts.append(draft)
 
     for task in sorted(tasks, key=lambda t: (-t.time, t.seqs[0])):
         work = None
         for d, c, t in _options_for(ctx, task, mode):
-            start_rank, at = clock.peek(d)
-            if at + t <= target:
-                put(task, d, c, start_rank, at)
+            finish, start_rank, at, hole = earliest(d, t)
+            if finish <= target:
+                put(task, d, c, start_rank, at, hole)
                 break
             if work is None:
                 work = d * t
@@ -160,9 +228,9 @@ def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
                 work = d * t
             elif d * t > MAX_WORK_GROWTH * work:
                 break  # wider groups would waste more than they save
-            start_rank, at = clock.peek(d)
-            if best is None or at + t < best[0]:
-                best = (at + t, d, c, start_rank, at)
+            finish, start_rank, at, hole = earliest(d, t)
+            if best is None or finish < best[0]:
+                best = (finish, d, c, start_rank, at, hole)
         put(task, *best[1:])
     drafts.sort(key=lambda d: (d.start, d.start_rank))
     return drafts
