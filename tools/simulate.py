@@ -11,6 +11,15 @@ Examples::
     python tools/simulate.py --plan other_scheduler.json --policy dcp,bucket
     python tools/simulate.py --gpus 32 --model video-dit --video-mix balanced --policy dcp,bucket
     python tools/simulate.py --gpus 32 --model video-dit --video-shapes videos.txt
+    python tools/simulate.py --gpus 8 --model llama-70b --tp 8 --pp 4 --dist long --policy \
+        dcp,greedy-cp,static
+
+Pipelines (``--pp P``, ``--vpp V``): ``--gpus`` is the DCP world (the data-parallel size of one
+tensor/pipeline coordinate); every policy plans lockstep slots for one stage (``num_layers / P``
+layers, ``--tp`` ranks per tensor-parallel group) and the simulator runs them as micro-batches
+through Megatron's 1F1B (interleaved with V > 1) schedule: the table adds the bubble share, the
+micro-batches and whether the in-flight memory fits. ``--corpus``: the global batch from the
+embedded corpus's documents (byte tokens, in file order).
 
 Videos (``--video-mix short|balanced|long`` or ``--video-shapes FILE`` of ``frames height width``
 lines in latent patches): every video keeps its own frame size (the plan's ``frame_tokens``), the
@@ -29,6 +38,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -37,6 +47,7 @@ from megatron_dcp.config import POLICIES, DCPConfig, DCPConfigError  # noqa: E40
 from megatron_dcp.plan import (PlanError, build_cost_model, load_model, lower_bound,  # noqa: E402
                                make_plan, simulate, validate_plan)
 from megatron_dcp.plan.hardware import HardwareError  # noqa: E402
+from megatron_dcp.plan.pipeline import Pipeline  # noqa: E402
 from megatron_dcp.plan.plan import Plan  # noqa: E402
 from megatron_dcp.plan.presets import ModelPresetError  # noqa: E402
 from megatron_dcp.plan.vocabulary import Vocabulary  # noqa: E402
@@ -60,6 +71,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                        "llama-7b)")
     p.add_argument("--hardware", default="h200", help="hardware preset or profile JSON (default "
                                                       "h200)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size of the model "
+                                                        "(default: the model's)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    p.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank "
+                                                      "(interleaved schedule; default 1)")
     p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
                    help="ZeRO stage (default 1)")
     p.add_argument("--schedule", default="auto", choices=("auto", "free", "lockstep"),
@@ -74,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="built-in video mix (latent shapes, plan/workload.py VIDEO_MIXES)")
     src.add_argument("--video-shapes", help="file: one video per line, 'frames height width' in "
                                             "latent patches ('#' comments)")
+    src.add_argument("--corpus", action="store_true",
+                     help="the embedded corpus's documents (byte tokens, file order)")
     src.add_argument("--replay", metavar="LOG.jsonl",
                      help="replay a training run's --log-json: its predicted vs measured step "
                           "times per iteration (how the online calibration's error fell)")
@@ -128,6 +146,8 @@ def load_workload(args: argparse.Namespace, world: int) -> tuple[list[int], Opti
         return video_workload(shapes)
     if args.lengths:
         return read_lengths_file(args.lengths), None
+    if args.corpus:
+        return corpus_batch(args, world), None
     if args.idx:
         if not args.idx.endswith(".idx"):
             raise WorkloadError(f"--idx {args.idx!r}: expected a .idx file")
@@ -135,6 +155,25 @@ def load_workload(args: argparse.Namespace, world: int) -> tuple[list[int], Opti
     tokens = args.global_batch_tokens if args.global_batch_tokens is not None else 65536 * world
     return sample_lengths(args.dist or "short", tokens, seed=args.seed,
                           max_len=args.max_len), None
+
+
+def corpus_batch(args: argparse.Namespace, world: int) -> list[int]:
+    """Token counts of the embedded corpus's documents (bytes + end of document, at most
+    ``--max-len``), in file order from ``--seed`` x the batch, until the batch's tokens."""
+    from megatron_dcp.data.datasets import embedded_corpus_texts  # lazy: the data layer
+
+    tokens = args.global_batch_tokens if args.global_batch_tokens is not None else 65536 * world
+    docs = [min(len(t.encode("utf-8")) + 1, args.max_len) for t in embedded_corpus_texts()]
+    out, k = [], 0
+    start = (args.seed * tokens) % max(1, sum(docs))
+    while start > 0:
+        start -= docs[k % len(docs)]
+        k += 1
+    while sum(out) < tokens:
+        out.append(docs[k % len(docs)])
+        k += 1
+    out[-1] -= sum(out) - tokens
+    return [n for n in out if n > 0]
 
 
 def policies_of(text: str) -> list[str]:
@@ -170,6 +209,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise PlanError(f"--gpus-per-node {args.gpus_per_node}: must be >= 1")
     model = load_model(args.model)
+    try:
+        model = replace(model, tensor_parallel=args.tp or model.tensor_parallel,
+                        pipeline_parallel=args.pp, virtual_pipeline=args.vpp)
+    except ValueError as err:
+        raise PlanError(f"--tp/--pp/--vpp: {err}") from None
+    pipe = Pipeline.of(model)
     if external is not None:
         lengths = list(external.lengths)
         frames = list(external.frame_tokens) if external.frame_tokens is not None else None
@@ -208,14 +253,15 @@ def run(args: argparse.Namespace) -> dict:
                        recompute_mode=args.recompute, moldable=True, frame_tokens=ran_frames)
     results = {}
     for name, plan in plans.items():
-        results[name] = simulate(plan, cm, bound=bound, moldable_bound=mold)
+        results[name] = simulate(plan, cm, bound=bound, moldable_bound=mold, pipeline=pipe)
     ref = results.get("bucket")
     out = {
         "lower_bound_s": bound + cm.sync_time(), "moldable_lower_bound_s": mold + cm.sync_time(),
         "tokens": sum(ran), "sequences": len(lengths), "videos": frames is not None,
         "world_size": world, "ranks_per_node": cm.ranks_per_node, "model": model.name,
         "hardware": cm.hw.name, "zero_stage": args.zero_stage, "sync_s": cm.sync_time(),
-        "schedule": first.meta.get("schedule", "free"),
+        "schedule": first.meta.get("schedule", "free"), "tensor_parallel": model.tensor_parallel,
+        "pipeline_parallel": pipe.stages, "virtual_pipeline": pipe.virtual,
         "vocabulary_groups": len(vocab), "vocabulary": vocab.describe(),
         "communicator_memory_gib": cm.communicators_per_rank * cm.hw.communicator_bytes / 2**30,
         "policies": {},
@@ -232,6 +278,11 @@ def run(args: argparse.Namespace) -> dict:
             "skipped": len(plan.skipped), "candidate": plan.meta.get("candidate"),
             "digest": plan.digest(),
         }
+        if pipe.stages > 1:
+            out["policies"][name].update(
+                lower_bound_s=r.lower_bound_s, bubble_share=r.bubble_share,
+                micro_batches=r.micro_batches, memory_fits=r.memory_fits,
+                peak_memory_gib=r.peak_memory_gib)
     if args.save_plan:
         chosen = plans.get("dcp") or first
         with open(args.save_plan, "w") as handle:
@@ -300,6 +351,14 @@ def print_table(out: dict) -> None:
               f"{r['imbalance']:>8.3f}{r['mfu']:>6.2f}{r['recompute_share']:>8.2f}"
               f"{r['comm_share']:>6.2f}"
               f"{r['tasks']:>7}{r['plan_ms']:>9.1f}")
+    if out.get("pipeline_parallel", 1) > 1:
+        print(f"pipeline: {out['pipeline_parallel']} stages x {out['virtual_pipeline']} virtual, "
+              f"tp {out['tensor_parallel']} (efficiency against each plan's pipeline-aware bound)")
+        print(f"{'policy':<14}{'bound s':>9}{'bubble':>8}{'micro-b.':>9}{'peak GiB':>10}{'fits':>6}")
+        for name, r in out["policies"].items():
+            print(f"{name:<14}{r['lower_bound_s']:>9.3f}{r['bubble_share']:>8.3f}"
+                  f"{r['micro_batches']:>9}{r['peak_memory_gib']:>10.1f}"
+                  f"{'yes' if r['memory_fits'] else 'NO':>6}")
 
 
 def replay(path: str) -> dict:

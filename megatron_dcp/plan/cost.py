@@ -335,6 +335,15 @@ class CostModel:
             + recompute_layers * self.recomputed_layer_bytes
         return kept + recompute_buffer + self.logit_bytes
 
+    def kept_token_bytes(self, recompute_layers: int) -> float:
+        """Bytes per local token a micro-batch keeps from its forward to its backward: what a
+        pipeline stage holds for each micro-batch in flight (`megatron_dcp.plan.pipeline`).
+        `token_bytes` less the recompute buffer and the logits, which only the running
+        micro-batch needs."""
+        n = self.model.num_layers
+        return (n - recompute_layers) * self.act_bytes \
+            + recompute_layers * self.recomputed_layer_bytes
+
     def memory_of(self, tokens: int, degree: int, recompute_layers: int) -> float:
         """Peak bytes per rank of a task with ``tokens`` (padded) tokens over ``degree`` ranks."""
         local = math.ceil(tokens / degree)

@@ -40,6 +40,12 @@ class ModelShape:
     """The output head shares the input embedding matrix (one ``vocab x hidden`` of parameters)."""
     qkv_bias: bool = False
     """The query/key/value projections have biases (Qwen2)."""
+    pipeline_parallel: int = 1
+    """Megatron pipeline-parallel size P: each stage holds ``num_layers / P`` layers, and the
+    planner's cost model times one stage (`megatron_dcp.plan.pipeline`)."""
+    virtual_pipeline: int = 1
+    """Virtual stages V per pipeline rank (Megatron's interleaved schedule): a stage's layers in
+    V chunks of ``num_layers / (P x V)``."""
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"):
@@ -64,6 +70,17 @@ class ModelShape:
             raise ValueError(f"model.tensor_parallel={tp}: must divide num_heads={self.num_heads} "
                              f"and num_kv_heads={self.kv_heads} (each tensor-parallel rank holds "
                              "whole heads)")
+        for key in ("pipeline_parallel", "virtual_pipeline"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{key}={value!r}: must be a positive integer")
+        if self.virtual_pipeline > 1 and self.pipeline_parallel == 1:
+            raise ValueError(f"model.virtual_pipeline={self.virtual_pipeline} needs "
+                             "pipeline_parallel > 1")
+        chunks = self.pipeline_parallel * self.virtual_pipeline
+        if self.num_layers % chunks:
+            raise ValueError(f"model.num_layers={self.num_layers} is not divisible by "
+                             f"pipeline_parallel x virtual_pipeline = {chunks}")
 
     @property
     def kv_heads(self) -> int:
@@ -78,6 +95,11 @@ class ModelShape:
     def kv_heads_per_rank(self) -> int:
         """Key/value heads on one tensor-parallel rank."""
         return self.kv_heads // self.tensor_parallel
+
+    @property
+    def layers_per_stage(self) -> int:
+        """Layers of one pipeline stage (all of them without pipeline parallelism)."""
+        return self.num_layers // self.pipeline_parallel
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -11,6 +11,7 @@ plan, which ignores ``pack_tokens``).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Optional, Sequence
 
@@ -22,6 +23,8 @@ from megatron_dcp.plan.dcp import free_candidates
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
 from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, order_slots,
+                                        simulate_pipeline, slot_costs, stage_model)
 from megatron_dcp.plan.plan import Plan, check_frame_tokens
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import Vocabulary
@@ -33,6 +36,9 @@ BASELINE_CANDIDATE_LIMIT = 20_000
 """Sequences x ranks up to which the baselines' plans join DCP's candidates."""
 Candidate = tuple[float, str, list[Draft]]
 """(makespan, name, timed drafts) of one candidate plan."""
+PIPELINE_MICRO_BATCHES = (1, 2, 4, 8)
+"""With pipelines, DCP also tries a token budget per micro-batch of a rank's tokens / (k x P)
+for each k: more, shorter slots shrink the bubble; the shortest simulated pipeline wins."""
 
 
 def schedule_for(schedule: str, zero_stage: int) -> str:
@@ -53,7 +59,10 @@ def memory_stage(zero_stage: int, schedule: str) -> int:
 def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
                      hardware: "Hardware | str | None" = None, zero_stage: int = 1) -> CostModel:
     """The cost model ``make_plan`` uses for these settings; ``zero_stage`` is the engine's, the
-    model's static memory that of `memory_stage` under ``config.schedule``."""
+    model's static memory that of `memory_stage` under ``config.schedule``. A pipelined model
+    (``model.pipeline_parallel > 1``) gets the cost model of one stage (`stage_model`), lockstep."""
+    if model.pipeline_parallel > 1:
+        model, config = stage_model(model), config.replace(schedule="lockstep")
     try:
         hw = load_hardware(hardware if hardware is not None else config.hardware)
     except HardwareError as err:
@@ -165,6 +174,11 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     plan records them (`Plan.frame_tokens`). ``None``: the model's ``frame_tokens`` (or text).
     Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
     """
+    if model.pipeline_parallel > 1:
+        return _plan_pipeline(lengths, world_size=world_size, model=model, config=config,
+                              iteration=iteration, hardware=hardware, zero_stage=zero_stage,
+                              cost_model=cost_model, baseline_degree=baseline_degree,
+                              frame_tokens=frame_tokens)
     t0 = time.perf_counter()
     clean, frames = _checked_batch(lengths, frame_tokens)
     if baseline_degree is None:
@@ -195,6 +209,48 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     else:
         drafts = _drafts_of_policy(ctx, config.policy, schedule == "lockstep", meta)
         plan = to_plan(ctx, drafts, config.policy, skipped, meta)
+    plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
+    return plan
+
+
+def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape,
+                   config: DCPConfig, zero_stage: Optional[int], cost_model: Optional[CostModel],
+                   hardware: "Hardware | str | None", **kwargs) -> Plan:
+    """`make_plan` for a pipelined model (`megatron_dcp.plan.pipeline`): lockstep slots of one
+    stage's shape, each micro-batch planned within its share of what stage 0 holds in flight (so
+    any order fits); DCP's slots are shaped (`PIPELINE_MICRO_BATCHES`) and ordered
+    (`order_slots`) on the simulated pipeline makespan, a baseline's keep its own order.
+    ``cost_model``: the stage's (`build_cost_model` of the pipelined model)."""
+    t0 = time.perf_counter()
+    pipe, stage = Pipeline.of(model), stage_model(model)
+    if zero_stage is None:
+        zero_stage = cost_model.zero_stage if cost_model is not None else 1
+    config = config.replace(schedule="lockstep")
+    cm = cost_model or build_cost_model(stage, config, world_size, hardware, zero_stage)
+    planning = micro_batch_cost_model(cm, pipe)
+    packs = [config.pack_tokens]
+    if config.policy.startswith("dcp") and world_size * len(lengths):
+        per_rank = sum(int(n) for n in lengths) / world_size
+        packs += [max(1, min(math.ceil(per_rank / (k * pipe.stages)),
+                             config.pack_tokens or math.inf)) for k in PIPELINE_MICRO_BATCHES]
+    best = None
+    for pack in dict.fromkeys(packs):
+        plan = make_plan(lengths, world_size=world_size, model=stage,
+                         config=config.replace(pack_tokens=pack), zero_stage=zero_stage,
+                         cost_model=planning, hardware=hardware, **kwargs)
+        if not plan.tasks:
+            return plan
+        if config.policy.startswith("dcp"):
+            plan, result = order_slots(plan, cm, pipe)
+        else:
+            result = simulate_pipeline(slot_costs(plan, cm), pipe, cm)
+        if best is None or (result.fits, -result.makespan_s) > (best[1].fits, -best[1].makespan_s):
+            best = (plan, result, pack)
+    plan, result, pack = best
+    plan.meta["pipeline"] = {"stages": pipe.stages, "virtual": pipe.virtual,
+                             "micro_batches": result.micro_batches, "pack_tokens": pack,
+                             "makespan_s": result.makespan_s, "bubble_share": result.bubble_share,
+                             "fits": result.fits}
     plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
     return plan
 

@@ -6,6 +6,10 @@ its duration comes from the cost model for the ranks it is placed on (not from t
 lockstep plan runs slot after slot: a slot starts when the previous one has ended and lasts the
 longer of its longest task and `CostModel.slot_time` (the planner's rule, `retime_slots`). The
 step ends with one gradient reduction and optimizer step (``sync_s``, the same for every policy).
+With a pipeline (``pipeline``, ``P > 1``; ``cm`` the stage's cost model) the slots are its
+micro-batches and run through its schedule event by event (`megatron_dcp.plan.pipeline`): the
+makespan includes the bubble, the lower bound the pipeline's fill and drain, and the in-flight
+memory is checked.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.hardware import layout_kind
+from megatron_dcp.plan.pipeline import (Pipeline, pipeline_lower_bound, simulate_pipeline,
+                                        slot_costs)
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.vocabulary import Vocabulary
 
@@ -44,6 +50,14 @@ class SimResult:
     num_tasks: int = 0
     starts: list[float] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
+    bubble_share: float = 0.0
+    """Pipeline: idle share of a stage's makespan (0 without a pipeline)."""
+    memory_fits: bool = True
+    """Pipeline: every rank's in-flight peak on every stage is within the budget."""
+    peak_memory_gib: float = 0.0
+    """Pipeline: the highest in-flight peak of any rank on any stage (static memory included)."""
+    micro_batches: int = 0
+    """Pipeline: micro-batches (lockstep slots) per step."""
 
     def summary(self) -> dict:
         """Scalars only (no per-rank lists)."""
@@ -201,9 +215,11 @@ def _slot_starts(plan: Plan, cm: CostModel, parts: Sequence) -> list[float]:
 
 def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
              moldable_bound: Optional[float] = None, max_degree: Optional[int] = None,
-             recompute_mode: str = "auto") -> SimResult:
+             recompute_mode: str = "auto", pipeline: Optional[Pipeline] = None) -> SimResult:
     """Simulate ``plan`` (see module doc); ``bound`` / ``moldable_bound``: precomputed
-    `lower_bound` values without sync (computed from the plan's sequences when not given)."""
+    `lower_bound` values without sync (computed from the plan's sequences when not given; with
+    a pipeline, its fill and drain are added here). ``pipeline``: the stages the plan's slots
+    run through (``cm``: one stage's cost model)."""
     world = plan.world_size
     avail = [0.0] * world
     busy = [0.0] * world
@@ -244,6 +260,14 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
         moldable_bound = lower_bound(ran, cm, world_size=world, max_degree=max_degree,
                                      recompute_mode=recompute_mode, moldable=True,
                                      frame_tokens=ran_frames)
+    piped = None
+    if pipeline is not None and pipeline.stages > 1 and plan.tasks:
+        costs = slot_costs(plan, cm)
+        piped = simulate_pipeline(costs, pipeline, cm)
+        end_max = piped.makespan_s
+        step = end_max + sync
+        bound = pipeline_lower_bound(bound, costs, pipeline)
+        moldable_bound = pipeline_lower_bound(moldable_bound, costs, pipeline)
     mean_busy = sum(busy) / world
     flops = cm.model_flops(ran, ran_frames)
     return SimResult(
@@ -258,4 +282,8 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
         moldable_efficiency=(moldable_bound + sync) / step if step > 0 else 1.0,
         busy_s=busy, idle_s=[end_max - b for b in busy], num_tasks=len(plan.tasks),
         starts=starts, durations=durations,
+        bubble_share=piped.bubble_share if piped else 0.0,
+        memory_fits=piped.fits if piped else True,
+        peak_memory_gib=max(piped.peak_bytes) / 2**30 if piped else 0.0,
+        micro_batches=piped.micro_batches if piped else 0,
     )

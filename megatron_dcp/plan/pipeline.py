@@ -1,0 +1,385 @@
+"""Pipeline parallelism in the planner: lockstep slots are the pipeline's micro-batches.
+
+Every pipeline stage runs the same lockstep plan (docs/PLAN_FORMAT.md): slot ``k`` is micro-batch
+``k`` on every pipeline, and a task's group is the same pipelines at every stage. A stage holds
+``num_layers / P`` layers (`stage_model`); the cost model of that shape times one slot on one stage
+(its longest task, as `megatron_dcp.plan.simulate` does without pipelines).
+
+`simulate_pipeline` runs the slots through Megatron's schedule event by event: per stage, the
+forward and backward of every micro-batch in Megatron's order (1F1B: ``P - s - 1`` warm-up
+forwards on stage ``s``, then one forward one backward, then the cool-down backwards; interleaved
+with ``V`` virtual stages: Megatron's schedule table in groups of ``P`` micro-batches and its
+warm-up count), each op starting when its stage is free and its input has arrived (the previous
+virtual stage's forward, the next one's backward, plus the P2P of the activations between
+devices). So the makespan contains the bubble. Memory follows the same order: a micro-batch's
+kept activations (`CostModel.kept_token_bytes`) are held from its forward to its backward, so 1F1B
+stage ``s`` holds up to ``P - s`` micro-batches (stage 0 the most), and a plan fits when every
+rank's peak on every stage is within the budget.
+
+`order_slots` is the bubble-aware post-pass: the order of a plan's slots chosen on the simulated
+makespan among a few orders that fit memory (short slots first and last where the pipeline fills
+and drains, long ones side by side in the middle where the slots run between a micro-batch's
+forward and backward on stage 0 can cover its trip through the later stages).
+`pipeline_lower_bound`: what no order of the slots beats (the fill and drain, the longest
+micro-batch through every stage, and in 1F1B the wait it imposes on stage 0).
+
+Model simplifications: a forward is ``1 / (3 + c/N)`` of a slot's stage time and the backward the
+rest (the cost model's passes); every stage counts the embedding and the head (the stage shape
+keeps them: conservative for time and memory); P2P sends each rank's local tokens x hidden in bf16
+over the inter-node link (tensor-parallel ranks each send the whole activation: no sequence
+parallelism), hidden behind nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+from megatron_dcp.plan.cost import BF16, CostModel, PlanError
+from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.plan.plan import Plan, padded_length
+
+ORDER_EVALUATIONS = 64
+"""Most slot orders `order_slots` simulates (a few fixed orders, then swaps that improve)."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Pipeline stages ``P`` and virtual stages ``V`` per pipeline rank."""
+
+    stages: int = 1
+    virtual: int = 1
+
+    @classmethod
+    def of(cls, model: ModelShape) -> "Pipeline":
+        """The pipeline of a model shape (`ModelShape.pipeline_parallel`, ``virtual_pipeline``)."""
+        return cls(model.pipeline_parallel, model.virtual_pipeline)
+
+    def warmup(self, stage: int, micro_batches: int) -> int:
+        """Forwards (of model chunks) stage ``stage`` runs before its first backward: Megatron's
+        count, at most every chunk of every micro-batch."""
+        p, v = self.stages, self.virtual
+        warm = p - stage - 1 if v == 1 else (p - stage - 1) * 2 + (v - 1) * p
+        return min(warm, micro_batches * v)
+
+    def held(self, stage: int, micro_batches: Optional[int] = None) -> float:
+        """Micro-batches' activations stage ``stage`` holds at most (chunks / V): ``P - s`` in
+        1F1B; interleaved its warm-up plus one chunk. ``micro_batches``: at most that many."""
+        m = micro_batches if micro_batches is not None else 1 << 30
+        return min(self.warmup(stage, m) + 1, m * self.virtual) / self.virtual
+
+
+def stage_model(model: ModelShape) -> ModelShape:
+    """The shape of one pipeline stage: ``num_layers / P`` layers (the embedding and the head
+    kept, conservatively), without pipeline fields; the model itself when ``P == 1``."""
+    if model.pipeline_parallel == 1 and model.virtual_pipeline == 1:
+        return model
+    return replace(model, num_layers=model.layers_per_stage, pipeline_parallel=1,
+                   virtual_pipeline=1)
+
+
+def micro_batch_cost_model(cm: CostModel, pipe: Pipeline, share: float = 1.0) -> CostModel:
+    """``cm`` with the budget of one micro-batch: static memory and reserve plus ``share`` /
+    `Pipeline.held` (stage 0) of what is left for activations, so that the micro-batches stage 0
+    holds fit together in any order (``share`` 1.0)."""
+    free = cm.budget - cm.static_memory - cm.reserve
+    budget = cm.static_memory + cm.reserve + free * share / pipe.held(0)
+    return CostModel(cm.model, cm.hw, world_size=cm.world_size, zero_stage=cm.zero_stage,
+                     ranks_per_node=cm.ranks_per_node, memory_budget=budget,
+                     attention_layout=cm.attention_layout, ulysses_scope=cm.ulysses_scope,
+                     communicators_per_rank=cm.communicators_per_rank)
+
+
+@dataclass
+class SlotCost:
+    """One micro-batch (lockstep slot) on one pipeline stage."""
+
+    forward: float
+    backward: float
+    p2p: float
+    """Seconds to send its activations (or their gradients) to the next stage."""
+    kept: list[float]
+    """Bytes per rank held from its forward to its backward."""
+    running: list[float]
+    """Bytes per rank needed on top while it runs (recompute buffer, logits)."""
+
+    @property
+    def time(self) -> float:
+        """Forward and backward."""
+        return self.forward + self.backward
+
+
+def slot_costs(plan: Plan, cm: CostModel) -> list[SlotCost]:
+    """The stage cost of every slot of a lockstep ``plan`` under the stage cost model ``cm``: its
+    length as the simulator's (the longest task, at least `CostModel.slot_time`), split into
+    forward and backward; P2P and memory from each rank's local tokens (an idle rank runs an
+    empty micro-step: nothing held)."""
+    if not plan.lockstep:
+        raise PlanError("a pipeline runs lockstep plans only (slots are its micro-batches)")
+    depths = plan.slot_depths()
+    n_slots, world = len(depths), plan.world_size
+    length = [cm.slot_time(c) for c in depths]
+    local = [[0] * world for _ in range(n_slots)]
+    frames = plan.frame_tokens
+    for t in plan.tasks:
+        length[t.slot] = max(length[t.slot], cm.time(t, plan.lengths, frames))
+        tokens = sum(padded_length(plan.lengths[s], t.ulysses, t.ring) for s in t.seqs)
+        for r in t.ranks:
+            local[t.slot][r] = math.ceil(tokens / len(t.ranks))
+    hw, n = cm.hw, cm.model.num_layers
+    per_token = cm.model.hidden_size * BF16 / hw.inter_bandwidth
+    costs = []
+    for k, c in enumerate(depths):
+        forward = length[k] / (3.0 + c / n)
+        kept, total = cm.kept_token_bytes(c), cm.token_bytes(c)
+        costs.append(SlotCost(forward, length[k] - forward,
+                              max(local[k]) * per_token + hw.inter_latency,
+                              [x * kept for x in local[k]], [x * (total - kept) for x in local[k]]))
+    return costs
+
+
+def device_ops(pipe: Pipeline, stage: int, micro_batches: int) -> list[tuple[bool, int, int]]:
+    """Megatron's op order on pipeline rank ``stage``: ``(forward?, micro-batch, model chunk)``.
+    Warm-up forwards (`Pipeline.warmup`), then one forward one backward, then the cool-down
+    backwards; chunks in Megatron's schedule table (groups of ``P`` micro-batches, every chunk of
+    a group before the next group; backward chunks in reverse)."""
+    p, v, m = pipe.stages, pipe.virtual, micro_batches
+    table = []
+    for first in range(0, m, p):
+        group = range(first, m if first + p >= m else first + p)
+        table += [(k, chunk) for chunk in range(v) for k in group]
+    backward = [(k, v - 1 - chunk) for k, chunk in table]
+    total, warm = m * v, pipe.warmup(stage, m)
+    ops = [(True, *table[i]) for i in range(warm)]
+    for i in range(total - warm):
+        ops += [(True, *table[warm + i]), (False, *backward[i])]
+    ops += [(False, *backward[i]) for i in range(total - warm, total)]
+    return ops
+
+
+@dataclass
+class PipelineResult:
+    """One plan's slots through the pipeline schedule."""
+
+    makespan_s: float
+    busy_s: float
+    """Compute seconds of one stage (every stage runs the same slots)."""
+    bubble_share: float
+    """Idle share of a stage's time: 1 - busy / makespan."""
+    peak_bytes: list[float]
+    """Per stage, the highest memory of any rank (static memory and reserve included)."""
+    held: list[float]
+    """Per stage, the most micro-batches (chunks / V) in flight at once."""
+    fits: bool
+    """Every rank's peak on every stage is within the budget."""
+    micro_batches: int = 0
+    ops: list[list[tuple[bool, int, int, float, float]]] = field(default_factory=list)
+    """Per stage: (forward?, micro-batch, chunk, start, end) in run order."""
+
+
+def simulate_pipeline(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel] = None,
+                      order: Optional[Sequence[int]] = None) -> PipelineResult:
+    """Run the slots ``costs`` (micro-batch ``k`` is ``costs[order[k]]``; default in order)
+    through the schedule (module doc); memory against ``cm``'s budget when given."""
+    seq = [costs[i] for i in (order if order is not None else range(len(costs)))]
+    p, v, m = pipe.stages, pipe.virtual, len(seq)
+    if m == 0:
+        return PipelineResult(0.0, 0.0, 0.0, [0.0] * p, [0.0] * p, True, 0, [[] for _ in range(p)])
+    last = p * v - 1
+    ops = [device_ops(pipe, s, m) for s in range(p)]
+    ptr, free = [0] * p, [0.0] * p
+    fwd_end: dict[tuple[int, int], float] = {}
+    bwd_end: dict[tuple[int, int], float] = {}
+    runs: list[list[tuple[bool, int, int, float, float]]] = [[] for _ in range(p)]
+    left = sum(len(o) for o in ops)
+    while left:
+        progressed = False
+        for s in range(p):
+            device = ops[s]
+            while ptr[s] < len(device):
+                forward, k, chunk = device[ptr[s]]
+                g = chunk * p + s  # virtual stage
+                hop = seq[k].p2p if p > 1 else 0.0
+                if forward:
+                    ready = 0.0 if g == 0 else fwd_end.get((k, g - 1))
+                    if ready is None:
+                        break
+                    ready += hop if g > 0 else 0.0
+                    duration = seq[k].forward / v
+                else:
+                    ready = fwd_end.get((k, g)) if g == last else bwd_end.get((k, g + 1))
+                    if ready is None:
+                        break
+                    ready += hop if g < last else 0.0
+                    duration = seq[k].backward / v
+                start = max(free[s], ready)
+                free[s] = end = start + duration
+                (fwd_end if forward else bwd_end)[(k, g)] = end
+                runs[s].append((forward, k, chunk, start, end))
+                ptr[s] += 1
+                left -= 1
+                progressed = True
+        if not progressed:
+            raise PlanError(f"pipeline schedule deadlocked ({p} stages, {v} virtual, {m} "
+                            "micro-batches): a bug in the op order")
+    makespan = max(free)
+    busy = sum(c.time for c in seq)
+    peaks, held = _memory(ops, seq, pipe, cm)
+    fits = cm is None or max(peaks) <= cm.budget * (1 + 1e-12)
+    return PipelineResult(makespan, busy, 1.0 - busy / makespan if makespan > 0 else 0.0,
+                          peaks, held, fits, m, runs)
+
+
+def _memory(ops: list[list[tuple[bool, int, int]]], seq: Sequence[SlotCost], pipe: Pipeline,
+            cm: Optional[CostModel]) -> tuple[list[float], list[float]]:
+    """Per stage: the highest memory of any rank in its op order (a chunk's forward adds its
+    share of the micro-batch's kept bytes, its backward frees it; the running op's extra bytes on
+    top) and the most micro-batches in flight."""
+    v = pipe.virtual
+    base = cm.static_memory + cm.reserve if cm is not None else 0.0
+    world = len(seq[0].kept)
+    peaks, counts = [], []
+    for device in ops:
+        hold = [0.0] * world
+        peak = [0.0] * world
+        count = most = 0
+        for forward, k, _ in device:
+            kept, running = seq[k].kept, seq[k].running
+            if forward:
+                count += 1
+                for r in range(world):
+                    hold[r] += kept[r] / v
+            most = max(most, count)
+            for r in range(world):
+                peak[r] = max(peak[r], hold[r] + running[r])
+            if not forward:
+                count -= 1
+                for r in range(world):
+                    hold[r] -= kept[r] / v
+        peaks.append(base + max(peak))
+        counts.append(most / v)
+    return peaks, counts
+
+
+def pipeline_lower_bound(work_bound: float, costs: Sequence[SlotCost], pipe: Pipeline) -> float:
+    """No order of these slots runs in less than the largest of:
+
+    * the stage's work (at least ``work_bound``: the stage cost model's
+      `megatron_dcp.plan.simulate.lower_bound`, valid for any plan) plus the fill and drain of
+      the last device: ``(P - 1) / V`` x (the shortest forward + the shortest backward) and
+      ``P - 1`` P2P hops each way (before its first op and after its last);
+    * the longest micro-batch through every stage and back: ``P`` x its time + the hops;
+    * 1F1B (``V = 1``): the slots' own work plus what stage 0 must idle while the longest
+      micro-batch ``L`` travels to the last stage and back: ``(P - 1)`` x its time, less the
+      ``P - 1`` forwards and backwards stage 0 runs meanwhile (at most the ``P - 1`` longest
+      other slots).
+    """
+    if pipe.stages == 1 or not costs:
+        return work_bound
+    p, v = pipe.stages, pipe.virtual
+    fill = min(c.forward for c in costs) + min(c.backward for c in costs)
+    hop = min(c.p2p for c in costs)
+    longest = max(costs, key=lambda c: c.time)
+    bound = max(work_bound + (p - 1) * (fill / v + 2 * hop),
+                p * longest.time + 2 * (p - 1) * longest.p2p)
+    if v == 1:
+        others = sorted((c.time for c in costs), reverse=True)[1:p]
+        window = (p - 1) * (longest.time + 2 * longest.p2p) - sum(others)
+        bound = max(bound, sum(c.time for c in costs) + max(0.0, window))
+    return bound
+
+
+def _organ(order: list[int]) -> list[int]:
+    """Shortest at both ends, longest in the middle (``order``: shortest first)."""
+    front, back = [], []
+    for j, i in enumerate(order):
+        (front if j % 2 == 0 else back).append(i)
+    return front + back[::-1]
+
+
+def _alternate(order: list[int]) -> list[int]:
+    """Largest, smallest, second largest, ... (``order``: largest first): a window of
+    consecutive slots mixes large and small (memory)."""
+    out, lo, hi = [], 0, len(order) - 1
+    while lo <= hi:
+        out.append(order[lo])
+        if lo != hi:
+            out.append(order[hi])
+        lo, hi = lo + 1, hi - 1
+    return out
+
+
+def best_order(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel] = None,
+               evaluations: int = ORDER_EVALUATIONS) -> tuple[list[int], PipelineResult]:
+    """The order of ``costs`` with the shortest simulated makespan among those that fit memory:
+    as given, by time (both ways), shortest at both ends, large and small alternating by memory,
+    then swaps of two slots that shorten it, within ``evaluations`` simulations. `PlanError`
+    when no order tried fits."""
+    m = len(costs)
+    by_time = sorted(range(m), key=lambda i: (costs[i].time, i))
+    by_bytes = sorted(range(m), key=lambda i: (-max(costs[i].kept), i))
+    fixed = [list(range(m)), by_time, by_time[::-1], _organ(by_time), _alternate(by_bytes),
+             _organ(_alternate(by_bytes))]
+    best: Optional[tuple[float, list[int], PipelineResult]] = None
+    seen: set[tuple[int, ...]] = set()
+    used = 0
+
+    def consider(order: list[int]) -> bool:
+        nonlocal best, used
+        key = tuple(order)
+        if key in seen or used >= evaluations:
+            return False
+        seen.add(key)
+        used += 1
+        result = simulate_pipeline(costs, pipe, cm, order)
+        if result.fits and (best is None or result.makespan_s < best[0] * (1 - 1e-12)):
+            best = (result.makespan_s, list(order), result)
+            return True
+        return False
+
+    for order in fixed:
+        consider(order)
+    if best is None:
+        raise PlanError(f"no order of the {m} micro-batches fits the in-flight memory of a "
+                        f"{pipe.stages}-stage pipeline (stage 0 holds {pipe.held(0, m):g})")
+    improved = True
+    while improved and used < evaluations:
+        improved = False
+        current = best[1]
+        # the ends of the order decide the fill and the drain: try the shortest slots there
+        for a, b in [(0, j) for j in range(1, m)] + [(m - 1, j) for j in range(m - 1)]:
+            swapped = list(current)
+            swapped[a], swapped[b] = swapped[b], swapped[a]
+            if consider(swapped):
+                improved = True
+                break
+    return best[1], best[2]
+
+
+def reorder(plan: Plan, order: Sequence[int], cm: CostModel) -> Plan:
+    """``plan`` with its slots in ``order`` (new slot ``k`` is old slot ``order[k]``), starts
+    re-timed slot after slot and task ids in the new order."""
+    new_of = {old: k for k, old in enumerate(order)}
+    depths = plan.slot_depths()
+    length = [cm.slot_time(c) for c in depths]
+    for t in plan.tasks:
+        length[t.slot] = max(length[t.slot], t.duration)
+    starts, clock = [], 0.0
+    for old in order:
+        starts.append(clock)
+        clock += length[old]
+    moved = sorted((replace(t, slot=new_of[t.slot], start=starts[new_of[t.slot]])
+                    for t in plan.tasks), key=lambda t: (t.slot, t.ranks[0]))
+    tasks = tuple(replace(t, id=i) for i, t in enumerate(moved))
+    return replace(plan, tasks=tasks, meta=dict(plan.meta))
+
+
+def order_slots(plan: Plan, cm: CostModel, pipe: Pipeline) -> tuple[Plan, PipelineResult]:
+    """The bubble-aware post-pass: ``plan`` with its slots in `best_order` for ``pipe`` under
+    the stage cost model ``cm`` (memory against its budget), and that order's result."""
+    costs = slot_costs(plan, cm)
+    order, result = best_order(costs, pipe, cm)
+    if order == list(range(len(costs))):
+        return plan, result
+    return reorder(plan, order, cm), result
