@@ -87,6 +87,19 @@ def main() -> None:
                     e, imb, comms = efficiency(lengths, world, hw)
                     row.append(f"{e:.3f} ({imb:+.3f}, {comms} comm)")
                 print("  ".join(row), flush=True)
+    else:
+        model = load_model("llama-7b")
+        for world in args.gpus or (256, 1024):
+            n = 4000 if world <= 256 else 16000
+            lengths = sample_lengths("short", n * 200_000, seed=0)[:n]
+            row = [f"{world} ranks, {n} seqs:"]
+            for schedule in ("free", "lockstep"):
+                cfg = DCPConfig(hardware=args.hardware[0], schedule=schedule)
+                cm = build_cost_model(model, cfg, world)
+                t = time.process_time()
+                make_plan(lengths, world_size=world, model=model, config=cfg, cost_model=cm)
+                row.append(f"{schedule} {(time.process_time() - t) * 1e3:.0f} ms")
+            print(" ".join(row), flush=True)
 
 
 if __name__ == "__main__":
