@@ -74,7 +74,7 @@ def test_cost_model_counts_the_loss_path():
     cm = CostModel(model, load_hardware("h100"), world_size=2, memory_budget=80e9)
     chunk = loss_chunk_tokens(vocab)
     for tokens in (chunk, 4 * chunk, 16384):
-        assert tokens * cm.logit_bytes + cm.loss_workspace == loss_bytes(tokens, vocab)
+        assert tokens * cm.logit_bytes + cm.loss_workspace(tokens) == loss_bytes(tokens, vocab)
     # 16K local tokens at a 128K vocabulary: 13.0 GB (the old count, 4 B x V: 8.6 GB)
     assert 12e9 < loss_bytes(16384, vocab) < 14e9
 

@@ -39,9 +39,10 @@ stage 2/3 add the gradient bucket a rank fills before each reduce-scatter (DeepS
 at a time: two layers (the running one and the prefetched one) and the largest single weight, the
 embedding or head), plus ``communicators_per_rank x Hardware.communicator_bytes`` (the group
 vocabulary's process groups this rank belongs to; warmed with every collective they run, so
-their per-peer buffers are in the measured ``communicator_bytes``), plus the loss's workspace
-(`LOSS_CHUNK_COPIES` fp32 tensor of one chunk of `loss_chunk_tokens`: 128 MiB), plus a fixed
-reserve (CUDA context, the engine's own communicators, fragmentation), plus per local token:
+their per-peer buffers are in the measured ``communicator_bytes``), plus a fixed reserve (CUDA
+context, the engine's own communicators, fragmentation), plus the loss's workspace
+(`LOSS_CHUNK_COPIES` fp32 tensor of ``min(local tokens, loss_chunk_tokens)`` tokens: at most
+128 MiB; `CostModel.loss_workspace`), plus per local token:
 ``(N-c)*A + c*2h`` (a recomputed layer keeps its bf16 input only) + ``A`` while one layer
 recomputes + ``(2 + 4) * V`` for the logits (`loss_bytes`): the head's bf16 logits, kept until
 the loss's backward, and 4 B per entry for their gradient (the chunked loss's, 2 B) or the fp32
@@ -282,14 +283,7 @@ class CostModel:
         self.budget = float(memory_budget) if memory_budget is not None else hbm
         self.reserve = hardware.reserve_bytes if hardware.reserve_bytes is not None \
             else RESERVE_BYTES
-        static = self._static_memory()
-        # The loss's chunk workspace: one chunk, or fewer tokens where no task can hold a chunk
-        # (the most local tokens any task fits, every layer recomputed): a constant per rank.
-        per_token, chunk = self._loss_chunk
-        most_local = max(0.0, self.budget - static - self.reserve) \
-            // self.token_bytes(self.model.num_layers)
-        self.loss_workspace = per_token * min(chunk, most_local)
-        self.static_memory = static + self.loss_workspace
+        self.static_memory = self._static_memory()
         self._free = self.budget - self.static_memory - self.reserve
         if self._free <= 0:
             comm = self.communicators_per_rank * hardware.communicator_bytes
@@ -344,26 +338,45 @@ class CostModel:
         return (n - recompute_layers) * self.act_bytes \
             + recompute_layers * self.recomputed_layer_bytes
 
+    def loss_workspace(self, local: int) -> float:
+        """The chunked loss's fp32 workspace for ``local`` tokens: one chunk at most."""
+        per_token, chunk = self._loss_chunk
+        return per_token * min(local, chunk)
+
     def memory_of(self, tokens: int, degree: int, recompute_layers: int) -> float:
         """Peak bytes per rank of a task with ``tokens`` (padded) tokens over ``degree`` ranks."""
         local = math.ceil(tokens / degree)
-        return self.static_memory + self.reserve + local * self.token_bytes(recompute_layers)
+        return self.static_memory + self.reserve + local * self.token_bytes(recompute_layers) \
+            + self.loss_workspace(local)
 
     def min_recompute_layers(self, tokens: int, degree: int) -> Optional[int]:
         """Fewest recomputed layers for which the task fits the budget; ``None``: none does."""
         local = math.ceil(tokens / degree)
         n = self.model.num_layers
-        if local * self.token_bytes(0) <= self._free:
+        free = self._free - self.loss_workspace(local)  # the workspace does not recompute
+        if local * self.token_bytes(0) <= free:
             return 0
         # token_bytes(c) = token_bytes(0) + act - c*(act - recomputed_layer_bytes) for c >= 1
         gain = self.act_bytes - self.recomputed_layer_bytes
-        need = (local * (self.token_bytes(0) + self.act_bytes) - self._free) / (local * gain)
+        need = (local * (self.token_bytes(0) + self.act_bytes) - free) / (local * gain)
         c = max(1, math.ceil(need - 1e-12))
         return c if c <= n else None
 
+    def max_local_tokens(self, recompute_layers: int, free: Optional[float] = None) -> int:
+        """Most local tokens per rank with ``recompute_layers`` recomputed layers in ``free``
+        bytes (default: the budget less static memory and reserve), the loss's workspace
+        included (linear up to one chunk, then constant)."""
+        free = self._free if free is None else free
+        per_token, chunk = self._loss_chunk
+        token = self.token_bytes(recompute_layers)
+        local = int(max(0.0, free) // (token + per_token))
+        if local > chunk:  # past one chunk the workspace stays one chunk
+            local = int(max(0.0, free - per_token * chunk) // token)
+        return local
+
     def max_tokens(self, degree: int, recompute_layers: int) -> int:
         """Most tokens a task of ``degree`` ranks with ``recompute_layers`` can hold."""
-        return int(self._free // self.token_bytes(recompute_layers)) * degree
+        return self.max_local_tokens(recompute_layers) * degree
 
     def pad_multiple(self, degree: int) -> int:
         """The largest `megatron_dcp.plan.plan.pad_multiple` over the layouts allowed at

@@ -55,9 +55,8 @@ class PlanContext:
         cm = self.cm
         self._layers = cm.model.num_layers
         # most local tokens per rank without / with full recompute (memory_of == budget)
-        free = cm.budget - cm.static_memory - cm.reserve
-        self._local0 = int(free // cm.token_bytes(0))
-        self._local_full = int(free // cm.token_bytes(self._layers))
+        self._local0 = cm.max_local_tokens(0)
+        self._local_full = cm.max_local_tokens(self._layers)
         if not self.pairs:
             frames = self.frame_tokens or [None] * len(self.lengths)
             self.pairs = [self.cm.pairs_of(n, s) for n, s in zip(self.lengths, frames)]
