@@ -2,10 +2,13 @@
 
 Patches of Megatron-core and DeepSpeed internals are small, named and reversible:
 
-* **Version policy** (the same for every package): a patch applies only on the ``(major,
-  minor)`` versions in ``SUPPORTED`` it was written and tested against; on any other version it
-  refuses with `PatchVersionError` naming the package, its version and the patch, so an upgrade
-  that moves an internal fails at start-up instead of training wrongly later.
+* **Version policy** (`check_version`): a ``(major, minor)`` version in ``SUPPORTED`` (written
+  and tested against) runs. Another minor version of the same major runs, with a warning, when
+  the package lists its internals in ``INTERNALS`` and every one of them is found by name (for
+  megatron-core: `megatron_dcp.megatron.internals`); when one is missing, or the package lists
+  none (DeepSpeed), it refuses with `PatchVersionError` naming the package, its version, the
+  patch and the missing internals, so an upgrade that moves an internal fails at start-up
+  instead of training wrongly later.
 * **Registry**: `apply(name, package, install)` is the one way to apply a patch: it checks the
   version, runs ``install(patches)`` on a fresh `PatchSet` (undone if ``install`` raises) and
   registers the set under ``name``; a second `apply` of an applied name does nothing. `applied`
@@ -25,11 +28,17 @@ import importlib
 import importlib.metadata
 import re
 import sys
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 SUPPORTED = {"megatron-core": ((0, 16),), "deepspeed": ((0, 19),)}
 """(major, minor) versions per package that the patches were written and tested against."""
+
+INTERNALS = {"megatron-core": "megatron_dcp.megatron.internals"}
+"""Per package, the module whose ``missing()`` lists the internals (patch targets, subclassed
+classes, attributes read) the installed version lacks: another minor version runs when it
+returns none. A package not listed runs only on its ``SUPPORTED`` versions."""
 
 
 class PatchVersionError(RuntimeError):
@@ -43,14 +52,34 @@ def package_version(package: str) -> tuple[int, int, int]:
     return tuple(parts + [0] * (3 - len(parts)))  # type: ignore[return-value]
 
 
+_CHECKED: dict[str, tuple[int, int, int]] = {}  # package -> untested version accepted (warned)
+
+
 def check_version(package: str, what: str) -> None:
-    """Raise `PatchVersionError` unless ``package`` is a version ``what`` supports."""
-    version = package_version(package)
-    if version[:2] not in SUPPORTED[package]:
-        supported = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED[package])
-        raise PatchVersionError(
-            f"{what}: {package} {'.'.join(map(str, version))} is not supported (checked against "
-            f"{supported}); the patched internals may have changed")
+    """Raise `PatchVersionError` unless ``package``'s installed version can run ``what``: a
+    ``SUPPORTED`` version, or another minor version of the same major whose internals
+    (``INTERNALS``) are all found; the latter warns once per process."""
+    try:
+        version = package_version(package)
+    except importlib.metadata.PackageNotFoundError:  # e.g. a source checkout on PYTHONPATH
+        version = (-1, -1, -1)
+    tested = SUPPORTED[package]
+    if version[:2] in tested or _CHECKED.get(package) == version:
+        return
+    shown = ".".join(map(str, version)) if version[0] >= 0 else "(version unknown)"
+    major = version[0] if version[0] >= 0 else tested[-1][0]  # unknown: an untested minor
+    supported = ", ".join(f"{a}.{b}.x" for a, b in tested)
+    head = f"{what}: {package} {shown} is not supported (checked against {supported})"
+    if package not in INTERNALS or major not in {a for a, _ in tested}:
+        raise PatchVersionError(f"{head}; the patched internals may have changed")
+    lost = importlib.import_module(INTERNALS[package]).missing()
+    if lost:
+        raise PatchVersionError(f"{head}; internals megatron-dcp needs are missing:\n  - "
+                                + "\n  - ".join(lost))
+    _CHECKED[package] = version
+    warnings.warn(f"{package} {shown} is not a tested version (tested: {supported}); every "
+                  f"internal megatron-dcp uses was found by name ({INTERNALS[package]}), so it "
+                  "runs: check your results against a tested version", stacklevel=2)
 
 
 _REGISTRY: dict[str, Callable[[], None]] = {}

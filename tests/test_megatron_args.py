@@ -112,8 +112,13 @@ def test_patches_refuse_an_unchecked_megatron_version(monkeypatch):
         pytest.skip("CPU patches are refused on a GPU machine")
     cpu.disable_cpu()
     original = utils.get_default_causal_mask
+    from megatron_dcp.megatron import internals
+
     monkeypatch.setattr(patching, "package_version", lambda package: (0, 99, 0))
-    with pytest.raises(patching.PatchVersionError, match="megatron-core 0.99.0 is not"):
+    monkeypatch.setattr(patching, "_CHECKED", {})
+    monkeypatch.setattr(internals, "INTERNALS", {"megatron.core.transformer.utils:gone": "x"})
+    with pytest.raises(patching.PatchVersionError,
+                       match="megatron-core 0.99.0 is not(.|\n)*utils.gone does not exist"):
         cpu.enable_cpu()
     assert not cpu.cpu_enabled() and utils.get_default_causal_mask is original
 
