@@ -8,6 +8,8 @@ exit. What and why:
 * ``torch.cuda.current_device``: Megatron allocates buffers (RoPE ``inv_freq``, DDP grad buffers,
   TP layers, GlobalMemoryBuffer) with ``device=torch.cuda.current_device()``; on CPU it returns
   ``"cpu"``.
+* ``torch.cuda.synchronize``: the pipeline schedule's P2P exchange calls it after every batch
+  of sends and receives; on CPU a no-op.
 * ``get_default_causal_mask`` / ``get_sliding_window_causal_mask`` (transformer/utils.py, bound by
   name in fusions/fused_softmax.py): built with ``device="cuda"``; here on the CPU.
 * ``get_pos_emb_on_this_cp_rank`` (rope_utils.py): ``pin_memory`` + ``.cuda()``; here the same
@@ -38,6 +40,10 @@ from megatron_dcp.patching import PatchSet
 
 def _cpu_current_device() -> str:
     return "cpu"
+
+
+def _cpu_synchronize(device=None) -> None:
+    """CPU ops are synchronous: nothing to wait for."""
 
 
 def _causal_mask(sq: int) -> torch.Tensor:
@@ -125,6 +131,7 @@ def _install(patches: PatchSet) -> None:
 
     utils, random = "megatron.core.transformer.utils", "megatron.core.tensor_parallel.random"
     patches.replace("torch.cuda", "current_device", _cpu_current_device, aliases=False)
+    patches.replace("torch.cuda", "synchronize", _cpu_synchronize, aliases=False)
     patches.replace(utils, "get_default_causal_mask", _causal_mask, check=callable)
     patches.replace(utils, "get_sliding_window_causal_mask", _sliding_window_causal_mask,
                     check=callable)

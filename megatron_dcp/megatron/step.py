@@ -18,7 +18,7 @@ docs/MEGATRON.md.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -42,10 +42,13 @@ class StepReports(list):
 
 @dataclass
 class GlobalBatch:
-    """The sequences of one optimizer step (index = plan sequence index) and optionally its plan."""
+    """The sequences of one optimizer step (index = plan sequence index) and optionally its plan;
+    ``next_lengths``: the lengths of the next step's batch, planned on a background thread while
+    this step runs (``DCPConfig.plan_ahead``)."""
 
     sequences: Sequence[torch.Tensor]
     plan: Optional[Plan] = None
+    next_lengths: Optional[Sequence[int]] = None
 
 
 def _single_model(model):
@@ -85,6 +88,14 @@ class MegatronStepEngine:
     def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor:
         """Megatron's ``forward_step_func`` and ``loss_func`` on one shard; the task (and its
         recompute depth) travels in the micro-batch's ``packed_seq_params``."""
+        output_tensor, loss_func, loss_mask = self._forward(shard)
+        loss_sum, _num_tokens, _report = self._loss(loss_func, output_tensor)
+        if per_token:  # the driver weights every token by its sequence's 1/(S * targets)
+            return output_tensor.reshape(-1).float() * loss_mask
+        return loss_sum
+
+    def _forward(self, shard: Shard):
+        """``forward_step_func`` on the shard's micro-batch: (output, loss_func, loss mask)."""
         from megatron_dcp.megatron.spec import DCPTaskParams
 
         params = DCPTaskParams.of(shard.task, train=not self.forward_only)
@@ -104,15 +115,16 @@ class MegatronStepEngine:
                 "packed_seq_params; the forward_step_func must pass "
                 "packed_seq_params=micro_batch['packed_seq_params'] to the model (else the shard "
                 "runs as one ordinary sequence: wrong attention and positions)")
+        return output_tensor, loss_func, loss_mask
+
+    def _loss(self, loss_func, output_tensor):
+        """``loss_func`` in its per-token form (loss_sum, num_tokens, report); keeps the report."""
         outputs = loss_func(output_tensor)
         if len(outputs) != 3:
             raise ValueError("DCP needs the per-token loss_func form (loss_sum, num_tokens, "
                              "report); got a 2-tuple (mean loss)")
-        loss_sum, _num_tokens, report = outputs
-        self.reports.append(report)
-        if per_token:  # the driver weights every token by its sequence's 1/(S * targets)
-            return output_tensor.reshape(-1).float() * loss_mask
-        return loss_sum
+        self.reports.append(outputs[2])
+        return outputs
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         if self.mconfig.grad_scale_func is not None:
@@ -140,6 +152,89 @@ class MegatronStepEngine:
             reduce_gradients([p for p in self.model.parameters() if p.requires_grad],
                              parallel_state.get_data_parallel_group())
         return None
+
+
+def _pipeline_parallel_size() -> int:
+    """Megatron's pipeline-parallel world size, 1 when its model parallelism is not set up."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return 1
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return int(parallel_state.get_pipeline_model_parallel_world_size())
+
+
+@contextmanager
+def _schedule_settings(mconfig):
+    """The ``TransformerConfig`` settings Megatron's pipeline schedule reads, for one DCP call:
+    shapes sent ahead of every activation (each slot has its own length); no gradient sync
+    switched on inside the schedule and no finalisation at its end (DCP finalises once, in
+    ``finish``, with its own 1/T weighting instead of Megatron's 1/tokens). Restored after."""
+    saved = {name: getattr(mconfig, name) for name in _SCHEDULE_SETTINGS}
+    try:
+        for name, value in _SCHEDULE_SETTINGS.items():
+            setattr(mconfig, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(mconfig, name, value)
+
+
+_SCHEDULE_SETTINGS = {"variable_seq_lengths": True, "no_sync_func": None, "grad_sync_func": None,
+                      "finalize_model_grads_func": None}
+
+
+class MegatronPipelineEngine(MegatronStepEngine):
+    """`MegatronStepEngine` for pipeline parallelism: the slots of a lockstep plan are the
+    micro-batches of Megatron's own schedule (``get_forward_backward_func()``: 1F1B).
+
+    Every stage runs the same plan, so slot k is micro-batch k on every pipeline, and the ranks of
+    a task meet in its collectives inside that micro-batch's forward and backward on each stage
+    (the schedule runs the same order on every pipeline). A slot where this rank has no task is
+    an empty micro-batch (two tokens, loss weight 0). The loss is weighted on the last stage
+    (``work.loss``) and broadcast over the pipeline, so every stage reports its pipeline's share.
+    """
+
+    def run_micro_steps(self, work, per_token: bool, train: bool) -> list:
+        """All of this rank's micro-steps in one schedule call; returns ``(task id, loss)``."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_dcp.megatron.cpu import CudaAsCpu, cpu_enabled
+
+        if not work.plan.lockstep:
+            raise ValueError("DCP with pipeline parallelism runs a lockstep plan (every pipeline "
+                             "the same slots): plan with ModelShape(pipeline_parallel=P) or "
+                             "DCPConfig(schedule='lockstep')")
+        steps = list(work)
+        task_losses: list = []
+
+        def forward_step(data_iterator, model):
+            step = next(data_iterator)
+            output, loss_func, loss_mask = self._forward(step.shard)
+
+            def weighted(output_tensor):
+                loss_sum, num_tokens, report = self._loss(loss_func, output_tensor)
+                out = output_tensor.reshape(-1).float() * loss_mask if per_token else loss_sum
+                if step.task is not None:
+                    task_losses.append((step.task.id, out.detach()))
+                    work.local_tokens += step.tokens
+                return work.loss(step, out), num_tokens, report
+
+            return output, weighted
+
+        with _schedule_settings(self.mconfig), CudaAsCpu() if cpu_enabled() else nullcontext():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(steps), model=[self.model],
+                num_microbatches=len(steps), seq_length=1, micro_batch_size=1,
+                forward_only=not train)
+        # the loss exists on the last stage only: every stage reports its pipeline's
+        group = parallel_state.get_pipeline_model_parallel_group()
+        dist.broadcast(work.local_loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=group)
+        return task_losses
 
 
 class DCPForwardBackward:
@@ -201,13 +296,14 @@ class DCPForwardBackward:
         return planner.plan(lengths, self.iteration, world_size)
 
     def planning_shape(self):
-        """The `ModelShape` the planner sees: the given one, with Megatron's tensor-parallel size
-        filled in when the shape leaves it at 1 (memory and time are those of one TP rank)."""
+        """The `ModelShape` the planner sees: the given one, with Megatron's tensor- and
+        pipeline-parallel sizes filled in where the shape leaves them at 1 (memory and time are
+        those of one TP rank; P > 1 plans lockstep slots for the pipeline)."""
         shape = self.model_shape
-        if shape is not None and shape.tensor_parallel == 1:
-            tp = _tensor_parallel_size()
-            if tp > 1:
-                shape = dataclasses.replace(shape, tensor_parallel=tp)
+        if shape is not None and shape.tensor_parallel == 1 and _tensor_parallel_size() > 1:
+            shape = dataclasses.replace(shape, tensor_parallel=_tensor_parallel_size())
+        if shape is not None and shape.pipeline_parallel == 1 and _pipeline_parallel_size() > 1:
+            shape = dataclasses.replace(shape, pipeline_parallel=_pipeline_parallel_size())
         return shape
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model,
@@ -222,7 +318,8 @@ class DCPForwardBackward:
             raise ValueError("DCPForwardBackward: collect_non_loss_data is not supported")
         model = _single_model(model)
         self._check(model, forward_only)
-        engine = MegatronStepEngine(model, forward_step_func, forward_only)
+        kind = MegatronPipelineEngine if _pipeline_parallel_size() > 1 else MegatronStepEngine
+        engine = kind(model, forward_step_func, forward_only)
         batch = next(data_iterator)
         if not isinstance(batch, GlobalBatch):
             batch = GlobalBatch(sequences=list(batch))
@@ -230,7 +327,8 @@ class DCPForwardBackward:
         if batch.plan is not None and batch.plan.world_size != driver.world_size:
             raise ValueError(f"plan for a DCP world of {batch.plan.world_size} ranks, but the "
                              f"data-parallel size is {driver.world_size}")
-        result = driver.step(engine, list(batch.sequences), batch.plan, train=not forward_only)
+        result = driver.step(engine, list(batch.sequences), batch.plan, train=not forward_only,
+                             next_lengths=batch.next_lengths)
         reports = engine.reports
         if reports:
             self._report_keys = tuple(reports[0])
@@ -238,6 +336,11 @@ class DCPForwardBackward:
             device = driver.device
             reports.append({k: torch.zeros(2, device=device) for k in self._report_keys})
         return StepReports(reports, result)
+
+    def close(self) -> None:
+        """Join the driver's planning thread (call once training ends)."""
+        if self._driver is not None:
+            self._driver.close()
 
     def _check(self, model, forward_only: bool) -> None:
         """Settings DCP cannot run, refused before any collective."""
