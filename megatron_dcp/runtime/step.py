@@ -29,6 +29,9 @@ stopped before ``finish``, or with ``DCPConfig.skip_nonfinite`` skipped):
 * ``scales_loss``: True when the engine skips overflow steps itself (an fp16 loss scaler): the
   driver then leaves such a step to the engine and counts it as skipped;
 * ``update_applied()``: whether ``finish`` applied its update (absent: assumed applied).
+* ``run_micro_steps(work, per_token, train)``: run all micro-steps of the `PlanWork` in one call
+  (a pipeline schedule interleaves their forwards and backwards), weighting each loss with
+  ``work.loss``; returns the ``(task id, loss)`` of its tasks. Absent: the driver's loop.
 
 A *lockstep* plan (`Plan.lockstep`, planned for ZeRO-2/3) needs no more of the engine: every rank
 runs every slot, its task of the slot or, in a slot where it has none, an empty task: one
@@ -278,6 +281,9 @@ class StepDriver:
                             max_position=self.max_position, device=self.device,
                             min_micro_steps=max(max(counts, default=0)
                                                 if engine.equal_micro_steps else 0, 1))
+            run_all = getattr(engine, "run_micro_steps", None)
+            if run_all is not None:  # a pipeline schedule interleaves them: the engine runs all
+                return work, run_all(work, per_token, train)
             for step in work:
                 with work.running(step):
                     if step.shard is None:  # the engine's own empty micro-step
