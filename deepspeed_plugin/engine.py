@@ -91,12 +91,14 @@ class DCPEngine:
         """Optimizer steps taken (the planner's ``iteration``); saved in checkpoints."""
         return self.driver.iteration
 
-    def train_step(self, sequences: Sequence[torch.Tensor],
-                   plan: Optional[Plan] = None) -> StepResult:
+    def train_step(self, sequences: Sequence[torch.Tensor], plan: Optional[Plan] = None, *,
+                   next_lengths: Optional[Sequence[int]] = None) -> StepResult:
         """Forward, backward, one gradient reduction and one optimizer step on a global batch.
 
         ``sequences``: the global batch (1-D token id tensors), identical on every rank.
-        ``plan``: a plan made ahead (e.g. in the data loader); default: planned here.
+        ``plan``: a plan of the caller's; default: the one made ahead for it, else planned here.
+        ``next_lengths``: the lengths of the next global batch, planned on a background thread
+        while this step runs (``dcp.plan_ahead``; `StepDriver.step`).
         """
         if plan is not None and self.lockstep and plan.tasks and not plan.lockstep:
             raise ValueError(f"ZeRO-{self.zero_stage} under DCP runs lockstep plans (every task "
@@ -104,7 +106,7 @@ class DCPEngine:
                              "dcp.schedule=free to run free plans with parameters and "
                              "gradients kept whole)")
         self.deepspeed.train()
-        return self.driver.step(self._steps, sequences, plan)
+        return self.driver.step(self._steps, sequences, plan, next_lengths=next_lengths)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

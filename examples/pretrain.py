@@ -142,7 +142,9 @@ def train(args, engine, tokenizer) -> int:
     for it in range(start, args.train_iters):
         docs = sampler.next_batch()
         sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
-        result = engine.train_step(sequences)
+        # the next batch is planned on a background thread while this step runs
+        result = engine.train_step(sequences,
+                                   next_lengths=training.next_lengths(sampler, args, it))
         tokens, _ = trained_tokens(result.plan, [int(s.shape[0]) for s in sequences])
         training.log_step(log, engine, it + 1, result, sequences=len(sequences), tokens=tokens)
         training.save_if_due(engine, sampler, args, it + 1)  # every --save-interval, and last

@@ -444,8 +444,12 @@ def main(argv=None) -> int:
         optimizer.zero_grad(set_to_none=True)
         if step_fn is not None:
             t_in = time.perf_counter()
-            reports = step_fn(forward_step_func=forward_step,
-                              data_iterator=iter([GlobalBatch(sequences)]), model=[ddp],
+            # the next batch is planned on a background thread while this step runs
+            upcoming = [sampler.sequence_length(d) for d in sampler.peek_batch()] \
+                if it + 1 < args.train_iters else None
+            batch = GlobalBatch(sequences, next_lengths=upcoming)
+            reports = step_fn(forward_step_func=forward_step, data_iterator=iter([batch]),
+                              model=[ddp],
                               num_microbatches=1, seq_length=args.seq_length, micro_batch_size=1)
             t_out = time.perf_counter()
         else:
@@ -474,15 +478,19 @@ def main(argv=None) -> int:
         if step_fn is not None:  # the calibration learns the iteration, optimizer step included
             step_fn.driver.add_time_outside_step((t_in - t0) + (t_end - t_out))
         tokens, skipped_seqs = trained_tokens(plan, [int(s.numel()) for s in sequences])
+        timings = {} if result is None else {"plan_s": result.plan_s,  # planning, and waiting
+                                             "plan_wait_s": result.plan_wait_s}
         log.iteration(it + 1, loss=loss, tokens=tokens, step_s=t_end - t0,
                       sequences=len(sequences), skipped=skipped, skipped_sequences=skipped_seqs,
                       predicted_s=result.predicted_s if result is not None else None,
                       calibration_error=result.calibration_error if result is not None else None,
                       peak_mem_mb=peak_memory_mb(device),
-                      plan=plan_summary(plan, micro_steps=micro))
+                      plan=plan_summary(plan, micro_steps=micro, **timings))
         last = it + 1 == args.train_iters
         if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
             save_checkpoint(args, it + 1, ddp, optimizer, sampler, step_fn)
+    if step_fn is not None:
+        step_fn.close()  # the planning thread joined
     if args.save_profile and step_fn is not None and dist.get_rank() == 0:
         step_fn.driver.save_profile(args.save_profile)
         print(f"calibrated hardware profile: {args.save_profile}", flush=True)

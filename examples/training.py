@@ -131,13 +131,22 @@ def save_if_due(engine, sampler, args: argparse.Namespace, iteration: int) -> No
                                keep_last=args.keep_last)
 
 
+def next_lengths(sampler, args: argparse.Namespace, iteration: int):
+    """The lengths of the batch after the one of step ``iteration`` (0-based), planned while
+    that step runs; ``None`` after the last step (nothing is left planning at exit)."""
+    if iteration + 1 >= args.train_iters:
+        return None
+    return [sampler.sequence_length(d) for d in sampler.peek_batch()]
+
+
 def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int) -> None:
     """One row of the training log for the engine's step ``result`` (``tokens``: those trained;
     the planner's predicted time only with --dcp; the plan summary; a skipped step and the
     sequences the oversize policy skipped; peak memory so far)."""
     from megatron_dcp.runtime.report import peak_memory_mb, plan_summary
 
-    summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s)
+    summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s,
+                           plan_wait_s=result.plan_wait_s)
     skipped_sequences = len(result.plan.skipped) if result.plan is not None else 0
     log.iteration(iteration, loss=result.loss, tokens=tokens, step_s=result.wall_s,
                   skipped=result.skipped, skipped_sequences=skipped_sequences,
@@ -150,8 +159,9 @@ def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int
 @contextlib.contextmanager
 def engine_for(args, model, ds_config: dict, loss_fn=None) -> Iterator[Any]:
     """``deepspeed_plugin.initialize`` with the examples' flags (``--dcp*``, the timeout) and
-    ``loss_fn`` (default: next-token cross-entropy); the engine is destroyed when the block ends (ZeRO's gradient hooks would keep it, and its process
-    groups, alive to interpreter exit)."""
+    ``loss_fn`` (default: next-token cross-entropy); the engine is destroyed when the block
+    ends (ZeRO's gradient hooks would keep it, and its process groups, alive to interpreter
+    exit), its planning thread joined first."""
     import deepspeed_plugin
 
     engine, _, _, _ = deepspeed_plugin.initialize(
@@ -160,6 +170,7 @@ def engine_for(args, model, ds_config: dict, loss_fn=None) -> Iterator[Any]:
     try:
         yield engine
     finally:
+        engine.driver.close()
         engine.deepspeed.destroy()
 
 

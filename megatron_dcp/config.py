@@ -31,6 +31,7 @@ ignores it (torch's ``cross_entropy`` default)."""
 OVERSIZE_MODES = ("error", "truncate", "skip")
 SCHEDULES = ("auto", "free", "lockstep")
 CALIBRATION_MODES = ("on", "off")
+PLAN_AHEAD_MODES = ("on", "off")
 WITHOUT_DCP = ("skip_nonfinite",)
 """Fields every engine honours in its plain data-parallel run too (no ``--dcp`` needed)."""
 
@@ -107,6 +108,9 @@ class DCPConfig:
     calibration: str = "on"
     """Online calibration of the cost model from the measured task and step times of recent steps: on, or off (plans a pure function of the lengths and the hardware given)."""
 
+    plan_ahead: str = "on"
+    """Plan the next global batch on a background thread while the current step runs (when the caller passes the next batch's lengths: both examples, deepspeed_plugin and DCPForwardBackward do), with the hardware fit the current step started with: on, or off (plan at the start of every step, with the latest fit)."""
+
     ranks_per_node: Optional[int] = None
     """Ranks per node for the cost model's link speeds; default: the hardware preset's value."""
 
@@ -149,6 +153,7 @@ class DCPConfig:
         one_of("oversize", OVERSIZE_MODES)
         one_of("schedule", SCHEDULES)
         one_of("calibration", CALIBRATION_MODES)
+        one_of("plan_ahead", PLAN_AHEAD_MODES)
         if self.max_degree is not None and self.max_degree < 1:
             raise DCPConfigError(f"dcp.max_degree={self.max_degree!r}: must be a positive integer")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
@@ -296,6 +301,7 @@ _CHOICES = {
     "oversize": OVERSIZE_MODES,
     "schedule": SCHEDULES,
     "calibration": CALIBRATION_MODES,
+    "plan_ahead": PLAN_AHEAD_MODES,
 }
 
 

@@ -86,6 +86,15 @@ class GlobalBatchSampler:
         self.batches += 1
         return batch
 
+    def peek_batch(self) -> list[int]:
+        """Document indices of the batch `next_batch` returns next, without advancing (a step
+        plans the next batch ahead: `megatron_dcp.runtime.plan_ahead`)."""
+        saved = (self.epoch, self.position, self.batches, self._order)
+        try:
+            return self.next_batch()
+        finally:
+            self.epoch, self.position, self.batches, self._order = saved
+
     def __iter__(self):
         while True:
             yield self.next_batch()

@@ -21,9 +21,11 @@ from megatron_dcp.plan.plan import Plan
 
 
 def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int], None] = None,
-                 plan_s: Optional[float] = None) -> dict[str, Any]:
+                 plan_s: Optional[float] = None,
+                 plan_wait_s: Optional[float] = None) -> dict[str, Any]:
     """Degrees used, micro-steps per rank, checkpointed layers and predicted step time of
-    ``plan``; for plain data parallel (no plan, or `data_parallel_plan`'s) only the micro-steps
+    ``plan``, with ``plan_ms`` (time spent planning) and ``plan_wait_ms`` (time the step waited
+    for its plan: less than ``plan_ms`` for a plan made ahead) when given; for plain data parallel (no plan, or `data_parallel_plan`'s) only the micro-steps
     per rank (the plan's, else ``micro_steps`` given by the caller)."""
     if plan is None or plan.policy == "data-parallel":
         if plan is not None:  # plain data parallel as a plan: its micro-steps per rank
@@ -40,6 +42,8 @@ def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int],
         summary["slots"] = len(plan.slot_depths())
     if plan_s is not None:
         summary["plan_ms"] = round(plan_s * 1e3, 2)
+    if plan_wait_s is not None:
+        summary["plan_wait_ms"] = round(plan_wait_s * 1e3, 2)
     return summary
 
 

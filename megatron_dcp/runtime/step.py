@@ -41,6 +41,11 @@ zero, run through ``forward_loss`` and ``backward`` like any task. So it calls t
 per-micro-step reduce-scatter) as the ranks with work in that slot.
 
 Plain data parallel is the same driver with a trivial plan (`data_parallel_plan`).
+
+Plans made ahead: ``step(..., next_lengths=...)`` plans the next global batch on a background
+thread while this step runs (`megatron_dcp.runtime.plan_ahead`: with the hardware fit this step
+started with, so every rank plans alike), and the next step takes it (``DCPConfig.plan_ahead``;
+off: every step plans in place). `close` joins the thread.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ from megatron_dcp.runtime.hardware_auto import detect_hardware
 from megatron_dcp.runtime.liveness import names_unresponsive_ranks, start_responder
 from megatron_dcp.runtime.nonfinite import (check_step, describe_ranks, first_nonfinite_task,
                                             rank_losses)
+from megatron_dcp.runtime.plan_ahead import PlanAhead
 from megatron_dcp.runtime.step_timing import StepTiming
 
 __all__ = ["Shard", "StepDriver", "StepEngine", "StepResult", "data_parallel_plan"]
@@ -101,7 +107,10 @@ class StepResult:
     empty_micro_steps: int
     plan: Optional[Plan] = None
     plan_s: float = 0.0
-    """Seconds spent planning."""
+    """Seconds spent planning (on the background thread for a plan made ahead)."""
+    plan_wait_s: float = 0.0
+    """Seconds the step waited for its plan: all of ``plan_s`` when planned in place, what was
+    left of the planning for a plan made ahead, 0 for a plan given."""
     predicted_s: float = 0.0
     """The predicted step time, seconds: the plan's makespan plus the step's overhead
     (`StepDriver.predicted_step_s`)."""
@@ -160,6 +169,7 @@ class StepDriver:
         """Training steps taken (the planner's ``iteration``); save it with checkpoints."""
         self.timing = StepTiming(config, model_shape, zero_stage)
         """Predicted step times and the online calibration (`StepTiming`)."""
+        self._ahead = PlanAhead()
         if config.enabled:
             from megatron_dcp.plan.hardware import load_hardware
 
@@ -205,12 +215,12 @@ class StepDriver:
 
     def plan(self, lengths: Sequence[int], iteration: Optional[int] = None,
              world_size: Optional[int] = None,
-             frame_tokens: Optional[Sequence[int]] = None) -> Plan:
+             frame_tokens: Optional[Sequence[int]] = None, hardware: Any = None) -> Plan:
         """The plan of a global batch with these lengths (deterministic: the same on every rank):
         the configured planner with DCP on, `data_parallel_plan` with it off. ``world_size``:
         plan for another DCP world (default: the pool's; a driver without a pool plans only).
         ``frame_tokens``: tokens per frame of every sequence (videos of their own resolution;
-        ``None``: the model's)."""
+        ``None``: the model's). ``hardware``: the cost model's (default: the driver's now)."""
         lengths = [int(n) for n in lengths]
         world_size = self.world_size if world_size is None else world_size
         if not self.config.enabled:
@@ -225,23 +235,55 @@ class StepDriver:
         return make_plan(lengths, world_size=world_size, model=self.model_shape,
                          config=self.config,
                          iteration=self.iteration if iteration is None else iteration,
-                         hardware=self.hardware, zero_stage=self.zero_stage, **extra)
+                         hardware=self.hardware if hardware is None else hardware,
+                         zero_stage=self.zero_stage, **extra)
+
+    def plan_ahead(self, lengths: Sequence[int], *, iteration: Optional[int] = None,
+                   frame_tokens: Optional[Sequence[int]] = None) -> bool:
+        """Start planning the global batch of the step at ``iteration`` (default: the next one
+        `step` runs) on a background thread, with the hardware as it is now; `step` takes the
+        plan when its batch has these lengths (and frame sizes). Returns whether it started
+        (not with DCP off, ``config.plan_ahead="off"``, or without a model shape)."""
+        if not (self.config.enabled and self.config.plan_ahead == "on"
+                and self.model_shape is not None and self.pool is not None):
+            return False
+        lengths = [int(n) for n in lengths]
+        frames = None if frame_tokens is None else [int(f) for f in frame_tokens]
+        iteration = self.iteration if iteration is None else int(iteration)
+        hardware, world_size = self.hardware, self.world_size  # fixed now, on every rank alike
+        self._ahead.start(self._plan_key(lengths, frames, iteration),
+                          lambda: self.plan(lengths, iteration, world_size, frames, hardware))
+        return True
+
+    def _plan_key(self, lengths: Sequence[int], frame_tokens: Optional[Sequence[int]],
+                  iteration: int) -> tuple:
+        """What a plan made ahead must have been made for to be used."""
+        frames = None if frame_tokens is None else tuple(int(f) for f in frame_tokens)
+        return tuple(int(n) for n in lengths), frames, iteration, self.world_size
+
+    def close(self) -> None:
+        """Join the planning thread (a plan made ahead and not taken is dropped)."""
+        self._ahead.close()
 
     @names_unresponsive_ranks  # a collective that lost a peer names the stalled rank
     def step(self, engine: StepEngine, sequences: Sequence[torch.Tensor],
-             plan: Optional[Plan] = None, *, train: bool = True) -> StepResult:
+             plan: Optional[Plan] = None, *, train: bool = True,
+             next_lengths: Optional[Sequence[int]] = None,
+             next_frame_tokens: Optional[Sequence[int]] = None) -> StepResult:
         """Run this rank's part of one step on the global batch ``sequences`` (1-D token id
-        tensors, the same on every rank; host tensors preferred). ``plan``: made ahead (e.g. in
-        the data loader); default: `plan`. ``train=False``: forward only (evaluation), no
-        backward, no optimizer step, the planning iteration does not advance. Collective over
-        the DCP world: every rank calls it once per step."""
+        tensors, the same on every rank; host tensors preferred). ``plan``: one given by the
+        caller; default: the one `plan_ahead` made for this batch, else `plan`.
+        ``next_lengths`` (and ``next_frame_tokens`` for videos): the next global batch, planned
+        on a background thread while this step runs (`plan_ahead`). ``train=False``: forward
+        only (evaluation), no backward, no optimizer step, the planning iteration does not
+        advance. Collective over the DCP world: every rank calls it once per step."""
         start_responder(self.config.liveness_interval_s)  # once per process: the liveness watch
         t0 = time.perf_counter()
         outside_s = self.timing.take_outside_s()  # of the previous step
-        if plan is None:  # a video batch tells the planner every video's frame size
-            plan = self.plan([int(s.shape[0]) for s in sequences],
-                             frame_tokens=getattr(sequences, "frame_tokens", None))
-        plan_s = time.perf_counter() - t0
+        plan, plan_s, plan_wait_s = self._plan_of(sequences, plan)
+        if next_lengths is not None:  # the thread starts once this step's plan is taken
+            self.plan_ahead(next_lengths, iteration=self.iteration + int(train),
+                            frame_tokens=next_frame_tokens)
         work, task_losses = self._micro_steps(engine, plan, sequences, train)
         stats = work.stats()
         # Every backward has run on every rank (ZeRO 0/1 reduce inside a rank's last one, an
@@ -261,9 +303,28 @@ class StepDriver:
         return StepResult(loss=loss, tokens=work.total, sequences=len(sequences),
                           wall_s=wall_s, micro_steps=work.micro_steps,
                           empty_micro_steps=work.micro_steps - len(stats.tasks), plan=plan,
-                          plan_s=plan_s, predicted_s=predicted_s, grad_norm=grad_norm,
+                          plan_s=plan_s, plan_wait_s=plan_wait_s, predicted_s=predicted_s,
+                          grad_norm=grad_norm,
                           stats=stats, calibration_error=self.calibration_error,
                           skipped=skipped)
+
+    def _plan_of(self, sequences: Sequence[torch.Tensor],
+                 plan: Optional[Plan]) -> tuple[Plan, float, float]:
+        """This step's plan with (seconds planning, seconds waited for it): the one given, the
+        one made ahead for this batch, or one made now."""
+        t0 = time.perf_counter()
+        if plan is not None:
+            self._ahead.close()  # one made ahead is not used
+            return plan, 0.0, 0.0
+        lengths = [int(s.shape[0]) for s in sequences]
+        frames = getattr(sequences, "frame_tokens", None)  # a video batch: every frame size
+        made = self._ahead.take(self._plan_key(lengths, frames, self.iteration))
+        if made is not None:
+            made[0].meta["made_ahead"] = True  # not part of the digest
+            return made
+        plan = self.plan(lengths, frame_tokens=frames)
+        plan_s = time.perf_counter() - t0
+        return plan, plan_s, plan_s
 
     def _micro_steps(self, engine: StepEngine, plan: Plan, sequences: Sequence[torch.Tensor],
                      train: bool) -> tuple[PlanWork, list]:
@@ -376,6 +437,7 @@ class StepDriver:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict` (the calibrated hardware only while calibration is on: with it
         off, plans use the hardware this run was given)."""
+        self._ahead.close()  # made for another iteration or hardware
         self.iteration = int(state.get("iteration", 0))
         saved = state.get("hardware")
         if saved is not None and self.config.enabled and self.config.calibration == "on":
