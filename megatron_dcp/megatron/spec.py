@@ -99,11 +99,11 @@ def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernor
     the megatron-core version first (`megatron_dcp.patching.check_version`).
     """
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_dcp.patching import check_version
 
     check_version("megatron-core", "get_gpt_layer_dcp_spec")
-    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     if use_transformer_engine is None:
         use_transformer_engine = bool(getattr(gpt_layer_specs, "HAVE_TE", False))
@@ -132,14 +132,7 @@ class DCPTransformerLayer(_transformer_layer()):
 
     With a `DCPTaskParams`: RoPE rows of the shard's positions, and the layer recomputed in
     backward when its index is below ``recompute_layers``. Otherwise Megatron's layer unchanged.
-    The index counts within the layer's block: with pipeline parallelism a task's depth is that
-    of one stage (Megatron's ``layer_number`` adds the stage's offset).
     """
-
-    def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs) -> None:
-        super().__init__(config, submodules, layer_number, *args, **kwargs)
-        self.block_index = layer_number - 1
-        """Index of the layer in its block (this pipeline stage), from 0."""
 
     def forward(self, *args, **kwargs):
         """Megatron's layer forward (``hidden_states, ..., packed_seq_params=...``)."""
@@ -151,7 +144,7 @@ class DCPTransformerLayer(_transformer_layer()):
         if rope is not None:
             kwargs["rotary_pos_emb"] = params.rotary_rows(rope)
         if not (self.training and torch.is_grad_enabled()
-                and self.block_index < params.recompute_layers):
+                and self.layer_number - 1 < params.recompute_layers):
             return super().forward(*args, **kwargs)
         return self._recomputed(*args, **kwargs)
 
