@@ -132,7 +132,14 @@ class DCPTransformerLayer(_transformer_layer()):
 
     With a `DCPTaskParams`: RoPE rows of the shard's positions, and the layer recomputed in
     backward when its index is below ``recompute_layers``. Otherwise Megatron's layer unchanged.
+    The index counts within the layer's block: with pipeline parallelism a task's depth is that
+    of one stage (Megatron's ``layer_number`` adds the stage's offset).
     """
+
+    def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs) -> None:
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
+        self.block_index = layer_number - 1
+        """Index of the layer in its block (this pipeline stage), from 0."""
 
     def forward(self, *args, **kwargs):
         """Megatron's layer forward (``hidden_states, ..., packed_seq_params=...``)."""
@@ -144,7 +151,7 @@ class DCPTransformerLayer(_transformer_layer()):
         if rope is not None:
             kwargs["rotary_pos_emb"] = params.rotary_rows(rope)
         if not (self.training and torch.is_grad_enabled()
-                and self.layer_number - 1 < params.recompute_layers):
+                and self.block_index < params.recompute_layers):
             return super().forward(*args, **kwargs)
         return self._recomputed(*args, **kwargs)
 
