@@ -138,3 +138,66 @@ def test_a_patch_that_fails_half_way_is_undone_and_not_registered():
     with pytest.raises(patching.PatchVersionError, match="internals moved"):
         patching.apply("test-half-way", "megatron-core", install)
     assert vars(holder) == {"a": 1} and not patching.is_applied("test-half-way")
+
+
+# Megatron-LM's attribute names and defaults as its parser sets them, read from megatron-core
+# 0.19.2's megatron/training/arguments.py (flags of the config dataclasses come from its
+# ArgumentGroupFactory: ModelParallelConfig, TransformerConfig, DistributedDataParallelConfig,
+# TrainingConfig); virtual_pipeline_model_parallel_size is set later by its validate_args.
+MEGATRON_LM_0_19_DEFAULTS = dict(
+    world_size=8, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+    num_virtual_stages_per_pipeline_rank=None, sequence_parallel=False, context_parallel_size=1,
+    hybrid_context_parallel=False, max_seqlen_per_dp_cp_rank=None,
+    calculate_per_token_loss=False, recompute_granularity=None, recompute_method=None,
+    num_attention_heads=None, num_query_groups=None, group_query_attention=False,
+    overlap_grad_reduce=False, overlap_param_gather=False, use_distributed_optimizer=False,
+    ckpt_format="torch_dist")
+
+
+def megatron_lm_args(line: str = "", **megatron) -> argparse.Namespace:
+    """Megatron-LM's namespace (0.19.2 names/defaults) plus add_dcp_args' flags parsed from
+    ``line``, as pretrain(extra_args_provider=add_dcp_args) produces it."""
+    dcp = add_dcp_args(argparse.ArgumentParser()).parse_args(line.split())
+    return argparse.Namespace(**{**MEGATRON_LM_0_19_DEFAULTS, **vars(dcp), **megatron})
+
+
+def test_megatron_lm_namespace_defaults_with_dcp():
+    with pytest.raises(DCPArgumentError, match="--calculate-per-token-loss"):
+        validate_dcp_args(megatron_lm_args("--dcp"))
+    config = validate_dcp_args(megatron_lm_args("--dcp", calculate_per_token_loss=True,
+                                                overlap_grad_reduce=True,
+                                                use_distributed_optimizer=True))
+    assert config.enabled
+    assert not validate_dcp_args(megatron_lm_args(overlap_param_gather=True)).enabled
+
+
+@pytest.mark.parametrize("megatron, message", [
+    (dict(overlap_param_gather=True, overlap_grad_reduce=True), "--overlap-param-gather"),
+    (dict(context_parallel_size=2), "--context-parallel-size 1"),
+    (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
+    (dict(recompute_granularity="selective"), "selective"),
+    (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-method block"),
+    (dict(sequence_parallel=True, tensor_model_parallel_size=2), "--sequence-parallel"),
+    (dict(num_layers_per_virtual_pipeline_stage=2, pipeline_model_parallel_size=2),
+     "virtual pipeline"),
+    (dict(virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=2),
+     "virtual pipeline"),
+])
+def test_megatron_lm_namespace_refusals(megatron, message):
+    args = megatron_lm_args("--dcp", calculate_per_token_loss=True, **megatron)
+    with pytest.raises(DCPArgumentError, match=message):
+        validate_dcp_args(args)
+
+
+def test_megatron_lm_namespace_acceptances():
+    base = dict(calculate_per_token_loss=True)
+    for megatron in (dict(ckpt_format="torch"), dict(ckpt_format="torch_dist"),
+                     dict(recompute_granularity="full", recompute_method="block"),
+                     dict(num_attention_heads=8, num_query_groups=2, group_query_attention=True,
+                          tensor_model_parallel_size=2),
+                     dict(max_seqlen_per_dp_cp_rank=4096)):
+        config = validate_dcp_args(megatron_lm_args("--dcp", **base, **megatron))
+        assert config.enabled
+    assert validate_dcp_args(megatron_lm_args(
+        "--dcp", **base, max_seqlen_per_dp_cp_rank=4096)).pack_tokens == 4096

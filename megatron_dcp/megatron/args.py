@@ -76,7 +76,10 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
     if _get(args, "pipeline_model_parallel_size", 1) > 1:
         problems.append("--dcp does not support --pipeline-model-parallel-size > 1: DCP ranks run "
                         "different numbers of micro-steps, which a pipeline schedule cannot")
-    if _get(args, "virtual_pipeline_model_parallel_size", None):
+    # Megatron-LM's validate_args derives virtual_pipeline_model_parallel_size from these two
+    if any(_get(args, name, None) for name in (
+            "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+            "num_virtual_stages_per_pipeline_rank")):
         problems.append("--dcp does not support --num-layers-per-virtual-pipeline-stage / "
                         "virtual pipeline parallelism")
     if _get(args, "context_parallel_size", 1) > 1:
