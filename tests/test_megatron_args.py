@@ -50,8 +50,6 @@ def test_disabled_is_fine_but_knobs_without_dcp_fail():
 
 @pytest.mark.parametrize("line, message", [
     ("--dcp", "--calculate-per-token-loss"),
-    ("--dcp --calculate-per-token-loss --pipeline-model-parallel-size 2",
-     "--pipeline-model-parallel-size"),
     ("--dcp --calculate-per-token-loss --context-parallel-size 2", "--context-parallel-size 1"),
     ("--dcp --calculate-per-token-loss --hybrid-context-parallel", "--hybrid-context-parallel"),
     ("--dcp --calculate-per-token-loss --sequence-parallel", "--sequence-parallel"),
@@ -65,6 +63,12 @@ def test_disabled_is_fine_but_knobs_without_dcp_fail():
 def test_bad_combinations_fail_with_a_clear_message(line, message):
     with pytest.raises(DCPArgumentError, match=message):
         validate_dcp_args(parse(line), world_size=4 if "tensor" not in line else 8)
+
+
+def test_pipeline_parallel_is_accepted():
+    """1F1B pipelines run the plan's lockstep slots (the DCP world: data-parallel ranks)."""
+    args = parse("--dcp --calculate-per-token-loss --pipeline-model-parallel-size 2")
+    assert validate_dcp_args(args, world_size=4).enabled
 
 
 def test_overlap_grad_reduce_is_accepted():

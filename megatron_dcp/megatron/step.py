@@ -311,9 +311,10 @@ class DCPForwardBackward:
                  micro_batch_size: Optional[int] = None, decoder_seq_length=None,
                  forward_only: bool = False, collect_non_loss_data: bool = False,
                  first_val_step=None, adjust_tensor_shapes_fn=None, p2p_communicator=None,
-                 pg_collection=None) -> StepReports:
+                 pg_collection=None, force_all_reduce: bool = False) -> StepReports:
         """Run this rank's tasks of the next global batch; returns the loss reports and the
-        `StepResult` (`StepReports`)."""
+        `StepResult` (`StepReports`). Takes every keyword Megatron-LM's ``train_step`` passes
+        (0.19.2 adds ``force_all_reduce``, for its gradient logging: not used here)."""
         if collect_non_loss_data:
             raise ValueError("DCPForwardBackward: collect_non_loss_data is not supported")
         model = _single_model(model)
