@@ -136,43 +136,6 @@ def shard_loss(model: torch.nn.Module, reduction: str = "sum") -> Callable[[Any]
                                 task=s.task)
 
 
-class _Forbidden:
-    """Stands in for `megatron_dcp.runtime.context`'s ContextVar and process-wide task: any
-    lookup raises."""
-
-    lock = threading.Lock()
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("a task was looked up from a context variable or the process on "
-                             "the path of a DCP step: the task must travel as an argument")
-
-    get = set = reset = _refuse
-    ctx = property(_refuse, _refuse)
-
-
-def forbid_task_lookup() -> None:
-    """Make every lookup of a task from `megatron_dcp.runtime.context` (``current_task``,
-    ``task_context``, whatever module imported them) raise in this process."""
-    from megatron_dcp.runtime import context
-
-    context._CURRENT = _Forbidden()
-    context._ProcessTask = _Forbidden()
-
-
-class NoTaskFallback:
-    """Replaces the process-wide task of `megatron_dcp.runtime.context` (always None)."""
-
-    lock = threading.Lock()
-
-    @property
-    def ctx(self):
-        return None
-
-    @ctx.setter
-    def ctx(self, value) -> None:
-        pass
-
-
 def on_fresh_thread(fn) -> None:
     """Run ``fn`` on a new thread (empty context, as CUDA's autograd worker) and re-raise."""
     errors: list[BaseException] = []

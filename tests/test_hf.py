@@ -2,11 +2,11 @@
 
 Tiny Llama (tied embeddings), Qwen2 (q/k/v biases) and Mistral (sliding-window keyword) models,
 built from config dicts (no downloads), run hand-made plans at world 2 and 4 (Ulysses, ring,
-hybrid, packed tasks, per-task recompute depths) through the step driver, with every backward on
-a fresh thread (as CUDA's autograd engine) and the process-wide task fallback off, so the task
-reaches attention and recompute only through the model call itself. Loss and gradients must equal
+hybrid, packed tasks, per-task recomputed layers) through the step driver, with every backward on
+a fresh thread (as CUDA's autograd engine), so the task reaches attention and recompute only
+through the model call itself. Loss and gradients must equal
 single-process training of the same weights with HF's eager attention (fp32, 1e-5), and each
-decoder layer must run as often as the plan's recompute depths say.
+decoder layer must run as often as the plan's recompute_layers say.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from distributed import run_distributed  # noqa: E402
-from executor_cases import (forbid_task_lookup, make_batch, on_fresh_thread,  # noqa: E402
-                            plan_dict, rel_err)
+from executor_cases import make_batch, on_fresh_thread, plan_dict, rel_err  # noqa: E402
 from executor_cases import task as make_task  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -82,7 +81,6 @@ def _body(rank, world_size, plan):
     from megatron_dcp.runtime.groups import GroupPool
     from megatron_dcp.runtime.step import StepDriver
 
-    forbid_task_lookup()  # only the explicit task may reach attention: any lookup raises
     pool = GroupPool()
     plan = Plan.from_dict(plan)
     out = {}

@@ -160,13 +160,12 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", ba
 
     ``backward``: None (the calling thread), ``"thread"`` (every backward on a fresh thread, as
     CUDA's autograd engine: the reentrant recompute re-runs layers there; the forward step passes
-    the task as ``packed_seq_params``), ``"thread-explicit"`` (the same with every task lookup from
-    `megatron_dcp.runtime.context` raising) or ``"thread-no-task"`` (lookups raising and the task
+    the task as ``packed_seq_params``) or ``"thread-no-task"`` (the task
     not passed: first the step must refuse it, naming ``packed_seq_params``; then,
     with that check fooled, the result must come out wrong)."""
     from functools import partial
 
-    from executor_cases import forbid_task_lookup, on_fresh_thread
+    from executor_cases import on_fresh_thread
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -180,8 +179,6 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", ba
         MegatronStepEngine.plain_backward = MegatronStepEngine.backward
         MegatronStepEngine.backward = lambda self, loss, last: on_fresh_thread(
             lambda: self.plain_backward(loss, last))
-    if backward in ("thread-explicit", "thread-no-task"):
-        forbid_task_lookup()  # any lookup of a task from megatron_dcp.runtime.context raises
     model = _build(tp, dcp=True)
     _load_full_state(model, state, parallel_state.get_tensor_model_parallel_rank(), tp)
     ddp = DistributedDataParallel(model.config,
@@ -363,9 +360,8 @@ def _dcp_steps(rank, world_size, tp, plan_dict, state, modes):
 def test_gpt_recompute_with_backward_on_another_thread(reference, world_size, plan):
     """The reentrant recompute re-runs layers in backward; on CUDA that is the autograd engine's
     thread, where the forward's context variables are not visible. The task reaches the
-    recomputed layers through ``packed_seq_params`` (Ulysses, ring, hybrid); ``thread-explicit``
-    (run second) also makes every task lookup from `megatron_dcp.runtime.context` raise."""
-    modes = ("thread", "thread-explicit")
+    recomputed layers through ``packed_seq_params`` (Ulysses, ring, hybrid)."""
+    modes = ("thread",)
     results = run_distributed(_dcp_steps, world_size=world_size,
                               args=(1, plan, reference[0], modes), timeout_s=280)
     for mode in modes:

@@ -11,7 +11,7 @@ import torch
 from megatron_dcp.models import Decoder, DecoderConfig
 from megatron_dcp.models.common import check_inputs
 from megatron_dcp.plan.plan import Task
-from megatron_dcp.runtime.context import TaskContext, task_context
+from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.layout import ShardLayout
 
 
@@ -29,8 +29,7 @@ def test_check_inputs_defaults_and_task():
     ctx = _task()
     positions, task = check_inputs("M", ids, given, ctx)
     assert positions is given and task is ctx
-    with task_context(ctx):  # a context entered around the call is not read
-        assert check_inputs("M", ids, given, None)[1] is None
+    assert check_inputs("M", ids, given, None)[1] is None  # no task passed: none, not the last
 
 
 def test_check_inputs_errors_name_the_model():

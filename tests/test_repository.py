@@ -201,3 +201,108 @@ def test_layer_check_names_an_upward_import(tmp_path):
         "megatron_dcp.plan.cost:4 imports megatron_dcp.runtime.step: megatron_dcp.runtime is "
         "above megatron_dcp.plan in docs/DESIGN.md",
         "megatron_dcp.x: not in the layer diagram"], problems
+
+
+CONTEXT_VARS_ALLOWED = {
+    ("megatron_dcp/runtime/kernels.py", "_FORCED"): "the attention backend a test forces",
+    ("megatron_dcp/runtime/checkpoint.py", "_DEPTH_OUTSIDE_TASK"):
+        "recomputed layers of forwards outside any task (references, profiling)",
+}
+"""The context variables the packages may hold, none of them a task."""
+REMOVED_LOOKUPS = ("current" + "_task", "task" + "_context")
+"""The process-wide task lookup this project once had (built from pieces: a grep for it finds
+only the history)."""
+
+
+def _mentions_task(node) -> bool:
+    return node is not None and any(isinstance(n, ast.Name) and n.id in ("Task", "TaskContext")
+                                    or isinstance(n, ast.Attribute)
+                                    and n.attr in ("Task", "TaskContext") for n in ast.walk(node))
+
+
+def hidden_task_state(root: str, packages=PACKAGES) -> list[str]:
+    """Every place a module of ``packages`` could hand a task around other than as an argument:
+    a context variable (outside `CONTEXT_VARS_ALLOWED`, or typed with a task), a thread-local, a
+    module-level or class-level (not a dataclass field) variable typed with a task, a ``global``
+    statement naming a task, or a function named as one of `REMOVED_LOOKUPS`."""
+    problems = []
+    for package in packages:
+        for folder, _, names in os.walk(os.path.join(root, package)):
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, root).replace(os.sep, "/")
+                with open(path, encoding="utf-8") as handle:
+                    tree = ast.parse(handle.read(), path)
+                problems += _hidden_state_of(rel, tree)
+    return problems
+
+
+def _hidden_state_of(rel: str, tree: ast.Module) -> list[str]:
+    problems = []
+    allowed_lines, task_globals = set(), set()
+    for node in tree.body:  # module-level variables
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            annotation = getattr(node, "annotation", None)
+            if _mentions_task(annotation):
+                problems.append(f"{rel}:{node.lineno} module-level task variable {names}")
+                task_globals.update(names)
+            if any((rel, n) in CONTEXT_VARS_ALLOWED for n in names) \
+                    and not _mentions_task(annotation):
+                allowed_lines.add(node.lineno)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called == "ContextVar" and node.lineno not in allowed_lines:
+                problems.append(f"{rel}:{node.lineno} a ContextVar not in CONTEXT_VARS_ALLOWED")
+            if called == "local" and "threading" in ast.unparse(func) or called == "local" \
+                    and isinstance(func, ast.Name):
+                problems.append(f"{rel}:{node.lineno} a thread-local")
+        elif isinstance(node, ast.ClassDef):
+            dataclass = any("dataclass" in ast.unparse(d) for d in node.decorator_list)
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and _mentions_task(item.annotation) \
+                        and not dataclass:
+                    problems.append(f"{rel}:{item.lineno} class-level task variable "
+                                    f"{node.name}.{ast.unparse(item.target)}")
+        elif isinstance(node, ast.Global):
+            for name in node.names:
+                if name in task_globals or "task" in name.lower() or "ctx" in name.lower():
+                    problems.append(f"{rel}:{node.lineno} global {name}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if node.name in REMOVED_LOOKUPS:
+                problems.append(f"{rel}:{node.lineno} defines {node.name}")
+    return sorted(problems, key=lambda p: int(p.split(":")[1].split()[0]))
+
+
+def test_no_task_is_handed_around_by_hidden_state():
+    """The task reaches attention and recompute as an argument only (CUDA's autograd thread sees
+    no context variable of the caller): nothing in the packages keeps a "current" task."""
+    problems = hidden_task_state(ROOT)
+    assert not problems, "hidden task state:\n" + "\n".join(problems)
+    for rel, name in CONTEXT_VARS_ALLOWED:  # the allowance is still needed (not stale)
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as handle:
+            assert re.search(rf"^{name}\b.*ContextVar\(", handle.read(), re.M), (rel, name)
+
+
+def test_hidden_task_state_check_names_each_kind(tmp_path):
+    # negative control: the process-wide lookup this project once had is found, line by line
+    source = (
+        "import threading\nfrom contextvars import ContextVar\nfrom typing import Optional\n"
+        "_CURRENT: ContextVar[Optional[TaskContext]] = ContextVar('t', default=None)\n"
+        "_LAST: Optional[TaskContext] = None\n"
+        "class _LastTask:\n    ctx: Optional[TaskContext] = None\n"
+        "_LOCAL = threading.local()\n"
+        f"def {REMOVED_LOOKUPS[0]}():\n    global _LAST\n    return _LAST\n")
+    (tmp_path / "megatron_dcp").mkdir()
+    (tmp_path / "megatron_dcp" / "context.py").write_text(source)
+    assert hidden_task_state(str(tmp_path), ("megatron_dcp",)) == [
+        "megatron_dcp/context.py:4 module-level task variable ['_CURRENT']",
+        "megatron_dcp/context.py:4 a ContextVar not in CONTEXT_VARS_ALLOWED",
+        "megatron_dcp/context.py:5 module-level task variable ['_LAST']",
+        "megatron_dcp/context.py:7 class-level task variable _LastTask.ctx",
+        "megatron_dcp/context.py:8 a thread-local",
+        f"megatron_dcp/context.py:9 defines {REMOVED_LOOKUPS[0]}",
+        "megatron_dcp/context.py:10 global _LAST"]

@@ -1,20 +1,18 @@
-"""The engine-neutral step driver, with backward on a fresh thread as CUDA's autograd engine runs it.
+"""The engine-neutral step driver, with backward on a fresh thread as CUDA's autograd runs it.
 
 Every run is compared with a one-rank reference that shares no reduction code with the driver
 (`executor_cases.reference`: each sequence alone, summed token losses / T, one backward).
 The engine is the plain-torch example (`examples/plain_torch.py`), so the test also shows that
 the driver's protocol alone is enough for a new engine.
 
-Modes of a run:
+Modes of a run (all modes of one world size share one launch, each reported on its own):
 * ``"same-thread"``: backward in the calling thread (what CPU autograd does);
 * ``"thread"``: every backward on a fresh thread, where the caller's context variables are not
-  visible; the model gets its task as an argument;
-* ``"thread-explicit"``: as ``"thread"`` with every task lookup of
-  `megatron_dcp.runtime.context` made to raise (its ContextVar and process-wide task): the step
-  must run and be exact with the task travelling only as an argument;
+  visible; the model gets its task as an argument only;
 * ``"thread-reentrant-no-task"``: a model that neither takes the task nor uses `run_layer`
-  (torch's reentrant checkpoint, which re-runs forward in backward), lookups refused: the negative
-  control, which must come out wrong (the check can fail).
+  (torch's reentrant checkpoint, which re-runs forward in backward): the negative control, which
+  must come out wrong (the check can fail);
+* ``"plain"``: DCP off, plain data parallel through the same driver (backward on a fresh thread).
 """
 
 from __future__ import annotations
@@ -26,8 +24,8 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from executor_cases import (DECODER, build_model, forbid_task_lookup, make_batch, on_fresh_thread,
-                            plan_dict, reference, rel_err, task)
+from executor_cases import (DECODER, build_model, make_batch, on_fresh_thread, plan_dict, reference,
+                            rel_err, task)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -64,29 +62,61 @@ def _reentrant_no_task(model) -> None:
     model.forward = forward
 
 
-def _body(rank, world_size, plan, mode, enabled=True):
+def _run(pool, model, plan, mode):
     from plain_torch import TorchEngine
 
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.plan.plan import Plan
-    from megatron_dcp.runtime.groups import GroupPool
     from megatron_dcp.runtime.step import StepDriver
 
-    if mode in ("thread-explicit", "thread-reentrant-no-task"):
-        forbid_task_lookup()
-    model = build_model("decoder")
     if mode == "thread-reentrant-no-task":
         _reentrant_no_task(model)
     engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=0.0))
     if mode != "same-thread":
         engine.backward = lambda loss, last: on_fresh_thread(loss.backward)
-    pool = GroupPool()
     engine.group = pool.world_group
+    enabled = mode != "plain"
     driver = StepDriver(DCPConfig(enabled=enabled), pool=pool, model_shape=model.shape())
     batch = make_batch(LENGTHS, DECODER["vocab_size"])
-    result = driver.step(engine, batch, Plan.from_dict(plan) if plan else None)
+    result = driver.step(engine, batch, Plan.from_dict(plan) if enabled else None)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return result.loss, grads, result.micro_steps, result.empty_micro_steps
+
+
+def _body(rank, world_size, plan, modes):
+    """Every mode in turn on this rank: {mode: (loss, grads, micro-steps, empty) or the
+    traceback text of its failure}."""
+    import traceback
+
+    from megatron_dcp.runtime.groups import GroupPool
+
+    pool = GroupPool()
+    out = {}
+    for mode in modes:
+        try:
+            out[mode] = _run(pool, build_model("decoder"), plan, mode)
+        except Exception:  # noqa: BLE001 - reported per mode by the test of that mode
+            out[mode] = traceback.format_exc()
+    return out
+
+
+MODES = {1: ("plain",), 2: ("same-thread", "thread", "thread-reentrant-no-task", "plain"),
+         4: ("same-thread", "thread", "plain")}
+PLANS = {1: None, 2: PLAN_2, 4: PLAN_4}
+_LAUNCHES: dict = {}
+
+
+def _results(world_size, mode):
+    """Per rank, the result of ``mode`` in the one launch of ``world_size`` (run on first use)."""
+    if world_size not in _LAUNCHES:
+        _LAUNCHES[world_size] = run_distributed(
+            _body, world_size=world_size, args=(PLANS[world_size], MODES[world_size]),
+            timeout_s=280)
+    results = [r[mode] for r in _LAUNCHES[world_size]]
+    failed = [(rank, r) for rank, r in enumerate(results) if isinstance(r, str)]
+    if failed:
+        pytest.fail(f"mode {mode!r}, rank {failed[0][0]} failed:\n{failed[0][1]}")
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -103,28 +133,24 @@ def _errors(results, ref):
     return worst
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size, plan", [(2, PLAN_2), (4, PLAN_4)], ids=["w2", "w4"])
-@pytest.mark.parametrize("mode", ["same-thread", "thread", "thread-explicit"])
-def test_driver_matches_one_rank_reference(ref, world_size, plan, mode):
-    results = run_distributed(_body, world_size=world_size, args=(plan, mode), timeout_s=200)
-    assert _errors(results, ref) <= TOL
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4], ids=["w2", "w4"])
+@pytest.mark.parametrize("mode", ["same-thread", "thread"])
+def test_driver_matches_one_rank_reference(ref, world_size, mode):
+    assert _errors(_results(world_size, mode), ref) <= TOL
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_negative_control_reentrant_recompute_without_task_is_wrong(ref):
-    """Without the task (no argument, no context on the autograd thread) a recompute attends
+    """Without the task (no argument, so none on the autograd thread) a recompute attends
     as if outside a task: the comparison above must be able to see that."""
-    results = run_distributed(_body, world_size=2, args=(PLAN_2, "thread-reentrant-no-task"),
-                              timeout_s=200)
-    assert _errors(results, ref) > 1e-3
+    assert _errors(_results(2, "thread-reentrant-no-task"), ref) > 1e-3
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_plain_data_parallel_is_the_driver_with_a_trivial_plan(ref, world_size):
-    results = run_distributed(_body, world_size=world_size, args=(None, "thread", False),
-                              timeout_s=200)
+    results = _results(world_size, "plain")
     assert _errors(results, ref) <= TOL
     # equal_micro_steps is False for this engine: every rank runs its own sequences only
     counts = [r[2] for r in results]

