@@ -103,6 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--quiet", action="store_true", help="only the final line")
     add_dcp_args(p)
     args = p.parse_args(argv)
+    if args.dcp and args.pipeline_model_parallel_size > 1:  # see docs/MEGATRON.md
+        p.error("this example builds no pipeline stages (every stage holds the embedding and "
+                "the head): --dcp with --pipeline-model-parallel-size > 1 runs through "
+                "DCPForwardBackward with a per-stage model, not here")
     if args.save_profile and not args.dcp:
         p.error("--save-profile writes the calibrated DCP cost model: it needs --dcp")
     if args.save:  # at start, not at the first save after hours of training
