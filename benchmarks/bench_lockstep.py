@@ -48,7 +48,8 @@ def one(model, lengths, world: int, zero: int, schedule: str, policy: str) -> di
     validate_plan(plan, model, cost_model=cm)
     r = simulate(plan, cm)
     return {"step_s": r.step_time_s, "efficiency": r.efficiency, "tokens_per_s": r.tokens_per_s,
-            "slots": len(plan.slot_depths()), "tasks": len(plan.tasks), "plan_ms": plan_ms,
+            "slots": len(plan.slot_recompute_layers()), "tasks": len(plan.tasks),
+            "plan_ms": plan_ms,
             "peak_task_gib": max(t.memory for t in plan.tasks) / 2**30,
             "static_gib": cm.static_memory / 2**30, "budget_gib": cm.budget / 2**30,
             "candidate": plan.meta.get("candidate")}

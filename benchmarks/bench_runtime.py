@@ -184,7 +184,8 @@ def summarise(raw: dict, world: int) -> dict:
             errors.append(t.duration / m - 1.0)
             task_rows.append({"id": t.id, "degree": t.degree,
                               "tokens": sum(plan.lengths[s] for s in t.seqs),
-                              "ckpt": t.recompute_layers, "predicted_s": t.duration, "measured_s": m})
+                              "recompute_layers": t.recompute_layers,
+                              "predicted_s": t.duration, "measured_s": m})
         step = statistics.median(steps)
         out[name] = {"step_s": step, "tokens_per_s": tokens / step, "tasks": len(plan.tasks),
                      "loss": raw["records"][0][name][0]["loss"],

@@ -89,7 +89,7 @@ def worker(args) -> dict:
         {m: train_step for m, (train_step, _, _) in built.items()},
         _batches(videos, example, args), args.warmup,
         lambda plan: {"degrees": sorted({t.degree for t in plan.tasks}),
-                      "ckpt": sorted({t.recompute_layers for t in plan.tasks})})
+                      "recompute_layers": sorted({t.recompute_layers for t in plan.tasks})})
     rates = timed["tokens_per_s"]
     ratios = {f"{a}/{b}": rates[a] / rates[b] for a in modes for b in modes if a != b}
     return {"tokens_per_s": rates, "ratios": ratios, "seconds": timed["seconds"],

@@ -117,10 +117,11 @@ def assert_matches(name: str, results: list[dict], ref: tuple[float, dict], tol:
 
 
 def task(i: int, ranks: Sequence[int], seqs: Sequence[int], ulysses: int = 1,
-         ckpt: int = 0, start: float = 0.0) -> Task:
+         recompute_layers: int = 0, start: float = 0.0) -> Task:
     """A hand-built task (ring = degree / ulysses)."""
     return Task(id=i, ranks=tuple(ranks), seqs=tuple(seqs), ulysses=ulysses,
-                ring=len(ranks) // ulysses, recompute_layers=ckpt, start=start)
+                ring=len(ranks) // ulysses, recompute_layers=recompute_layers,
+                start=start)
 
 
 def plan_dict(tasks: Sequence[Task], lengths: Sequence[int], world: int) -> dict:

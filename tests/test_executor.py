@@ -18,17 +18,18 @@ LENGTHS_A = (9, 17, 5, 30, 12, 2, 23)
 
 
 def _degree1_cases(world: int) -> list[dict]:
-    """Plans of single-rank tasks: uneven task counts, a rank without work, every ckpt depth."""
+    """Plans of single-rank tasks: uneven task counts, a rank without work, 0 to 3
+    recomputed layers."""
     L = LENGTHS_A
     cases = []
     # All sequences on rank 0 in 3 packed tasks; other ranks idle.
     cases.append(dict(name="all-on-rank0", model="decoder", plan=plan_dict(
-        [task(0, [0], [0, 1], ckpt=0), task(1, [0], [2, 3, 4], ckpt=3),
-         task(2, [0], [5, 6], ckpt=1)],
+        [task(0, [0], [0, 1], recompute_layers=0), task(1, [0], [2, 3, 4], recompute_layers=3),
+         task(2, [0], [5, 6], recompute_layers=1)],
         L, world)))
     # Round-robin, ranks get different numbers of tasks, the last rank none (world > 1).
     busy = max(1, world - 1)
-    tasks = [task(i, [i % busy], [i], ckpt=i % 4, start=0.1 * i) for i in range(len(L))]
+    tasks = [task(i, [i % busy], [i], recompute_layers=i % 4, start=0.1 * i) for i in range(len(L))]
     cases.append(dict(name="round-robin", model="decoder", plan=plan_dict(tasks, L, world)))
     cases.append(dict(name="tied-seq-mean", model="decoder-tied", loss_reduction="sequence",
                       plan=plan_dict(tasks, L, world)))
@@ -77,13 +78,15 @@ def _planned(kind: str, lengths, world: int, policy: str = "dcp", free_tokens: i
 
 def _world2_cases() -> list[dict]:
     L = LENGTHS_A
-    mixed = [task(0, [0, 1], [3, 6], ulysses=2, ckpt=0, start=0.0),
-             task(1, [0], [0, 2], ckpt=1, start=1.0),
-             task(2, [1], [4, 5], ckpt=2, start=1.0),
-             task(3, [1, 0], [1], ulysses=1, ckpt=3, start=2.0)]   # ring 2, reversed rank order
+    mixed = [task(0, [0, 1], [3, 6], ulysses=2, recompute_layers=0, start=0.0),
+             task(1, [0], [0, 2], recompute_layers=1, start=1.0),
+             task(2, [1], [4, 5], recompute_layers=2, start=1.0),
+             # ring 2, reversed rank order
+             task(3, [1, 0], [1], ulysses=1, recompute_layers=3, start=2.0)]
     # Tasks whose only sequence has one token (no target; both ranks hold only padding rows
     # but one) at ring 2 and Ulysses 2, under the per-sequence mean that must skip them.
-    single = [task(0, [0, 1], [1], ulysses=1), task(1, [1, 0], [3], ulysses=2, ckpt=1),
+    single = [task(0, [0, 1], [1], ulysses=1),
+              task(1, [1, 0], [3], ulysses=2, recompute_layers=1),
               task(2, [0], [0], start=1.0), task(3, [1], [2], start=1.0)]
     return [_planned("decoder", LENGTHS_P, 2, free_tokens=20),
             dict(name="w2-single-token", model="decoder", loss_reduction="sequence",
@@ -95,16 +98,16 @@ def _world2_cases() -> list[dict]:
 
 def _world4_cases() -> list[dict]:
     L = LENGTHS_A
-    mixed = [task(0, [0, 1, 2, 3], [3], ulysses=2, ckpt=2, start=0.0),       # hybrid 2 x 2
-             task(1, [1, 2, 3], [6, 0], ulysses=1, ckpt=1, start=1.0),       # ring 3
-             task(2, [0], [1], ckpt=3, start=1.0),
-             task(3, [3, 0], [4], ulysses=2, ckpt=0, start=2.0),             # Ulysses 2
-             task(4, [0], [2, 5], ckpt=0, start=3.0)]
-    idle = [task(0, [0, 1, 2, 3], [3, 1], ulysses=1, ckpt=3, start=0.0),     # ring 4
-            task(1, [2, 1], [6], ulysses=1, ckpt=1, start=1.0),               # ring 2
-            task(2, [0], [0, 2, 4, 5], ckpt=2, start=1.0)]                    # rank 3: one task
-    no_task = [task(0, [0, 1, 2], [3, 6], ulysses=1, ckpt=0),                # rank 3 idle
-               task(1, [0, 2], [0, 1, 2, 4, 5], ulysses=2, ckpt=3, start=1.0)]
+    mixed = [task(0, [0, 1, 2, 3], [3], ulysses=2, recompute_layers=2, start=0.0),  # hybrid 2 x 2
+             task(1, [1, 2, 3], [6, 0], ulysses=1, recompute_layers=1, start=1.0),  # ring 3
+             task(2, [0], [1], recompute_layers=3, start=1.0),
+             task(3, [3, 0], [4], ulysses=2, recompute_layers=0, start=2.0),        # Ulysses 2
+             task(4, [0], [2, 5], recompute_layers=0, start=3.0)]
+    idle = [task(0, [0, 1, 2, 3], [3, 1], ulysses=1, recompute_layers=3, start=0.0),  # ring 4
+            task(1, [2, 1], [6], ulysses=1, recompute_layers=1, start=1.0),          # ring 2
+            task(2, [0], [0, 2, 4, 5], recompute_layers=2, start=1.0)]  # rank 3: one task
+    no_task = [task(0, [0, 1, 2], [3, 6], ulysses=1, recompute_layers=0),  # rank 3 idle
+               task(1, [0, 2], [0, 1, 2, 4, 5], ulysses=2, recompute_layers=3, start=1.0)]
     return [_planned("decoder", LENGTHS_P, 4),
             _planned("decoder", LENGTHS_P, 4, policy="greedy-cp"),
             dict(name="w4-mixed", model="decoder", plan=plan_dict(mixed, L, 4)),

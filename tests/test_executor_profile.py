@@ -65,7 +65,7 @@ def test_fits_recover_known_coefficients():
     """Timings made by the cost model itself from known numbers are fitted back to them."""
     truth = fit.placeholder(2e11, 1e10, attention_flops=5e10, token_overhead_s=2e-6,
                             task_overhead_s=3e-3)
-    points = [{"length": n, "ckpt": c} for n in (16, 128, 512, 2048) for c in (0, 2)]
+    points = [{"length": n, "recompute_layers": c} for n in (16, 128, 512, 2048) for c in (0, 2)]
     points += [{"tokens": t, "seq_len": 256} for t in (512, 2048)]
     timed = [{**p, "seconds": p_["predicted"]}
              for p, p_ in zip(points, fit.predictions(SHAPE, points, truth))]

@@ -37,15 +37,15 @@ CONFIGS = {
 LENGTHS = (29, 7, 13, 18, 3, 22)
 # world 2: Ulysses 2 with recompute, ring 2 on reversed ranks packing two sequences, packed
 # degree-1 task, different micro-step counts
-PLAN_2 = plan_dict([make_task(0, (0, 1), (0,), ulysses=2, ckpt=2, start=0.0),
-                    make_task(1, (1, 0), (3, 4), ulysses=1, ckpt=1, start=1.0),
-                    make_task(2, (0,), (1, 2), ckpt=0, start=2.0),
-                    make_task(3, (1,), (5,), ckpt=1, start=2.0)], LENGTHS, 2)
+PLAN_2 = plan_dict([make_task(0, (0, 1), (0,), ulysses=2, recompute_layers=2, start=0.0),
+                    make_task(1, (1, 0), (3, 4), ulysses=1, recompute_layers=1, start=1.0),
+                    make_task(2, (0,), (1, 2), recompute_layers=0, start=2.0),
+                    make_task(3, (1,), (5,), recompute_layers=1, start=2.0)], LENGTHS, 2)
 # world 4: hybrid 2 x 2 packing two sequences, ring 3 (heads not divisible), rank 3 then idle
-PLAN_4 = plan_dict([make_task(0, (0, 1, 2, 3), (0, 5), ulysses=2, ckpt=1, start=0.0),
-                    make_task(1, (2, 1, 0), (3,), ulysses=1, ckpt=2, start=1.0),
-                    make_task(2, (0,), (1, 2), ckpt=0, start=2.0),
-                    make_task(3, (1,), (4,), ckpt=2, start=2.0)], LENGTHS, 4)
+PLAN_4 = plan_dict([make_task(0, (0, 1, 2, 3), (0, 5), ulysses=2, recompute_layers=1, start=0.0),
+                    make_task(1, (2, 1, 0), (3,), ulysses=1, recompute_layers=2, start=1.0),
+                    make_task(2, (0,), (1, 2), recompute_layers=0, start=2.0),
+                    make_task(3, (1,), (4,), recompute_layers=2, start=2.0)], LENGTHS, 4)
 
 
 def build(kind: str, attn: str = "eager") -> torch.nn.Module:
@@ -130,15 +130,16 @@ def test_models_match_single_process_training(references, world_size, plan):
 
 
 # ---------------------------------------------------------------------- one process
-def _task(lengths, ckpt=0):
+def _task(lengths, recompute_layers=0):
     """A one-rank task context over sequences of ``lengths`` (no process group needed)."""
     from megatron_dcp.plan.plan import Task
     from megatron_dcp.runtime.context import TaskContext
     from megatron_dcp.runtime.layout import ShardLayout
 
-    task = Task(id=0, ranks=(0,), seqs=tuple(range(len(lengths))), recompute_layers=ckpt)
+    task = Task(id=0, ranks=(0,), seqs=tuple(range(len(lengths))),
+                recompute_layers=recompute_layers)
     return TaskContext(task=task, group_rank=0, layout=ShardLayout.build(lengths, 1, 1, 0),
-                       recompute_layers=ckpt)
+                       recompute_layers=recompute_layers)
 
 
 def test_dcp_attention_outside_a_task_equals_eager_with_padding_and_generate():
@@ -170,7 +171,7 @@ def test_packed_task_in_one_process_matches_sequences_alone():
     model, eager = DCPCausalLM(build("llama")), build("llama")
     a, b = make_batch((9, 14), COMMON["vocab_size"])
     ids, pos = torch.cat([a, b]), torch.cat([torch.arange(9), torch.arange(14)])
-    logits = model(ids, pos, task=_task((9, 14), ckpt=1))
+    logits = model(ids, pos, task=_task((9, 14), recompute_layers=1))
     on_fresh_thread(logits.float().square().sum().backward)
     with torch.no_grad():
         want = torch.cat([eager(input_ids=x[None]).logits[0] for x in (a, b)])

@@ -143,8 +143,8 @@ def test_plan_json_keeps_slots_and_free_plans_unchanged():
     plan = _plan(GOOD)
     back = Plan.from_json(plan.to_json())
     assert back.lockstep and [t.slot for t in back.tasks] == [0, 1, 1]
-    assert back.slot_depths() == [2, 1] and back.digest() == plan.digest()
+    assert back.slot_recompute_layers() == [2, 1] and back.digest() == plan.digest()
     free = _plan([replace(t, slot=None) for t in GOOD])
-    assert not free.lockstep and free.slot_depths() == []
+    assert not free.lockstep and free.slot_recompute_layers() == []
     assert all("slot" not in t for t in json.loads(free.to_json())["tasks"])
     assert free.digest() != plan.digest()

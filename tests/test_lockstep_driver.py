@@ -29,14 +29,17 @@ def _slotted(tasks, slots):
     return [replace(t, slot=k, start=float(k)) for t, k in zip(tasks, slots)]
 
 
-# world 2: Ulysses 2, then rank 0 alone (rank 1 empty, depth 1), ring 2, rank 1 alone (depth 3)
-TASKS_2 = [task(0, (0, 1), (0,), ulysses=2, ckpt=2), task(1, (0,), (1, 2), ckpt=1),
-           task(2, (1, 0), (3, 4), ckpt=0), task(3, (1,), (5,), ckpt=3)]
+# world 2: Ulysses 2, then rank 0 alone (rank 1 empty, recomputing 1 layer), ring 2,
+# rank 1 alone (3 layers)
+TASKS_2 = [task(0, (0, 1), (0,), ulysses=2, recompute_layers=2),
+           task(1, (0,), (1, 2), recompute_layers=1),
+           task(2, (1, 0), (3, 4), recompute_layers=0), task(3, (1,), (5,), recompute_layers=3)]
 SLOTS_2 = [0, 1, 2, 3]
-# world 4: hybrid 2 x 2, then ring 3 beside an empty rank 3 (depth 1), then two single-rank tasks
-# beside two empty ranks (depth 0)
-TASKS_4 = [task(0, (0, 1, 2, 3), (0, 5), ulysses=2, ckpt=2), task(1, (2, 1, 0), (3,), ckpt=1),
-           task(2, (0,), (1, 2), ckpt=0), task(3, (1,), (4,), ckpt=0)]
+# world 4: hybrid 2 x 2, then ring 3 beside an empty rank 3 (1 recomputed layer), then two
+# single-rank tasks beside two empty ranks (no recompute)
+TASKS_4 = [task(0, (0, 1, 2, 3), (0, 5), ulysses=2, recompute_layers=2),
+           task(1, (2, 1, 0), (3,), recompute_layers=1),
+           task(2, (0,), (1, 2), recompute_layers=0), task(3, (1,), (4,), recompute_layers=0)]
 SLOTS_4 = [0, 1, 2, 2]
 
 

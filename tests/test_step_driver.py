@@ -33,15 +33,15 @@ LENGTHS = (29, 7, 13, 18, 3, 22)
 TOL = 1e-5
 
 # world 2: Ulysses 2 and ring 2 (reversed ranks) with recompute, packed singles, uneven counts
-PLAN_2 = plan_dict([task(0, (0, 1), (0,), ulysses=2, ckpt=2, start=0.0),
-                    task(1, (1, 0), (3, 4), ulysses=1, ckpt=3, start=1.0),
-                    task(2, (0,), (1, 2), ckpt=1, start=2.0),
-                    task(3, (0,), (5,), ckpt=0, start=3.0)], LENGTHS, 2)
+PLAN_2 = plan_dict([task(0, (0, 1), (0,), ulysses=2, recompute_layers=2, start=0.0),
+                    task(1, (1, 0), (3, 4), ulysses=1, recompute_layers=3, start=1.0),
+                    task(2, (0,), (1, 2), recompute_layers=1, start=2.0),
+                    task(3, (0,), (5,), recompute_layers=0, start=3.0)], LENGTHS, 2)
 # world 4: hybrid 2 x 2 with recompute, ring 3, an idle rank 3 after its first task
-PLAN_4 = plan_dict([task(0, (0, 1, 2, 3), (0, 5), ulysses=2, ckpt=2, start=0.0),
-                    task(1, (2, 1, 0), (3,), ulysses=1, ckpt=1, start=1.0),
-                    task(2, (0,), (1, 2), ckpt=3, start=2.0),
-                    task(3, (1,), (4,), ckpt=0, start=2.0)], LENGTHS, 4)
+PLAN_4 = plan_dict([task(0, (0, 1, 2, 3), (0, 5), ulysses=2, recompute_layers=2, start=0.0),
+                    task(1, (2, 1, 0), (3,), ulysses=1, recompute_layers=1, start=1.0),
+                    task(2, (0,), (1, 2), recompute_layers=3, start=2.0),
+                    task(3, (1,), (4,), recompute_layers=0, start=2.0)], LENGTHS, 4)
 
 
 def _reentrant_no_task(model) -> None:

@@ -165,24 +165,26 @@ def _assert_exact(name, loss, grads, ref, tol=TOL):
 def _cases(world: int) -> list[dict]:
     L = LENGTHS
     if world == 1:
-        packed = [task(0, [0], [0, 1, 2, 3], ckpt=2), task(1, [0], [4, 5, 6, 7], ckpt=0,
-                                                             start=1.0)]
+        packed = [task(0, [0], [0, 1, 2, 3], recompute_layers=2),
+                  task(1, [0], [4, 5, 6, 7], recompute_layers=0, start=1.0)]
         return [dict(name="w1-packed", plan=plan_dict(packed, L, 1))]
     if world == 2:
-        mixed = [task(0, [0, 1], [4], ulysses=2, ckpt=3),                    # Ulysses 2
-                 task(1, [1, 0], [6, 1, 5], ulysses=1, ckpt=2, start=1.0),   # ring 2, 3 sizes
-                 task(2, [0], [0, 2], ckpt=1, start=2.0),
-                 task(3, [1], [3, 7], ckpt=0, start=2.0)]
+        mixed = [task(0, [0, 1], [4], ulysses=2, recompute_layers=3),  # Ulysses 2
+                 # ring 2, 3 sizes
+                 task(1, [1, 0], [6, 1, 5], ulysses=1, recompute_layers=2, start=1.0),
+                 task(2, [0], [0, 2], recompute_layers=1, start=2.0),
+                 task(3, [1], [3, 7], recompute_layers=0, start=2.0)]
         return [dict(name="w2-mixed", plan=plan_dict(mixed, L, 2)),
                 dict(name="w2-mixed-seq", loss_reduction="sequence", plan=plan_dict(mixed, L, 2)),
                 dict(name="w2-planned", plan=_planned(2, free_tokens=24))]
-    hybrid = [task(0, [0, 1, 2, 3], [4, 3], ulysses=2, ckpt=1),              # hybrid 2 x 2
-              task(1, [3, 2, 1, 0], [6], ulysses=4, ckpt=2, start=1.0),       # Ulysses 4
-              task(2, [1, 2, 3], [0, 7, 1], ulysses=1, ckpt=3, start=2.0),    # ring 3, packed
-              task(3, [0], [2, 5], ckpt=0, start=2.0)]
-    ring4 = [task(0, [2, 0, 3, 1], [6, 2, 5], ulysses=1, ckpt=2),             # ring 4, packed
-             task(1, [0, 1], [4, 0], ulysses=2, ckpt=1, start=1.0),
-             task(2, [2, 3], [3, 1, 7], ulysses=1, ckpt=0, start=1.0)]
+    hybrid = [task(0, [0, 1, 2, 3], [4, 3], ulysses=2, recompute_layers=1),  # hybrid 2 x 2
+              task(1, [3, 2, 1, 0], [6], ulysses=4, recompute_layers=2, start=1.0),  # Ulysses 4
+              # ring 3, packed
+              task(2, [1, 2, 3], [0, 7, 1], ulysses=1, recompute_layers=3, start=2.0),
+              task(3, [0], [2, 5], recompute_layers=0, start=2.0)]
+    ring4 = [task(0, [2, 0, 3, 1], [6, 2, 5], ulysses=1, recompute_layers=2),  # ring 4, packed
+             task(1, [0, 1], [4, 0], ulysses=2, recompute_layers=1, start=1.0),
+             task(2, [2, 3], [3, 1, 7], ulysses=1, recompute_layers=0, start=1.0)]
     return [dict(name="w4-hybrid", plan=plan_dict(hybrid, L, 4)),
             dict(name="w4-ring4", plan=plan_dict(ring4, L, 4)),
             dict(name="w4-planned", plan=_planned(4, free_tokens=12))]
@@ -206,8 +208,9 @@ def test_run_plan_matches_whole_video_reference(ref, world):
 @pytest.mark.parametrize("world, plan, enabled", [
     (2, None, False),                                                        # plain DP
     (2, "planned", True),                                                    # the planner
-    (4, plan_dict([task(0, [0, 1, 2, 3], [6, 4], ulysses=2, ckpt=3), task(1, [2], [0, 1, 2],
-                   start=1.0), task(2, [3], [3, 5, 7], ckpt=1, start=1.0)], LENGTHS, 4), True),
+    (4, plan_dict([task(0, [0, 1, 2, 3], [6, 4], ulysses=2, recompute_layers=3),
+                   task(1, [2], [0, 1, 2], start=1.0),
+                   task(2, [3], [3, 5, 7], recompute_layers=1, start=1.0)], LENGTHS, 4), True),
 ], ids=["w2-dp", "w2-dcp-planned", "w4-hybrid"])
 def test_step_driver_matches_reference(ref, world, plan, enabled):
     if plan == "planned":

@@ -48,13 +48,16 @@ def _shared_then_alone(world: int) -> dict:
 def _slotted(world: int) -> dict:
     """A lockstep plan: in each slot a Ulysses-2 task beside a task alone and an empty slot
     (zero loss weight) on another rank; slot 0 recomputes one layer."""
-    def slotted(i, ranks, seqs, slot, ulysses=1, ckpt=0):
-        return dataclasses.replace(task(i, ranks, seqs, ulysses, ckpt, float(slot)), slot=slot)
+    def slotted(i, ranks, seqs, slot, ulysses=1, recompute_layers=0):
+        return dataclasses.replace(task(i, ranks, seqs, ulysses, recompute_layers, float(slot)),
+                                   slot=slot)
 
     if world == 2:
-        tasks = [slotted(0, (0, 1), (0,), 0, ulysses=2, ckpt=1), slotted(1, (1,), (1, 2, 3), 1)]
+        tasks = [slotted(0, (0, 1), (0,), 0, ulysses=2, recompute_layers=1),
+                 slotted(1, (1,), (1, 2, 3), 1)]
     else:
-        tasks = [slotted(0, (0, 1), (0,), 0, ulysses=2, ckpt=1), slotted(1, (2,), (2,), 0, ckpt=1),
+        tasks = [slotted(0, (0, 1), (0,), 0, ulysses=2, recompute_layers=1),
+                 slotted(1, (2,), (2,), 0, recompute_layers=1),
                  slotted(2, (1,), (1,), 1), slotted(3, (2, 3), (3,), 1, ulysses=2)]
     return plan_dict(tasks, LENGTHS, world)
 

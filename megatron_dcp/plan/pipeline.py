@@ -117,7 +117,7 @@ def slot_costs(plan: Plan, cm: CostModel) -> list[SlotCost]:
     empty micro-step: nothing held)."""
     if not plan.lockstep:
         raise PlanError("a pipeline runs lockstep plans only (slots are its micro-batches)")
-    depths = plan.slot_depths()
+    depths = plan.slot_recompute_layers()
     n_slots, world = len(depths), plan.world_size
     length = [cm.slot_time(c) for c in depths]
     local = [[0] * world for _ in range(n_slots)]
@@ -361,7 +361,7 @@ def reorder(plan: Plan, order: Sequence[int], cm: CostModel) -> Plan:
     """``plan`` with its slots in ``order`` (new slot ``k`` is old slot ``order[k]``), starts
     re-timed slot after slot and task ids in the new order."""
     new_of = {old: k for k, old in enumerate(order)}
-    depths = plan.slot_depths()
+    depths = plan.slot_recompute_layers()
     length = [cm.slot_time(c) for c in depths]
     for t in plan.tasks:
         length[t.slot] = max(length[t.slot], t.duration)

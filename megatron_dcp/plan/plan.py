@@ -227,15 +227,15 @@ class Plan:
         """Whether the tasks carry slots (`validate_plan` checks: all of them or none)."""
         return any(t.slot is not None for t in self.tasks)
 
-    def slot_depths(self) -> list[int]:
+    def slot_recompute_layers(self) -> list[int]:
         """``recompute_layers`` of every slot of a lockstep plan, by slot index (``[]`` when free).
         A slot no task uses (allowed, never planned) recomputes 0."""
         slots = [t.slot for t in self.tasks if t.slot is not None]
-        depths = [0] * (max(slots) + 1 if slots else 0)
+        layers = [0] * (max(slots) + 1 if slots else 0)
         for t in self.tasks:
             if t.slot is not None:
-                depths[t.slot] = t.recompute_layers
-        return depths
+                layers[t.slot] = t.recompute_layers
+        return layers
 
     def digest(self) -> str:
         """Hex digest of everything that decides execution (not ``meta``); ``frame_tokens``

@@ -203,7 +203,7 @@ def _moldable_bound(bound: float, work: float, seqs: Sequence[tuple[int, float, 
 
 def _slot_starts(plan: Plan, cm: CostModel, parts: Sequence) -> list[float]:
     """Start of every slot of a lockstep plan, and its end as the last entry."""
-    depths = plan.slot_depths()
+    depths = plan.slot_recompute_layers()
     length = [cm.slot_time(c) for c in depths]
     for t, p in zip(plan.tasks, parts):
         length[t.slot] = max(length[t.slot], p.total)

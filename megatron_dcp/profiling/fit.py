@@ -3,9 +3,9 @@
 Every fit uses the cost model's own terms (`megatron_dcp.plan.cost.CostModel.terms`), so the
 fitted numbers reproduce what the planner will predict for the measured tasks.
 
-A *point* is one timed task: a single sequence (``length``, ``ckpt``; ``ulysses`` x ``ring``
-ranks, default one rank) or a packed degree-1 task (``tokens`` of ``seq_len``-token sequences),
-with its measured ``seconds``.
+A *point* is one timed task: a single sequence (``length``, ``recompute_layers``; ``ulysses`` x
+``ring`` ranks, default one rank) or a packed degree-1 task (``tokens`` of ``seq_len``-token
+sequences), with its measured ``seconds``.
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ def _cost_model(shape: ModelShape, hw: Hardware, world: int = 1) -> CostModel:
 
 
 def _point_shape(cm: CostModel, p: dict) -> tuple[float, float, Layout, int]:
-    """(tokens, pairs, layout, ckpt) of a timing point."""
+    """(tokens, pairs, layout, recompute_layers) of a timing point."""
     if "length" in p:
         tokens, pairs = p["length"], cm.attn_pairs(p["length"])
     else:
         tokens, pairs = p["tokens"], p["tokens"] // p["seq_len"] * cm.attn_pairs(p["seq_len"])
     u, r = p.get("ulysses", 1), p.get("ring", 1)
-    return tokens, pairs, cm.group_layout(tuple(range(u * r)), u), p.get("ckpt", 0)
+    return tokens, pairs, cm.group_layout(tuple(range(u * r)), u), p.get("recompute_layers", 0)
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:

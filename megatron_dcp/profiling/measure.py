@@ -77,17 +77,18 @@ def measure_copy(device: torch.device, mbytes: int, repeat: int) -> float:
 
 def task_step(model: Decoder, cfg: DecoderConfig, lengths: list[int], device: torch.device, *,
               ulysses: int = 1, ring: int = 1, rank: int = 0, pool: Any = None,
-              ckpt: int = 0) -> Callable[[], None]:
+              recompute_layers: int = 0) -> Callable[[], None]:
     """Forward+backward of one task over packed sequences ``lengths``, as the executor runs it:
     group rank ``rank`` of ``ulysses x ring`` ranks (their process groups from ``pool``, a
-    `megatron_dcp.runtime.groups.GroupPool`: creating them is collective), ``ckpt`` recomputed
-    layers."""
+    `megatron_dcp.runtime.groups.GroupPool`: creating them is collective), ``recompute_layers``
+    recomputed layers."""
     degree = ulysses * ring
     task = Task(id=0, ranks=tuple(range(degree)), seqs=tuple(range(len(lengths))),
-                ulysses=ulysses, ring=ring, recompute_layers=ckpt)
+                ulysses=ulysses, ring=ring, recompute_layers=recompute_layers)
     layout = ShardLayout.build(lengths, ulysses, ring, rank)
     if degree == 1:
-        ctx = TaskContext(task=task, group_rank=0, layout=layout, recompute_layers=ckpt)
+        ctx = TaskContext(task=task, group_rank=0, layout=layout,
+                          recompute_layers=recompute_layers)
     else:
         from megatron_dcp.runtime.groups import groups_of_task
 
@@ -108,18 +109,20 @@ def task_step(model: Decoder, cfg: DecoderConfig, lengths: list[int], device: to
     return step
 
 
-def measure_model(cfg: DecoderConfig, lengths: list[int], depths: list[int],
+def measure_model(cfg: DecoderConfig, lengths: list[int], recompute_layers: list[int],
                   device: torch.device, dtype: torch.dtype, repeat: int,
                   verbose: bool = True) -> list[dict]:
-    """Forward+backward seconds of the whole decoder on one sequence per (length, depth)."""
+    """Forward+backward seconds of the whole decoder on one sequence per length and per number
+    of recomputed layers."""
     model = Decoder(cfg, seed=0).to(device=device, dtype=dtype)
     points = []
     for n in lengths:
-        for depth in depths:
-            step = task_step(model, cfg, [n], device, ckpt=depth)  # a one-sequence task
-            points.append({"length": n, "ckpt": depth, "seconds": timed(step, device, repeat)})
+        for layers in recompute_layers:
+            step = task_step(model, cfg, [n], device, recompute_layers=layers)  # one sequence
+            points.append({"length": n, "recompute_layers": layers,
+                           "seconds": timed(step, device, repeat)})
             if verbose:
-                print(f"  model fwd+bwd  length {n:6d}  ckpt {depth}: "
+                print(f"  model fwd+bwd  length {n:6d}  recompute_layers {layers}: "
                       f"{points[-1]['seconds']:.4f} s", flush=True)
     return points
 

@@ -15,7 +15,7 @@ For each task of this rank, in plan order ``(start, id)``, `PlanWork` yields a `
    (`PlanWork.loss` applies them to what the model returned).
 
 A lockstep plan's slots where this rank has no task are micro-steps too (``task`` None, a
-two-token shard on this rank alone with the slot's recompute depth, its loss multiplied by zero),
+two-token shard on this rank alone with the slot's recompute_layers, its loss multiplied by zero),
 and ``min_micro_steps`` pads the rank's count with the engine's own empty micro-steps (``shard``
 None). The caller (`megatron_dcp.runtime.step.StepDriver`, or `run_plan` for plain torch) runs
 forward, loss and backward of each; the model gets the task as an argument (``shard.task``),
@@ -419,17 +419,17 @@ class PlanWork:
 
 
 def _rank_order(plan: Plan, rank: int) -> list[tuple[Optional[Task], int]]:
-    """``(task, recompute depth)`` of this rank's micro-steps in plan order; in a lockstep plan
-    ``(None, slot depth)`` for each slot where this rank has no task."""
-    depths = plan.slot_depths()  # [] for a free plan
+    """``(task, recompute_layers)`` of this rank's micro-steps in plan order; in a lockstep plan
+    ``(None, the slot's recompute_layers)`` for each slot where this rank has no task."""
+    slots = plan.slot_recompute_layers()  # [] for a free plan
     order: list[tuple[Optional[Task], int]] = []
     next_slot = 0
     for task in plan.tasks_for_rank(rank):
-        if depths:
-            order += [(None, d) for d in depths[next_slot:task.slot]]
+        if slots:
+            order += [(None, layers) for layers in slots[next_slot:task.slot]]
             next_slot = task.slot + 1
         order.append((task, task.recompute_layers))
-    return order + [(None, d) for d in depths[next_slot:]]
+    return order + [(None, layers) for layers in slots[next_slot:]]
 
 
 def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,

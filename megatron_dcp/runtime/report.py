@@ -39,7 +39,7 @@ def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int],
                "recompute_layers": sorted({t.recompute_layers for t in plan.tasks}),
                "predicted_s": round(plan.makespan, 6)}
     if plan.lockstep:  # every rank runs every slot: its tasks and empty micro-steps
-        summary["slots"] = len(plan.slot_depths())
+        summary["slots"] = len(plan.slot_recompute_layers())
     if plan_s is not None:
         summary["plan_ms"] = round(plan_s * 1e3, 2)
     if plan_wait_s is not None:
