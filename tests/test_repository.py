@@ -306,3 +306,44 @@ def test_hidden_task_state_check_names_each_kind(tmp_path):
         "megatron_dcp/context.py:8 a thread-local",
         f"megatron_dcp/context.py:9 defines {REMOVED_LOOKUPS[0]}",
         "megatron_dcp/context.py:10 global _LAST"]
+
+
+LONG_FUNCTION_LINES = 60
+MAX_LONG_FUNCTIONS = 5
+"""Functions of the packages longer than `LONG_FUNCTION_LINES` (docstring included) today:
+profiling.hardware.profile_hardware, plan.simulate.simulate, runtime.ring.ring_in_one_process,
+plan.planners.make_plan, runtime.segments._build. A ratchet: lower it when one is split."""
+
+
+def long_functions(root: str, packages=PACKAGES, limit: int = LONG_FUNCTION_LINES) -> list[str]:
+    """``path:line name (n lines)`` of every function of ``packages`` over ``limit`` lines."""
+    found = []
+    for package in packages:
+        for folder, _, names in os.walk(os.path.join(root, package)):
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as handle:
+                    tree = ast.parse(handle.read(), path)
+                rel = os.path.relpath(path, root).replace(os.sep, "/")
+                for node in ast.walk(tree):
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        lines = node.end_lineno - node.lineno + 1
+                        if lines > limit:
+                            found.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
+    return sorted(found)
+
+
+def test_no_more_long_functions_than_today():
+    found = long_functions(ROOT)
+    assert len(found) <= MAX_LONG_FUNCTIONS, (
+        f"{len(found)} functions over {LONG_FUNCTION_LINES} lines (at most "
+        f"{MAX_LONG_FUNCTIONS}); split the new one:\n" + "\n".join(found))
+
+
+def test_long_function_check_counts_lines(tmp_path):
+    # negative control: a 61-line function is named, a 60-line one is not
+    (tmp_path / "megatron_dcp").mkdir()
+    body = "def short():\n" + "    x = 1\n" * 59 + "def long():\n" + "    x = 1\n" * 60
+    (tmp_path / "megatron_dcp" / "m.py").write_text(body)
+    assert long_functions(str(tmp_path), ("megatron_dcp",)) == [
+        "megatron_dcp/m.py:61 long (61 lines)"]
