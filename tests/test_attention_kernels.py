@@ -185,11 +185,16 @@ def test_backend_choice_is_reported_forcible_and_falls_back():
             pass
 
 
-def test_float32_computes_lse_in_float32():
+def test_bfloat16_block_accumulates_output_and_lse_in_float32():
+    """A block of bf16 inputs returns its partial output and log-sum-exp in float32 (the ring's
+    merge accumulates there), equal to the block computed from the same values in float32."""
     meta = TokenMeta.contiguous(7)
-    q = torch.randn(7, 2, 8, dtype=torch.bfloat16)
+    q = torch.randn(7, 2, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     out, lse = kernels.block_forward(q, q, q, meta, meta, causal=True, scale=0.5)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    ref_out, ref_lse = kernels.block_forward(*(q.float(),) * 3, meta, meta, causal=True, scale=0.5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
 
 
 def test_device_copy_keeps_its_host_metadata():
