@@ -10,7 +10,8 @@ must use sequence-parallel groups, activation checkpointing and a different numb
 micro-steps per rank. The world-size-2 launch also checks stop-and-resume from a checkpoint,
 bf16 at ZeRO-2 (loose tolerance), ``--dcp_loss_reduction sequence`` with and without ``--dcp``,
 and the start-up errors for bad input; one more launch runs ``examples/pretrain.py`` itself with
-a bad flag.
+a bad flag. Each part of a launch is its own test case: a part that raises is reported (with its
+traceback) by its case, and the parts after it still run.
 """
 
 from __future__ import annotations
@@ -68,85 +69,112 @@ def _tight_budget(world: int, stage: int) -> str:
                               config=DCPConfig(enabled=True, memory_budget_gb=gib)), 0.5, 64.0)
 
 
+def _stage_parity(pretrain, work: str, world: int, rank: int, stage: int) -> dict:
+    """Losses with and without --dcp at ZeRO ``stage``, the plans and the calibration rows."""
+    budget = ["--dcp_memory_budget_gb", _tight_budget(world, stage), *H200]
+    logs = {}
+    for mode in ("dcp", "dp"):
+        log = os.path.join(work, f"s{stage}_{mode}.jsonl")
+        flags = ["--dcp", *budget] if mode == "dcp" else []
+        _run(pretrain, COMMON + ["--zero-stage", str(stage), "--log-json", log, *flags])
+        logs[mode] = log
+    if rank != 0:
+        return {}
+    got = {m: _losses(p) for m, p in logs.items()}
+    got["plans"] = [r["plan"] for r in _records(logs["dcp"])]
+    got["calibration"] = [(r["predicted_s"], r["calibration_error"])
+                          for r in _records(logs["dcp"])]
+    return got
+
+
+def _resume(pretrain, work: str, world: int, rank: int) -> list:
+    """Stop after 3 iterations with a checkpoint, resume it to the end (ZeRO-1, --dcp)."""
+    budget = ["--dcp_memory_budget_gb", _tight_budget(world, 1), *H200]
+    ckpt, log = os.path.join(work, "ckpt"), os.path.join(work, "resume.jsonl")
+    _run(pretrain, COMMON + ["--train-iters", "3", "--zero-stage", "1", "--dcp", *budget,
+                             "--save", ckpt, "--log-json", log])
+    _run(pretrain, COMMON + ["--zero-stage", "1", "--dcp", *budget, "--load", ckpt,
+                             "--log-json", log])
+    return _losses(log) if rank == 0 else []
+
+
+def _bf16(pretrain, work: str, world: int, rank: int) -> dict:
+    """bf16 (DeepSpeed's mixed-precision optimizer path) at ZeRO-2, with and without --dcp."""
+    cfg = os.path.join(work, "bf16.json")
+    with open(cfg, "w") as f:
+        json.dump({"gradient_clipping": 1.0, "bf16": {"enabled": True},
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}, f)
+    out = {}
+    for mode in ("dcp", "dp"):
+        log = os.path.join(work, f"bf16_{mode}.jsonl")
+        flags = ["--dcp", "--dcp_memory_budget_gb", _tight_budget(world, 2),
+                 *H200] if mode == "dcp" else []
+        _run(pretrain, COMMON + ["--zero-stage", "2", "--deepspeed_config", cfg, "--log-json",
+                                 log, *flags])
+        out[mode] = _losses(log) if rank == 0 else []
+    return out
+
+
+def _sequence_loss(pretrain, work: str, world: int, rank: int) -> dict:
+    """loss_reduction="sequence" (mean of per-sequence means) with and without --dcp."""
+    budget = ["--dcp_memory_budget_gb", _tight_budget(world, 1), *H200]
+    out = {}
+    for mode in ("dcp", "dp"):
+        log = os.path.join(work, f"seq_{mode}.jsonl")
+        flags = ["--dcp", *budget] if mode == "dcp" else []
+        _run(pretrain, COMMON + ["--train-iters", "3", "--zero-stage", "1",
+                                 "--dcp_loss_reduction", "sequence", "--log-json", log, *flags])
+        out[mode] = _losses(log) if rank == 0 else []
+    return out
+
+
+def _bad_input(pretrain, work: str, world: int, rank: int) -> dict:
+    """The start-up error of each bad DeepSpeed config (None: none raised)."""
+    from megatron_dcp.config import DCPConfigError
+
+    errors = {}
+    cases = {
+        "unknown_key": {"gradient_clipping": 1.0, "dcp": {"max_degre": 2}},
+        "degree_cap": {"gradient_clipping": 1.0, "dcp": {"max_degree": world * 2}},
+        "sequence_parallel": {"gradient_clipping": 1.0, "sequence_parallel_size": 2, "dcp": {}},
+    }
+    for name, cfg in cases.items():
+        path = os.path.join(work, f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        try:
+            _run(pretrain, COMMON + ["--deepspeed_config", path])
+            errors[name] = None
+        except DCPConfigError as e:
+            errors[name] = str(e)
+    return errors
+
+
 def _driver(stages: list[int], out: str, resume: bool, bad_input: bool) -> None:
+    """Every part in turn; a part that raises is reported as {"failed": traceback} and the
+    next part still runs (each part is its own test case on the pytest side)."""
+    import traceback
+
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT / "examples"))
     import pretrain
 
-    from megatron_dcp.config import DCPConfigError
-
     work = out + ".d"  # shared by the ranks (checkpoints: rank 0 writes the "latest" tag)
     os.makedirs(work, exist_ok=True)
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
-    report: dict = {"stages": {}}
-    for stage in stages:
-        budget = ["--dcp_memory_budget_gb", _tight_budget(world, stage), *H200]
-        logs = {}
-        for mode in ("dcp", "dp"):
-            log = os.path.join(work, f"s{stage}_{mode}.jsonl")
-            flags = ["--dcp", *budget] if mode == "dcp" else []
-            _run(pretrain, COMMON + ["--zero-stage", str(stage), "--log-json", log, *flags])
-            logs[mode] = log
-        if rank == 0:
-            report["stages"][stage] = {m: _losses(p) for m, p in logs.items()}
-            report["stages"][stage]["plans"] = [r["plan"] for r in _records(logs["dcp"])]
-            report["stages"][stage]["calibration"] = [
-                (r["predicted_s"], r["calibration_error"]) for r in _records(logs["dcp"])]
+    parts = [(f"stage{stage}", _stage_parity, (stage,)) for stage in stages]
     if resume:
-        budget = ["--dcp_memory_budget_gb", _tight_budget(world, 1), *H200]
-        ckpt = os.path.join(work, "ckpt")
-        log = os.path.join(work, "resume.jsonl")
-        stop = ["--train-iters", "3"]
-        _run(pretrain, COMMON + stop + ["--zero-stage", "1", "--dcp", *budget, "--save", ckpt,
-                                        "--log-json", log])
-        _run(pretrain, COMMON + ["--zero-stage", "1", "--dcp", *budget, "--load", ckpt,
-                                 "--log-json", log])
-        if rank == 0:
-            report["resume"] = _losses(log)
-    if resume:  # bf16 (DeepSpeed's mixed-precision optimizer path) with DCP runs and agrees
-        cfg = os.path.join(work, "bf16.json")
-        with open(cfg, "w") as f:
-            json.dump({"gradient_clipping": 1.0, "bf16": {"enabled": True},
-                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}},
-                       f)
-        bf16 = {}
-        for mode in ("dcp", "dp"):
-            log = os.path.join(work, f"bf16_{mode}.jsonl")
-            flags = ["--dcp", "--dcp_memory_budget_gb", _tight_budget(world, 2),
-                     *H200] if mode == "dcp" else []
-            _run(pretrain, COMMON + ["--zero-stage", "2", "--deepspeed_config", cfg, "--log-json",
-                                     log, *flags])
-            bf16[mode] = _losses(log) if rank == 0 else []
-        report["bf16"] = bf16
-        # loss_reduction="sequence" (mean of per-sequence means) with and without --dcp
-        by_seq = {}
-        for mode in ("dcp", "dp"):
-            log = os.path.join(work, f"seq_{mode}.jsonl")
-            flags = ["--dcp", *budget] if mode == "dcp" else []
-            _run(pretrain, COMMON + ["--train-iters", "3", "--zero-stage", "1",
-                                     "--dcp_loss_reduction", "sequence", "--log-json", log,
-                                     *flags])
-            by_seq[mode] = _losses(log) if rank == 0 else []
-        report["sequence"] = by_seq
+        parts += [("resume", _resume, ()), ("bf16", _bf16, ()), ("sequence", _sequence_loss, ())]
     if bad_input:
-        errors = {}
-        cases = {
-            "unknown_key": {"gradient_clipping": 1.0, "dcp": {"max_degre": 2}},
-            "degree_cap": {"gradient_clipping": 1.0, "dcp": {"max_degree": world * 2}},
-            "sequence_parallel": {"gradient_clipping": 1.0, "sequence_parallel_size": 2, "dcp": {}},
-        }
-        for name, cfg in cases.items():
-            path = os.path.join(work, f"{name}.json")
-            with open(path, "w") as f:
-                json.dump(cfg, f)
-            try:
-                _run(pretrain, COMMON + ["--deepspeed_config", path])
-                errors[name] = None
-            except DCPConfigError as e:
-                errors[name] = str(e)
-        report["errors"] = errors
+        parts += [("errors", _bad_input, ())]
+    report: dict = {}
+    for name, part, args in parts:
+        try:
+            report[name] = part(pretrain, work, world, rank, *args)
+        except Exception:  # noqa: BLE001 - reported as this part's failure
+            report[name] = {"failed": f"rank {rank}: " + traceback.format_exc()}
     if rank == 0:
         with open(out, "w") as f:
             json.dump(report, f)
@@ -154,21 +182,38 @@ def _driver(stages: list[int], out: str, resume: bool, bad_input: bool) -> None:
 
 
 # ---------------------------------------------------------------------- the tests (pytest side)
-def _check_parity(report: dict, stages: list[int], require_uneven: bool) -> None:
-    for stage in stages:
-        got = report["stages"][str(stage)]
-        dcp, dp = got["dcp"], got["dp"]
-        assert len(dcp) == len(dp) == ITERS, got
-        for i, (a, b) in enumerate(zip(dcp, dp)):
-            assert abs(a - b) <= REL_TOL * abs(b), \
-                f"ZeRO {stage} iteration {i + 1}: dcp {a} vs dp {b}"
-        assert dcp[-1] < dcp[0]  # it trains
-        plans = got["plans"]  # the planner really regrouped: SP degrees > 1, uneven micro-steps
-        assert any(int(d) > 1 for p in plans for d in p["degrees"]), plans
-        if require_uneven:
-            assert any(len(set(p["micro_steps_per_rank"])) > 1 for p in plans), plans
-        calibration = got["calibration"]  # every row predicts; the error is known from step 1
-        assert all(pred > 0 and err is not None for pred, err in calibration), calibration
+def _part(world_size: int, name: str):
+    """What part ``name`` of the one launch of ``world_size`` reported (run on first use); a
+    part that raised fails its own test with its traceback."""
+    if world_size not in _LAUNCHES:
+        if world_size == 2:
+            _LAUNCHES[2] = _launch_driver(2, [0, 1], resume=True, bad_input=True, timeout=380)
+        else:
+            stages = [int(s) for s in os.environ.get("DCP_TEST_WS4_STAGES", "0,1").split(",")]
+            _LAUNCHES[4] = _launch_driver(4, stages, resume=False, bad_input=False, timeout=380)
+    got = _LAUNCHES[world_size].get(name)
+    if got is None:
+        pytest.skip(f"part {name!r} not run at world size {world_size}")
+    if isinstance(got, dict) and "failed" in got:
+        pytest.fail(got["failed"])
+    return got
+
+
+_LAUNCHES: dict = {}
+
+
+def _check_parity(got: dict, stage: int, require_uneven: bool) -> None:
+    dcp, dp = got["dcp"], got["dp"]
+    assert len(dcp) == len(dp) == ITERS, got
+    for i, (a, b) in enumerate(zip(dcp, dp)):
+        assert abs(a - b) <= REL_TOL * abs(b), f"ZeRO {stage} iteration {i + 1}: dcp {a} vs dp {b}"
+    assert dcp[-1] < dcp[0]  # it trains
+    plans = got["plans"]  # the planner really regrouped: SP degrees > 1, uneven micro-steps
+    assert any(int(d) > 1 for p in plans for d in p["degrees"]), plans
+    if require_uneven:
+        assert any(len(set(p["micro_steps_per_rank"])) > 1 for p in plans), plans
+    calibration = got["calibration"]  # every row predicts; the error is known from step 1
+    assert all(pred > 0 and err is not None for pred, err in calibration), calibration
 
 
 def _launch_driver(world_size: int, stages: list[int], resume: bool, bad_input: bool,
@@ -184,34 +229,45 @@ def _launch_driver(world_size: int, stages: list[int], resume: bool, bad_input: 
 
 
 @pytest.mark.timeout(400)
-def test_parity_resume_and_bad_input_world_size_2():
-    stages = [0, 1]
-    report = _launch_driver(2, stages, resume=True, bad_input=True, timeout=380)
-    _check_parity(report, stages, require_uneven=False)
-    # stop after 3 iterations, resume from the checkpoint: the same losses as without stopping
-    resumed, straight = report["resume"], report["stages"]["1"]["dcp"]
+@pytest.mark.parametrize("world_size, stage", [(2, 0), (2, 1), (4, 0), (4, 1)],
+                         ids=["w2-zero0", "w2-zero1", "w4-zero0", "w4-zero1"])
+def test_parity(world_size, stage):
+    _check_parity(_part(world_size, f"stage{stage}"), stage, require_uneven=world_size == 4)
+
+
+@pytest.mark.timeout(400)
+def test_stop_and_resume_matches_straight_run():
+    """Stop after 3 iterations, resume from the checkpoint: the same losses as without stopping."""
+    resumed, straight = _part(2, "resume"), _part(2, "stage1")["dcp"]
     assert len(resumed) == ITERS
     for a, b in zip(resumed, straight):
         assert abs(a - b) <= REL_TOL * abs(b), (resumed, straight)
-    bf16 = report["bf16"]  # bf16 rounding differs between plans: a loose tolerance
-    assert len(bf16["dcp"]) == ITERS and all(abs(a - b) <= 5e-3 * b for a, b in zip(bf16["dcp"],
-                                                                                    bf16["dp"]))
-    by_seq, by_token = report["sequence"], report["stages"]["1"]["dp"]
+
+
+@pytest.mark.timeout(400)
+def test_bf16_zero2_agrees():
+    bf16 = _part(2, "bf16")  # bf16 rounding differs between plans: a loose tolerance
+    assert len(bf16["dcp"]) == ITERS
+    assert all(abs(a - b) <= 5e-3 * b for a, b in zip(bf16["dcp"], bf16["dp"])), bf16
+
+
+@pytest.mark.timeout(400)
+def test_sequence_loss_reduction_agrees():
+    by_seq, by_token = _part(2, "sequence"), _part(2, "stage1")["dp"]
     assert len(by_seq["dcp"]) == 3
     for a, b in zip(by_seq["dcp"], by_seq["dp"]):
         assert abs(a - b) <= REL_TOL * abs(b), by_seq
     assert abs(by_seq["dp"][0] - by_token[0]) > 1e-4 * by_token[0]  # another loss than "token"
-    errors = report["errors"]
-    assert "unknown key(s)" in errors["unknown_key"] and "max_degre" in errors["unknown_key"]
-    assert "exceeds the DCP world size 2" in errors["degree_cap"]
-    assert "sequence_parallel_size=2" in errors["sequence_parallel"]
 
 
 @pytest.mark.timeout(400)
-def test_parity_world_size_4():
-    stages = [int(s) for s in os.environ.get("DCP_TEST_WS4_STAGES", "0,1").split(",")]
-    report = _launch_driver(4, stages, resume=False, bad_input=False, timeout=380)
-    _check_parity(report, stages, require_uneven=True)
+@pytest.mark.parametrize("case, message", [
+    ("unknown_key", ["unknown key(s)", "max_degre"]),
+    ("degree_cap", ["exceeds the DCP world size 2"]),
+    ("sequence_parallel", ["sequence_parallel_size=2"])])
+def test_bad_deepspeed_config_fails_at_start(case, message):
+    error = _part(2, "errors")[case]
+    assert error is not None and all(m in error for m in message), error
 
 
 @pytest.mark.timeout(240)
@@ -224,7 +280,8 @@ def test_kill_and_resume_across_processes(tmp_path):
     budget = ["--dcp_memory_budget_gb", _tight_budget(2, 2)]
     args = COMMON + ["--dcp", *budget, "--zero-stage", "2", "--train-iters", "6"]
     straight = tmp_path / "straight.jsonl"
-    proc = launch_deepspeed(2, ["examples/pretrain.py", *args, "--log-json", str(straight)], timeout=110)
+    proc = launch_deepspeed(2, ["examples/pretrain.py", *args, "--log-json", str(straight)],
+                            timeout=110)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
     ckpt, killed = tmp_path / "ckpt", tmp_path / "killed.jsonl"
