@@ -148,6 +148,49 @@ def _multi_rank(shape: Any, comm: dict, base: dict, world: int, sp_lengths: list
     return fields, measured
 
 
+def _task_points(s: ProfileSettings, cfg, lengths: list[int], device: torch.device,
+                 dtype_name: str) -> tuple[list[dict], list[dict]]:
+    """Timed one-sequence tasks (each length, with no and with every layer recomputed) and
+    timed packed tasks."""
+    dtype = getattr(torch, dtype_name)
+    recompute_layers = sorted({0, s.layers})
+    # a tiny task pins the fixed per-task cost (Python and kernel-launch overhead of a micro-step),
+    # which longer sequences alone leave to the fit to guess
+    lengths = sorted(set(lengths) | {measure.TASK_ANCHOR_TOKENS})
+    if s.concurrent and s.ranks > 1:
+        points = measure.measure_model_concurrently(cfg, lengths, recompute_layers, s.ranks,
+                                                    s.device, dtype_name, s.repeat, s.threads)
+    else:
+        points = measure.measure_model(cfg, lengths, recompute_layers, device, dtype, s.repeat)
+    sizes = list(s.pack_sizes)
+    if s.quick:
+        sizes = [x for x in sizes if 512 <= x <= 8192] or sizes[:3]
+    return points, measure.measure_packs(cfg, sizes, s.pack_seq, device, dtype, s.repeat)
+
+
+def _layout_rates(s: ProfileSettings, world: int, cfg, shape, base: dict,
+                  layout_lengths: list[int]) -> tuple[dict, Optional[dict]]:
+    """The link and layout fields of the profile, and the multi-rank measurements: measured over
+    ``world`` processes, or (one rank) derived from the copy bandwidth and, on CUDA, the
+    device's specification."""
+    if world > 1:
+        sp_lengths = [s.pack_seq] * (4 if s.quick else 8)
+        job = dict(device=s.device, dtype=s.resolved_dtype(), threads=s.threads,
+                   repeat=s.repeat, sizes=[4096, 65536, 1 << 20] if s.quick else
+                   [4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20],
+                   cfg=cfg, layout_lengths=layout_lengths, sp_lengths=sp_lengths)
+        comm = measure.measure_comm(world, job)
+        return _multi_rank(shape, comm, base, world, sp_lengths)
+    hbm_bandwidth = base["hbm_bandwidth"]
+    fields = {"intra_bandwidth": hbm_bandwidth / 4, "intra_latency": 2e-5,
+              "inter_bandwidth": hbm_bandwidth / 4, "inter_latency": 2e-5}
+    device = torch.device(s.device)
+    if device.type == "cuda":
+        fields.update(_analytic_layout_rates(device, base["attention_flops"]),
+                      communicator_bytes=NCCL_COMMUNICATOR_BYTES)
+    return fields, None
+
+
 def profile_hardware(s: ProfileSettings) -> dict:
     """Run every measurement and return the profile JSON object (checked: the planner loads
     it)."""
@@ -166,19 +209,7 @@ def profile_hardware(s: ProfileSettings) -> dict:
     print(f"GEMM: {linear_flops / 1e9:.2f} GFLOP/s", flush=True)
     hbm_bandwidth = measure.measure_copy(device, 16 if s.quick else 256, s.repeat)
     print(f"copy: {hbm_bandwidth / 1e9:.2f} GB/s", flush=True)
-    depths = sorted({0, s.layers})
-    # a tiny task pins the fixed per-task cost (Python and kernel-launch overhead of a micro-step),
-    # which longer sequences alone leave to the fit to guess
-    lengths = sorted(set(lengths) | {measure.TASK_ANCHOR_TOKENS})
-    if s.concurrent and s.ranks > 1:
-        points = measure.measure_model_concurrently(cfg, lengths, depths, s.ranks, s.device,
-                                                    dtype_name, s.repeat, s.threads)
-    else:
-        points = measure.measure_model(cfg, lengths, depths, device, dtype, s.repeat)
-    sizes = list(s.pack_sizes)
-    if s.quick:
-        sizes = [x for x in sizes if 512 <= x <= 8192] or sizes[:3]
-    pack_points = measure.measure_packs(cfg, sizes, s.pack_seq, device, dtype, s.repeat)
+    points, pack_points = _task_points(s, cfg, lengths, device, dtype_name)
     # fit, derive the pack curve with the fitted attention/task terms; the pack curve is then
     # what is left of the packed tasks' times (one pass: refitting with the curve drifts, as task
     # overhead and the curve's small end trade off)
@@ -191,22 +222,7 @@ def profile_hardware(s: ProfileSettings) -> dict:
     report = fit.predictions(shape, points, final)  # what the planner will predict
     pack_points = fit.predictions(shape, pack_points, final)
     world = _comm_world(s, device)
-    sp_lengths = [s.pack_seq] * (4 if s.quick else 8)
-    layout_fields: dict = {}
-    multi: Optional[dict] = None
-    if world > 1:
-        job = dict(device=s.device, dtype=dtype_name, threads=s.threads, repeat=s.repeat,
-                   sizes=[4096, 65536, 1 << 20] if s.quick else
-                   [4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20],
-                   cfg=cfg, layout_lengths=layout_lengths, sp_lengths=sp_lengths)
-        comm = measure.measure_comm(world, job)
-        layout_fields, multi = _multi_rank(shape, comm, base, world, sp_lengths)
-    else:
-        layout_fields = {"intra_bandwidth": hbm_bandwidth / 4, "intra_latency": 2e-5,
-                         "inter_bandwidth": hbm_bandwidth / 4, "inter_latency": 2e-5}
-        if device.type == "cuda":
-            layout_fields.update(_analytic_layout_rates(device, coeffs["attention_flops"]),
-                                 communicator_bytes=NCCL_COMMUNICATOR_BYTES)
+    layout_fields, multi = _layout_rates(s, world, cfg, shape, base, layout_lengths)
     ranks_per_node = max(1, world)
     data = {
         "format_version": 1,
