@@ -39,6 +39,8 @@ if case == "ends":
     time.sleep(6)  # rank 1 ended on purpose: not a stall
 else:
     dist.all_reduce(torch.ones(1))
+if case == "host-ends-first" and rank != 0:
+    time.sleep(3)  # rank 0, the store's host, has exited: ending must not wait for it
 liveness.stop_responder()
 dist.destroy_process_group()
 print(f"rank {rank} done", flush=True)
@@ -96,7 +98,7 @@ def test_stalled_rank_ends_the_job_within_two_intervals(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["busy", "ends"])
+@pytest.mark.parametrize("case", ["busy", "ends", "host-ends-first"])
 def test_healthy_ranks_are_not_named(tmp_path, case):
     procs = _launch(case, tmp_path)
     try:

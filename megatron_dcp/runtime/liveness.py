@@ -66,6 +66,9 @@ class RankFailureError(RuntimeError):
 
 
 _responder: Optional[threading.Thread] = None
+_main_store: Optional[Any] = None
+"""The main thread's own store connection, made while the store still answers: connecting anew
+after its host died would wait for the job's whole store timeout (30 minutes)."""
 _lock = threading.Lock()
 _stop = threading.Event()
 
@@ -159,16 +162,17 @@ def start_responder(interval_s: float = 0.0) -> bool:
     """Start this process's responder thread once (after the default process group exists);
     returns whether one runs. ``interval_s`` > 0: the first and the last rank also watch (probe
     every ``interval_s`` seconds and end the job when a rank misses two probes in a row)."""
-    global _responder
+    global _responder, _main_store
     if not dist.is_available() or not dist.is_initialized():
         return False
     with _lock:
         if _responder is not None and _responder.is_alive():
             return True
-        store = _store()
-        if store is None:
+        store, _main_store = _store(), _store()
+        if store is None or _main_store is None:
             return False
-        store.set_timeout(timedelta(seconds=5 * POLL_S))  # a stopped store host: give up soon
+        for connection in (store, _main_store):  # a stopped store host: give up soon
+            connection.set_timeout(timedelta(seconds=5 * POLL_S))
         rank, world = dist.get_rank(), dist.get_world_size()
         try:
             store.add(STARTED_KEY, 1)
@@ -190,14 +194,13 @@ def stop_responder() -> None:
     thread = _responder
     if thread is not None and thread is not threading.current_thread():
         thread.join(timeout=10 * POLL_S)
-    if thread is not None and dist.is_available() and dist.is_initialized():
-        store = _store()
-        if store is not None:
-            try:
-                store.set_timeout(timedelta(seconds=5 * POLL_S))
-                store.set(DONE_KEY.format(rank=dist.get_rank()), "1")
-            except Exception:  # noqa: BLE001 - the store's host is gone: nobody watches
-                pass
+    store = _main_store
+    if thread is not None and store is not None and dist.is_available() and dist.is_initialized():
+        try:
+            store.set_timeout(timedelta(seconds=5 * POLL_S))
+            store.set(DONE_KEY.format(rank=dist.get_rank()), "1")
+        except Exception:  # noqa: BLE001 - the store's host is gone: nobody watches
+            pass
     _responder = None
 
 
@@ -207,7 +210,7 @@ atexit.register(stop_responder)
 def unresponsive_ranks(wait_s: float = PROBE_WAIT_S) -> Optional[list[int]]:
     """Probe every rank of the job; the ranks whose responder did not answer within ``wait_s``
     seconds, or None when the store itself does not answer."""
-    store = _store()
+    store = _main_store if _main_store is not None else _store()
     if store is None:
         return None
     try:
