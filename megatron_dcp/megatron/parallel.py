@@ -12,6 +12,7 @@ answering for Megatron's own (one-rank) CP group, also inside a task.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import torch.distributed as dist
 
@@ -27,3 +28,18 @@ def destroy_model_parallel() -> None:
     for name, value in list(vars(parallel_state).items()):
         if isinstance(value, dist.ProcessGroup):
             setattr(parallel_state, name, None)
+    _clear_method_caches()
+
+
+def _clear_method_caches() -> None:
+    """Empty the ``functools.lru_cache`` of every megatron-core class method: their keys hold the
+    module and its groups (``RotaryEmbedding.forward`` caches by ``self`` and ``cp_group``), which
+    would keep those groups alive until interpreter exit."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core") or module is None:
+            continue
+        for cls in list(vars(module).values()):
+            if isinstance(cls, type) and cls.__module__ == name:
+                for attr in vars(cls).values():
+                    if callable(getattr(attr, "cache_clear", None)):
+                        attr.cache_clear()
