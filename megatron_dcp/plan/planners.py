@@ -57,10 +57,13 @@ def memory_stage(zero_stage: int, schedule: str) -> int:
 
 
 def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
-                     hardware: "Hardware | str | None" = None, zero_stage: int = 1) -> CostModel:
+                     hardware: "Hardware | str | None" = None, zero_stage: int = 1,
+                     vocabulary: Optional[Vocabulary] = None) -> CostModel:
     """The cost model ``make_plan`` uses for these settings; ``zero_stage`` is the engine's, the
     model's static memory that of `memory_stage` under ``config.schedule``. A pipelined model
-    (``model.pipeline_parallel > 1``) gets the cost model of one stage (`stage_model`), lockstep."""
+    (``model.pipeline_parallel > 1``) gets the cost model of one stage (`stage_model`), lockstep.
+    ``vocabulary``: charge its communicators per rank (`Vocabulary.for_lengths`); default: those
+    of the settings' vocabulary (`Vocabulary.for_cost_model`)."""
     if model.pipeline_parallel > 1:
         model, config = stage_model(model), config.replace(schedule="lockstep")
     try:
@@ -73,7 +76,9 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
                      ranks_per_node=config.ranks_per_node, memory_budget=budget,
                      memory_fraction=config.memory_fraction,
                      attention_layout=config.attention_layout,
-                     ulysses_scope=config.ulysses_scope, max_degree=config.max_degree)
+                     ulysses_scope=config.ulysses_scope, max_degree=config.max_degree,
+                     communicators_per_rank=None if vocabulary is None
+                     else vocabulary.communicators_per_rank())
 
 
 def pack_budget(config: DCPConfig, cm: CostModel) -> Optional[int]:
@@ -151,7 +156,8 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
               iteration: int = 0, hardware: "Hardware | str | None" = None,
               zero_stage: Optional[int] = None, cost_model: Optional[CostModel] = None,
               baseline_degree: "str | int | None" = None,
-              frame_tokens: Optional[Sequence[int]] = None) -> Plan:
+              frame_tokens: Optional[Sequence[int]] = None,
+              vocabulary: Optional[Vocabulary] = None) -> Plan:
     """Plan one global batch with ``config.policy``; deterministic in its inputs.
 
     Policies: ``dcp`` (DCP-inter + DCP-intra, `megatron_dcp.plan.dcp`), ``dcp-inter`` (the same
@@ -172,13 +178,17 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     (``lengths[i]`` a whole number of frames of them); the cost model counts each video's spatial
     and temporal attention with its own frame size, the bucket baseline buckets by shape, and the
     plan records them (`Plan.frame_tokens`). ``None``: the model's ``frame_tokens`` (or text).
+    ``vocabulary``: plan over these groups (the pool's, `Vocabulary.for_lengths`; its
+    communicators are charged), not the settings' default (`Vocabulary.for_cost_model`); it must
+    be for the same world, heads and layout rules (checked). Its sizes go to
+    ``meta["vocabulary_sizes"]``.
     Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
     """
     if model.pipeline_parallel > 1:
         return _plan_pipeline(lengths, world_size=world_size, model=model, config=config,
                               iteration=iteration, hardware=hardware, zero_stage=zero_stage,
                               cost_model=cost_model, baseline_degree=baseline_degree,
-                              frame_tokens=frame_tokens)
+                              frame_tokens=frame_tokens, vocabulary=vocabulary)
     t0 = time.perf_counter()
     clean, frames = _checked_batch(lengths, frame_tokens)
     if baseline_degree is None:
@@ -189,8 +199,9 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     if zero_stage is None:
         zero_stage = cost_model.zero_stage if cost_model is not None else 1
     schedule = schedule_for(config.schedule, zero_stage)
-    cm = _cost_model_for(model, config, world_size, hardware, zero_stage, schedule, cost_model)
-    vocab = Vocabulary.for_cost_model(cm, config.max_degree)
+    cm = _cost_model_for(model, config, world_size, hardware, zero_stage, schedule, cost_model,
+                         vocabulary)
+    vocab = _vocabulary_for(cm, config, vocabulary)
     _check_baseline_degree(baseline_degree, vocab)
     ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab,
                       recompute_mode=config.recompute,
@@ -202,6 +213,8 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
             "zero_stage": zero_stage, "schedule": schedule,
             "vocabulary_groups": len(vocab), "communicators_per_rank": cm.communicators_per_rank}
+    if vocabulary is not None:
+        meta["vocabulary_sizes"] = list(vocab.sizes)
     if not ctx.active:
         plan = Plan(tasks=(), lengths=tuple(clean), world_size=world_size, policy=config.policy,
                     skipped=tuple(skipped), meta=meta,
@@ -226,7 +239,8 @@ def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape
     if zero_stage is None:
         zero_stage = cost_model.zero_stage if cost_model is not None else 1
     config = config.replace(schedule="lockstep")
-    cm = cost_model or build_cost_model(stage, config, world_size, hardware, zero_stage)
+    cm = cost_model or build_cost_model(stage, config, world_size, hardware, zero_stage,
+                                        kwargs.get("vocabulary"))
     planning = micro_batch_cost_model(cm, pipe)
     packs = [config.pack_tokens]
     if config.policy.startswith("dcp") and world_size * len(lengths):
@@ -268,12 +282,14 @@ def _checked_batch(lengths: Sequence[int], frame_tokens: Optional[Sequence[int]]
 
 def _cost_model_for(model: ModelShape, config: DCPConfig, world_size: int,
                     hardware: "Hardware | str | None", zero_stage: int, schedule: str,
-                    cost_model: Optional[CostModel]) -> CostModel:
+                    cost_model: Optional[CostModel],
+                    vocabulary: Optional[Vocabulary] = None) -> CostModel:
     """Step 2 of `make_plan`: the cost model to plan with, built from the settings
-    (`build_cost_model`) or the given one, checked to be for this model, DCP world and the
-    ZeRO stage whose memory ``schedule`` assumes (`memory_stage`)."""
+    (`build_cost_model`, charging ``vocabulary``'s communicators where given) or the given one,
+    checked to be for this model, DCP world and the ZeRO stage whose memory ``schedule``
+    assumes (`memory_stage`)."""
     if cost_model is None:
-        return build_cost_model(model, config, world_size, hardware, zero_stage)
+        return build_cost_model(model, config, world_size, hardware, zero_stage, vocabulary)
     given = (model, world_size, memory_stage(zero_stage, schedule))
     cm = cost_model
     if (cm.model, cm.world_size, cm.zero_stage) != given:
@@ -281,6 +297,20 @@ def _cost_model_for(model: ModelShape, config: DCPConfig, world_size: int,
                         f"stage {cm.zero_stage}; the call asks for {model.name}, world "
                         f"{world_size}, ZeRO stage {given[2]}")
     return cm
+
+
+def _vocabulary_for(cm: CostModel, config: DCPConfig,
+                    vocabulary: Optional[Vocabulary]) -> Vocabulary:
+    """The groups to plan over: the settings' default vocabulary, or ``vocabulary`` when it
+    follows the same rules (world, node, max_degree, heads, layout, scope); else `PlanError`."""
+    default = Vocabulary.for_cost_model(cm, config.max_degree)
+    if vocabulary is None:
+        return default
+    if vocabulary.rules() != default.rules():
+        raise PlanError(f"vocabulary= is for the settings {vocabulary.rules()}, the plan for "
+                        f"{default.rules()} (world, ranks per node, max_degree, "
+                        "heads, attention layout, Ulysses scope)")
+    return vocabulary
 
 
 def _drafts_of_policy(ctx: PlanContext, policy: str, lockstep: bool, meta: dict

@@ -15,6 +15,9 @@ by the cost model when it chooses a layout and by the pool when it creates commu
 ``ulysses_scope="node"`` keeps Ulysses inside a node: a group spanning nodes runs either pure ring
 or the largest Ulysses degree inside a node with ring across nodes, which cuts the communicators a
 rank holds (`communicators_per_rank`).
+
+`Vocabulary.for_lengths` keeps only the group sizes the job's length distribution needs
+(``sizes=``): fewer communicators, the same placements for the sizes kept.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 from megatron_dcp.config import ULYSSES_SCOPES
 
 ODD_SIZES = (3, 6)
+LENGTH_SAMPLE = 2048
+"""Distinct lengths `Vocabulary.for_lengths` looks at (more are thinned to quantiles)."""
 
 
 def _nice(k: int) -> bool:
@@ -89,9 +94,9 @@ def _most_per_rank(groups: Iterable[Sequence[int]], world_size: int) -> int:
 @functools.lru_cache(maxsize=16)
 def _communicators_of(settings: tuple) -> tuple[tuple[tuple[int, ...], ...], int]:
     """`Vocabulary.communicators` and `Vocabulary.communicators_per_rank` of ``settings``."""
-    world_size, ranks_per_node, max_degree, heads, layout, scope = settings
+    world_size, ranks_per_node, max_degree, heads, layout, scope, sizes = settings
     vocab = Vocabulary(world_size, ranks_per_node, max_degree, heads=heads,
-                       attention_layout=layout, ulysses_scope=scope)
+                       attention_layout=layout, ulysses_scope=scope, sizes=sizes)
     found: set[tuple[int, ...]] = set()
     for ranks in vocab.groups():
         for u in vocab.ulysses_degrees(len(ranks)):
@@ -103,11 +108,12 @@ def _communicators_of(settings: tuple) -> tuple[tuple[tuple[int, ...], ...], int
 class Vocabulary:
     """Allowed groups of a DCP world of ``world_size`` ranks, ``ranks_per_node`` per node, and the
     Ulysses degrees (hence sub-groups) each group size may use (see `ulysses_degrees` for
-    ``heads``, ``attention_layout`` and ``ulysses_scope``)."""
+    ``heads``, ``attention_layout`` and ``ulysses_scope``). ``sizes``: keep only groups of these
+    sizes (`for_lengths`); ``None``: every size of the rule above."""
 
     def __init__(self, world_size: int, ranks_per_node: int, max_degree: Optional[int] = None,
                  *, heads: Optional[int] = None, attention_layout: str = "auto",
-                 ulysses_scope: str = "any") -> None:
+                 ulysses_scope: str = "any", sizes: Optional[Iterable[int]] = None) -> None:
         if world_size < 1 or ranks_per_node < 1:
             raise ValueError(f"world_size={world_size} and ranks_per_node={ranks_per_node} must "
                              "be >= 1")
@@ -141,7 +147,10 @@ class Vocabulary:
                 for j in range(0, nodes - k + 1, k):
                     add(j * rpn, k * rpn)
         add(0, world_size)
-        self._starts = {s: tuple(v) for s, v in sorted(groups.items())}
+        self.kept = None if sizes is None else tuple(sorted({int(k) for k in sizes}))
+        """The ``sizes`` this vocabulary was restricted to (``None``: not restricted)."""
+        self._starts = {s: tuple(v) for s, v in sorted(groups.items())
+                        if self.kept is None or s in self.kept}
         self.sizes: tuple[int, ...] = tuple(self._starts)
 
     @classmethod
@@ -155,6 +164,43 @@ class Vocabulary:
         return cls(cost_model.world_size, cost_model.ranks_per_node, max_degree, heads=heads,
                    attention_layout=cost_model.attention_layout,
                    ulysses_scope=getattr(cost_model, "ulysses_scope", "any"))
+
+    @classmethod
+    def for_lengths(cls, cost_model: Any, lengths: Iterable[int],
+                    max_degree: Optional[int] = None, *, recompute: str = "auto",
+                    sample: int = LENGTH_SAMPLE) -> "Vocabulary":
+        """The vocabulary of `for_cost_model` cut to the group sizes the lengths the job will see
+        need (the indexed dataset's document sizes, the corpus's, a sample of batches), under the
+        memory budget ``cost_model`` charges (with the default vocabulary's communicators: every
+        size it fits, fits here too). For each length: the smallest size where it fits memory
+        (under ``recompute``, `DCPConfig.recompute`), the size where its work (ranks x time) is
+        least and the size where its time is least (the planner raises a degree that shortens
+        the critical path); plus size 1 (packed short sequences; it needs no communicator). A
+        subset of the default, so never more communicators per rank. A length that fits no size
+        is left to the planner (its oversize policy names it). Lengths beyond ``sample``
+        distinct values are thinned to ``sample`` quantiles (and the longest)."""
+        from megatron_dcp.plan.drafts import PlanContext  # drafts imports this module
+
+        full = cls.for_cost_model(cost_model, max_degree)
+        distinct = sorted({int(n) for n in lengths if int(n) > 0})
+        if len(distinct) > sample:
+            step = (len(distinct) - 1) / (sample - 1)
+            distinct = sorted({distinct[round(k * step)] for k in range(sample)})
+        ctx = PlanContext(lengths=distinct, active=[], cm=cost_model, vocab=full,
+                          recompute_mode=recompute)
+        keep = {1} & set(full.sizes)
+        for n, pairs in zip(distinct, ctx.pairs):
+            fits = [(d, c) for d in full.sizes
+                    if (c := ctx.recompute_for(ctx.padded(n, d), d, recompute)) is not None]
+            if not fits:
+                continue
+            times = [(cost_model.best_time(n, pairs, d, c)[0], d) for d, c in fits]
+            keep.add(fits[0][0])
+            keep.add(min(times)[1])
+            keep.add(min((t * d, d) for t, d in times)[1])
+        return cls(full.world_size, full.ranks_per_node, max_degree, heads=full.heads,
+                   attention_layout=full.attention_layout, ulysses_scope=full.ulysses_scope,
+                   sizes=keep)
 
     def starts(self, size: int) -> tuple[int, ...]:
         """First ranks of groups of ``size`` ranks (empty: the size is not in the vocabulary)."""
@@ -195,7 +241,12 @@ class Vocabulary:
         """Everything the communicators depend on (the cache key: the planner builds a cost model,
         hence asks for the count, on every call; at 1,024 ranks a count takes tens of ms)."""
         return (self.world_size, self.ranks_per_node, self.max_degree, self.heads,
-                self.attention_layout, self.ulysses_scope)
+                self.attention_layout, self.ulysses_scope, self.kept)
+
+    def rules(self) -> tuple:
+        """(world, ranks per node, max_degree, heads, attention layout, Ulysses scope): what
+        decides the groups and layouts, the kept sizes aside."""
+        return self._settings()[:-1]
 
     def max_groups_per_rank(self) -> int:
         """Most task groups any one rank belongs to (sub-groups not counted)."""

@@ -170,6 +170,9 @@ class StepDriver:
         self.timing = StepTiming(config, model_shape, zero_stage)
         """Predicted step times and the online calibration (`StepTiming`)."""
         self._ahead = PlanAhead()
+        self.vocabulary: Any = None
+        """The `Vocabulary` plans are made over when `create_groups` chose it from lengths
+        (``None``: the settings' default)."""
         if config.enabled:
             from megatron_dcp.plan.hardware import load_hardware
 
@@ -197,10 +200,15 @@ class StepDriver:
         """Ranks of the DCP world."""
         return self.pool.world_size
 
-    def create_groups(self) -> str:
+    def create_groups(self, lengths: Optional[Sequence[int]] = None) -> str:
         """Start-up (collective over the job): create and warm every communicator the planner's
         vocabulary can use, so that no step creates one (`GroupPool.create_all`). Returns the
-        pool's one-line report. Plain data parallel needs no groups."""
+        pool's one-line report. Plain data parallel needs no groups.
+
+        ``lengths``: the lengths the job will see (the dataset's document sizes, a sample of
+        batches; the same on every rank): the vocabulary keeps only the group sizes they need
+        (`Vocabulary.for_lengths`) and every later plan of this driver is made over it
+        (`vocabulary`). ``None``: the default vocabulary (`Vocabulary.for_cost_model`)."""
         if not self.config.enabled or self.world_size == 1:
             return "group pool: no sequence-parallel groups needed"
         from megatron_dcp.plan import build_cost_model
@@ -210,7 +218,13 @@ class StepDriver:
             raise ValueError("create_groups needs the model's shape (model_shape=)")
         cost_model = build_cost_model(self.model_shape, self.config, self.world_size,
                                       self.hardware, self.zero_stage)
-        vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
+        if lengths is None:
+            vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
+        else:
+            self._ahead.close()  # one made ahead over another vocabulary
+            vocabulary = Vocabulary.for_lengths(cost_model, lengths, self.config.max_degree,
+                                                recompute=self.config.recompute)
+            self.vocabulary = vocabulary
         return self.pool.create_all(vocabulary)
 
     def plan(self, lengths: Sequence[int], iteration: Optional[int] = None,
@@ -232,11 +246,14 @@ class StepDriver:
                              "ModelShape; the reference models' .shape() gives it) or give "
                              "every step its plan")
         extra = {} if frame_tokens is None else {"frame_tokens": list(frame_tokens)}
+        vocabulary = self.vocabulary  # the pool's; another world plans over its default
+        if vocabulary is not None and vocabulary.world_size != world_size:
+            vocabulary = None
         return make_plan(lengths, world_size=world_size, model=self.model_shape,
                          config=self.config,
                          iteration=self.iteration if iteration is None else iteration,
                          hardware=self.hardware if hardware is None else hardware,
-                         zero_stage=self.zero_stage, **extra)
+                         zero_stage=self.zero_stage, vocabulary=vocabulary, **extra)
 
     def plan_ahead(self, lengths: Sequence[int], *, iteration: Optional[int] = None,
                    frame_tokens: Optional[Sequence[int]] = None) -> bool:
