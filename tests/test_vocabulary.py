@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_dcp.config import POLICIES, DCPConfig
-from megatron_dcp.plan import Task, Vocabulary, build_cost_model, load_model, make_plan
+from megatron_dcp.plan import (PlanError, Task, Vocabulary, build_cost_model, load_model,
+                               make_plan, validate_plan)
 from megatron_dcp.plan.vocabulary import communicators, ulysses_degrees
 from megatron_dcp.plan.workload import sample_lengths
 
@@ -85,3 +86,50 @@ def test_plans_use_only_vocabulary_communicators(scope):
                 used_outside_node.add(policy)
     # the default scope runs Ulysses across nodes; the node scope never does
     assert bool(used_outside_node) == (scope == "any"), used_outside_node
+
+
+def _h200(world=32, **settings):
+    model = load_model("llama-7b")
+    config = DCPConfig(hardware="h200", **settings)
+    return model, config, build_cost_model(model, config, world)
+
+
+def test_vocabulary_from_lengths_keeps_the_sizes_the_data_needs():
+    model, config, cm = _h200()
+    default = Vocabulary.for_cost_model(cm)
+    short = sample_lengths("short", 65536 * 32, seed=10, max_len=8192)
+    vocab = Vocabulary.for_lengths(cm, short)
+    # what each length needs: smallest size that fits, least work, least time (+ 1 for packing)
+    assert 1 in vocab.sizes and set(vocab.sizes) < set(default.sizes)
+    for n in (min(short), max(short)):
+        pairs = cm.pairs_of(n)
+        fits = [d for d in default.sizes if cm.min_recompute_layers(cm.padded(n, d), d) == 0]
+        assert fits[0] in vocab.sizes
+        assert min(fits, key=lambda d: cm.best_time(n, pairs, d, 0)[0]) in vocab.sizes
+    assert vocab.communicators_per_rank() < default.communicators_per_rank()
+    assert set(vocab.communicators()) < set(default.communicators())
+    assert vocab.rules() == default.rules()
+    # a long length brings the smallest size it fits in; no lengths: size 1 alone
+    wide = [d for d in default.sizes
+            if cm.min_recompute_layers(cm.padded(262144, d), d) is not None]
+    assert wide[0] not in vocab.sizes and wide[0] in Vocabulary.for_lengths(cm, [262144]).sizes
+    assert Vocabulary.for_lengths(cm, []).sizes == (1,)
+
+
+def test_plans_over_a_data_vocabulary_are_valid_and_charge_its_communicators():
+    model, config, cm = _h200()
+    vocab = Vocabulary.for_lengths(cm, sample_lengths("short", 65536 * 32, seed=10,
+                                                       max_len=8192))
+    # the batch's own lengths, and one longer than any the vocabulary was chosen from
+    for lengths in (sample_lengths("short", 65536 * 32, seed=0, max_len=8192),
+                    [100_000] + [2048] * 200):
+        plan = make_plan(lengths, world_size=32, model=model, config=config, vocabulary=vocab)
+        validate_plan(plan, model, vocabulary=vocab)
+        assert plan.meta["vocabulary_sizes"] == list(vocab.sizes)
+        assert plan.meta["communicators_per_rank"] == vocab.communicators_per_rank()
+    default = make_plan(lengths, world_size=32, model=model, config=config)
+    assert "vocabulary_sizes" not in default.meta
+    assert default.meta["communicators_per_rank"] == cm.communicators_per_rank
+    with pytest.raises(PlanError, match="vocabulary="):
+        make_plan(lengths, world_size=32, model=model, config=config.replace(max_degree=8),
+                  vocabulary=vocab)
