@@ -34,6 +34,16 @@ Recompute depth. `DCPTransformerLayer` runs itself under Megatron's reentrant ch
 (``tensor_parallel.checkpoint``, as Megatron's block recompute does per layer) when its index is
 below ``packed_seq_params.recompute_layers``: the depth of the task, read per call, so the
 ``TransformerConfig`` is never changed (its ``recompute_granularity`` must be unset under DCP).
+
+Sequence parallelism (``sequence_parallel`` with TP > 1). Megatron splits the layer inputs along
+the sequence over the TP ranks, so a shard's length must be a multiple of TP: the step pads the
+shard at its end (``DCPTaskParams.sp_pad`` tokens, label masked). Between the TP all-gather and
+reduce-scatter every TP rank holds the whole padded shard; `DCPCoreAttention` hands only the
+shard's own tokens to DCP's attention and returns zeros for the padding, which therefore neither
+attends nor is attended to, and carries no loss: exact. The norms must accept SP: `SPNorm`
+(torch's ``RMSNorm``/``LayerNorm`` with weights marked ``sequence_parallel`` so Megatron's
+``finalize_model_grads`` sums their gradients over TP) replaces Megatron's ``WrappedTorchNorm``,
+which refuses SP, in the local spec; `get_gpt_block_dcp_spec` also puts it in the final norm.
 """
 
 from __future__ import annotations
@@ -64,13 +74,18 @@ class DCPTaskParams(_packed_seq_params_class()):
     recompute_layers: int = 0
     """Recompute the first ``recompute_layers`` layers in this call (the task's depth; 0 in a
     forward-only step)."""
+    sp_pad: int = 0
+    """Padding tokens at the end of the shard's micro-batch that make its length a multiple of
+    the TP size under sequence parallelism (outside DCP's layout: attention skips them)."""
     reached: bool = False
     """Set by the first `DCPTransformerLayer` that runs with these parameters: the step checks it
     to name a ``forward_step_func`` that did not pass them to the model."""
 
     @classmethod
-    def of(cls, task: Optional[TaskContext], train: bool = True) -> Optional["DCPTaskParams"]:
-        """Parameters for ``task`` (``None`` outside a task); ``train=False``: no recompute."""
+    def of(cls, task: Optional[TaskContext], train: bool = True,
+           sp_pad: int = 0) -> Optional["DCPTaskParams"]:
+        """Parameters for ``task`` (``None`` outside a task); ``train=False``: no recompute;
+        ``sp_pad``: see the field."""
         if task is None or task.layout is None:
             return None
         # GPTModel asks its RotaryEmbedding for the table of positions 0..max_seqlen-1: every
@@ -79,15 +94,19 @@ class DCPTaskParams(_packed_seq_params_class()):
         host = task.layout.position_ids
         n = int(host.max()) + 1 if host.numel() else 1
         return cls(qkv_format="sbhd", max_seqlen_q=n, max_seqlen_kv=n, task=task,
-                   recompute_layers=task.recompute_layers if train else 0)
+                   recompute_layers=task.recompute_layers if train else 0, sp_pad=sp_pad)
 
     def rotary_rows(self, table):
         """The rows of Megatron's rotary table ``[max_seqlen_q, 1, 1, dim]`` (or of each of a
         (q, k) pair) at the shard's positions, ``[T_local, 1, 1, dim]``: indexed by the layout's
-        pinned device copy, made once per shard (no device sync, no pageable copy)."""
+        pinned device copy, made once per shard (no device sync, no pageable copy); position 0
+        for the ``sp_pad`` padding rows."""
         if isinstance(table, (tuple, list)):
             return type(table)(self.rotary_rows(t) if t is not None else None for t in table)
-        return table[self.task.layout.meta().to(table.device).positions]
+        rows = table[self.task.layout.meta().to(table.device).positions]
+        if self.sp_pad:
+            rows = torch.cat([rows, table[:1].expand(self.sp_pad, *table.shape[1:])])
+        return rows
 
 
 def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernorm: bool = False,
@@ -118,7 +137,55 @@ def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernor
                         f"core_attention slot, got {spec.module} / {attention.module}")
     spec.module = DCPTransformerLayer
     attention.submodules.core_attention = DCPCoreAttention
+    if not use_transformer_engine:
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            if _is_torch_norm(getattr(spec.submodules, name, None)):
+                setattr(spec.submodules, name, SPNorm)
     return spec
+
+
+def get_gpt_block_dcp_spec(config, layer_spec=None, vp_stage: Optional[int] = None):
+    """Megatron's ``TransformerBlockSubmodules`` for this pipeline stage: ``layer_spec``
+    (default `get_gpt_layer_dcp_spec` with ``config.normalization``) for each of its layers and
+    `SPNorm` as the final norm where Megatron's block would use ``WrappedTorchNorm`` (no TE, no
+    Apex), which refuses sequence parallelism. Pass it to ``GPTModel`` as the layer spec; needed
+    with ``config.sequence_parallel`` where TE and Apex are absent (`get_gpt_layer_dcp_spec`
+    alone covers the layers' norms, not the final one)."""
+    from megatron.core.transformer import transformer_block as tb
+
+    if layer_spec is None:
+        layer_spec = get_gpt_layer_dcp_spec(normalization=config.normalization)
+    layers = tb.get_num_layers_to_build(config, vp_stage=vp_stage)
+    norm = SPNorm if _is_torch_norm(tb.LayerNormImpl) else tb.LayerNormImpl
+    return tb.TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=norm)
+
+
+def _is_torch_norm(module) -> bool:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return module is WrappedTorchNorm
+
+
+class SPNorm:
+    """torch's ``RMSNorm`` or ``LayerNorm`` (``config.normalization``) that supports Megatron's
+    sequence parallelism: built like Megatron's ``WrappedTorchNorm`` (which refuses SP), with
+    every weight marked ``sequence_parallel = config.sequence_parallel``, so that
+    ``finalize_model_grads`` sums its gradient over the TP ranks (each normalised a part of the
+    sequence). Parameter names are torch's (``weight``, ``bias``): checkpoints of the local spec
+    load unchanged."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
+            raise ValueError("SPNorm: zero_centered_gamma and memory_efficient_layer_norm need "
+                             "Transformer Engine or Apex norms")
+        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"SPNorm: normalization {config.normalization!r} is not one of "
+                             f"{sorted(kinds)}")
+        norm = kinds[config.normalization](hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
 
 
 def _transformer_layer():
@@ -237,7 +304,10 @@ class DCPCoreAttention(_megatron_module()):
             if batch != 1:
                 raise ValueError(f"DCPCoreAttention: a DCP task runs one packed shard (batch 1), "
                                  f"got batch {batch}")
-            out = attend(query[:, 0], key[:, 0], value[:, 0]).unsqueeze(1)
+            own = seq - packed_seq_params.sp_pad  # SP padding: outside the layout, zeros
+            out = attend(query[:own, 0], key[:own, 0], value[:own, 0]).unsqueeze(1)
+            if own < seq:
+                out = torch.cat([out, out.new_zeros(seq - own, *out.shape[1:])])
         else:
             if attention_mask is not None and not causal:
                 raise ValueError("DCPCoreAttention: explicit attention masks are not supported; "

@@ -71,6 +71,11 @@ def _tensor_parallel_size() -> int:
     return int(parallel_state.get_tensor_model_parallel_world_size())
 
 
+def _token_losses(output_tensor, loss_mask, shard: Shard) -> torch.Tensor:
+    """Masked per-token losses of the shard's own tokens (any SP padding dropped)."""
+    return (output_tensor.reshape(-1).float() * loss_mask.view(-1))[:shard.labels.numel()]
+
+
 class MegatronStepEngine:
     """Megatron's side of the `StepDriver` protocol for one call of `DCPForwardBackward`."""
 
@@ -91,20 +96,28 @@ class MegatronStepEngine:
         output_tensor, loss_func, loss_mask = self._forward(shard)
         loss_sum, _num_tokens, _report = self._loss(loss_func, output_tensor)
         if per_token:  # the driver weights every token by its sequence's 1/(S * targets)
-            return output_tensor.reshape(-1).float() * loss_mask
+            return _token_losses(output_tensor, loss_mask, shard)
         return loss_sum
 
     def _forward(self, shard: Shard):
-        """``forward_step_func`` on the shard's micro-batch: (output, loss_func, loss mask)."""
+        """``forward_step_func`` on the shard's micro-batch: (output, loss_func, loss mask).
+        Under sequence parallelism the micro-batch is padded at its end to a multiple of the TP
+        size (padding: token 0, position 0, loss mask 0; attention skips it)."""
         from megatron_dcp.megatron.spec import DCPTaskParams
 
-        params = DCPTaskParams.of(shard.task, train=not self.forward_only)
-        loss_mask = (shard.labels != IGNORE_INDEX).to(torch.float32)
+        tp = _tensor_parallel_size() if self.mconfig.sequence_parallel else 1
+        pad = -shard.labels.numel() % tp
+
+        def padded(x, value=0):
+            return torch.nn.functional.pad(x, (0, pad), value=value).view(1, -1)
+
+        params = DCPTaskParams.of(shard.task, train=not self.forward_only, sp_pad=pad)
+        loss_mask = padded((shard.labels != IGNORE_INDEX).to(torch.float32))
         micro_batch = {
-            "tokens": shard.input_ids.view(1, -1),
-            "labels": shard.labels.clamp(min=0).view(1, -1),
-            "loss_mask": loss_mask.view(1, -1),
-            "position_ids": shard.position_ids.view(1, -1),
+            "tokens": padded(shard.input_ids),
+            "labels": padded(shard.labels.clamp(min=0)),
+            "loss_mask": loss_mask,
+            "position_ids": padded(shard.position_ids),
             "attention_mask": None,
             "packed_seq_params": params,
         }
@@ -217,7 +230,8 @@ class MegatronPipelineEngine(MegatronStepEngine):
 
             def weighted(output_tensor):
                 loss_sum, num_tokens, report = self._loss(loss_func, output_tensor)
-                out = output_tensor.reshape(-1).float() * loss_mask if per_token else loss_sum
+                out = (_token_losses(output_tensor, loss_mask, step.shard) if per_token
+                       else loss_sum)
                 if step.task is not None:
                     task_losses.append((step.task.id, out.detach()))
                     work.local_tokens += step.tokens

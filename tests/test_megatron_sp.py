@@ -1,0 +1,64 @@
+"""Megatron's sequence parallelism (TP 2, ``sequence_parallel``) under DCP equals one process.
+
+DP 2 x TP 2 at 4 ranks, the tiny GPT and plan of tests/test_megatron.py: a degree-2 Ulysses task
+whose local shard (19 tokens) is not a multiple of TP, a ring task, packed tasks, recompute 0..3.
+Every shard is padded to a multiple of TP at its end; the padding must change nothing. Compared
+with Megatron's local spec in one process: loss and every gradient (after Megatron's gradient
+finalisation, which sums the SP norms' gradients over TP), relative error <= 1e-5, with backward
+on the calling thread and on a fresh thread (as CUDA's autograd engine runs it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import test_megatron as tm
+from distributed import run_distributed
+
+
+def _build_sp(tp: int, dcp: bool, seed: int = 7):
+    """`test_megatron._build` with ``sequence_parallel`` and DCP's block spec (SP-capable norms,
+    the final one included)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
+    from megatron_dcp.megatron.spec import get_gpt_block_dcp_spec
+
+    assert dcp and tp == 2
+    enable_cpu()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    seed_rng(seed)
+    config = tm._tiny_config(tp)
+    config.sequence_parallel = True
+    return GPTModel(config, get_gpt_block_dcp_spec(config), vocab_size=tm.VOCAB,
+                    max_sequence_length=64, position_embedding_type="rope")
+
+
+def _sp_steps(rank, world_size, state, modes, sequence_parallel=True):
+    if sequence_parallel:
+        tm._build = _build_sp
+    return {mode: tm._dcp_step(rank, world_size, 2, tm.PLAN_2, state, "token", mode)
+            for mode in modes}
+
+
+def test_local_shards_need_padding():
+    """The plan really has a shard whose length is not a multiple of TP (37 tokens, Ulysses 2:
+    19 per rank) and one that is (the ring task's 14)."""
+    from megatron_dcp.plan.plan import Plan
+    from megatron_dcp.runtime.layout import ShardLayout
+
+    plan = Plan.from_dict(tm.PLAN_2)
+    sizes = [ShardLayout.build([tm.LENGTHS[s] for s in t.seqs], t.ulysses, t.ring, 0).num_tokens
+             for t in plan.tasks]
+    assert any(n % 2 for n in sizes) and any(n % 2 == 0 for n in sizes), sizes
+
+
+@pytest.mark.timeout(240)
+def test_dp2_tp2_sequence_parallel_matches_single_process():
+    reference = run_distributed(tm._reference, world_size=1, timeout_s=120)[0]
+    modes = (None, "thread")
+    results = run_distributed(_sp_steps, world_size=4, args=(reference[0], modes),
+                              timeout_s=200)
+    for mode in modes:
+        tm._check([r[mode] for r in results], reference, 2)
