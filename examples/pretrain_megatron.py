@@ -172,23 +172,30 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
-def layer_spec(dcp: bool, use_transformer_engine=None):
+def layer_spec(dcp: bool, use_transformer_engine=None, config=None):
     """The GPT layer spec of both modes, built from one layer implementation (Transformer
     Engine's when installed, ``use_transformer_engine=None``: detect; else Megatron's local
-    spec), so that a comparison of the modes differs in the core attention only: DCP's with
-    ``dcp``, Megatron's own without."""
+    spec with DCP's `SPNorm`, which supports ``--sequence-parallel``), so that a comparison of
+    the modes differs in the core attention only: DCP's with ``dcp``, Megatron's own without.
+    With a ``config`` (and no TE): the block spec of this pipeline stage, whose final norm is
+    `SPNorm` too."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
+    from megatron_dcp.megatron.spec import SPNorm, get_gpt_block_dcp_spec, get_gpt_layer_dcp_spec
 
     if use_transformer_engine is None:
         use_transformer_engine = bool(getattr(gpt_layer_specs, "HAVE_TE", False))
     if dcp:
-        return get_gpt_layer_dcp_spec(normalization="RMSNorm",
+        spec = get_gpt_layer_dcp_spec(normalization="RMSNorm",
                                       use_transformer_engine=use_transformer_engine)
-    if use_transformer_engine:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    elif use_transformer_engine:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SPNorm
+    if config is None or use_transformer_engine:
+        return spec
+    return get_gpt_block_dcp_spec(config, spec)
 
 
 def build_model(args, dcp: bool):
@@ -219,7 +226,7 @@ def build_model(args, dcp: bool):
         **({} if dcp else dict(recompute_granularity=args.recompute_granularity,
                                recompute_method=args.recompute_method,
                                recompute_num_layers=args.recompute_num_layers)))
-    model = GPTModel(config, layer_spec(dcp), vocab_size=vocab,
+    model = GPTModel(config, layer_spec(dcp, config=config), vocab_size=vocab,
                      max_sequence_length=args.seq_length, position_embedding_type="rope")
     if cuda:
         model.cuda()
@@ -346,14 +353,18 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def plain_micro_batches(sequences, dp_rank: int, dp_size: int, device):
-    """Megatron plain data parallel: this rank's sequences, one unpadded micro-batch each."""
+def plain_micro_batches(sequences, dp_rank: int, dp_size: int, device, multiple: int = 1):
+    """Megatron plain data parallel: this rank's sequences, one micro-batch each, padded at the
+    end to a ``multiple`` of tokens (``--sequence-parallel``: the TP size; the attention is
+    causal, so no token attends to the padding, which has no loss)."""
     for seq in sequences[dp_rank::dp_size]:
         n = seq.numel()
-        ids = seq.to(device).view(1, -1)
-        labels = torch.cat([seq[1:], seq.new_zeros(1)]).to(device).view(1, -1)
-        mask = torch.ones(1, n, device=device)
-        mask[0, -1] = 0.0  # the last token has no next-token target
+        pad = -n % multiple
+        ids = torch.cat([seq, seq.new_zeros(pad)]).to(device).view(1, -1)
+        labels = torch.cat([seq[1:], seq.new_zeros(1 + pad)]).to(device).view(1, -1)
+        mask = torch.zeros(1, n + pad, device=device)
+        mask[0, :n - 1] = 1.0  # the last token has no next-token target
+        n += pad
         yield {"tokens": ids, "labels": labels, "loss_mask": mask, "attention_mask": None,
                "position_ids": torch.arange(n, device=device).view(1, -1)}
 
@@ -376,7 +387,8 @@ def plain_step(ddp, sequences, args, device):
     if count == 0:
         raise ValueError(f"global batch of {len(sequences)} sequences leaves data-parallel rank "
                          f"{dp_rank} without any: raise --global-batch-tokens")
-    micro_batches = plain_micro_batches(sequences, dp_rank, dp_size, device)
+    multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    micro_batches = plain_micro_batches(sequences, dp_rank, dp_size, device, multiple)
     if torch.cuda.is_available():
         ddp.config.finalize_model_grads_func = finalize_model_grads
         return get_forward_backward_func()(

@@ -52,7 +52,8 @@ def test_disabled_is_fine_but_knobs_without_dcp_fail():
     ("--dcp", "--calculate-per-token-loss"),
     ("--dcp --calculate-per-token-loss --context-parallel-size 2", "--context-parallel-size 1"),
     ("--dcp --calculate-per-token-loss --hybrid-context-parallel", "--hybrid-context-parallel"),
-    ("--dcp --calculate-per-token-loss --sequence-parallel", "--sequence-parallel"),
+    ("--dcp --calculate-per-token-loss --sequence-parallel --pipeline-model-parallel-size 2",
+     "--sequence-parallel, --pipeline-model-parallel-size"),
     ("--dcp --calculate-per-token-loss --recompute-granularity selective", "selective"),
     ("--dcp --calculate-per-token-loss --overlap-grad-reduce --overlap-param-gather",
      "--overlap-param-gather: .* runs no forward"),
@@ -69,6 +70,13 @@ def test_pipeline_parallel_is_accepted():
     """1F1B pipelines run the plan's lockstep slots (the DCP world: data-parallel ranks)."""
     args = parse("--dcp --calculate-per-token-loss --pipeline-model-parallel-size 2")
     assert validate_dcp_args(args, world_size=4).enabled
+
+
+def test_sequence_parallel_is_accepted():
+    """SP with TP 2: the step pads every shard to a multiple of TP (tests/test_megatron_sp.py)."""
+    args = parse("--dcp --calculate-per-token-loss --tensor-model-parallel-size 2 "
+                 "--sequence-parallel")
+    assert validate_dcp_args(args, world_size=8).enabled
 
 
 def test_overlap_grad_reduce_is_accepted():
@@ -182,7 +190,8 @@ def test_megatron_lm_namespace_defaults_with_dcp():
     (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     (dict(recompute_granularity="selective"), "selective"),
     (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-method block"),
-    (dict(sequence_parallel=True, tensor_model_parallel_size=2), "--sequence-parallel"),
+    (dict(sequence_parallel=True, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+     "--sequence-parallel"),
     (dict(num_layers_per_virtual_pipeline_stage=2, pipeline_model_parallel_size=2),
      "virtual pipeline"),
     (dict(virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=2),
