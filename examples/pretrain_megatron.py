@@ -161,7 +161,8 @@ def model_shape(args):
                       vocab_size=padded_vocab_size(args),
                       num_kv_heads=args.num_query_groups or args.num_attention_heads,
                       max_position=args.seq_length, name="megatron-gpt",
-                      tensor_parallel=args.tensor_model_parallel_size)
+                      tensor_parallel=args.tensor_model_parallel_size,
+                      sequence_parallel=args.sequence_parallel)
 
 
 def params_dtype(args) -> torch.dtype:

@@ -62,3 +62,25 @@ def test_dp2_tp2_sequence_parallel_matches_single_process():
                               timeout_s=200)
     for mode in modes:
         tm._check([r[mode] for r in results], reference, 2)
+
+
+def test_cost_model_counts_sequence_parallel():
+    """SP divides a token's layer-input and norm bytes by tp and turns each TP all-reduce into an
+    all-gather + reduce-scatter (same volume, twice the latency); without SP nothing changes."""
+    from dataclasses import replace
+
+    from megatron_dcp.plan.cost import CostModel, Layout
+    from megatron_dcp.plan.hardware import load_hardware
+    from megatron_dcp.plan.model import ModelShape
+
+    base = ModelShape(num_layers=4, hidden_size=512, num_heads=8, ffn_hidden_size=2048,
+                      vocab_size=1000, tensor_parallel=2)
+    plain, sp = (CostModel(replace(base, sequence_parallel=on), load_hardware("h200"),
+                           world_size=4) for on in (False, True))
+    assert CostModel(base, load_hardware("h200"), world_size=4).token_bytes(1) \
+        == plain.token_bytes(1)
+    assert sp.act_bytes == pytest.approx(plain.act_bytes - 2 * 3 * 512 / 2)
+    assert sp.token_bytes(2) < plain.token_bytes(2)
+    a, b = (m.terms(4096, 4096 ** 2 / 2, Layout(1, 1, True, True), 1) for m in (plain, sp))
+    assert b.tensor_parallel == a.tensor_parallel
+    assert b.tensor_parallel_latency == pytest.approx(2 * a.tensor_parallel_latency)

@@ -67,6 +67,12 @@ stays whole (replicated: no sequence parallelism), as does a recomputed layer's 
 Each layer adds 2 TP all-reduces of ``T/d x h x 2 B`` in forward, 2 in backward and 2 per
 recomputed layer, ring all-reduce volume ``2 (tp-1)/tp`` at the intra-node link (not overlapped).
 With ``tp = 1`` nothing changes. Ulysses degrees must divide the heads per TP rank.
+
+Sequence parallelism (``model.sequence_parallel``, tp > 1): the ``3h`` of layer inputs, norm
+outputs and residuals and a recomputed layer's ``2h`` input also divide by ``tp``; each TP
+all-reduce becomes an all-gather and a reduce-scatter of the same total volume (``2 (tp-1)/tp``
+of ``T/d x h x 2 B``) in twice the calls (twice the latency). The runtime pads every shard to a
+multiple of tp (at most tp - 1 tokens, not counted).
 """
 
 from __future__ import annotations
@@ -250,6 +256,9 @@ class CostModel:
         split = 2 * q_dim + 2 * kv_dim + (3 if m.gated_mlp else 2) * f
         self.act_bytes = BF16 * (3 * h + (split if tp == 1 else split / tp))
         self.recomputed_layer_bytes = BF16 * h
+        if tp > 1 and m.sequence_parallel:  # norms and layer inputs split along the sequence
+            self.act_bytes = BF16 * (3 * h + split) / tp
+            self.recomputed_layer_bytes = BF16 * h / tp
         self.logit_bytes = (BF16 + 4) * v if tp == 1 else (BF16 + 4) * v / tp
         """Bytes per local token of the bf16 logits and their gradient (`loss_bytes`)."""
         self._loss_chunk = (LOSS_CHUNK_COPIES * 4 * v, loss_chunk_tokens(v))
@@ -478,7 +487,8 @@ class CostModel:
             # 2 all-reduces forward, 2 backward, 2 per recomputed layer, each of local x h bf16
             calls = n * (4.0 + 2.0 * rc)
             tp_rate = calls * BF16 * h * 2.0 * (tp - 1) / tp / hw.intra_bandwidth
-            tp_latency = calls * hw.intra_latency
+            # SP: an all-gather and a reduce-scatter (same volume) for each all-reduce
+            tp_latency = calls * hw.intra_latency * (2.0 if m.sequence_parallel else 1.0)
         per_token = n * self._token_layer * passes / 3.0
         s = hw.scale  # the online calibration's factors (1.0 uncalibrated)
         linear, p2p_s, a2a_s, tp_s = s("linear"), s("p2p"), s("all_to_all"), s("tensor_parallel")

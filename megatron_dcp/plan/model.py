@@ -33,6 +33,10 @@ class ModelShape:
     tensor_parallel: int = 1
     """Megatron tensor-parallel size: each rank holds 1/tp of the attention heads, KV heads and
     weight matrices (the cost model divides parameters, FLOPs and the split activations by it)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism with ``tensor_parallel > 1``: layer inputs, norms and
+    residuals are split over the TP ranks along the sequence (activations divided by tp), and
+    each TP all-reduce becomes an all-gather plus a reduce-scatter."""
     head_dim: Optional[int] = None
     """Width of one attention head; default (and after construction) ``hidden_size //
     num_heads``. Set when a model's heads are wider or narrower (Qwen3, Mistral-NeMo)."""
