@@ -57,52 +57,51 @@ class SeqChoice:
 def fill_options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:
     """Fill ``info.fits`` with (degree, recompute_layers) for every vocabulary size from
     ``start_at`` on."""
-    for d in ctx.vocab.sizes:
-        if d < start_at:
-            continue
-        c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
-        if c is not None:
-            info.fits.append((d, c))
+    info.fits += [f for f in ctx.fits(info.length, mode) if f[0] >= start_at]
 
 
 def raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoice:
     """A copy of ``info`` at degree ``floor`` or more (fewer degrees mean less fragmentation)."""
     if info.degree >= floor:
         return info
-    out = SeqChoice(info.i, info.length, info.pairs)
-    for d in ctx.vocab.sizes:
+    for d, c in ctx.fits(info.length, mode):
         if d >= floor:
-            c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
-            if c is not None:
-                out.degree, out.recompute_layers = d, c
-                out.time = ctx.cm.best_time(info.length, info.pairs, d, c)[0]
-                return out
+            return SeqChoice(info.i, info.length, info.pairs, d, c,
+                             ctx.seq_time(info.length, info.pairs, d, c))
     return info
 
 
 def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[float, float]:
     """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
-    cm = ctx.cm
-    sizes = ctx.vocab.sizes
     total = 0.0
-    overhead = cm.task_overhead
+    overhead = ctx.cm.task_overhead
+    seq_time = ctx.seq_time
+    chosen: dict[tuple[int, float], tuple[int, int, float]] = {}
     for info in infos:
-        for d in sizes:
-            c = ctx.recompute_for(ctx.padded(info.length, d), d, mode)
-            if c is not None:
-                info.degree, info.recompute_layers = d, c
-                break
-        info.time = cm.best_time(info.length, info.pairs, info.degree, info.recompute_layers)[0]
+        n, pairs = info.length, info.pairs
+        fits = ctx.fits(n, mode)
+        if fits:
+            info.degree, info.recompute_layers = fits[0]
         if info.recompute_layers:
-            # recompute costs work: more ranks (less recompute) may do the sequence with less work
-            fill_options(ctx, info, mode, info.degree)
-            work = info.degree * info.time
-            for d, c in info.fits[1:]:
-                t = cm.best_time(info.length, info.pairs, d, c)[0]
-                if d * t < work * (1.0 - MIN_WORK_SAVING):
-                    info.degree, info.recompute_layers, info.time, work = d, c, t, d * t
-                if c == 0:
-                    break  # no recompute left to save: wider groups only add communication
+            # recompute costs work: more ranks (less recompute) may do the sequence with less
+            # work (the same for every sequence of this length: cached)
+            info.fits = list(fits)
+            found = chosen.get((n, pairs))
+            if found is None:
+                d0, c0 = fits[0]
+                t0 = seq_time(n, pairs, d0, c0)
+                work = d0 * t0
+                found = (d0, c0, t0)
+                for d, c in fits[1:]:
+                    t = seq_time(n, pairs, d, c)
+                    if d * t < work * (1.0 - MIN_WORK_SAVING):
+                        found, work = (d, c, t), d * t
+                    if c == 0:
+                        break  # no recompute left to save: wider groups only add communication
+                chosen[(n, pairs)] = found
+            info.degree, info.recompute_layers, info.time = found
+        else:
+            info.time = seq_time(n, pairs, info.degree, info.recompute_layers)
         total += info.degree * max(info.time - overhead, 0.0)
     per_rank = total / ctx.world
     longest = 0.0
@@ -113,7 +112,6 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
             fill_options(ctx, info, mode, info.degree)
         fastest = info.time
         for d, c in info.fits:
-            t = cm.best_time(info.length, info.pairs, d, c)[0]
-            fastest = min(fastest, t)
+            fastest = min(fastest, seq_time(info.length, info.pairs, d, c))
         longest = max(longest, fastest)
     return per_rank, longest

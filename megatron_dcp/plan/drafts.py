@@ -63,6 +63,8 @@ class PlanContext:
         self.padded = cm.padded
         """Tokens of one sequence on a degree after padding (`CostModel.padded`; bound once:
         the planner's inner loops call it hundreds of thousands of times)."""
+        self._times: dict[tuple[int, float, int, int], float] = {}
+        self._fits: dict[tuple[int, str], tuple[tuple[int, int], ...]] = {}
 
     @property
     def world(self) -> int:
@@ -87,6 +89,29 @@ class PlanContext:
         if local > self._local_full:
             return None
         return self.cm.min_recompute_layers(padded_tokens, degree)
+
+    def seq_time(self, length: int, pairs: float, degree: int, recompute_layers: int) -> float:
+        """`CostModel.best_time` of one sequence (or task) of ``length`` tokens and ``pairs``,
+        cached: the passes ask for the same (length, degree, recomputed layers) many times."""
+        key = (length, pairs, degree, recompute_layers)
+        t = self._times.get(key)
+        if t is None:
+            t = self._times[key] = self.cm.best_time(length, pairs, degree, recompute_layers)[0]
+        return t
+
+    def fits(self, length: int, mode: str) -> tuple[tuple[int, int], ...]:
+        """(degree, recomputed layers under ``mode``) of every vocabulary size where a sequence
+        of ``length`` tokens fits, smallest first (cached per length and mode)."""
+        key = (length, mode)
+        found = self._fits.get(key)
+        if found is None:
+            found = []
+            for d in self.vocab.sizes:
+                c = self.recompute_for(self.padded(length, d), d, mode)
+                if c is not None:
+                    found.append((d, c))
+            found = self._fits[key] = tuple(found)
+        return found
 
     def baseline_mode(self) -> str:
         """A baseline's recompute mode: full unless the config says none."""

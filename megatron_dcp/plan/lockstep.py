@@ -63,8 +63,6 @@ class _Item:
     options: list[tuple[int, int]] = field(default_factory=list)
     """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where it
     fits."""
-    times: dict[tuple[int, int], float] = field(default_factory=dict)
-    """Time by (degree, recompute_layers), filled as slots ask."""
 
 
 class _Task:
@@ -121,6 +119,8 @@ class _Slot:
         self.emptiest[task.degree] = min(same, key=lambda t: t.time) if len(same) > 1 else task
     no_block: set[int] = field(default_factory=set)
     """Sizes of which no free group is left."""
+    free: int = -1
+    """Ranks without a task (-1: all of ``busy``; kept by `_occupy`)."""
 
 
 def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int) -> _Item:
@@ -131,7 +131,7 @@ def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: i
         fill_options(ctx, info, mode, info.degree)
     for d, c in info.fits:
         if c <= base:
-            t = ctx.cm.best_time(info.length, info.pairs, d, c)[0]
+            t = ctx.seq_time(info.length, info.pairs, d, c)
             if t <= target:
                 item = _Item(info.i, d, c, t)
                 item.options = [(d2, c2) for d2, c2 in info.fits if d2 >= d]
@@ -139,7 +139,7 @@ def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: i
             break
     best, work = None, None
     for d, c in info.fits:
-        t = ctx.cm.best_time(info.length, info.pairs, d, c)[0]
+        t = ctx.seq_time(info.length, info.pairs, d, c)
         if work is None:
             work = d * t
         elif d * t > MAX_WORK_GROWTH * work:
@@ -167,13 +167,8 @@ def _free_block(ctx: PlanContext, slot: _Slot, size: int) -> Optional[int]:
 
 
 def _time(ctx: PlanContext, item: _Item, degree: int, recompute_layers: int) -> float:
-    key = (degree, recompute_layers)
-    t = item.times.get(key)
-    if t is None:
-        s = item.seq
-        t = ctx.cm.best_time(ctx.lengths[s], ctx.pairs[s], degree, recompute_layers)[0]
-        item.times[key] = t
-    return t
+    s = item.seq
+    return ctx.seq_time(ctx.lengths[s], ctx.pairs[s], degree, recompute_layers)
 
 
 def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
@@ -210,6 +205,30 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     return False
 
 
+def _join_any(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> bool:
+    """`_join` the item into the first slot that takes it. A slot without a free rank can only
+    pack it into the task of its degree with the most time left: slots where that task has too
+    little time left are passed over without a call (the same test `_join` starts with)."""
+    size, layers, overhead = item.degree, item.recompute_layers, ctx.cm.task_overhead
+    need: dict[int, float] = {}
+    for slot in slots:
+        if slot.recompute_layers < layers:
+            continue
+        if not slot.free:
+            task = slot.emptiest.get(size)
+            if task is None:
+                continue
+            t = need.get(slot.recompute_layers)
+            if t is None:
+                t = need[slot.recompute_layers] = \
+                    _time(ctx, item, size, slot.recompute_layers) - overhead
+            if slot.length - task.time < t:
+                continue
+        if _join(ctx, slot, item, mode):
+            return True
+    return False
+
+
 def _extend(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> bool:
     """Pack an item that fits no slot's length into the task of its degree where the slot grows
     least, if that growth costs less than a slot of its own (its time, at least the slot's ZeRO
@@ -240,6 +259,7 @@ def _occupy(ctx: PlanContext, slot: _Slot, start: int, size: int) -> _Task:
     slot.tasks.append(task)
     slot.by_size.setdefault(size, []).append(task)
     slot.busy[start:start + size] = b"\x01" * size
+    slot.free = (len(slot.busy) if slot.free < 0 else slot.free) - size
     return task
 
 
@@ -307,8 +327,7 @@ def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targe
     short.sort(key=lambda x: (-x.time, x.seq))
     slots: list[_Slot] = []
     for item in wide:
-        if not any(_join(ctx, slot, item, mode) for slot in slots
-                   if slot.recompute_layers >= item.recompute_layers) and \
+        if not _join_any(ctx, slots, item, mode) and \
                 not (extend and _extend(ctx, slots, item, mode)):
             # a slot bound by ZeRO's traffic has room for more work at no cost
             layers = item.recompute_layers
