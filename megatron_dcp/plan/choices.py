@@ -75,13 +75,17 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
     """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
     total = 0.0
     overhead = ctx.cm.task_overhead
-    seq_time = ctx.seq_time
+    seq_time, padded, recompute_for = ctx.seq_time, ctx.padded, ctx.recompute_for
+    smallest = ctx.vocab.sizes[0]
     chosen: dict[tuple[int, float], tuple[int, int, float]] = {}
     for info in infos:
         n, pairs = info.length, info.pairs
-        fits = ctx.fits(n, mode)
-        if fits:
-            info.degree, info.recompute_layers = fits[0]
+        if recompute_for(padded(n, smallest), smallest, mode) == 0:
+            info.degree, info.recompute_layers = smallest, 0  # most sequences: all options not needed
+        else:
+            fits = ctx.fits(n, mode)
+            if fits:
+                info.degree, info.recompute_layers = fits[0]
         if info.recompute_layers:
             # recompute costs work: more ranks (less recompute) may do the sequence with less
             # work (the same for every sequence of this length: cached)
