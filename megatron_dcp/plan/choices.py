@@ -81,7 +81,7 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
     for info in infos:
         n, pairs = info.length, info.pairs
         if recompute_for(padded(n, smallest), smallest, mode) == 0:
-            info.degree, info.recompute_layers = smallest, 0  # most sequences: all options not needed
+            info.degree, info.recompute_layers = smallest, 0  # most sequences: no options needed
         else:
             fits = ctx.fits(n, mode)
             if fits:
