@@ -4,12 +4,17 @@
   torchrun --nproc_per_node 2 examples/pretrain_megatron.py --calculate-per-token-loss  # plain DP
   torchrun --nproc_per_node 4 examples/pretrain_megatron.py --dcp --calculate-per-token-loss \\
       --tensor-model-parallel-size 2 --data-path data/my_corpus
+  torchrun --nproc_per_node 4 examples/pretrain_megatron.py --dcp --calculate-per-token-loss \\
+      --pipeline-model-parallel-size 2  # DP 2 x PP 2, 1F1B
 
 Model: a megatron-core ``GPTModel`` (RoPE, GQA, SwiGLU, RMSNorm) wrapped in Megatron's DDP.
 With ``--dcp`` its core attention is DCP's (`get_gpt_layer_dcp_spec`) and every step runs the
 plan of the global batch through `DCPForwardBackward`; without it, Megatron's own core attention
-and its ``forward_backward_no_pipelining`` run the global batch split over the data-parallel ranks
-(one sequence per micro-batch, so nothing is padded and the two modes see the same math). The
+and its own schedule (``get_forward_backward_func()``) run the global batch split over the
+data-parallel ranks (one sequence per micro-batch, so nothing is padded and the two modes see the
+same math). With ``--pipeline-model-parallel-size P`` each rank builds its stage (the embedding on
+the first, the output layer on the last) and both modes run Megatron's 1F1B schedule (under
+``--dcp`` the plan's lockstep slots are its micro-batches); the loss is the last stage's. The
 rest of the layer is the same in both modes (`layer_spec`: Transformer Engine's when installed,
 else Megatron's local one). Precision: bf16 on CUDA, fp32 on CPU (`params_dtype`; ``--bf16`` or
 ``--fp32`` choose); in bf16 the model runs in Megatron's ``Float16Module``, gradients are
@@ -103,10 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--quiet", action="store_true", help="only the final line")
     add_dcp_args(p)
     args = p.parse_args(argv)
-    if args.dcp and args.pipeline_model_parallel_size > 1:  # see docs/MEGATRON.md
-        p.error("this example builds no pipeline stages (every stage holds the embedding and "
-                "the head): --dcp with --pipeline-model-parallel-size > 1 runs through "
-                "DCPForwardBackward with a per-stage model, not here")
+    if args.num_layers % args.pipeline_model_parallel_size:
+        p.error(f"--num-layers {args.num_layers} is not divisible by "
+                f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
     if args.save_profile and not args.dcp:
         p.error("--save-profile writes the calibrated DCP cost model: it needs --dcp")
     if args.save:  # at start, not at the first save after hours of training
@@ -162,6 +166,7 @@ def model_shape(args):
                       num_kv_heads=args.num_query_groups or args.num_attention_heads,
                       max_position=args.seq_length, name="megatron-gpt",
                       tensor_parallel=args.tensor_model_parallel_size,
+                      pipeline_parallel=args.pipeline_model_parallel_size,
                       sequence_parallel=args.sequence_parallel)
 
 
@@ -200,8 +205,10 @@ def layer_spec(dcp: bool, use_transformer_engine=None, config=None):
 
 
 def build_model(args, dcp: bool):
-    """A megatron-core GPTModel in Megatron DDP (in bf16 inside Megatron's ``Float16Module``),
-    and the planner's ModelShape of it."""
+    """This pipeline stage of a megatron-core GPTModel (the embedding on the first stage, the
+    output layer on the last) in Megatron DDP (in bf16 inside Megatron's ``Float16Module``), and
+    the planner's ModelShape of the whole model."""
+    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
@@ -216,6 +223,7 @@ def build_model(args, dcp: bool):
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=ffn,
         num_attention_heads=args.num_attention_heads, num_query_groups=groups,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=dtype,
         sequence_parallel=args.sequence_parallel, use_cpu_initialization=not cuda,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, normalization="RMSNorm",
         gated_linear_unit=True,
@@ -228,7 +236,9 @@ def build_model(args, dcp: bool):
                                recompute_method=args.recompute_method,
                                recompute_num_layers=args.recompute_num_layers)))
     model = GPTModel(config, layer_spec(dcp, config=config), vocab_size=vocab,
-                     max_sequence_length=args.seq_length, position_embedding_type="rope")
+                     max_sequence_length=args.seq_length, position_embedding_type="rope",
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
     if cuda:
         model.cuda()
     if config.bf16:
@@ -371,16 +381,20 @@ def plain_micro_batches(sequences, dp_rank: int, dp_size: int, device, multiple:
 
 
 def plain_step(ddp, sequences, args, device):
-    """One step of Megatron plain data parallel over this rank's share of the global batch.
+    """One step of Megatron plain data parallel over this rank's share of the global batch:
+    Megatron's own schedule (``get_forward_backward_func()``: ``forward_backward_no_pipelining``,
+    or 1F1B with pipeline parallelism), one sequence per micro-batch, ending in
+    ``finalize_model_grads`` (DP all-reduce, scaling by 1/tokens of the batch). Returns the loss
+    reports (on the last pipeline stage; empty on the others). On CPU it runs under
+    `megatron_dcp.megatron.cpu.CudaAsCpu` (the schedules allocate their token counter on
+    "cuda")."""
+    from contextlib import nullcontext
 
-    On CUDA: Megatron's own ``forward_backward_no_pipelining``. On CPU that schedule allocates its
-    token counter on "cuda" (schedules.py, per-token path), so the same steps run here: every
-    micro-batch under DDP's ``no_sync``, backward of the token-loss sum, then
-    ``finalize_model_grads(num_tokens)`` (DP all-reduce, scaling by 1/tokens of the batch).
-    """
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_dcp.megatron.cpu import CudaAsCpu
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -390,21 +404,30 @@ def plain_step(ddp, sequences, args, device):
                          f"{dp_rank} without any: raise --global-batch-tokens")
     multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
     micro_batches = plain_micro_batches(sequences, dp_rank, dp_size, device, multiple)
-    if torch.cuda.is_available():
-        ddp.config.finalize_model_grads_func = finalize_model_grads
+    ddp.config.finalize_model_grads_func = finalize_model_grads
+    # micro-batches differ in length: the pipeline's P2P sends each one's shape first (set here,
+    # not in the TransformerConfig, whose check refuses it for MoE's default dispatcher)
+    ddp.config.variable_seq_lengths = True
+    ddp.config.no_sync_func = ddp.no_sync
+    with nullcontext() if torch.cuda.is_available() else CudaAsCpu():
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=micro_batches, model=[ddp],
             num_microbatches=count, seq_length=args.seq_length, micro_batch_size=1)
-    reports, num_tokens = [], torch.zeros((), dtype=torch.int)
-    with ddp.no_sync():
-        for _ in range(count):
-            output, loss_fn = forward_step(micro_batches, ddp)
-            loss, tokens, report = loss_fn(output)
-            loss.backward()
-            num_tokens += tokens
-            reports.append(report)
-    finalize_model_grads([ddp], num_tokens if args.calculate_per_token_loss else None)
-    return reports
+
+
+def iteration_loss(reports, device) -> float:
+    """Megatron's loss reduction: (loss, tokens) summed over micro-steps and data-parallel ranks
+    on the last pipeline stage, broadcast over the pipeline (every rank returns it)."""
+    from megatron.core import parallel_state
+
+    summed = torch.zeros(2, dtype=torch.float64, device=device)
+    for r in reports:
+        summed += r["lm loss"].to(device).double()
+    dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(summed, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return float(summed[0] / summed[1])
 
 
 def main(argv=None) -> int:
@@ -449,6 +472,7 @@ def main(argv=None) -> int:
                       quiet=args.quiet, append=bool(args.load))
     if rank == 0 and not args.quiet:
         print(f"pretrain_megatron: {mode}, {world} ranks (tp {args.tensor_model_parallel_size}, "
+              f"pp {args.pipeline_model_parallel_size}, "
               f"dp {dp_size}), data {args.data_path or 'embedded corpus'} ({len(dataset)} "
               f"documents), model {args.num_layers}x{args.hidden_size} "
               f"{str(params_dtype(args)).removeprefix('torch.')}", flush=True)
@@ -471,10 +495,7 @@ def main(argv=None) -> int:
             t_out = time.perf_counter()
         else:
             reports = plain_step(ddp, sequences, args, device)
-        # Megatron's loss reduction: sum (loss, tokens) over micro-steps and data-parallel ranks
-        summed = torch.stack([r["lm loss"].to(device) for r in reports]).sum(0).double()
-        dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
-        loss = float(summed[0] / summed[1])
+        loss = iteration_loss(reports, device)
         result = reports.result if step_fn is not None else None
         if result is not None and dcp_config.loss_reduction == "sequence":
             loss = result.loss  # the loss optimised: the mean of per-sequence means
