@@ -64,12 +64,11 @@ def _planned(kind: str, lengths, world: int, policy: str = "dcp", free_tokens: i
     beyond static memory, so long sequences need degree > 1 and recomputation."""
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.plan import CostModel, load_hardware, make_plan
-    from megatron_dcp.plan.cost import RESERVE_BYTES
 
     shape = build_model(kind).shape()
     hw = load_hardware("h200")
     base = CostModel(shape, hw, world_size=world)
-    budget = base.static_memory + RESERVE_BYTES + free_tokens * base.token_bytes(0)
+    budget = base.memory_of(free_tokens, 1, 0)  # static, reserve, activations, loss workspace
     cm = CostModel(shape, hw, world_size=world, memory_budget=budget)
     plan = make_plan(list(lengths), world_size=world, model=shape,
                      config=DCPConfig(policy=policy), cost_model=cm)
