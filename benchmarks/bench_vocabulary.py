@@ -5,7 +5,8 @@ and DCP plan efficiency (lower bound / simulated step) per batch, llama-7b.
     python benchmarks/bench_vocabulary.py [--gpus 32 64] [--hardware h200]
 
 The batches are `bench_planner.batches` (seeds 0-2). Each distribution's vocabulary is chosen
-(`Vocabulary.for_lengths`) from lengths the measured batches do not hold: three batches of the
+(`megatron_dcp.plan.planners.vocabulary_for_lengths`) from lengths the measured batches do not
+hold: three batches of the
 same distribution with seeds 10-12, or every document of the embedded corpus. Both plans are
 measured against the same lower bound (the default vocabulary's, with its communicators charged).
 """
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_planner import batches, corpus_lengths  # noqa: E402
 
 from megatron_dcp.config import DCPConfig  # noqa: E402
+from megatron_dcp.plan.planners import vocabulary_for_lengths  # noqa: E402
 from megatron_dcp.plan import (Vocabulary, build_cost_model, load_model, lower_bound,  # noqa: E402
                                make_plan, simulate)
 from megatron_dcp.plan.workload import sample_lengths  # noqa: E402
@@ -50,7 +52,7 @@ def main() -> None:
         for name, lengths in batches(world).items():
             kind = name.split("/")[0]
             if kind not in vocabs:
-                vocabs[kind] = Vocabulary.for_lengths(cm, job_lengths(kind, world))
+                vocabs[kind] = vocabulary_for_lengths(cm, job_lengths(kind, world))
                 print(f"  {kind}: {vocabs[kind].describe()}")
             row = f"{world:>5} {name:<18} {len(lengths):>5}"
             bound = None

@@ -8,6 +8,7 @@ import pytest
 from megatron_dcp.config import POLICIES, DCPConfig
 from megatron_dcp.plan import (PlanError, Task, Vocabulary, build_cost_model, load_model,
                                make_plan, validate_plan)
+from megatron_dcp.plan.planners import vocabulary_for_lengths
 from megatron_dcp.plan.vocabulary import communicators, ulysses_degrees
 from megatron_dcp.plan.workload import sample_lengths
 
@@ -98,7 +99,7 @@ def test_vocabulary_from_lengths_keeps_the_sizes_the_data_needs():
     model, config, cm = _h200()
     default = Vocabulary.for_cost_model(cm)
     short = sample_lengths("short", 65536 * 32, seed=10, max_len=8192)
-    vocab = Vocabulary.for_lengths(cm, short)
+    vocab = vocabulary_for_lengths(cm, short)
     # what each length needs: smallest size that fits, least work, least time (+ 1 for packing)
     assert 1 in vocab.sizes and set(vocab.sizes) < set(default.sizes)
     for n in (min(short), max(short)):
@@ -112,13 +113,13 @@ def test_vocabulary_from_lengths_keeps_the_sizes_the_data_needs():
     # a long length brings the smallest size it fits in; no lengths: size 1 alone
     wide = [d for d in default.sizes
             if cm.min_recompute_layers(cm.padded(262144, d), d) is not None]
-    assert wide[0] not in vocab.sizes and wide[0] in Vocabulary.for_lengths(cm, [262144]).sizes
-    assert Vocabulary.for_lengths(cm, []).sizes == (1,)
+    assert wide[0] not in vocab.sizes and wide[0] in vocabulary_for_lengths(cm, [262144]).sizes
+    assert vocabulary_for_lengths(cm, []).sizes == (1,)
 
 
 def test_plans_over_a_data_vocabulary_are_valid_and_charge_its_communicators():
     model, config, cm = _h200()
-    vocab = Vocabulary.for_lengths(cm, sample_lengths("short", 65536 * 32, seed=10,
+    vocab = vocabulary_for_lengths(cm, sample_lengths("short", 65536 * 32, seed=10,
                                                        max_len=8192))
     # the batch's own lengths, and one longer than any the vocabulary was chosen from
     for lengths in (sample_lengths("short", 65536 * 32, seed=0, max_len=8192),

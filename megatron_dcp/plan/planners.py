@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan.baselines import plan_bucket, plan_greedy_cp, plan_packed, plan_static
@@ -27,7 +27,7 @@ from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, order_
                                         simulate_pipeline, slot_costs, stage_model)
 from megatron_dcp.plan.plan import Plan, check_frame_tokens
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
-from megatron_dcp.plan.vocabulary import Vocabulary
+from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary
 from megatron_dcp.plan.workload import WorkloadError, validate_lengths
 
 BASELINES = {"bucket": plan_bucket, "packed": plan_packed, "static": plan_static,
@@ -62,7 +62,7 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
     """The cost model ``make_plan`` uses for these settings; ``zero_stage`` is the engine's, the
     model's static memory that of `memory_stage` under ``config.schedule``. A pipelined model
     (``model.pipeline_parallel > 1``) gets the cost model of one stage (`stage_model`), lockstep.
-    ``vocabulary``: charge its communicators per rank (`Vocabulary.for_lengths`); default: those
+    ``vocabulary``: charge its communicators per rank (`vocabulary_for_lengths`); default: those
     of the settings' vocabulary (`Vocabulary.for_cost_model`)."""
     if model.pipeline_parallel > 1:
         model, config = stage_model(model), config.replace(schedule="lockstep")
@@ -178,7 +178,7 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     (``lengths[i]`` a whole number of frames of them); the cost model counts each video's spatial
     and temporal attention with its own frame size, the bucket baseline buckets by shape, and the
     plan records them (`Plan.frame_tokens`). ``None``: the model's ``frame_tokens`` (or text).
-    ``vocabulary``: plan over these groups (the pool's, `Vocabulary.for_lengths`; its
+    ``vocabulary``: plan over these groups (the pool's, `vocabulary_for_lengths`; its
     communicators are charged), not the settings' default (`Vocabulary.for_cost_model`); it must
     be for the same world, heads and layout rules (checked). Its sizes go to
     ``meta["vocabulary_sizes"]``.
@@ -368,3 +368,38 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
     candidates.sort(key=lambda c: c[0])  # stable: ties keep the pass order
     _, name, drafts = candidates[0]
     return drafts, name, {c[1]: round(c[0], 6) for c in candidates}
+
+
+def vocabulary_for_lengths(cost_model: CostModel, lengths: Iterable[int],
+                           max_degree: Optional[int] = None, *, recompute: str = "auto",
+                           sample: int = LENGTH_SAMPLE) -> Vocabulary:
+    """The vocabulary of `Vocabulary.for_cost_model` cut to the group sizes the lengths the job
+    will see need (the indexed dataset's document sizes, the corpus's, a sample of batches), under the
+    memory budget ``cost_model`` charges (with the default vocabulary's communicators: every
+    size it fits, fits here too). For each length: the smallest size where it fits memory
+    (under ``recompute``, `DCPConfig.recompute`), the size where its work (ranks x time) is
+    least and the size where its time is least (the planner raises a degree that shortens
+    the critical path); plus size 1 (packed short sequences; it needs no communicator). A
+    subset of the default, so never more communicators per rank. A length that fits no size
+    is left to the planner (its oversize policy names it). Lengths beyond ``sample``
+    distinct values are thinned to ``sample`` quantiles (and the longest)."""
+    full = Vocabulary.for_cost_model(cost_model, max_degree)
+    distinct = sorted({int(n) for n in lengths if int(n) > 0})
+    if len(distinct) > sample:
+        step = (len(distinct) - 1) / (sample - 1)
+        distinct = sorted({distinct[round(k * step)] for k in range(sample)})
+    ctx = PlanContext(lengths=distinct, active=[], cm=cost_model, vocab=full,
+                      recompute_mode=recompute)
+    keep = {1} & set(full.sizes)
+    for n, pairs in zip(distinct, ctx.pairs):
+        fits = [(d, c) for d in full.sizes
+                if (c := ctx.recompute_for(ctx.padded(n, d), d, recompute)) is not None]
+        if not fits:
+            continue
+        times = [(cost_model.best_time(n, pairs, d, c)[0], d) for d, c in fits]
+        keep.add(fits[0][0])
+        keep.add(min(times)[1])
+        keep.add(min((t * d, d) for t, d in times)[1])
+    return Vocabulary(full.world_size, full.ranks_per_node, max_degree, heads=full.heads,
+               attention_layout=full.attention_layout, ulysses_scope=full.ulysses_scope,
+               sizes=keep)

@@ -16,7 +16,7 @@ by the cost model when it chooses a layout and by the pool when it creates commu
 or the largest Ulysses degree inside a node with ring across nodes, which cuts the communicators a
 rank holds (`communicators_per_rank`).
 
-`Vocabulary.for_lengths` keeps only the group sizes the job's length distribution needs
+`megatron_dcp.plan.planners.vocabulary_for_lengths` keeps only the group sizes the job's length distribution needs
 (``sizes=``): fewer communicators, the same placements for the sizes kept.
 """
 
@@ -30,7 +30,7 @@ from megatron_dcp.config import ULYSSES_SCOPES
 
 ODD_SIZES = (3, 6)
 LENGTH_SAMPLE = 2048
-"""Distinct lengths `Vocabulary.for_lengths` looks at (more are thinned to quantiles)."""
+"""Distinct lengths `vocabulary_for_lengths` (planners.py) looks at (more are thinned to quantiles)."""
 
 
 def _nice(k: int) -> bool:
@@ -109,7 +109,7 @@ class Vocabulary:
     """Allowed groups of a DCP world of ``world_size`` ranks, ``ranks_per_node`` per node, and the
     Ulysses degrees (hence sub-groups) each group size may use (see `ulysses_degrees` for
     ``heads``, ``attention_layout`` and ``ulysses_scope``). ``sizes``: keep only groups of these
-    sizes (`for_lengths`); ``None``: every size of the rule above."""
+    sizes (`megatron_dcp.plan.planners.vocabulary_for_lengths`); ``None``: every size of the rule above."""
 
     def __init__(self, world_size: int, ranks_per_node: int, max_degree: Optional[int] = None,
                  *, heads: Optional[int] = None, attention_layout: str = "auto",
@@ -164,43 +164,6 @@ class Vocabulary:
         return cls(cost_model.world_size, cost_model.ranks_per_node, max_degree, heads=heads,
                    attention_layout=cost_model.attention_layout,
                    ulysses_scope=getattr(cost_model, "ulysses_scope", "any"))
-
-    @classmethod
-    def for_lengths(cls, cost_model: Any, lengths: Iterable[int],
-                    max_degree: Optional[int] = None, *, recompute: str = "auto",
-                    sample: int = LENGTH_SAMPLE) -> "Vocabulary":
-        """The vocabulary of `for_cost_model` cut to the group sizes the lengths the job will see
-        need (the indexed dataset's document sizes, the corpus's, a sample of batches), under the
-        memory budget ``cost_model`` charges (with the default vocabulary's communicators: every
-        size it fits, fits here too). For each length: the smallest size where it fits memory
-        (under ``recompute``, `DCPConfig.recompute`), the size where its work (ranks x time) is
-        least and the size where its time is least (the planner raises a degree that shortens
-        the critical path); plus size 1 (packed short sequences; it needs no communicator). A
-        subset of the default, so never more communicators per rank. A length that fits no size
-        is left to the planner (its oversize policy names it). Lengths beyond ``sample``
-        distinct values are thinned to ``sample`` quantiles (and the longest)."""
-        from megatron_dcp.plan.drafts import PlanContext  # drafts imports this module
-
-        full = cls.for_cost_model(cost_model, max_degree)
-        distinct = sorted({int(n) for n in lengths if int(n) > 0})
-        if len(distinct) > sample:
-            step = (len(distinct) - 1) / (sample - 1)
-            distinct = sorted({distinct[round(k * step)] for k in range(sample)})
-        ctx = PlanContext(lengths=distinct, active=[], cm=cost_model, vocab=full,
-                          recompute_mode=recompute)
-        keep = {1} & set(full.sizes)
-        for n, pairs in zip(distinct, ctx.pairs):
-            fits = [(d, c) for d in full.sizes
-                    if (c := ctx.recompute_for(ctx.padded(n, d), d, recompute)) is not None]
-            if not fits:
-                continue
-            times = [(cost_model.best_time(n, pairs, d, c)[0], d) for d, c in fits]
-            keep.add(fits[0][0])
-            keep.add(min(times)[1])
-            keep.add(min((t * d, d) for t, d in times)[1])
-        return cls(full.world_size, full.ranks_per_node, max_degree, heads=full.heads,
-                   attention_layout=full.attention_layout, ulysses_scope=full.ulysses_scope,
-                   sizes=keep)
 
     def starts(self, size: int) -> tuple[int, ...]:
         """First ranks of groups of ``size`` ranks (empty: the size is not in the vocabulary)."""

@@ -207,11 +207,13 @@ class StepDriver:
 
         ``lengths``: the lengths the job will see (the dataset's document sizes, a sample of
         batches; the same on every rank): the vocabulary keeps only the group sizes they need
-        (`Vocabulary.for_lengths`) and every later plan of this driver is made over it
-        (`vocabulary`). ``None``: the default vocabulary (`Vocabulary.for_cost_model`)."""
+        (`megatron_dcp.plan.planners.vocabulary_for_lengths`) and every later plan of this driver
+        is made over it (`vocabulary`). ``None``: the default vocabulary
+        (`Vocabulary.for_cost_model`)."""
         if not self.config.enabled or self.world_size == 1:
             return "group pool: no sequence-parallel groups needed"
         from megatron_dcp.plan import build_cost_model
+        from megatron_dcp.plan.planners import vocabulary_for_lengths
         from megatron_dcp.plan.vocabulary import Vocabulary
 
         if self.model_shape is None:
@@ -222,7 +224,7 @@ class StepDriver:
             vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
         else:
             self._ahead.close()  # one made ahead over another vocabulary
-            vocabulary = Vocabulary.for_lengths(cost_model, lengths, self.config.max_degree,
+            vocabulary = vocabulary_for_lengths(cost_model, lengths, self.config.max_degree,
                                                 recompute=self.config.recompute)
             self.vocabulary = vocabulary
         return self.pool.create_all(vocabulary)
