@@ -114,6 +114,9 @@ def _end_job(verdict: str) -> None:
     in a collective that would wait for the whole process-group timeout."""
     print(verdict, file=sys.stderr, flush=True)
     sys.stdout.flush()
+    # The rank hosting the store must outlive every responder's next look at the verdict, or a
+    # rank that has not read it yet would wait for its collective's whole timeout.
+    time.sleep(3 * POLL_S)
     os._exit(STALL_EXIT_CODE)
 
 
