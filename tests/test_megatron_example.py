@@ -22,22 +22,24 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _budget_gb(tokens: int) -> float:
-    """Memory per rank (GiB) the cost model gives a degree-1 task of ``tokens`` tokens."""
+def _budget_gb(tokens: int, common: list[str] = COMMON) -> float:
+    """Memory per rank (GiB) the cost model gives a degree-1 task of ``tokens`` tokens (under
+    pipeline parallelism: on one stage, what 1F1B holds in flight left out)."""
     sys.path.insert(0, str(EXAMPLE.parent))
     import pretrain_megatron
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.plan import build_cost_model
 
-    shape = pretrain_megatron.model_shape(pretrain_megatron.parse_args(COMMON))
+    shape = pretrain_megatron.model_shape(pretrain_megatron.parse_args(common))
     cost = build_cost_model(shape, DCPConfig(), world_size=2, zero_stage=0)  # as DCPForwardBackward
     return cost.memory_of(tokens, 1, 0) / 2**30
 
 
-def _train(tmp_path: Path, name: str, extra: list[str]) -> list[dict]:
+def _train(tmp_path: Path, name: str, extra: list[str], common: list[str] = COMMON,
+           ranks: int = 2) -> list[dict]:
     log = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(EXAMPLE), *COMMON, *extra, "--log-json", str(log)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(ranks), str(EXAMPLE), *common, *extra, "--log-json", str(log)]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "done:" in done.stdout

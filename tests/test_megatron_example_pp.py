@@ -6,48 +6,33 @@ both pipelines (degree 2) in the plan."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "pretrain_megatron.py"
+from test_megatron_example import ROOT
+from test_megatron_example import _budget_gb as example_budget_gb
+from test_megatron_example import _train as example_train
+
 COMMON = ["--calculate-per-token-loss", "--train-iters", "3", "--global-batch-tokens", "1536",
           "--seq-length", "384", "--num-layers", "2", "--hidden-size", "32",
           "--num-attention-heads", "4", "--num-query-groups", "2",
           "--pipeline-model-parallel-size", "2", "--distributed-timeout-minutes", "2", "--quiet"]
 
 
-def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
 def _budget_gb(tokens: int) -> float:
-    """Memory per rank (GiB) the cost model gives a degree-1 task of ``tokens`` tokens on one
-    stage of this pipeline (the example's ModelShape carries pipeline_parallel=2)."""
-    sys.path.insert(0, str(EXAMPLE.parent))
+    """As the 2-rank test's, on one stage of this pipeline (the ModelShape has PP 2)."""
+    sys.path.insert(0, str(ROOT / "examples"))
     import pretrain_megatron
-    from megatron_dcp.config import DCPConfig
-    from megatron_dcp.plan import build_cost_model
 
     shape = pretrain_megatron.model_shape(pretrain_megatron.parse_args(COMMON))
     assert shape.pipeline_parallel == 2
-    cost = build_cost_model(shape, DCPConfig(), world_size=2, zero_stage=0)  # as DCPForwardBackward
-    return cost.memory_of(tokens, 1, 0) / 2**30
+    return example_budget_gb(tokens, COMMON)
 
 
 def _train(tmp_path: Path, name: str, extra: list[str]) -> list[dict]:
-    log = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-           str(EXAMPLE), *COMMON, *extra, "--log-json", str(log)]
-    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "done:" in done.stdout
-    return [json.loads(line) for line in log.read_text().splitlines()]
+    return example_train(tmp_path, name, extra, COMMON, ranks=4)
 
 
 @pytest.mark.timeout(320)
