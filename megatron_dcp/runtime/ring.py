@@ -135,6 +135,61 @@ def ring_attention(q, k, v, comm: RingComm, metas: list[TokenMeta],
                                _deterministic(deterministic))
 
 
+class _Portions:
+    """Where each ring rank's tokens lie in packed ``[N, H, D]`` tensors (`ring_in_one_process`).
+
+    ``take`` gathers ring rank ``j``'s rows of head slice ``i`` (invalid rows zero), ``put``
+    scatters them back. Index tensors are built on the host and uploaded once: no device reads
+    inside the loop.
+    """
+
+    def __init__(self, lengths, ulysses: int, ring: int, device, group_of_position, blocks):
+        from megatron_dcp.runtime.layout import ShardLayout
+
+        self.metas = [ShardLayout.build(lengths, ulysses, ring, 0).portion(j) for j in range(ring)]
+        offsets = torch.tensor([0, *lengths]).cumsum(0)
+        rows = [torch.where(m.valid, offsets[m.seq_ids] + m.positions, 0) for m in self.metas]
+        self.kept = [(rows[j][m.valid].to(device), torch.nonzero(m.valid)[:, 0].to(device))
+                     for j, m in enumerate(self.metas)]
+        self.rows = [r.to(device) for r in rows]
+        self.valid = [m.valid.to(device)[:, None, None] for m in self.metas]
+        self.groups = [blocks.attention_groups(group_of_position, m) for m in self.metas]
+
+    def take(self, x, j: int, i: int, h: int):
+        """Ring rank ``j``'s rows of head slice ``i`` (``h`` heads wide) of packed ``x``."""
+        y = x[self.rows[j], i * h:(i + 1) * h]
+        return torch.where(self.valid[j], y, torch.zeros_like(y))
+
+    def put(self, target, j: int, i: int, h: int, x) -> None:
+        """Write ring rank ``j``'s valid rows ``x`` into head slice ``i`` of packed ``target``."""
+        target[self.kept[j][0], i * h:(i + 1) * h] = x[self.kept[j][1]].to(target.dtype)
+
+
+def _rank_forward(blocks, p: _Portions, j: int, qj, ks, vs, *, causal: bool, scale: float):
+    """Ring rank ``j``'s output and LSE: its blocks merged in ring order."""
+    out = lse = None
+    for src in range(len(ks)):
+        o, l = blocks.block_forward(qj, ks[src], vs[src], p.metas[j], p.metas[src],
+                                    causal=causal, scale=scale, q_groups=p.groups[j],
+                                    k_groups=p.groups[src])
+        out, lse = blocks.merge_block(out, lse, o, l)
+    return out, lse
+
+
+def _rank_backward(blocks, p: _Portions, j: int, dout_j, qj, ks, vs, out, lse, dks, dvs, *,
+                   causal: bool, scale: float):
+    """Ring rank ``j``'s dQ; adds its share of every block's dK/dV to ``dks``/``dvs``."""
+    dq = torch.zeros_like(out)
+    for src in range(len(ks)):
+        a, b, c = blocks.block_backward(dout_j, qj, ks[src], vs[src], out, lse, p.metas[j],
+                                        p.metas[src], causal=causal, scale=scale,
+                                        q_groups=p.groups[j], k_groups=p.groups[src])
+        dq += a
+        dks[src] += b
+        dvs[src] += c
+    return dq
+
+
 def ring_in_one_process(q, k, v, lengths, ulysses: int, ring: int, *, causal: bool, scale: float,
                         dout=None, group_of_position=None, blocks=None):
     """A whole ``ulysses x ring`` task's attention computed in one process (benchmarks, checks).
@@ -146,56 +201,27 @@ def ring_in_one_process(q, k, v, lengths, ulysses: int, ring: int, *, causal: bo
     ``attention_groups`` (default: `megatron_dcp.runtime.kernels`).
     """
     from megatron_dcp.runtime import kernels
-    from megatron_dcp.runtime.layout import ShardLayout
 
     mod = blocks or kernels
-    metas = [ShardLayout.build(lengths, ulysses, ring, 0).portion(j) for j in range(ring)]
-    offsets = torch.tensor([0, *lengths]).cumsum(0)
-    # Index tensors built on the host and uploaded once: no device reads inside the loop.
-    rows = [torch.where(m.valid, offsets[m.seq_ids] + m.positions, 0) for m in metas]
-    kept = [(rows[j][m.valid].to(q.device), torch.nonzero(m.valid)[:, 0].to(q.device))
-            for j, m in enumerate(metas)]
-    rows = [r.to(q.device) for r in rows]
-    valid = [m.valid.to(q.device)[:, None, None] for m in metas]
-    groups = [mod.attention_groups(group_of_position, m) for m in metas]
+    p = _Portions(lengths, ulysses, ring, q.device, group_of_position, mod)
     hq, hkv = q.shape[1] // ulysses, k.shape[1] // ulysses
     results = [torch.zeros_like(t) for t in ((q,) if dout is None else (q, q, k, v))]
-
-    def take(x, j, i, h):
-        y = x[rows[j], i * h:(i + 1) * h]
-        return torch.where(valid[j], y, torch.zeros_like(y))
-
-    def put(target, j, i, h, x):
-        target[kept[j][0], i * h:(i + 1) * h] = x[kept[j][1]].to(target.dtype)
-
     with torch.no_grad():
         for i in range(ulysses):
-            ks = [take(k, j, i, hkv) for j in range(ring)]
-            vs = [take(v, j, i, hkv) for j in range(ring)]
+            ks = [p.take(k, j, i, hkv) for j in range(ring)]
+            vs = [p.take(v, j, i, hkv) for j in range(ring)]
             dks, dvs = [torch.zeros_like(x) for x in ks], [torch.zeros_like(x) for x in vs]
             for j in range(ring):
-                qj = take(q, j, i, hq)
-                out = lse = None
-                for src in range(ring):
-                    o, l = mod.block_forward(qj, ks[src], vs[src], metas[j], metas[src],
-                                             causal=causal, scale=scale, q_groups=groups[j],
-                                             k_groups=groups[src])
-                    out, lse = mod.merge_block(out, lse, o, l)
-                put(results[0], j, i, hq, out)
+                qj = p.take(q, j, i, hq)
+                out, lse = _rank_forward(mod, p, j, qj, ks, vs, causal=causal, scale=scale)
+                p.put(results[0], j, i, hq, out)
                 if dout is None:
                     continue
-                dq = torch.zeros_like(out)
-                for src in range(ring):
-                    a, b, c = mod.block_backward(take(dout, j, i, hq), qj, ks[src], vs[src], out,
-                                                 lse, metas[j], metas[src], causal=causal,
-                                                 scale=scale, q_groups=groups[j],
-                                                 k_groups=groups[src])
-                    dq += a
-                    dks[src] += b
-                    dvs[src] += c
-                put(results[1], j, i, hq, dq)
+                dq = _rank_backward(mod, p, j, p.take(dout, j, i, hq), qj, ks, vs, out, lse, dks,
+                                    dvs, causal=causal, scale=scale)
+                p.put(results[1], j, i, hq, dq)
             if dout is not None:
                 for j in range(ring):
-                    put(results[2], j, i, hkv, dks[j])
-                    put(results[3], j, i, hkv, dvs[j])
+                    p.put(results[2], j, i, hkv, dks[j])
+                    p.put(results[3], j, i, hkv, dvs[j])
     return results

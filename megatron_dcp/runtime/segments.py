@@ -192,6 +192,7 @@ def _call(causal, q_sorted, q_lo, q_len, k_sorted, k_lo, k_len, num_q, num_k) ->
 
 
 def _build(qh: TokenMeta, kh: TokenMeta, causal: bool, q_groups, k_groups) -> Block:
+    """The calls of host metas ``qh`` against ``kh`` (`decompose` without the cache)."""
     num_q, num_k = len(qh), len(kh)
     if (q_groups is None) != (k_groups is None):
         raise ValueError("attention groups must be given for both queries and keys, or neither")
@@ -209,31 +210,50 @@ def _build(qh: TokenMeta, kh: TokenMeta, causal: bool, q_groups, k_groups) -> Bl
     q_key, q_sorted = _sorted(q_key, q_rows)
     q_bucket = q_key // span
     if qh is kh and q_groups is k_groups:  # a token set against itself (local attention)
-        n = q_key.numel()
-        index = torch.arange(n)
-        first = torch.ones(n, dtype=torch.bool)
-        first[1:] = q_bucket[1:] != q_bucket[:-1]
-        k_key, k_sorted = q_key, q_sorted
-        k_start = torch.cummax(torch.where(first, index, 0), 0).values
-        if causal:
-            k_end, diag = index + 1, torch.ones(n, dtype=torch.bool)
-        else:
-            sizes = torch.diff(torch.nonzero(first)[:, 0], append=torch.tensor([n]))
-            k_end = torch.repeat_interleave(k_start[first] + sizes, sizes)
-            diag = torch.zeros(n, dtype=torch.bool)
+        k_sorted = q_sorted
+        k_start, k_end, diag = _own_keys(q_bucket, causal)
     else:
         k_key, k_sorted = _sorted(k_key, k_rows)
-        k_start = torch.searchsorted(k_key, q_bucket * span)  # first key of the query's bucket
-        if causal:
-            k_end = torch.searchsorted(k_key, q_key, right=True)  # keys at or before the query
-            diag = (k_end > k_start) & (k_key[(k_end - 1).clamp(min=0)] == q_key)
-        else:
-            k_end = torch.searchsorted(k_key, (q_bucket + 1) * span)
-            diag = torch.zeros_like(q_key, dtype=torch.bool)
-    seen = k_end - k_start
+        k_start, k_end, diag = _other_keys(q_key, q_bucket, k_key, span, causal)
+    calls = _calls(q_bucket, diag, k_start, k_end, q_sorted, k_sorted, num_q, num_k)
+    return Block(num_q, num_k, calls)
 
+
+def _own_keys(q_bucket: torch.Tensor, causal: bool):
+    """``(k_start, k_end, diag)`` of sorted queries against the same tokens as keys: each query
+    sees keys ``k_start:k_end`` of the sorted keys; ``diag``: its own position is a key's."""
+    n = q_bucket.numel()
+    index = torch.arange(n)
+    first = torch.ones(n, dtype=torch.bool)
+    first[1:] = q_bucket[1:] != q_bucket[:-1]
+    k_start = torch.cummax(torch.where(first, index, 0), 0).values
+    if causal:
+        k_end, diag = index + 1, torch.ones(n, dtype=torch.bool)
+    else:
+        sizes = torch.diff(torch.nonzero(first)[:, 0], append=torch.tensor([n]))
+        k_end = torch.repeat_interleave(k_start[first] + sizes, sizes)
+        diag = torch.zeros(n, dtype=torch.bool)
+    return k_start, k_end, diag
+
+
+def _other_keys(q_key, q_bucket, k_key, span: int, causal: bool):
+    """`_own_keys` for another token set's sorted keys ``k_key``."""
+    k_start = torch.searchsorted(k_key, q_bucket * span)  # first key of the query's bucket
+    if causal:
+        k_end = torch.searchsorted(k_key, q_key, right=True)  # keys at or before the query
+        diag = (k_end > k_start) & (k_key[(k_end - 1).clamp(min=0)] == q_key)
+    else:
+        k_end = torch.searchsorted(k_key, (q_bucket + 1) * span)
+        diag = torch.zeros_like(q_key, dtype=torch.bool)
+    return k_start, k_end, diag
+
+
+def _calls(q_bucket, diag, k_start, k_end, q_sorted, k_sorted, num_q: int,
+           num_k: int) -> tuple[Call, ...]:
+    """The diagonal and full calls of sorted queries that see keys ``k_start:k_end``."""
+    seen = k_end - k_start
     # Runs: same bucket and kind; diagonal runs step their count by 1, full runs keep it.
-    n = q_key.numel()
+    n = q_bucket.numel()
     cut = torch.ones(n, dtype=torch.bool)
     step = seen[1:] - seen[:-1]
     cut[1:] = ~((q_bucket[1:] == q_bucket[:-1]) & (diag[1:] == diag[:-1])
@@ -252,4 +272,4 @@ def _build(qh: TokenMeta, kh: TokenMeta, causal: bool, q_groups, k_groups) -> Bl
     if bool(f.any()):
         calls.append(_call(False, q_sorted, starts[f], lens[f], k_sorted, r_kstart[f],
                            full_len[f], num_q, num_k))
-    return Block(num_q, num_k, tuple(calls))
+    return tuple(calls)
