@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_config_from,
                                      load_ds_config,
@@ -42,6 +42,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
                dcp_config: Optional[DCPConfig] = None, model_shape: Any = None,
                hardware: Any = None, timeout: timedelta = PROCESS_GROUP_TIMEOUT,
                loss_fn: Optional[LossFn] = None,
+               vocabulary_lengths: Optional[Sequence[int]] = None,
                **deepspeed_kwargs: Any) -> tuple[DCPEngine, Any, Any, Any]:
     """``deepspeed.initialize`` with DCP: returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
@@ -57,6 +58,14 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     the job sooner through the liveness watch (``dcp.liveness_interval_s``).
     A Hugging Face ``PreTrainedModel`` is wrapped in `megatron_dcp.integrations.hf.DCPCausalLM`
     (``engine.module``; its ``causal_lm`` is the model given).
+
+    ``vocabulary_lengths``: the sequence lengths the job will see, the same on every rank (the
+    dataset's document sizes cut at the longest sequence, e.g.
+    `GlobalBatchSampler.distinct_lengths`, or a sample of batches). With DCP on, the process
+    groups created here are only those these lengths need
+    (`megatron_dcp.plan.planners.vocabulary_for_lengths`) and every plan is made over them: a
+    later batch that would want a missing group gets the best plan within them. ``None``: the
+    default vocabulary.
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -93,7 +102,8 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
         args=ds_args, model=model, optimizer=optimizer, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, config=ds_ready, **deepspeed_kwargs)
 
-    wrapper = _wrap(engine, dcp, model, model_shape, hardware, notices, rank, timeout, loss_fn)
+    wrapper = _wrap(engine, dcp, model, model_shape, hardware, notices, rank, timeout, loss_fn,
+                    vocabulary_lengths)
     return wrapper, ds_optimizer, dataloader, scheduler
 
 
@@ -110,8 +120,10 @@ def _prepared_model(model: Any, loss_fn: Optional[LossFn]) -> Any:
 
 def _wrap(engine: Any, dcp: DCPConfig, model: Any, model_shape: Any, hardware: Any,
           notices: list, rank: int, timeout: timedelta = PROCESS_GROUP_TIMEOUT,
-          loss_fn: Optional[LossFn] = None) -> DCPEngine:
-    """The DCP engine around DeepSpeed's, with its groups created (collective)."""
+          loss_fn: Optional[LossFn] = None,
+          vocabulary_lengths: Optional[Sequence[int]] = None) -> DCPEngine:
+    """The DCP engine around DeepSpeed's, with its groups created (collective): those
+    ``vocabulary_lengths`` need, or the default vocabulary's."""
     from deepspeed_plugin import patches
     from megatron_dcp.plan.planners import schedule_for
     from megatron_dcp.runtime.groups import GroupPool
@@ -125,7 +137,8 @@ def _wrap(engine: Any, dcp: DCPConfig, model: Any, model_shape: Any, hardware: A
                         pool=GroupPool(timeout=timeout), hardware=hardware,
                         notices=notices, loss_fn=loss_fn)
     if dcp.enabled and model_shape is not None:
-        notices = notices + [wrapper.driver.create_groups()]  # none created inside a step
+        # none created inside a step
+        notices = notices + [wrapper.driver.create_groups(vocabulary_lengths)]
     if rank == 0:
         for line in notices:
             print(f"[megatron-dcp] {line}", flush=True)

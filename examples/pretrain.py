@@ -109,20 +109,22 @@ def main(argv=None) -> int:
                                       num_layers=args.num_layers, num_heads=args.num_heads,
                                       num_kv_heads=args.num_kv_heads,
                                       max_position=args.seq_length), seed=args.seed)
-    args.model_vocab = vocab  # an indexed dataset's ids are checked against it
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's "
                          f"vocabulary only {vocab} (bytes need 257): pass --tokenizer")
-    with training.engine_for(args, model, ds_config) as engine:  # destroyed at the end
-        return train(args, engine, tokenizer)
-
-
-def train(args, engine, tokenizer) -> int:
-    """The training loop of `main` on an initialised engine; returns the exit code."""
-    rank, world = engine.rank, engine.world_size
-    dataset = _dataset(args.data_path, tokenizer, getattr(args, "model_vocab", None))
+    dataset = _dataset(args.data_path, tokenizer, vocab)
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
+    # the groups created at start-up: those the dataset's lengths (all of them) need
+    with training.engine_for(args, model, ds_config,
+                             vocabulary_lengths=sampler.distinct_lengths()) as engine:
+        return train(args, engine, dataset, sampler)  # the engine is destroyed at the end
+
+
+def train(args, engine, dataset, sampler) -> int:
+    """The training loop of `main` on an initialised engine over ``dataset`` in the batches
+    of ``sampler``; returns the exit code."""
+    rank, world = engine.rank, engine.world_size
     start = training.resume(engine, sampler, args)  # 0 without --load
 
     mode = "dcp" if engine.dcp.enabled else "data-parallel"

@@ -449,6 +449,9 @@ def main(argv=None) -> int:
     ddp, shape = build_model(args, dcp_config.enabled)
     params = [p for p in ddp.parameters() if p.requires_grad]
     optimizer = build_optimizer(args, ddp)
+    dataset = open_dataset(args.data_path, padded_vocab_size(args))  # ids checked
+    sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
+                                 max_seq_len=args.seq_length)
     # the planner's memory model: optimizer states sharded over data parallel, or not
     step_fn = None
     if dcp_config.enabled:
@@ -459,11 +462,8 @@ def main(argv=None) -> int:
             parallel_state.get_data_parallel_group()),
             timeout=timedelta(minutes=args.distributed_timeout_minutes))
         step_fn = DCPForwardBackward(dcp_config, model_shape=shape, pool=pool,
-                                     zero_stage=1 if args.use_distributed_optimizer else 0)
-
-    dataset = open_dataset(args.data_path, padded_vocab_size(args))  # ids checked
-    sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
-                                 max_seq_len=args.seq_length)
+                                     zero_stage=1 if args.use_distributed_optimizer else 0,
+                                     vocabulary_lengths=sampler.distinct_lengths())
     start = load_checkpoint(args, ddp, optimizer, sampler, step_fn) if args.load else 0
     if args.load:
         check_resume_point(start, args.train_iters, args.load, primary=rank == 0)

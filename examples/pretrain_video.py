@@ -113,8 +113,10 @@ def main(argv=None) -> int:
     videos = open_videos(args)
     model = build_model(args, videos)
     loss = FlowMatchingLoss()
-    with training.engine_for(args, model, ds_config, loss) as engine:  # destroyed at the end
-        return train(args, engine, videos, loss)
+    # the groups created at start-up: those the videos' lengths (all of them) need
+    lengths = sorted({int(n) for n in videos.lengths})
+    with training.engine_for(args, model, ds_config, loss, vocabulary_lengths=lengths) as engine:
+        return train(args, engine, videos, loss)  # the engine is destroyed at the end
 
 
 def train(args, engine, videos, loss: FlowMatchingLoss) -> int:

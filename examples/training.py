@@ -157,16 +157,19 @@ def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int
 
 
 @contextlib.contextmanager
-def engine_for(args, model, ds_config: dict, loss_fn=None) -> Iterator[Any]:
-    """``deepspeed_plugin.initialize`` with the examples' flags (``--dcp*``, the timeout) and
-    ``loss_fn`` (default: next-token cross-entropy); the engine is destroyed when the block
-    ends (ZeRO's gradient hooks would keep it, and its process groups, alive to interpreter
-    exit), its planning thread joined first."""
+def engine_for(args, model, ds_config: dict, loss_fn=None,
+               vocabulary_lengths=None) -> Iterator[Any]:
+    """``deepspeed_plugin.initialize`` with the examples' flags (``--dcp*``, the timeout),
+    ``loss_fn`` (default: next-token cross-entropy) and ``vocabulary_lengths`` (the lengths
+    the run will see: the groups created at start-up are those they need); the engine is
+    destroyed when the block ends (ZeRO's gradient hooks would keep it, and its process groups,
+    alive to interpreter exit), its planning thread joined first."""
     import deepspeed_plugin
 
     engine, _, _, _ = deepspeed_plugin.initialize(
         args=args, model=model, config=ds_config, model_parameters=model.parameters(),
-        timeout=timedelta(seconds=args.distributed_timeout_s), loss_fn=loss_fn)
+        timeout=timedelta(seconds=args.distributed_timeout_s), loss_fn=loss_fn,
+        vocabulary_lengths=vocabulary_lengths)
     try:
         yield engine
     finally:

@@ -60,6 +60,16 @@ class GlobalBatchSampler:
         rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
         return self.usable[rng.permutation(len(self.usable))]
 
+    def distinct_lengths(self) -> list[int]:
+        """Every length a batch of this sampler can hold, once (its usable documents' sizes cut
+        at ``max_seq_len``): the whole dataset's distribution at the cost of one pass over the
+        size array, small enough for the planner (``vocabulary_lengths=`` of
+        `deepspeed_plugin.initialize` and `DCPForwardBackward`)."""
+        lengths = self.lengths[self.usable]
+        if self.max_seq_len:
+            lengths = np.minimum(lengths, self.max_seq_len)
+        return [int(n) for n in np.unique(lengths)]
+
     def sequence_length(self, doc: int) -> int:
         """Tokens of document ``doc`` after truncation to ``max_seq_len``."""
         n = int(self.lengths[doc])

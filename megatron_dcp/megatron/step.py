@@ -258,11 +258,18 @@ class DCPForwardBackward:
     planner (needed unless every `GlobalBatch` carries its plan); ``pool``: a
     `megatron_dcp.runtime.groups.GroupPool` over the data-parallel ranks (built on first use);
     ``zero_stage``: 1 with Megatron's distributed optimizer, else 0 (the planner's memory model).
+    ``vocabulary_lengths``: the sequence lengths the job will see, the same on every rank (the
+    indexed dataset's document sizes cut at the longest sequence, e.g.
+    `GlobalBatchSampler.distinct_lengths`, or a sample of batches): the groups created at the
+    first use are only those they need (`megatron_dcp.plan.planners.vocabulary_for_lengths`)
+    and every plan is made over them (a batch that would want a missing group gets the best
+    plan within them); ``None``: the default vocabulary.
     """
 
     def __init__(self, config: DCPConfig, *, model_shape=None, pool=None, hardware=None,
-                 zero_stage: int = 0) -> None:
+                 zero_stage: int = 0, vocabulary_lengths: Optional[Sequence[int]] = None) -> None:
         self.config = config
+        self.vocabulary_lengths = vocabulary_lengths
         # Memory the planner counts per rank for optimizer states: 0 = every rank holds them all
         # (Megatron's default), 1 = sharded over the data-parallel ranks
         # (--use-distributed-optimizer).
@@ -290,7 +297,7 @@ class DCPForwardBackward:
                                       model_shape=self.planning_shape(), hardware=self.hardware,
                                       zero_stage=self.zero_stage, device=device)
             if self.model_shape is not None:  # every communicator now, none inside a step
-                report = self._driver.create_groups()
+                report = self._driver.create_groups(self.vocabulary_lengths)
                 if dist.get_rank() == 0:
                     print(f"[megatron-dcp] {report}", flush=True)
         return self._driver
