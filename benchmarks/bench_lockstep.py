@@ -10,7 +10,7 @@ model with:
 * ``free``: free DCP at ZeRO-1 memory (what ``--dcp`` ran before for every stage: ZeRO-2 with one
   coalesced reduction, ZeRO-3 with parameters kept gathered);
 * ``lockstep ZeRO-2`` / ``lockstep ZeRO-3``: the lockstep planner with the stage's sharded memory
-  and its per-slot traffic (`CostModel.slot_time`);
+  and its per-slot traffic (`TimeModel.slot_time`);
 * ``bucket ZeRO-3``: the bucket baseline in lockstep slots, for reference.
 
 Then llama-70b on 256 H200 with ZeRO-3: a free schedule does not fit (140 GB of parameters on
@@ -51,7 +51,8 @@ def one(model, lengths, world: int, zero: int, schedule: str, policy: str) -> di
             "slots": len(plan.slot_recompute_layers()), "tasks": len(plan.tasks),
             "plan_ms": plan_ms,
             "peak_task_gib": max(t.memory for t in plan.tasks) / 2**30,
-            "static_gib": cm.static_memory / 2**30, "budget_gib": cm.budget / 2**30,
+            "static_gib": cm.memory_model.static_memory / 2**30,
+            "budget_gib": cm.memory_model.budget / 2**30,
             "candidate": plan.meta.get("candidate")}
 
 

@@ -70,7 +70,7 @@ def measure(vocab: int, tokens: int, hidden: int, path: str, chunk: int | None) 
 
 def predict(vocab: int, tokens: int, hidden: int, path: str, chunk: int | None) -> float:
     """The cost model's bytes of the case (float32 logits), gradients of x and W included."""
-    from megatron_dcp.plan.cost import loss_bytes
+    from megatron_dcp.plan.memory import loss_bytes
 
     grads = 4.0 * hidden * (tokens + vocab)
     if path == "chunked":

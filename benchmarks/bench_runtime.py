@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from megatron_dcp.config import DCPConfig  # noqa: E402
 from megatron_dcp.models import Decoder, DecoderConfig  # noqa: E402
 from megatron_dcp.plan import CostModel, Plan, Task, load_hardware, make_plan  # noqa: E402
-from megatron_dcp.plan.cost import RESERVE_BYTES  # noqa: E402
+from megatron_dcp.plan.memory import RESERVE_BYTES  # noqa: E402
 from megatron_dcp.runtime.ports import free_port  # noqa: E402
 
 
@@ -61,7 +61,8 @@ def cost_model(cfg: DecoderConfig, args: argparse.Namespace, world: int) -> Cost
     shape = Decoder(cfg).shape()
     hw = load_hardware(args.hardware)
     base = CostModel(shape, hw, world_size=world, memory_budget=1e15)
-    budget = base.static_memory + RESERVE_BYTES + args.budget_tokens * base.token_bytes(0)
+    mem = base.memory_model
+    budget = mem.static_memory + RESERVE_BYTES + args.budget_tokens * mem.token_bytes(0)
     return CostModel(shape, hw, world_size=world, memory_budget=budget)
 
 
@@ -85,11 +86,11 @@ def fixed_degree_plan(lengths: list[int], cm: CostModel, world: int, degree: int
     for k, b in enumerate(bins):
         g = min(groups, key=lambda x: (clock[x], x))
         tokens = sum(lengths[i] for i in b)
-        layers = cm.min_recompute_layers(tokens, degree)
+        layers = cm.memory_model.min_recompute_layers(tokens, degree)
         if layers is None:
             raise SystemExit(f"fixed-{degree}: micro-batch of {tokens} tokens fits no recompute")
         probe = Task(id=k, ranks=g, seqs=tuple(b), ulysses=degree, ring=1, recompute_layers=layers)
-        duration = cm.time(probe, lengths)
+        duration = cm.time_model.task_time(probe, lengths)
         tasks.append(Task(id=k, ranks=g, seqs=tuple(b), ulysses=degree, ring=1,
                           recompute_layers=layers, start=clock[g], duration=duration))
         clock[g] += duration

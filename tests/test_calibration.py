@@ -46,7 +46,7 @@ def _batches(n: int, seed: int = 3) -> list[list[int]]:
 
 def _measure(plan, true_cm, rng, noise=0.03):
     """Task seconds on the "true" machine (noisy) and the step's wall time."""
-    seconds = [true_cm.time(t, plan.lengths) * (1 + rng.uniform(-noise, noise))
+    seconds = [true_cm.time_model.task_time(t, plan.lengths) * (1 + rng.uniform(-noise, noise))
                for t in plan.tasks]
     busy = [0.0] * plan.world_size
     for t, s in zip(plan.tasks, seconds):
@@ -70,7 +70,8 @@ def _run(prior_hw, steps, *, outlier=False):
         seconds, wall = _measure(plan, true_cm, rng)
         if outlier and i == 2:
             seconds[0] *= 10.0
-        predicted = plan.makespan + build_cost_model(MODEL, config, WORLD, hw).sync_time()
+        sync = build_cost_model(MODEL, config, WORLD, hw).time_model.sync_time()
+        predicted = plan.makespan + sync
         cal.add_step(plan, seconds, wall, predicted)
         hw = cal.fit()
     return cal, true_cm, config
@@ -99,9 +100,10 @@ def _held_out_errors(cal, true_cm, config):
         plan = make_plan(lengths, world_size=WORLD, model=MODEL, config=config,
                          hardware=cal.hardware)
         for t in plan.tasks:
-            task_errors.append(abs(cm.time(t, plan.lengths) / true_cm.time(t, plan.lengths) - 1))
+            task_errors.append(abs(cm.time_model.task_time(t, plan.lengths)
+                                   / true_cm.time_model.task_time(t, plan.lengths) - 1))
         seconds, wall = _measure(plan, true_cm, random.Random(1), noise=0.0)
-        step_errors.append(abs((plan.makespan + cm.sync_time()) / wall - 1))
+        step_errors.append(abs((plan.makespan + cm.time_model.sync_time()) / wall - 1))
     task_errors.sort()
     return task_errors[len(task_errors) // 2], max(step_errors)
 
@@ -143,7 +145,8 @@ def test_one_outlier_task_does_not_move_the_fit():
     dirty, _, _ = _run(cpu_start(), steps=6, outlier=True)
     clean_cm = build_cost_model(MODEL, config, WORLD, clean.hardware)
     dirty_cm = build_cost_model(MODEL, config, WORLD, dirty.hardware)
-    moved = sorted(abs(dirty_cm.time(t, plan.lengths) / clean_cm.time(t, plan.lengths) - 1)
+    dirty_time, clean_time = dirty_cm.time_model.task_time, clean_cm.time_model.task_time
+    moved = sorted(abs(dirty_time(t, plan.lengths) / clean_time(t, plan.lengths) - 1)
                    for lengths in _batches(6, seed=99)
                    for plan in [make_plan(lengths, world_size=WORLD, model=MODEL, config=config,
                                           hardware=clean.hardware)]

@@ -68,7 +68,8 @@ def _planned(kind: str, lengths, world: int, policy: str = "dcp", free_tokens: i
     shape = build_model(kind).shape()
     hw = load_hardware("h200")
     base = CostModel(shape, hw, world_size=world)
-    budget = base.memory_of(free_tokens, 1, 0)  # static, reserve, activations, loss workspace
+    # static, reserve, activations, loss workspace
+    budget = base.memory_model.memory_of(free_tokens, 1, 0)
     cm = CostModel(shape, hw, world_size=world, memory_budget=budget)
     plan = make_plan(list(lengths), world_size=world, model=shape,
                      config=DCPConfig(policy=policy), cost_model=cm)

@@ -104,7 +104,7 @@ def _startup_body(rank: int, world_size: int) -> dict:
                        vocab_size=256, name="tiny")
     cm = build_cost_model(model, DCPConfig(), world_size)
     # memory for about 3,000 local tokens: long sequences need several ranks
-    budget = (cm.static_memory + 4e9 + 3000 * cm.token_bytes(0)) / 2**30
+    budget = (cm.memory_model.static_memory + 4e9 + 3000 * cm.memory_model.token_bytes(0)) / 2**30
     lengths = [9000, 5000, 2500, 700, 300, 200, 90]
     out: dict = {"lines": {}, "orders": {}, "created_in_step": {}, "wrong_ranks": []}
     pools = {}

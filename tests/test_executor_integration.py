@@ -59,7 +59,7 @@ def _train(rank: int, world_size: int) -> dict:
 
     from megatron_dcp import DCPConfig
     from megatron_dcp.plan import CostModel, load_hardware, make_plan
-    from megatron_dcp.plan.cost import RESERVE_BYTES
+    from megatron_dcp.plan.memory import RESERVE_BYTES
     from megatron_dcp.plan.model import ModelShape
     from megatron_dcp.runtime.executor import reduce_gradients, run_plan
     from megatron_dcp.runtime.groups import GroupPool
@@ -71,7 +71,8 @@ def _train(rank: int, world_size: int) -> dict:
     # A tight memory budget so the long sequences need 2 ranks and recomputation.
     base = CostModel(shape, load_hardware("h200"), world_size=world_size)
     cm = CostModel(shape, base.hw, world_size=world_size,
-                   memory_budget=base.static_memory + RESERVE_BYTES + 30 * base.token_bytes(0))
+                   memory_budget=base.memory_model.static_memory + RESERVE_BYTES
+                   + 30 * base.memory_model.token_bytes(0))
     cfg = DCPConfig(enabled=True)
     pool = GroupPool()
     losses, degrees = [], []

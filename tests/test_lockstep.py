@@ -66,8 +66,8 @@ def test_lockstep_plans_are_valid_one_depth_per_slot_and_timed_by_slot(policy, d
         ranks = [r for t in tasks for r in t.ranks]
         assert len(ranks) == len(set(ranks))
         assert all(t.start == pytest.approx(clock) for t in tasks)
-        clock += max(max(cm.time(t, plan.lengths) for t in tasks),
-                     cm.slot_time(tasks[0].recompute_layers))
+        clock += max(max(cm.time_model.task_time(t, plan.lengths) for t in tasks),
+                     cm.time_model.slot_time(tasks[0].recompute_layers))
     result = simulate(plan, cm)
     assert result.makespan_s == pytest.approx(clock)
     assert result.makespan_s >= plan.makespan * (1 - 1e-9)  # the last slot's floor on top
@@ -92,29 +92,30 @@ def test_sharded_memory_lets_llama_70b_plan_where_free_schedules_cannot():
                   zero_stage=3)
     cm = build_cost_model(model, DCPConfig(), 256, zero_stage=3)
     free = build_cost_model(model, DCPConfig(memory_budget_gb=1e4), 256, zero_stage=1)
-    comm = cm.communicators_per_rank * cm.hw.communicator_bytes  # the same in both
-    assert comm == free.communicators_per_rank * free.hw.communicator_bytes
-    assert cm.static_memory - comm < (free.static_memory - comm) / 20
+    comm = cm.memory_model.communicators_per_rank * cm.hw.communicator_bytes  # the same in both
+    assert comm == free.memory_model.communicators_per_rank * free.hw.communicator_bytes
+    assert cm.memory_model.static_memory - comm < (free.memory_model.static_memory - comm) / 20
     # parameters, gradients and states sharded, plus the layers gathered at a time and a bucket
-    assert cm.static_memory - comm > 16 * cm.params / 256 + 2 * 2 * cm.layer_params
+    assert cm.memory_model.static_memory - comm > 16 * cm.params / 256 + 2 * 2 * cm.layer_params
     plan = make_plan(lengths, world_size=256, model=model, config=DCPConfig(), zero_stage=3,
                      cost_model=cm)
     validate_plan(plan, model, cost_model=cm)
-    assert plan.lockstep and max(t.memory for t in plan.tasks) <= cm.budget
+    assert plan.lockstep and max(t.memory for t in plan.tasks) <= cm.memory_model.budget
 
 
 def test_slot_time_is_zero3_traffic_when_it_dominates():
     world = 64
     z3 = build_cost_model(LLAMA, DCPConfig(), world, zero_stage=3)
     z2 = build_cost_model(LLAMA, DCPConfig(), world, zero_stage=2)
-    assert z3.slot_time(32) > z3.slot_time(0) > z2.slot_time(0) > 0
+    assert z3.time_model.slot_time(32) > z3.time_model.slot_time(0) > z2.time_model.slot_time(0) > 0
     # stage 3: three passes of the parameters (gathers in forward and backward, the gradients'
     # reduce-scatter) over the inter-node links, a fourth with every layer recomputed
     share = (world - 1) / world * 2 * z3.params / z3.hw.inter_bandwidth
-    assert z3.slot_time(0) == pytest.approx(3 * share) and z3.slot_time(32) == \
-        pytest.approx(4 * share)
+    assert z3.time_model.slot_time(0) == pytest.approx(3 * share)
+    assert z3.time_model.slot_time(32) == pytest.approx(4 * share)
     z1 = build_cost_model(LLAMA, DCPConfig(), 8, zero_stage=1)
-    assert z1.slot_time(0) == pytest.approx(z1.time_of(1, 1.0, z1.layouts(1)[0], 0))
+    one_token = z1.time_model.time_of(1, 1.0, z1.layouts(1)[0], 0)
+    assert z1.time_model.slot_time(0) == pytest.approx(one_token)
 
 
 def _plan(tasks) -> Plan:

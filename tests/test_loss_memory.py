@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from distributed import run_distributed
 
 from megatron_dcp.models.common import token_losses
-from megatron_dcp.plan.cost import CostModel, loss_bytes, loss_chunk_tokens
+from megatron_dcp.plan.cost import CostModel
+from megatron_dcp.plan.memory import loss_bytes, loss_chunk_tokens
 from megatron_dcp.plan.hardware import load_hardware
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.allocator import use_expandable_segments
@@ -74,7 +75,8 @@ def test_cost_model_counts_the_loss_path():
     cm = CostModel(model, load_hardware("h100"), world_size=2, memory_budget=80e9)
     chunk = loss_chunk_tokens(vocab)
     for tokens in (chunk, 4 * chunk, 16384):
-        assert tokens * cm.logit_bytes + cm.loss_workspace(tokens) == loss_bytes(tokens, vocab)
+        mem = cm.memory_model
+        assert tokens * mem.logit_bytes + mem.loss_workspace(tokens) == loss_bytes(tokens, vocab)
     # 16K local tokens at a 128K vocabulary: 13.0 GB (the old count, 4 B x V: 8.6 GB)
     assert 12e9 < loss_bytes(16384, vocab) < 14e9
 

@@ -45,7 +45,7 @@ def _dcp_flags() -> list[str]:
     shape = pretrain_megatron.model_shape(pretrain_megatron.parse_args(COMMON))
     cost = build_cost_model(shape, DCPConfig(), world_size=2, zero_stage=1)
     return ["--dcp", "--dcp-pack-tokens", "256", "--dcp-hardware", "h200",
-            "--dcp-memory-budget-gb", f"{cost.memory_of(200, 1, 0) / 2**30:.6f}"]
+            "--dcp-memory-budget-gb", f"{cost.memory_model.memory_of(200, 1, 0) / 2**30:.6f}"]
 
 
 def _kill_tree(pid: int) -> None:

@@ -32,7 +32,7 @@ def _budget_gb(tokens: int, common: list[str] = COMMON) -> float:
 
     shape = pretrain_megatron.model_shape(pretrain_megatron.parse_args(common))
     cost = build_cost_model(shape, DCPConfig(), world_size=2, zero_stage=0)  # as DCPForwardBackward
-    return cost.memory_of(tokens, 1, 0) / 2**30
+    return cost.memory_model.memory_of(tokens, 1, 0) / 2**30
 
 
 def _train(tmp_path: Path, name: str, extra: list[str], common: list[str] = COMMON,

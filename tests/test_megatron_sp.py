@@ -77,10 +77,11 @@ def test_cost_model_counts_sequence_parallel():
                       vocab_size=1000, tensor_parallel=2)
     plain, sp = (CostModel(replace(base, sequence_parallel=on), load_hardware("h200"),
                            world_size=4) for on in (False, True))
-    assert CostModel(base, load_hardware("h200"), world_size=4).token_bytes(1) \
-        == plain.token_bytes(1)
+    assert CostModel(base, load_hardware("h200"), world_size=4).memory_model.token_bytes(1) \
+        == plain.memory_model.token_bytes(1)
     assert sp.act_bytes == pytest.approx(plain.act_bytes - 2 * 3 * 512 / 2)
-    assert sp.token_bytes(2) < plain.token_bytes(2)
-    a, b = (m.terms(4096, 4096 ** 2 / 2, Layout(1, 1, True, True), 1) for m in (plain, sp))
+    assert sp.memory_model.token_bytes(2) < plain.memory_model.token_bytes(2)
+    a, b = (m.time_model.terms(4096, 4096 ** 2 / 2, Layout(1, 1, True, True), 1)
+            for m in (plain, sp))
     assert b.tensor_parallel == a.tensor_parallel
     assert b.tensor_parallel_latency == pytest.approx(2 * a.tensor_parallel_latency)

@@ -82,7 +82,7 @@ def test_peak_memory_counts_the_window():
 
 def test_plan_fits_only_in_the_right_order():
     cm = _cost_model(pipeline_parallel=2)
-    free = cm.budget - cm.static_memory - cm.reserve
+    free = cm.memory_model.budget - cm.memory_model.static_memory - cm.memory_model.reserve
     big, small = 0.6 * free, 0.3 * free
     costs = [SlotCost(1, 2, 0.0, [big], [0.0]), SlotCost(1, 2, 0.0, [big], [0.0]),
              SlotCost(1, 2, 0.0, [small], [0.0]), SlotCost(1, 2, 0.0, [small], [0.0])]

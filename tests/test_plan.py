@@ -187,24 +187,25 @@ def test_one_idx_reader_for_the_planner_and_the_data_layer(tmp_path):
 def test_cost_model_memory_and_time():
     hw = load_hardware("h200")
     cm = CostModel(LLAMA, hw, world_size=32, zero_stage=1)
-    statics = [CostModel(LLAMA, hw, world_size=32, zero_stage=z, memory_budget=1e15).static_memory
-               for z in range(4)]
+    mem, tm = cm.memory_model, cm.time_model
+    statics = [CostModel(LLAMA, hw, world_size=32, zero_stage=z,
+                         memory_budget=1e15).memory_model.static_memory for z in range(4)]
     assert statics == sorted(statics, reverse=True)
     assert 6e9 < cm.params < 7e9
     # more recompute: less memory, more time
-    assert cm.memory_of(50_000, 1, 32) < cm.memory_of(50_000, 1, 0)
+    assert mem.memory_of(50_000, 1, 32) < mem.memory_of(50_000, 1, 0)
     pairs = cm.attn_pairs(8000)
-    assert cm.best_time(8000, pairs, 1, 32)[0] > cm.best_time(8000, pairs, 1, 0)[0]
+    assert tm.best_time(8000, pairs, 1, 32)[0] > tm.best_time(8000, pairs, 1, 0)[0]
     # fewest recomputed layers that fit
     for tokens in (1000, 60_000, 150_000):
-        c = cm.min_recompute_layers(tokens, 1)
+        c = mem.min_recompute_layers(tokens, 1)
         if c is not None:
-            assert cm.memory_of(tokens, 1, c) <= cm.budget
+            assert mem.memory_of(tokens, 1, c) <= mem.budget
             if c > 0:
-                assert cm.memory_of(tokens, 1, c - 1) > cm.budget
+                assert mem.memory_of(tokens, 1, c - 1) > mem.budget
     # a long sequence gets faster with more ranks; attention is quadratic
     n = 131072
-    times = [cm.best_time(n, cm.attn_pairs(n), d, cm.min_recompute_layers(n, d))[0]
+    times = [tm.best_time(n, cm.attn_pairs(n), d, mem.min_recompute_layers(n, d))[0]
              for d in (2, 4, 8)]
     assert times == sorted(times, reverse=True)
     assert cm.attn_pairs(2000) > 3.9 * cm.attn_pairs(1000)
@@ -212,7 +213,7 @@ def test_cost_model_memory_and_time():
     from megatron_dcp.plan.cost import Layout
     intra, inter = Layout(1, 8, True, True), Layout(1, 8, True, False)
     pairs = cm.attn_pairs(4096)
-    assert cm.time_of(4096, pairs, inter, 0) > cm.time_of(4096, pairs, intra, 0)
+    assert tm.time_of(4096, pairs, inter, 0) > tm.time_of(4096, pairs, intra, 0)
 
 
 def test_cost_terms_table_and_per_layout_attention():
@@ -220,29 +221,30 @@ def test_cost_terms_table_and_per_layout_attention():
 
     hw = load_hardware("h200")
     cm = CostModel(LLAMA, hw, world_size=16)
+    tm = cm.time_model
     ring, uly, hyb = Layout(1, 8, True, True), Layout(8, 1, True, True), Layout(2, 4, True, True)
     pairs = cm.attn_pairs(65536)
     for lay in (ring, uly, hyb, Layout(1, 16, True, False)):
         for ckpt in (0, 12):
-            terms = cm.terms(65536, pairs, lay, ckpt)
-            parts = cm.breakdown(65536, pairs, lay, ckpt)
-            assert cm.time_of(65536, pairs, lay, ckpt) == pytest.approx(cm.total(terms))
+            terms = tm.terms(65536, pairs, lay, ckpt)
+            parts = tm.breakdown(65536, pairs, lay, ckpt)
+            assert tm.time_of(65536, pairs, lay, ckpt) == pytest.approx(tm.total(terms))
             assert parts.compute + parts.comm + parts.overhead == pytest.approx(parts.total)
-            assert cm.marginal_time(65536, pairs, lay, ckpt) <= parts.total
+            assert tm.marginal_time(65536, pairs, lay, ckpt) <= parts.total
             assert (terms.p2p > 0) == (lay.ring > 1) and (terms.all_to_all > 0) == (lay.ulysses > 1)
     # attention of the same work at each layout's rate: ring slower, hybrid in between
-    attn = {name: cm.terms(65536, pairs, lay, 0).attention
+    attn = {name: tm.terms(65536, pairs, lay, 0).attention
             for name, lay in (("ring", ring), ("ulysses", uly), ("hybrid", hyb))}
     assert attn["ring"] == pytest.approx(attn["ulysses"] * hw.attention_flops
                                          / hw.ring_attention_flops)
     assert attn["ulysses"] < attn["hybrid"] < attn["ring"]
     flat = CostModel(LLAMA, replace(hw, ring_attention_flops=None, hybrid_attention_flops=None),
                      world_size=16)
-    assert flat.terms(65536, pairs, ring, 0).attention == pytest.approx(attn["ulysses"])
+    assert flat.time_model.terms(65536, pairs, ring, 0).attention == pytest.approx(attn["ulysses"])
     # the layout choice follows the rates: with equal rates ring wins at degree 8 on this
     # sequence (its traffic hides behind attention, Ulysses' all-to-all does not)
-    assert flat.best_time(65536, pairs, 8, 0)[1].ring == 8
-    assert cm.best_time(65536, pairs, 8, 0)[1].ulysses == 8
+    assert flat.time_model.best_time(65536, pairs, 8, 0)[1].ring == 8
+    assert tm.best_time(65536, pairs, 8, 0)[1].ulysses == 8
 
 
 def test_padding_is_the_runtimes_rule():
@@ -260,32 +262,33 @@ def test_padding_is_the_runtimes_rule():
     for t in plan.tasks:
         assert t.ring == 1
         tokens = sum(padded_length(plan.lengths[s], t.ulysses, 1) for s in t.seqs)
-        assert t.memory == pytest.approx(uly.memory_of(tokens, t.degree, t.recompute_layers))
+        memory_of = uly.memory_model.memory_of
+        assert t.memory == pytest.approx(memory_of(tokens, t.degree, t.recompute_layers))
         twice = sum(-(-plan.lengths[s] // (2 * t.degree)) * 2 * t.degree for s in t.seqs)
-        assert t.memory < uly.memory_of(twice, t.degree, t.recompute_layers)
+        assert t.memory < memory_of(twice, t.degree, t.recompute_layers)
 
 
 def test_communicator_memory_is_static_memory():
     hw = load_hardware("h200")
     count = Vocabulary.for_cost_model(CostModel(LLAMA, hw, world_size=64)).communicators_per_rank()
-    cm = CostModel(LLAMA, hw, world_size=64)
-    none = CostModel(LLAMA, hw, world_size=64, communicators_per_rank=0)
-    assert cm.communicators_per_rank == count > 10
-    assert cm.static_memory - none.static_memory == pytest.approx(count * hw.communicator_bytes)
+    mem = CostModel(LLAMA, hw, world_size=64).memory_model
+    none = CostModel(LLAMA, hw, world_size=64, communicators_per_rank=0).memory_model
+    assert mem.communicators_per_rank == count > 10
+    assert mem.static_memory - none.static_memory == pytest.approx(count * hw.communicator_bytes)
     # the caller may give its own count; a smaller vocabulary costs less
     assert CostModel(LLAMA, hw, world_size=64,
-                     communicators_per_rank=3).static_memory < cm.static_memory
-    node = build_cost_model(LLAMA, DCPConfig(ulysses_scope="node"), 64)
-    capped = build_cost_model(LLAMA, DCPConfig(max_degree=8), 64)
+                     communicators_per_rank=3).memory_model.static_memory < mem.static_memory
+    node = build_cost_model(LLAMA, DCPConfig(ulysses_scope="node"), 64).memory_model
+    capped = build_cost_model(LLAMA, DCPConfig(max_degree=8), 64).memory_model
     assert node.communicators_per_rank < count and capped.communicators_per_rank < count
-    assert capped.static_memory < cm.static_memory
+    assert capped.static_memory < mem.static_memory
     # gloo profiles: free
-    cpu = CostModel(LLAMA, replace(hw, communicator_bytes=0.0), world_size=64)
+    cpu = CostModel(LLAMA, replace(hw, communicator_bytes=0.0), world_size=64).memory_model
     assert cpu.communicators_per_rank == 0 and cpu.static_memory == none.static_memory
     # the memory a task records includes it, and a budget it eats up is a clear error
     plan = make_plan([1000], world_size=64, model=LLAMA, config=DCPConfig())
     assert plan.meta["communicators_per_rank"] == count
-    assert plan.tasks[0].memory > cm.static_memory > none.static_memory
+    assert plan.tasks[0].memory > mem.static_memory > none.static_memory
     with pytest.raises(PlanError, match=f"{count} communicators per rank"):
         CostModel(LLAMA, hw, world_size=64, memory_budget=none.static_memory + 4.5e9)
 
@@ -379,13 +382,13 @@ def test_dcp_uses_variable_degrees_and_per_rank_task_counts():
 
 
 def test_recompute_layers_are_the_fewest_that_fit():
-    cm = build_cost_model(LLAMA, DCPConfig(), 8)
+    mem = build_cost_model(LLAMA, DCPConfig(), 8).memory_model
     plan = plan_for([200_000, 1000], world=8, policy="dcp")
     for t in plan.tasks:
         tokens = sum(plan.lengths[s] for s in t.seqs)
         fewer = replace(t, recompute_layers=t.recompute_layers - 1)
-        assert t.recompute_layers == 0 or cm.memory(fewer, plan.lengths) > cm.budget \
-            or cm.min_recompute_layers(tokens, t.degree) == t.recompute_layers
+        assert t.recompute_layers == 0 or mem.task_memory(fewer, plan.lengths) > mem.budget \
+            or mem.min_recompute_layers(tokens, t.degree) == t.recompute_layers
     full = plan_for([200_000, 1000], world=8, policy="dcp", recompute="full")
     assert all(t.recompute_layers == LLAMA.num_layers for t in full.tasks)
 
@@ -426,19 +429,20 @@ def test_pack_curve_and_budget_from_the_hardware_profile(tmp_path):
         with pytest.raises(HardwareError, match="pack_"):
             replace(cpu, **bad)
     # the cost model: a big task costs more per token; marginal times stay lower bounds
-    flat = CostModel(LLAMA, replace(cpu, pack_curve=None), world_size=8)
+    flat = CostModel(LLAMA, replace(cpu, pack_curve=None), world_size=8).time_model
     cm = CostModel(LLAMA, cpu, world_size=8)
+    tm = cm.time_model
     lay = cm.layouts(1)[0]
-    assert cm.time_of(1024, 0, lay, 0) == pytest.approx(flat.time_of(1024, 0, lay, 0))
-    assert cm.time_of(8192, 0, lay, 0) > 1.5 * flat.time_of(8192, 0, lay, 0)
+    assert tm.time_of(1024, 0, lay, 0) == pytest.approx(flat.time_of(1024, 0, lay, 0))
+    assert tm.time_of(8192, 0, lay, 0) > 1.5 * flat.time_of(8192, 0, lay, 0)
     below = CostModel(LLAMA, replace(cpu, pack_curve=[[1024, 0.5], [8192, 1.0]]), world_size=8)
     for tokens in (100, 1024, 8192):
-        for c in (cm, below):
+        for c in (tm, below.time_model):
             assert c.marginal_time(tokens, 0, lay, 0) <= c.time_of(tokens, 0, lay, 0)
     # ring traffic that does not hide behind attention (gloo on CPU) makes ring tasks slower
     ring = next(x for x in cm.layouts(2) if x.ring == 2)
-    serial = CostModel(LLAMA, replace(cpu, comm_overlap=0.0), world_size=8)
-    assert serial.time_of(8192, 3e7, ring, 0) > cm.time_of(8192, 3e7, ring, 0)
+    serial = CostModel(LLAMA, replace(cpu, comm_overlap=0.0), world_size=8).time_model
+    assert serial.time_of(8192, 3e7, ring, 0) > tm.time_of(8192, 3e7, ring, 0)
     assert serial.marginal_time(8192, 3e7, ring, 0, 0.5) <= serial.time_of(8192, 3e7, ring, 0)
     with pytest.raises(HardwareError, match="comm_overlap"):
         replace(cpu, comm_overlap=1.5)
@@ -560,27 +564,30 @@ def test_tensor_parallel_lowers_memory_and_time():
     tp1 = CostModel(LLAMA, hw, world_size=32, zero_stage=1)
     tp2 = CostModel(replace(LLAMA, tensor_parallel=2), hw, world_size=32, zero_stage=1)
     assert tp2.params == pytest.approx(tp1.params / 2)
-    assert tp2.static_memory < tp1.static_memory
+    assert tp2.memory_model.static_memory < tp1.memory_model.static_memory
     for ckpt in (0, 16, 32):
-        assert tp2.token_bytes(ckpt) < tp1.token_bytes(ckpt)
+        assert tp2.memory_model.token_bytes(ckpt) < tp1.memory_model.token_bytes(ckpt)
         # the replicated layer inputs/norm outputs do not split: more than half remains
-        assert tp2.token_bytes(ckpt) > tp1.token_bytes(ckpt) / 2
-        assert tp2.memory_of(50_000, 2, ckpt) < tp1.memory_of(50_000, 2, ckpt)
+        assert tp2.memory_model.token_bytes(ckpt) > tp1.memory_model.token_bytes(ckpt) / 2
+        assert tp2.memory_model.memory_of(50_000, 2, ckpt) \
+            < tp1.memory_model.memory_of(50_000, 2, ckpt)
     for tokens in (2048, 32768, 131072):
         pairs = tp1.attn_pairs(tokens)
         for d in (1, 2, 8):
-            assert tp2.best_time(tokens, pairs, d, 0)[0] < tp1.best_time(tokens, pairs, d, 0)[0]
+            assert tp2.time_model.best_time(tokens, pairs, d, 0)[0] \
+                < tp1.time_model.best_time(tokens, pairs, d, 0)[0]
     # the TP all-reduces show as communication, and grow with recompute
     from megatron_dcp.plan.cost import Layout
     lay = Layout(1, 1, True, True)
-    assert tp1.breakdown(8192, tp1.attn_pairs(8192), lay, 0).comm == 0.0
-    assert tp2.breakdown(8192, tp2.attn_pairs(8192), lay, 0).comm > 0.0
-    assert tp2.time_of(8192, 1e6, lay, 32) - tp2.time_of(8192, 1e6, lay, 0) > \
-        tp2.marginal_time(8192, 1e6, lay, 32) - tp2.marginal_time(8192, 1e6, lay, 16)
+    assert tp1.time_model.breakdown(8192, tp1.attn_pairs(8192), lay, 0).comm == 0.0
+    assert tp2.time_model.breakdown(8192, tp2.attn_pairs(8192), lay, 0).comm > 0.0
+    tm2 = tp2.time_model
+    assert tm2.time_of(8192, 1e6, lay, 32) - tm2.time_of(8192, 1e6, lay, 0) > \
+        tm2.marginal_time(8192, 1e6, lay, 32) - tm2.marginal_time(8192, 1e6, lay, 16)
     # marginal times stay lower bounds of task times
     for d, lay in ((1, lay), (4, Layout(2, 2, True, True))):
-        assert tp2.marginal_time(65536, tp2.attn_pairs(65536), lay, 8) <= \
-            tp2.time_of(65536, tp2.attn_pairs(65536), lay, 8)
+        assert tp2.time_model.marginal_time(65536, tp2.attn_pairs(65536), lay, 8) <= \
+            tp2.time_model.time_of(65536, tp2.attn_pairs(65536), lay, 8)
 
 
 def test_tensor_parallel_one_is_the_default_model():
@@ -588,21 +595,22 @@ def test_tensor_parallel_one_is_the_default_model():
     base = CostModel(LLAMA, hw, world_size=16, zero_stage=2)
     same = CostModel(replace(LLAMA, tensor_parallel=1), hw, world_size=16, zero_stage=2)
     assert LLAMA.tensor_parallel == 1
-    assert (base.params, base.static_memory, base.token_bytes(5)) == \
-        (same.params, same.static_memory, same.token_bytes(5))
+    assert (base.params, base.memory_model.static_memory, base.memory_model.token_bytes(5)) == \
+        (same.params, same.memory_model.static_memory, same.memory_model.token_bytes(5))
     assert base.params == 32 * (4096 * 3 * 4096 + 4096 * 4096 + 3 * 4096 * 11008) + 2 * 32000 * 4096
     # activations + bf16 logits and their gradient (or Megatron's fp32 softmax): `loss_bytes`
-    assert base.token_bytes(0) == 32 * 2 * (5 * 4096 + 2 * 4096 + 3 * 11008) + (2 + 4) * 32000
+    assert base.memory_model.token_bytes(0) == \
+        32 * 2 * (5 * 4096 + 2 * 4096 + 3 * 11008) + (2 + 4) * 32000
     # the planner plans with the model's TP size: a sequence that needs recompute on whole
     # ranks needs less on half of every weight and activation (and every task records the
     # memory the TP-2 cost model gives it)
     tp2 = replace(LLAMA, tensor_parallel=2)
     whole, half = plan_for([800_000], world=8), plan_for([800_000], world=8, model=tp2)
-    cm2 = build_cost_model(tp2, DCPConfig(), 8)
+    mem2 = build_cost_model(tp2, DCPConfig(), 8).memory_model
     assert [t.degree for t in whole.tasks] == [t.degree for t in half.tasks] == [8]
     assert half.tasks[0].recompute_layers < whole.tasks[0].recompute_layers
-    assert half.tasks[0].memory == pytest.approx(cm2.memory(half.tasks[0], half.lengths))
-    assert half.tasks[0].memory <= cm2.budget
+    assert half.tasks[0].memory == pytest.approx(mem2.task_memory(half.tasks[0], half.lengths))
+    assert half.tasks[0].memory <= mem2.budget
 
 
 def test_bad_tensor_parallel_is_a_clear_error():

@@ -68,7 +68,8 @@ def test_cost_model_counts_the_ring_bytes_sent(ring):
     hw = load_hardware("h200")
     cm = CostModel(model, hw, world_size=ring)
     kv_dim = cm.kv_dim
-    rate = cm._rates_for(Layout(1, ring, True, True), 0).p2p  # s per local token, no recompute
+    # s per local token, no recompute
+    rate = cm.time_model._rates_for(Layout(1, ring, True, True), 0).p2p
     model_bytes_per_token_layer = rate * hw.intra_bandwidth / model.num_layers
     # the same quantity measured, scaled from this toy's K/V width to the model's
     tokens = len(metas[0])

@@ -140,12 +140,13 @@ def _planned(world: int, free_tokens: int) -> dict:
     static memory: the 36-token videos need degree 2+ or recompute."""
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.plan import CostModel, load_hardware, make_plan
-    from megatron_dcp.plan.cost import RESERVE_BYTES
+    from megatron_dcp.plan.memory import RESERVE_BYTES
 
     shape = build_model().shape()
     hw = load_hardware("h200")
     base = CostModel(shape, hw, world_size=world)
-    budget = base.static_memory + RESERVE_BYTES + free_tokens * base.token_bytes(0)
+    budget = base.memory_model.static_memory + RESERVE_BYTES \
+        + free_tokens * base.memory_model.token_bytes(0)
     cm = CostModel(shape, hw, world_size=world, memory_budget=budget)
     plan = make_plan(list(LENGTHS), world_size=world, model=shape, config=DCPConfig(),
                      cost_model=cm)

@@ -57,17 +57,18 @@ def test_equal_tokens_different_frame_sizes_get_different_times():
     assert lengths[0] == lengths[1]
     task_a = Task(id=0, ranks=(0,), seqs=(0,))
     task_b = Task(id=1, ranks=(1,), seqs=(1,))
-    t_a, t_b = cm.time(task_a, lengths, frames), cm.time(task_b, lengths, frames)
+    task_time = cm.time_model.task_time
+    t_a, t_b = task_time(task_a, lengths, frames), task_time(task_b, lengths, frames)
     assert t_b > t_a * 1.05  # 4096^2-token frames attend far more pairs than 256^2 ones
     # without per-video frame sizes both count the model's 1024-token frames: equal
-    assert cm.time(task_a, lengths) == cm.time(task_b, lengths)
+    assert task_time(task_a, lengths) == task_time(task_b, lengths)
     plan = make_plan(lengths, world_size=2, model=DIT, config=config("bucket"),
                      frame_tokens=frames)
     durations = {t.seqs: t.duration for t in plan.tasks}
     assert durations[(1,)] > durations[(0,)] * 1.05
     result = simulate(plan, cm)
     assert max(result.durations) > min(result.durations) * 1.05
-    assert cm.model_flops(lengths, frames) > cm.model_flops(lengths)
+    assert cm.time_model.model_flops(lengths, frames) > cm.time_model.model_flops(lengths)
 
 
 @pytest.mark.parametrize("policy,zero_stage", [
@@ -159,7 +160,8 @@ def test_bucket_plans_group_videos_by_shape():
     cm = build_cost_model(DIT, config("bucket"), 8)
     longest = max(lengths)
     smallest = min(d for d in (1, 2, 4, 8)
-                   if cm.memory_of(cm.padded(longest, d), d, DIT.num_layers) <= cm.budget)
+                   if cm.memory_model.memory_of(cm.padded(longest, d), d, DIT.num_layers)
+                   <= cm.memory_model.budget)
     assert degrees == {smallest}
     fixed = make_plan(lengths, world_size=8, model=DIT, config=config("bucket"),
                       frame_tokens=frames, baseline_degree=4)

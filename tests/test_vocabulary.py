@@ -104,15 +104,16 @@ def test_vocabulary_from_lengths_keeps_the_sizes_the_data_needs():
     assert 1 in vocab.sizes and set(vocab.sizes) < set(default.sizes)
     for n in (min(short), max(short)):
         pairs = cm.pairs_of(n)
-        fits = [d for d in default.sizes if cm.min_recompute_layers(cm.padded(n, d), d) == 0]
+        fits = [d for d in default.sizes
+                if cm.memory_model.min_recompute_layers(cm.padded(n, d), d) == 0]
         assert fits[0] in vocab.sizes
-        assert min(fits, key=lambda d: cm.best_time(n, pairs, d, 0)[0]) in vocab.sizes
+        assert min(fits, key=lambda d: cm.time_model.best_time(n, pairs, d, 0)[0]) in vocab.sizes
     assert vocab.communicators_per_rank() < default.communicators_per_rank()
     assert set(vocab.communicators()) < set(default.communicators())
     assert vocab.rules() == default.rules()
     # a long length brings the smallest size it fits in; no lengths: size 1 alone
     wide = [d for d in default.sizes
-            if cm.min_recompute_layers(cm.padded(262144, d), d) is not None]
+            if cm.memory_model.min_recompute_layers(cm.padded(262144, d), d) is not None]
     assert wide[0] not in vocab.sizes and wide[0] in vocabulary_for_lengths(cm, [262144]).sizes
     assert vocabulary_for_lengths(cm, []).sizes == (1,)
 
@@ -130,7 +131,7 @@ def test_plans_over_a_data_vocabulary_are_valid_and_charge_its_communicators():
         assert plan.meta["communicators_per_rank"] == vocab.communicators_per_rank()
     default = make_plan(lengths, world_size=32, model=model, config=config)
     assert "vocabulary_sizes" not in default.meta
-    assert default.meta["communicators_per_rank"] == cm.communicators_per_rank
+    assert default.meta["communicators_per_rank"] == cm.memory_model.communicators_per_rank
     with pytest.raises(PlanError, match="vocabulary="):
         make_plan(lengths, world_size=32, model=model, config=config.replace(max_degree=8),
                   vocabulary=vocab)

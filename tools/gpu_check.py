@@ -29,7 +29,7 @@ Sections:
   size 1 (NCCL on CUDA), recompute 0 and all layers, equal gradients, per kernel dtype.
 * ``memory``: a planned one-sequence step of a decoder with a 32K vocabulary: peak CUDA memory
   (``torch.cuda.max_memory_allocated`` over the step's tasks, above the parameters and
-  gradients) against the planner's prediction for its task (`CostModel.memory` less its static
+  gradients) against the planner's `MemoryModel.task_memory` for its task (less its static
   part), planned recompute depth and all layers; passes within 10 % (CUDA only: on the CPU the
   prediction is reported, nothing is measured).
 * ``megatron``: a megatron-core GPTModel with DCP's layer spec through ``DCPForwardBackward``,
@@ -661,15 +661,17 @@ def section_memory(ctx) -> dict:
              "recompute_all": dataclasses.replace(planned, tasks=(dataclasses.replace(
                  task, recompute_layers=cfg.num_layers),))}
     result: dict = {"tokens": n, "vocab": cfg.vocab_size, "hardware": driver.hardware.name,
-                    "static_memory_bytes": cost.static_memory, "reserve_bytes": cost.reserve,
+                    "static_memory_bytes": cost.memory_model.static_memory,
+                    "reserve_bytes": cost.memory_model.reserve,
                     "cases": {}}
     misses = []
     for name, plan in cases.items():
         t = plan.tasks[0]
-        predicted = cost.memory(t, plan.lengths)
+        predicted = cost.memory_model.task_memory(t, plan.lengths)
         row = {"recompute_layers": t.recompute_layers, "planner_task_memory_bytes": t.memory,
                "predicted_bytes": predicted,
-               "predicted_activation_bytes": predicted - cost.static_memory - cost.reserve}
+               "predicted_activation_bytes": predicted - cost.memory_model.static_memory
+               - cost.memory_model.reserve}
         peak: dict = {}
 
         def read_peak():

@@ -255,15 +255,17 @@ def run(args: argparse.Namespace) -> dict:
     for name, plan in plans.items():
         results[name] = simulate(plan, cm, bound=bound, moldable_bound=mold, pipeline=pipe)
     ref = results.get("bucket")
+    sync = cm.time_model.sync_time()
     out = {
-        "lower_bound_s": bound + cm.sync_time(), "moldable_lower_bound_s": mold + cm.sync_time(),
+        "lower_bound_s": bound + sync, "moldable_lower_bound_s": mold + sync,
         "tokens": sum(ran), "sequences": len(lengths), "videos": frames is not None,
         "world_size": world, "ranks_per_node": cm.ranks_per_node, "model": model.name,
-        "hardware": cm.hw.name, "zero_stage": args.zero_stage, "sync_s": cm.sync_time(),
+        "hardware": cm.hw.name, "zero_stage": args.zero_stage, "sync_s": sync,
         "schedule": first.meta.get("schedule", "free"), "tensor_parallel": model.tensor_parallel,
         "pipeline_parallel": pipe.stages, "virtual_pipeline": pipe.virtual,
         "vocabulary_groups": len(vocab), "vocabulary": vocab.describe(),
-        "communicator_memory_gib": cm.communicators_per_rank * cm.hw.communicator_bytes / 2**30,
+        "communicator_memory_gib":
+            cm.memory_model.communicators_per_rank * cm.hw.communicator_bytes / 2**30,
         "policies": {},
     }
     for name, r in results.items():

@@ -85,7 +85,7 @@ def hybrid_cp_plan(lengths: Sequence[int], world_size: int, max_seqlen_per_rank:
                 clock = [max(clock)] * world_size
                 current_group = w
             start = max(clock[r] for r in ranks)
-            duration = float(cost_model.time(task, lengths))
+            duration = float(cost_model.time_model.task_time(task, lengths))
             for r in ranks:
                 clock[r] = start + duration
             task = replace(task, start=start, duration=duration)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from megatron_dcp.config import IGNORE_INDEX
-from megatron_dcp.plan.cost import loss_chunk_tokens
+from megatron_dcp.plan.memory import loss_chunk_tokens
 from megatron_dcp.runtime.context import TaskContext
 
 
@@ -96,9 +96,9 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor,
     """Cross-entropy of every token ``[T]`` (0 where ``labels == -100``) of ``logits [T, V]``.
 
     Computed in float32 (float64 stays), ``chunk_tokens`` tokens at a time (default
-    `megatron_dcp.plan.cost.loss_chunk_tokens`: 128 MiB of float32 logits), so a large vocabulary
+    `megatron_dcp.plan.memory.loss_chunk_tokens`: 128 MiB of float32 logits), so a large vocabulary
     never holds a whole float32 copy of the logits or of their softmax: the loss path holds the
-    logits, their gradient and a few chunks (`megatron_dcp.plan.cost.loss_bytes`, what the
+    logits, their gradient and a few chunks (`megatron_dcp.plan.memory.loss_bytes`, what the
     planner counts). Values and gradients are those of ``F.cross_entropy(logits.float(), ...)``.
     """
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:

@@ -4,10 +4,10 @@
 docs/PLAN_FORMAT.md for the plan JSON and docs/DESIGN.md for the method.
 """
 
-from megatron_dcp.plan.cost import CostModel, PlanError
+from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.plan.plan import Plan, PlanError, Task
 from megatron_dcp.plan.planners import build_cost_model, make_plan
 from megatron_dcp.plan.presets import ModelPresetError, load_model
 from megatron_dcp.plan.simulate import SimResult, lower_bound, simulate

@@ -19,8 +19,9 @@ import heapq
 import math
 from typing import Callable, Optional
 
-from megatron_dcp.plan.cost import Layout, PlanError
+from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime
+from megatron_dcp.plan.plan import PlanError
 
 
 def candidate_degrees(ctx: PlanContext, mode: str) -> list[int]:
@@ -135,13 +136,13 @@ def _text_micro_batches(ctx: PlanContext, degree: int, recompute_layers: int
     for i in ctx.active:
         buckets.setdefault(max(0, math.ceil(math.log2(ctx.lengths[i]))), []).append(i)
     longest = max(ctx.lengths[i] for i in ctx.active)
-    t_ref = cm.best_time(longest, cm.attn_pairs(longest), degree, recompute_layers)[0]
-    cap = cm.max_tokens(degree, recompute_layers)
+    t_ref = cm.time_model.best_time(longest, cm.attn_pairs(longest), degree, recompute_layers)[0]
+    cap = cm.memory_model.max_tokens(degree, recompute_layers)
     result = []
     for k in sorted(buckets, reverse=True):
         seqs = sorted(buckets[k], key=lambda i: (-ctx.lengths[i], i))
         upper = min(2 ** k, longest)
-        t_one = cm.best_time(upper, cm.attn_pairs(upper), degree, recompute_layers)[0]
+        t_one = cm.time_model.best_time(upper, cm.attn_pairs(upper), degree, recompute_layers)[0]
         batch = max(1, min(int(t_ref // t_one), cap // max(1, ctx.padded(upper, degree))))
         result.append([seqs[j:j + batch] for j in range(0, len(seqs), batch)])
     return result
@@ -161,7 +162,7 @@ def _video_micro_batches(ctx: PlanContext, degree: int, recompute_layers: int,
     ``recompute_layers`` (VideoSys tunes one per bucket so a micro-batch fills memory), lowered
     to spread the bucket's videos evenly over the ``groups`` SP groups when it holds fewer than
     that many full batches."""
-    cap = ctx.cm.max_tokens(degree, recompute_layers)
+    cap = ctx.cm.memory_model.max_tokens(degree, recompute_layers)
     buckets: dict[tuple[int, int], list[int]] = {}
     for i in ctx.active:
         buckets.setdefault(video_bucket(ctx.lengths[i], ctx.frame_tokens[i]), []).append(i)
@@ -231,7 +232,8 @@ def plan_packed(ctx: PlanContext, degree: int) -> list[Draft]:
     (``pack_tokens``, default: the longest sequence), the same number of micro-batches per group."""
     longest = max(ctx.padded(ctx.lengths[i], degree) for i in ctx.active)
     budget = max(ctx.pack_tokens or longest, longest)
-    budget = min(budget, max(longest, ctx.cm.max_tokens(degree, ctx.cm.model.num_layers)))
+    full = ctx.cm.memory_model.max_tokens(degree, ctx.cm.model.num_layers)
+    budget = min(budget, max(longest, full))
     order = sorted(ctx.active, key=lambda i: (-ctx.lengths[i], i))
     bins = _best_fit(ctx, order, budget, degree)
     starts = _groups(ctx, degree)
@@ -274,7 +276,7 @@ def plan_greedy_cp(ctx: PlanContext) -> list[Draft]:
     cm = ctx.cm
     longest = max(ctx.lengths[i] for i in ctx.active)
     recompute_layers = _run_recompute_layers(ctx, 1, ctx.padded(longest, 1))
-    mem_cap = max(1, cm.max_tokens(1, recompute_layers))
+    mem_cap = max(1, cm.memory_model.max_tokens(1, recompute_layers))
     floor = max(1, sum(ctx.lengths[i] for i in ctx.active) // (4 * ctx.world))
     best = None
     cap = mem_cap
@@ -370,7 +372,7 @@ def _greedy_cp_drafts(ctx: PlanContext, open_blocks: dict[int, list[list]], reco
     for size, blocks in sorted(open_blocks.items()):
         for _, start, seqs, tokens in blocks:
             c = recompute_layers if ctx.recompute_for(tokens, size, "auto") is not None else None
-            if c is None or cm.memory_of(tokens, size, c) > cm.budget:
+            if c is None or cm.memory_model.memory_of(tokens, size, c) > cm.memory_model.budget:
                 c = ctx.recompute_for(tokens, size, "auto") or cm.model.num_layers
             d = ctx.draft(start, size, seqs, c, release=clock)
             d.start = clock

@@ -36,7 +36,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from megatron_dcp.plan.cost import CostModel, Terms
+from megatron_dcp.plan.cost import CostModel
+from megatron_dcp.plan.timing import Terms
 from megatron_dcp.plan.hardware import CALIBRATED_TERMS, Hardware, layout_kind
 from megatron_dcp.plan.plan import Plan
 
@@ -149,7 +150,7 @@ class Calibrator:
         for task, seconds in zip(plan.tasks, task_seconds):
             if seconds is None or not math.isfinite(seconds) or seconds <= 0:
                 continue
-            terms = cm.task_terms(task, plan)
+            terms = cm.time_model.task_terms(task, plan)
             sample = TaskSample(terms, layout_kind(task.ulysses, task.ring), seconds, step)
             self.tasks.append(sample)
             x = self._regressors(sample, self._factors)

@@ -74,7 +74,7 @@ def raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoic
 def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[float, float]:
     """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
     total = 0.0
-    overhead = ctx.cm.task_overhead
+    overhead = ctx.cm.time_model.task_overhead
     seq_time, padded, recompute_for = ctx.seq_time, ctx.padded, ctx.recompute_for
     smallest = ctx.vocab.sizes[0]
     chosen: dict[tuple[int, float], tuple[int, int, float]] = {}

@@ -96,7 +96,7 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
                 c = ctx.recompute_for(new_tokens, degree, mode) if new_tokens <= token_cap else None
                 # no more recompute than its longest sequence needs alone: recompute is work
                 if c is not None and c <= cur_recompute:
-                    t = cm.best_time(new_tokens, new_pairs, degree, c)[0]
+                    t = cm.time_model.best_time(new_tokens, new_pairs, degree, c)[0]
                     if t <= limit:
                         cur.seqs.append(info.i)
                         cur.tokens, cur.pairs, cur.time = new_tokens, new_pairs, t
@@ -121,7 +121,7 @@ def _options_for(ctx: PlanContext, task: PackedTask, mode: str):
         c = ctx.recompute_for(padded_tokens, d, mode)
         if c is None:
             continue
-        t = task.time if d == task.degree else ctx.cm.best_time(raw, task.pairs, d, c)[0]
+        t = task.time if d == task.degree else ctx.cm.time_model.best_time(raw, task.pairs, d, c)[0]
         yield d, c, t
 
 
@@ -275,7 +275,7 @@ def free_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: 
         target = max(bound * factor, longest)
         use = infos if floor == 1 else [raised(ctx, info, mode, floor) for info in infos]
         # tasks of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
-        limit = max(grain * target, OVERHEAD_TASKS * ctx.cm.task_overhead)
+        limit = max(grain * target, OVERHEAD_TASKS * ctx.cm.time_model.task_overhead)
         drafts = _merge_runs(ctx, _build(ctx, _pack(ctx, use, mode, limit), mode, target), mode)
         makespan = retime(drafts, ctx.world, barriers=False)
         candidates.append((makespan, f"dcp(floor={floor},M={factor},g={grain})", drafts))

@@ -8,8 +8,8 @@ import heapq
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from megatron_dcp.plan.cost import CostModel, Layout, PlanError
-from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.plan.cost import CostModel, Layout
+from megatron_dcp.plan.plan import Plan, PlanError, Task
 from megatron_dcp.plan.vocabulary import Vocabulary
 
 
@@ -55,8 +55,8 @@ class PlanContext:
         cm = self.cm
         self._layers = cm.model.num_layers
         # most local tokens per rank without / with full recompute (memory_of == budget)
-        self._local0 = cm.max_local_tokens(0)
-        self._local_full = cm.max_local_tokens(self._layers)
+        self._local0 = cm.memory_model.max_local_tokens(0)
+        self._local_full = cm.memory_model.max_local_tokens(self._layers)
         if not self.pairs:
             frames = self.frame_tokens or [None] * len(self.lengths)
             self.pairs = [self.cm.pairs_of(n, s) for n, s in zip(self.lengths, frames)]
@@ -88,15 +88,16 @@ class PlanContext:
             return 0
         if local > self._local_full:
             return None
-        return self.cm.min_recompute_layers(padded_tokens, degree)
+        return self.cm.memory_model.min_recompute_layers(padded_tokens, degree)
 
     def seq_time(self, length: int, pairs: float, degree: int, recompute_layers: int) -> float:
-        """`CostModel.best_time` of one sequence (or task) of ``length`` tokens and ``pairs``,
+        """`TimeModel.best_time` of one sequence (or task) of ``length`` tokens and ``pairs``,
         cached: the passes ask for the same (length, degree, recomputed layers) many times."""
         key = (length, pairs, degree, recompute_layers)
         t = self._times.get(key)
         if t is None:
-            t = self._times[key] = self.cm.best_time(length, pairs, degree, recompute_layers)[0]
+            t = self.cm.time_model.best_time(length, pairs, degree, recompute_layers)[0]
+            self._times[key] = t
         return t
 
     def fits(self, length: int, mode: str) -> tuple[tuple[int, int], ...]:
@@ -123,9 +124,9 @@ class PlanContext:
         tokens = sum(self.lengths[s] for s in seqs)
         pairs = sum(self.pairs[s] for s in seqs)
         if layout is None:
-            duration, layout = self.cm.best_time(tokens, pairs, degree, recompute_layers)
+            duration, layout = self.cm.time_model.best_time(tokens, pairs, degree, recompute_layers)
         else:
-            duration = self.cm.time_of(tokens, pairs, layout, recompute_layers)
+            duration = self.cm.time_model.time_of(tokens, pairs, layout, recompute_layers)
         return Draft(start_rank, degree, list(seqs), recompute_layers, layout, duration, release,
                      tokens)
 
@@ -163,7 +164,7 @@ def retime(drafts: Sequence[Draft], world: int, barriers: "bool | str" = True) -
 
 def retime_slots(drafts: Sequence[Draft], cm: CostModel) -> float:
     """Start times of a lockstep schedule: slot ``k`` starts when slot ``k - 1`` has ended and
-    lasts the longer of its longest task and `CostModel.slot_time` (every rank runs a micro-step
+    lasts the longer of its longest task and `TimeModel.slot_time` (every rank runs a micro-step
     in every slot). Every draft needs a slot. Returns the makespan (the simulator's rule too)."""
     slot_len: dict[int, float] = {}
     recompute_layers: dict[int, int] = {}
@@ -173,7 +174,7 @@ def retime_slots(drafts: Sequence[Draft], cm: CostModel) -> float:
     starts, clock = {}, 0.0
     for k in sorted(slot_len):
         starts[k] = clock
-        clock += max(slot_len[k], cm.slot_time(recompute_layers[k]))
+        clock += max(slot_len[k], cm.time_model.slot_time(recompute_layers[k]))
     for d in drafts:
         d.start = starts[d.slot]
     return clock
@@ -233,7 +234,7 @@ def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Seq
                     recompute_layers=d.recompute_layers, start=d.start, duration=d.duration,
                     slot=d.slot)
         # memory with the padding of the layout the task got (the runtime's own rule)
-        tasks.append(replace(task, memory=cm.memory(task, ctx.lengths)))
+        tasks.append(replace(task, memory=cm.memory_model.task_memory(task, ctx.lengths)))
     frames = tuple(ctx.frame_tokens) if ctx.frame_tokens is not None else None
     return Plan(tasks=tuple(tasks), lengths=tuple(ctx.lengths), world_size=ctx.world, policy=policy,
                 skipped=tuple(skipped), meta=dict(meta or {}), frame_tokens=frames)

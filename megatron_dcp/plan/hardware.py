@@ -128,13 +128,13 @@ class Hardware:
     compute (NCCL on its own stream), 0 where they take the compute's cores (gloo on a CPU)."""
     reserve_bytes: Optional[float] = None
     """Memory per rank the planner leaves alone (CUDA context, the engine's communicators,
-    fragmentation); ``None``: `megatron_dcp.plan.cost.RESERVE_BYTES` (4 GB, GPUs)."""
+    fragmentation); ``None``: `megatron_dcp.plan.memory.RESERVE_BYTES` (4 GB, GPUs)."""
     calibration: Optional[tuple] = None
     """``((term, factor), ...)``: factors on the cost model's terms (`CALIBRATED_TERMS`), fitted
     online from measured step times (`megatron_dcp.plan.calibration`); ``None``: all 1."""
     step_overhead_s: Optional[float] = None
     """Measured seconds per step besides the tasks (gradient reduction, optimizer step,
-    planning); ``None``: the cost model's analytic `CostModel.sync_time`."""
+    planning); ``None``: the cost model's analytic `TimeModel.sync_time`."""
     measured: dict = field(default_factory=dict, compare=False, hash=False)
     """Raw measurements of a profile (informational)."""
 
@@ -234,7 +234,7 @@ def _check(hw: Hardware, key: str, *, lower: float, strict: bool, optional: bool
 
 CALIBRATED_TERMS = ("linear", "attention_local", "attention_ring", "attention_hybrid",
                     "all_to_all", "p2p", "tensor_parallel", "per_token", "per_task")
-"""The cost model's terms a calibration scales (`megatron_dcp.plan.cost.Terms`): ``linear`` the
+"""The cost model's terms a calibration scales (`megatron_dcp.plan.timing.Terms`): ``linear`` the
 GEMMs and weight streaming, ``attention_<layout kind>`` the attention kernels of each layout
 (`layout_kind`), ``all_to_all`` / ``p2p`` / ``tensor_parallel`` the communication with its
 latency, ``per_token`` the element-wise work, ``per_task`` the fixed cost of a task."""

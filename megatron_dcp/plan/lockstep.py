@@ -95,7 +95,7 @@ class _Task:
         c = ctx.recompute_for(padded, self.degree, mode)
         if c is None or c > self.slot.recompute_layers:
             return None
-        t = ctx.cm.best_time(self.raw + ctx.lengths[seq], self.pairs + ctx.pairs[seq],
+        t = ctx.cm.time_model.best_time(self.raw + ctx.lengths[seq], self.pairs + ctx.pairs[seq],
                              self.degree, self.slot.recompute_layers)[0]
         return (padded, t) if t <= self.slot.length else None
 
@@ -179,7 +179,7 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     # packing adds at least the item's time less the fixed per-task cost
     task = slot.emptiest.get(size)
     if task is not None and slot.length - task.time >= \
-            _time(ctx, item, size, slot.recompute_layers) - ctx.cm.task_overhead:
+            _time(ctx, item, size, slot.recompute_layers) - ctx.cm.time_model.task_overhead:
         fit = task.with_seq(ctx, item.seq, mode)
         if fit is not None:
             task.add(ctx, item.seq, *fit)
@@ -209,7 +209,7 @@ def _join_any(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> b
     """`_join` the item into the first slot that takes it. A slot without a free rank can only
     pack it into the task of its degree with the most time left: slots where that task has too
     little time left are passed over without a call (the same test `_join` starts with)."""
-    size, layers, overhead = item.degree, item.recompute_layers, ctx.cm.task_overhead
+    size, layers, overhead = item.degree, item.recompute_layers, ctx.cm.time_model.task_overhead
     need: dict[int, float] = {}
     for slot in slots:
         if slot.recompute_layers < layers:
@@ -243,7 +243,7 @@ def _extend(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> boo
         slot.length = saved
         if fit is not None and (best is None or fit[1] - saved < best[0]):
             best = (fit[1] - saved, slot, task, fit)
-    alone = max(item.time, ctx.cm.slot_time(item.recompute_layers))
+    alone = max(item.time, ctx.cm.time_model.slot_time(item.recompute_layers))
     if best is None or best[0] >= alone:
         return False
     _, slot, task, fit = best
@@ -331,7 +331,7 @@ def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targe
                 not (extend and _extend(ctx, slots, item, mode)):
             # a slot bound by ZeRO's traffic has room for more work at no cost
             layers = item.recompute_layers
-            slot = _Slot(layers, max(item.time, cm.slot_time(layers)), bytearray(world))
+            slot = _Slot(layers, max(item.time, cm.time_model.slot_time(layers)), bytearray(world))
             task = _occupy(ctx, slot, _free_block(ctx, slot, item.degree), item.degree)
             task.add(ctx, item.seq, ctx.padded(ctx.lengths[item.seq], item.degree), item.time)
             slot.added(task)
@@ -342,10 +342,10 @@ def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targe
               if not slot.busy[r]]
     left = _fill(ctx, tasks, short, mode)
     while left:  # step 3: slots of short sequences only, as few as memory allows
-        cap = min(ctx.pack_tokens or math.inf, cm.max_tokens(1, base)) * MEMORY_SLACK
+        cap = min(ctx.pack_tokens or math.inf, cm.memory_model.max_tokens(1, base)) * MEMORY_SLACK
         count = max(1, math.ceil(sum(ctx.lengths[x.seq] for x in left) / (world * cap)))
         work = sum(x.time for x in left)
-        length = max(left[0].time, work / (world * count), cm.slot_time(base))
+        length = max(left[0].time, work / (world * count), cm.time_model.slot_time(base))
         new = []
         for _ in range(count):
             slot = _Slot(base, length, bytearray(world))

@@ -12,7 +12,7 @@ with ``V`` virtual stages: Megatron's schedule table in groups of ``P`` micro-ba
 warm-up count), each op starting when its stage is free and its input has arrived (the previous
 virtual stage's forward, the next one's backward, plus the P2P of the activations between
 devices). So the makespan contains the bubble. Memory follows the same order: a micro-batch's
-kept activations (`CostModel.kept_token_bytes`) are held from its forward to its backward, so 1F1B
+kept activations (`MemoryModel.kept_token_bytes`) are held from its forward to its backward, so 1F1B
 stage ``s`` holds up to ``P - s`` micro-batches (stage 0 the most), and a plan fits when every
 rank's peak on every stage is within the budget.
 
@@ -36,9 +36,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from megatron_dcp.plan.cost import BF16, CostModel, PlanError
+from megatron_dcp.plan.cost import CostModel
+from megatron_dcp.plan.memory import BF16
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.plan import Plan, padded_length
+from megatron_dcp.plan.plan import Plan, PlanError, padded_length
 
 ORDER_EVALUATIONS = 64
 """Most slot orders `order_slots` simulates (a few fixed orders, then swaps that improve)."""
@@ -83,12 +84,13 @@ def micro_batch_cost_model(cm: CostModel, pipe: Pipeline, share: float = 1.0) ->
     """``cm`` with the budget of one micro-batch: static memory and reserve plus ``share`` /
     `Pipeline.held` (stage 0) of what is left for activations, so that the micro-batches stage 0
     holds fit together in any order (``share`` 1.0)."""
-    free = cm.budget - cm.static_memory - cm.reserve
-    budget = cm.static_memory + cm.reserve + free * share / pipe.held(0)
+    mem = cm.memory_model
+    free = mem.budget - mem.static_memory - mem.reserve
+    budget = mem.static_memory + mem.reserve + free * share / pipe.held(0)
     return CostModel(cm.model, cm.hw, world_size=cm.world_size, zero_stage=cm.zero_stage,
                      ranks_per_node=cm.ranks_per_node, memory_budget=budget,
                      attention_layout=cm.attention_layout, ulysses_scope=cm.ulysses_scope,
-                     communicators_per_rank=cm.communicators_per_rank)
+                     communicators_per_rank=mem.communicators_per_rank)
 
 
 @dataclass
@@ -112,18 +114,18 @@ class SlotCost:
 
 def slot_costs(plan: Plan, cm: CostModel) -> list[SlotCost]:
     """The stage cost of every slot of a lockstep ``plan`` under the stage cost model ``cm``: its
-    length as the simulator's (the longest task, at least `CostModel.slot_time`), split into
+    length as the simulator's (the longest task, at least `TimeModel.slot_time`), split into
     forward and backward; P2P and memory from each rank's local tokens (an idle rank runs an
     empty micro-step: nothing held)."""
     if not plan.lockstep:
         raise PlanError("a pipeline runs lockstep plans only (slots are its micro-batches)")
     depths = plan.slot_recompute_layers()
     n_slots, world = len(depths), plan.world_size
-    length = [cm.slot_time(c) for c in depths]
+    length = [cm.time_model.slot_time(c) for c in depths]
     local = [[0] * world for _ in range(n_slots)]
     frames = plan.frame_tokens
     for t in plan.tasks:
-        length[t.slot] = max(length[t.slot], cm.time(t, plan.lengths, frames))
+        length[t.slot] = max(length[t.slot], cm.time_model.task_time(t, plan.lengths, frames))
         tokens = sum(padded_length(plan.lengths[s], t.ulysses, t.ring) for s in t.seqs)
         for r in t.ranks:
             local[t.slot][r] = math.ceil(tokens / len(t.ranks))
@@ -132,7 +134,7 @@ def slot_costs(plan: Plan, cm: CostModel) -> list[SlotCost]:
     costs = []
     for k, c in enumerate(depths):
         forward = length[k] / (3.0 + c / n)
-        kept, total = cm.kept_token_bytes(c), cm.token_bytes(c)
+        kept, total = cm.memory_model.kept_token_bytes(c), cm.memory_model.token_bytes(c)
         costs.append(SlotCost(forward, length[k] - forward,
                               max(local[k]) * per_token + hw.inter_latency,
                               [x * kept for x in local[k]], [x * (total - kept) for x in local[k]]))
@@ -226,7 +228,7 @@ def simulate_pipeline(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[Co
     makespan = max(free)
     busy = sum(c.time for c in seq)
     peaks, held = _memory(ops, seq, pipe, cm)
-    fits = cm is None or max(peaks) <= cm.budget * (1 + 1e-12)
+    fits = cm is None or max(peaks) <= cm.memory_model.budget * (1 + 1e-12)
     return PipelineResult(makespan, busy, 1.0 - busy / makespan if makespan > 0 else 0.0,
                           peaks, held, fits, m, runs)
 
@@ -237,7 +239,7 @@ def _memory(ops: list[list[tuple[bool, int, int]]], seq: Sequence[SlotCost], pip
     share of the micro-batch's kept bytes, its backward frees it; the running op's extra bytes on
     top) and the most micro-batches in flight."""
     v = pipe.virtual
-    base = cm.static_memory + cm.reserve if cm is not None else 0.0
+    base = cm.memory_model.static_memory + cm.memory_model.reserve if cm is not None else 0.0
     world = len(seq[0].kept)
     peaks, counts = [], []
     for device in ops:
@@ -362,7 +364,7 @@ def reorder(plan: Plan, order: Sequence[int], cm: CostModel) -> Plan:
     re-timed slot after slot and task ids in the new order."""
     new_of = {old: k for k, old in enumerate(order)}
     depths = plan.slot_recompute_layers()
-    length = [cm.slot_time(c) for c in depths]
+    length = [cm.time_model.slot_time(c) for c in depths]
     for t in plan.tasks:
         length[t.slot] = max(length[t.slot], t.duration)
     starts, clock = [], 0.0

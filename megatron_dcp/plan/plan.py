@@ -31,6 +31,10 @@ from typing import Any, Optional
 PLAN_FORMAT_VERSION = 1
 
 
+class PlanError(ValueError):
+    """A plan cannot be made or is invalid: the message names the sequence, task or rank."""
+
+
 def pad_multiple(ulysses: int, ring: int) -> int:
     """Every sequence of a task with this layout is padded to a multiple of this many tokens:
     ``2 * ring * ulysses`` when ``ring > 1`` (zigzag: ``2 * ring`` equal chunks, each split over

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan.baselines import plan_bucket, plan_greedy_cp, plan_packed, plan_static
-from megatron_dcp.plan.cost import CostModel, PlanError
+from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.choices import SeqChoice, degree_choice
 from megatron_dcp.plan.dcp import free_candidates
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
@@ -25,7 +25,7 @@ from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, order_slots,
                                         simulate_pipeline, slot_costs, stage_model)
-from megatron_dcp.plan.plan import Plan, check_frame_tokens
+from megatron_dcp.plan.plan import Plan, PlanError, check_frame_tokens
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary
 from megatron_dcp.plan.workload import WorkloadError, validate_lengths
@@ -92,7 +92,7 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
     sizes = ctx.vocab.sizes
     top = sizes[-1]
     mode = "none" if ctx.recompute_mode == "none" else "full"
-    cap = ctx.cm.max_tokens(top, ctx.cm.model.num_layers if mode == "full" else 0)
+    cap = ctx.cm.memory_model.max_tokens(top, ctx.cm.model.num_layers if mode == "full" else 0)
     step = ctx.cm.pad_multiple(top)
     largest = (cap // step) * step
     limit = ctx.cm.model.max_position
@@ -113,7 +113,7 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
         elif policy == "skip":
             skipped.append(i)
         else:
-            budget_gib = ctx.cm.budget / 2**30
+            budget_gib = ctx.cm.memory_model.budget / 2**30
             why = (f"exceeds the model's max_position {limit}" if too_long_model else
                    f"fits no group of at most {top} ranks in {budget_gib:.1f} GiB per rank")
             video = f" ({n // frame} frames of {frame} tokens)" if frame else ""
@@ -212,7 +212,8 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     ctx.active = [i for i in range(len(clean)) if i not in skip]
     meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
             "zero_stage": zero_stage, "schedule": schedule,
-            "vocabulary_groups": len(vocab), "communicators_per_rank": cm.communicators_per_rank}
+            "vocabulary_groups": len(vocab),
+            "communicators_per_rank": cm.memory_model.communicators_per_rank}
     if vocabulary is not None:
         meta["vocabulary_sizes"] = list(vocab.sizes)
     if not ctx.active:
@@ -396,7 +397,7 @@ def vocabulary_for_lengths(cost_model: CostModel, lengths: Iterable[int],
                 if (c := ctx.recompute_for(ctx.padded(n, d), d, recompute)) is not None]
         if not fits:
             continue
-        times = [(cost_model.best_time(n, pairs, d, c)[0], d) for d, c in fits]
+        times = [(cost_model.time_model.best_time(n, pairs, d, c)[0], d) for d, c in fits]
         keep.add(fits[0][0])
         keep.add(min(times)[1])
         keep.add(min((t * d, d) for t, d in times)[1])

@@ -4,7 +4,7 @@ Semantics: every rank runs its tasks in the plan's global ``(start, id)`` order;
 all its ranks are free and not before its planned ``start`` (a lockstep baseline's round barrier);
 its duration comes from the cost model for the ranks it is placed on (not from the plan). A
 lockstep plan runs slot after slot: a slot starts when the previous one has ended and lasts the
-longer of its longest task and `CostModel.slot_time` (the planner's rule, `retime_slots`). The
+longer of its longest task and `TimeModel.slot_time` (the planner's rule, `retime_slots`). The
 step ends with one gradient reduction and optimizer step (``sync_s``, the same for every policy).
 With a pipeline (``pipeline``, ``P > 1``; ``cm`` the stage's cost model) the slots are its
 micro-batches and run through its schedule event by event (`megatron_dcp.plan.pipeline`): the
@@ -84,7 +84,7 @@ def _bound(lengths: Sequence[int], pairs_of: Sequence[float], cm: CostModel,
            recompute_mode: str, moldable: bool, hidden: float) -> float:
     """Seconds (without the step's ``sync_time``) that no plan over the vocabulary's group sizes
     can beat: ``max(longest sequence at its fastest degree, total minimal work / ranks)``, work =
-    ranks x `CostModel.marginal_time` at the least-work degree (per-task costs can be shared by
+    ranks x `TimeModel.marginal_time` at the least-work degree (per-task costs can be shared by
     packing, so they are left out).
 
     ``pairs_of``: attention pairs of each sequence (`CostModel.pairs_of`).
@@ -106,7 +106,7 @@ def _bound(lengths: Sequence[int], pairs_of: Sequence[float], cm: CostModel,
 class _DegreeOptions:
     """The (degree, time, work) choices of one sequence for `_bound`: every degree of the
     vocabulary where it fits memory under the recompute mode, each with the time of its best
-    layout and the work (ranks x `CostModel.marginal_time`, ring traffic ``hidden``) of its
+    layout and the work (ranks x `TimeModel.marginal_time`, ring traffic ``hidden``) of its
     least-work layout."""
 
     def __init__(self, cm: CostModel, vocab: Vocabulary, recompute_mode: str, hidden: float) -> None:
@@ -117,13 +117,13 @@ class _DegreeOptions:
     def recompute_layers(self, tokens: int, d: int) -> Optional[int]:
         """Recomputed layers of ``tokens`` local tokens on ``d`` ranks under the policy (``none``:
         0, ``full``: every layer, else the fewest that fit); ``None`` where they do not fit."""
-        cm = self.cm
-        n_layers = cm.model.num_layers
+        mem = self.cm.memory_model
+        n_layers = self.cm.model.num_layers
         if self.recompute_mode == "none":
-            return 0 if cm.memory_of(tokens, d, 0) <= cm.budget else None
+            return 0 if mem.memory_of(tokens, d, 0) <= mem.budget else None
         if self.recompute_mode == "full":
-            return n_layers if cm.memory_of(tokens, d, n_layers) <= cm.budget else None
-        return cm.min_recompute_layers(tokens, d)
+            return n_layers if mem.memory_of(tokens, d, n_layers) <= mem.budget else None
+        return mem.min_recompute_layers(tokens, d)
 
     def __call__(self, n: int, pairs: float, least_work_only: bool):
         """(degree, time, work) per fitting degree, exact best layout. ``least_work_only``: stop
@@ -137,8 +137,8 @@ class _DegreeOptions:
             if c is None:
                 continue
             layouts = cm.layouts(d)
-            yield d, min(cm.time_of(n, pairs, lay, c) for lay in layouts), \
-                d * min(cm.marginal_time(n, pairs, lay, c, hidden) for lay in layouts)
+            yield d, min(cm.time_model.time_of(n, pairs, lay, c) for lay in layouts), \
+                d * min(cm.time_model.marginal_time(n, pairs, lay, c, hidden) for lay in layouts)
             if least_work_only and c == 0:
                 seen.update(layout_kind(lay.ulysses, lay.ring) for lay in layouts)
                 if seen >= self.kinds:
@@ -204,7 +204,7 @@ def _moldable_bound(bound: float, work: float, seqs: Sequence[tuple[int, float, 
 def _slot_starts(plan: Plan, cm: CostModel, parts: Sequence) -> list[float]:
     """Start of every slot of a lockstep plan, and its end as the last entry."""
     depths = plan.slot_recompute_layers()
-    length = [cm.slot_time(c) for c in depths]
+    length = [cm.time_model.slot_time(c) for c in depths]
     for t, p in zip(plan.tasks, parts):
         length[t.slot] = max(length[t.slot], p.total)
     starts = [0.0]
@@ -227,7 +227,7 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
     comm = recompute = total = 0.0
     end_max = 0.0
     frames = plan.frame_tokens
-    parts_of = [cm.task_breakdown(t, plan.lengths, frames) for t in plan.tasks]
+    parts_of = [cm.time_model.task_breakdown(t, plan.lengths, frames) for t in plan.tasks]
     slot_start = _slot_starts(plan, cm, parts_of) if plan.lockstep else None
     for t, parts in zip(plan.tasks, parts_of):  # already in (start, id) order
         if slot_start is not None:
@@ -249,7 +249,7 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
         end_max = slot_start[-1]  # the end of the last slot
     seqs = [s for t in plan.tasks for s in t.seqs]
     tokens = sum(plan.lengths[s] for s in seqs)
-    sync = cm.sync_time()
+    sync = cm.time_model.sync_time()
     step = end_max + sync
     ran = [plan.lengths[s] for s in seqs]
     ran_frames = [frames[s] for s in seqs] if frames is not None else None
@@ -269,7 +269,7 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
         bound = pipeline_lower_bound(bound, costs, pipeline)
         moldable_bound = pipeline_lower_bound(moldable_bound, costs, pipeline)
     mean_busy = sum(busy) / world
-    flops = cm.model_flops(ran, ran_frames)
+    flops = cm.time_model.model_flops(ran, ran_frames)
     return SimResult(
         step_time_s=step, makespan_s=end_max, sync_s=sync, tokens=tokens,
         tokens_per_s=tokens / step if step > 0 else 0.0,

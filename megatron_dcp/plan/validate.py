@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_dcp.plan.cost import CostModel, PlanError
+from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.plan import Plan, Task, check_frame_tokens
+from megatron_dcp.plan.plan import Plan, PlanError, Task, check_frame_tokens
 from megatron_dcp.plan.vocabulary import Vocabulary
 
 _EPS = 1e-9
@@ -110,10 +110,10 @@ def _check_sequences(t: Task, n: int, skipped: set[int], seen: dict[int, int]) -
 def _check_memory(plan: Plan, cost_model: CostModel) -> None:
     """Every task within the cost model's memory budget per rank."""
     for t in plan.tasks:
-        mem = cost_model.memory(t, plan.lengths)
-        if mem > cost_model.budget * (1 + 1e-9):
+        mem = cost_model.memory_model.task_memory(t, plan.lengths)
+        if mem > cost_model.memory_model.budget * (1 + 1e-9):
             raise PlanError(f"task {t.id} needs {mem / 2**30:.2f} GiB per rank, above the "
-                            f"budget {cost_model.budget / 2**30:.2f} GiB")
+                            f"budget {cost_model.memory_model.budget / 2**30:.2f} GiB")
 
 
 def _check_overlaps(plan: Plan) -> None:

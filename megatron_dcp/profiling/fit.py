@@ -1,6 +1,6 @@
 """Fitting the cost model's coefficients to measured times (numpy and the planning layer only).
 
-Every fit uses the cost model's own terms (`megatron_dcp.plan.cost.CostModel.terms`), so the
+Every fit uses the cost model's own terms (`megatron_dcp.plan.timing.TimeModel.terms`), so the
 fitted numbers reproduce what the planner will predict for the measured tasks.
 
 A *point* is one timed task: a single sequence (``length``, ``recompute_layers``; ``ulysses`` x
@@ -94,7 +94,7 @@ def predictions(shape: ModelShape, points: list[dict], hw: Hardware, world: int 
     cm = _cost_model(shape, hw, world)
     out = []
     for p in points:
-        pred = cm.time_of(*_point_shape(cm, p))
+        pred = cm.time_model.time_of(*_point_shape(cm, p))
         out.append({**p, "predicted": pred})
         if "seconds" in p:
             out[-1]["rel_error"] = pred / p["seconds"] - 1.0
@@ -138,7 +138,7 @@ def pack_curve(shape: ModelShape, points: list[dict], hw: Hardware
     sizes = np.array([float(p["tokens"]) for p in points])
     factors, per_token = [], []
     for p in points:
-        t = cm.terms(*_point_shape(cm, p), pack=1.0)
+        t = cm.time_model.terms(*_point_shape(cm, p), pack=1.0)
         rest = p["seconds"] - t.attention - t.per_task
         factors.append(max(rest, 0.05 * p["seconds"]) / (t.gemm + t.per_token))
         per_token.append(p["seconds"] / p["tokens"])
@@ -178,7 +178,7 @@ def ulysses_bandwidth(shape: ModelShape, lengths: list[int], world: int, seconds
     cm = _cost_model(shape, placeholder(1e12, 1e12, intra_bandwidth=1.0, intra_latency=latency),
                      world)
     lay = cm.group_layout(tuple(range(world)), world)
-    t = cm.terms(sum(lengths), sum(cm.attn_pairs(n) for n in lengths), lay, 0)
+    t = cm.time_model.terms(sum(lengths), sum(cm.attn_pairs(n) for n in lengths), lay, 0)
     extra = seconds - alone - t.all_to_all_latency
     # t.all_to_all is the volume at 1 byte/s: volume / extra is the bandwidth
     return t.all_to_all / extra if extra > 0 and math.isfinite(extra) else None

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.plan.cost import PlanError
+from megatron_dcp.plan.plan import PlanError
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.validate import validate_plan
 from megatron_dcp.runtime.groups import GroupPool

@@ -49,7 +49,7 @@ class StepTiming:
             from megatron_dcp.plan import build_cost_model
 
             sync = build_cost_model(self.model_shape, self.config, world_size, hardware,
-                                    self.zero_stage).sync_time()
+                                    self.zero_stage).time_model.sync_time()
             self._sync_cache = (hardware, sync)
         return plan.makespan + sync
 

@@ -1,0 +1,202 @@
+"""`MemoryModel`: predicted peak bytes per rank of a task (docs/DESIGN.md, "Cost model").
+
+Memory per rank: static (bf16 params 2 B, grads 2 B, Adam fp32 states 12 B per parameter; ZeRO
+stage 1/2/3 shard states / +grads / +params over the DCP world, the ZeRO paper's 2+2+K model;
+stage 2/3 add the gradient bucket a rank fills before each reduce-scatter (DeepSpeed's
+``reduce_bucket_size``, 5e8 elements, or the model if smaller), stage 3 the parameters gathered
+at a time: two layers (the running one and the prefetched one) and the largest single weight, the
+embedding or head), plus ``communicators_per_rank x Hardware.communicator_bytes`` (the group
+vocabulary's process groups this rank belongs to; warmed with every collective they run, so
+their per-peer buffers are in the measured ``communicator_bytes``), plus a fixed reserve (CUDA
+context, the engine's own communicators, fragmentation), plus the loss's workspace
+(`LOSS_CHUNK_COPIES` fp32 tensor of ``min(local tokens, loss_chunk_tokens)`` tokens: at most
+128 MiB; `MemoryModel.loss_workspace`), plus per local token:
+``(N-c)*A + c*2h`` (a recomputed layer keeps its bf16 input only) + ``A`` while one layer
+recomputes + ``(2 + 4) * V`` for the logits (`loss_bytes`): the head's bf16 logits, kept until
+the loss's backward, and 4 B per entry for their gradient (the chunked loss's, 2 B) or the fp32
+softmax Megatron's vocabulary-parallel loss saves for backward (4 B). The chunked loss
+(`megatron_dcp.models.common.token_losses`) never holds a whole fp32 copy of the logits;
+``F.cross_entropy(logits.float())`` held 12 B per entry with fp32 logits (measured on CPU,
+docs/BENCHMARKS.md; the chunked loss 8), more with bf16 ones. Ring attention saves its merged
+output in the input dtype (the tensor it returns, which the next layer keeps anyway), so it adds
+nothing to ``A``. ``A`` (`CostModel.act_bytes`: bytes per token per layer, flash attention, no
+dropout) = 2 B x (5h + 2*kv_dim + 3f) for a gated MLP (2f otherwise): norm inputs/outputs,
+q/k/v, attention output, MLP intermediates. Local tokens count the padding of
+`megatron_dcp.plan.plan.padded_length`, the runtime's own rule.
+
+Megatron tensor parallelism (``model.tensor_parallel = tp``): parameters and the head's logits
+divide by ``tp``; of ``A``, the head-/FFN-split part (q, k, v, attention output, MLP
+intermediates: ``2h + 2*kv_dim + 3f``) divides by ``tp``; the ``3h`` of layer inputs, norm
+outputs and residuals stays whole (replicated: no sequence parallelism), as does a recomputed
+layer's ``2h`` input. Sequence parallelism (``model.sequence_parallel``, tp > 1) divides those by
+``tp`` too.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Optional, Sequence
+
+from megatron_dcp.plan.plan import PlanError, Task, padded_length
+
+if TYPE_CHECKING:
+    from megatron_dcp.plan.cost import CostModel
+
+BF16 = 2
+"""Bytes of a bf16 element (parameters, gradients, activations, logits)."""
+ZERO_BUCKET_ELEMENTS = 5e8
+"""DeepSpeed's default ``reduce_bucket_size`` (elements): the gradient bucket of ZeRO-2/3."""
+RESERVE_BYTES = 4e9
+"""Memory per rank not available to the planner: CUDA context, the engine's own communicators
+(data/tensor parallel), fragmentation (``Hardware.reserve_bytes`` overrides it)."""
+LOSS_CHUNK_BYTES = 128 * 2**20
+"""fp32 bytes of logits the loss converts at a time: `megatron_dcp.models.common.token_losses`
+takes `loss_chunk_tokens` tokens per chunk."""
+LOSS_CHUNK_COPIES = 1
+"""fp32 tensors of one chunk alive at once in the chunked loss (logits minus their max in
+forward, the softmax gradient in backward)."""
+
+
+def loss_chunk_tokens(vocab: int, chunk_bytes: float = LOSS_CHUNK_BYTES) -> int:
+    """Tokens per chunk of the chunked loss: ``chunk_bytes`` of fp32 logits (at least one)."""
+    return max(1, int(chunk_bytes // (4 * vocab)))
+
+
+def loss_bytes(tokens: int, vocab: float, logit_bytes: float = BF16,
+               chunk_tokens: Optional[int] = None) -> float:
+    """Peak bytes of the logits-and-loss path of ``tokens`` local tokens (module doc): the head's
+    logits (``logit_bytes`` per entry) kept until the loss's backward, 4 B per entry for the
+    logits' gradient in their own dtype (chunked loss) or the fp32 softmax that Megatron's
+    vocabulary-parallel loss saves, and `LOSS_CHUNK_COPIES` fp32 tensor of one chunk
+    (``chunk_tokens``, default `loss_chunk_tokens`)."""
+    chunk = min(tokens, chunk_tokens or loss_chunk_tokens(int(vocab)))
+    return tokens * vocab * (logit_bytes + 4) + LOSS_CHUNK_COPIES * chunk * vocab * 4
+
+
+class MemoryModel:
+    """Peak bytes per rank of tasks: the memory part of a `CostModel` (its ``memory_model``).
+
+    ``geometry``: the cost model whose model, hardware, DCP world, ZeRO stage and sizes per
+    tensor-parallel rank (``params``, ``layer_params``, ``act_bytes``) this part reads.
+    ``communicators_per_rank``: process groups of the group vocabulary a rank belongs to.
+    ``memory_budget``: bytes per rank (``None``: ``memory_fraction`` of the hardware's HBM).
+    `PlanError` when the budget leaves nothing for activations, naming what the static memory is
+    made of.
+    """
+
+    def __init__(self, geometry: CostModel, communicators_per_rank: int,
+                 memory_budget: Optional[float], memory_fraction: float) -> None:
+        self.geometry = geometry
+        m, hardware, tp = geometry.model, geometry.hw, geometry.tensor_parallel
+        self.num_layers = m.num_layers
+        self.act_bytes = geometry.act_bytes
+        self.recomputed_layer_bytes = BF16 * m.hidden_size
+        if tp > 1 and m.sequence_parallel:  # layer inputs split along the sequence
+            self.recomputed_layer_bytes = BF16 * m.hidden_size / tp
+        v = m.vocab_size
+        self.logit_bytes = (BF16 + 4) * v if tp == 1 else (BF16 + 4) * v / tp
+        """Bytes per local token of the bf16 logits and their gradient (`loss_bytes`)."""
+        self._loss_chunk = (LOSS_CHUNK_COPIES * 4 * v, loss_chunk_tokens(v))
+        """The chunked loss's fp32 tensor of one chunk: bytes per token and tokens per chunk."""
+        self.communicators_per_rank = int(communicators_per_rank)
+        hbm = hardware.hbm_bytes * memory_fraction
+        self.budget = float(memory_budget) if memory_budget is not None else hbm
+        self.reserve = hardware.reserve_bytes if hardware.reserve_bytes is not None \
+            else RESERVE_BYTES
+        self.static_memory = self._static_memory()
+        self._free = self.budget - self.static_memory - self.reserve
+        if self._free <= 0:
+            raise PlanError(self._static_message())
+
+    def _static_message(self) -> str:
+        """What the static memory is made of, for the error of a budget below it."""
+        g = self.geometry
+        comm = self.communicators_per_rank * g.hw.communicator_bytes
+        return (
+            f"memory budget {self.budget / 2**30:.1f} GiB per rank is below the static memory "
+            f"{(self.static_memory + self.reserve) / 2**30:.1f} GiB of {g.model.name} "
+            f"({g.params / 1e9:.2f}B parameters per TP rank (tp {g.tensor_parallel}), "
+            f"ZeRO stage {g.zero_stage}, DCP world {g.world_size}, "
+            f"{self.communicators_per_rank} communicators per rank "
+            f"({comm / 2**30:.1f} GiB), {self.reserve / 2**30:.1f} "
+            "GiB reserve): raise the budget or the ZeRO stage, or shrink the group vocabulary "
+            "(max_degree, ulysses_scope)"
+        )
+
+    def _static_memory(self) -> float:
+        """Parameters, gradients and optimizer states by ZeRO stage, and the communicators."""
+        g = self.geometry
+        p, w, s = g.params, g.world_size, g.zero_stage
+        params, grads, states = 2.0 * p, 2.0 * p, 12.0 * p
+        if s >= 1:
+            states /= w
+        if s >= 2:
+            grads /= w
+        if s >= 2:
+            grads += BF16 * min(ZERO_BUCKET_ELEMENTS, p)
+        if s >= 3:
+            m = g.model
+            head = m.vocab_size * m.hidden_size / m.tensor_parallel
+            params = params / w + BF16 * min(p, 2 * g.layer_params + head)
+        comms = self.communicators_per_rank * g.hw.communicator_bytes
+        return params + grads + states + comms
+
+    def token_bytes(self, recompute_layers: int) -> float:
+        """Activation bytes per local token with ``recompute_layers`` layers."""
+        recompute_buffer = self.act_bytes if recompute_layers else 0
+        kept = (self.num_layers - recompute_layers) * self.act_bytes \
+            + recompute_layers * self.recomputed_layer_bytes
+        return kept + recompute_buffer + self.logit_bytes
+
+    def kept_token_bytes(self, recompute_layers: int) -> float:
+        """Bytes per local token a micro-batch keeps from its forward to its backward: what a
+        pipeline stage holds for each micro-batch in flight (`megatron_dcp.plan.pipeline`).
+        `token_bytes` less the recompute buffer and the logits, which only the running
+        micro-batch needs."""
+        return (self.num_layers - recompute_layers) * self.act_bytes \
+            + recompute_layers * self.recomputed_layer_bytes
+
+    def loss_workspace(self, local: int) -> float:
+        """The chunked loss's fp32 workspace for ``local`` tokens: one chunk at most."""
+        per_token, chunk = self._loss_chunk
+        return per_token * min(local, chunk)
+
+    def memory_of(self, tokens: int, degree: int, recompute_layers: int) -> float:
+        """Peak bytes per rank of a task with ``tokens`` (padded) tokens over ``degree`` ranks."""
+        local = math.ceil(tokens / degree)
+        return self.static_memory + self.reserve + local * self.token_bytes(recompute_layers) \
+            + self.loss_workspace(local)
+
+    def min_recompute_layers(self, tokens: int, degree: int) -> Optional[int]:
+        """Fewest recomputed layers for which the task fits the budget; ``None``: none does."""
+        local = math.ceil(tokens / degree)
+        free = self._free - self.loss_workspace(local)  # the workspace does not recompute
+        if local * self.token_bytes(0) <= free:
+            return 0
+        # token_bytes(c) = token_bytes(0) + act - c*(act - recomputed_layer_bytes) for c >= 1
+        gain = self.act_bytes - self.recomputed_layer_bytes
+        need = (local * (self.token_bytes(0) + self.act_bytes) - free) / (local * gain)
+        c = max(1, math.ceil(need - 1e-12))
+        return c if c <= self.num_layers else None
+
+    def max_local_tokens(self, recompute_layers: int, free: Optional[float] = None) -> int:
+        """Most local tokens per rank with ``recompute_layers`` recomputed layers in ``free``
+        bytes (default: the budget less static memory and reserve), the loss's workspace
+        included (linear up to one chunk, then constant)."""
+        free = self._free if free is None else free
+        per_token, chunk = self._loss_chunk
+        token = self.token_bytes(recompute_layers)
+        local = int(max(0.0, free) // (token + per_token))
+        if local > chunk:  # past one chunk the workspace stays one chunk
+            local = int(max(0.0, free - per_token * chunk) // token)
+        return local
+
+    def max_tokens(self, degree: int, recompute_layers: int) -> int:
+        """Most tokens a task of ``degree`` ranks with ``recompute_layers`` can hold."""
+        return self.max_local_tokens(recompute_layers) * degree
+
+    def task_memory(self, task: Task, lengths: Sequence[int]) -> float:
+        """Predicted peak bytes per rank of ``task`` (static memory included), with the padding
+        the runtime adds for the task's layout."""
+        tokens = sum(padded_length(lengths[s], task.ulysses, task.ring) for s in task.seqs)
+        return self.memory_of(tokens, task.degree, task.recompute_layers)
