@@ -11,7 +11,7 @@ from torch import nn
 
 from distributed import run_distributed
 from megatron_dcp.runtime.attention import dcp_attention
-from megatron_dcp.runtime.checkpoint import run_layer
+from megatron_dcp.runtime.recompute import run_layer
 
 
 class TinyGPT(nn.Module):

@@ -10,7 +10,7 @@ from megatron_dcp.data.video import VideoBatch
 from megatron_dcp.models import Decoder, DecoderConfig, DiTConfig, VideoDiT
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import Task
-from megatron_dcp.runtime.checkpoint import recompute_outside_task
+from megatron_dcp.runtime.recompute import recompute_outside_task
 from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.layout import ShardLayout
 

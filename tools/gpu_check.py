@@ -30,7 +30,7 @@ Sections:
 * ``memory``: a planned one-sequence step of a decoder with a 32K vocabulary: peak CUDA memory
   (``torch.cuda.max_memory_allocated`` over the step's tasks, above the parameters and
   gradients) against the planner's `MemoryModel.task_memory` for its task (less its static
-  part), planned recompute depth and all layers; passes within 10 % (CUDA only: on the CPU the
+  part), the planned recomputed layers and all layers; passes within 10 % (CUDA only: on the CPU the
   prediction is reported, nothing is measured).
 * ``megatron``: a megatron-core GPTModel with DCP's layer spec through ``DCPForwardBackward``,
   recompute 0 vs all.
@@ -566,12 +566,13 @@ def _decoder_config(sz, **changes):
     return DecoderConfig(**{**values, **changes})
 
 
-def _two_tasks(lengths, ckpt: int):
-    """Four sequences as two packed degree-1 tasks with ``ckpt`` recomputed layers (world 1)."""
+def _two_tasks(lengths, recompute_layers: int):
+    """Four sequences as two packed degree-1 tasks with ``recompute_layers`` (world 1)."""
     from megatron_dcp.plan.plan import Plan, Task
 
-    return Plan(tasks=(Task(id=0, ranks=(0,), seqs=(0, 1), recompute_layers=ckpt),
-                       Task(id=1, ranks=(0,), seqs=(2, 3), recompute_layers=ckpt, start=1.0)),
+    return Plan(tasks=(Task(id=0, ranks=(0,), seqs=(0, 1), recompute_layers=recompute_layers),
+                       Task(id=1, ranks=(0,), seqs=(2, 3), recompute_layers=recompute_layers,
+                            start=1.0)),
                 lengths=lengths, world_size=1)
 
 
@@ -602,7 +603,7 @@ def section_run_plan(ctx) -> dict:
     batch = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lengths]
     pool = GroupPool()
 
-    def step(dtype, ckpt: int, check: SyncCheck):
+    def step(dtype, recompute_layers: int, check: SyncCheck):
         model = Decoder(cfg, seed=5).to(device=dev, dtype=dtype)
 
         def forward_step(shard):
@@ -617,7 +618,7 @@ def section_run_plan(ctx) -> dict:
                 loss.backward()
             finally:
                 check.off()
-        stats = run_plan(_two_tasks(lengths, ckpt), batch, 0, forward_step, pool=pool,
+        stats = run_plan(_two_tasks(lengths, recompute_layers), batch, 0, forward_step, pool=pool,
                          backward=backward, device=dev, max_position=cfg.max_position)
         return stats.loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -733,7 +734,7 @@ def section_megatron(ctx) -> dict:
     gen = torch.Generator().manual_seed(6)
     seqs = [torch.randint(0, vocab, (n,), generator=gen) for n in lengths]
 
-    def step(ckpt: int, check: SyncCheck):
+    def step(recompute_layers: int, check: SyncCheck):
         seed_rng(7)
         cfg = TransformerConfig(
             num_layers=sz["model_layers"], hidden_size=sz["model_hidden"],
@@ -765,7 +766,7 @@ def section_megatron(ctx) -> dict:
             return out, partial(loss_func, b["loss_mask"])
         ddp.zero_grad_buffer()
         driver = DCPForwardBackward(DCPConfig(enabled=True))
-        plan = _two_tasks(lengths, ckpt)
+        plan = _two_tasks(lengths, recompute_layers)
         driver(forward_step_func=forward_step, data_iterator=iter([GlobalBatch(seqs, plan)]),
                model=[ddp], num_microbatches=1, seq_length=0, micro_batch_size=1)
         return {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}

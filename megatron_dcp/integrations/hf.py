@@ -34,7 +34,7 @@ from torch import nn
 from megatron_dcp.models.common import check_inputs
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
-from megatron_dcp.runtime.checkpoint import run_layer
+from megatron_dcp.runtime.recompute import run_layer
 from megatron_dcp.runtime.context import TaskContext
 
 ATTENTION = "dcp"
@@ -104,7 +104,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
 
 class _TaskRecompute:
     """Decoder layer ``index``'s ``_gradient_checkpointing_func``: recompute the layer when
-    ``index`` < the task's recompute depth (`run_layer`), else run it as is.
+    ``index`` < the task's ``recompute_layers`` (`run_layer`), else run it as is.
 
     HF calls it with the layer's bound forward (a ``partial`` holding the keywords, the task
     among them) and the hidden state as the only positional argument.
@@ -133,7 +133,7 @@ def _check_recompute_hooks(layers: list[nn.Module]) -> None:
             raise RuntimeError(
                 f"decoder layer {i} lost DCP's per-task recompute hook "
                 "(activation/gradient_checkpointing_enable or _disable after megatron_dcp."
-                "integrations.hf.enable?): DCP sets each task's recompute depth itself; remove "
+                "integrations.hf.enable?): DCP sets each task's recompute_layers itself; remove "
                 "that call or call enable(model) after it")
 
 
@@ -190,11 +190,11 @@ def enable(model: nn.Module, *, max_sequence_length: Optional[int] = None) -> Mo
     """Prepare an HF causal LM for DCP in place and return its `ModelShape`.
 
     Registers and selects the ``"dcp"`` attention, sets ``use_cache=False`` (a cache disables
-    HF's packed-document detection and is useless in training), and makes every decoder layer
-    recompute by the task's depth. Refuses an architecture not in `SUPPORTED_MODEL_TYPES`,
-    attention dropout > 0, a model whose attention cannot be replaced, and a sliding window
-    shorter than ``max_sequence_length`` (when given; else each task checks its own
-    sequences). Calling it again is harmless.
+    HF's packed-document detection and is useless in training), and makes each task recompute
+    its first ``recompute_layers`` decoder layers. Refuses an architecture not in
+    `SUPPORTED_MODEL_TYPES`, attention dropout > 0, a model whose attention cannot be replaced,
+    and a sliding window shorter than ``max_sequence_length`` (when given; else each task checks
+    its own sequences). Calling it again is harmless.
     """
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -228,7 +228,7 @@ def enable(model: nn.Module, *, max_sequence_length: Optional[int] = None) -> Mo
                          f"has num_hidden_layers={config.num_hidden_layers}")
     for i, layer in enumerate(layers):
         # HF calls the hook only when the flag is set (and in training with grad enabled); the
-        # hook then recomputes by the task's depth, which may be 0.
+        # hook then recomputes if i < the task's recompute_layers, which may be 0.
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = _TaskRecompute(i)
     return model_shape(model)

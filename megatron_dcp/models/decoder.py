@@ -24,7 +24,7 @@ from megatron_dcp.models.common import (RMSNorm, apply_rope, check_inputs, init_
                                         rope_tables, token_losses)
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
-from megatron_dcp.runtime.checkpoint import run_layer
+from megatron_dcp.runtime.recompute import run_layer
 from megatron_dcp.runtime.context import TaskContext
 
 

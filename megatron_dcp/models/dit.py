@@ -46,7 +46,7 @@ from megatron_dcp.config import IGNORE_INDEX
 from megatron_dcp.models.common import check_positions, init_weights
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
-from megatron_dcp.runtime.checkpoint import run_layer
+from megatron_dcp.runtime.recompute import run_layer
 from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.segments import upload
 

@@ -3,7 +3,7 @@
 The task reaches attention, RoPE positions and recompute only through what the model is called
 with (``dcp_attention(..., task=ctx)``, ``run_layer(..., task=ctx)``, Megatron's
 ``packed_seq_params``). There is no lookup of a "current" task: CUDA's autograd engine runs
-backward, and reentrant checkpoints re-run forward, on its own worker thread, where a caller's
+backward, and a reentrant recompute re-runs forward, on its own worker thread, where a caller's
 context variable is not visible, so the task travels as an argument (and a recompute keeps it).
 """
 

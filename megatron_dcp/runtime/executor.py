@@ -297,7 +297,8 @@ class MicroStep:
     """The plan's task; ``None``: an empty micro-step (no gradient, the same collectives)."""
     shard: Optional[Shard]
     """The input (an empty lockstep slot: two tokens on this rank alone, recomputing the slot's
-    depth); ``None``: the engine's own empty micro-step (``engine.empty_micro_step``)."""
+    ``recompute_layers``); ``None``: the engine's own empty micro-step
+    (``engine.empty_micro_step``)."""
     weights: Optional[torch.Tensor]
     """Per-token loss weights of the shard (``None`` for an empty micro-step)."""
     last: bool
@@ -354,8 +355,8 @@ class PlanWork:
             if i >= len(self.order):
                 yield MicroStep(None, None, None, last)
                 continue
-            task, depth = self.order[i]
-            yield self._empty_slot(depth, last) if task is None else self._task_step(task, last)
+            task, layers = self.order[i]
+            yield self._empty_slot(layers, last) if task is None else self._task_step(task, last)
 
     def _task_step(self, task: Task, last: bool) -> MicroStep:
         try:
@@ -369,10 +370,10 @@ class PlanWork:
         tokens = int((labels_host != IGNORE_INDEX).sum())
         return MicroStep(task, Shard(ids, positions, labels, ctx), weights, last, layout, tokens)
 
-    def _empty_slot(self, depth: int, last: bool) -> MicroStep:
-        """An empty lockstep slot: a two-token task on this rank alone that recomputes ``depth``
-        layers (its loss is multiplied by zero: no gradient, the same collectives)."""
-        task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), recompute_layers=depth)
+    def _empty_slot(self, recompute_layers: int, last: bool) -> MicroStep:
+        """An empty lockstep slot: a two-token task on this rank alone that recomputes
+        ``recompute_layers`` (its loss is multiplied by zero: no gradient, the same collectives)."""
+        task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), recompute_layers=recompute_layers)
         ctx = self.pool.context_for(task, self.rank, ShardLayout.build([2], 1, 1, 0))
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         positions = torch.arange(2, device=self.device)

@@ -1,6 +1,6 @@
 """Per-iteration output of a training run, the same for every engine adapter.
 
-`plan_summary` condenses a step's plan (degrees used, micro-steps per rank, checkpointed layers,
+`plan_summary` condenses a step's plan (degrees used, micro-steps per rank, recomputed layers,
 predicted step time) into a JSON-ready dict; `TrainingLog` prints one line per iteration with a
 progress bar, writes the ``--log-json`` lines (one JSON object per iteration: ``iteration``,
 ``loss``, ``tokens``, ``tokens_per_s``, ``step_s``, ``skipped`` and ``skipped_steps``, with DCP
@@ -23,10 +23,11 @@ from megatron_dcp.plan.plan import Plan
 def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int], None] = None,
                  plan_s: Optional[float] = None,
                  plan_wait_s: Optional[float] = None) -> dict[str, Any]:
-    """Degrees used, micro-steps per rank, checkpointed layers and predicted step time of
+    """Degrees used, micro-steps per rank, recomputed layers and predicted step time of
     ``plan``, with ``plan_ms`` (time spent planning) and ``plan_wait_ms`` (time the step waited
-    for its plan: less than ``plan_ms`` for a plan made ahead) when given; for plain data parallel (no plan, or `data_parallel_plan`'s) only the micro-steps
-    per rank (the plan's, else ``micro_steps`` given by the caller)."""
+    for its plan: less than ``plan_ms`` for a plan made ahead) when given; for plain data
+    parallel (no plan, or `data_parallel_plan`'s) only the micro-steps per rank (the plan's, else
+    ``micro_steps`` given by the caller)."""
     if plan is None or plan.policy == "data-parallel":
         if plan is not None:  # plain data parallel as a plan: its micro-steps per rank
             micro_steps = [len(plan.tasks_for_rank(r)) for r in range(plan.world_size)]

@@ -1,17 +1,19 @@
 """Per-task activation recomputation: how many layers recompute is read at every forward.
 
-A DCP plan gives every task its own recompute depth (``Task.recompute_layers``): a long sequence
-at a low degree recomputes many layers, a packed task of short sequences none. The model is built
-once; each layer call goes through `run_layer(i, layer, *args, task=task)`, which reads the depth of
-the task the model was called with and wraps the first ``depth`` layers in non-reentrant
-``torch.utils.checkpoint``. So the depth changes every micro-step without rebuilding anything.
+A DCP plan gives every task its own number of recomputed layers (``Task.recompute_layers``): a
+long sequence at a low degree recomputes many layers, a packed task of short sequences none. The
+model is built once; each layer call goes through `run_layer(i, layer, *args, task=task)`, which
+reads ``recompute_layers`` of the task the model was called with and wraps that many first layers
+in non-reentrant ``torch.utils.checkpoint``. So the number changes every micro-step without
+rebuilding anything.
 
 Recomputation happens during backward, on CUDA on the autograd engine's worker thread. The model
 passes the task to its layers as an argument, so it recomputes with the same task wherever it
-runs (the checkpoint keeps the arguments); nothing is looked up from the calling thread.
+runs (``torch.utils.checkpoint`` keeps the arguments); nothing is looked up from the calling
+thread.
 
-Outside a task the depth is 0, or what `recompute_outside_task` sets (single-process references,
-profiling).
+Outside a task no layer recomputes, or the number `recompute_outside_task` sets (single-process
+references, profiling).
 """
 
 from __future__ import annotations
@@ -25,20 +27,20 @@ import torch.utils.checkpoint
 
 from megatron_dcp.runtime.context import TaskContext
 
-_DEPTH_OUTSIDE_TASK: ContextVar[int] = ContextVar("megatron_dcp_ckpt_depth", default=0)
+_LAYERS_OUTSIDE_TASK: ContextVar[int] = ContextVar("megatron_dcp_recompute_layers", default=0)
 
 
 @contextmanager
-def recompute_outside_task(depth: int) -> Iterator[int]:
-    """Recompute the first ``depth`` layers of forwards run outside a task (inside a task the
-    task's own ``recompute_layers`` wins)."""
-    if depth < 0:
-        raise ValueError(f"checkpoint depth must be >= 0, got {depth}")
-    token = _DEPTH_OUTSIDE_TASK.set(int(depth))
+def recompute_outside_task(recompute_layers: int) -> Iterator[int]:
+    """Recompute the first ``recompute_layers`` layers of forwards run outside a task (inside a
+    task the task's own ``recompute_layers`` wins)."""
+    if recompute_layers < 0:
+        raise ValueError(f"recompute_layers must be >= 0, got {recompute_layers}")
+    token = _LAYERS_OUTSIDE_TASK.set(int(recompute_layers))
     try:
-        yield depth
+        yield recompute_layers
     finally:
-        _DEPTH_OUTSIDE_TASK.reset(token)
+        _LAYERS_OUTSIDE_TASK.reset(token)
 
 
 def current_recompute_layers(task: Optional[TaskContext] = None) -> int:
@@ -46,12 +48,13 @@ def current_recompute_layers(task: Optional[TaskContext] = None) -> int:
     task, `recompute_outside_task`)."""
     if task is not None:
         return int(task.recompute_layers)
-    return _DEPTH_OUTSIDE_TASK.get()
+    return _LAYERS_OUTSIDE_TASK.get()
 
 
 def run_layer(index: int, layer: Callable[..., torch.Tensor], *args: Any,
               task: Optional[TaskContext] = None) -> torch.Tensor:
-    """Run ``layer(*args)``, recomputing its activations in backward if ``index < depth``.
+    """Run ``layer(*args)``, recomputing its activations in backward if ``index`` is below the
+    task's ``recompute_layers``.
 
     ``index`` is the layer's position in the model (0 = first); ``task`` the task the model was
     called with (``None``: outside a task). Pass the task to the layer in ``args`` too: the
