@@ -384,11 +384,6 @@ def _complete(save_dir: str) -> list[tuple[str, dict]]:
     return [(name, manifest) for _, name, manifest in sorted(found, key=lambda f: f[:2])]
 
 
-def complete_checkpoints(save_dir: str) -> list[str]:
-    """Tags of the complete checkpoints in ``save_dir`` (with a manifest), oldest first."""
-    return [tag for tag, _ in _complete(save_dir)]
-
-
 def _primary(checkpoints: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     """Without the derived checkpoints (``TAG.universal`` beside ``TAG``)."""
     tags = [t for t, _ in checkpoints]
