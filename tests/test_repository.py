@@ -205,7 +205,7 @@ def test_layer_check_names_an_upward_import(tmp_path):
 
 CONTEXT_VARS_ALLOWED = {
     ("megatron_dcp/runtime/kernels.py", "_FORCED"): "the attention backend a test forces",
-    ("megatron_dcp/runtime/recompute.py", "_LAYERS_OUTSIDE_TASK"):
+    ("megatron_dcp/runtime/checkpoint.py", "_DEPTH_OUTSIDE_TASK"):
         "recomputed layers of forwards outside any task (references, profiling)",
 }
 """The context variables the packages may hold, none of them a task."""
@@ -309,9 +309,9 @@ def test_hidden_task_state_check_names_each_kind(tmp_path):
 
 
 LONG_FUNCTION_LINES = 60
-MAX_LONG_FUNCTIONS = 2
+MAX_LONG_FUNCTIONS = 1
 """Functions of the packages longer than `LONG_FUNCTION_LINES` (docstring included) today:
-plan.simulate.simulate, plan.planners.make_plan. A ratchet: lower it when one is split."""
+deepspeed_plugin.initialize. A ratchet: lower it when one is split."""
 
 
 def long_functions(root: str, packages=PACKAGES, limit: int = LONG_FUNCTION_LINES) -> list[str]:

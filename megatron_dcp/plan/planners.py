@@ -190,6 +190,36 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
                               cost_model=cost_model, baseline_degree=baseline_degree,
                               frame_tokens=frame_tokens, vocabulary=vocabulary)
     t0 = time.perf_counter()
+    ctx, skipped, zero_stage, schedule = _context(
+        lengths, world_size, model, config, hardware, zero_stage, cost_model, baseline_degree,
+        frame_tokens, vocabulary)
+    cm, vocab = ctx.cm, ctx.vocab
+    meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
+            "zero_stage": zero_stage, "schedule": schedule,
+            "vocabulary_groups": len(vocab),
+            "communicators_per_rank": cm.memory_model.communicators_per_rank}
+    if vocabulary is not None:
+        meta["vocabulary_sizes"] = list(vocab.sizes)
+    if not ctx.active:
+        frames = ctx.frame_tokens
+        plan = Plan(tasks=(), lengths=tuple(ctx.lengths), world_size=world_size,
+                    policy=config.policy, skipped=tuple(skipped), meta=meta,
+                    frame_tokens=tuple(frames) if frames is not None else None)
+    else:
+        drafts = _drafts_of_policy(ctx, config.policy, schedule == "lockstep", meta)
+        plan = to_plan(ctx, drafts, config.policy, skipped, meta)
+    plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
+    return plan
+
+
+def _context(lengths: Sequence[int], world_size: int, model: ModelShape, config: DCPConfig,
+             hardware: "Hardware | str | None", zero_stage: Optional[int],
+             cost_model: Optional[CostModel], baseline_degree: "str | int | None",
+             frame_tokens: Optional[Sequence[int]], vocabulary: Optional[Vocabulary]
+             ) -> tuple[PlanContext, list[int], int, str]:
+    """`make_plan`'s arguments checked and turned into its planning context: the context (its
+    active sequences set), the skipped sequences (``config.oversize``), the ZeRO stage and the
+    schedule kind (free or lockstep)."""
     clean, frames = _checked_batch(lengths, frame_tokens)
     if baseline_degree is None:
         baseline_degree = "min" if frames is not None else "tuned"
@@ -210,21 +240,7 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     skipped = _oversize(ctx, config.oversize)
     skip = set(skipped)
     ctx.active = [i for i in range(len(clean)) if i not in skip]
-    meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
-            "zero_stage": zero_stage, "schedule": schedule,
-            "vocabulary_groups": len(vocab),
-            "communicators_per_rank": cm.memory_model.communicators_per_rank}
-    if vocabulary is not None:
-        meta["vocabulary_sizes"] = list(vocab.sizes)
-    if not ctx.active:
-        plan = Plan(tasks=(), lengths=tuple(clean), world_size=world_size, policy=config.policy,
-                    skipped=tuple(skipped), meta=meta,
-                    frame_tokens=tuple(frames) if frames is not None else None)
-    else:
-        drafts = _drafts_of_policy(ctx, config.policy, schedule == "lockstep", meta)
-        plan = to_plan(ctx, drafts, config.policy, skipped, meta)
-    plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
-    return plan
+    return ctx, skipped, zero_stage, schedule
 
 
 def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape,

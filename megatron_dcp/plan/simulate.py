@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.hardware import layout_kind
-from megatron_dcp.plan.pipeline import (Pipeline, pipeline_lower_bound, simulate_pipeline,
-                                        slot_costs)
+from megatron_dcp.plan.pipeline import (Pipeline, PipelineResult, pipeline_lower_bound,
+                                        simulate_pipeline, slot_costs)
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.vocabulary import Vocabulary
 
@@ -213,21 +213,31 @@ def _slot_starts(plan: Plan, cm: CostModel, parts: Sequence) -> list[float]:
     return starts
 
 
-def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
-             moldable_bound: Optional[float] = None, max_degree: Optional[int] = None,
-             recompute_mode: str = "auto", pipeline: Optional[Pipeline] = None) -> SimResult:
-    """Simulate ``plan`` (see module doc); ``bound`` / ``moldable_bound``: precomputed
-    `lower_bound` values without sync (computed from the plan's sequences when not given; with
-    a pipeline, its fill and drain are added here). ``pipeline``: the stages the plan's slots
-    run through (``cm``: one stage's cost model)."""
-    world = plan.world_size
-    avail = [0.0] * world
-    busy = [0.0] * world
+class _Timeline(NamedTuple):
+    """A plan replayed on its ranks: per rank the busy seconds, per task (plan order) its start
+    and duration, the end of the last task (or slot), and the rank-seconds of all tasks, of
+    their exposed communication and of their recompute."""
+
+    busy: list[float]
+    starts: list[float]
+    durations: list[float]
+    end: float
+    total: float
+    comm: float
+    recompute: float
+
+
+def _replay(plan: Plan, cm: CostModel) -> _Timeline:
+    """Every task of ``plan`` at its cost-model time, in (start, id) order: a free plan's task
+    starts when all its ranks are free (not before its planned start), a lockstep plan's at its
+    slot's start."""
+    avail = [0.0] * plan.world_size
+    busy = [0.0] * plan.world_size
     starts, durations = [], []
     comm = recompute = total = 0.0
     end_max = 0.0
-    frames = plan.frame_tokens
-    parts_of = [cm.time_model.task_breakdown(t, plan.lengths, frames) for t in plan.tasks]
+    parts_of = [cm.time_model.task_breakdown(t, plan.lengths, plan.frame_tokens)
+                for t in plan.tasks]
     slot_start = _slot_starts(plan, cm, parts_of) if plan.lockstep else None
     for t, parts in zip(plan.tasks, parts_of):  # already in (start, id) order
         if slot_start is not None:
@@ -247,10 +257,20 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
         total += parts.total * d
     if slot_start is not None:
         end_max = slot_start[-1]  # the end of the last slot
+    return _Timeline(busy, starts, durations, end_max, total, comm, recompute)
+
+
+def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
+             moldable_bound: Optional[float] = None, max_degree: Optional[int] = None,
+             recompute_mode: str = "auto", pipeline: Optional[Pipeline] = None) -> SimResult:
+    """Simulate ``plan`` (see module doc); ``bound`` / ``moldable_bound``: precomputed
+    `lower_bound` values without sync (computed from the plan's sequences when not given; with
+    a pipeline, its fill and drain are added here). ``pipeline``: the stages the plan's slots
+    run through (``cm``: one stage's cost model)."""
+    world, frames = plan.world_size, plan.frame_tokens
+    line = _replay(plan, cm)
+    end_max = line.end
     seqs = [s for t in plan.tasks for s in t.seqs]
-    tokens = sum(plan.lengths[s] for s in seqs)
-    sync = cm.time_model.sync_time()
-    step = end_max + sync
     ran = [plan.lengths[s] for s in seqs]
     ran_frames = [frames[s] for s in seqs] if frames is not None else None
     if bound is None:
@@ -265,23 +285,33 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
         costs = slot_costs(plan, cm)
         piped = simulate_pipeline(costs, pipeline, cm)
         end_max = piped.makespan_s
-        step = end_max + sync
         bound = pipeline_lower_bound(bound, costs, pipeline)
         moldable_bound = pipeline_lower_bound(moldable_bound, costs, pipeline)
+    return _result(plan, cm, line, end_max, sum(ran), cm.time_model.model_flops(ran, ran_frames),
+                   bound, moldable_bound, piped)
+
+
+def _result(plan: Plan, cm: CostModel, line: _Timeline, end_max: float, tokens: int,
+            flops: float, bound: float, moldable_bound: float,
+            piped: Optional[PipelineResult]) -> SimResult:
+    """The `SimResult` of a replayed plan whose tasks end at ``end_max`` (the pipeline's
+    makespan where ``piped``), with the step's sync added to the time and the bounds."""
+    world, busy, total = plan.world_size, line.busy, line.total
+    sync = cm.time_model.sync_time()
+    step = end_max + sync
     mean_busy = sum(busy) / world
-    flops = cm.time_model.model_flops(ran, ran_frames)
     return SimResult(
         step_time_s=step, makespan_s=end_max, sync_s=sync, tokens=tokens,
         tokens_per_s=tokens / step if step > 0 else 0.0,
         lower_bound_s=bound + sync, efficiency=(bound + sync) / step if step > 0 else 1.0,
         imbalance=(max(busy) / mean_busy - 1.0) if mean_busy > 0 else 0.0,
-        comm_share=comm / total if total else 0.0,
-        recompute_share=recompute / total if total else 0.0,
+        comm_share=line.comm / total if total else 0.0,
+        recompute_share=line.recompute / total if total else 0.0,
         mfu=flops / (step * world * cm.hw.peak_flops) if step > 0 else 0.0,
         moldable_lower_bound_s=moldable_bound + sync,
         moldable_efficiency=(moldable_bound + sync) / step if step > 0 else 1.0,
         busy_s=busy, idle_s=[end_max - b for b in busy], num_tasks=len(plan.tasks),
-        starts=starts, durations=durations,
+        starts=line.starts, durations=line.durations,
         bubble_share=piped.bubble_share if piped else 0.0,
         memory_fits=piped.fits if piped else True,
         peak_memory_gib=max(piped.peak_bytes) / 2**30 if piped else 0.0,
