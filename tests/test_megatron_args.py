@@ -192,10 +192,6 @@ def test_megatron_lm_namespace_defaults_with_dcp():
     (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-method block"),
     (dict(sequence_parallel=True, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
      "--sequence-parallel"),
-    (dict(num_layers_per_virtual_pipeline_stage=2, pipeline_model_parallel_size=2),
-     "virtual pipeline"),
-    (dict(virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=2),
-     "virtual pipeline"),
 ])
 def test_megatron_lm_namespace_refusals(megatron, message):
     args = megatron_lm_args("--dcp", calculate_per_token_loss=True, **megatron)
@@ -209,7 +205,10 @@ def test_megatron_lm_namespace_acceptances():
                      dict(recompute_granularity="full", recompute_method="block"),
                      dict(num_attention_heads=8, num_query_groups=2, group_query_attention=True,
                           tensor_model_parallel_size=2),
-                     dict(max_seqlen_per_dp_cp_rank=4096)):
+                     dict(max_seqlen_per_dp_cp_rank=4096),
+                     # interleaved pipelines (Megatron-LM sets the size from either flag)
+                     dict(num_layers_per_virtual_pipeline_stage=2, pipeline_model_parallel_size=2),
+                     dict(virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=2)):
         config = validate_dcp_args(megatron_lm_args("--dcp", **base, **megatron))
         assert config.enabled
     assert validate_dcp_args(megatron_lm_args(

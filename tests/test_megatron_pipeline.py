@@ -39,12 +39,13 @@ def _plan() -> dict:
     return Plan(tasks=tasks, lengths=LENGTHS, world_size=2, policy="test").to_dict()
 
 
-def _config(pp: int):
+def _config(pp: int, vp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
         num_layers=LAYERS, hidden_size=32, num_attention_heads=8, num_query_groups=4,
         ffn_hidden_size=48, kv_channels=4, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         pipeline_dtype=torch.float32, use_cpu_initialization=True, params_dtype=torch.float32,
         normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
@@ -52,7 +53,8 @@ def _config(pp: int):
         persist_layer_norm=False, bias_dropout_fusion=False, calculate_per_token_loss=True)
 
 
-def _build(pp: int, dcp: bool):
+def _build(pp: int, dcp: bool, vp: int = 1) -> list:
+    """This rank's model chunks (one per virtual stage) of the tiny GPT."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -62,13 +64,16 @@ def _build(pp: int, dcp: bool):
     from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
 
     enable_cpu()
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
     seed_rng(7)
     spec = get_gpt_layer_dcp_spec() if dcp else get_gpt_layer_local_spec(normalization="RMSNorm")
-    return GPTModel(_config(pp), spec, vocab_size=VOCAB, max_sequence_length=64,
-                    position_embedding_type="rope",
-                    pre_process=parallel_state.is_pipeline_first_stage(),
-                    post_process=parallel_state.is_pipeline_last_stage())
+    config = _config(pp, vp)
+    return [GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=64,
+                     position_embedding_type="rope", vp_stage=c,
+                     pre_process=parallel_state.is_pipeline_first_stage(False, c),
+                     post_process=parallel_state.is_pipeline_last_stage(False, c))
+            for c in ([None] if vp == 1 else range(vp))]  # the chunk only with virtual stages
 
 
 def _sequences():
@@ -77,7 +82,7 @@ def _sequences():
 
 
 def _reference(rank, world_size):
-    model = _build(1, dcp=False)
+    (model,) = _build(1, dcp=False)
     total = sum(n - 1 for n in LENGTHS)
     loss = 0.0
     for seq in _sequences():
@@ -96,15 +101,19 @@ def _reference(rank, world_size):
     return state, loss, grads
 
 
-def _global_name(name: str, stage: int) -> str:
-    """A stage's parameter name in the whole model (its layers are numbered from 0 per stage)."""
+def _global_name(name: str, stage: int, chunk: int = 0, vp: int = 1) -> str:
+    """A chunk's parameter name in the whole model (its layers are numbered from 0 per chunk;
+    chunk ``c`` of stage ``s`` is virtual stage ``c * STAGES + s``)."""
     if name.startswith("decoder.layers."):
         index, rest = name[len("decoder.layers."):].split(".", 1)
-        return f"decoder.layers.{int(index) + stage * LAYERS // STAGES}.{rest}"
+        return f"decoder.layers.{int(index) + (chunk * STAGES + stage) * LAYERS // (STAGES * vp)}" \
+            f".{rest}"
     return name
 
 
-def _dcp(rank, world_size, state, fresh_thread):
+def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1):
+    """One DCP step of ``plan`` (default `_plan`) at DP 2 x PP 2 (``vp`` virtual stages):
+    (loss, gradients by global name, target tokens reported, micro-steps)."""
     from functools import partial
 
     from executor_cases import on_fresh_thread
@@ -114,13 +123,16 @@ def _dcp(rank, world_size, state, fresh_thread):
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
 
-    model = _build(STAGES, dcp=True)
+    chunks = _build(STAGES, dcp=True, vp=vp)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(state[_global_name(name, stage)])
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), module=model)
-    ddp.zero_grad_buffer()
+        for c, chunk in enumerate(chunks):
+            for name, p in chunk.named_parameters():
+                p.copy_(state[_global_name(name, stage, c, vp)])
+    ddps = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), module=chunk,
+                                    disable_bucketing=c > 0) for c, chunk in enumerate(chunks)]
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
 
     def loss_func(loss_mask, output_tensor):
         loss = (output_tensor.view(-1).float() * loss_mask.view(-1)).sum()
@@ -139,14 +151,14 @@ def _dcp(rank, world_size, state, fresh_thread):
         torch.autograd.backward = lambda *a, **k: on_fresh_thread(lambda: plain_autograd(*a, **k))
     try:
         step = DCPForwardBackward(DCPConfig(enabled=True, calibration="off"))
-        reports = step(forward_step_func=forward_step, model=[ddp], num_microbatches=1,
-                       data_iterator=iter([GlobalBatch(_sequences(), Plan.from_dict(_plan()))]),
-                       seq_length=0, micro_batch_size=1)
+        batch = GlobalBatch(_sequences(), Plan.from_dict(plan or _plan()))
+        reports = step(forward_step_func=forward_step, model=ddps, num_microbatches=1,
+                       data_iterator=iter([batch]), seq_length=0, micro_batch_size=1)
     finally:
         torch.autograd.backward, torch.Tensor.backward = plain_autograd, plain_backward
     result = reports.result
-    grads = {_global_name(n, stage): p.main_grad.detach().clone()
-             for n, p in model.named_parameters()}
+    grads = {_global_name(n, stage, c, vp): p.main_grad.detach().clone()
+             for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
     tokens = sum(float(r["lm loss"][1]) for r in reports)
     destroy_model_parallel()
     return result.loss, grads, tokens, result.micro_steps
@@ -161,15 +173,12 @@ def _rel(a, b):
     return float((a - b).norm() / max(b.norm(), 1e-12))
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("fresh_thread", [False, True], ids=["same-thread", "fresh-thread"])
-def test_dcp_dp2_pp2_matches_single_process(reference, fresh_thread):
+def check_against_reference(results, reference, micro_steps_expected: int = 3) -> None:
+    """Every rank's loss and every gradient within `TOL` of the one-process reference."""
     _, ref_loss, ref_grads = reference
-    results = run_distributed(_dcp, world_size=4, args=(reference[0], fresh_thread),
-                              timeout_s=180)
     seen = set()
     for rank, (loss, grads, tokens, micro_steps) in enumerate(results):
-        assert micro_steps == 3, (rank, micro_steps)  # every pipeline runs every slot
+        assert micro_steps == micro_steps_expected, (rank, micro_steps)  # every slot everywhere
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (rank, loss, ref_loss)
         for name, grad in grads.items():
             assert _rel(grad, ref_grads[name]) <= TOL, (rank, name, _rel(grad, ref_grads[name]))
@@ -177,3 +186,11 @@ def test_dcp_dp2_pp2_matches_single_process(reference, fresh_thread):
     assert seen == set(ref_grads)  # the two stages hold the whole model
     # the last stage reports every target token once (over the pipelines)
     assert results[2][2] + results[3][2] == sum(n - 1 for n in LENGTHS)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("fresh_thread", [False, True], ids=["same-thread", "fresh-thread"])
+def test_dcp_dp2_pp2_matches_single_process(reference, fresh_thread):
+    results = run_distributed(_dcp, world_size=4, args=(reference[0], fresh_thread),
+                              timeout_s=180)
+    check_against_reference(results, reference)

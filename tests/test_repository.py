@@ -205,7 +205,7 @@ def test_layer_check_names_an_upward_import(tmp_path):
 
 CONTEXT_VARS_ALLOWED = {
     ("megatron_dcp/runtime/kernels.py", "_FORCED"): "the attention backend a test forces",
-    ("megatron_dcp/runtime/checkpoint.py", "_DEPTH_OUTSIDE_TASK"):
+    ("megatron_dcp/runtime/recompute.py", "_LAYERS_OUTSIDE_TASK"):
         "recomputed layers of forwards outside any task (references, profiling)",
 }
 """The context variables the packages may hold, none of them a task."""

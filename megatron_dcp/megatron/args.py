@@ -73,14 +73,6 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
         return config
 
     problems = []
-    # Megatron-LM's validate_args derives virtual_pipeline_model_parallel_size from these two
-    if any(_get(args, name, None) for name in (
-            "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-            "num_virtual_stages_per_pipeline_rank")):
-        problems.append("--dcp does not support --num-layers-per-virtual-pipeline-stage / "
-                        "virtual pipeline parallelism yet (DCP runs Megatron's 1F1B schedule "
-                        "with one model chunk per stage; --pipeline-model-parallel-size alone "
-                        "is supported)")
     if _get(args, "context_parallel_size", 1) > 1:
         problems.append("--dcp replaces Megatron's static context parallelism: use "
                         "--context-parallel-size 1; DCP regroups the data-parallel ranks per "

@@ -199,14 +199,16 @@ class DCPTransformerLayer(_transformer_layer()):
 
     With a `DCPTaskParams`: RoPE rows of the shard's positions, and the layer recomputed in
     backward when its index is below ``recompute_layers``. Otherwise Megatron's layer unchanged.
-    The index counts within the layer's block: with pipeline parallelism a task's depth is that
-    of one stage (Megatron's ``layer_number`` adds the stage's offset).
+    The index counts within the pipeline stage: with pipeline parallelism a task's depth is that
+    of one stage (Megatron's ``layer_number`` adds the stage's offset); with virtual stages the
+    stage's chunks count in order (chunk ``c``'s layers follow those of chunks ``0..c-1``).
     """
 
     def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs) -> None:
         super().__init__(config, submodules, layer_number, *args, **kwargs)
-        self.block_index = layer_number - 1
-        """Index of the layer in its block (this pipeline stage), from 0."""
+        self.block_index = layer_number - 1 + _earlier_chunk_layers(config,
+                                                                    kwargs.get("vp_stage"))
+        """Index of the layer in this pipeline stage (its chunks in order), from 0."""
 
     def forward(self, *args, **kwargs):
         """Megatron's layer forward (``hidden_states, ..., packed_seq_params=...``)."""
@@ -237,6 +239,16 @@ class DCPTransformerLayer(_transformer_layer()):
 
         return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations,
                                           *tensors)
+
+
+def _earlier_chunk_layers(config, vp_stage: Optional[int]) -> int:
+    """Layers of this pipeline stage's model chunks before chunk ``vp_stage`` (0 without
+    virtual stages)."""
+    if not vp_stage:
+        return 0
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    return sum(get_num_layers_to_build(config, vp_stage=c) for c in range(vp_stage))
 
 
 def _megatron_module():

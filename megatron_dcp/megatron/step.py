@@ -18,7 +18,7 @@ docs/MEGATRON.md.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -51,13 +51,36 @@ class GlobalBatch:
     next_lengths: Optional[Sequence[int]] = None
 
 
-def _single_model(model):
-    if isinstance(model, (list, tuple)):
-        if len(model) != 1:
-            raise ValueError(f"DCP runs without (virtual) pipeline parallelism: expected one model "
-                             f"chunk, got {len(model)}")
-        return model[0]
-    return model
+def _model_chunks(model) -> list:
+    """The model as a list of chunks: one, or Megatron's virtual pipeline stages (as many as
+    ``parallel_state``'s virtual pipeline size)."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    want = _virtual_pipeline_size()
+    if len(chunks) != want:
+        raise ValueError(f"expected {want} model chunk(s) (the virtual pipeline size), got "
+                         f"{len(chunks)}")
+    return chunks
+
+
+def _virtual_pipeline_size() -> int:
+    """Megatron's virtual pipeline stages per pipeline rank (1 without interleaving)."""
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return 1
+    return int(parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
+
+
+def interleaved_micro_batches(count: int, stages: int, group: Optional[int] = None) -> int:
+    """The fewest micro-batches, at least ``count``, that Megatron's interleaved schedule runs
+    with ``stages`` pipeline stages and ``group`` (``microbatch_group_size_per_vp_stage``,
+    default ``stages``) micro-batches per group: at least one group, and a last group that is
+    whole or holds at least ``stages``. A lockstep plan is padded with empty slots up to it."""
+    group = group or stages
+    m = max(count, group)
+    while 0 < m % group < stages:
+        m += 1
+    return m
 
 
 def _tensor_parallel_size() -> int:
@@ -77,15 +100,17 @@ def _token_losses(output_tensor, loss_mask, shard: Shard) -> torch.Tensor:
 
 
 class MegatronStepEngine:
-    """Megatron's side of the `StepDriver` protocol for one call of `DCPForwardBackward`."""
+    """Megatron's side of the `StepDriver` protocol for one call of `DCPForwardBackward`;
+    ``chunks``: the model (with virtual pipeline stages: one chunk per stage)."""
 
     equal_micro_steps = False
 
-    def __init__(self, model, forward_step_func: Callable, forward_only: bool) -> None:
+    def __init__(self, chunks: list, forward_step_func: Callable, forward_only: bool) -> None:
         from megatron.core.utils import get_model_config
 
-        self.model = model
-        self.mconfig = get_model_config(model)
+        self.chunks = chunks
+        self.model = chunks[0]
+        self.mconfig = get_model_config(self.model)
         self.forward_step_func = forward_step_func
         self.forward_only = forward_only
         self.reports: list[dict] = []
@@ -99,8 +124,9 @@ class MegatronStepEngine:
             return _token_losses(output_tensor, loss_mask, shard)
         return loss_sum
 
-    def _forward(self, shard: Shard):
-        """``forward_step_func`` on the shard's micro-batch: (output, loss_func, loss mask).
+    def _forward(self, shard: Shard, model=None):
+        """``forward_step_func`` on the shard's micro-batch through ``model`` (default: the one
+        chunk): (output, loss_func, loss mask).
         Under sequence parallelism the micro-batch is padded at its end to a multiple of the TP
         size (padding: token 0, position 0, loss mask 0; attention skips it)."""
         from megatron_dcp.megatron.spec import DCPTaskParams
@@ -121,7 +147,8 @@ class MegatronStepEngine:
             "attention_mask": None,
             "packed_seq_params": params,
         }
-        output_tensor, loss_func = self.forward_step_func(iter([micro_batch]), self.model)
+        output_tensor, loss_func = self.forward_step_func(iter([micro_batch]),
+                                                          model or self.model)
         if params is not None and not params.reached:
             raise ValueError(
                 f"task {shard.task.task.id}: no DCP layer ran with the micro-batch's "
@@ -148,7 +175,11 @@ class MegatronStepEngine:
         """Nothing: Megatron's DDP reduces once in `finish`, which every rank joins."""
 
     def micro_steps(self):
-        return self.model.no_sync() if hasattr(self.model, "no_sync") else nullcontext()
+        stack = ExitStack()
+        for chunk in self.chunks:
+            if hasattr(chunk, "no_sync"):
+                stack.enter_context(chunk.no_sync())
+        return stack
 
     def finish(self) -> Optional[float]:
         """Finalise gradients once (Megatron DDP), or SUM-reduce them (a bare module)."""
@@ -158,11 +189,11 @@ class MegatronStepEngine:
         if finalize is None:
             from megatron.core.distributed import finalize_model_grads as finalize
         if hasattr(self.model, "finish_grad_sync"):
-            finalize([self.model], None)
+            finalize(self.chunks, None)
         else:
             from megatron_dcp.runtime.executor import reduce_gradients
 
-            reduce_gradients([p for p in self.model.parameters() if p.requires_grad],
+            reduce_gradients([p for c in self.chunks for p in c.parameters() if p.requires_grad],
                              parallel_state.get_data_parallel_group())
         return None
 
@@ -179,14 +210,16 @@ def _pipeline_parallel_size() -> int:
 
 
 @contextmanager
-def _schedule_settings(mconfig):
+def _schedule_settings(mconfig, interleaved: bool):
     """The ``TransformerConfig`` settings Megatron's pipeline schedule reads, for one DCP call:
     shapes sent ahead of every activation (each slot has its own length); no gradient sync
     switched on inside the schedule and no finalisation at its end (DCP finalises once, in
-    ``finish``, with its own 1/T weighting instead of Megatron's 1/tokens). Restored after."""
-    saved = {name: getattr(mconfig, name) for name in _SCHEDULE_SETTINGS}
+    ``finish``, with its own 1/T weighting instead of Megatron's 1/tokens); interleaved: P2P
+    without ``batch_isend_irecv`` (`pipeline_communication`). Restored after."""
+    settings = dict(_SCHEDULE_SETTINGS, **({"batch_p2p_comm": False} if interleaved else {}))
+    saved = {name: getattr(mconfig, name) for name in settings}
     try:
-        for name, value in _SCHEDULE_SETTINGS.items():
+        for name, value in settings.items():
             setattr(mconfig, name, value)
         yield
     finally:
@@ -198,9 +231,59 @@ _SCHEDULE_SETTINGS = {"variable_seq_lengths": True, "no_sync_func": None, "grad_
                       "finalize_model_grads_func": None}
 
 
+def pipeline_communication(mconfig) -> dict:
+    """``p2p_communicator`` and ``pg_collection`` for Megatron's pipeline schedules with micro-
+    batches of different lengths (``variable_seq_lengths``), correct with two stages interleaved.
+
+    There the previous and the next stage are the same rank, and a call can send to it in both
+    directions (the activation of one chunk, the gradient of another). Messages between two ranks
+    match in the order they are posted: megatron-core 0.16's shape exchange posts the backward
+    send before the forward one but receives the forward one first, so the shapes cross. Here the
+    shapes go forward first, then backward (the receives in the same order); the tensors
+    themselves go without ``batch_isend_irecv`` (`_schedule_settings`), whose per-rank path
+    sends each direction over its own group with two stages."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups(
+        ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"])
+    communicator = _ordered_shapes_communicator()(
+        parallel_state.get_pipeline_model_parallel_group(), mconfig)
+    return {"p2p_communicator": communicator, "pg_collection": groups}
+
+
+def _ordered_shapes_communicator():
+    """Megatron's ``P2PCommunicator`` with the shape exchange of `pipeline_communication`."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    class OrderedShapes(P2PCommunicator):
+        def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            shapes = [None, None]  # received from the previous rank, from the next
+            ops = []
+            for i, send, recv, to, source in (  # forward, then backward
+                    (0, tensor_send_next, recv_prev, self.next_rank, self.prev_rank),
+                    (1, tensor_send_prev, recv_next, self.prev_rank, self.next_rank)):
+                if send is not None:
+                    shape = torch.tensor(send.size(), device=device, dtype=torch.int64)
+                    ops.append(dist.P2POp(dist.isend, shape, to, self.pp_group))
+                if recv:
+                    shapes[i] = torch.empty(3, device=device, dtype=torch.int64)
+                    ops.append(dist.P2POp(dist.irecv, shapes[i], source, self.pp_group))
+            for req in dist.batch_isend_irecv(ops) if ops else []:
+                req.wait()
+            return tuple(s.tolist() if s is not None else [0, 0, 0] for s in shapes)
+
+    return OrderedShapes
+
+
 class MegatronPipelineEngine(MegatronStepEngine):
     """`MegatronStepEngine` for pipeline parallelism: the slots of a lockstep plan are the
-    micro-batches of Megatron's own schedule (``get_forward_backward_func()``: 1F1B).
+    micro-batches of Megatron's own schedule (``get_forward_backward_func()``: 1F1B, or the
+    interleaved schedule over the model chunks of a virtual pipeline, where every chunk reads the
+    micro-batches in order and the last stage's last chunk computes the loss; its count is
+    padded with empty micro-batches to one the schedule accepts, `interleaved_micro_batches`).
 
     Every stage runs the same plan, so slot k is micro-batch k on every pipeline, and the ranks of
     a task meet in its collectives inside that micro-batch's forward and backward on each stage
@@ -222,11 +305,15 @@ class MegatronPipelineEngine(MegatronStepEngine):
                              "the same slots): plan with ModelShape(pipeline_parallel=P) or "
                              "DCPConfig(schedule='lockstep')")
         steps = list(work)
+        if len(self.chunks) > 1:
+            count = interleaved_micro_batches(len(steps), _pipeline_parallel_size(),
+                                              self.mconfig.microbatch_group_size_per_vp_stage)
+            steps += [_padding_step(work) for _ in range(count - len(steps))]
         task_losses: list = []
 
         def forward_step(data_iterator, model):
             step = next(data_iterator)
-            output, loss_func, loss_mask = self._forward(step.shard)
+            output, loss_func, loss_mask = self._forward(step.shard, model)
 
             def weighted(output_tensor):
                 loss_sum, num_tokens, report = self._loss(loss_func, output_tensor)
@@ -239,16 +326,35 @@ class MegatronPipelineEngine(MegatronStepEngine):
 
             return output, weighted
 
-        with _schedule_settings(self.mconfig), CudaAsCpu() if cpu_enabled() else nullcontext():
+        # interleaved: one iterator per chunk, each over every micro-batch
+        interleaved = len(self.chunks) > 1
+        data = [iter(steps) for _ in self.chunks] if interleaved else iter(steps)
+        with _schedule_settings(self.mconfig, interleaved), \
+                CudaAsCpu() if cpu_enabled() else nullcontext():
             get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(steps), model=[self.model],
+                forward_step_func=forward_step, data_iterator=data, model=self.chunks,
                 num_microbatches=len(steps), seq_length=1, micro_batch_size=1,
-                forward_only=not train)
+                forward_only=not train, **pipeline_communication(self.mconfig))
         # the loss exists on the last stage only: every stage reports its pipeline's
         group = parallel_state.get_pipeline_model_parallel_group()
         dist.broadcast(work.local_loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=group)
         return task_losses
+
+
+def _padding_step(work):
+    """An empty micro-batch beyond the plan's slots (Megatron's interleaved schedule needs a
+    count the plan may not have): two tokens on this rank alone, no recompute, loss weight 0."""
+    from megatron_dcp.plan.plan import Task
+    from megatron_dcp.runtime.executor import MicroStep
+    from megatron_dcp.runtime.layout import ShardLayout
+
+    task = Task(id=-1, ranks=(work.rank,), seqs=(-1,))
+    ctx = work.pool.context_for(task, work.rank, ShardLayout.build([2], 1, 1, 0))
+    ids = torch.zeros(2, dtype=torch.long, device=work.device)
+    labels = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=work.device)
+    return MicroStep(None, Shard(ids, torch.arange(2, device=work.device), labels, ctx), None,
+                     False)
 
 
 class DCPForwardBackward:
@@ -338,10 +444,11 @@ class DCPForwardBackward:
         (0.19.2 adds ``force_all_reduce``, for its gradient logging: not used here)."""
         if collect_non_loss_data:
             raise ValueError("DCPForwardBackward: collect_non_loss_data is not supported")
-        model = _single_model(model)
-        self._check(model, forward_only)
+        chunks = _model_chunks(model)
+        for chunk in chunks:
+            self._check(chunk, forward_only)
         kind = MegatronPipelineEngine if _pipeline_parallel_size() > 1 else MegatronStepEngine
-        engine = kind(model, forward_step_func, forward_only)
+        engine = kind(chunks, forward_step_func, forward_only)
         batch = next(data_iterator)
         if not isinstance(batch, GlobalBatch):
             batch = GlobalBatch(sequences=list(batch))
