@@ -79,6 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pad the vocabulary to a multiple of this x tensor-parallel size")
     g.add_argument("--tensor-model-parallel-size", type=int_flag(1), default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int_flag(1), default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int_flag(1), default=None,
+                   help="interleaved 1F1B: layers of one model chunk (virtual stage)")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int_flag(1), default=None,
+                   help="interleaved 1F1B: model chunks per pipeline rank")
     g.add_argument("--context-parallel-size", type=int_flag(1), default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--calculate-per-token-loss", action="store_true")
@@ -111,6 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_layers % args.pipeline_model_parallel_size:
         p.error(f"--num-layers {args.num_layers} is not divisible by "
                 f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    args.virtual_pipeline_model_parallel_size = _virtual_stages(p, args)
     if args.save_profile and not args.dcp:
         p.error("--save-profile writes the calibrated DCP cost model: it needs --dcp")
     if args.save:  # at start, not at the first save after hours of training
@@ -122,6 +127,33 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"argument --save: {err}")
     args.group_query_attention = args.num_query_groups is not None
     return args
+
+
+def _virtual_stages(p: argparse.ArgumentParser, args) -> "int | None":
+    """Model chunks per pipeline rank from either virtual-pipeline flag (Megatron-LM's rule);
+    ``None`` without interleaving."""
+    v, per_chunk = args.virtual_pipeline_model_parallel_size, \
+        args.num_layers_per_virtual_pipeline_stage
+    stage_layers = args.num_layers // args.pipeline_model_parallel_size
+    if per_chunk is not None:
+        if v is not None:
+            p.error("give one of --num-layers-per-virtual-pipeline-stage, "
+                    "--virtual-pipeline-model-parallel-size")
+        if stage_layers % per_chunk:
+            p.error(f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
+                    f"{stage_layers} layers of a pipeline stage")
+        v = stage_layers // per_chunk
+    if v is None or v == 1:
+        return None
+    if args.pipeline_model_parallel_size == 1:
+        p.error("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    if stage_layers % v:
+        p.error(f"--virtual-pipeline-model-parallel-size {v} does not divide the {stage_layers} "
+                "layers of a pipeline stage")
+    if args.save or args.load:
+        p.error("--save/--load: this example checkpoints one model chunk per rank; not with "
+                "virtual pipeline stages")
+    return v
 
 
 def init_distributed(args) -> None:
@@ -143,6 +175,7 @@ def init_distributed(args) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         # Megatron's groups default to 30 minutes: a stalled rank would block the others that long
         distributed_timeout_minutes=args.distributed_timeout_minutes)
@@ -167,6 +200,7 @@ def model_shape(args):
                       max_position=args.seq_length, name="megatron-gpt",
                       tensor_parallel=args.tensor_model_parallel_size,
                       pipeline_parallel=args.pipeline_model_parallel_size,
+                      virtual_pipeline=args.virtual_pipeline_model_parallel_size or 1,
                       sequence_parallel=args.sequence_parallel)
 
 
@@ -178,13 +212,13 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
-def layer_spec(dcp: bool, use_transformer_engine=None, config=None):
+def layer_spec(dcp: bool, use_transformer_engine=None, config=None, vp_stage=None):
     """The GPT layer spec of both modes, built from one layer implementation (Transformer
     Engine's when installed, ``use_transformer_engine=None``: detect; else Megatron's local
     spec with DCP's `SPNorm`, which supports ``--sequence-parallel``), so that a comparison of
     the modes differs in the core attention only: DCP's with ``dcp``, Megatron's own without.
-    With a ``config`` (and no TE): the block spec of this pipeline stage, whose final norm is
-    `SPNorm` too."""
+    With a ``config`` (and no TE): the block spec of this pipeline stage (model chunk
+    ``vp_stage``), whose final norm is `SPNorm` too."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_dcp.megatron.spec import SPNorm, get_gpt_block_dcp_spec, get_gpt_layer_dcp_spec
@@ -201,13 +235,14 @@ def layer_spec(dcp: bool, use_transformer_engine=None, config=None):
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SPNorm
     if config is None or use_transformer_engine:
         return spec
-    return get_gpt_block_dcp_spec(config, spec)
+    return get_gpt_block_dcp_spec(config, spec, vp_stage=vp_stage)
 
 
 def build_model(args, dcp: bool):
     """This pipeline stage of a megatron-core GPTModel (the embedding on the first stage, the
-    output layer on the last) in Megatron DDP (in bf16 inside Megatron's ``Float16Module``), and
-    the planner's ModelShape of the whole model."""
+    output layer on the last) in Megatron DDP (in bf16 inside Megatron's ``Float16Module``): a
+    list of model chunks (one, or one per virtual stage), and the planner's ModelShape of the
+    whole model."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -224,6 +259,7 @@ def build_model(args, dcp: bool):
         num_attention_heads=args.num_attention_heads, num_query_groups=groups,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=dtype,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel, use_cpu_initialization=not cuda,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, normalization="RMSNorm",
         gated_linear_unit=True,
@@ -235,28 +271,34 @@ def build_model(args, dcp: bool):
         **({} if dcp else dict(recompute_granularity=args.recompute_granularity,
                                recompute_method=args.recompute_method,
                                recompute_num_layers=args.recompute_num_layers)))
-    model = GPTModel(config, layer_spec(dcp, config=config), vocab_size=vocab,
-                     max_sequence_length=args.seq_length, position_embedding_type="rope",
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
-    if cuda:
-        model.cuda()
-    if config.bf16:
-        model = Float16Module(config, model)  # as Megatron-LM: bf16 inside, fp32 losses out
     # bf16: gradients accumulated and reduced in fp32 (Megatron-LM's rule for bf16)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=args.use_distributed_optimizer, grad_reduce_in_fp32=config.bf16)
-    ddp = DistributedDataParallel(config, ddp_config, module=model)
-    return ddp, model_shape(args)
+    chunks = []
+    # with virtual stages chunk c is virtual stage c x P + this stage (Megatron's vp_stage)
+    for c in range(args.virtual_pipeline_model_parallel_size or 1):
+        vp = c if args.virtual_pipeline_model_parallel_size else None
+        model = GPTModel(config, layer_spec(dcp, config=config, vp_stage=vp), vocab_size=vocab,
+                         max_sequence_length=args.seq_length, position_embedding_type="rope",
+                         pre_process=parallel_state.is_pipeline_first_stage(False, vp),
+                         post_process=parallel_state.is_pipeline_last_stage(False, vp),
+                         vp_stage=vp)
+        if cuda:
+            model.cuda()
+        if config.bf16:
+            model = Float16Module(config, model)  # as Megatron-LM: bf16 inside, fp32 losses out
+        chunks.append(DistributedDataParallel(config, ddp_config, module=model,
+                                              disable_bucketing=c > 0))
+    return chunks, model_shape(args)
 
 
-def build_optimizer(args, ddp):
+def build_optimizer(args, chunks):
     """torch AdamW on the fp32 parameters (their ``main_grad``), or Megatron's optimizer (Adam,
     no clipping: the same update as the AdamW path) with ``--use-distributed-optimizer`` and in
     bf16 (fp32 master weights)."""
     bf16 = params_dtype(args) == torch.bfloat16
     if not (args.use_distributed_optimizer or bf16):
-        params = [p for p in ddp.parameters() if p.requires_grad]
+        params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -264,7 +306,7 @@ def build_optimizer(args, ddp):
                              clip_grad=0.0, bf16=bf16,
                              params_dtype=torch.bfloat16 if bf16 else torch.float32,
                              use_distributed_optimizer=args.use_distributed_optimizer)
-    return get_megatron_optimizer(config, [ddp])
+    return get_megatron_optimizer(config, chunks)
 
 
 def _optimizer_state(optimizer) -> list:
@@ -380,10 +422,11 @@ def plain_micro_batches(sequences, dp_rank: int, dp_size: int, device, multiple:
                "position_ids": torch.arange(n, device=device).view(1, -1)}
 
 
-def plain_step(ddp, sequences, args, device):
+def plain_step(chunks, sequences, args, device):
     """One step of Megatron plain data parallel over this rank's share of the global batch:
     Megatron's own schedule (``get_forward_backward_func()``: ``forward_backward_no_pipelining``,
-    or 1F1B with pipeline parallelism), one sequence per micro-batch, ending in
+    or 1F1B with pipeline parallelism, interleaved over the model ``chunks`` of virtual stages:
+    padded with empty micro-batches to a count it accepts), one sequence per micro-batch, ending in
     ``finalize_model_grads`` (DP all-reduce, scaling by 1/tokens of the batch). Returns the loss
     reports (on the last pipeline stage; empty on the others). On CPU it runs under
     `megatron_dcp.megatron.cpu.CudaAsCpu` (the schedules allocate their token counter on
@@ -395,6 +438,7 @@ def plain_step(ddp, sequences, args, device):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_dcp.megatron.cpu import CudaAsCpu
+    from megatron_dcp.megatron.step import interleaved_micro_batches, pipeline_communication
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -404,15 +448,29 @@ def plain_step(ddp, sequences, args, device):
                          f"{dp_rank} without any: raise --global-batch-tokens")
     multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
     micro_batches = plain_micro_batches(sequences, dp_rank, dp_size, device, multiple)
-    ddp.config.finalize_model_grads_func = finalize_model_grads
+    config = chunks[0].config
+    config.finalize_model_grads_func = finalize_model_grads
     # micro-batches differ in length: the pipeline's P2P sends each one's shape first (set here,
     # not in the TransformerConfig, whose check refuses it for MoE's default dispatcher)
-    ddp.config.variable_seq_lengths = True
-    ddp.config.no_sync_func = ddp.no_sync
+    config.variable_seq_lengths = True
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    extra = {}
+    if len(chunks) > 1:  # interleaved: an empty micro-batch (no loss) pads the count
+        micro_batches = list(micro_batches)
+        micro_batches += [dict(micro_batches[0], tokens=micro_batches[0]["tokens"][:, :multiple],
+                               labels=micro_batches[0]["labels"][:, :multiple],
+                               loss_mask=micro_batches[0]["loss_mask"][:, :multiple] * 0,
+                               position_ids=micro_batches[0]["position_ids"][:, :multiple])
+                          ] * (interleaved_micro_batches(count, args.pipeline_model_parallel_size)
+                               - count)
+        count, micro_batches = len(micro_batches), [iter(micro_batches) for _ in chunks]
+        config.batch_p2p_comm = False  # see pipeline_communication
+    if args.pipeline_model_parallel_size > 1:
+        extra = pipeline_communication(config)
     with nullcontext() if torch.cuda.is_available() else CudaAsCpu():
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=micro_batches, model=[ddp],
-            num_microbatches=count, seq_length=args.seq_length, micro_batch_size=1)
+            forward_step_func=forward_step, data_iterator=micro_batches, model=chunks,
+            num_microbatches=count, seq_length=args.seq_length, micro_batch_size=1, **extra)
 
 
 def iteration_loss(reports, device) -> float:
@@ -446,9 +504,10 @@ def main(argv=None) -> int:
     dp_size = parallel_state.get_data_parallel_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
-    ddp, shape = build_model(args, dcp_config.enabled)
-    params = [p for p in ddp.parameters() if p.requires_grad]
-    optimizer = build_optimizer(args, ddp)
+    chunks, shape = build_model(args, dcp_config.enabled)
+    ddp = chunks[0]  # what a checkpoint holds (virtual stages refuse --save/--load)
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+    optimizer = build_optimizer(args, chunks)
     dataset = open_dataset(args.data_path, padded_vocab_size(args))  # ids checked
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
@@ -481,7 +540,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         docs = sampler.next_batch()
         sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
-        ddp.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad(set_to_none=True)
         if step_fn is not None:
             t_in = time.perf_counter()
@@ -490,11 +550,11 @@ def main(argv=None) -> int:
                 if it + 1 < args.train_iters else None
             batch = GlobalBatch(sequences, next_lengths=upcoming)
             reports = step_fn(forward_step_func=forward_step, data_iterator=iter([batch]),
-                              model=[ddp],
+                              model=chunks,
                               num_microbatches=1, seq_length=args.seq_length, micro_batch_size=1)
             t_out = time.perf_counter()
         else:
-            reports = plain_step(ddp, sequences, args, device)
+            reports = plain_step(chunks, sequences, args, device)
         loss = iteration_loss(reports, device)
         result = reports.result if step_fn is not None else None
         if result is not None and dcp_config.loss_reduction == "sequence":
