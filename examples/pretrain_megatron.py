@@ -26,9 +26,11 @@ Megatron's own distributed optimizer (Adam states and the gradient reduce-scatte
 the data-parallel ranks; on CPU through `megatron_dcp.megatron.cpu`). Output per iteration as
 examples/pretrain.py (DeepSpeed); ``--log-json`` writes one JSON object per iteration
 (iteration, loss, tokens, tokens_per_s, peak_mem_mb, ...). ``--save``/``--load`` checkpoint the
-model, the optimizer, the data position and the planner's state (one file per rank, saved
-atomically: `megatron_dcp.runtime.checkpoint_dir`); a resumed run continues with the losses of
-an uninterrupted one (same world size and tensor-parallel size).
+model, the optimizer, the data position and the planner's state, saved atomically and verified
+before load (`megatron_dcp.megatron.checkpointing`): ``--ckpt-format torch`` (one file per rank,
+loads at the layout it was saved with) or ``torch_dist`` (Megatron's distributed checkpoint,
+loads at another data-, tensor- or pipeline-parallel size); a resumed run continues with the
+losses of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -102,7 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--save-interval", type=int, default=0,
                    help="save every N iterations and after the last (0: only after the last)")
     g.add_argument("--load", default=None, help="resume from the latest checkpoint in this "
-                   "directory, or from one checkpoint directory in it (same world and TP size)")
+                   "directory, or from one checkpoint directory in it")
+    g.add_argument("--ckpt-format", default="torch", choices=("torch", "torch_dist"),
+                   help="torch: one file per rank, loads at the layout it was saved with; "
+                        "torch_dist: Megatron's distributed checkpoint, loads at another "
+                        "data-, tensor- or pipeline-parallel size")
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
     g.add_argument("--save-profile", default=None, metavar="PATH",
                    help="with --dcp: write the calibrated cost-model hardware at the end as a "
@@ -295,9 +301,10 @@ def build_model(args, dcp: bool):
 def build_optimizer(args, chunks):
     """torch AdamW on the fp32 parameters (their ``main_grad``), or Megatron's optimizer (Adam,
     no clipping: the same update as the AdamW path) with ``--use-distributed-optimizer`` and in
-    bf16 (fp32 master weights)."""
+    bf16 (fp32 master weights) and with ``--ckpt-format torch_dist`` (whose checkpoint holds
+    Megatron's optimizer's sharded state)."""
     bf16 = params_dtype(args) == torch.bfloat16
-    if not (args.use_distributed_optimizer or bf16):
+    if not (args.use_distributed_optimizer or bf16 or args.ckpt_format == "torch_dist"):
         params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -309,82 +316,29 @@ def build_optimizer(args, chunks):
     return get_megatron_optimizer(config, chunks)
 
 
-def _optimizer_state(optimizer) -> list:
-    """What this rank's optimizer holds: torch's state dict, or per Megatron optimizer the
-    state of the torch optimizer over this rank's shard and its fp32 master shards."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer.state_dict()]
-    return [(o.optimizer.state_dict(),
-             [t.detach().clone() for g in getattr(o, "shard_fp32_from_float16_groups", [])
-              for t in g]) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
-def _load_optimizer_state(optimizer, state: list) -> None:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        optimizer.load_state_dict(state[0])
-        return
-    for o, (inner, masters) in zip(getattr(optimizer, "chained_optimizers", [optimizer]), state):
-        o.optimizer.load_state_dict(inner)
-        shards = [t for g in getattr(o, "shard_fp32_from_float16_groups", []) for t in g]
-        for t, saved in zip(shards, masters):
-            t.data.copy_(saved)
-
-
 def save_checkpoint(args, iteration: int, ddp, optimizer, sampler, step_fn) -> None:
-    """Collective: every rank writes its file (model, optimizer, data position, planner: tensors
-    and plain types, which ``torch.load(weights_only=True)`` reads back), checksummed."""
-    from megatron.core import parallel_state
+    """Collective: `megatron_dcp.megatron.checkpointing.save_checkpoint` in ``--ckpt-format``,
+    with the data position and the planner's state beside model and optimizer."""
+    from megatron_dcp.megatron import checkpointing
 
-    from megatron_dcp.runtime.checkpoint_dir import save_atomically, save_file
-
-    rank = dist.get_rank()
-    state = {"model": ddp.module.state_dict(), "optimizer": _optimizer_state(optimizer),
-             "sampler": sampler.state_dict(), "iteration": iteration,
+    extra = {"sampler": sampler.state_dict(),
              "planner": step_fn.driver.state_dict() if step_fn is not None else None}
-    meta = {"world_size": dist.get_world_size(),
-            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
-            "distributed_optimizer": args.use_distributed_optimizer}
-
-    def write(tag: str) -> dict[str, str]:
-        os.makedirs(os.path.join(args.save, tag), exist_ok=True)
-        path = os.path.join(args.save, tag, f"rank_{rank}.pt")
-        return {path: save_file(state, path)}  # checksummed while written
-
-    save_atomically(args.save, f"iter_{iteration}", write, meta=meta)
+    checkpointing.save_checkpoint(args.save, iteration, ddp, optimizer, extra,
+                                  ckpt_format=args.ckpt_format)
 
 
 def load_checkpoint(args, ddp, optimizer, sampler, step_fn) -> int:
-    """Collective: restore every rank from ``--load`` (verified first: sizes and checksums;
-    ``latest`` corrupt: the newest checkpoint that verifies); returns the iteration to continue
-    from. Loads with ``weights_only=True``: nothing in the file is executed."""
-    from megatron.core import parallel_state
+    """Collective: restore every rank from ``--load`` (verified first; see
+    `megatron_dcp.megatron.checkpointing.load_checkpoint`); returns the iteration to continue
+    from."""
+    from megatron_dcp.megatron import checkpointing
 
-    from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, split_load_path,
-                                                     verify_checkpoint)
-
-    load_dir, tag = split_load_path(args.load)
-    tag, manifest = verify_checkpoint(load_dir, tag)
-    want = {"world_size": dist.get_world_size(),
-            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
-            "distributed_optimizer": args.use_distributed_optimizer}
-    differ = {k: (manifest.get(k), v) for k, v in want.items() if manifest.get(k) != v}
-    if differ:
-        raise CheckpointError(f"checkpoint {os.path.join(load_dir, tag)} was saved with "
-                              + ", ".join(f"{k}={a} (this run: {b})" for k, (a, b) in
-                                          differ.items()))
-    path = os.path.join(load_dir, tag, f"rank_{dist.get_rank()}.pt")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # tensors, plain types
-    except Exception as err:  # noqa: BLE001 - a file that verified yet holds more than weights
-        raise CheckpointError(f"{path} is not a checkpoint of this example: it holds more than "
-                              f"tensors and plain types, which --load refuses to unpickle "
-                              f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
-    ddp.module.load_state_dict(state["model"])
-    _load_optimizer_state(optimizer, state["optimizer"])
-    sampler.load_state_dict(state["sampler"])
-    if step_fn is not None and state["planner"] is not None:
-        step_fn.driver.load_state_dict(state["planner"])
-    return int(state["iteration"])
+    iteration, extra = checkpointing.load_checkpoint(args.load, ddp, optimizer,
+                                                     ckpt_format=args.ckpt_format)
+    sampler.load_state_dict(extra["sampler"])
+    if step_fn is not None and extra["planner"] is not None:
+        step_fn.driver.load_state_dict(extra["planner"])
+    return iteration
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -1,0 +1,238 @@
+"""Checkpoints of a megatron-core training job: model chunks, optimizer, iteration and any extra
+resumable state (the data position, DCP's planner), saved atomically and verified before load.
+
+Two formats (``ckpt_format``, Megatron-LM's ``--ckpt-format`` names where they exist):
+
+* ``"torch"``: every rank writes one file ``TAG/rank_{r}.pt`` (its model chunks' state dict,
+  its optimizer's state, the extra state), checksummed as it is written, and reads it back with
+  ``torch.load(weights_only=True)``. It loads only at the layout it was saved with: world size,
+  tensor- and pipeline-parallel sizes and the optimizer kind are recorded in the manifest and
+  a difference is refused, naming it.
+* ``"torch_dist"``: Megatron's distributed checkpointing (`megatron.core.dist_checkpointing`):
+  each model chunk's ``sharded_state_dict`` and the optimizer's (the distributed optimizer in
+  ``fully_sharded_model_space``: each parameter's Adam states as a flattened slice of the whole
+  tensor) are written as global tensors, so a load at another data-parallel size, or at another
+  tensor-/pipeline-parallel layout, reassembles what each rank holds now. The iteration and the
+  extra state go beside them in ``TAG/state.pt`` (rank 0's, read by every rank with
+  ``weights_only=True``).
+
+Both go through `megatron_dcp.runtime.checkpoint_dir`: written into ``TAG.partial``, every file's
+size and CRC-32 in the manifest (Megatron's files are checksummed by reading them back once),
+``latest`` moved only after every rank confirmed; a load verifies every file first and falls
+back from a corrupt ``latest`` to the newest checkpoint that verifies.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, save_atomically, save_file,
+                                                 split_load_path, verify_checkpoint)
+
+FORMATS = ("torch", "torch_dist")
+STATE_FILE = "state.pt"  # torch_dist: iteration and extra state beside Megatron's files
+# the distributed optimizer's format that reshards in every dimension (megatron-core 0.16)
+SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def parallel_layout(optimizer: Any) -> dict[str, Any]:
+    """The layout a checkpoint records: world, tensor-, pipeline- and data-parallel sizes and
+    whether the optimizer is Megatron's distributed one."""
+    from megatron.core import parallel_state
+
+    return {"world_size": dist.get_world_size(),
+            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+            "data_parallel": parallel_state.get_data_parallel_world_size(),
+            "distributed_optimizer": is_distributed_optimizer(optimizer)}
+
+
+def is_distributed_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or one it chains) is Megatron's `DistributedOptimizer`."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer)
+               for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _chunks(model: Any) -> list:
+    """The model chunks (a list under virtual pipelines), each unwrapped from Megatron's DDP."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    return [getattr(c, "module", c) for c in chunks]
+
+
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"  # Megatron-LM's keys
+
+
+def save_checkpoint(save_dir: str, iteration: int, model: Any, optimizer: Any,
+                    extra: Optional[dict] = None, *, ckpt_format: str = "torch") -> str:
+    """Collective: save model chunk(s) (Megatron DDP or their modules), ``optimizer`` (a torch
+    optimizer or Megatron's), ``iteration`` and ``extra`` (tensors and plain types) as
+    ``SAVE_DIR/iter_{iteration}`` and point ``latest`` at it; returns its path."""
+    _check_format(ckpt_format)
+    meta = {**parallel_layout(optimizer), "ckpt_format": ckpt_format}
+    rank = dist.get_rank()
+    if ckpt_format == "torch":
+        state = {"model": [c.state_dict() for c in _chunks(model)],
+                 "optimizer": _optimizer_state(optimizer), "iteration": iteration,
+                 "extra": extra}
+
+        def write(tag: str) -> dict[str, str]:
+            os.makedirs(os.path.join(save_dir, tag), exist_ok=True)
+            path = os.path.join(save_dir, tag, f"rank_{rank}.pt")
+            return {path: save_file(state, path)}  # checksummed while written
+    else:
+        def write(tag: str) -> dict[str, str]:
+            from megatron.core import dist_checkpointing
+
+            path = os.path.join(save_dir, tag)
+            os.makedirs(path, exist_ok=True)
+            dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), path)
+            if rank != 0:
+                return {}
+            target = os.path.join(path, STATE_FILE)
+            return {target: save_file({"iteration": iteration, "extra": extra}, target)}
+    return save_atomically(save_dir, f"iter_{iteration}", write, meta=meta)
+
+
+def load_checkpoint(load: str, model: Any, optimizer: Any, *,
+                    ckpt_format: str = "torch") -> tuple[int, Optional[dict]]:
+    """Collective: restore model chunk(s) and ``optimizer`` from ``load`` (a save directory, its
+    ``latest`` loaded, or one checkpoint in it), verified first; returns ``(iteration, extra)``.
+    Raises `CheckpointError` naming what differs when the checkpoint cannot load here: another
+    format, or (``"torch"``) another layout."""
+    _check_format(ckpt_format)
+    load_dir, tag = split_load_path(load)
+    tag, manifest = verify_checkpoint(load_dir, tag)
+    path = os.path.join(load_dir, tag)
+    saved_format = manifest.get("ckpt_format", "torch")
+    if saved_format != ckpt_format:
+        raise CheckpointError(f"checkpoint {path} is in format {saved_format!r}: load it with "
+                              f"--ckpt-format {saved_format} (this run: {ckpt_format})")
+    want = parallel_layout(optimizer)
+    keys = want if ckpt_format == "torch" else ["distributed_optimizer"]
+    keys = [k for k in keys if k != "data_parallel"]  # world, TP and PP fix it
+    differ = {k: (manifest.get(k), want[k]) for k in keys if manifest.get(k) != want[k]}
+    if differ:
+        why = "" if ckpt_format != "torch" else \
+            "; the per-rank format loads only at the layout it was saved with (torch_dist reshards)"
+        raise CheckpointError(f"checkpoint {path} was saved with "
+                              + ", ".join(f"{k}={a} (this run: {b})" for k, (a, b) in
+                                          differ.items()) + why)
+    if ckpt_format == "torch":
+        state = _read(os.path.join(path, f"rank_{dist.get_rank()}.pt"))
+        for chunk, saved in zip(_chunks(model), state["model"], strict=True):
+            chunk.load_state_dict(saved)
+        _load_optimizer_state(optimizer, state["optimizer"])
+    else:
+        from megatron.core import dist_checkpointing
+
+        state = _read(os.path.join(path, STATE_FILE))
+        _create_optimizer_states(optimizer)
+        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), path)
+        chunks = _chunks(model)
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[_model_key(i, len(chunks))])
+        with torch.no_grad():  # fp32: the optimizer's shards are views of the parameters
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_steps(optimizer, loaded["optimizer"])
+    return int(state["iteration"]), state["extra"]
+
+
+def _check_format(ckpt_format: str) -> None:
+    if ckpt_format not in FORMATS:
+        raise ValueError(f"ckpt_format {ckpt_format!r}: one of {', '.join(FORMATS)}")
+
+
+def _read(path: str) -> dict:
+    """``torch.load(weights_only=True)``: tensors and plain types, nothing in the file runs."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - a file that verified yet holds more than weights
+        raise CheckpointError(f"{path} is not a checkpoint of megatron-dcp: it holds more than "
+                              f"tensors and plain types, which a load refuses to unpickle "
+                              f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
+
+
+def _sharded_state(model: Any, optimizer: Any, is_loading: bool) -> dict:
+    """Megatron-LM's sharded state dict: ``model`` (``model0``, ``model1`` ... with virtual
+    pipelines) and ``optimizer``, whose states follow the model's sharded tensors."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise CheckpointError("ckpt_format 'torch_dist' saves Megatron's optimizer "
+                              "(get_megatron_optimizer), not a torch.optim optimizer")
+    chunks = _chunks(model)
+    state = {_model_key(i, len(chunks)): c.sharded_state_dict(metadata=SHARDING_METADATA)
+             for i, c in enumerate(chunks)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                      metadata=SHARDING_METADATA)
+    return state
+
+
+def _create_optimizer_states(optimizer: Any) -> None:
+    """Give a fresh Megatron optimizer's torch optimizer its states (one step on zero gradients:
+    zero moments, ``step`` 1), which the load then overwrites. Without Apex or Transformer
+    Engine, megatron-core 0.16's ``DistributedOptimizer.state_dict`` (called to build the state
+    dict a load fills) reads torch Adam's ``step`` and fails on an optimizer that never
+    stepped."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = o.optimizer
+        if inner is None or inner.state:
+            continue
+        params = [p for g in inner.param_groups for p in g["params"] if p.numel()]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        inner.step()
+        for p in params:
+            p.grad = None
+
+
+def _restore_steps(optimizer: Any, loaded: dict) -> None:
+    """Set torch Adam's ``step`` of every parameter to the saved step count, one tensor each.
+    Without Apex or Transformer Engine, megatron-core 0.16's ``DistributedOptimizer`` keeps
+    the step in its param groups, and its load gives every parameter one shared ``step``
+    tensor (which torch's multi-tensor Adam then increments once per parameter) and then
+    overwrites it with the step of the optimizer the load started from."""
+    steps = set()
+
+    def collect(node: Any) -> None:
+        if isinstance(node, dict):
+            steps.update(g["step"] for g in node.get("param_groups", ()) if "step" in g)
+            for value in node.values():
+                collect(value)
+
+    collect(loaded)
+    if not steps:
+        return  # Apex/TE Adam: no per-parameter step
+    if len(steps) != 1:
+        raise CheckpointError(f"the checkpoint's optimizer holds different step counts {steps}")
+    step = float(steps.pop())
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in getattr(o.optimizer, "state", {}).values():
+            if "step" in state:
+                state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def _optimizer_state(optimizer: Any) -> list:
+    """What this rank's optimizer holds: torch's state dict, or per Megatron optimizer the
+    state of the torch optimizer over this rank's shard and its fp32 master shards."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer.state_dict()]
+    return [(o.optimizer.state_dict(),
+             [t.detach().clone() for g in getattr(o, "shard_fp32_from_float16_groups", [])
+              for t in g]) for o in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _load_optimizer_state(optimizer: Any, state: Sequence) -> None:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer.load_state_dict(state[0])
+        return
+    for o, (inner, masters) in zip(getattr(optimizer, "chained_optimizers", [optimizer]), state):
+        o.optimizer.load_state_dict(inner)
+        shards = [t for g in getattr(o, "shard_fp32_from_float16_groups", []) for t in g]
+        for t, saved in zip(shards, masters):
+            t.data.copy_(saved)
