@@ -230,7 +230,7 @@ def test_megatron_example_checkpoints_load_weights_only(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     shard = ckpt / "iter_2" / "rank_0.pt"
     state = torch.load(shard, weights_only=True)  # model, optimizer, sampler, planner state
-    assert state["iteration"] == 2 and state["planner"]["hardware"]
+    assert state["iteration"] == 2 and state["extra"]["planner"]["hardware"]
     original = shard.read_bytes()
 
     marker = tmp_path / "ran"  # a crafted file: refused, naming it, and nothing runs
@@ -238,7 +238,7 @@ def test_megatron_example_checkpoints_load_weights_only(tmp_path):
     _reseal(ckpt / "iter_2")
     done = _megatron(["--train-iters", "3", "--load", str(ckpt)])
     assert done.returncode != 0 and not marker.exists()
-    assert f"{shard} is not a checkpoint of this example" in done.stderr
+    assert f"{shard} is not a checkpoint of megatron-dcp" in done.stderr
 
     shard.write_bytes(original)  # same size, 64 bytes flipped: latest falls back to iter_1
     _reseal(ckpt / "iter_2")
