@@ -52,8 +52,6 @@ def test_disabled_is_fine_but_knobs_without_dcp_fail():
     ("--dcp", "--calculate-per-token-loss"),
     ("--dcp --calculate-per-token-loss --context-parallel-size 2", "--context-parallel-size 1"),
     ("--dcp --calculate-per-token-loss --hybrid-context-parallel", "--hybrid-context-parallel"),
-    ("--dcp --calculate-per-token-loss --sequence-parallel --pipeline-model-parallel-size 2",
-     "--sequence-parallel, --pipeline-model-parallel-size"),
     ("--dcp --calculate-per-token-loss --recompute-granularity selective", "selective"),
     ("--dcp --calculate-per-token-loss --overlap-grad-reduce --overlap-param-gather",
      "--overlap-param-gather: .* runs no forward"),
@@ -190,8 +188,6 @@ def test_megatron_lm_namespace_defaults_with_dcp():
     (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     (dict(recompute_granularity="selective"), "selective"),
     (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-method block"),
-    (dict(sequence_parallel=True, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
-     "--sequence-parallel"),
 ])
 def test_megatron_lm_namespace_refusals(megatron, message):
     args = megatron_lm_args("--dcp", calculate_per_token_loss=True, **megatron)
@@ -206,6 +202,8 @@ def test_megatron_lm_namespace_acceptances():
                      dict(num_attention_heads=8, num_query_groups=2, group_query_attention=True,
                           tensor_model_parallel_size=2),
                      dict(max_seqlen_per_dp_cp_rank=4096),
+                     dict(sequence_parallel=True, tensor_model_parallel_size=2,
+                          pipeline_model_parallel_size=2),
                      # interleaved pipelines (Megatron-LM sets the size from either flag)
                      dict(num_layers_per_virtual_pipeline_stage=2, pipeline_model_parallel_size=2),
                      dict(virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_size=2)):

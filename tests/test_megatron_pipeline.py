@@ -39,12 +39,13 @@ def _plan() -> dict:
     return Plan(tasks=tasks, lengths=LENGTHS, world_size=2, policy="test").to_dict()
 
 
-def _config(pp: int, vp: int = 1):
+def _config(pp: int, vp: int = 1, tp: int = 1, sp: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
         num_layers=LAYERS, hidden_size=32, num_attention_heads=8, num_query_groups=4,
         ffn_hidden_size=48, kv_channels=4, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, sequence_parallel=sp,
         virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
         pipeline_dtype=torch.float32, use_cpu_initialization=True, params_dtype=torch.float32,
         normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
@@ -53,23 +54,26 @@ def _config(pp: int, vp: int = 1):
         persist_layer_norm=False, bias_dropout_fusion=False, calculate_per_token_loss=True)
 
 
-def _build(pp: int, dcp: bool, vp: int = 1) -> list:
-    """This rank's model chunks (one per virtual stage) of the tiny GPT."""
+def _build(pp: int, dcp: bool, vp: int = 1, tp: int = 1, sp: bool = False) -> list:
+    """This rank's model chunks (one per virtual stage) of the tiny GPT (``sp``: Megatron's
+    sequence parallelism, with DCP's block spec: SP-capable norms, the final one included)."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
-    from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
+    from megatron_dcp.megatron.spec import get_gpt_block_dcp_spec, get_gpt_layer_dcp_spec
 
     enable_cpu()
     parallel_state.initialize_model_parallel(
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
     seed_rng(7)
     spec = get_gpt_layer_dcp_spec() if dcp else get_gpt_layer_local_spec(normalization="RMSNorm")
-    config = _config(pp, vp)
-    return [GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=64,
+    config = _config(pp, vp, tp, sp)
+    return [GPTModel(config, get_gpt_block_dcp_spec(config, spec, c) if sp else spec,
+                     vocab_size=VOCAB, max_sequence_length=64,
                      position_embedding_type="rope", vp_stage=c,
                      pre_process=parallel_state.is_pipeline_first_stage(False, c),
                      post_process=parallel_state.is_pipeline_last_stage(False, c))
@@ -111,11 +115,13 @@ def _global_name(name: str, stage: int, chunk: int = 0, vp: int = 1) -> str:
     return name
 
 
-def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1):
-    """One DCP step of ``plan`` (default `_plan`) at DP 2 x PP 2 (``vp`` virtual stages):
-    (loss, gradients by global name, target tokens reported, micro-steps)."""
+def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False):
+    """One DCP step of ``plan`` (default `_plan`) at PP 2 (``vp`` virtual stages) x TP ``tp``
+    (``sp``: sequence parallel) x DP (the rest): (loss, gradients by global name and gathered
+    over TP, target tokens reported, micro-steps)."""
     from functools import partial
 
+    import test_megatron as tm
     from executor_cases import on_fresh_thread
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -123,12 +129,12 @@ def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1):
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
 
-    chunks = _build(STAGES, dcp=True, vp=vp)
+    chunks = _build(STAGES, dcp=True, vp=vp, tp=tp, sp=sp)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    with torch.no_grad():
-        for c, chunk in enumerate(chunks):
-            for name, p in chunk.named_parameters():
-                p.copy_(state[_global_name(name, stage, c, vp)])
+    for c, chunk in enumerate(chunks):
+        tm._load_full_state(chunk, {n: state[_global_name(n, stage, c, vp)]
+                                    for n, _ in chunk.named_parameters()},
+                            parallel_state.get_tensor_model_parallel_rank(), tp)
     ddps = [DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), module=chunk,
                                     disable_bucketing=c > 0) for c, chunk in enumerate(chunks)]
     for ddp in ddps:
@@ -157,7 +163,7 @@ def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1):
     finally:
         torch.autograd.backward, torch.Tensor.backward = plain_autograd, plain_backward
     result = reports.result
-    grads = {_global_name(n, stage, c, vp): p.main_grad.detach().clone()
+    grads = {_global_name(n, stage, c, vp): tm._gather_tp(n, p, p.main_grad.detach().clone(), tp)
              for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
     tokens = sum(float(r["lm loss"][1]) for r in reports)
     destroy_model_parallel()
@@ -173,7 +179,8 @@ def _rel(a, b):
     return float((a - b).norm() / max(b.norm(), 1e-12))
 
 
-def check_against_reference(results, reference, micro_steps_expected: int = 3) -> None:
+def check_against_reference(results, reference, micro_steps_expected: int = 3,
+                            tp: int = 1) -> None:
     """Every rank's loss and every gradient within `TOL` of the one-process reference."""
     _, ref_loss, ref_grads = reference
     seen = set()
@@ -184,8 +191,8 @@ def check_against_reference(results, reference, micro_steps_expected: int = 3) -
             assert _rel(grad, ref_grads[name]) <= TOL, (rank, name, _rel(grad, ref_grads[name]))
             seen.add(name)
     assert seen == set(ref_grads)  # the two stages hold the whole model
-    # the last stage reports every target token once (over the pipelines)
-    assert results[2][2] + results[3][2] == sum(n - 1 for n in LENGTHS)
+    # the last stage reports every target token once (over the pipelines; on each TP rank)
+    assert results[2][2] + results[3][2] == tp * sum(n - 1 for n in LENGTHS)
 
 
 @pytest.mark.timeout(200)

@@ -85,3 +85,33 @@ def test_cost_model_counts_sequence_parallel():
             for m in (plain, sp))
     assert b.tensor_parallel == a.tensor_parallel
     assert b.tensor_parallel_latency == pytest.approx(2 * a.tensor_parallel_latency)
+
+
+# TP 2 x PP 2 at 4 ranks (DP 1: a DCP world of one): three slots of packed tasks whose shards
+# (29, 30 and 19 tokens) are padded to a multiple of TP; recompute 1, 2 and 0 layers per stage.
+SP_PP_TASKS = [dict(seqs=(0,), recompute_layers=1), dict(seqs=(1, 2, 3), recompute_layers=2),
+               dict(seqs=(4, 5), recompute_layers=0)]
+
+
+def _sp_pp_steps(rank, world_size, state):
+    import test_megatron_pipeline as tp
+    from megatron_dcp.plan.plan import Plan, Task
+
+    tasks = tuple(Task(id=i, ranks=(0,), start=float(i), slot=i, **t)
+                  for i, t in enumerate(SP_PP_TASKS))
+    plan = Plan(tasks=tasks, lengths=tp.LENGTHS, world_size=1, policy="test").to_dict()
+    return [tp._dcp(rank, world_size, state, fresh, plan=plan, tp=2, sp=True)
+            for fresh in (False, True)]
+
+
+@pytest.mark.timeout(240)
+def test_tp2_pp2_sequence_parallel_matches_single_process():
+    """--sequence-parallel with pipeline parallelism: the P2P activations are the TP rank's
+    part of the padded sequence (variable shapes); loss and every gradient as one process, also
+    with backward on a fresh thread."""
+    import test_megatron_pipeline as tp
+
+    reference = run_distributed(tp._reference, world_size=1, timeout_s=120)[0]
+    results = run_distributed(_sp_pp_steps, world_size=4, args=(reference[0],), timeout_s=200)
+    for i in range(2):
+        tp.check_against_reference([r[i] for r in results], reference, tp=2)

@@ -87,10 +87,6 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
                         "batch")
     if _get(args, "overlap_param_gather", False):
         problems.append(OVERLAP_PARAM_GATHER_PROBLEM)
-    if _get(args, "sequence_parallel", False) and _get(args, "pipeline_model_parallel_size", 1) > 1:
-        problems.append("--dcp runs --sequence-parallel without pipeline parallelism only (the "
-                        "combination is not yet checked for exactness): drop one of "
-                        "--sequence-parallel, --pipeline-model-parallel-size")
     problems += _recompute_and_head_problems(args, config)
     if problems:
         raise DCPArgumentError("invalid DCP arguments:\n  - " + "\n  - ".join(problems))
