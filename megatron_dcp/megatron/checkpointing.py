@@ -9,12 +9,12 @@ Two formats (``ckpt_format``, Megatron-LM's ``--ckpt-format`` names where they e
   tensor- and pipeline-parallel sizes and the optimizer kind are recorded in the manifest and
   a difference is refused, naming it.
 * ``"torch_dist"``: Megatron's distributed checkpointing (`megatron.core.dist_checkpointing`):
-  each model chunk's ``sharded_state_dict`` and the optimizer's (the distributed optimizer in
-  ``fully_sharded_model_space``: each parameter's Adam states as a flattened slice of the whole
-  tensor) are written as global tensors, so a load at another data-parallel size, or at another
-  tensor-/pipeline-parallel layout, reassembles what each rank holds now. The iteration and the
-  extra state go beside them in ``TAG/state.pt`` (rank 0's, read by every rank with
-  ``weights_only=True``).
+  each model chunk's ``sharded_state_dict`` and the optimizer's are written as global tensors,
+  so a load at another data-parallel size reassembles what each rank holds now. The distributed
+  optimizer is saved as ``dp_reshardable`` (megatron-core 0.16's other formats fail without
+  Apex or Transformer Engine: docs/MEGATRON.md), so with it TP and PP must match. The
+  iteration and the extra state go beside them in ``TAG/state.pt`` (rank 0's, read by every
+  rank with ``weights_only=True``).
 
 Both go through `megatron_dcp.runtime.checkpoint_dir`: written into ``TAG.partial``, every file's
 size and CRC-32 in the manifest (Megatron's files are checksummed by reading them back once),
@@ -115,12 +115,18 @@ def load_checkpoint(load: str, model: Any, optimizer: Any, *,
         raise CheckpointError(f"checkpoint {path} is in format {saved_format!r}: load it with "
                               f"--ckpt-format {saved_format} (this run: {ckpt_format})")
     want = parallel_layout(optimizer)
-    keys = want if ckpt_format == "torch" else ["distributed_optimizer"]
-    keys = [k for k in keys if k != "data_parallel"]  # world, TP and PP fix it
+    if ckpt_format == "torch":
+        keys = ["world_size", "tensor_parallel", "pipeline_parallel", "distributed_optimizer"]
+        why = "; the per-rank format loads only at the layout it was saved with (torch_dist " \
+              "reshards)"
+    elif want["distributed_optimizer"]:
+        keys = ["tensor_parallel", "pipeline_parallel", "distributed_optimizer"]
+        why = "; the distributed optimizer's states (dp_reshardable) reshard over data " \
+              "parallel only"
+    else:
+        keys, why = ["distributed_optimizer"], ""
     differ = {k: (manifest.get(k), want[k]) for k in keys if manifest.get(k) != want[k]}
     if differ:
-        why = "" if ckpt_format != "torch" else \
-            "; the per-rank format loads only at the layout it was saved with (torch_dist reshards)"
         raise CheckpointError(f"checkpoint {path} was saved with "
                               + ", ".join(f"{k}={a} (this run: {b})" for k, (a, b) in
                                           differ.items()) + why)
