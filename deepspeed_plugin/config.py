@@ -117,7 +117,7 @@ def prepare_config(ds_config: dict[str, Any], world_size: int, *, cpu: bool,
     if dcp is not None and dcp.enabled and stage == 3 and schedule_for(dcp.schedule,
                                                                        stage) == "free":
         # ZeRO-3 gathers parameters in every forward (and prefetches by a recorded trace), so
-        # ranks with different micro-steps or recompute depths would meet in different
+        # ranks with different micro-steps or recomputed layers would meet in different
         # all-gathers. Persistent parameters are gathered once and kept: gradients and optimizer
         # states stay sharded; each rank holds the full parameters (ZeRO-2's parameter memory).
         threshold = zero.get("stage3_param_persistence_threshold")

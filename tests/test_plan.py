@@ -225,12 +225,12 @@ def test_cost_terms_table_and_per_layout_attention():
     ring, uly, hyb = Layout(1, 8, True, True), Layout(8, 1, True, True), Layout(2, 4, True, True)
     pairs = cm.attn_pairs(65536)
     for lay in (ring, uly, hyb, Layout(1, 16, True, False)):
-        for ckpt in (0, 12):
-            terms = tm.terms(65536, pairs, lay, ckpt)
-            parts = tm.breakdown(65536, pairs, lay, ckpt)
-            assert tm.time_of(65536, pairs, lay, ckpt) == pytest.approx(tm.total(terms))
+        for layers in (0, 12):
+            terms = tm.terms(65536, pairs, lay, layers)
+            parts = tm.breakdown(65536, pairs, lay, layers)
+            assert tm.time_of(65536, pairs, lay, layers) == pytest.approx(tm.total(terms))
             assert parts.compute + parts.comm + parts.overhead == pytest.approx(parts.total)
-            assert tm.marginal_time(65536, pairs, lay, ckpt) <= parts.total
+            assert tm.marginal_time(65536, pairs, lay, layers) <= parts.total
             assert (terms.p2p > 0) == (lay.ring > 1) and (terms.all_to_all > 0) == (lay.ulysses > 1)
     # attention of the same work at each layout's rate: ring slower, hybrid in between
     attn = {name: tm.terms(65536, pairs, lay, 0).attention
@@ -565,12 +565,12 @@ def test_tensor_parallel_lowers_memory_and_time():
     tp2 = CostModel(replace(LLAMA, tensor_parallel=2), hw, world_size=32, zero_stage=1)
     assert tp2.params == pytest.approx(tp1.params / 2)
     assert tp2.memory_model.static_memory < tp1.memory_model.static_memory
-    for ckpt in (0, 16, 32):
-        assert tp2.memory_model.token_bytes(ckpt) < tp1.memory_model.token_bytes(ckpt)
+    for layers in (0, 16, 32):
+        assert tp2.memory_model.token_bytes(layers) < tp1.memory_model.token_bytes(layers)
         # the replicated layer inputs/norm outputs do not split: more than half remains
-        assert tp2.memory_model.token_bytes(ckpt) > tp1.memory_model.token_bytes(ckpt) / 2
-        assert tp2.memory_model.memory_of(50_000, 2, ckpt) \
-            < tp1.memory_model.memory_of(50_000, 2, ckpt)
+        assert tp2.memory_model.token_bytes(layers) > tp1.memory_model.token_bytes(layers) / 2
+        assert tp2.memory_model.memory_of(50_000, 2, layers) \
+            < tp1.memory_model.memory_of(50_000, 2, layers)
     for tokens in (2048, 32768, 131072):
         pairs = tp1.attn_pairs(tokens)
         for d in (1, 2, 8):

@@ -8,7 +8,8 @@ What is measured (the cost model's terms, `megatron_dcp.plan.cost`):
   uses it only for MFU);
 * ``attention_flops``, ``token_overhead_s``, ``task_overhead_s``: fitted to the forward+backward
   time of the whole reference decoder run as one-rank tasks (one sequence per length and
-  recompute depth, a 16-token task for the fixed per-task cost, and the packed tasks below);
+  number of recomputed layers, a 16-token task for the fixed per-task cost, and the packed
+  tasks below);
 * ``pack_curve`` / ``pack_tokens``: packed degree-1 tasks of ``pack_seq``-token sequences at
   several sizes: the GEMM and element-wise time per token relative to the cost model, and the
   largest size within ``PACK_TOLERANCE`` of the best throughput (the planner's pack budget);

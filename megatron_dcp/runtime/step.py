@@ -35,7 +35,7 @@ stopped before ``finish``, or with ``DCPConfig.skip_nonfinite`` skipped):
 
 A *lockstep* plan (`Plan.lockstep`, planned for ZeRO-2/3) needs no more of the engine: every rank
 runs every slot, its task of the slot or, in a slot where it has none, an empty task: one
-two-token sequence on this rank alone, with the slot's recompute depth and a loss multiplied by
+two-token sequence on this rank alone, with the slot's recomputed layers and a loss multiplied by
 zero, run through ``forward_loss`` and ``backward`` like any task. So it calls the same modules
 (ZeRO-3's per-module all-gathers, their recompute) and joins the same reductions (ZeRO-2's
 per-micro-step reduce-scatter) as the ranks with work in that slot.
