@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Sequence, TypeVar
 
 from megatron_dcp.plan.drafts import PlanContext
+from megatron_dcp.plan.hardware import layout_kind
 
 OVERHEAD_TASKS = 2
 """Packed tasks are allowed to grow to this many times the fixed per-task cost."""
@@ -71,6 +72,14 @@ def raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoic
     return info
 
 
+def _layout_kinds(ctx: PlanContext) -> dict[int, set[str]]:
+    """Layout kinds (`layout_kind`) per vocabulary size, and under key 0 those of all sizes."""
+    out = {d: {layout_kind(lay.ulysses, lay.ring) for lay in ctx.cm.layouts(d)}
+           for d in ctx.vocab.sizes}
+    out[0] = set().union(*out.values())
+    return out
+
+
 def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[float, float]:
     """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
     total = 0.0
@@ -78,6 +87,7 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
     seq_time, padded, recompute_for = ctx.seq_time, ctx.padded, ctx.recompute_for
     smallest = ctx.vocab.sizes[0]
     chosen: dict[tuple[int, float], tuple[int, int, float]] = {}
+    kinds = _layout_kinds(ctx)
     for info in infos:
         n, pairs = info.length, info.pairs
         if recompute_for(padded(n, smallest), smallest, mode) == 0:
@@ -96,12 +106,18 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
                 t0 = seq_time(n, pairs, d0, c0)
                 work = d0 * t0
                 found = (d0, c0, t0)
+                seen: set[str] = set()
                 for d, c in fits[1:]:
                     t = seq_time(n, pairs, d, c)
                     if d * t < work * (1.0 - MIN_WORK_SAVING):
                         found, work = (d, c, t), d * t
                     if c == 0:
-                        break  # no recompute left to save: wider groups only add communication
+                        # no recompute left to save: wider groups of a layout kind already seen
+                        # only add communication, but a kind not yet seen may need less work
+                        # (Ulysses needs a degree dividing the heads: 3 and 6 run ring or hybrid)
+                        seen.update(kinds[d])
+                        if seen >= kinds[0]:
+                            break
                 chosen[(n, pairs)] = found
             info.degree, info.recompute_layers, info.time = found
         else:

@@ -6,9 +6,10 @@ that needs less work). `megatron_dcp.plan.planners.plan_dcp` runs them as candid
 One *pass*, for a degree floor ``f``, a target makespan ``M`` and a packing grain ``g``:
 
 1. Degree per sequence (`megatron_dcp.plan.choices.degree_choice`): the smallest vocabulary size
-   at which it fits memory, widened while that cuts its work (ranks x time) by at least
-   ``MIN_WORK_SAVING`` (less recompute), and at least ``f`` (uniform wide groups fragment the
-   ranks less when long sequences dominate).
+   at which it fits memory, widened where that cuts its work (ranks x time) by at least
+   ``MIN_WORK_SAVING`` (less recompute; past the first degree without recompute, until every
+   layout kind has been seen without it: Ulysses may first appear at a wider degree), and at
+   least ``f`` (uniform wide groups fragment the ranks less when long sequences dominate).
 2. Packing: sequences faster than ``g x M`` at their degree are packed (next-fit, longest first)
    into tasks of at most ``g x M`` seconds that fit memory.
 3. Moldable list scheduling, longest task first: each task takes the smallest degree at which its
@@ -49,6 +50,7 @@ SEARCH_PASSES = (
     SearchPass(1, 1.03, 0.5), SearchPass("node", 1.0, 0.1), SearchPass(1, 1.0, 0.2),
     SearchPass(2, 1.0, 0.05), SearchPass(1, 1.03, 0.34), SearchPass(1, 1.2, 0.05),
     SearchPass(2, 1.2, 0.05), SearchPass(4, 1.3, 0.05), SearchPass(1, 1.3, 0.05),
+    SearchPass("node", 1.03, 0.1), SearchPass("node", 1.03, 0.02),
 )
 """The passes, most useful first (large inputs run only the first ones). No single setting is
 best everywhere: a node-wide degree floor wins when long sequences dominate, small grains when
