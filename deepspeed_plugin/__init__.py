@@ -68,7 +68,6 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     default vocabulary.
     """
     import deepspeed
-    from deepspeed.accelerator import get_accelerator
 
     from deepspeed_plugin import patches
 
@@ -82,29 +81,42 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
                                else getattr(args, "deepspeed_config", None))
     dcp = dcp_config if dcp_config is not None else dcp_config_from(ds_config, args)
 
-    accelerator = get_accelerator()
-    before_init_process_group()
-    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
-                               timeout=timeout)
-    import torch.distributed as dist
-
-    world_size, rank = dist.get_world_size(), dist.get_rank()
+    world_size, rank, cpu = _init_distributed(timeout)
     check_supported(ds_config, dcp, world_size, model)
-    cpu = accelerator.device_name() == "cpu"
     largest = max((p.numel() for p in model.parameters()), default=0)
     ds_ready, notices = prepare_config(ds_config, world_size, cpu=cpu, dcp=dcp,
                                        largest_param_numel=largest)
-    ds_args = None
-    if args is not None:
-        ds_args = copy.copy(args)
-        ds_args.deepspeed_config = None  # the config travels as a dict (the "dcp" section removed)
     engine, ds_optimizer, dataloader, scheduler = deepspeed.initialize(
-        args=ds_args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+        args=_args_without_config(args), model=model, optimizer=optimizer,
+        model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, config=ds_ready, **deepspeed_kwargs)
 
     wrapper = _wrap(engine, dcp, model, model_shape, hardware, notices, rank, timeout, loss_fn,
                     vocabulary_lengths)
     return wrapper, ds_optimizer, dataloader, scheduler
+
+
+def _init_distributed(timeout: timedelta) -> tuple[int, int, bool]:
+    """DeepSpeed's process group (its accelerator's backend): ``(world size, rank, on CPU)``."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    before_init_process_group()
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
+                               timeout=timeout)
+    return dist.get_world_size(), dist.get_rank(), accelerator.device_name() == "cpu"
+
+
+def _args_without_config(args: Optional[argparse.Namespace]) -> Optional[argparse.Namespace]:
+    """``args`` for ``deepspeed.initialize``: the config travels as a dict (its ``"dcp"`` section
+    removed), so the path in ``args.deepspeed_config`` must not be read again."""
+    if args is None:
+        return None
+    ds_args = copy.copy(args)
+    ds_args.deepspeed_config = None
+    return ds_args
 
 
 def _prepared_model(model: Any, loss_fn: Optional[LossFn]) -> Any:
