@@ -32,6 +32,7 @@ parallelism), hidden behind nothing.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
@@ -43,6 +44,8 @@ from megatron_dcp.plan.plan import Plan, PlanError, padded_length
 
 ORDER_EVALUATIONS = 64
 """Most slot orders `order_slots` simulates (a few fixed orders, then swaps that improve)."""
+FIXED_ORDERS = 6
+"""The fixed orders `best_order` tries first (``evaluations=FIXED_ORDERS``: those only)."""
 
 
 @dataclass(frozen=True)
@@ -272,10 +275,7 @@ def pipeline_lower_bound(work_bound: float, costs: Sequence[SlotCost], pipe: Pip
       the last device: ``(P - 1) / V`` x (the shortest forward + the shortest backward) and
       ``P - 1`` P2P hops each way (before its first op and after its last);
     * the longest micro-batch through every stage and back: ``P`` x its time + the hops;
-    * 1F1B (``V = 1``): the slots' own work plus what stage 0 must idle while the longest
-      micro-batch ``L`` travels to the last stage and back: ``(P - 1)`` x its time, less the
-      ``P - 1`` forwards and backwards stage 0 runs meanwhile (at most the ``P - 1`` longest
-      other slots).
+    * 1F1B (``V = 1``): the slots' own work plus what stage 0 must idle (`_stage0_idle`).
     """
     if pipe.stages == 1 or not costs:
         return work_bound
@@ -286,10 +286,60 @@ def pipeline_lower_bound(work_bound: float, costs: Sequence[SlotCost], pipe: Pip
     bound = max(work_bound + (p - 1) * (fill / v + 2 * hop),
                 p * longest.time + 2 * (p - 1) * longest.p2p)
     if v == 1:
-        others = sorted((c.time for c in costs), reverse=True)[1:p]
-        window = (p - 1) * (longest.time + 2 * longest.p2p) - sum(others)
-        bound = max(bound, sum(c.time for c in costs) + max(0.0, window))
+        bound = max(bound, sum(c.time for c in costs) + _stage0_idle(costs, p))
     return bound
+
+
+def _stage0_idle(costs: Sequence[SlotCost], p: int) -> float:
+    """What stage 0 of a 1F1B pipeline idles in any order of ``costs``, at least.
+
+    Stage 0 runs every op and ends last, so the makespan is the slots' work plus its idle time.
+    Its window of micro-batch ``k`` (from the end of its forward to the start of its backward)
+    lasts at least ``R_k = (P - 1) x (its time + 2 hops)`` (the trip through the later stages
+    and back), and in it stage 0 runs exactly the backwards of micro-batches ``k - P + 1 ..
+    k - 1`` and the forwards of ``k + 1 .. k + P - 1`` (Megatron's order): the rest is idle.
+    Windows of micro-batches ``P`` or more apart are disjoint, and their covers share no op: a
+    slot covers one window with its backward, another with its forward, and both (its whole
+    time) only between two chosen windows ``P`` apart (at most ``P - 1`` such slots per pair).
+    Any ``(q - 1) P + 1`` slots take positions spanning at least ``(q - 1) P``, so ``q`` of them
+    are pairwise ``P`` apart: for ``q`` = 1 and 2, the least over the ``q``-subsets of the
+    ``(q - 1) P + 1`` slots with the longest trips of (their trips - the largest cover the other
+    slots can give, `_largest_cover`)."""
+    trip = [(p - 1) * (c.time + 2 * c.p2p) for c in costs]
+    by_trip = sorted(range(len(costs)), key=lambda i: (-trip[i], i))
+    idle = 0.0
+    for q in (1, 2):
+        top = by_trip[:(q - 1) * p + 1]
+        if len(top) < (q - 1) * p + 1:
+            break
+        idle = max(idle, min(
+            sum(trip[i] for i in chosen) - _largest_cover(costs, set(chosen), q, p)
+            for chosen in itertools.combinations(top, q)))
+    return max(0.0, idle)
+
+
+def _largest_cover(costs: Sequence[SlotCost], chosen: set[int], q: int, p: int) -> float:
+    """The most work the slots outside ``chosen`` can run inside ``q`` windows (see
+    `_stage0_idle`): at most ``q (P - 1)`` backwards and ``q (P - 1)`` forwards, of distinct
+    slots except at most ``(q - 1)(P - 1)`` slots that give both. Exact (a small knapsack over
+    the slots that can matter: the ``2 q (P - 1)`` largest by forward, backward and time)."""
+    seats, k = q * (p - 1), 2 * q * (p - 1)
+    rest = [i for i in range(len(costs)) if i not in chosen]
+    keep: set[int] = set()
+    for key in (lambda i: costs[i].forward, lambda i: costs[i].backward, lambda i: costs[i].time):
+        keep.update(sorted(rest, key=lambda i: (-key(i), i))[:k])
+    best = {(0, 0, 0): 0.0}  # (backwards, forwards, both) used -> largest cover
+    for i in sorted(keep):
+        f, b = costs[i].forward, costs[i].backward
+        step = dict(best)
+        for (nb, nf, nboth), value in best.items():
+            for db, df, dboth, gain in ((1, 0, 0, b), (0, 1, 0, f), (1, 1, 1, f + b)):
+                key = (nb + db, nf + df, nboth + dboth)
+                if key[0] <= seats and key[1] <= seats and key[2] <= (q - 1) * (p - 1) \
+                        and step.get(key, -1.0) < value + gain:
+                    step[key] = value + gain
+        best = step
+    return max(best.values())
 
 
 def _organ(order: list[int]) -> list[int]:

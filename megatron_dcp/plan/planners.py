@@ -23,8 +23,9 @@ from megatron_dcp.plan.dcp import free_candidates
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, order_slots,
-                                        simulate_pipeline, slot_costs, stage_model)
+from megatron_dcp.plan.pipeline import (FIXED_ORDERS, Pipeline, best_order,
+                                        micro_batch_cost_model, order_slots, simulate_pipeline,
+                                        slot_costs, stage_model)
 from megatron_dcp.plan.plan import Plan, PlanError, check_frame_tokens
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary
@@ -189,6 +190,22 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
                               iteration=iteration, hardware=hardware, zero_stage=zero_stage,
                               cost_model=cost_model, baseline_degree=baseline_degree,
                               frame_tokens=frame_tokens, vocabulary=vocabulary)
+    return _plan_flat(lengths, world_size=world_size, model=model, config=config,
+                      iteration=iteration, hardware=hardware, zero_stage=zero_stage,
+                      cost_model=cost_model, baseline_degree=baseline_degree,
+                      frame_tokens=frame_tokens, vocabulary=vocabulary)
+
+
+def _plan_flat(lengths: Sequence[int], *, world_size: int, model: ModelShape, config: DCPConfig,
+               iteration: int, hardware: "Hardware | str | None", zero_stage: Optional[int],
+               cost_model: Optional[CostModel], baseline_degree: "str | int | None",
+               frame_tokens: Optional[Sequence[int]], vocabulary: Optional[Vocabulary],
+               scorer: Optional[Callable[[PlanContext, list[int]],
+                                         Callable[[list[Draft]], float]]] = None,
+               baselines: Optional[dict] = None) -> Plan:
+    """`make_plan` without a pipeline. ``scorer(ctx, skipped)``: the DCP contest ranks its
+    candidates by the function it returns (`plan_dcp`'s ``score``); ``baselines``: the
+    contest's baseline candidates (default `BASELINES`)."""
     t0 = time.perf_counter()
     ctx, skipped, zero_stage, schedule = _context(
         lengths, world_size, model, config, hardware, zero_stage, cost_model, baseline_degree,
@@ -206,7 +223,9 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
                     policy=config.policy, skipped=tuple(skipped), meta=meta,
                     frame_tokens=tuple(frames) if frames is not None else None)
     else:
-        drafts = _drafts_of_policy(ctx, config.policy, schedule == "lockstep", meta)
+        drafts = _drafts_of_policy(ctx, config.policy, schedule == "lockstep", meta,
+                                   scorer(ctx, skipped) if scorer is not None else None,
+                                   BASELINES if baselines is None else baselines)
         plan = to_plan(ctx, drafts, config.policy, skipped, meta)
     plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
     return plan
@@ -264,14 +283,19 @@ def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape
         per_rank = sum(int(n) for n in lengths) / world_size
         packs += [max(1, min(math.ceil(per_rank / (k * pipe.stages)),
                              config.pack_tokens or math.inf)) for k in PIPELINE_MICRO_BATCHES]
+    dcp = config.policy.startswith("dcp")
+    scorer = _pipeline_scorer(cm, pipe, config.policy) if dcp else None
     best = None
     for pack in dict.fromkeys(packs):
-        plan = make_plan(lengths, world_size=world_size, model=stage,
-                         config=config.replace(pack_tokens=pack), zero_stage=zero_stage,
-                         cost_model=planning, hardware=hardware, **kwargs)
+        plan = _plan_flat(lengths, world_size=world_size, model=stage,
+                          config=config.replace(pack_tokens=pack), zero_stage=zero_stage,
+                          cost_model=planning, hardware=hardware, scorer=scorer,
+                          # only the packed baseline depends on the token budget
+                          baselines=None if best is None else {"packed": plan_packed},
+                          **kwargs)
         if not plan.tasks:
             return plan
-        if config.policy.startswith("dcp"):
+        if dcp:
             plan, result = order_slots(plan, cm, pipe)
         else:
             result = simulate_pipeline(slot_costs(plan, cm), pipe, cm)
@@ -284,6 +308,19 @@ def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape
                              "fits": result.fits}
     plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
     return plan
+
+
+def _pipeline_scorer(cm: CostModel, pipe: Pipeline, policy: str
+                     ) -> Callable[[PlanContext, list[int]], Callable[[list[Draft]], float]]:
+    """The DCP contest's ranking with a pipeline: a candidate's simulated makespan under its
+    best fixed order (`best_order` with ``FIXED_ORDERS``); memory is left out, as every
+    micro-batch was planned within its in-flight share (any order fits)."""
+    def scorer(ctx: PlanContext, skipped: list[int]) -> Callable[[list[Draft]], float]:
+        def score(drafts: list[Draft]) -> float:
+            costs = slot_costs(to_plan(ctx, drafts, policy, skipped), cm)
+            return best_order(costs, pipe, evaluations=FIXED_ORDERS)[1].makespan_s
+        return score
+    return scorer
 
 
 def _checked_batch(lengths: Sequence[int], frame_tokens: Optional[Sequence[int]]
@@ -330,8 +367,9 @@ def _vocabulary_for(cm: CostModel, config: DCPConfig,
     return vocabulary
 
 
-def _drafts_of_policy(ctx: PlanContext, policy: str, lockstep: bool, meta: dict
-                      ) -> list[Draft]:
+def _drafts_of_policy(ctx: PlanContext, policy: str, lockstep: bool, meta: dict,
+                      score: Optional[Callable[[list[Draft]], float]] = None,
+                      baselines: dict = BASELINES) -> list[Draft]:
     """Step 3 of `make_plan`: the timed drafts of ``policy`` for the context's active sequences.
     A baseline's drafts are cut into lockstep slots or retimed with round barriers; the DCP
     policies record their winning candidate and all candidates in ``meta``."""
@@ -343,21 +381,24 @@ def _drafts_of_policy(ctx: PlanContext, policy: str, lockstep: bool, meta: dict
         return drafts
     if policy == "dcp-intra":
         drafts, meta["candidate"], meta["candidates"] = plan_dcp(
-            ctx, inter=False, intra=True, baselines={"bucket": plan_bucket}, lockstep=lockstep)
+            ctx, inter=False, intra=True, baselines={"bucket": plan_bucket}, lockstep=lockstep,
+            score=score)
     else:
         drafts, meta["candidate"], meta["candidates"] = plan_dcp(
-            ctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=BASELINES,
-            lockstep=lockstep)
+            ctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=baselines,
+            lockstep=lockstep, score=score)
     return drafts
 
 
 def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
              baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None,
-             lockstep: bool = False) -> tuple[list[Draft], str, dict[str, float]]:
+             lockstep: bool = False, score: Optional[Callable[[list[Draft]], float]] = None
+             ) -> tuple[list[Draft], str, dict[str, float]]:
     """DCP drafts, the name of the candidate that won (``dcp(...)``, ``lockstep(...)`` or
     ``<baseline>+intra``) and every candidate's predicted makespan (module doc). ``inter``: the
     DCP passes are candidates; ``intra``: fewest recomputed layers (else the baselines' full
-    recompute); ``lockstep``: every candidate in slots."""
+    recompute); ``lockstep``: every candidate in slots. ``score``: rank the candidates by it
+    (a pipeline's simulated makespan) instead of their makespan."""
     mode = ctx.recompute_mode if intra else ctx.baseline_mode()
     candidates: list[Candidate] = []
     if inter:
@@ -382,8 +423,11 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
         else:
             makespan = retime(drafts, ctx.world, barriers=False if inter else "rounds")
         candidates.append((makespan, f"{name}+intra" if intra else name, drafts))
-    candidates.sort(key=lambda c: c[0])  # stable: ties keep the pass order
-    _, name, drafts = candidates[0]
+    if score is None:
+        candidates.sort(key=lambda c: c[0])  # stable: ties keep the pass order
+        _, name, drafts = candidates[0]
+    else:
+        _, name, drafts = min(candidates, key=lambda c: score(c[2]))
     return drafts, name, {c[1]: round(c[0], 6) for c in candidates}
 
 
