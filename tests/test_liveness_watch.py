@@ -41,6 +41,13 @@ else:
     dist.all_reduce(torch.ones(1))
 if case == "host-ends-first" and rank != 0:
     time.sleep(3)  # rank 0, the store's host, has exited: ending must not wait for it
+if case == "quiet-end":
+    from megatron_dcp.runtime.groups import destroy_process_groups
+    if rank:
+        time.sleep(2.5)  # a later rank's responder would look into the store of an ended host
+    destroy_process_groups()
+    print(f"rank {rank} done", flush=True)
+    sys.exit(0)
 liveness.stop_responder()
 dist.destroy_process_group()
 print(f"rank {rank} done", flush=True)
@@ -110,6 +117,24 @@ def test_healthy_ranks_are_not_named(tmp_path, case):
         text = (tmp_path / f"rank{rank}.txt").read_text()
         assert p.returncode == 0, text[-3000:]
         assert "liveness probes" not in text, text[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_ending_the_job_prints_no_store_error(tmp_path):
+    """`destroy_process_groups` stops the responders, and rank 0 (the store's host) waits for
+    every rank's: no responder looks into the store after its host exited (torch would print a
+    C++ trace, "recvValue failed", on a job that ended well)."""
+    procs = _launch("quiet-end", tmp_path)
+    try:
+        for p in procs:
+            p.wait(timeout=90)
+    finally:
+        _kill_all(procs)
+    for rank, p in enumerate(procs):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert p.returncode == 0, text[-3000:]
+        assert f"rank {rank} done" in text, text[-3000:]
+        assert "TCPStore" not in text and "recvValue" not in text, text[-3000:]
 
 
 def test_interval_is_a_setting():

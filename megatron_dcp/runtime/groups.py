@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.plan.vocabulary import Vocabulary, communicators
 from megatron_dcp.runtime.context import TaskContext
+from megatron_dcp.runtime.liveness import stop_responder, wait_for_responders
 
 DEFAULT_GROUP_TIMEOUT = timedelta(minutes=30)
 
@@ -65,12 +66,16 @@ def destroy_process_groups() -> None:
     Through DeepSpeed's ``deepspeed.comm`` when it initialised the job (it then also drops its
     own references to the groups); a garbage collection frees groups that only reference cycles
     (a DeepSpeed engine and its module's hooks) still held. A DeepSpeed engine must be
-    ``destroy()``-ed first: its ZeRO gradient hooks keep it, and its groups, alive.
+    ``destroy()``-ed first: its ZeRO gradient hooks keep it, and its groups, alive. The liveness
+    responder stops first, and rank 0 (the rendezvous store's host) waits for every rank's to
+    stop, so none looks into the store after its host exited.
     """
     import gc
     import sys
 
     if dist.is_available() and dist.is_initialized():
+        stop_responder()
+        wait_for_responders()
         ds_comm = sys.modules.get("deepspeed.comm")
         if ds_comm is not None and ds_comm.is_initialized():
             ds_comm.destroy_process_group()

@@ -42,6 +42,8 @@ GENERATION_KEY = "megatron_dcp/liveness/generation"
 ANSWER_KEY = "megatron_dcp/liveness/alive/{generation}/{rank}"
 DONE_KEY = "megatron_dcp/liveness/done/{rank}"
 """Set by a rank whose responder stopped on purpose (its process is ending): not a stall."""
+STOPPED_KEY = "megatron_dcp/liveness/stopped"
+"""How many ranks stopped their responder on purpose (`wait_for_responders`)."""
 STARTED_KEY = "megatron_dcp/liveness/started"
 """How many ranks started a responder: the watch probes nobody until every rank has."""
 VERDICT_KEY = "megatron_dcp/liveness/verdict"
@@ -202,9 +204,28 @@ def stop_responder() -> None:
         try:
             store.set_timeout(timedelta(seconds=5 * POLL_S))
             store.set(DONE_KEY.format(rank=dist.get_rank()), "1")
+            store.add(STOPPED_KEY, 1)
         except Exception:  # noqa: BLE001 - the store's host is gone: nobody watches
             pass
     _responder = None
+
+
+def wait_for_responders(timeout_s: float = 15.0) -> None:
+    """On the rank hosting the rendezvous store (rank 0): wait until every rank that started a
+    responder has stopped it (`stop_responder`), at most ``timeout_s`` seconds, so that no
+    responder looks into a store whose host has exited (torch prints a C++ trace for each such
+    look, though the job ended well). Other ranks return at once; so does a job without
+    responders. Call it after `stop_responder`, while ending the job."""
+    store = _main_store
+    if store is None or not (dist.is_available() and dist.is_initialized()) or dist.get_rank():
+        return
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (int(store.add(STOPPED_KEY, 0)) < int(store.add(STARTED_KEY, 0))
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store does not answer: nothing to wait for
+        pass
 
 
 atexit.register(stop_responder)
