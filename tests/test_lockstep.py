@@ -149,3 +149,23 @@ def test_plan_json_keeps_slots_and_free_plans_unchanged():
     assert not free.lockstep and free.slot_recompute_layers() == []
     assert all("slot" not in t for t in json.loads(free.to_json())["tasks"])
     assert free.digest() != plan.digest()
+
+
+@pytest.mark.parametrize("world,dist,hardware", [(8, "short", "h200"), (32, "long", "a100"),
+                                                 (64, "balanced", "h200")])
+def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
+    # the lockstep passes' own choices under recompute full (timing fewer degrees, issue 21)
+    # are degree_choice's: same degree, recomputed layers, time and options per sequence
+    from megatron_dcp.plan.choices import SeqChoice, degree_choice
+    from megatron_dcp.plan.lockstep import _full_choices
+    from megatron_dcp.plan.planners import _context
+
+    cfg = DCPConfig(hardware=hardware, schedule="lockstep")
+    lengths = sample_lengths(dist, world * 262144, seed=3, max_len=262144)
+    ctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
+    ref = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
+    degree_choice(ctx, ref, "full")
+    got = _full_choices(ctx)
+    assert [(c.i, c.degree, c.recompute_layers, c.time, c.fits) for c in got] == \
+        [(c.i, c.degree, c.recompute_layers, c.time, c.fits) for c in ref]
+    assert len({c.degree for c in got}) > 1

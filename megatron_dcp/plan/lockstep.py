@@ -33,8 +33,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice, fill_options,
-                                       floor_of, passes_for, raised)
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, MIN_WORK_SAVING, SeqChoice,
+                                       fill_options, floor_of, passes_for, raised)
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 
 MEMORY_SLACK = 0.9
@@ -52,26 +52,28 @@ times the tokens into a slot: fewer slots, where each costs ZeRO-3's parameter a
 left over, worse where later ones would fill a new slot)."""
 
 
-@dataclass
 class _Item:
     """One sequence with the degree and recomputed layers it runs at, and its time there."""
 
-    seq: int
-    degree: int
-    recompute_layers: int
-    time: float
-    options: list[tuple[int, int]] = field(default_factory=list)
-    """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where it
-    fits."""
+    __slots__ = ("seq", "degree", "recompute_layers", "time", "options")
+
+    def __init__(self, seq: int, degree: int, recompute_layers: int, time: float,
+                 options: Sequence[tuple[int, int]] = ()) -> None:
+        self.seq, self.degree, self.recompute_layers, self.time = seq, degree, recompute_layers, time
+        self.options = options
+        """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where
+        it fits (shared by the items of one length: read only)."""
 
 
 class _Task:
     """A task of a slot being filled: a group of ranks and the sequences packed on it."""
 
-    __slots__ = ("slot", "start", "degree", "seqs", "padded", "raw", "pairs", "time")
+    __slots__ = ("slot", "start", "degree", "index", "seqs", "padded", "raw", "pairs", "time")
 
-    def __init__(self, slot: "_Slot", start: int, size: int) -> None:
+    def __init__(self, slot: "_Slot", start: int, size: int, index: int) -> None:
         self.slot, self.start, self.degree = slot, start, size
+        self.index = index
+        """Position among the slot's tasks of this size (``_Slot.by_size``)."""
         self.seqs: list[int] = []
         self.padded = 0
         """Tokens after padding at ``degree``: what the task's memory counts."""
@@ -92,8 +94,7 @@ class _Task:
         padded = self.padded + ctx.padded(ctx.lengths[seq], self.degree)
         if self.seqs and ctx.pack_tokens and padded > ctx.pack_tokens:
             return None
-        c = ctx.recompute_for(padded, self.degree, mode)
-        if c is None or c > self.slot.recompute_layers:
+        if not self.slot.fits(ctx, padded, self.degree, mode):
             return None
         t = ctx.cm.time_model.best_time(self.raw + ctx.lengths[seq], self.pairs + ctx.pairs[seq],
                              self.degree, self.slot.recompute_layers)[0]
@@ -111,24 +112,63 @@ class _Slot:
     tasks: list[_Task] = field(default_factory=list)
     by_size: dict[int, list[_Task]] = field(default_factory=dict)
     emptiest: dict[int, _Task] = field(default_factory=dict)
-    """The task of each group size with the most time left."""
+    """The task of each group size with the most time left (the first such in ``by_size``)."""
+    heaps: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
+    """(time, index in ``by_size``) of every task of a size: entries whose time is no longer the
+    task's are dropped when they come on top (a lazy heap: `added` in O(log n))."""
+    no_block: set[int] = field(default_factory=set)
+    """Sizes of which no free group is left."""
+    next_block: dict[int, int] = field(default_factory=dict)
+    """Per size, the index into the vocabulary's starts before which every group is busy."""
+    free: int = -1
+    """Ranks without a task (-1: all of ``busy``; kept by `_occupy`)."""
+    local_fits: list[int] = field(default_factory=lambda: [0, 1 << 62])
+    """Most tokens per rank known to fit at the slot's recomputed layers, fewest known not to
+    (memory grows with them: tokens in between are asked of the cost model, once)."""
+
+    def fits(self, ctx: PlanContext, padded: int, degree: int, mode: str) -> bool:
+        """Whether a task of ``padded`` tokens on ``degree`` ranks fits within the slot's
+        recomputed layers under the recompute ``mode`` (memory is per rank: only the tokens per
+        rank matter)."""
+        local, known = -(-padded // degree), self.local_fits
+        if local <= known[0]:
+            return True
+        if local >= known[1]:
+            return False
+        c = ctx.recompute_for(padded, degree, mode)
+        ok = c is not None and c <= self.recompute_layers
+        known[0 if ok else 1] = local
+        return ok
 
     def added(self, task: _Task) -> None:
         """Keep `emptiest` right after ``task`` got a sequence."""
         same = self.by_size[task.degree]
-        self.emptiest[task.degree] = min(same, key=lambda t: t.time) if len(same) > 1 else task
-    no_block: set[int] = field(default_factory=set)
-    """Sizes of which no free group is left."""
-    free: int = -1
-    """Ranks without a task (-1: all of ``busy``; kept by `_occupy`)."""
+        heap = self.heaps.setdefault(task.degree, [])
+        heapq.heappush(heap, (task.time, task.index))
+        while heap[0][0] != same[heap[0][1]].time:
+            heapq.heappop(heap)
+        self.emptiest[task.degree] = same[heap[0][1]]
 
 
-def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int) -> _Item:
+def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int,
+            memo: dict) -> _Item:
     """The smallest degree at which the sequence finishes within ``target`` without recompute
     beyond ``base`` (a deeper slot makes every task in it recompute), else the smallest at which
-    it finishes within ``target``, else the fastest before work grows by `MAX_WORK_GROWTH`."""
-    if not info.fits:
-        fill_options(ctx, info, mode, info.degree)
+    it finishes within ``target``, else the fastest before work grows by `MAX_WORK_GROWTH`.
+    ``memo``: the choices of one pass (the same for every sequence of one length and choice)."""
+    key = (info.length, info.pairs, info.degree, info.recompute_layers, info.time,
+           len(info.fits))  # empty options are filled from the degree on: in the key too
+    found = memo.get(key)
+    if found is None:
+        if not info.fits:
+            fill_options(ctx, info, mode, info.degree)
+        item = _choose_new(ctx, info, target, base)
+        found = memo[key] = (item.degree, item.recompute_layers, item.time, item.options)
+    return _Item(info.i, *found)
+
+
+def _choose_new(ctx: PlanContext, info: SeqChoice, target: float, base: int) -> _Item:
+    """`_choose` for a sequence whose choice is not in the pass's memo."""
     for d, c in info.fits:
         if c <= base:
             t = ctx.seq_time(info.length, info.pairs, d, c)
@@ -158,11 +198,13 @@ def _free_block(ctx: PlanContext, slot: _Slot, size: int) -> Optional[int]:
     """First vocabulary group of ``size`` ranks that is free in a slot."""
     if size in slot.no_block:
         return None
-    busy = slot.busy
-    for start in ctx.vocab.starts(size):
+    busy, starts = slot.busy, ctx.vocab.starts(size)
+    for k in range(slot.next_block.get(size, 0), len(starts)):
+        start = starts[k]
         if not any(busy[start:start + size]):
+            slot.next_block[size] = k  # ranks only get busier: the groups before stay busy
             return start
-    slot.no_block.add(size)  # ranks only get busier
+    slot.no_block.add(size)
     return None
 
 
@@ -205,36 +247,94 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     return False
 
 
-def _join_any(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> bool:
-    """`_join` the item into the first slot that takes it. A slot without a free rank can only
-    pack it into the task of its degree with the most time left: slots where that task has too
-    little time left are passed over without a call (the same test `_join` starts with)."""
-    size, layers, overhead = item.degree, item.recompute_layers, ctx.cm.time_model.task_overhead
-    need: dict[int, float] = {}
-    for slot in slots:
-        if slot.recompute_layers < layers:
-            continue
-        if not slot.free:
-            task = slot.emptiest.get(size)
-            if task is None:
+class _Board:
+    """The slots of step 1 in order, with an index for `join_any`: per group size, the time left
+    in every slot's emptiest task of that size (``inf`` while the slot has a free rank, ``-inf``
+    without such a task) and its maximum per block of `BLOCK` slots, so that blocks where no
+    slot can take an item are passed over whole."""
+
+    BLOCK = 16
+
+    def __init__(self) -> None:
+        self.slots: list[_Slot] = []
+        self.spare: dict[int, list[float]] = {}
+        self.block_max: dict[int, list[float]] = {}
+        self.layers: set[int] = set()
+        """Recomputed layers of the slots."""
+
+    @staticmethod
+    def _spare(slot: _Slot, size: int) -> float:
+        if slot.free:
+            return math.inf
+        task = slot.emptiest.get(size)
+        return -math.inf if task is None else slot.length - task.time
+
+    def add(self, slot: _Slot) -> None:
+        """Append a new slot."""
+        self.slots.append(slot)
+        self.layers.add(slot.recompute_layers)
+        for size, spare in self.spare.items():
+            spare.append(self._spare(slot, size))
+            self._block(size, len(self.slots) - 1)
+
+    def changed(self, k: int) -> None:
+        """Slot ``k`` got a task, a sequence or a new length."""
+        slot = self.slots[k]
+        for size, spare in self.spare.items():
+            spare[k] = self._spare(slot, size)
+            self._block(size, k)
+
+    def _block(self, size: int, k: int) -> None:
+        b, spare, maxes = k // self.BLOCK, self.spare[size], self.block_max[size]
+        top = max(spare[b * self.BLOCK:(b + 1) * self.BLOCK])
+        if b == len(maxes):
+            maxes.append(top)
+        else:
+            maxes[b] = top
+
+    def _of(self, size: int) -> tuple[list[float], list[float]]:
+        spare = self.spare.get(size)
+        if spare is None:
+            spare = self.spare[size] = [self._spare(slot, size) for slot in self.slots]
+            self.block_max[size] = [max(spare[i:i + self.BLOCK])
+                                    for i in range(0, len(spare), self.BLOCK)]
+        return spare, self.block_max[size]
+
+    def join_any(self, ctx: PlanContext, item: _Item, mode: str) -> bool:
+        """`_join` the item into the first slot that takes it. A slot without a free rank can
+        only pack it into the task of its degree with the most time left: slots where that task
+        has too little time left are passed over without a call (the same test `_join` starts
+        with; blocks of slots where none can pass it, in one step)."""
+        size, layers, overhead = item.degree, item.recompute_layers, ctx.cm.time_model.task_overhead
+        need = {c: _time(ctx, item, size, c) - overhead for c in self.layers if c >= layers}
+        if not need:
+            return False
+        least = min(need.values())
+        spare, maxes = self._of(size)
+        slots, block = self.slots, self.BLOCK
+        for b, top in enumerate(maxes):
+            if top < least:
                 continue
-            t = need.get(slot.recompute_layers)
-            if t is None:
-                t = need[slot.recompute_layers] = \
-                    _time(ctx, item, size, slot.recompute_layers) - overhead
-            if slot.length - task.time < t:
-                continue
-        if _join(ctx, slot, item, mode):
-            return True
-    return False
+            for k in range(b * block, min((b + 1) * block, len(slots))):
+                room = spare[k]
+                if room < least:
+                    continue
+                slot = slots[k]
+                if slot.recompute_layers < layers or (room != math.inf and
+                                                      room < need[slot.recompute_layers]):
+                    continue
+                if _join(ctx, slot, item, mode):
+                    self.changed(k)
+                    return True
+        return False
 
 
-def _extend(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> bool:
+def _extend(ctx: PlanContext, board: _Board, item: _Item, mode: str) -> bool:
     """Pack an item that fits no slot's length into the task of its degree where the slot grows
     least, if that growth costs less than a slot of its own (its time, at least the slot's ZeRO
     traffic)."""
     size, best = item.degree, None
-    for slot in slots:
+    for k, slot in enumerate(board.slots):
         task = slot.emptiest.get(size)
         if slot.recompute_layers < item.recompute_layers or task is None:
             continue
@@ -242,22 +342,25 @@ def _extend(ctx: PlanContext, slots: list[_Slot], item: _Item, mode: str) -> boo
         fit = task.with_seq(ctx, item.seq, mode)
         slot.length = saved
         if fit is not None and (best is None or fit[1] - saved < best[0]):
-            best = (fit[1] - saved, slot, task, fit)
+            best = (fit[1] - saved, k, task, fit)
     alone = max(item.time, ctx.cm.time_model.slot_time(item.recompute_layers))
     if best is None or best[0] >= alone:
         return False
-    _, slot, task, fit = best
+    _, k, task, fit = best
+    slot = board.slots[k]
     task.add(ctx, item.seq, *fit)
     slot.length = max(slot.length, task.time)
     slot.added(task)
+    board.changed(k)
     return True
 
 
 def _occupy(ctx: PlanContext, slot: _Slot, start: int, size: int) -> _Task:
     """A new, empty task on ranks ``[start, start + size)`` of ``slot``."""
-    task = _Task(slot, start, size)
+    same = slot.by_size.setdefault(size, [])
+    task = _Task(slot, start, size, len(same))
     slot.tasks.append(task)
-    slot.by_size.setdefault(size, []).append(task)
+    same.append(task)
     slot.busy[start:start + size] = b"\x01" * size
     slot.free = (len(slot.busy) if slot.free < 0 else slot.free) - size
     return task
@@ -317,25 +420,26 @@ def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targe
     drafts."""
     world, cm = ctx.world, ctx.cm
     base = cm.model.num_layers if mode == "full" else 0
-    wide, short = [], []
+    wide, short, memo = [], [], {}
     for info in infos:
         if info.degree > 1 or info.recompute_layers > base:
-            wide.append(_choose(ctx, info, mode, target, base))
+            wide.append(_choose(ctx, info, mode, target, base, memo))
         else:
             short.append(_Item(info.i, 1, info.recompute_layers, info.time))
     wide.sort(key=lambda x: (-x.time, x.seq))
     short.sort(key=lambda x: (-x.time, x.seq))
-    slots: list[_Slot] = []
+    board = _Board()
+    slots = board.slots
     for item in wide:
-        if not _join_any(ctx, slots, item, mode) and \
-                not (extend and _extend(ctx, slots, item, mode)):
+        if not board.join_any(ctx, item, mode) and \
+                not (extend and _extend(ctx, board, item, mode)):
             # a slot bound by ZeRO's traffic has room for more work at no cost
             layers = item.recompute_layers
             slot = _Slot(layers, max(item.time, cm.time_model.slot_time(layers)), bytearray(world))
             task = _occupy(ctx, slot, _free_block(ctx, slot, item.degree), item.degree)
             task.add(ctx, item.seq, ctx.padded(ctx.lengths[item.seq], item.degree), item.time)
             slot.added(task)
-            slots.append(slot)
+            board.add(slot)
     # step 2: short items on the ranks left free and in the wide tasks' spare time
     tasks = [t for slot in slots for t in slot.tasks]
     tasks += [_occupy(ctx, slot, r, 1) for slot in slots for r in range(world)
@@ -388,6 +492,45 @@ def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
     return out
 
 
+def _full_choices(ctx: PlanContext) -> list[SeqChoice]:
+    """The active sequences' choices of `degree_choice` under recompute ``full`` (the same
+    degrees, options and times; tests/test_lockstep.py compares them), faster: every degree
+    recomputes every layer, so a wider degree is timed only while a lower bound of its work
+    (ranks x the time of an empty task: weights, latencies, per-task cost; every other term of a
+    task's time is positive) could still undercut the work chosen by `MIN_WORK_SAVING`."""
+    tm = ctx.cm.time_model
+    floors: dict[tuple[tuple[int, int], ...], list[float]] = {}
+    chosen: dict[tuple[int, float], tuple[int, int, float]] = {}
+    out = []
+    for i in ctx.active:
+        info = SeqChoice(i, ctx.lengths[i], ctx.pairs[i])
+        fits = ctx.fits(info.length, "full")
+        info.fits = list(fits)
+        found = chosen.get((info.length, info.pairs))
+        if found is None:
+            least = floors.get(fits)
+            if least is None:  # least work any degree from the k-th on can have
+                least = [d * min(tm.time_of(0, 0.0, lay, c) for lay in ctx.cm.layouts(d))
+                         for d, c in fits] + [math.inf]
+                for k in range(len(fits) - 1, -1, -1):
+                    least[k] = min(least[k], least[k + 1])
+                floors[fits] = least
+            d0, c0 = fits[0]
+            t0 = ctx.seq_time(info.length, info.pairs, d0, c0)
+            found, work = (d0, c0, t0), d0 * t0
+            for k in range(1, len(fits)):
+                if least[k] >= work * (1.0 - MIN_WORK_SAVING):
+                    break
+                d, c = fits[k]
+                t = ctx.seq_time(info.length, info.pairs, d, c)
+                if d * t < work * (1.0 - MIN_WORK_SAVING):
+                    found, work = (d, c, t), d * t
+            chosen[(info.length, info.pairs)] = found
+        info.degree, info.recompute_layers, info.time = found
+        out.append(info)
+    return out
+
+
 def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
                         longest: float) -> list[tuple[float, str, list[Draft]]]:
     """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
@@ -398,15 +541,18 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
               if recompute == "auto" or mode == "auto"]
     candidates = []
     full = None
+    lifted: dict[tuple[str, int], list[SeqChoice]] = {}  # passes of one floor share the choices
     for floor, factor, recompute, extend in passes_for(ctx, passes):
         use = infos
         if recompute != mode:
             if full is None:
-                full = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
-                degree_choice(ctx, full, recompute)
+                full = _full_choices(ctx)
             use = full
         if floor > 1:
-            use = [raised(ctx, info, recompute, floor) for info in use]
+            key = (recompute, floor)
+            if key not in lifted:
+                lifted[key] = [raised(ctx, info, recompute, floor) for info in use]
+            use = lifted[key]
         drafts = lockstep_pass(ctx, use, recompute, max(bound * factor, longest), extend)
         makespan = retime_slots(drafts, ctx.cm)
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
