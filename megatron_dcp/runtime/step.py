@@ -213,6 +213,7 @@ class StepDriver:
         if not self.config.enabled or self.world_size == 1:
             return "group pool: no sequence-parallel groups needed"
         from megatron_dcp.plan import build_cost_model
+        from megatron_dcp.plan.pipeline import Pipeline, micro_batch_cost_model
         from megatron_dcp.plan.planners import vocabulary_for_lengths
         from megatron_dcp.plan.vocabulary import Vocabulary
 
@@ -220,6 +221,8 @@ class StepDriver:
             raise ValueError("create_groups needs the model's shape (model_shape=)")
         cost_model = build_cost_model(self.model_shape, self.config, self.world_size,
                                       self.hardware, self.zero_stage)
+        if self.model_shape.pipeline_parallel > 1:  # a micro-batch's share of what 1F1B holds
+            cost_model = micro_batch_cost_model(cost_model, Pipeline.of(self.model_shape))
         if lengths is None:
             vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
         else:
