@@ -84,9 +84,20 @@ def _reference(rank, world_size, loss_reduction="token"):
     return state, loss, grads
 
 
+def _references(rank, world_size):
+    return {reduction: _reference(rank, world_size, reduction)
+            for reduction in ("token", "sequence")}
+
+
 @pytest.fixture(scope="module")
-def reference():
-    return run_distributed(_reference, world_size=1, timeout_s=120)[0]
+def references():
+    """Both references (per-token and per-sequence loss), from one launch."""
+    return run_distributed(_references, world_size=1, timeout_s=120)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["token"]
 
 
 def _is_glu_fc1(name: str) -> bool:
@@ -156,36 +167,60 @@ def _megatron_state(ddp):
 def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", backward=None,
               ddp_config=None):
     """Three DCP steps (train, two evaluations) with Megatron DDP; returns (loss, full gradients,
-    reports).
+    reports, problems): ``problems`` lists the checks made on this rank that failed (returned,
+    not raised, so that every rank runs the same collectives and the launch's next case runs).
 
     ``backward``: None (the calling thread), ``"thread"`` (every backward on a fresh thread, as
     CUDA's autograd engine: the reentrant recompute re-runs layers there; the forward step passes
     the task as ``packed_seq_params``) or ``"thread-no-task"`` (the task
     not passed: first the step must refuse it, naming ``packed_seq_params``; then,
     with that check fooled, the result must come out wrong)."""
-    from functools import partial
-
-    from executor_cases import on_fresh_thread
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_dcp import patching
+    from megatron_dcp.megatron.spec import DCPCoreAttention
+    from megatron_dcp.megatron.step import MegatronStepEngine
+
+    problems = []
+    applied = _patch_counter()
+    plain_backward = MegatronStepEngine.backward
+    attend = DCPCoreAttention.forward
+    try:
+        if backward is not None:
+            from executor_cases import on_fresh_thread
+
+            MegatronStepEngine.backward = lambda self, loss, last: on_fresh_thread(
+                lambda: plain_backward(self, loss, last))
+        from megatron.core import parallel_state
+
+        model = _build(tp, dcp=True)
+        _load_full_state(model, state, parallel_state.get_tensor_model_parallel_rank(), tp)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            **(ddp_config or {})), module=model)
+        ddp.zero_grad_buffer()
+        if applied != ["megatron-cpu"] or patching.applied() != ["megatron-cpu"]:
+            problems.append(("patches at setup", applied, patching.applied()))
+        loss, reports = _three_steps(rank, tp, plan_dict, loss_reduction, backward, ddp, problems)
+        grads = {name: _gather_tp(name, p, p.main_grad.detach().clone(), tp)
+                 for name, p in model.named_parameters()}
+    finally:
+        MegatronStepEngine.backward = plain_backward
+        DCPCoreAttention.forward = attend
+        destroy_model_parallel()
+    reported = torch.stack([r["lm loss"] for r in reports]).sum(0)
+    return loss, grads, reported, problems
+
+
+def _three_steps(rank, tp, plan_dict, loss_reduction, backward, ddp, problems):
+    """The steps of `_dcp_step` on a built model; returns (train loss, train reports)."""
+    from functools import partial
+
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.megatron.spec import DCPCoreAttention
-    from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch, MegatronStepEngine
+    from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
 
     applied = _patch_counter()
-    if backward is not None and not hasattr(MegatronStepEngine, "plain_backward"):
-        MegatronStepEngine.plain_backward = MegatronStepEngine.backward
-        MegatronStepEngine.backward = lambda self, loss, last: on_fresh_thread(
-            lambda: self.plain_backward(loss, last))
-    model = _build(tp, dcp=True)
-    _load_full_state(model, state, parallel_state.get_tensor_model_parallel_rank(), tp)
-    ddp = DistributedDataParallel(model.config,
-                                  DistributedDataParallelConfig(**(ddp_config or {})), module=model)
-    ddp.zero_grad_buffer()
     before = _megatron_state(ddp)
-    assert applied == ["megatron-cpu"] and patching.applied() == ["megatron-cpu"]
 
     def loss_func(loss_mask, output_tensor):
         losses = output_tensor.view(-1).float()
@@ -224,8 +259,12 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", ba
 
     fooled = False
     if hide_task:
-        with pytest.raises(Exception, match="must pass packed_seq_params="):  # names the task
+        try:
             run()
+            problems.append("the task not passed was not refused")
+        except Exception as exc:  # noqa: BLE001 - the refusal must name the argument
+            if "must pass packed_seq_params=" not in str(exc):
+                problems.append(("refused without naming packed_seq_params", repr(exc)))
         fooled = True
         ddp.zero_grad_buffer()
     DCPCoreAttention.forward = counted
@@ -233,22 +272,39 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", ba
     DCPCoreAttention.forward = attend
     mine = [t for t in plan.tasks if rank // tp in t.ranks]
     expected = {i: sum(1 + (i < t.recompute_layers) for t in mine) for i in range(3)}
-    assert hide_task or calls == expected, calls
-    grads = {name: _gather_tp(name, p, p.main_grad.detach().clone(), tp)
-             for name, p in model.named_parameters()}
+    if not hide_task and calls != expected:
+        problems.append(("attention calls", calls, expected))
     train_loss = reports.result.loss
     # evaluation through the same step: no gradients, same loss, cached groups reused
     for _ in range(2):
         result = run(forward_only=True).result
-        assert result.stats.groups_created == 0
-        assert abs(result.loss - train_loss) <= 1e-6 * abs(train_loss)
-    reported = torch.stack([r["lm loss"] for r in reports]).sum(0)
-    assert seen and all(seen)
-    # three steps, one patch applied (at setup, the CPU patches), nothing changed after them
-    assert applied == ["megatron-cpu"], applied
-    assert _megatron_state(ddp) == before
-    destroy_model_parallel()
-    return train_loss, grads, reported
+        if result.stats.groups_created != 0:
+            problems.append(("groups created in evaluation", result.stats.groups_created))
+        if abs(result.loss - train_loss) > 1e-6 * abs(train_loss):
+            problems.append(("evaluation loss", result.loss, train_loss))
+    if not (seen and all(seen)):
+        problems.append(("Megatron state changed inside a task", seen))
+    # every step of every case in this process: one patch applied (at setup, the CPU patches),
+    # nothing changed after them
+    if applied != ["megatron-cpu"] or _megatron_state(ddp) != before:
+        problems.append(("patched after setup", applied))
+    return train_loss, reports
+
+
+def _run_cases(rank, world_size, cases, states):
+    """Every case of ``cases`` (name -> `_dcp_step` arguments after ``state``) in this launch,
+    one after another; returns {name: (True, result) or (False, traceback)}: a case that raises
+    does not stop the next."""
+    import traceback
+
+    out = {}
+    for name, (tp, plan, reduction, backward, ddp_config) in cases.items():
+        try:
+            out[name] = True, _dcp_step(rank, world_size, tp, plan, states[reduction], reduction,
+                                         backward, ddp_config)
+        except Exception:  # noqa: BLE001 - reported under the case's name
+            out[name] = False, traceback.format_exc()
+    return out
 
 
 def _rel(a, b):
@@ -258,7 +314,7 @@ def _rel(a, b):
 def _worst(results, reference):
     _, ref_loss, ref_grads = reference
     worst = 0.0
-    for loss, grads, _ in results:
+    for loss, grads, _, _ in results:
         worst = max(worst, abs(loss - ref_loss) / abs(ref_loss),
                     max(_rel(grads[name], ref) for name, ref in ref_grads.items()))
     return worst
@@ -266,7 +322,8 @@ def _worst(results, reference):
 
 def _check(results, reference, world_size):
     _, ref_loss, ref_grads = reference
-    for rank, (loss, grads, reported) in enumerate(results):
+    for rank, (loss, grads, reported, problems) in enumerate(results):
+        assert not problems, (rank, problems)
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (rank, loss, ref_loss)
         for name, ref in ref_grads.items():
             assert _rel(grads[name], ref) <= TOL, (rank, name, _rel(grads[name], ref))
@@ -297,42 +354,67 @@ PLAN_4 = _plan(4, [
 ])
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("world_size, plan", [(2, PLAN_2), (4, PLAN_4)], ids=["dcp2", "dcp4"])
-def test_gpt_under_dcp_matches_single_process(reference, world_size, plan):
-    results = run_distributed(_dcp_step, world_size=world_size, args=(1, plan, reference[0]),
-                              timeout_s=200)
-    _check(results, reference, world_size)
+# One launch per world size runs every case of that size (name -> tp, plan, loss reduction,
+# backward mode, Megatron DDP config); each test reads its own case, so a failing case fails its
+# own test only.
+CASES = {
+    2: {"dcp2": (1, PLAN_2, "token", None, None),
+        "sequence": (1, PLAN_2, "sequence", None, None),
+        "overlap_grad_reduce": (1, PLAN_2, "token", None,
+                                {"overlap_grad_reduce": True, "bucket_size": 2000}),
+        "thread_dcp2": (1, PLAN_2, "token", "thread", None),
+        "thread_no_task": (1, PLAN_2, "token", "thread-no-task", None)},
+    4: {"dcp4": (1, PLAN_4, "token", None, None),
+        "tp2": (2, PLAN_2, "token", None, None),
+        "thread_dcp4": (1, PLAN_4, "token", "thread", None)},
+}
 
 
-@pytest.mark.timeout(240)
-def test_gpt_tensor_parallel_2_with_dcp_world_2_matches_single_process(reference):
+@pytest.fixture(scope="module")
+def launches(references):
+    """``case(name)``: every rank's result of that case; each world size launches once."""
+    done = {}
+    states = {reduction: ref[0] for reduction, ref in references.items()}
+
+    def case(name):
+        world_size = next(w for w, cases in CASES.items() if name in cases)
+        if world_size not in done:
+            done[world_size] = run_distributed(_run_cases, world_size=world_size, timeout_s=280,
+                                               args=(CASES[world_size], states))
+        failed = {r: out[name][1] for r, out in enumerate(done[world_size]) if not out[name][0]}
+        if failed:
+            pytest.fail(f"case {name}: " + "".join(f"\n--- rank {r} ---\n{tb}"
+                                                   for r, tb in failed.items()))
+        return [out[name][1] for out in done[world_size]]
+
+    return case
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size, case", [(2, "dcp2"), (4, "dcp4")], ids=["dcp2", "dcp4"])
+def test_gpt_under_dcp_matches_single_process(launches, reference, world_size, case):
+    _check(launches(case), reference, world_size)
+
+
+@pytest.mark.timeout(300)
+def test_gpt_tensor_parallel_2_with_dcp_world_2_matches_single_process(launches, reference):
     # Megatron's order tp-cp-ep-dp-pp: global ranks (0, 1) share DP rank 0, (2, 3) DP rank 1.
-    results = run_distributed(_dcp_step, world_size=4, args=(2, PLAN_2, reference[0]),
-                              timeout_s=200)
-    _check(results, reference, 2)
+    _check(launches("tp2"), reference, 2)
 
 
-@pytest.mark.timeout(240)
-def test_gpt_sequence_mean_loss_under_dcp_matches_single_process():
+@pytest.mark.timeout(300)
+def test_gpt_sequence_mean_loss_under_dcp_matches_single_process(launches, references):
     """``loss_reduction="sequence"``: the forward step hands per-token losses to the executor,
     which weights each sequence's tokens by 1 / (S x its targets)."""
-    reference = run_distributed(_reference, world_size=1, args=("sequence",), timeout_s=120)[0]
-    results = run_distributed(_dcp_step, world_size=2,
-                              args=(1, PLAN_2, reference[0], "sequence"), timeout_s=200)
-    _check(results, reference, 2)
+    _check(launches("sequence"), references["sequence"], 2)
 
 
-@pytest.mark.timeout(240)
-def test_gpt_overlap_grad_reduce_under_dcp_matches_single_process(reference):
+@pytest.mark.timeout(300)
+def test_gpt_overlap_grad_reduce_under_dcp_matches_single_process(launches, reference):
     """Megatron DDP with ``overlap_grad_reduce`` and small buckets: under DCP every micro-step
     runs in ``no_sync``, so no bucket is reduced inside a task's backward; the reduction runs
     once, in ``finish``, on every rank (rank 1 has fewer tasks than rank 0)."""
-    results = run_distributed(
-        _dcp_step, world_size=2, timeout_s=200,
-        args=(1, PLAN_2, reference[0], "token", None,
-              {"overlap_grad_reduce": True, "bucket_size": 2000}))
-    _check(results, reference, 2)
+    _check(launches("overlap_grad_reduce"), reference, 2)
 
 
 def test_overlap_param_gather_is_refused_before_any_collective():
@@ -349,31 +431,21 @@ def test_overlap_param_gather_is_refused_before_any_collective():
         step(forward_step_func=None, data_iterator=iter([]), model=[model])
 
 
-def _dcp_steps(rank, world_size, tp, plan_dict, state, modes):
-    """`_dcp_step` once per backward mode, in one launch; returns {mode: result}."""
-    return {mode: _dcp_step(rank, world_size, tp, plan_dict, state, "token", mode)
-            for mode in modes}
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size, plan", [(2, PLAN_2), (4, PLAN_4)], ids=["dcp2", "dcp4"])
-def test_gpt_recompute_with_backward_on_another_thread(reference, world_size, plan):
+@pytest.mark.parametrize("world_size, case", [(2, "thread_dcp2"), (4, "thread_dcp4")],
+                         ids=["dcp2", "dcp4"])
+def test_gpt_recompute_with_backward_on_another_thread(launches, reference, world_size, case):
     """The reentrant recompute re-runs layers in backward; on CUDA that is the autograd engine's
     thread, where the forward's context variables are not visible. The task reaches the
     recomputed layers through ``packed_seq_params`` (Ulysses, ring, hybrid)."""
-    modes = ("thread",)
-    results = run_distributed(_dcp_steps, world_size=world_size,
-                              args=(1, plan, reference[0], modes), timeout_s=280)
-    for mode in modes:
-        _check([r[mode] for r in results], reference, world_size)
+    _check(launches(case), reference, world_size)
 
 
 @pytest.mark.timeout(300)
-def test_gpt_recompute_on_another_thread_without_the_task_is_wrong(reference):
+def test_gpt_recompute_on_another_thread_without_the_task_is_wrong(launches, reference):
     """Negative control: the task not passed to the model is refused (naming
     ``packed_seq_params``); with that check fooled, the run (the task neither passed nor visible
     on the autograd thread) must not match."""
-    results = run_distributed(_dcp_step, world_size=2,
-                              args=(1, PLAN_2, reference[0], "token", "thread-no-task"),
-                              timeout_s=240)
+    results = launches("thread_no_task")
+    assert all(not problems for *_, problems in results), [r[3] for r in results]
     assert _worst(results, reference) > 1e-4
