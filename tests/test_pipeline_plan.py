@@ -11,6 +11,7 @@ import pytest
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan import PlanError, build_cost_model, load_model, make_plan, simulate
 from megatron_dcp.plan.pipeline import (Pipeline, SlotCost, best_order, device_ops,
+                                        interleaved_micro_batches, padding_cost,
                                         pipeline_lower_bound, simulate_pipeline, slot_costs)
 
 
@@ -159,3 +160,85 @@ def test_stage0_idle_bound_below_every_order(seed):
                for o in itertools.permutations(range(len(costs))))
     assert bound <= best + 1e-9
     assert bound >= 0.8 * best and bound > sum(times)  # the idle of stage 0 counts
+
+
+def _megatron_accepts(m, stages, group=None):
+    # megatron-core 0.16.1's interleaved schedule: group <= M, and the last group whole or >= PP
+    group = group or stages
+    return group <= m and not 0 < m % group < stages
+
+
+def test_interleaved_runs_a_count_megatron_accepts():
+    for stages in (2, 4):
+        for count in range(1, 12):
+            m = Pipeline(stages, 2).micro_batches(count)
+            assert _megatron_accepts(m, stages) and m >= count
+            assert not any(_megatron_accepts(n, stages) for n in range(count, m))
+            assert Pipeline(stages).micro_batches(count) == count  # 1F1B: no padding
+    assert interleaved_micro_batches(10, 4, group=6) == 10  # 6 + 4: a last group of PP
+    # 3 slots at P = 2, V = 2: the schedule runs 4 micro-batches, the padding last (as the
+    # runtime appends it), in time and in memory
+    costs = [slot(1, 2, 0.1, kept=2.0), slot(3, 6, 0.1, kept=5.0), slot(1, 2, 0.1, kept=2.0)]
+    pad = SlotCost(0.25, 0.5, 0.01, [1.0], [0.0])
+    pipe = Pipeline(2, 2)
+    result = simulate_pipeline(costs, pipe, padding=pad)
+    assert result.micro_batches == 4
+    assert {k for _, k, *_ in result.ops[0]} == {0, 1, 2, 3}
+    explicit = simulate_pipeline(costs + [pad], pipe)
+    assert result.makespan_s == pytest.approx(explicit.makespan_s)
+    assert result.peak_bytes == pytest.approx(explicit.peak_bytes)
+    assert result.makespan_s > simulate_pipeline(costs, pipe, padding=slot(0, 0, 0, 0)).makespan_s
+    bound = pipeline_lower_bound(0.0, costs, pipe, pad)
+    assert bound <= min(simulate_pipeline(costs, pipe, order=list(o), padding=pad).makespan_s
+                        for o in itertools.permutations(range(3))) + 1e-9
+
+
+def test_runtime_pads_with_the_planners_rule():
+    step = pytest.importorskip("megatron_dcp.megatron.step")
+    assert step.interleaved_micro_batches is interleaved_micro_batches
+
+
+def test_make_plan_with_virtual_stages_plans_the_padded_count():
+    model = replace(load_model("llama-70b"), tensor_parallel=8, pipeline_parallel=4,
+                    virtual_pipeline=2)
+    cm = _cost_model(pipeline_parallel=4, virtual_pipeline=2)
+    lengths = [60_000, 30_000] + [2_000 + 37 * i for i in range(40)]
+    plan = make_plan(lengths, world_size=8, model=model,
+                     config=DCPConfig(policy="dcp", hardware="h200"), cost_model=cm)
+    meta = plan.meta["pipeline"]
+    slots = len(slot_costs(plan, cm))
+    assert meta["micro_batches"] == interleaved_micro_batches(slots, 4) and meta["fits"]
+    r = simulate(plan, cm, pipeline=Pipeline.of(model))
+    assert r.micro_batches == meta["micro_batches"]
+    assert r.makespan_s == pytest.approx(meta["makespan_s"])
+    assert r.lower_bound_s <= r.step_time_s
+    pad = padding_cost(cm, 8)
+    assert 0 < pad.time <= min(c.time for c in slot_costs(plan, cm))
+
+
+def test_sequence_parallel_sends_a_tp_share_between_stages():
+    plain, sp = _cost_model(pipeline_parallel=4), _cost_model(pipeline_parallel=4,
+                                                              sequence_parallel=True)
+    model = replace(load_model("llama-70b"), tensor_parallel=8, pipeline_parallel=4)
+    plan = make_plan([40_000, 8_000, 8_000], world_size=8, model=model,
+                     config=DCPConfig(policy="static", hardware="h200"), cost_model=plain)
+    latency = plain.hw.inter_latency
+    for a, b in zip(slot_costs(plan, plain), slot_costs(plan, sp)):
+        assert b.p2p - latency == pytest.approx((a.p2p - latency) / 8, rel=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_interleaved_stage0_idle_bound_below_every_order(seed):
+    # V = 2, P = 2: one micro-batch much longer than the others; stage 0 idles while its last
+    # chunk travels, which the interleaved window bound counts (7 slots, padded to 8)
+    import random
+    rng = random.Random(seed)
+    times = [rng.uniform(0.9, 1.1)] + [rng.uniform(0.1, 0.3) for _ in range(6)]
+    costs = [slot(t / 3, 2 * t / 3, 0.004) for t in times]
+    pipe = Pipeline(2, 2)
+    bound = pipeline_lower_bound(0.0, costs, pipe)
+    best = min(simulate_pipeline(costs, pipe, order=list(o)).makespan_s
+               for o in itertools.permutations(range(len(costs))))
+    assert bound <= best + 1e-9
+    longest_through = 2 * max(times) + 2 * 0.004  # the bound's other terms
+    assert bound > max(longest_through, sum(times)) + 0.1

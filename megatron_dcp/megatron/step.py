@@ -25,6 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_dcp.config import IGNORE_INDEX, DCPConfig
+from megatron_dcp.plan.pipeline import interleaved_micro_batches
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.runtime.groups import GroupPool
 from megatron_dcp.runtime.step import Shard, StepDriver, StepResult
@@ -69,18 +70,6 @@ def _virtual_pipeline_size() -> int:
     except ImportError:
         return 1
     return int(parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
-
-
-def interleaved_micro_batches(count: int, stages: int, group: Optional[int] = None) -> int:
-    """The fewest micro-batches, at least ``count``, that Megatron's interleaved schedule runs
-    with ``stages`` pipeline stages and ``group`` (``microbatch_group_size_per_vp_stage``,
-    default ``stages``) micro-batches per group: at least one group, and a last group that is
-    whole or holds at least ``stages``. A lockstep plan is padded with empty slots up to it."""
-    group = group or stages
-    m = max(count, group)
-    while 0 < m % group < stages:
-        m += 1
-    return m
 
 
 def _tensor_parallel_size() -> int:

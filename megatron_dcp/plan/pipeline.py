@@ -9,7 +9,8 @@ Every pipeline stage runs the same lockstep plan (docs/PLAN_FORMAT.md): slot ``k
 forward and backward of every micro-batch in Megatron's order (1F1B: ``P - s - 1`` warm-up
 forwards on stage ``s``, then one forward one backward, then the cool-down backwards; interleaved
 with ``V`` virtual stages: Megatron's schedule table in groups of ``P`` micro-batches and its
-warm-up count), each op starting when its stage is free and its input has arrived (the previous
+warm-up count; the count padded with empty micro-batches to one the interleaved schedule
+accepts, `interleaved_micro_batches`, as the runtime pads it), each op starting when its stage is free and its input has arrived (the previous
 virtual stage's forward, the next one's backward, plus the P2P of the activations between
 devices). So the makespan contains the bubble. Memory follows the same order: a micro-batch's
 kept activations (`MemoryModel.kept_token_bytes`) are held from its forward to its backward, so 1F1B
@@ -21,13 +22,14 @@ makespan among a few orders that fit memory (short slots first and last where th
 and drains, long ones side by side in the middle where the slots run between a micro-batch's
 forward and backward on stage 0 can cover its trip through the later stages).
 `pipeline_lower_bound`: what no order of the slots beats (the fill and drain, the longest
-micro-batch through every stage, and in 1F1B the wait it imposes on stage 0).
+micro-batch through every stage, and the wait it imposes on stage 0).
 
 Model simplifications: a forward is ``1 / (3 + c/N)`` of a slot's stage time and the backward the
 rest (the cost model's passes); every stage counts the embedding and the head (the stage shape
 keeps them: conservative for time and memory); P2P sends each rank's local tokens x hidden in bf16
-over the inter-node link (tensor-parallel ranks each send the whole activation: no sequence
-parallelism), hidden behind nothing.
+over the inter-node link, hidden behind nothing: every tensor-parallel rank sends the whole
+activation, or with sequence parallelism (``model.sequence_parallel``) its 1/TP of the tokens
+(the shard padded to a multiple of TP, as the runtime pads it).
 """
 
 from __future__ import annotations
@@ -44,8 +46,22 @@ from megatron_dcp.plan.plan import Plan, PlanError, padded_length
 
 ORDER_EVALUATIONS = 64
 """Most slot orders `order_slots` simulates (a few fixed orders, then swaps that improve)."""
+TRIPS_TRIED = 4
+"""Slots whose window `_stage0_idle_interleaved` bounds (the longest trips)."""
 FIXED_ORDERS = 6
 """The fixed orders `best_order` tries first (``evaluations=FIXED_ORDERS``: those only)."""
+
+
+def interleaved_micro_batches(count: int, stages: int, group: Optional[int] = None) -> int:
+    """The fewest micro-batches, at least ``count``, that Megatron's interleaved schedule runs
+    with ``stages`` pipeline stages and ``group`` (``microbatch_group_size_per_vp_stage``,
+    default ``stages``) micro-batches per group: at least one group, and a last group that is
+    whole or holds at least ``stages``. A lockstep plan is padded with empty slots up to it."""
+    group = group or stages
+    m = max(count, group)
+    while 0 < m % group < stages:
+        m += 1
+    return m
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,13 @@ class Pipeline:
     def of(cls, model: ModelShape) -> "Pipeline":
         """The pipeline of a model shape (`ModelShape.pipeline_parallel`, ``virtual_pipeline``)."""
         return cls(model.pipeline_parallel, model.virtual_pipeline)
+
+    def micro_batches(self, count: int) -> int:
+        """The micro-batches the schedule runs for ``count`` slots: ``count`` in 1F1B, the
+        interleaved schedule's padded count (`interleaved_micro_batches`, groups of ``P``)."""
+        if self.virtual == 1 or count == 0:
+            return count
+        return interleaved_micro_batches(count, self.stages)
 
     def warmup(self, stage: int, micro_batches: int) -> int:
         """Forwards (of model chunks) stage ``stage`` runs before its first backward: Megatron's
@@ -132,16 +155,41 @@ def slot_costs(plan: Plan, cm: CostModel) -> list[SlotCost]:
         tokens = sum(padded_length(plan.lengths[s], t.ulysses, t.ring) for s in t.seqs)
         for r in t.ranks:
             local[t.slot][r] = math.ceil(tokens / len(t.ranks))
-    hw, n = cm.hw, cm.model.num_layers
-    per_token = cm.model.hidden_size * BF16 / hw.inter_bandwidth
+    n = cm.model.num_layers
     costs = []
     for k, c in enumerate(depths):
         forward = length[k] / (3.0 + c / n)
         kept, total = cm.memory_model.kept_token_bytes(c), cm.memory_model.token_bytes(c)
-        costs.append(SlotCost(forward, length[k] - forward,
-                              max(local[k]) * per_token + hw.inter_latency,
+        costs.append(SlotCost(forward, length[k] - forward, p2p_time(max(local[k]), cm),
                               [x * kept for x in local[k]], [x * (total - kept) for x in local[k]]))
     return costs
+
+
+def p2p_time(tokens: int, cm: CostModel) -> float:
+    """Seconds to send the activations of ``tokens`` local tokens to the next stage: hidden x
+    bf16 per token over the inter-node link; with sequence parallelism each tensor-parallel rank
+    sends its 1/TP of them (the shard padded to a multiple of TP)."""
+    m = cm.model
+    if m.sequence_parallel and m.tensor_parallel > 1:
+        tokens = math.ceil(tokens / m.tensor_parallel)
+    return tokens * m.hidden_size * BF16 / cm.hw.inter_bandwidth + cm.hw.inter_latency
+
+
+PADDING_TOKENS = 2
+"""Tokens of the empty micro-batch the runtime pads an interleaved schedule with (per rank)."""
+
+
+def padding_cost(cm: Optional[CostModel], world: int) -> SlotCost:
+    """One empty micro-batch that pads the interleaved schedule (`Pipeline.micro_batches`):
+    ``PADDING_TOKENS`` on every rank, no recompute, as long as the shortest slot
+    (`TimeModel.slot_time`); nothing at all without a cost model."""
+    if cm is None:
+        return SlotCost(0.0, 0.0, 0.0, [0.0] * world, [0.0] * world)
+    length = cm.time_model.slot_time(0)
+    kept, total = cm.memory_model.kept_token_bytes(0), cm.memory_model.token_bytes(0)
+    forward = length / 3.0
+    return SlotCost(forward, length - forward, p2p_time(PADDING_TOKENS, cm),
+                    [PADDING_TOKENS * kept] * world, [PADDING_TOKENS * (total - kept)] * world)
 
 
 def device_ops(pipe: Pipeline, stage: int, micro_batches: int) -> list[tuple[bool, int, int]]:
@@ -179,15 +227,20 @@ class PipelineResult:
     fits: bool
     """Every rank's peak on every stage is within the budget."""
     micro_batches: int = 0
+    """Micro-batches run: the slots and any padding (`Pipeline.micro_batches`)."""
     ops: list[list[tuple[bool, int, int, float, float]]] = field(default_factory=list)
     """Per stage: (forward?, micro-batch, chunk, start, end) in run order."""
 
 
 def simulate_pipeline(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel] = None,
-                      order: Optional[Sequence[int]] = None) -> PipelineResult:
+                      order: Optional[Sequence[int]] = None,
+                      padding: Optional[SlotCost] = None) -> PipelineResult:
     """Run the slots ``costs`` (micro-batch ``k`` is ``costs[order[k]]``; default in order)
-    through the schedule (module doc); memory against ``cm``'s budget when given."""
-    seq = [costs[i] for i in (order if order is not None else range(len(costs)))]
+    through the schedule (module doc); memory against ``cm``'s budget when given. An
+    interleaved schedule runs ``padding`` (default `padding_cost` of ``cm``) after the slots up
+    to the count it accepts (`Pipeline.micro_batches`), as the runtime does."""
+    seq = _padded([costs[i] for i in (order if order is not None else range(len(costs)))],
+                  pipe, cm, padding)
     p, v, m = pipe.stages, pipe.virtual, len(seq)
     if m == 0:
         return PipelineResult(0.0, 0.0, 0.0, [0.0] * p, [0.0] * p, True, 0, [[] for _ in range(p)])
@@ -236,6 +289,15 @@ def simulate_pipeline(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[Co
                           peaks, held, fits, m, runs)
 
 
+def _padded(seq: list[SlotCost], pipe: Pipeline, cm: Optional[CostModel],
+            padding: Optional[SlotCost]) -> list[SlotCost]:
+    """``seq`` and the padding micro-batches the schedule runs after it."""
+    extra = pipe.micro_batches(len(seq)) - len(seq)
+    if extra:
+        seq = seq + [padding or padding_cost(cm, len(seq[0].kept))] * extra
+    return seq
+
+
 def _memory(ops: list[list[tuple[bool, int, int]]], seq: Sequence[SlotCost], pipe: Pipeline,
             cm: Optional[CostModel]) -> tuple[list[float], list[float]]:
     """Per stage: the highest memory of any rank in its op order (a chunk's forward adds its
@@ -267,27 +329,33 @@ def _memory(ops: list[list[tuple[bool, int, int]]], seq: Sequence[SlotCost], pip
     return peaks, counts
 
 
-def pipeline_lower_bound(work_bound: float, costs: Sequence[SlotCost], pipe: Pipeline) -> float:
-    """No order of these slots runs in less than the largest of:
+def pipeline_lower_bound(work_bound: float, costs: Sequence[SlotCost], pipe: Pipeline,
+                         padding: Optional[SlotCost] = None) -> float:
+    """No order of these slots (and of the interleaved schedule's ``padding`` micro-batches,
+    `simulate_pipeline`; any order of those too) runs in less than the largest of:
 
     * the stage's work (at least ``work_bound``: the stage cost model's
-      `megatron_dcp.plan.simulate.lower_bound`, valid for any plan) plus the fill and drain of
-      the last device: ``(P - 1) / V`` x (the shortest forward + the shortest backward) and
-      ``P - 1`` P2P hops each way (before its first op and after its last);
+      `megatron_dcp.plan.simulate.lower_bound`, valid for any plan, plus the padding's) plus
+      the fill and drain of the last device: ``(P - 1) / V`` x (the shortest forward + the
+      shortest backward) and ``P - 1`` P2P hops each way (before its first op and after its
+      last);
     * the longest micro-batch through every stage and back: ``P`` x its time + the hops;
-    * 1F1B (``V = 1``): the slots' own work plus what stage 0 must idle (`_stage0_idle`).
+    * the slots' own work plus what stage 0 must idle (1F1B: `_stage0_idle`; interleaved:
+      `_stage0_idle_interleaved`).
     """
     if pipe.stages == 1 or not costs:
         return work_bound
     p, v = pipe.stages, pipe.virtual
+    slots = len(costs)
+    costs = _padded(list(costs), pipe, None, padding)
+    work_bound += sum(c.time for c in costs[slots:])
     fill = min(c.forward for c in costs) + min(c.backward for c in costs)
     hop = min(c.p2p for c in costs)
     longest = max(costs, key=lambda c: c.time)
     bound = max(work_bound + (p - 1) * (fill / v + 2 * hop),
                 p * longest.time + 2 * (p - 1) * longest.p2p)
-    if v == 1:
-        bound = max(bound, sum(c.time for c in costs) + _stage0_idle(costs, p))
-    return bound
+    idle = _stage0_idle(costs, p) if v == 1 else _stage0_idle_interleaved(costs, p, v)
+    return max(bound, sum(c.time for c in costs) + idle)
 
 
 def _stage0_idle(costs: Sequence[SlotCost], p: int) -> float:
@@ -316,6 +384,49 @@ def _stage0_idle(costs: Sequence[SlotCost], p: int) -> float:
             sum(trip[i] for i in chosen) - _largest_cover(costs, set(chosen), q, p)
             for chosen in itertools.combinations(top, q)))
     return max(0.0, idle)
+
+
+def _stage0_idle_interleaved(costs: Sequence[SlotCost], p: int, v: int) -> float:
+    """What stage 0 of an interleaved pipeline (``V`` > 1, groups of ``P``) idles in any order
+    of ``costs`` (the padded count), at least: one window, as `_stage0_idle` with ``q = 1``.
+
+    The window of micro-batch ``k`` runs on stage 0 from the end of the forward of its last
+    chunk (table entry ``i``) to the start of that chunk's backward (backward entry ``j``): it
+    lasts at least ``R_k = (P - 1) x (its time / V + 2 hops)`` (that chunk through the later
+    stages and back). Stage 0 runs, inside it, the forwards of table entries ``i + 1 .. W + j``
+    and the backwards ``i - W .. j - 1`` (``W``: its warm-up count, clipped at both ends). In
+    every group of ``L >= P`` micro-batches ``i - j = (V - 1) L >= (V - 1) P`` and ``W <= 2 (P -
+    1) + (V - 1) P``, so at most ``2 (P - 1)`` chunk forwards and ``2 (P - 1)`` chunk backwards:
+    forwards only of later micro-batches and backwards only of earlier ones (the table is
+    chunk-major within a group, groups in order), so no slot gives both; and a micro-batch's
+    entries lie ``L >= P`` apart in the table, so at most two of its chunks (each ``1 / V`` of
+    its forward or backward) in one window. Stage 0 runs every chunk of every micro-batch, so
+    the makespan is at least their work plus ``R_k`` less the largest such cover from the other
+    slots, for every ``k`` (tried: the ``TRIPS_TRIED`` longest trips).
+
+    Two windows (1F1B's second case) are not carried over: a slot's ``V`` chunk forwards can
+    cover different windows, and two windows are disjoint only about ``(W + 1) / 2`` table
+    entries apart rather than ``P`` micro-batches, so the pairing argument needs another count."""
+    trip = [(p - 1) * (c.time / v + 2 * c.p2p) for c in costs]
+    seats, per_slot = 2 * (p - 1), min(2, v)
+    idle = 0.0
+    for k in sorted(range(len(costs)), key=lambda i: (-trip[i], i))[:TRIPS_TRIED]:
+        rest: set[int] = set()  # the 2 x seats largest by forward and by backward: enough
+        for key in (lambda i: costs[i].forward, lambda i: costs[i].backward):
+            rest.update(sorted((i for i in range(len(costs)) if i != k),
+                               key=lambda i: (-key(i), i))[:2 * seats])
+        best = {(0, 0): 0.0}  # (forward chunks, backward chunks) used -> largest cover
+        for i in sorted(rest):
+            f, b = costs[i].forward / v, costs[i].backward / v
+            step = dict(best)
+            for (nf, nb), value in best.items():
+                for n in range(1, per_slot + 1):
+                    for key, gain in (((nf + n, nb), n * f), ((nf, nb + n), n * b)):
+                        if max(key) <= seats and step.get(key, -1.0) < value + gain:
+                            step[key] = value + gain
+            best = step
+        idle = max(idle, trip[k] - max(best.values()))
+    return idle
 
 
 def _largest_cover(costs: Sequence[SlotCost], chosen: set[int], q: int, p: int) -> float:
@@ -363,11 +474,12 @@ def _alternate(order: list[int]) -> list[int]:
 
 
 def best_order(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel] = None,
-               evaluations: int = ORDER_EVALUATIONS) -> tuple[list[int], PipelineResult]:
+               evaluations: int = ORDER_EVALUATIONS, padding: Optional[SlotCost] = None
+               ) -> tuple[list[int], PipelineResult]:
     """The order of ``costs`` with the shortest simulated makespan among those that fit memory:
     as given, by time (both ways), shortest at both ends, large and small alternating by memory,
-    then swaps of two slots that shorten it, within ``evaluations`` simulations. `PlanError`
-    when no order tried fits."""
+    then swaps of two slots that shorten it, within ``evaluations`` simulations (any
+    ``padding`` after the slots: `simulate_pipeline`). `PlanError` when no order tried fits."""
     m = len(costs)
     by_time = sorted(range(m), key=lambda i: (costs[i].time, i))
     by_bytes = sorted(range(m), key=lambda i: (-max(costs[i].kept), i))
@@ -384,7 +496,7 @@ def best_order(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel
             return False
         seen.add(key)
         used += 1
-        result = simulate_pipeline(costs, pipe, cm, order)
+        result = simulate_pipeline(costs, pipe, cm, order, padding)
         if result.fits and (best is None or result.makespan_s < best[0] * (1 - 1e-12)):
             best = (result.makespan_s, list(order), result)
             return True

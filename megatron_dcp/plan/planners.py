@@ -24,8 +24,8 @@ from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.pipeline import (FIXED_ORDERS, Pipeline, best_order,
-                                        micro_batch_cost_model, order_slots, simulate_pipeline,
-                                        slot_costs, stage_model)
+                                        micro_batch_cost_model, order_slots, padding_cost,
+                                        simulate_pipeline, slot_costs, stage_model)
 from megatron_dcp.plan.plan import Plan, PlanError, check_frame_tokens
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary
@@ -317,8 +317,9 @@ def _pipeline_scorer(cm: CostModel, pipe: Pipeline, policy: str
     micro-batch was planned within its in-flight share (any order fits)."""
     def scorer(ctx: PlanContext, skipped: list[int]) -> Callable[[list[Draft]], float]:
         def score(drafts: list[Draft]) -> float:
-            costs = slot_costs(to_plan(ctx, drafts, policy, skipped), cm)
-            return best_order(costs, pipe, evaluations=FIXED_ORDERS)[1].makespan_s
+            plan = to_plan(ctx, drafts, policy, skipped)
+            return best_order(slot_costs(plan, cm), pipe, evaluations=FIXED_ORDERS,
+                              padding=padding_cost(cm, plan.world_size))[1].makespan_s
         return score
     return scorer
 

@@ -20,8 +20,8 @@ from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.hardware import layout_kind
-from megatron_dcp.plan.pipeline import (Pipeline, PipelineResult, pipeline_lower_bound,
-                                        simulate_pipeline, slot_costs)
+from megatron_dcp.plan.pipeline import (Pipeline, PipelineResult, padding_cost,
+                                        pipeline_lower_bound, simulate_pipeline, slot_costs)
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.vocabulary import Vocabulary
 
@@ -285,8 +285,9 @@ def simulate(plan: Plan, cm: CostModel, *, bound: Optional[float] = None,
         costs = slot_costs(plan, cm)
         piped = simulate_pipeline(costs, pipeline, cm)
         end_max = piped.makespan_s
-        bound = pipeline_lower_bound(bound, costs, pipeline)
-        moldable_bound = pipeline_lower_bound(moldable_bound, costs, pipeline)
+        padding = padding_cost(cm, world)
+        bound = pipeline_lower_bound(bound, costs, pipeline, padding)
+        moldable_bound = pipeline_lower_bound(moldable_bound, costs, pipeline, padding)
     return _result(plan, cm, line, end_max, sum(ran), cm.time_model.model_flops(ran, ran_frames),
                    bound, moldable_bound, piped)
 
