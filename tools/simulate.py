@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                       "h200)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size of the model "
                                                         "(default: the model's)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism with --tp > 1 (activations, P2P "
+                        "between stages and TP collectives split along the sequence)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank "
                                                       "(interleaved schedule; default 1)")
@@ -211,9 +214,10 @@ def run(args: argparse.Namespace) -> dict:
     model = load_model(args.model)
     try:
         model = replace(model, tensor_parallel=args.tp or model.tensor_parallel,
-                        pipeline_parallel=args.pp, virtual_pipeline=args.vpp)
+                        pipeline_parallel=args.pp, virtual_pipeline=args.vpp,
+                        sequence_parallel=args.sequence_parallel or model.sequence_parallel)
     except ValueError as err:
-        raise PlanError(f"--tp/--pp/--vpp: {err}") from None
+        raise PlanError(f"--tp/--pp/--vpp/--sequence-parallel: {err}") from None
     pipe = Pipeline.of(model)
     if external is not None:
         lengths = list(external.lengths)
@@ -262,6 +266,7 @@ def run(args: argparse.Namespace) -> dict:
         "world_size": world, "ranks_per_node": cm.ranks_per_node, "model": model.name,
         "hardware": cm.hw.name, "zero_stage": args.zero_stage, "sync_s": sync,
         "schedule": first.meta.get("schedule", "free"), "tensor_parallel": model.tensor_parallel,
+        "sequence_parallel": model.sequence_parallel,
         "pipeline_parallel": pipe.stages, "virtual_pipeline": pipe.virtual,
         "vocabulary_groups": len(vocab), "vocabulary": vocab.describe(),
         "communicator_memory_gib":
