@@ -343,3 +343,41 @@ def test_time_outside_the_step_joins_the_step_overhead():
     reported, unreported = results[0][True], results[0][False]
     assert 0.8 * max(outside) <= reported <= max(outside) + 0.1, (reported, unreported)
     assert unreported < 0.5 * max(outside), (reported, unreported)
+
+
+def test_a_pipelined_step_is_predicted_by_its_simulated_schedule():
+    """Under pipeline parallelism the tasks' times are one stage's and the step's compute is the
+    simulated schedule (`plan.meta["pipeline"]`, bubble included): the fitted overhead is the
+    true one (not the bubble), and the predicted step (`StepTiming.predicted_step_s`: the
+    schedule's makespan plus it) meets held-out steps of the true machine. (The true machine
+    is the prior twice as slow, which the fit finds exactly: what is left is the step's part.)"""
+    from megatron_dcp.plan.pipeline import Pipeline, simulate_pipeline, slot_costs
+    from megatron_dcp.runtime.step_timing import StepTiming
+
+    model, config = replace(MODEL, pipeline_parallel=2), _config()
+    true_hw = replace(cpu_start(), calibration=tuple((t, 2.0) for t in CALIBRATED_TERMS))
+    true_cm = build_cost_model(model, config, WORLD, true_hw)  # one stage's
+
+    def measure(plan):
+        seconds = [true_cm.time_model.task_time(t, plan.lengths) for t in plan.tasks]
+        return seconds, simulate_pipeline(slot_costs(plan, true_cm), Pipeline(2)).makespan_s \
+            + OVERHEAD_S
+
+    timing = StepTiming(config, model, zero_stage=1)
+    hw, bubbles = cpu_start(), []
+    for lengths in _batches(6):
+        plan = make_plan(lengths, world_size=WORLD, model=model, config=config, hardware=hw)
+        seconds, wall = measure(plan)
+        bubbles.append(wall - OVERHEAD_S - max(
+            sum(s for t, s in zip(plan.tasks, seconds) if r in t.ranks) for r in range(WORLD)))
+        predicted = timing.predicted_step_s(plan, hw, WORLD)
+        hw = timing.calibrate(plan, dict(enumerate(seconds)), wall, predicted, 0.0, hardware=hw,
+                              world_size=WORLD, group=None, device=None)
+    assert min(bubbles) > 0.5 * OVERHEAD_S  # the check can fail: the bubble is no small part
+    assert hw.step_overhead_s == pytest.approx(OVERHEAD_S, rel=0.01)
+    for lengths in _batches(4, seed=99):
+        plan = make_plan(lengths, world_size=WORLD, model=model, config=config, hardware=hw)
+        assert timing.predicted_step_s(plan, hw, WORLD) == pytest.approx(
+            plan.meta["pipeline"]["makespan_s"] + hw.step_overhead_s)
+        assert timing.predicted_step_s(plan, hw, WORLD) == pytest.approx(measure(plan)[1],
+                                                                         rel=0.01)

@@ -115,10 +115,12 @@ def _global_name(name: str, stage: int, chunk: int = 0, vp: int = 1) -> str:
     return name
 
 
-def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False):
+def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False,
+         calibrate=False):
     """One DCP step of ``plan`` (default `_plan`) at PP 2 (``vp`` virtual stages) x TP ``tp``
     (``sp``: sequence parallel) x DP (the rest): (loss, gradients by global name and gathered
-    over TP, target tokens reported, micro-steps)."""
+    over TP, target tokens reported, micro-steps); ``calibrate``: with the model's shape and
+    calibration on, and then also (the calibration's task samples, this rank's task times)."""
     from functools import partial
 
     import test_megatron as tm
@@ -128,6 +130,7 @@ def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False)
 
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
+    from megatron_dcp.plan.model import ModelShape
 
     chunks = _build(STAGES, dcp=True, vp=vp, tp=tp, sp=sp)
     stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -156,7 +159,11 @@ def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False)
     if fresh_thread:  # every backward of the schedule on a new thread (CUDA's autograd engine)
         torch.autograd.backward = lambda *a, **k: on_fresh_thread(lambda: plain_autograd(*a, **k))
     try:
-        step = DCPForwardBackward(DCPConfig(enabled=True, calibration="off"))
+        shape = ModelShape(num_layers=LAYERS, hidden_size=32, num_heads=8, ffn_hidden_size=48,
+                           vocab_size=VOCAB, num_kv_heads=4, head_dim=4) if calibrate else None
+        step = DCPForwardBackward(DCPConfig(enabled=True,
+                                            calibration="on" if calibrate else "off"),
+                                  model_shape=shape)
         batch = GlobalBatch(_sequences(), Plan.from_dict(plan or _plan()))
         reports = step(forward_step_func=forward_step, model=ddps, num_microbatches=1,
                        data_iterator=iter([batch]), seq_length=0, micro_batch_size=1)
@@ -167,6 +174,10 @@ def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False)
              for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
     tokens = sum(float(r["lm loss"][1]) for r in reports)
     destroy_model_parallel()
+    if calibrate:
+        samples = len(step.driver.calibrator.tasks)
+        times = [(t.task_id, t.forward_s, t.backward_s) for t in result.stats.tasks]
+        return result.loss, grads, tokens, result.micro_steps, samples, times
     return result.loss, grads, tokens, result.micro_steps
 
 
@@ -201,3 +212,19 @@ def test_dcp_dp2_pp2_matches_single_process(reference, fresh_thread):
     results = run_distributed(_dcp, world_size=4, args=(reference[0], fresh_thread),
                               timeout_s=180)
     check_against_reference(results, reference)
+
+
+@pytest.mark.timeout(200)
+def test_pipeline_task_times_reach_the_calibration(reference):
+    """Each stage times the forward and backward of its micro-batches inside Megatron's schedule
+    (its ``config.timers``) and the calibration fits them: every task of the plan is a sample
+    after one step (the same count on every rank: one job-wide fit), still exact."""
+    results = run_distributed(_dcp, world_size=4,
+                              args=(reference[0], False, None, 1, 1, False, True),
+                              timeout_s=180)
+    check_against_reference([r[:4] for r in results], reference)
+    mine = {0: {0, 1, 3}, 1: {0, 2}}  # the plan's tasks of each pipeline (DP rank)
+    for rank, (*_, samples, times) in enumerate(results):
+        assert samples == len(TASKS), (rank, samples)
+        assert {t for t, _, _ in times} == mine[rank % 2], (rank, times)
+        assert all(f > 0 and b > 0 for _, f, b in times), (rank, times)

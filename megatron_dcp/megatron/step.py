@@ -18,6 +18,7 @@ docs/MEGATRON.md.
 from __future__ import annotations
 
 import dataclasses
+import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -199,13 +200,15 @@ def _pipeline_parallel_size() -> int:
 
 
 @contextmanager
-def _schedule_settings(mconfig, interleaved: bool):
+def _schedule_settings(mconfig, interleaved: bool, timers=None):
     """The ``TransformerConfig`` settings Megatron's pipeline schedule reads, for one DCP call:
     shapes sent ahead of every activation (each slot has its own length); no gradient sync
     switched on inside the schedule and no finalisation at its end (DCP finalises once, in
     ``finish``, with its own 1/T weighting instead of Megatron's 1/tokens); interleaved: P2P
-    without ``batch_isend_irecv`` (`pipeline_communication`). Restored after."""
-    settings = dict(_SCHEDULE_SETTINGS, **({"batch_p2p_comm": False} if interleaved else {}))
+    without ``batch_isend_irecv`` (`pipeline_communication`); ``timers``: the schedule's
+    ``config.timers`` (`SlotTimers`). Restored after."""
+    settings = dict(_SCHEDULE_SETTINGS, **({"batch_p2p_comm": False} if interleaved else {}),
+                    **({"timers": timers} if timers is not None else {}))
     saved = {name: getattr(mconfig, name) for name in settings}
     try:
         for name, value in settings.items():
@@ -218,6 +221,87 @@ def _schedule_settings(mconfig, interleaved: bool):
 
 _SCHEDULE_SETTINGS = {"variable_seq_lengths": True, "no_sync_func": None, "grad_sync_func": None,
                       "finalize_model_grads_func": None}
+
+
+class SlotTimers:
+    """Megatron's ``config.timers`` during one DCP schedule call: times the ``forward-compute``
+    (forward and loss) and ``backward-compute`` of every micro-batch on this stage, for the
+    calibration, and passes every call on to the timers it stands in for (``inner``: Megatron-LM's,
+    or ``None``). As the free path's task clock (`megatron_dcp.runtime.executor`): CUDA events on
+    the current stream, read once after the schedule (one synchronize), else ``perf_counter``.
+
+    The micro-batch of a forward is the one its ``forward_step_func`` takes (`forward`); a stage
+    runs the backwards in the order of its forwards (1F1B; interleaved, Megatron's schedule table
+    with the chunks reversed), so the i-th backward is the i-th forward's micro-batch.
+    """
+
+    _NAMES = ("forward-compute", "backward-compute")
+
+    def __init__(self, inner=None, cuda: bool = False) -> None:
+        self.inner, self.cuda = inner, cuda
+        self.forwards: list = []
+        """The micro-batch of each forward, in order."""
+        self.marks: dict[str, list] = {name: [] for name in self._NAMES}
+
+    def forward(self, step) -> None:
+        """The forward now running is ``step``'s (called from the ``forward_step_func``)."""
+        self.forwards.append(step)
+
+    def __call__(self, name: str, log_level=None):
+        inner = None
+        if self.inner is not None:
+            inner = self.inner(name) if log_level is None else self.inner(name, log_level)
+        return _SlotTimer(self, name, inner)
+
+    def _mark(self, name: str) -> None:
+        if name not in self.marks:
+            return
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[name].append(event)
+        else:
+            self.marks[name].append(time.perf_counter())
+
+    def seconds(self) -> list[tuple[object, float, float]]:
+        """``(micro-batch, forward seconds, backward seconds)`` of every micro-batch this stage
+        ran, its model chunks summed (backward 0 when forward only); ``[]`` when the marks do not
+        pair up with the forwards (a schedule that calls the timers otherwise)."""
+        spans = {}
+        for name, marks in self.marks.items():
+            if self.cuda and marks:
+                marks[-1].synchronize()
+                spans[name] = [a.elapsed_time(b) / 1e3 for a, b in zip(marks[::2], marks[1::2])]
+            else:
+                spans[name] = [b - a for a, b in zip(marks[::2], marks[1::2])]
+        forward, backward = spans["forward-compute"], spans["backward-compute"]
+        n = len(self.forwards)
+        if any(len(m) % 2 for m in self.marks.values()) or len(forward) != n \
+                or len(backward) not in (0, n):
+            return []
+        totals: dict[int, list] = {}
+        for i, step in enumerate(self.forwards):
+            entry = totals.setdefault(id(step), [step, 0.0, 0.0])
+            entry[1] += forward[i]
+            entry[2] += backward[i] if backward else 0.0
+        return [tuple(entry) for entry in totals.values()]
+
+
+class _SlotTimer:
+    """One of `SlotTimers`' timers: marks its start and stop, and calls the inner timer's."""
+
+    def __init__(self, timers: SlotTimers, name: str, inner) -> None:
+        self.timers, self.name, self.inner = timers, name, inner
+
+    def start(self, *args, **kwargs) -> None:
+        if self.inner is not None:
+            self.inner.start(*args, **kwargs)
+        self.timers._mark(self.name)
+
+    def stop(self, *args, **kwargs) -> None:
+        self.timers._mark(self.name)
+        if self.inner is not None:
+            self.inner.stop(*args, **kwargs)
 
 
 def pipeline_communication(mconfig) -> dict:
@@ -299,9 +383,11 @@ class MegatronPipelineEngine(MegatronStepEngine):
                                               self.mconfig.microbatch_group_size_per_vp_stage)
             steps += [_padding_step(work) for _ in range(count - len(steps))]
         task_losses: list = []
+        timers = SlotTimers(self.mconfig.timers, cuda=work.comm_device is not None)
 
         def forward_step(data_iterator, model):
             step = next(data_iterator)
+            timers.forward(step)
             output, loss_func, loss_mask = self._forward(step.shard, model)
 
             def weighted(output_tensor):
@@ -318,7 +404,7 @@ class MegatronPipelineEngine(MegatronStepEngine):
         # interleaved: one iterator per chunk, each over every micro-batch
         interleaved = len(self.chunks) > 1
         data = [iter(steps) for _ in self.chunks] if interleaved else iter(steps)
-        with _schedule_settings(self.mconfig, interleaved), \
+        with _schedule_settings(self.mconfig, interleaved, timers), \
                 CudaAsCpu() if cpu_enabled() else nullcontext():
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=data, model=self.chunks,
@@ -328,6 +414,8 @@ class MegatronPipelineEngine(MegatronStepEngine):
         group = parallel_state.get_pipeline_model_parallel_group()
         dist.broadcast(work.local_loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=group)
+        for step, forward_s, backward_s in timers.seconds():  # this stage's, for calibration
+            work.add_task_time(step, forward_s, backward_s)
         return task_losses
 
 

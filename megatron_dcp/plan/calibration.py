@@ -22,7 +22,9 @@ task times match the measured ones:
 4. **Step overhead.** The step's wall time less its busiest rank's task time as the fitted model
    predicts it (gradient reduction, optimizer step, planning, and the waiting that the slowest of
    several balanced ranks adds): the median over the window becomes ``Hardware.step_overhead_s``,
-   so the predicted step time (makespan + overhead) is unbiased.
+   so the predicted step time (makespan + overhead) is unbiased. A pipelined plan's compute is
+   its simulated schedule instead (`pipeline_makespan`; the tasks' times are one stage's), rerun
+   with the fitted factors.
 
 The result is the prior `Hardware` with ``calibration`` (the factors, absolute: relative to the
 uncalibrated prior) and ``step_overhead_s`` set. Every rank fits the same numbers in the same
@@ -39,6 +41,7 @@ from typing import Optional, Sequence
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.timing import Terms
 from megatron_dcp.plan.hardware import CALIBRATED_TERMS, Hardware, layout_kind
+from megatron_dcp.plan.pipeline import Pipeline, simulate_pipeline, slot_costs
 from megatron_dcp.plan.plan import Plan
 
 PHI_MIN, PHI_MAX = 0.05, 20.0
@@ -82,6 +85,16 @@ class StepSample:
     provisional: bool = False
     """``wall_s`` is the time inside the driver only, the whole iteration's follows
     (`Calibrator.amend_last_wall`): the step overhead and the error leave it out meanwhile."""
+    pipelined: Optional[Plan] = None
+    """The plan of a pipelined step (`pipeline_makespan`): its compute is the simulated
+    schedule of its slots, not the busiest rank's tasks."""
+
+
+def pipeline_makespan(plan: Plan) -> Optional[float]:
+    """The simulated pipeline schedule's makespan the planner recorded for a pipelined plan
+    (``plan.meta["pipeline"]``, `megatron_dcp.plan.pipeline`); ``None`` for another plan."""
+    meta = plan.meta.get("pipeline") if plan.meta else None
+    return float(meta["makespan_s"]) if meta and "makespan_s" in meta else None
 
 
 def _median(values: Sequence[float]) -> float:
@@ -156,8 +169,9 @@ class Calibrator:
             x = self._regressors(sample, self._factors)
             for r in task.ranks:
                 busy[r] = [a + b for a, b in zip(busy[r], x)]
+        pipelined = plan if pipeline_makespan(plan) is not None else None
         self.steps.append(StepSample(step, wall_s, predicted_s, tuple(map(tuple, busy)),
-                                     provisional))
+                                     provisional, pipelined))
         first_kept = self.steps[-self.window].step if len(self.steps) > self.window else 0
         self.steps = [s for s in self.steps if s.step >= first_kept]
         self.tasks = [t for t in self.tasks if t.step >= first_kept]
@@ -277,12 +291,26 @@ class Calibrator:
 
     def _step_overhead(self, theta: list[float]) -> float:
         """Median over the window's final steps (the first step left out once two more are
-        there) of the wall time less the busiest rank's predicted task time under ``theta``."""
+        there) of the wall time less its compute under ``theta`` (`_compute_s`)."""
         steps = self._final_steps()
         steps = [s for s in steps if s.step != 0] if len(steps) >= 3 else steps
-        return max(0.0, _median([
-            s.wall_s - max((sum(t * x for t, x in zip(theta, rank)) for rank in s.busy),
-                           default=0.0) for s in steps]))
+        return max(0.0, _median([s.wall_s - self._compute_s(s, theta) for s in steps]))
+
+    def _compute_s(self, step: StepSample, theta: list[float]) -> float:
+        """The step's compute under ``theta``: the busiest rank's predicted task time, or a
+        pipelined plan's schedule simulated with the stage cost model at these factors."""
+        if step.pipelined is None:
+            return max((sum(t * x for t, x in zip(theta, rank)) for rank in step.busy),
+                       default=0.0)
+        base, meta = self.base, step.pipelined.meta["pipeline"]
+        cm = CostModel(base.model, replace(base.hw, calibration=tuple(zip(CALIBRATED_TERMS,
+                                                                          theta))),
+                       world_size=base.world_size, zero_stage=base.zero_stage,
+                       ranks_per_node=base.ranks_per_node,
+                       attention_layout=base.attention_layout, ulysses_scope=base.ulysses_scope,
+                       communicators_per_rank=base.memory_model.communicators_per_rank)
+        pipe = Pipeline(int(meta["stages"]), int(meta.get("virtual", 1)))
+        return simulate_pipeline(slot_costs(step.pipelined, cm), pipe).makespan_s
 
     def _inliers(self, samples: list[TaskSample], theta: list[float]) -> list[TaskSample]:
         residuals = [sum(t * x for t, x in zip(theta, self._regressors(s, theta))) / s.seconds

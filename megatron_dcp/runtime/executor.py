@@ -348,6 +348,7 @@ class PlanWork:
         self.local_tokens = 0
         self._clock = _Clock(self.device)
         self._done: list[tuple[Task, ShardLayout]] = []
+        self._timed: list[TaskStats] = []  # timed by the engine (`add_task_time`)
 
     def __iter__(self) -> Iterator[MicroStep]:
         for i in range(self.micro_steps):
@@ -408,13 +409,23 @@ class PlanWork:
         self.local_loss = self.local_loss + loss.detach().to(torch.float64)
         return loss
 
+    def add_task_time(self, step: MicroStep, forward_s: float, backward_s: float) -> None:
+        """Record a task's forward and backward seconds measured by the engine (a pipeline
+        schedule runs them apart, not inside `running`); an empty micro-step is ignored."""
+        if step.task is None:
+            return
+        task, layout = step.task, step.layout
+        self._timed.append(TaskStats(task.id, task.degree, task.ulysses, task.ring,
+                                     task.recompute_layers, len(task.seqs), layout.num_packed,
+                                     layout.num_tokens, forward_s, backward_s, task.duration))
+
     def stats(self, loss: Optional[float] = None) -> StepStats:
         """`StepStats` of the micro-steps run (``loss``: the global loss; default: this
         rank's)."""
         local = float(self.local_loss)
         return StepStats(loss=local if loss is None else loss, tokens=self.total,
                          local_loss=local, local_tokens=self.local_tokens,
-                         tasks=_task_stats(self._done, self._clock.seconds()),
+                         tasks=_task_stats(self._done, self._clock.seconds()) + self._timed,
                          wall_s=time.perf_counter() - self.t_start, digest=self.digest,
                          groups_created=self.groups_created)
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.plan.calibration import Calibrator
+from megatron_dcp.plan.calibration import Calibrator, pipeline_makespan
 from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.plan import Plan
 
@@ -38,12 +38,16 @@ class StepTiming:
         provisional until the next step)."""
 
     def predicted_step_s(self, plan: Plan, hardware: Hardware, world_size: int) -> float:
-        """The step time the cost model predicts for ``plan``: its makespan plus the step's own
-        overhead (the measured one once calibrated, else the analytic `sync_time`)."""
+        """The step time the cost model predicts for ``plan``: its makespan (a pipeline's: the
+        simulated schedule's, `pipeline_makespan`) plus the step's own overhead (the measured
+        one once calibrated, else the analytic `sync_time`)."""
+        makespan = pipeline_makespan(plan)
+        if makespan is None:
+            makespan = plan.makespan
         if not self.config.enabled or self.model_shape is None or plan.policy == "data-parallel":
-            return plan.makespan
+            return makespan
         if hardware.step_overhead_s is not None:  # measured (calibrated)
-            return plan.makespan + hardware.step_overhead_s
+            return makespan + hardware.step_overhead_s
         hw, sync = self._sync_cache
         if hw is not hardware:
             from megatron_dcp.plan import build_cost_model
@@ -51,7 +55,7 @@ class StepTiming:
             sync = build_cost_model(self.model_shape, self.config, world_size, hardware,
                                     self.zero_stage).time_model.sync_time()
             self._sync_cache = (hardware, sync)
-        return plan.makespan + sync
+        return makespan + sync
 
     @property
     def error(self) -> Optional[float]:
