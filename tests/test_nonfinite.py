@@ -100,3 +100,71 @@ def test_skip_flag_in_both_flag_styles_and_json():
         assert DCPConfig.from_args(p.parse_args([flag]), style=style).skip_nonfinite  # no --dcp
         assert not DCPConfig.from_args(p.parse_args([]), style=style).skip_nonfinite
     assert DCPConfig.from_dict({"skip_nonfinite": True}).skip_nonfinite
+
+
+def _megatron_body(rank, world_size, skip):
+    """One DCP step of a tiny Megatron GPT at DP 2 (tests/test_megatron_pipeline's model,
+    one stage) whose gradient of one weight is ``nan`` on rank 1 only (the loss is finite),
+    then the example's optimizer step unless the step was skipped: (what happened, weights
+    unchanged)."""
+    from functools import partial
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from test_megatron_pipeline import _build, _sequences
+
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.megatron.parallel import destroy_model_parallel
+    from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
+    from megatron_dcp.plan.plan import Plan, Task
+    from megatron_dcp.runtime.nonfinite import NonFiniteStepError
+
+    (model,) = _build(1, dcp=True)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), module=model)
+    ddp.zero_grad_buffer()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    weight = next(p for n, p in model.named_parameters() if "linear_fc1" in n)
+    if rank == 1:
+        weight.register_hook(lambda g: g * float("nan"))
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"],
+                    packed_seq_params=b["packed_seq_params"])
+        mask = b["loss_mask"]
+        return out, partial(lambda m, o: ((o.view(-1) * m.view(-1)).sum(), m.sum().int(),
+                                          {"lm loss": torch.zeros(2)}), mask)
+
+    sequences = _sequences()
+    plan = Plan(tasks=(Task(id=0, ranks=(0,), seqs=(0, 1, 2)),
+                       Task(id=1, ranks=(1,), seqs=(3, 4, 5))),
+                lengths=tuple(int(s.numel()) for s in sequences), world_size=2, policy="test")
+    step = DCPForwardBackward(DCPConfig(enabled=True, calibration="off", skip_nonfinite=skip))
+    try:
+        result = step(forward_step_func=forward_step, model=[ddp], num_microbatches=1,
+                      data_iterator=iter([GlobalBatch(sequences, plan)]), seq_length=0,
+                      micro_batch_size=1).result
+        outcome = ("skipped" if result.skipped else "trained", result.loss)
+        if not result.skipped:  # the example's loop: Megatron's step leaves the update to it
+            for p in model.parameters():
+                p.grad = p.main_grad
+            optimizer.step()
+    except NonFiniteStepError as err:
+        outcome = ("stopped", str(err))
+    destroy_model_parallel()
+    return outcome, all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip"])
+def test_megatron_nonfinite_gradient_norm_stops_or_skips_before_the_update(skip):
+    """A finite loss with a ``nan`` gradient on one rank: every rank stops (naming the
+    iteration and rank 1) or, with skip_nonfinite, skips the step; no rank's weights change."""
+    results = run_distributed(_megatron_body, world_size=2, args=(skip,), timeout_s=100)
+    for (kind, detail), unchanged in results:
+        assert unchanged
+        if skip:
+            assert kind == "skipped", detail
+        else:
+            assert kind == "stopped" and "iteration 1: gradient norm nan" in detail \
+                and "rank 1" in detail and "rank 0" not in detail, detail

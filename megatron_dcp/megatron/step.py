@@ -104,6 +104,8 @@ class MegatronStepEngine:
         self.forward_step_func = forward_step_func
         self.forward_only = forward_only
         self.reports: list[dict] = []
+        self.nonfinite_ranks: dict[int, None] = {}
+        """Global ranks whose own gradients were not finite in the last `finish`."""
 
     def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor:
         """Megatron's ``forward_step_func`` and ``loss_func`` on one shard; the task (and its
@@ -172,7 +174,31 @@ class MegatronStepEngine:
         return stack
 
     def finish(self) -> Optional[float]:
-        """Finalise gradients once (Megatron DDP), or SUM-reduce them (a bare module)."""
+        """Finalise gradients once (Megatron DDP), or SUM-reduce them (a bare module); the
+        optimizer step is the caller's. Before that, one all-reduce over the job finds the ranks
+        whose own gradients are not finite (`nonfinite_gradient_ranks`: ``nonfinite_ranks``);
+        then the gradient norm is ``nan`` on every rank (`StepDriver` stops or skips the step
+        before the update), else ``None`` (not computed: Megatron's optimizer does)."""
+        import torch.distributed as dist
+
+        from megatron_dcp.runtime.nonfinite import nonfinite_gradient_ranks
+
+        grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None
+                 else p.grad for c in self.chunks for p in c.parameters() if p.requires_grad]
+        device = grads[0].device if grads and grads[0] is not None \
+            and grads[0].device.type == "cuda" else None
+        self.nonfinite_ranks = nonfinite_gradient_ranks(grads, dist.get_rank(),
+                                                        dist.get_world_size(), None, device)
+        self._reduce()
+        return float("nan") if self.nonfinite_ranks else None
+
+    def update_applied(self) -> bool:
+        """False: ``finish`` applies no update (the caller steps the optimizer, and skips it on
+        ``StepResult.skipped``)."""
+        return False
+
+    def _reduce(self) -> None:
+        """Megatron's ``finalize_model_grads`` (its DDP), or a SUM over data parallel."""
         from megatron.core import parallel_state
 
         finalize = self.mconfig.finalize_model_grads_func
@@ -185,7 +211,6 @@ class MegatronStepEngine:
 
             reduce_gradients([p for c in self.chunks for p in c.parameters() if p.requires_grad],
                              parallel_state.get_data_parallel_group())
-        return None
 
 
 def _pipeline_parallel_size() -> int:

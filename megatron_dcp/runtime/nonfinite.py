@@ -58,6 +58,21 @@ def rank_losses(local_loss: float, bad_task: Optional[int], rank: int, world_siz
     return sum(host[:world_size]), bad
 
 
+def nonfinite_gradient_ranks(grads: Sequence[Optional[torch.Tensor]], rank: int,
+                             world_size: int, group: Any = None,
+                             device: Optional[torch.device] = None) -> dict[int, None]:
+    """The ranks of ``group`` whose own gradients ``grads`` (before any reduction over ranks,
+    which would spread a ``nan`` to all) hold a non-finite value, the same on every rank (one
+    MAX all-reduce of a flag per rank; one host synchronisation)."""
+    sums = [g.detach().float().sum() for g in grads if g is not None]
+    bad = bool(sums) and not bool(torch.stack(sums).isfinite().all())
+    flags = torch.zeros(world_size, dtype=torch.float32, device=device)
+    flags[rank] = float(bad)
+    if world_size > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return {r: None for r, flag in enumerate(flags.tolist()) if flag > 0}
+
+
 def describe_ranks(bad: dict[int, Optional[int]], limit: int = 8) -> str:
     """``rank 1 (task 3), rank 4`` for the ranks of `rank_losses`."""
     parts = [f"rank {r}" + (f" (task {t})" if t is not None else "")

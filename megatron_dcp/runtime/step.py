@@ -29,6 +29,8 @@ stopped before ``finish``, or with ``DCPConfig.skip_nonfinite`` skipped):
 * ``scales_loss``: True when the engine skips overflow steps itself (an fp16 loss scaler): the
   driver then leaves such a step to the engine and counts it as skipped;
 * ``update_applied()``: whether ``finish`` applied its update (absent: assumed applied).
+* ``nonfinite_ranks``: after ``finish``, the ranks whose own gradients were not finite (a dict
+  by rank, as `describe_ranks` takes; named in the error of a non-finite gradient norm).
 * ``run_micro_steps(work, per_token, train)``: run all micro-steps of the `PlanWork` in one call
   (a pipeline schedule interleaves their forwards and backwards), weighting each loss with
   ``work.loss``; returns the ``(task id, loss)`` of its tasks. Absent: the driver's loop.
@@ -399,7 +401,8 @@ class StepDriver:
         applied = getattr(engine, "update_applied", lambda: True)()
         # A finite loss with a non-finite norm: skipped only where the engine did not apply it.
         if check_step(iteration, loss, grad_norm, skip=skip and not applied,
-                      where="the update was applied" if applied else ""):
+                      where="the update was applied" if applied
+                      else describe_ranks(getattr(engine, "nonfinite_ranks", {}))):
             return grad_norm, True
         return grad_norm, False
 
