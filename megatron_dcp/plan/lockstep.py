@@ -11,7 +11,8 @@ inside a slot: groups of any size side by side, short sequences packed to the sl
 `lockstep_pass` builds slots in three steps, longest work first:
 
 1. *Wide or deep items* (a sequence whose degree is above 1 or that needs more recompute than
-   the short ones): each slot is opened by the longest one left (its length and recomputed
+   the short ones; in a floor pass, the short ones of a degree packed into groups, `_packed`,
+   which join as one): each slot is opened by the longest one left (its length and recomputed
    layers are the slot's); later ones join the first slot where a free group of their degree
    (or a wider one, while work grows less than `MAX_WORK_GROWTH`) finishes within the slot at
    its recomputed layers, or pack into a group of their degree already there (with ``extend``:
@@ -33,36 +34,73 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, MIN_WORK_SAVING, SeqChoice,
-                                       fill_options, floor_of, passes_for, raised)
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, MIN_WORK_SAVING, OVERHEAD_TASKS,
+                                       SeqChoice, fill_options, floor_of, passes_for, raised)
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 
 MEMORY_SLACK = 0.9
 """Step 3 plans the short items' slots to fill at most this share of a rank's token capacity:
 packing is not perfect, and a slot that overflows would need another."""
-LOCKSTEP_PASSES = (("node", 1.0, "auto", False), ("node", 1.0, "auto", True),
-                   ("node", 1.0, "full", True), (1, 0.25, "auto", False),
-                   ("node", 1.0, "full", False), ("node", 0.5, "auto", True),
-                   (1, 0.5, "auto", False), (1, 0.25, "full", False))
-"""(degree floor, target factor, recompute, extend) of the lockstep passes, most useful first:
+GRAIN, GRAIN_TOKENS, TAIL = 0.02, 0.02, 2.0
+"""`_packed` (the floor passes) groups short items up to ``GRAIN`` x the target slot length and
+``GRAIN_TOKENS`` x the tokens a task of their degree holds at their recomputed layers (memory
+binds where short sequences fill a slot: coarser groups leave it unused), and each group within
+1 / (``TAIL`` x the groups of its degree side by side in a slot) of the time and tokens of the
+items after it (the last ones stay fine enough to fill what the groups leave)."""
+PACK_FROM = 2000
+"""`_packed` runs where a pass has more wide items than this (where joining them one by one sets
+the planning time; below it, packing saves little time and can cost a little balance)."""
+LOCKSTEP_PASSES = (("node", 1.0, "auto", False, GRAIN), ("node", 1.0, "auto", True, GRAIN),
+                   ("node", 1.0, "full", True, GRAIN), (1, 0.25, "auto", False, 0.0),
+                   ("node", 1.0, "full", False, GRAIN), ("node", 0.5, "auto", True, GRAIN),
+                   (1, 0.5, "auto", False, 0.0), (1, 0.25, "full", False, 0.0))
+"""(degree floor, target factor, recompute, extend, packing grain) of the lockstep passes, most
+useful first:
 the target is the slot length a wide sequence should stay within (a multiple of the lower
 bound); recompute ``full`` (every layer, where the recompute mode is ``auto``) fits several
 times the tokens into a slot: fewer slots, where each costs ZeRO-3's parameter all-gathers;
 ``extend`` lets a sequence lengthen a slot rather than open one (better where few sequences are
-left over, worse where later ones would fill a new slot)."""
+left over, worse where later ones would fill a new slot); a grain above 0 packs short items of
+a floor pass into groups before step 1 (`_packed`: a floor raises thousands of them to one
+node's ranks; each joins slots as one item)."""
 
 
 class _Item:
-    """One sequence with the degree and recomputed layers it runs at, and its time there."""
+    """Sequences that join a slot together (one, or short ones packed by `_packed`) with the
+    degree and recomputed layers they run at, and their time there."""
 
-    __slots__ = ("seq", "degree", "recompute_layers", "time", "options")
+    __slots__ = ("seqs", "raw", "pairs", "degree", "recompute_layers", "time", "_options",
+                 "_padded")
 
-    def __init__(self, seq: int, degree: int, recompute_layers: int, time: float,
-                 options: Sequence[tuple[int, int]] = ()) -> None:
-        self.seq, self.degree, self.recompute_layers, self.time = seq, degree, recompute_layers, time
-        self.options = options
+    def __init__(self, ctx: PlanContext, seqs: list[int], degree: int, recompute_layers: int,
+                 time: float, options: Optional[Sequence[tuple[int, int]]] = ()) -> None:
+        self.seqs, self.degree, self.recompute_layers = seqs, degree, recompute_layers
+        self.time = time
+        if len(seqs) == 1:
+            self.raw, self.pairs = ctx.lengths[seqs[0]], ctx.pairs[seqs[0]]
+        else:
+            self.raw = sum(ctx.lengths[s] for s in seqs)
+            self.pairs = sum(ctx.pairs[s] for s in seqs)
+        self._options = options
+        self._padded: dict[int, int] = {}
+
+    def padded(self, ctx: PlanContext, degree: int) -> int:
+        """Tokens after padding on ``degree`` ranks."""
+        if len(self.seqs) == 1:
+            return ctx.padded(self.raw, degree)
+        found = self._padded.get(degree)
+        if found is None:
+            found = self._padded[degree] = ctx.padded_tokens(self.seqs, degree)
+        return found
+
+    def options(self, ctx: PlanContext, mode: str) -> Sequence[tuple[int, int]]:
         """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where
-        it fits (shared by the items of one length: read only)."""
+        it fits (a single sequence's are shared by the items of its length: read only; a packed
+        group's are found when first asked)."""
+        if self._options is None:
+            self._options = [(d, c) for d in ctx.vocab.sizes if d >= self.degree
+                             and (c := ctx.recompute_for(self.padded(ctx, d), d, mode)) is not None]
+        return self._options
 
 
 class _Task:
@@ -81,23 +119,23 @@ class _Task:
         self.pairs = 0.0
         self.time = 0.0
 
-    def add(self, ctx: PlanContext, seq: int, padded: int, time: float) -> None:
-        self.seqs.append(seq)
-        self.padded, self.raw = padded, self.raw + ctx.lengths[seq]
-        self.pairs += ctx.pairs[seq]
+    def add(self, item: _Item, padded: int, time: float) -> None:
+        self.seqs += item.seqs
+        self.padded, self.raw = padded, self.raw + item.raw
+        self.pairs += item.pairs
         self.time = time
 
-    def with_seq(self, ctx: PlanContext, seq: int, mode: str) -> Optional[tuple[int, float]]:
-        """(padded tokens, time) of the task with ``seq`` added; ``None`` if that does not fit
-        the slot's recomputed layers, the pack budget (a sequence alone may exceed it) or its
+    def with_item(self, ctx: PlanContext, item: _Item, mode: str) -> Optional[tuple[int, float]]:
+        """(padded tokens, time) of the task with ``item`` added; ``None`` if that does not fit
+        the slot's recomputed layers, the pack budget (an item alone may exceed it) or its
         length."""
-        padded = self.padded + ctx.padded(ctx.lengths[seq], self.degree)
+        padded = self.padded + item.padded(ctx, self.degree)
         if self.seqs and ctx.pack_tokens and padded > ctx.pack_tokens:
             return None
         if not self.slot.fits(ctx, padded, self.degree, mode):
             return None
-        t = ctx.cm.time_model.best_time(self.raw + ctx.lengths[seq], self.pairs + ctx.pairs[seq],
-                             self.degree, self.slot.recompute_layers)[0]
+        t = ctx.cm.time_model.best_time(self.raw + item.raw, self.pairs + item.pairs,
+                                        self.degree, self.slot.recompute_layers)[0]
         return (padded, t) if t <= self.slot.length else None
 
 
@@ -162,20 +200,19 @@ def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: i
     if found is None:
         if not info.fits:
             fill_options(ctx, info, mode, info.degree)
-        item = _choose_new(ctx, info, target, base)
-        found = memo[key] = (item.degree, item.recompute_layers, item.time, item.options)
-    return _Item(info.i, *found)
+        found = memo[key] = _choose_new(ctx, info, target, base)
+    return _Item(ctx, [info.i], *found)
 
 
-def _choose_new(ctx: PlanContext, info: SeqChoice, target: float, base: int) -> _Item:
-    """`_choose` for a sequence whose choice is not in the pass's memo."""
+def _choose_new(ctx: PlanContext, info: SeqChoice, target: float, base: int
+                ) -> tuple[int, int, float, list[tuple[int, int]]]:
+    """`_choose` for a sequence whose choice is not in the pass's memo: (degree, recomputed
+    layers, time, options)."""
     for d, c in info.fits:
         if c <= base:
             t = ctx.seq_time(info.length, info.pairs, d, c)
             if t <= target:
-                item = _Item(info.i, d, c, t)
-                item.options = [(d2, c2) for d2, c2 in info.fits if d2 >= d]
-                return item
+                return d, c, t, [(d2, c2) for d2, c2 in info.fits if d2 >= d]
             break
     best, work = None, None
     for d, c in info.fits:
@@ -185,13 +222,63 @@ def _choose_new(ctx: PlanContext, info: SeqChoice, target: float, base: int) -> 
         elif d * t > MAX_WORK_GROWTH * work:
             break
         if t <= target:
-            best = _Item(info.i, d, c, t)
+            best = (d, c, t)
             break
-        if best is None or t < best.time:
-            best = _Item(info.i, d, c, t)
-    item = best or _Item(info.i, info.degree, info.recompute_layers, info.time)
-    item.options = [(d, c) for d, c in info.fits if d >= item.degree]
-    return item
+        if best is None or t < best[2]:
+            best = (d, c, t)
+    d, c, t = best or (info.degree, info.recompute_layers, info.time)
+    return d, c, t, [(d2, c2) for d2, c2 in info.fits if d2 >= d]
+
+
+def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> list[_Item]:
+    """Items of one degree and recomputed layers that take at most ``limit`` seconds packed
+    (next-fit, longest first) into groups of up to ``limit`` seconds that fit memory at those
+    layers (and ``pack_tokens``, and the bounds of `GRAIN_TOKENS` and `TAIL`), as the free passes
+    pack: a group joins a slot in one step where its sequences would take one each (a floor pass
+    raises thousands of short sequences to one node's ranks). Longer items, and groups of one,
+    are returned as they were."""
+    out: list[_Item] = []
+    kinds: dict[tuple[int, int], list[_Item]] = {}
+    for item in items:
+        if item.time > limit:
+            out.append(item)
+        else:
+            kinds.setdefault((item.degree, item.recompute_layers), []).append(item)
+    cap, best_time = ctx.pack_tokens or math.inf, ctx.cm.time_model.best_time
+    overhead = ctx.cm.time_model.task_overhead
+    for (d, c), same in kinds.items():
+        same.sort(key=lambda x: (-x.time, x.seqs[0]))
+        # a group is at most 1 / (TAIL x groups of d in a slot) of the work after it: the last
+        # items stay fine enough to fill what the groups leave in every task
+        # (time, tokens) the items from k on add to a task (time less its fixed cost): time or
+        # memory may bind
+        after, fine = [(0.0, 0)] * (len(same) + 1), TAIL * ctx.world / d
+        tokens = GRAIN_TOKENS * d * ctx.cm.memory_model.max_local_tokens(c)
+        for k in range(len(same) - 1, -1, -1):
+            after[k] = (after[k + 1][0] + max(same[k].time - overhead, 0.0),
+                        after[k + 1][1] + same[k].padded(ctx, d))
+        group = [same[0]]
+        raw, pairs, padded, time = same[0].raw, same[0].pairs, same[0].padded(ctx, d), same[0].time
+        for k in range(1, len(same) + 1):
+            item = same[k] if k < len(same) else None
+            if item is not None:
+                more = padded + item.padded(ctx, d)
+                layers = ctx.recompute_for(more, d, mode) if more <= cap else None
+                if layers is not None and layers <= c:
+                    t = best_time(raw + item.raw, pairs + item.pairs, d, c)[0]
+                    if t <= min(limit, after[k + 1][0] / fine) and \
+                            more <= min(tokens, after[k + 1][1] / fine):
+                        group.append(item)
+                        raw, pairs, padded, time = raw + item.raw, pairs + item.pairs, more, t
+                        continue
+            if len(group) == 1:
+                out.append(group[0])
+            else:
+                out.append(_Item(ctx, [s for g in group for s in g.seqs], d, c, time, None))
+            if item is not None:
+                group = [item]
+                raw, pairs, padded, time = item.raw, item.pairs, item.padded(ctx, d), item.time
+    return out
 
 
 def _free_block(ctx: PlanContext, slot: _Slot, size: int) -> Optional[int]:
@@ -209,8 +296,7 @@ def _free_block(ctx: PlanContext, slot: _Slot, size: int) -> Optional[int]:
 
 
 def _time(ctx: PlanContext, item: _Item, degree: int, recompute_layers: int) -> float:
-    s = item.seq
-    return ctx.seq_time(ctx.lengths[s], ctx.pairs[s], degree, recompute_layers)
+    return ctx.seq_time(item.raw, item.pairs, degree, recompute_layers)
 
 
 def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
@@ -222,13 +308,13 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     task = slot.emptiest.get(size)
     if task is not None and slot.length - task.time >= \
             _time(ctx, item, size, slot.recompute_layers) - ctx.cm.time_model.task_overhead:
-        fit = task.with_seq(ctx, item.seq, mode)
+        fit = task.with_item(ctx, item, mode)
         if fit is not None:
-            task.add(ctx, item.seq, *fit)
+            task.add(item, *fit)
             slot.added(task)
             return True
     work = None
-    for d, c in item.options:
+    for d, c in item.options(ctx, mode):
         if c > slot.recompute_layers:
             continue
         t = _time(ctx, item, d, slot.recompute_layers)
@@ -241,7 +327,7 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
         start = _free_block(ctx, slot, d)
         if start is not None:
             task = _occupy(ctx, slot, start, d)
-            task.add(ctx, item.seq, ctx.padded(ctx.lengths[item.seq], d), t)
+            task.add(item, item.padded(ctx, d), t)
             slot.added(task)
             return True
     return False
@@ -339,7 +425,7 @@ def _extend(ctx: PlanContext, board: _Board, item: _Item, mode: str) -> bool:
         if slot.recompute_layers < item.recompute_layers or task is None:
             continue
         saved, slot.length = slot.length, math.inf
-        fit = task.with_seq(ctx, item.seq, mode)
+        fit = task.with_item(ctx, item, mode)
         slot.length = saved
         if fit is not None and (best is None or fit[1] - saved < best[0]):
             best = (fit[1] - saved, k, task, fit)
@@ -348,7 +434,7 @@ def _extend(ctx: PlanContext, board: _Board, item: _Item, mode: str) -> bool:
         return False
     _, k, task, fit = best
     slot = board.slots[k]
-    task.add(ctx, item.seq, *fit)
+    task.add(item, *fit)
     slot.length = max(slot.length, task.time)
     slot.added(task)
     board.changed(k)
@@ -379,9 +465,9 @@ def _fill(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode: str) -
             entry = heapq.heappop(heap)
             tried.append(entry)
             task = tasks[entry[1]]
-            fit = task.with_seq(ctx, item.seq, mode)
+            fit = task.with_item(ctx, item, mode)
             if fit is not None:
-                task.add(ctx, item.seq, *fit)
+                task.add(item, *fit)
                 tried[-1] = (task.time - task.slot.length, entry[1])
                 placed = True
                 break
@@ -401,10 +487,10 @@ def _least_loaded(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode
     for item in items:
         for task in sorted(tasks, key=lambda t: t.time)[:4]:
             saved, task.slot.length = task.slot.length, float("inf")
-            fit = task.with_seq(ctx, item.seq, mode)
+            fit = task.with_item(ctx, item, mode)
             task.slot.length = saved
             if fit is not None:
-                task.add(ctx, item.seq, *fit)
+                task.add(item, *fit)
                 task.slot.length = max(saved, task.time)
                 break
         else:
@@ -412,22 +498,36 @@ def _least_loaded(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode
     return left
 
 
-def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, target: float,
-                  extend: bool = False) -> list[Draft]:
-    """One lockstep schedule (see the module docstring); ``target``: the slot length a wide
-    sequence should stay within (its degree is raised for it); ``extend``: a wide sequence that
-    fits no slot may lengthen one where that costs less than a slot of its own. Returns timed
-    drafts."""
-    world, cm = ctx.world, ctx.cm
-    base = cm.model.num_layers if mode == "full" else 0
+def lockstep_items(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, target: float,
+                   grain: float = 0.0) -> tuple[list[_Item], list[_Item]]:
+    """The wide or deep items (step 1; each sequence's degree chosen by `_choose` for slots of
+    ``target`` seconds) and the short ones (steps 2-3) of a pass, longest first; ``grain`` > 0:
+    wide items of at most ``grain x target`` seconds packed into groups of that length
+    (`_packed`)."""
+    base = ctx.cm.model.num_layers if mode == "full" else 0
     wide, short, memo = [], [], {}
     for info in infos:
         if info.degree > 1 or info.recompute_layers > base:
             wide.append(_choose(ctx, info, mode, target, base, memo))
         else:
-            short.append(_Item(info.i, 1, info.recompute_layers, info.time))
-    wide.sort(key=lambda x: (-x.time, x.seq))
-    short.sort(key=lambda x: (-x.time, x.seq))
+            short.append(_Item(ctx, [info.i], 1, info.recompute_layers, info.time))
+    if grain > 0 and len(wide) > PACK_FROM:
+        # groups of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
+        wide = _packed(ctx, wide, mode, max(grain * target, OVERHEAD_TASKS *
+                                            ctx.cm.time_model.task_overhead))
+    wide.sort(key=lambda x: (-x.time, x.seqs[0]))
+    short.sort(key=lambda x: (-x.time, x.seqs[0]))
+    return wide, short
+
+
+def lockstep_pass(ctx: PlanContext, items: tuple[list[_Item], list[_Item]], mode: str,
+                  extend: bool = False) -> list[Draft]:
+    """One lockstep schedule (see the module docstring) of the items of `lockstep_items` (read
+    only: passes may share them); ``extend``: a wide item that fits no slot may lengthen one
+    where that costs less than a slot of its own. Returns timed drafts."""
+    world, cm = ctx.world, ctx.cm
+    base = cm.model.num_layers if mode == "full" else 0
+    wide, short = items
     board = _Board()
     slots = board.slots
     for item in wide:
@@ -437,7 +537,7 @@ def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targe
             layers = item.recompute_layers
             slot = _Slot(layers, max(item.time, cm.time_model.slot_time(layers)), bytearray(world))
             task = _occupy(ctx, slot, _free_block(ctx, slot, item.degree), item.degree)
-            task.add(ctx, item.seq, ctx.padded(ctx.lengths[item.seq], item.degree), item.time)
+            task.add(item, item.padded(ctx, item.degree), item.time)
             slot.added(task)
             board.add(slot)
     # step 2: short items on the ranks left free and in the wide tasks' spare time
@@ -447,7 +547,7 @@ def lockstep_pass(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targe
     left = _fill(ctx, tasks, short, mode)
     while left:  # step 3: slots of short sequences only, as few as memory allows
         cap = min(ctx.pack_tokens or math.inf, cm.memory_model.max_tokens(1, base)) * MEMORY_SLACK
-        count = max(1, math.ceil(sum(ctx.lengths[x.seq] for x in left) / (world * cap)))
+        count = max(1, math.ceil(sum(x.raw for x in left) / (world * cap)))
         work = sum(x.time for x in left)
         length = max(left[0].time, work / (world * count), cm.time_model.slot_time(base))
         new = []
@@ -536,13 +636,14 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
     """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
     the ``full`` ones only where ``mode`` is ``auto``), from the sequences' degree choices
     ``infos`` under ``mode``; ``bound`` and ``longest`` as in `megatron_dcp.plan.dcp`."""
-    passes = [(floor_of(ctx, floor), factor, mode if recompute == "auto" else recompute, extend)
-              for floor, factor, recompute, extend in LOCKSTEP_PASSES
+    passes = [(floor_of(ctx, floor), factor, mode if recompute == "auto" else recompute, extend,
+               grain) for floor, factor, recompute, extend, grain in LOCKSTEP_PASSES
               if recompute == "auto" or mode == "auto"]
     candidates = []
     full = None
     lifted: dict[tuple[str, int], list[SeqChoice]] = {}  # passes of one floor share the choices
-    for floor, factor, recompute, extend in passes_for(ctx, passes):
+    made: dict[tuple, tuple[list[_Item], list[_Item]]] = {}  # and their items, of one target
+    for floor, factor, recompute, extend, grain in passes_for(ctx, passes):
         use = infos
         if recompute != mode:
             if full is None:
@@ -553,9 +654,13 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
             if key not in lifted:
                 lifted[key] = [raised(ctx, info, recompute, floor) for info in use]
             use = lifted[key]
-        drafts = lockstep_pass(ctx, use, recompute, max(bound * factor, longest), extend)
+        target = max(bound * factor, longest)
+        key = (recompute, floor, target, grain)
+        if key not in made:
+            made[key] = lockstep_items(ctx, use, recompute, target, grain)
+        drafts = lockstep_pass(ctx, made[key], recompute, extend)
         makespan = retime_slots(drafts, ctx.cm)
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
-                f"{',extend' if extend else ''})")
+                f"{',extend' if extend else ''}{f',g={grain}' if grain else ''})")
         candidates.append((makespan, name, drafts))
     return candidates
