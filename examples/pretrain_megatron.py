@@ -156,9 +156,6 @@ def _virtual_stages(p: argparse.ArgumentParser, args) -> "int | None":
     if stage_layers % v:
         p.error(f"--virtual-pipeline-model-parallel-size {v} does not divide the {stage_layers} "
                 "layers of a pipeline stage")
-    if args.save or args.load:
-        p.error("--save/--load: this example checkpoints one model chunk per rank; not with "
-                "virtual pipeline stages")
     return v
 
 
@@ -316,24 +313,25 @@ def build_optimizer(args, chunks):
     return get_megatron_optimizer(config, chunks)
 
 
-def save_checkpoint(args, iteration: int, ddp, optimizer, sampler, step_fn) -> None:
-    """Collective: `megatron_dcp.megatron.checkpointing.save_checkpoint` in ``--ckpt-format``,
-    with the data position and the planner's state beside model and optimizer."""
+def save_checkpoint(args, iteration: int, chunks, optimizer, sampler, step_fn) -> None:
+    """Collective: `megatron_dcp.megatron.checkpointing.save_checkpoint` of the model ``chunks``
+    (one per virtual stage) in ``--ckpt-format``, with the data position and the planner's state
+    beside model and optimizer."""
     from megatron_dcp.megatron import checkpointing
 
     extra = {"sampler": sampler.state_dict(),
              "planner": step_fn.driver.state_dict() if step_fn is not None else None}
-    checkpointing.save_checkpoint(args.save, iteration, ddp, optimizer, extra,
+    checkpointing.save_checkpoint(args.save, iteration, chunks, optimizer, extra,
                                   ckpt_format=args.ckpt_format)
 
 
-def load_checkpoint(args, ddp, optimizer, sampler, step_fn) -> int:
+def load_checkpoint(args, chunks, optimizer, sampler, step_fn) -> int:
     """Collective: restore every rank from ``--load`` (verified first; see
     `megatron_dcp.megatron.checkpointing.load_checkpoint`); returns the iteration to continue
     from."""
     from megatron_dcp.megatron import checkpointing
 
-    iteration, extra = checkpointing.load_checkpoint(args.load, ddp, optimizer,
+    iteration, extra = checkpointing.load_checkpoint(args.load, chunks, optimizer,
                                                      ckpt_format=args.ckpt_format)
     sampler.load_state_dict(extra["sampler"])
     if step_fn is not None and extra["planner"] is not None:
@@ -459,7 +457,6 @@ def main(argv=None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     chunks, shape = build_model(args, dcp_config.enabled)
-    ddp = chunks[0]  # what a checkpoint holds (virtual stages refuse --save/--load)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     optimizer = build_optimizer(args, chunks)
     dataset = open_dataset(args.data_path, padded_vocab_size(args))  # ids checked
@@ -477,7 +474,7 @@ def main(argv=None) -> int:
         step_fn = DCPForwardBackward(dcp_config, model_shape=shape, pool=pool,
                                      zero_stage=1 if args.use_distributed_optimizer else 0,
                                      vocabulary_lengths=sampler.distinct_lengths())
-    start = load_checkpoint(args, ddp, optimizer, sampler, step_fn) if args.load else 0
+    start = load_checkpoint(args, chunks, optimizer, sampler, step_fn) if args.load else 0
     if args.load:
         check_resume_point(start, args.train_iters, args.load, primary=rank == 0)
     mode = "dcp" if dcp_config.enabled else "data-parallel"
@@ -540,7 +537,7 @@ def main(argv=None) -> int:
                       plan=plan_summary(plan, micro_steps=micro, **timings))
         last = it + 1 == args.train_iters
         if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
-            save_checkpoint(args, it + 1, ddp, optimizer, sampler, step_fn)
+            save_checkpoint(args, it + 1, chunks, optimizer, sampler, step_fn)
     if step_fn is not None:
         step_fn.close()  # the planning thread joined
     if args.save_profile and step_fn is not None and dist.get_rank() == 0:

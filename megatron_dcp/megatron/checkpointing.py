@@ -6,13 +6,17 @@ Two formats (``ckpt_format``, Megatron-LM's ``--ckpt-format`` names where they e
 * ``"torch"``: every rank writes one file ``TAG/rank_{r}.pt`` (its model chunks' state dict,
   its optimizer's state, the extra state), checksummed as it is written, and reads it back with
   ``torch.load(weights_only=True)``. It loads only at the layout it was saved with: world size,
-  tensor- and pipeline-parallel sizes and the optimizer kind are recorded in the manifest and
-  a difference is refused, naming it.
+  tensor- and pipeline-parallel sizes, the model chunks per rank (virtual pipeline stages) and
+  the optimizer kind are recorded in the manifest and a difference is refused, naming it.
 * ``"torch_dist"``: Megatron's distributed checkpointing (`megatron.core.dist_checkpointing`):
-  each model chunk's ``sharded_state_dict`` and the optimizer's are written as global tensors,
-  so a load at another data-parallel size reassembles what each rank holds now. The distributed
-  optimizer is saved as ``dp_reshardable`` (megatron-core 0.16's other formats fail without
-  Apex or Transformer Engine: docs/MEGATRON.md), so with it TP and PP must match. The
+  each model chunk's ``sharded_state_dict`` (``model``, or ``model0``, ``model1`` ... per
+  virtual stage, as Megatron-LM names them) and the optimizer's are written as global tensors,
+  so a load at another data-parallel size reassembles what each rank holds now. Layer keys are
+  global: megatron-core numbers a chunk's layers from its offset in the whole model (the chunk's
+  ``vp_stage``, interleaved over the stages), so the chunks must be built with their
+  ``vp_stage``. The distributed optimizer is saved as ``dp_reshardable`` (megatron-core 0.16's
+  other formats fail without Apex or Transformer Engine: docs/MEGATRON.md): its states follow
+  the gradient buffers of each chunk, so with it TP, PP and the virtual stages must match. The
   iteration and the extra state go beside them in ``TAG/state.pt`` (rank 0's, read by every
   rank with ``weights_only=True``).
 
@@ -34,19 +38,22 @@ from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, save_atomicall
                                                  split_load_path, verify_checkpoint)
 
 FORMATS = ("torch", "torch_dist")
+_LEGACY = {"virtual_pipeline": 1}  # what a manifest written before the key was recorded held
 STATE_FILE = "state.pt"  # torch_dist: iteration and extra state beside Megatron's files
 # the distributed optimizer's format that reshards in every dimension (megatron-core 0.16)
 SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def parallel_layout(optimizer: Any) -> dict[str, Any]:
-    """The layout a checkpoint records: world, tensor-, pipeline- and data-parallel sizes and
-    whether the optimizer is Megatron's distributed one."""
+def parallel_layout(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The layout a checkpoint records: world, tensor-, pipeline- and data-parallel sizes, the
+    model chunks per rank (``virtual_pipeline``: 1 without virtual stages) and whether the
+    optimizer is Megatron's distributed one."""
     from megatron.core import parallel_state
 
     return {"world_size": dist.get_world_size(),
             "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
             "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+            "virtual_pipeline": len(_chunks(model)),
             "data_parallel": parallel_state.get_data_parallel_world_size(),
             "distributed_optimizer": is_distributed_optimizer(optimizer)}
 
@@ -75,7 +82,7 @@ def save_checkpoint(save_dir: str, iteration: int, model: Any, optimizer: Any,
     optimizer or Megatron's), ``iteration`` and ``extra`` (tensors and plain types) as
     ``SAVE_DIR/iter_{iteration}`` and point ``latest`` at it; returns its path."""
     _check_format(ckpt_format)
-    meta = {**parallel_layout(optimizer), "ckpt_format": ckpt_format}
+    meta = {**parallel_layout(model, optimizer), "ckpt_format": ckpt_format}
     rank = dist.get_rank()
     if ckpt_format == "torch":
         state = {"model": [c.state_dict() for c in _chunks(model)],
@@ -114,18 +121,21 @@ def load_checkpoint(load: str, model: Any, optimizer: Any, *,
     if saved_format != ckpt_format:
         raise CheckpointError(f"checkpoint {path} is in format {saved_format!r}: load it with "
                               f"--ckpt-format {saved_format} (this run: {ckpt_format})")
-    want = parallel_layout(optimizer)
+    want = parallel_layout(model, optimizer)
     if ckpt_format == "torch":
-        keys = ["world_size", "tensor_parallel", "pipeline_parallel", "distributed_optimizer"]
+        keys = ["world_size", "tensor_parallel", "pipeline_parallel", "virtual_pipeline",
+                "distributed_optimizer"]
         why = "; the per-rank format loads only at the layout it was saved with (torch_dist " \
               "reshards)"
     elif want["distributed_optimizer"]:
-        keys = ["tensor_parallel", "pipeline_parallel", "distributed_optimizer"]
+        keys = ["tensor_parallel", "pipeline_parallel", "virtual_pipeline",
+                "distributed_optimizer"]
         why = "; the distributed optimizer's states (dp_reshardable) reshard over data " \
               "parallel only"
     else:
         keys, why = ["distributed_optimizer"], ""
-    differ = {k: (manifest.get(k), want[k]) for k in keys if manifest.get(k) != want[k]}
+    saved = {**_LEGACY, **manifest}
+    differ = {k: (saved.get(k), want[k]) for k in keys if saved.get(k) != want[k]}
     if differ:
         raise CheckpointError(f"checkpoint {path} was saved with "
                               + ", ".join(f"{k}={a} (this run: {b})" for k, (a, b) in
