@@ -461,14 +461,21 @@ class StepDriver:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict` (the calibrated hardware only while calibration is on: with it
-        off, plans use the hardware this run was given)."""
+        off, plans use the hardware this run was given). What calibration learned (its factors
+        and the step overhead) is restored onto this run's hardware: the topology and the
+        device (ranks per node, memory) are this job's, which may resume at another layout."""
         self._ahead.close()  # made for another iteration or hardware
         self.iteration = int(state.get("iteration", 0))
         saved = state.get("hardware")
         if saved is not None and self.config.enabled and self.config.calibration == "on":
+            from dataclasses import replace
+
             from megatron_dcp.plan.hardware import hardware_from_dict
 
-            self.hardware = hardware_from_dict(dict(saved), where="checkpoint's hardware")
+            learned = hardware_from_dict(dict(saved), where="checkpoint's hardware")
+            self.hardware = learned if self.hardware is None else replace(
+                self.hardware, calibration=learned.calibration,
+                step_overhead_s=learned.step_overhead_s)
             self.timing.restart()  # the next step starts a window with this as its prior
 
     def save_profile(self, path: str) -> None:
