@@ -156,8 +156,8 @@ def test_plan_json_keeps_slots_and_free_plans_unchanged():
 def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
     # the lockstep passes' own choices under recompute full (timing fewer degrees, issue 21)
     # are degree_choice's: same degree, recomputed layers, time and options per sequence
-    from megatron_dcp.plan.choices import SeqChoice, degree_choice
-    from megatron_dcp.plan.lockstep import _full_choices
+    from megatron_dcp.plan.choices import SeqChoice, degree_choice, raised
+    from megatron_dcp.plan.lockstep import _full_choices, _raised_all
     from megatron_dcp.plan.planners import _context
 
     cfg = DCPConfig(hardware=hardware, schedule="lockstep")
@@ -169,3 +169,11 @@ def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
     assert [(c.i, c.degree, c.recompute_layers, c.time, c.fits) for c in got] == \
         [(c.i, c.degree, c.recompute_layers, c.time, c.fits) for c in ref]
     assert len({c.degree for c in got}) > 1
+    # with a degree floor: the choices raised to it, without timing the degrees below it
+    for floor in (2, 4, 8, 16):
+        up = [raised(ctx, c, "full", floor) for c in ref]
+        assert [(c.i, c.degree, c.recompute_layers, c.time, c.fits) for c in up] == \
+            [(c.i, c.degree, c.recompute_layers, c.time, c.fits)
+             for c in _full_choices(ctx, floor)]
+        assert [(c.degree, c.time, c.fits) for c in _raised_all(ctx, ref, "full", floor)] == \
+            [(c.degree, c.time, c.fits) for c in up]

@@ -592,42 +592,101 @@ def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
     return out
 
 
-def _full_choices(ctx: PlanContext) -> list[SeqChoice]:
+def _least_work(ctx: PlanContext, fits: tuple[tuple[int, int], ...], cache: dict) -> list[float]:
+    """Per option ``k`` of ``fits`` (and ``inf`` after the last), the least work any option from
+    the ``k``-th on can have under recompute ``full``: ranks x the time of an empty task (weights,
+    latencies, per-task cost; every other term of a task's time is positive). Cached per
+    ``fits``."""
+    least = cache.get(fits)
+    if least is None:
+        tm = ctx.cm.time_model
+        least = [d * min(tm.time_of(0, 0.0, lay, c) for lay in ctx.cm.layouts(d))
+                 for d, c in fits] + [math.inf]
+        for k in range(len(fits) - 1, -1, -1):
+            least[k] = min(least[k], least[k + 1])
+        cache[fits] = least
+    return least
+
+
+def _full_choice(ctx: PlanContext, n: int, pairs: float, fits: tuple[tuple[int, int], ...],
+                 least: list[float]) -> tuple[int, int, float]:
+    """(degree, recomputed layers, time) of `degree_choice` under recompute ``full`` for a
+    sequence of ``n`` tokens: a wider degree is timed only while ``least`` (`_least_work`) could
+    still undercut the work chosen by `MIN_WORK_SAVING`."""
+    d0, c0 = fits[0]
+    t0 = ctx.seq_time(n, pairs, d0, c0)
+    found, work = (d0, c0, t0), d0 * t0
+    for k in range(1, len(fits)):
+        if least[k] >= work * (1.0 - MIN_WORK_SAVING):
+            break
+        d, c = fits[k]
+        t = ctx.seq_time(n, pairs, d, c)
+        if d * t < work * (1.0 - MIN_WORK_SAVING):
+            found, work = (d, c, t), d * t
+    return found
+
+
+def _below(ctx: PlanContext, n: int, pairs: float, fits: tuple[tuple[int, int], ...],
+           least: list[float], k0: int) -> bool:
+    """Whether `_full_choice` is sure to stay below option ``k0``: no option from there on cuts
+    the first option's work by `MIN_WORK_SAVING` (the work chosen only falls from there), so the
+    degrees in between need no timing."""
+    d0, c0 = fits[0]
+    limit = d0 * ctx.seq_time(n, pairs, d0, c0) * (1.0 - MIN_WORK_SAVING)
+    for k in range(k0, len(fits)):
+        if least[k] >= limit:
+            return True
+        d, c = fits[k]
+        if d * ctx.seq_time(n, pairs, d, c) < limit:
+            return False
+    return True
+
+
+def _full_choices(ctx: PlanContext, floor: int = 1) -> list[SeqChoice]:
     """The active sequences' choices of `degree_choice` under recompute ``full`` (the same
-    degrees, options and times; tests/test_lockstep.py compares them), faster: every degree
-    recomputes every layer, so a wider degree is timed only while a lower bound of its work
-    (ranks x the time of an empty task: weights, latencies, per-task cost; every other term of a
-    task's time is positive) could still undercut the work chosen by `MIN_WORK_SAVING`."""
-    tm = ctx.cm.time_model
-    floors: dict[tuple[tuple[int, int], ...], list[float]] = {}
-    chosen: dict[tuple[int, float], tuple[int, int, float]] = {}
+    degrees, options and times; tests/test_lockstep.py compares them), raised to ``floor``
+    (`raised`), faster: every degree recomputes every layer, so a wider degree is timed only
+    while a lower bound of its work (`_least_work`) could still undercut the work chosen, and a
+    choice that stays below ``floor`` (`_below`: most short sequences) is not found at all."""
+    chosen: dict[tuple[int, float], tuple] = {}
+    cache: dict = {}
     out = []
     for i in ctx.active:
-        info = SeqChoice(i, ctx.lengths[i], ctx.pairs[i])
-        fits = ctx.fits(info.length, "full")
-        info.fits = list(fits)
-        found = chosen.get((info.length, info.pairs))
-        if found is None:
-            least = floors.get(fits)
-            if least is None:  # least work any degree from the k-th on can have
-                least = [d * min(tm.time_of(0, 0.0, lay, c) for lay in ctx.cm.layouts(d))
-                         for d, c in fits] + [math.inf]
-                for k in range(len(fits) - 1, -1, -1):
-                    least[k] = min(least[k], least[k + 1])
-                floors[fits] = least
-            d0, c0 = fits[0]
-            t0 = ctx.seq_time(info.length, info.pairs, d0, c0)
-            found, work = (d0, c0, t0), d0 * t0
-            for k in range(1, len(fits)):
-                if least[k] >= work * (1.0 - MIN_WORK_SAVING):
-                    break
-                d, c = fits[k]
-                t = ctx.seq_time(info.length, info.pairs, d, c)
-                if d * t < work * (1.0 - MIN_WORK_SAVING):
-                    found, work = (d, c, t), d * t
-            chosen[(info.length, info.pairs)] = found
-        info.degree, info.recompute_layers, info.time = found
+        n, pairs = ctx.lengths[i], ctx.pairs[i]
+        fits = ctx.fits(n, "full")
+        found = chosen.get((n, pairs))
+        if found is None:  # (degree, recomputed layers, time, whether the options are kept)
+            least = _least_work(ctx, fits, cache)
+            k0 = next((k for k, f in enumerate(fits) if f[0] >= floor), 0)
+            if k0 and _below(ctx, n, pairs, fits, least, k0):
+                d, c = fits[k0]
+                found = (d, c, ctx.seq_time(n, pairs, d, c), False)
+            else:
+                info = SeqChoice(i, n, pairs, *_full_choice(ctx, n, pairs, fits, least))
+                up = raised(ctx, info, "full", floor)
+                found = (up.degree, up.recompute_layers, up.time, up is info)
+            chosen[(n, pairs)] = found
+        info = SeqChoice(i, n, pairs, *found[:3])
+        if found[3]:
+            info.fits = list(fits)
         out.append(info)
+    return out
+
+
+def _raised_all(ctx: PlanContext, infos: list[SeqChoice], mode: str, floor: int
+                ) -> list[SeqChoice]:
+    """``[raised(ctx, info, mode, floor) for info in infos]``, each length raised once."""
+    out, memo = [], {}
+    for info in infos:
+        if info.degree >= floor:
+            out.append(info)
+            continue
+        found = memo.get((info.length, info.pairs))
+        if found is None:
+            up = raised(ctx, info, mode, floor)
+            found = memo[(info.length, info.pairs)] = () if up is info else \
+                (up.degree, up.recompute_layers, up.time)
+        out.append(SeqChoice(info.i, info.length, info.pairs, *found) if found else info)
     return out
 
 
@@ -640,20 +699,14 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
                grain) for floor, factor, recompute, extend, grain in LOCKSTEP_PASSES
               if recompute == "auto" or mode == "auto"]
     candidates = []
-    full = None
     lifted: dict[tuple[str, int], list[SeqChoice]] = {}  # passes of one floor share the choices
     made: dict[tuple, tuple[list[_Item], list[_Item]]] = {}  # and their items, of one target
     for floor, factor, recompute, extend, grain in passes_for(ctx, passes):
-        use = infos
-        if recompute != mode:
-            if full is None:
-                full = _full_choices(ctx)
-            use = full
-        if floor > 1:
-            key = (recompute, floor)
-            if key not in lifted:
-                lifted[key] = [raised(ctx, info, recompute, floor) for info in use]
-            use = lifted[key]
+        key = (recompute, floor)
+        if key not in lifted:
+            lifted[key] = _full_choices(ctx, floor) if recompute != mode else \
+                _raised_all(ctx, infos, mode, floor) if floor > 1 else infos
+        use = lifted[key]
         target = max(bound * factor, longest)
         key = (recompute, floor, target, grain)
         if key not in made:
