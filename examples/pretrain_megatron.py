@@ -270,7 +270,7 @@ def build_model(args, dcp: bool):
         masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         calculate_per_token_loss=args.calculate_per_token_loss,
-        # under --dcp the recompute depth is per task (the DCP layers read it from their call)
+        # under --dcp the recomputed layers are per task (the DCP layers read it from their call)
         **({} if dcp else dict(recompute_granularity=args.recompute_granularity,
                                recompute_method=args.recompute_method,
                                recompute_num_layers=args.recompute_num_layers)))
@@ -413,8 +413,8 @@ def plain_step(chunks, sequences, args, device):
                                labels=micro_batches[0]["labels"][:, :multiple],
                                loss_mask=micro_batches[0]["loss_mask"][:, :multiple] * 0,
                                position_ids=micro_batches[0]["position_ids"][:, :multiple])
-                          ] * (interleaved_micro_batches(count, args.pipeline_model_parallel_size)
-                               - count)
+                          ] * (interleaved_micro_batches(count, args.pipeline_model_parallel_size,
+                                                         virtual=len(chunks)) - count)
         count, micro_batches = len(micro_batches), [iter(micro_batches) for _ in chunks]
         config.batch_p2p_comm = False  # see pipeline_communication
     if args.pipeline_model_parallel_size > 1:

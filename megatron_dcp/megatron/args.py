@@ -107,7 +107,7 @@ def _recompute_and_head_problems(args: argparse.Namespace, config: DCPConfig) ->
     granularity = _get(args, "recompute_granularity", None)
     if granularity == "selective" and config.recompute != "none":
         problems.append("--recompute-granularity selective is fixed when the model is built; DCP "
-                        "sets a recompute depth per task: use --recompute-granularity full "
+                        "sets the recomputed layers per task: use --recompute-granularity full "
                         "--recompute-method block, or --dcp-recompute none")
     if granularity == "full" and _get(args, "recompute_method", "block") != "block":
         problems.append("--dcp with --recompute-granularity full needs --recompute-method block "

@@ -5,7 +5,7 @@ Engine plugs in): `get_gpt_layer_dcp_spec` puts `DCPCoreAttention` in the ``core
 and `DCPTransformerLayer` in place of ``TransformerLayer``. No Megatron file is edited and nothing
 is patched. The task reaches them as the model's ``packed_seq_params``: the DCP step hands every
 micro-batch a `DCPTaskParams` (Megatron's ``PackedSeqParams`` in the plain ``sbhd`` format, plus
-the task and its recompute depth), which a ``forward_step_func`` passes to the model (as
+the task and its recomputed layers), which a ``forward_step_func`` passes to the model (as
 Megatron's own ``pretrain_gpt.py`` passes its packed parameters) and Megatron hands to every
 layer and every core attention, also when a recompute re-runs a layer in backward on CUDA's
 autograd thread (the arguments are saved with the checkpoint).

@@ -8,7 +8,7 @@
 
 ``data_iterator`` yields one global batch per call; the step is the engine-neutral
 `megatron_dcp.runtime.step.StepDriver` and `MegatronStepEngine` is Megatron's side of it
-(micro-batches that carry the task and its recompute depth as ``packed_seq_params``, DDP's
+(micro-batches that carry the task and its recomputed layers as ``packed_seq_params``, DDP's
 ``no_sync``, one ``finalize_model_grads``). Nothing of Megatron is patched and its
 ``TransformerConfig`` is not changed: the layers of `get_gpt_layer_dcp_spec` read the task from
 their call. What differs from Megatron's schedules, and why:
@@ -109,7 +109,7 @@ class MegatronStepEngine:
 
     def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor:
         """Megatron's ``forward_step_func`` and ``loss_func`` on one shard; the task (and its
-        recompute depth) travels in the micro-batch's ``packed_seq_params``."""
+        recomputed layers) travels in the micro-batch's ``packed_seq_params``."""
         output_tensor, loss_func, loss_mask = self._forward(shard)
         loss_sum, _num_tokens, _report = self._loss(loss_func, output_tensor)
         if per_token:  # the driver weights every token by its sequence's 1/(S * targets)
@@ -405,7 +405,8 @@ class MegatronPipelineEngine(MegatronStepEngine):
         steps = list(work)
         if len(self.chunks) > 1:
             count = interleaved_micro_batches(len(steps), _pipeline_parallel_size(),
-                                              self.mconfig.microbatch_group_size_per_vp_stage)
+                                              self.mconfig.microbatch_group_size_per_vp_stage,
+                                              virtual=len(self.chunks))
             steps += [_padding_step(work) for _ in range(count - len(steps))]
         task_losses: list = []
         timers = SlotTimers(self.mconfig.timers, cuda=work.comm_device is not None)

@@ -10,9 +10,9 @@ forward and backward of every micro-batch in Megatron's order (1F1B: ``P - s - 1
 forwards on stage ``s``, then one forward one backward, then the cool-down backwards; interleaved
 with ``V`` virtual stages: Megatron's schedule table in groups of ``P`` micro-batches and its
 warm-up count; the count padded with empty micro-batches to one the interleaved schedule
-accepts, `interleaved_micro_batches`, as the runtime pads it), each op starting when its stage is free and its input has arrived (the previous
-virtual stage's forward, the next one's backward, plus the P2P of the activations between
-devices). So the makespan contains the bubble. Memory follows the same order: a micro-batch's
+accepts, `interleaved_micro_batches`, as the runtime pads it), each op starting when its stage
+is free and its input has arrived (the previous virtual stage's forward, the next one's
+backward, plus the P2P of the activations between devices). So the makespan contains the bubble. Memory follows the same order: a micro-batch's
 kept activations (`MemoryModel.kept_token_bytes`) are held from its forward to its backward, so 1F1B
 stage ``s`` holds up to ``P - s`` micro-batches (stage 0 the most), and a plan fits when every
 rank's peak on every stage is within the budget.
@@ -52,13 +52,19 @@ FIXED_ORDERS = 6
 """The fixed orders `best_order` tries first (``evaluations=FIXED_ORDERS``: those only)."""
 
 
-def interleaved_micro_batches(count: int, stages: int, group: Optional[int] = None) -> int:
+def interleaved_micro_batches(count: int, stages: int, group: Optional[int] = None,
+                              virtual: int = 2) -> int:
     """The fewest micro-batches, at least ``count``, that Megatron's interleaved schedule runs
-    with ``stages`` pipeline stages and ``group`` (``microbatch_group_size_per_vp_stage``,
-    default ``stages``) micro-batches per group: at least one group, and a last group that is
-    whole or holds at least ``stages``. A lockstep plan is padded with empty slots up to it."""
+    with ``stages`` pipeline stages, ``virtual`` model chunks per rank and ``group``
+    (``microbatch_group_size_per_vp_stage``, default ``stages``) micro-batches per group: at
+    least one group, a last group that is whole or holds at least ``stages``, and more chunk
+    micro-batches than stage 0's warm-up (``2 (P - 1) + (V - 1) group``). With fewer, stage 0 runs
+    every micro-batch in warm-up while the later stages enter 1F1B, and the stages' shape
+    exchanges meet in different orders: on gloo the job hangs (DP 2 x PP 2 x V 2 with a plan of
+    2 slots). A lockstep plan is padded with empty slots up to it."""
     group = group or stages
-    m = max(count, group)
+    warmup = 2 * (stages - 1) + (virtual - 1) * group
+    m = max(count, group, warmup // virtual + 1)
     while 0 < m % group < stages:
         m += 1
     return m
@@ -81,7 +87,7 @@ class Pipeline:
         interleaved schedule's padded count (`interleaved_micro_batches`, groups of ``P``)."""
         if self.virtual == 1 or count == 0:
             return count
-        return interleaved_micro_batches(count, self.stages)
+        return interleaved_micro_batches(count, self.stages, virtual=self.virtual)
 
     def warmup(self, stage: int, micro_batches: int) -> int:
         """Forwards (of model chunks) stage ``stage`` runs before its first backward: Megatron's
