@@ -12,8 +12,9 @@ with ``V`` virtual stages: Megatron's schedule table in groups of ``P`` micro-ba
 warm-up count; the count padded with empty micro-batches to one the interleaved schedule
 accepts, `interleaved_micro_batches`, as the runtime pads it), each op starting when its stage
 is free and its input has arrived (the previous virtual stage's forward, the next one's
-backward, plus the P2P of the activations between devices). So the makespan contains the bubble. Memory follows the same order: a micro-batch's
-kept activations (`MemoryModel.kept_token_bytes`) are held from its forward to its backward, so 1F1B
+backward, plus the P2P of the activations between devices). So the makespan contains the
+bubble. Memory follows the same order: a micro-batch's kept activations
+(`MemoryModel.kept_token_bytes`) are held from its forward to its backward, so 1F1B
 stage ``s`` holds up to ``P - s`` micro-batches (stage 0 the most), and a plan fits when every
 rank's peak on every stage is within the budget.
 
