@@ -107,8 +107,15 @@ class PlanContext:
         found = self._fits.get(key)
         if found is None:
             found = []
+            local0 = self._local0 if mode != "full" else -1  # within it: no recompute (auto)
+            pad = self.cm.pad_multiple
             for d in self.vocab.sizes:
-                c = self.recompute_for(self.padded(length, d), d, mode)
+                m = pad(d)
+                padded = -(-length // m) * m  # `CostModel.padded`, inline: a hot path
+                if -(-padded // d) <= local0:
+                    found.append((d, 0))
+                    continue
+                c = self.recompute_for(padded, d, mode)
                 if c is not None:
                     found.append((d, c))
             found = self._fits[key] = tuple(found)

@@ -85,12 +85,11 @@ class _Item:
         self._padded: dict[int, int] = {}
 
     def padded(self, ctx: PlanContext, degree: int) -> int:
-        """Tokens after padding on ``degree`` ranks."""
-        if len(self.seqs) == 1:
-            return ctx.padded(self.raw, degree)
+        """Tokens after padding on ``degree`` ranks (cached: a pass asks for them many times)."""
         found = self._padded.get(degree)
         if found is None:
-            found = self._padded[degree] = ctx.padded_tokens(self.seqs, degree)
+            found = self._padded[degree] = ctx.padded(self.raw, degree) if len(self.seqs) == 1 \
+                else ctx.padded_tokens(self.seqs, degree)
         return found
 
     def options(self, ctx: PlanContext, mode: str) -> Sequence[tuple[int, int]]:
@@ -295,10 +294,6 @@ def _free_block(ctx: PlanContext, slot: _Slot, size: int) -> Optional[int]:
     return None
 
 
-def _time(ctx: PlanContext, item: _Item, degree: int, recompute_layers: int) -> float:
-    return ctx.seq_time(item.raw, item.pairs, degree, recompute_layers)
-
-
 def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     """Put a wide or deep item into ``slot`` if it finishes within the slot at its recomputed
     layers: packed into the task of its degree with the most time left, or on a free group of its
@@ -307,7 +302,8 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     # packing adds at least the item's time less the fixed per-task cost
     task = slot.emptiest.get(size)
     if task is not None and slot.length - task.time >= \
-            _time(ctx, item, size, slot.recompute_layers) - ctx.cm.time_model.task_overhead:
+            ctx.seq_time(item.raw, item.pairs, size, slot.recompute_layers) - \
+            ctx.cm.time_model.task_overhead:
         fit = task.with_item(ctx, item, mode)
         if fit is not None:
             task.add(item, *fit)
@@ -317,7 +313,7 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     for d, c in item.options(ctx, mode):
         if c > slot.recompute_layers:
             continue
-        t = _time(ctx, item, d, slot.recompute_layers)
+        t = ctx.seq_time(item.raw, item.pairs, d, slot.recompute_layers)
         if work is None:
             work = d * t
         elif d * t > MAX_WORK_GROWTH * work:
@@ -392,7 +388,8 @@ class _Board:
         has too little time left are passed over without a call (the same test `_join` starts
         with; blocks of slots where none can pass it, in one step)."""
         size, layers, overhead = item.degree, item.recompute_layers, ctx.cm.time_model.task_overhead
-        need = {c: _time(ctx, item, size, c) - overhead for c in self.layers if c >= layers}
+        need = {c: ctx.seq_time(item.raw, item.pairs, size, c) - overhead
+                for c in self.layers if c >= layers}
         if not need:
             return False
         least = min(need.values())
