@@ -76,7 +76,7 @@ def fit_profile(shape: ModelShape, points: list[dict], linear_flops: float,
                                           token_overhead_s=1.0))
     rows, target = [], []
     for p in points:
-        t = unit.terms(*_point_shape(unit, p), pack=1.0)
+        t = unit.time_model.terms(*_point_shape(unit, p), pack=1.0)
         rows.append([t.attention, t.per_token, 1.0])  # x 1/attention, x token s, x task s
         target.append(p["seconds"] - max(t.gemm, t.weights))
     a, b = np.array(rows), np.array(target)
