@@ -299,9 +299,11 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     layers: packed into the task of its degree with the most time left, or on a free group of its
     degree (or a wider one, while its work grows less than `MAX_WORK_GROWTH`)."""
     size = item.degree
-    # packing adds at least the item's time less the fixed per-task cost
+    # packing adds at least the item's time less the fixed per-task cost; a task whose tokens
+    # per rank with the item's are known not to fit is passed over before any timing
     task = slot.emptiest.get(size)
-    if task is not None and slot.length - task.time >= \
+    if task is not None and -(-(task.padded + item.padded(ctx, size)) // size) < \
+            slot.local_fits[1] and slot.length - task.time >= \
             ctx.seq_time(item.raw, item.pairs, size, slot.recompute_layers) - \
             ctx.cm.time_model.task_overhead:
         fit = task.with_item(ctx, item, mode)
@@ -309,6 +311,8 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
             task.add(item, *fit)
             slot.added(task)
             return True
+    if not slot.free:  # no free group of any size
+        return False
     work = None
     for d, c in item.options(ctx, mode):
         if c > slot.recompute_layers:
@@ -333,13 +337,16 @@ class _Board:
     """The slots of step 1 in order, with an index for `join_any`: per group size, the time left
     in every slot's emptiest task of that size (``inf`` while the slot has a free rank, ``-inf``
     without such a task) and its maximum per block of `BLOCK` slots, so that blocks where no
-    slot can take an item are passed over whole."""
+    slot can take an item are passed over whole; and the padded tokens that task can still take
+    (`_room`: from what is known not to fit, so an entry may be too high, never too low)."""
 
     BLOCK = 16
 
-    def __init__(self) -> None:
+    def __init__(self, ctx: PlanContext) -> None:
+        self.ctx = ctx
         self.slots: list[_Slot] = []
         self.spare: dict[int, list[float]] = {}
+        self.room: dict[int, list[float]] = {}
         self.block_max: dict[int, list[float]] = {}
         self.layers: set[int] = set()
         """Recomputed layers of the slots."""
@@ -351,12 +358,25 @@ class _Board:
         task = slot.emptiest.get(size)
         return -math.inf if task is None else slot.length - task.time
 
+    def _room(self, slot: _Slot, size: int) -> float:
+        """Padded tokens the emptiest task of ``size`` may still take: an item with more fits
+        neither the slot's memory (the fewest tokens per rank known not to fit) nor the pack
+        budget (``inf`` while the slot has a free group of that size or a wider one, where
+        `_join` may open a task)."""
+        ctx, task = self.ctx, slot.emptiest.get(size)
+        if task is None or slot.free and any(_free_block(ctx, slot, d) is not None
+                                             for d in ctx.vocab.sizes if d >= size):
+            return math.inf
+        room = (slot.local_fits[1] - 1) * size - task.padded
+        return min(room, ctx.pack_tokens - task.padded) if ctx.pack_tokens else room
+
     def add(self, slot: _Slot) -> None:
         """Append a new slot."""
         self.slots.append(slot)
         self.layers.add(slot.recompute_layers)
         for size, spare in self.spare.items():
             spare.append(self._spare(slot, size))
+            self.room[size].append(self._room(slot, size))
             self._block(size, len(self.slots) - 1)
 
     def changed(self, k: int) -> None:
@@ -364,6 +384,7 @@ class _Board:
         slot = self.slots[k]
         for size, spare in self.spare.items():
             spare[k] = self._spare(slot, size)
+            self.room[size][k] = self._room(slot, size)
             self._block(size, k)
 
     def _block(self, size: int, k: int) -> None:
@@ -374,33 +395,34 @@ class _Board:
         else:
             maxes[b] = top
 
-    def _of(self, size: int) -> tuple[list[float], list[float]]:
+    def _of(self, size: int) -> tuple[list[float], list[float], list[float]]:
         spare = self.spare.get(size)
         if spare is None:
             spare = self.spare[size] = [self._spare(slot, size) for slot in self.slots]
+            self.room[size] = [self._room(slot, size) for slot in self.slots]
             self.block_max[size] = [max(spare[i:i + self.BLOCK])
                                     for i in range(0, len(spare), self.BLOCK)]
-        return spare, self.block_max[size]
+        return spare, self.room[size], self.block_max[size]
 
     def join_any(self, ctx: PlanContext, item: _Item, mode: str) -> bool:
         """`_join` the item into the first slot that takes it. A slot without a free rank can
         only pack it into the task of its degree with the most time left: slots where that task
-        has too little time left are passed over without a call (the same test `_join` starts
-        with; blocks of slots where none can pass it, in one step)."""
+        has too little time left or too little memory are passed over without a call (the same
+        tests `_join` starts with; blocks of slots where none can pass the first, in one step)."""
         size, layers, overhead = item.degree, item.recompute_layers, ctx.cm.time_model.task_overhead
         need = {c: ctx.seq_time(item.raw, item.pairs, size, c) - overhead
                 for c in self.layers if c >= layers}
         if not need:
             return False
         least = min(need.values())
-        spare, maxes = self._of(size)
-        slots, block = self.slots, self.BLOCK
+        spare, rooms, maxes = self._of(size)
+        slots, block, tokens = self.slots, self.BLOCK, item.padded(ctx, size)
         for b, top in enumerate(maxes):
             if top < least:
                 continue
             for k in range(b * block, min((b + 1) * block, len(slots))):
                 room = spare[k]
-                if room < least:
+                if room < least or tokens > rooms[k]:
                     continue
                 slot = slots[k]
                 if slot.recompute_layers < layers or (room != math.inf and
@@ -409,6 +431,7 @@ class _Board:
                 if _join(ctx, slot, item, mode):
                     self.changed(k)
                     return True
+                rooms[k] = self._room(slot, size)  # it may have learnt what does not fit
         return False
 
 
@@ -416,10 +439,11 @@ def _extend(ctx: PlanContext, board: _Board, item: _Item, mode: str) -> bool:
     """Pack an item that fits no slot's length into the task of its degree where the slot grows
     least, if that growth costs less than a slot of its own (its time, at least the slot's ZeRO
     traffic)."""
-    size, best = item.degree, None
+    size, best, padded = item.degree, None, item.padded(ctx, item.degree)
     for k, slot in enumerate(board.slots):
         task = slot.emptiest.get(size)
-        if slot.recompute_layers < item.recompute_layers or task is None:
+        if slot.recompute_layers < item.recompute_layers or task is None or \
+                -(-(task.padded + padded) // size) >= slot.local_fits[1]:  # known not to fit
             continue
         saved, slot.length = slot.length, math.inf
         fit = task.with_item(ctx, item, mode)
@@ -525,7 +549,7 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[_Item], list[_Item]], mode
     world, cm = ctx.world, ctx.cm
     base = cm.model.num_layers if mode == "full" else 0
     wide, short = items
-    board = _Board()
+    board = _Board(ctx)
     slots = board.slots
     for item in wide:
         if not board.join_any(ctx, item, mode) and \
@@ -537,11 +561,14 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[_Item], list[_Item]], mode
             task.add(item, item.padded(ctx, item.degree), item.time)
             slot.added(task)
             board.add(slot)
-    # step 2: short items on the ranks left free and in the wide tasks' spare time
-    tasks = [t for slot in slots for t in slot.tasks]
-    tasks += [_occupy(ctx, slot, r, 1) for slot in slots for r in range(world)
-              if not slot.busy[r]]
-    left = _fill(ctx, tasks, short, mode)
+    # step 2: short items on the ranks left free and in the wide tasks' spare time (none in
+    # a floor pass that raised them all: no empty tasks to make)
+    left = short
+    if short:
+        tasks = [t for slot in slots for t in slot.tasks]
+        tasks += [_occupy(ctx, slot, r, 1) for slot in slots for r in range(world)
+                  if not slot.busy[r]]
+        left = _fill(ctx, tasks, short, mode)
     while left:  # step 3: slots of short sequences only, as few as memory allows
         cap = min(ctx.pack_tokens or math.inf, cm.memory_model.max_tokens(1, base)) * MEMORY_SLACK
         count = max(1, math.ceil(sum(x.raw for x in left) / (world * cap)))
