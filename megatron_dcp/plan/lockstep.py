@@ -211,7 +211,7 @@ def _choose_new(ctx: PlanContext, info: SeqChoice, target: float, base: int
         if c <= base:
             t = ctx.seq_time(info.length, info.pairs, d, c)
             if t <= target:
-                return d, c, t, [(d2, c2) for d2, c2 in info.fits if d2 >= d]
+                return d, c, t, _from(info.fits, d)
             break
     best, work = None, None
     for d, c in info.fits:
@@ -226,7 +226,15 @@ def _choose_new(ctx: PlanContext, info: SeqChoice, target: float, base: int
         if best is None or t < best[2]:
             best = (d, c, t)
     d, c, t = best or (info.degree, info.recompute_layers, info.time)
-    return d, c, t, [(d2, c2) for d2, c2 in info.fits if d2 >= d]
+    return d, c, t, _from(info.fits, d)
+
+
+def _from(fits: Sequence[tuple[int, int]], degree: int) -> Sequence[tuple[int, int]]:
+    """The options of ``fits`` (smallest degree first) from ``degree`` on."""
+    for k, (d, _) in enumerate(fits):
+        if d >= degree:
+            return fits[k:]
+    return ()
 
 
 def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> list[_Item]:
