@@ -177,3 +177,27 @@ def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
              for c in _full_choices(ctx, floor)]
         assert [(c.degree, c.time, c.fits) for c in _raised_all(ctx, ref, "full", floor)] == \
             [(c.degree, c.time, c.fits) for c in up]
+
+
+def test_join_any_room_index_skips_only_slots_join_would_refuse(monkeypatch):
+    # join_any passes over slots whose emptiest task the item is known not to fit in memory
+    # and that have no free group of its degree or wider (_Board._room, issue 21): the plan is
+    # the one of calling _join on every slot, with far fewer calls
+    import megatron_dcp.plan.lockstep as lockstep
+
+    world = 1024  # where slots keep free ranks but no free group of an item's degree
+    lengths = sample_lengths("balanced", 65536 * world, seed=1)
+    cfg, kw = DCPConfig(hardware="h200"), dict(world_size=world, model=LLAMA, zero_stage=2)
+    calls, join = [0], lockstep._join
+
+    def counted(*args):
+        calls[0] += 1
+        return join(*args)
+
+    monkeypatch.setattr(lockstep, "_join", counted)
+    plan = make_plan(lengths, config=cfg, **kw)
+    indexed = calls[0]
+    monkeypatch.setattr(lockstep._Board, "_room", lambda self, slot, size: float("inf"))
+    calls[0] = 0
+    assert make_plan(lengths, config=cfg, **kw).digest() == plan.digest()
+    assert indexed < 0.8 * calls[0]
