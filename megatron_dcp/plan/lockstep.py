@@ -270,11 +270,11 @@ def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> li
             item = same[k] if k < len(same) else None
             if item is not None:
                 more = padded + item.padded(ctx, d)
-                layers = ctx.recompute_for(more, d, mode) if more <= cap else None
-                if layers is not None and layers <= c:
+                fine_tokens = more <= cap and more <= min(tokens, after[k + 1][1] / fine)
+                layers = ctx.recompute_for(more, d, mode) if fine_tokens else None
+                if layers is not None and layers <= c:  # timed only where the tokens pass
                     t = best_time(raw + item.raw, pairs + item.pairs, d, c)[0]
-                    if t <= min(limit, after[k + 1][0] / fine) and \
-                            more <= min(tokens, after[k + 1][1] / fine):
+                    if t <= min(limit, after[k + 1][0] / fine):
                         group.append(item)
                         raw, pairs, padded, time = raw + item.raw, pairs + item.pairs, more, t
                         continue
@@ -494,6 +494,9 @@ def _fill(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode: str) -
             entry = heapq.heappop(heap)
             tried.append(entry)
             task = tasks[entry[1]]
+            size = task.degree
+            if -(-(task.padded + item.padded(ctx, size)) // size) >= task.slot.local_fits[1]:
+                continue  # known not to fit the slot's memory: `with_item` would refuse it
             fit = task.with_item(ctx, item, mode)
             if fit is not None:
                 task.add(item, *fit)
