@@ -104,18 +104,24 @@ def test_stalled_rank_ends_the_job_within_two_intervals(tmp_path):
     assert elapsed < 120, elapsed
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["busy", "ends", "host-ends-first"])
-def test_healthy_ranks_are_not_named(tmp_path, case):
+def _run_to_end(case: str, tmp_path) -> list[str]:
+    """Each rank's output of a job of ``case`` that every rank ended with status 0."""
     procs = _launch(case, tmp_path)
     try:
         for p in procs:
             p.wait(timeout=90)
     finally:
         _kill_all(procs)
-    for rank, p in enumerate(procs):
-        text = (tmp_path / f"rank{rank}.txt").read_text()
+    texts = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(len(procs))]
+    for p, text in zip(procs, texts):
         assert p.returncode == 0, text[-3000:]
+    return texts
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["busy", "ends", "host-ends-first"])
+def test_healthy_ranks_are_not_named(tmp_path, case):
+    for text in _run_to_end(case, tmp_path):
         assert "liveness probes" not in text, text[-3000:]
 
 
@@ -124,15 +130,7 @@ def test_ending_the_job_prints_no_store_error(tmp_path):
     """`destroy_process_groups` stops the responders, and rank 0 (the store's host) waits for
     every rank's: no responder looks into the store after its host exited (torch would print a
     C++ trace, "recvValue failed", on a job that ended well)."""
-    procs = _launch("quiet-end", tmp_path)
-    try:
-        for p in procs:
-            p.wait(timeout=90)
-    finally:
-        _kill_all(procs)
-    for rank, p in enumerate(procs):
-        text = (tmp_path / f"rank{rank}.txt").read_text()
-        assert p.returncode == 0, text[-3000:]
+    for rank, text in enumerate(_run_to_end("quiet-end", tmp_path)):
         assert f"rank {rank} done" in text, text[-3000:]
         assert "TCPStore" not in text and "recvValue" not in text, text[-3000:]
 

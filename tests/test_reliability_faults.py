@@ -66,11 +66,10 @@ def _rank_pids(launcher_pid: int) -> dict[int, int]:
     return found
 
 
-def _stall_rank_1(tmp_path, flags: list[str], limit_s: float, wait_launcher: bool = True):
-    """Launch a 2-rank ``--dcp`` job, SIGSTOP rank 1 after two iterations; returns (launcher exit
-    status, output, seconds until rank 0 ended, seconds until the launcher ended). Without
-    ``wait_launcher`` the job is killed once rank 0 ended (the launcher's grace period for the
-    stopped rank is 30 s): exit status and launcher time are then None."""
+def _stall_rank_1(tmp_path, flags: list[str], limit_s: float) -> tuple[str, float]:
+    """Launch a 2-rank ``--dcp`` job, SIGSTOP rank 1 after two iterations; returns (output,
+    seconds until rank 0 ended). The job is then killed: DeepSpeed's launcher would wait
+    `LAUNCHER_GRACE_S` for the stopped rank before its SIGKILL."""
     import psutil
 
     log = tmp_path / "train.jsonl"
@@ -96,10 +95,6 @@ def _stall_rank_1(tmp_path, flags: list[str], limit_s: float, wait_launcher: boo
         survivor = psutil.Process(pids[0])
         survivor.wait(timeout=limit_s)
         t_survivor = time.monotonic() - t_stop
-        t_launcher = None
-        if wait_launcher:
-            job.wait(timeout=limit_s + LAUNCHER_GRACE_S)
-            t_launcher = time.monotonic() - t_stop
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
@@ -107,30 +102,26 @@ def _stall_rank_1(tmp_path, flags: list[str], limit_s: float, wait_launcher: boo
         if stopped is not None and stopped.is_running():
             stopped.kill()
         out.close()
-    code = job.returncode if wait_launcher else None
-    return code, (tmp_path / "out.txt").read_text(), t_survivor, t_launcher
+    return (tmp_path / "out.txt").read_text(), t_survivor
 
 
 @pytest.mark.timeout(240)
 def test_stalled_rank_ends_the_job_naming_it(tmp_path):
     """The collective timeout's path (the watch off): the failed collective names the rank."""
-    code, text, t_survivor, t_launcher = _stall_rank_1(
+    text, t_survivor = _stall_rank_1(
         tmp_path, ["--distributed-timeout-s", str(TIMEOUT_S), "--dcp_liveness_interval_s", "0"],
         TIMEOUT_S + 30)
-    assert code != 0
     assert "rank(s) [1] did not answer a liveness probe" in text, text[-4000:]
-    # the other rank ends within the timeout; the launcher within it and its own grace period
+    # the other rank ends within the timeout (the launcher then ends the job: rank 0 failed; it
+    # waits LAUNCHER_GRACE_S for the stopped rank before SIGKILL, DeepSpeed's behaviour)
     assert t_survivor <= TIMEOUT_S + 30, t_survivor
-    assert t_launcher <= TIMEOUT_S + 30 + LAUNCHER_GRACE_S, t_launcher
-    print(f"stalled rank 1: rank 0 exited after {t_survivor:.1f} s, the launcher after "
-          f"{t_launcher:.1f} s (timeout {TIMEOUT_S} s)")
+    print(f"stalled rank 1: rank 0 exited after {t_survivor:.1f} s (timeout {TIMEOUT_S} s)")
 
 
 @pytest.mark.timeout(240)
 def test_stall_under_the_default_timeout_ends_the_job_within_two_intervals(tmp_path):
     """The default 30-minute timeout: the liveness watch ends the job, naming the rank."""
-    _, text, t_survivor, _ = _stall_rank_1(tmp_path, ["--dcp_liveness_interval_s", "2"], 60,
-                                           wait_launcher=False)
+    text, t_survivor = _stall_rank_1(tmp_path, ["--dcp_liveness_interval_s", "2"], 60)
     assert "rank(s) [1] did not answer two liveness probes" in text, text[-4000:]
     assert t_survivor <= 30, t_survivor
     print(f"stalled rank 1 under a 30 min timeout: rank 0 exited after {t_survivor:.1f} s")
