@@ -35,8 +35,10 @@ activation, or with sequence parallelism (``model.sequence_parallel``) its 1/TP 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -241,59 +243,93 @@ class PipelineResult:
 
 def simulate_pipeline(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel] = None,
                       order: Optional[Sequence[int]] = None,
-                      padding: Optional[SlotCost] = None) -> PipelineResult:
+                      padding: Optional[SlotCost] = None, memory: bool = True) -> PipelineResult:
     """Run the slots ``costs`` (micro-batch ``k`` is ``costs[order[k]]``; default in order)
     through the schedule (module doc); memory against ``cm``'s budget when given. An
     interleaved schedule runs ``padding`` (default `padding_cost` of ``cm``) after the slots up
-    to the count it accepts (`Pipeline.micro_batches`), as the runtime does."""
+    to the count it accepts (`Pipeline.micro_batches`), as the runtime does. ``memory=False``:
+    the makespan only (no ``peak_bytes``, ``held`` or ``runs``; ``fits`` left True)."""
     seq = _padded([costs[i] for i in (order if order is not None else range(len(costs)))],
                   pipe, cm, padding)
     p, v, m = pipe.stages, pipe.virtual, len(seq)
     if m == 0:
         return PipelineResult(0.0, 0.0, 0.0, [0.0] * p, [0.0] * p, True, 0, [[] for _ in range(p)])
+    ops = [_device_ops(pipe, s, m) for s in range(p)]
+    free, runs = _run_ops(ops, seq, pipe, memory)
+    makespan = max(free)
+    busy = sum(c.time for c in seq)
+    bubble = 1.0 - busy / makespan if makespan > 0 else 0.0
+    if not memory:
+        return PipelineResult(makespan, busy, bubble, [], [], True, m, [])
+    peaks, held = _memory(ops, seq, pipe, cm)
+    fits = cm is None or max(peaks) <= cm.memory_model.budget * (1 + 1e-12)
+    return PipelineResult(makespan, busy, bubble, peaks, held, fits, m, runs)
+
+
+def _run_ops(ops: list[tuple[tuple[bool, int, int], ...]], seq: Sequence[SlotCost],
+             pipe: Pipeline, record: bool
+             ) -> tuple[list[float], list[list[tuple[bool, int, int, float, float]]]]:
+    """`simulate_pipeline`'s event loop: each stage's ops in order, each as soon as its stage is
+    free and its input has arrived; every stage's end and (``record``) its ops' runs."""
+    p, v, m = pipe.stages, pipe.virtual, len(seq)
     last = p * v - 1
-    ops = [device_ops(pipe, s, m) for s in range(p)]
+    hops = [c.p2p if p > 1 else 0.0 for c in seq]
+    forwards = [c.forward / v for c in seq]
+    backwards = [c.backward / v for c in seq]
+    # end of micro-batch k's forward / backward on virtual stage g: [g][k], None until run
+    fwd_end: list[list[Optional[float]]] = [[None] * m for _ in range(last + 1)]
+    bwd_end: list[list[Optional[float]]] = [[None] * m for _ in range(last + 1)]
     ptr, free = [0] * p, [0.0] * p
-    fwd_end: dict[tuple[int, int], float] = {}
-    bwd_end: dict[tuple[int, int], float] = {}
     runs: list[list[tuple[bool, int, int, float, float]]] = [[] for _ in range(p)]
     left = sum(len(o) for o in ops)
     while left:
         progressed = False
         for s in range(p):
-            device = ops[s]
-            while ptr[s] < len(device):
-                forward, k, chunk = device[ptr[s]]
+            device, at, clock = ops[s], ptr[s], free[s]
+            while at < len(device):
+                forward, k, chunk = device[at]
                 g = chunk * p + s  # virtual stage
-                hop = seq[k].p2p if p > 1 else 0.0
                 if forward:
-                    ready = 0.0 if g == 0 else fwd_end.get((k, g - 1))
-                    if ready is None:
-                        break
-                    ready += hop if g > 0 else 0.0
-                    duration = seq[k].forward / v
+                    if g == 0:
+                        ready = 0.0
+                    else:
+                        ready = fwd_end[g - 1][k]
+                        if ready is None:
+                            break
+                        ready += hops[k]
+                    duration = forwards[k]
                 else:
-                    ready = fwd_end.get((k, g)) if g == last else bwd_end.get((k, g + 1))
-                    if ready is None:
-                        break
-                    ready += hop if g < last else 0.0
-                    duration = seq[k].backward / v
-                start = max(free[s], ready)
-                free[s] = end = start + duration
-                (fwd_end if forward else bwd_end)[(k, g)] = end
-                runs[s].append((forward, k, chunk, start, end))
-                ptr[s] += 1
-                left -= 1
+                    if g == last:
+                        ready = fwd_end[g][k]
+                        if ready is None:
+                            break
+                    else:
+                        ready = bwd_end[g + 1][k]
+                        if ready is None:
+                            break
+                        ready += hops[k]
+                    duration = backwards[k]
+                start = clock if clock >= ready else ready
+                clock = end = start + duration
+                (fwd_end if forward else bwd_end)[g][k] = end
+                if record:
+                    runs[s].append((forward, k, chunk, start, end))
+                at += 1
+            if at > ptr[s]:
+                left -= at - ptr[s]
+                ptr[s], free[s] = at, clock
                 progressed = True
         if not progressed:
             raise PlanError(f"pipeline schedule deadlocked ({p} stages, {v} virtual, {m} "
                             "micro-batches): a bug in the op order")
-    makespan = max(free)
-    busy = sum(c.time for c in seq)
-    peaks, held = _memory(ops, seq, pipe, cm)
-    fits = cm is None or max(peaks) <= cm.memory_model.budget * (1 + 1e-12)
-    return PipelineResult(makespan, busy, 1.0 - busy / makespan if makespan > 0 else 0.0,
-                          peaks, held, fits, m, runs)
+    return free, runs
+
+
+@functools.lru_cache(maxsize=64)
+def _device_ops(pipe: Pipeline, stage: int, micro_batches: int) -> tuple[tuple[bool, int, int],
+                                                                         ...]:
+    """`device_ops`, cached (plans try many orders of the same count)."""
+    return tuple(device_ops(pipe, stage, micro_batches))
 
 
 def _padded(seq: list[SlotCost], pipe: Pipeline, cm: Optional[CostModel],
@@ -305,32 +341,33 @@ def _padded(seq: list[SlotCost], pipe: Pipeline, cm: Optional[CostModel],
     return seq
 
 
-def _memory(ops: list[list[tuple[bool, int, int]]], seq: Sequence[SlotCost], pipe: Pipeline,
-            cm: Optional[CostModel]) -> tuple[list[float], list[float]]:
+def _memory(ops: Sequence[Sequence[tuple[bool, int, int]]], seq: Sequence[SlotCost],
+            pipe: Pipeline, cm: Optional[CostModel]) -> tuple[list[float], list[float]]:
     """Per stage: the highest memory of any rank in its op order (a chunk's forward adds its
     share of the micro-batch's kept bytes, its backward frees it; the running op's extra bytes on
     top) and the most micro-batches in flight."""
     v = pipe.virtual
     base = cm.memory_model.static_memory + cm.memory_model.reserve if cm is not None else 0.0
     world = len(seq[0].kept)
+    shares = {}  # micro-batch -> its kept bytes / V per rank
     peaks, counts = [], []
     for device in ops:
         hold = [0.0] * world
         peak = [0.0] * world
         count = most = 0
         for forward, k, _ in device:
-            kept, running = seq[k].kept, seq[k].running
+            share = shares.get(k)
+            if share is None:
+                share = shares[k] = [x / v for x in seq[k].kept]
             if forward:
                 count += 1
-                for r in range(world):
-                    hold[r] += kept[r] / v
-            most = max(most, count)
-            for r in range(world):
-                peak[r] = max(peak[r], hold[r] + running[r])
+                hold = list(map(operator.add, hold, share))
+                if count > most:
+                    most = count
+            peak = list(map(max, peak, map(operator.add, hold, seq[k].running)))
             if not forward:
                 count -= 1
-                for r in range(world):
-                    hold[r] -= kept[r] / v
+                hold = list(map(operator.sub, hold, share))
         peaks.append(base + max(peak))
         counts.append(most / v)
     return peaks, counts
@@ -481,12 +518,13 @@ def _alternate(order: list[int]) -> list[int]:
 
 
 def best_order(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel] = None,
-               evaluations: int = ORDER_EVALUATIONS, padding: Optional[SlotCost] = None
-               ) -> tuple[list[int], PipelineResult]:
+               evaluations: int = ORDER_EVALUATIONS, padding: Optional[SlotCost] = None,
+               memory: bool = True) -> tuple[list[int], PipelineResult]:
     """The order of ``costs`` with the shortest simulated makespan among those that fit memory:
     as given, by time (both ways), shortest at both ends, large and small alternating by memory,
     then swaps of two slots that shorten it, within ``evaluations`` simulations (any
-    ``padding`` after the slots: `simulate_pipeline`). `PlanError` when no order tried fits."""
+    ``padding`` after the slots, ``memory``: `simulate_pipeline`). `PlanError` when no order
+    tried fits."""
     m = len(costs)
     by_time = sorted(range(m), key=lambda i: (costs[i].time, i))
     by_bytes = sorted(range(m), key=lambda i: (-max(costs[i].kept), i))
@@ -503,7 +541,7 @@ def best_order(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel
             return False
         seen.add(key)
         used += 1
-        result = simulate_pipeline(costs, pipe, cm, order, padding)
+        result = simulate_pipeline(costs, pipe, cm, order, padding, memory)
         if result.fits and (best is None or result.makespan_s < best[0] * (1 - 1e-12)):
             best = (result.makespan_s, list(order), result)
             return True

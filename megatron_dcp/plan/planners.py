@@ -319,7 +319,8 @@ def _pipeline_scorer(cm: CostModel, pipe: Pipeline, policy: str
         def score(drafts: list[Draft]) -> float:
             plan = to_plan(ctx, drafts, policy, skipped)
             return best_order(slot_costs(plan, cm), pipe, evaluations=FIXED_ORDERS,
-                              padding=padding_cost(cm, plan.world_size))[1].makespan_s
+                              padding=padding_cost(cm, plan.world_size),
+                              memory=False)[1].makespan_s
         return score
     return scorer
 
