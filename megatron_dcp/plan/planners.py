@@ -25,7 +25,7 @@ from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.pipeline import (FIXED_ORDERS, Pipeline, best_order,
                                         micro_batch_cost_model, order_slots, padding_cost,
-                                        simulate_pipeline, slot_costs, stage_model)
+                                        pipeline_lower_bound, simulate_pipeline, slot_costs, stage_model)
 from megatron_dcp.plan.plan import Plan, PlanError, check_frame_tokens
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary
@@ -37,6 +37,11 @@ BASELINE_CANDIDATE_LIMIT = 20_000
 """Sequences x ranks up to which the baselines' plans join DCP's candidates."""
 Candidate = tuple[float, str, list[Draft]]
 """(makespan, name, timed drafts) of one candidate plan."""
+Chooser = Callable[[list[list[Draft]]], int]
+"""Picks the DCP contest's winner among the candidates' drafts (its index), instead of the
+shortest makespan (a pipeline's simulated makespan: `_pipeline_chooser`)."""
+BOUND_SLACK = 1e-9
+"""Relative rounding allowed between a pipeline lower bound and a simulated makespan."""
 PIPELINE_MICRO_BATCHES = (1, 2, 4, 8)
 """With pipelines, DCP also tries a token budget per micro-batch of a rank's tokens / (k x P)
 for each k: more, shorter slots shrink the bubble; the shortest simulated pipeline wins."""
@@ -200,11 +205,10 @@ def _plan_flat(lengths: Sequence[int], *, world_size: int, model: ModelShape, co
                iteration: int, hardware: "Hardware | str | None", zero_stage: Optional[int],
                cost_model: Optional[CostModel], baseline_degree: "str | int | None",
                frame_tokens: Optional[Sequence[int]], vocabulary: Optional[Vocabulary],
-               scorer: Optional[Callable[[PlanContext, list[int]],
-                                         Callable[[list[Draft]], float]]] = None,
+               chooser: Optional[Callable[[PlanContext, list[int]], Chooser]] = None,
                baselines: Optional[dict] = None) -> Plan:
-    """`make_plan` without a pipeline. ``scorer(ctx, skipped)``: the DCP contest ranks its
-    candidates by the function it returns (`plan_dcp`'s ``score``); ``baselines``: the
+    """`make_plan` without a pipeline. ``chooser(ctx, skipped)``: the DCP contest picks its
+    winner by the function it returns (`plan_dcp`'s ``choose``); ``baselines``: the
     contest's baseline candidates (default `BASELINES`)."""
     t0 = time.perf_counter()
     ctx, skipped, zero_stage, schedule = _context(
@@ -224,7 +228,7 @@ def _plan_flat(lengths: Sequence[int], *, world_size: int, model: ModelShape, co
                     frame_tokens=tuple(frames) if frames is not None else None)
     else:
         drafts = _drafts_of_policy(ctx, config.policy, schedule == "lockstep", meta,
-                                   scorer(ctx, skipped) if scorer is not None else None,
+                                   chooser(ctx, skipped) if chooser is not None else None,
                                    BASELINES if baselines is None else baselines)
         plan = to_plan(ctx, drafts, config.policy, skipped, meta)
     plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
@@ -284,12 +288,12 @@ def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape
         packs += [max(1, min(math.ceil(per_rank / (k * pipe.stages)),
                              config.pack_tokens or math.inf)) for k in PIPELINE_MICRO_BATCHES]
     dcp = config.policy.startswith("dcp")
-    scorer = _pipeline_scorer(cm, pipe, config.policy) if dcp else None
+    chooser = _pipeline_chooser(cm, pipe, config.policy) if dcp else None
     best = None
     for pack in dict.fromkeys(packs):
         plan = _plan_flat(lengths, world_size=world_size, model=stage,
                           config=config.replace(pack_tokens=pack), zero_stage=zero_stage,
-                          cost_model=planning, hardware=hardware, scorer=scorer,
+                          cost_model=planning, hardware=hardware, chooser=chooser,
                           # only the packed baseline depends on the token budget
                           baselines=None if best is None else {"packed": plan_packed},
                           **kwargs)
@@ -310,19 +314,29 @@ def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape
     return plan
 
 
-def _pipeline_scorer(cm: CostModel, pipe: Pipeline, policy: str
-                     ) -> Callable[[PlanContext, list[int]], Callable[[list[Draft]], float]]:
-    """The DCP contest's ranking with a pipeline: a candidate's simulated makespan under its
-    best fixed order (`best_order` with ``FIXED_ORDERS``); memory is left out, as every
-    micro-batch was planned within its in-flight share (any order fits)."""
-    def scorer(ctx: PlanContext, skipped: list[int]) -> Callable[[list[Draft]], float]:
-        def score(drafts: list[Draft]) -> float:
-            plan = to_plan(ctx, drafts, policy, skipped)
-            return best_order(slot_costs(plan, cm), pipe, evaluations=FIXED_ORDERS,
-                              padding=padding_cost(cm, plan.world_size),
-                              memory=False)[1].makespan_s
-        return score
-    return scorer
+def _pipeline_chooser(cm: CostModel, pipe: Pipeline, policy: str
+                      ) -> Callable[[PlanContext, list[int]], Chooser]:
+    """The DCP contest's winner with a pipeline: the first candidate with the shortest simulated
+    makespan under its best fixed order (`best_order` with ``FIXED_ORDERS``); memory is left
+    out, as every micro-batch was planned within its in-flight share (any order fits).
+    Candidates are simulated by their `pipeline_lower_bound` (least first) and those whose
+    bound exceeds the best makespan found are not simulated: they cannot win."""
+    def chooser(ctx: PlanContext, skipped: list[int]) -> Chooser:
+        def choose(candidates: list[list[Draft]]) -> int:
+            pad = padding_cost(cm, cm.world_size)
+            costs = [slot_costs(to_plan(ctx, drafts, policy, skipped), cm)
+                     for drafts in candidates]
+            bounds = [pipeline_lower_bound(0.0, c, pipe, pad) for c in costs]
+            best: Optional[tuple[float, int]] = None
+            for i in sorted(range(len(costs)), key=lambda i: (bounds[i], i)):
+                if best is not None and bounds[i] > best[0] * (1 + BOUND_SLACK):
+                    break  # this bound and all later ones exceed the best makespan
+                span = best_order(costs[i], pipe, evaluations=FIXED_ORDERS, padding=pad,
+                                  memory=False)[1].makespan_s
+                best = min(best or (span, i), (span, i))
+            return best[1] if best is not None else 0
+        return choose
+    return chooser
 
 
 def _checked_batch(lengths: Sequence[int], frame_tokens: Optional[Sequence[int]]
@@ -370,7 +384,7 @@ def _vocabulary_for(cm: CostModel, config: DCPConfig,
 
 
 def _drafts_of_policy(ctx: PlanContext, policy: str, lockstep: bool, meta: dict,
-                      score: Optional[Callable[[list[Draft]], float]] = None,
+                      choose: Optional[Chooser] = None,
                       baselines: dict = BASELINES) -> list[Draft]:
     """Step 3 of `make_plan`: the timed drafts of ``policy`` for the context's active sequences.
     A baseline's drafts are cut into lockstep slots or retimed with round barriers; the DCP
@@ -384,23 +398,23 @@ def _drafts_of_policy(ctx: PlanContext, policy: str, lockstep: bool, meta: dict,
     if policy == "dcp-intra":
         drafts, meta["candidate"], meta["candidates"] = plan_dcp(
             ctx, inter=False, intra=True, baselines={"bucket": plan_bucket}, lockstep=lockstep,
-            score=score)
+            choose=choose)
     else:
         drafts, meta["candidate"], meta["candidates"] = plan_dcp(
             ctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=baselines,
-            lockstep=lockstep, score=score)
+            lockstep=lockstep, choose=choose)
     return drafts
 
 
 def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
              baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None,
-             lockstep: bool = False, score: Optional[Callable[[list[Draft]], float]] = None
+             lockstep: bool = False, choose: Optional[Chooser] = None
              ) -> tuple[list[Draft], str, dict[str, float]]:
     """DCP drafts, the name of the candidate that won (``dcp(...)``, ``lockstep(...)`` or
     ``<baseline>+intra``) and every candidate's predicted makespan (module doc). ``inter``: the
     DCP passes are candidates; ``intra``: fewest recomputed layers (else the baselines' full
-    recompute); ``lockstep``: every candidate in slots. ``score``: rank the candidates by it
-    (a pipeline's simulated makespan) instead of their makespan."""
+    recompute); ``lockstep``: every candidate in slots. ``choose``: picks the winner's index
+    (by a pipeline's simulated makespan) instead of the shortest makespan."""
     mode = ctx.recompute_mode if intra else ctx.baseline_mode()
     candidates: list[Candidate] = []
     if inter:
@@ -425,11 +439,11 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
         else:
             makespan = retime(drafts, ctx.world, barriers=False if inter else "rounds")
         candidates.append((makespan, f"{name}+intra" if intra else name, drafts))
-    if score is None:
+    if choose is None:
         candidates.sort(key=lambda c: c[0])  # stable: ties keep the pass order
         _, name, drafts = candidates[0]
     else:
-        _, name, drafts = min(candidates, key=lambda c: score(c[2]))
+        _, name, drafts = candidates[choose([c[2] for c in candidates])]
     return drafts, name, {c[1]: round(c[0], 6) for c in candidates}
 
 
