@@ -197,7 +197,7 @@ def test_join_any_room_index_skips_only_slots_join_would_refuse(monkeypatch):
     monkeypatch.setattr(lockstep, "_join", counted)
     plan = make_plan(lengths, config=cfg, **kw)
     indexed = calls[0]
-    monkeypatch.setattr(lockstep._Board, "_room", lambda self, slot, size: float("inf"))
+    monkeypatch.setattr(lockstep._Board, "_room", lambda self, slot, size, widest: float("inf"))
     calls[0] = 0
     assert make_plan(lengths, config=cfg, **kw).digest() == plan.digest()
     assert indexed < 0.8 * calls[0]

@@ -65,6 +65,8 @@ class PlanContext:
         the planner's inner loops call it hundreds of thousands of times)."""
         self._times: dict[tuple[int, float, int, int], float] = {}
         self._fits: dict[tuple[int, str], tuple[tuple[int, int], ...]] = {}
+        self._pads = [(d, cm.pad_multiple(d)) for d in self.vocab.sizes]
+        """(size, padding multiple) of every vocabulary size (`fits`' inner loop)."""
 
     @property
     def world(self) -> int:
@@ -106,19 +108,22 @@ class PlanContext:
         key = (length, mode)
         found = self._fits.get(key)
         if found is None:
-            found = []
-            local0 = self._local0 if mode != "full" else -1  # within it: no recompute (auto)
-            pad = self.cm.pad_multiple
-            for d in self.vocab.sizes:
-                m = pad(d)
-                padded = -(-length // m) * m  # `CostModel.padded`, inline: a hot path
-                if -(-padded // d) <= local0:
-                    found.append((d, 0))
-                    continue
-                c = self.recompute_for(padded, d, mode)
-                if c is not None:
-                    found.append((d, c))
-            found = self._fits[key] = tuple(found)
+            if mode == "full":  # `recompute_for`, inline: a hot path
+                layers, most = self._layers, self._local_full
+                found = tuple((d, layers) for d, m in self._pads
+                              if -(-(-(-length // m) * m) // d) <= most)
+            else:
+                found = []
+                for d, m in self._pads:
+                    padded = -(-length // m) * m  # `CostModel.padded`, inline
+                    if -(-padded // d) <= self._local0:
+                        found.append((d, 0))  # no recompute
+                        continue
+                    c = self.recompute_for(padded, d, mode)
+                    if c is not None:
+                        found.append((d, c))
+                found = tuple(found)
+            self._fits[key] = found
         return found
 
     def baseline_mode(self) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, MIN_WORK_SAVING, OVERHEAD_TASKS,
                                        SeqChoice, fill_options, floor_of, passes_for, raised)
@@ -70,10 +70,11 @@ class _Item:
     degree and recomputed layers they run at, and their time there."""
 
     __slots__ = ("seqs", "raw", "pairs", "degree", "recompute_layers", "time", "_options",
-                 "_padded")
+                 "_untried", "_padded")
 
     def __init__(self, ctx: PlanContext, seqs: list[int], degree: int, recompute_layers: int,
-                 time: float, options: Optional[Sequence[tuple[int, int]]] = ()) -> None:
+                 time: float, options: Optional[Sequence[tuple[int, int]]] = (),
+                 padded: Optional[int] = None) -> None:
         self.seqs, self.degree, self.recompute_layers = seqs, degree, recompute_layers
         self.time = time
         if len(seqs) == 1:
@@ -81,8 +82,11 @@ class _Item:
         else:
             self.raw = sum(ctx.lengths[s] for s in seqs)
             self.pairs = sum(ctx.pairs[s] for s in seqs)
-        self._options = options
-        self._padded: dict[int, int] = {}
+        self._options: Sequence[tuple[int, int]] = options if options is not None else []
+        self._untried = None if options is not None else \
+            [d for d in ctx.vocab.sizes if d >= degree]
+        """Sizes not yet tested for `options` (``None``: ``_options`` is complete)."""
+        self._padded: dict[int, int] = {} if padded is None else {degree: padded}
 
     def padded(self, ctx: PlanContext, degree: int) -> int:
         """Tokens after padding on ``degree`` ranks (cached: a pass asks for them many times)."""
@@ -92,14 +96,25 @@ class _Item:
                 else ctx.padded_tokens(self.seqs, degree)
         return found
 
-    def options(self, ctx: PlanContext, mode: str) -> Sequence[tuple[int, int]]:
+    def options(self, ctx: PlanContext, mode: str) -> Iterator[tuple[int, int]]:
         """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where
         it fits (a single sequence's are shared by the items of its length: read only; a packed
-        group's are found when first asked)."""
-        if self._options is None:
-            self._options = [(d, c) for d in ctx.vocab.sizes if d >= self.degree
-                             and (c := ctx.recompute_for(self.padded(ctx, d), d, mode)) is not None]
-        return self._options
+        group's are found one by one as they are asked for: most groups take the first)."""
+        if self._untried is None:
+            yield from self._options
+            return
+        k = 0
+        while True:
+            if k < len(self._options):
+                yield self._options[k]
+                k += 1
+            elif self._untried:
+                d = self._untried.pop(0)
+                c = ctx.recompute_for(self.padded(ctx, d), d, mode)
+                if c is not None:
+                    self._options.append((d, c))
+            else:
+                return
 
 
 class _Task:
@@ -251,7 +266,7 @@ def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> li
             out.append(item)
         else:
             kinds.setdefault((item.degree, item.recompute_layers), []).append(item)
-    cap, best_time = ctx.pack_tokens or math.inf, ctx.cm.time_model.best_time
+    cap = ctx.pack_tokens or math.inf
     overhead = ctx.cm.time_model.task_overhead
     for (d, c), same in kinds.items():
         same.sort(key=lambda x: (-x.time, x.seqs[0]))
@@ -273,7 +288,8 @@ def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> li
                 fine_tokens = more <= cap and more <= min(tokens, after[k + 1][1] / fine)
                 layers = ctx.recompute_for(more, d, mode) if fine_tokens else None
                 if layers is not None and layers <= c:  # timed only where the tokens pass
-                    t = best_time(raw + item.raw, pairs + item.pairs, d, c)[0]
+                    # (cached: `join_any` asks for the group's time at its layers again)
+                    t = ctx.seq_time(raw + item.raw, pairs + item.pairs, d, c)
                     if t <= min(limit, after[k + 1][0] / fine):
                         group.append(item)
                         raw, pairs, padded, time = raw + item.raw, pairs + item.pairs, more, t
@@ -281,7 +297,8 @@ def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> li
             if len(group) == 1:
                 out.append(group[0])
             else:
-                out.append(_Item(ctx, [s for g in group for s in g.seqs], d, c, time, None))
+                out.append(_Item(ctx, [s for g in group for s in g.seqs], d, c, time, None,
+                                 padded))
             if item is not None:
                 group = [item]
                 raw, pairs, padded, time = item.raw, item.pairs, item.padded(ctx, d), item.time
@@ -366,48 +383,66 @@ class _Board:
         task = slot.emptiest.get(size)
         return -math.inf if task is None else slot.length - task.time
 
-    def _room(self, slot: _Slot, size: int) -> float:
+    def _widest_free(self, slot: _Slot) -> int:
+        """The widest size of which the slot has a free group (0: none)."""
+        if slot.free:
+            for d in reversed(self.ctx.vocab.sizes):
+                if _free_block(self.ctx, slot, d) is not None:
+                    return d
+        return 0
+
+    def _room(self, slot: _Slot, size: int, widest: int) -> float:
         """Padded tokens the emptiest task of ``size`` may still take: an item with more fits
         neither the slot's memory (the fewest tokens per rank known not to fit) nor the pack
-        budget (``inf`` while the slot has a free group of that size or a wider one, where
-        `_join` may open a task)."""
-        ctx, task = self.ctx, slot.emptiest.get(size)
-        if task is None or slot.free and any(_free_block(ctx, slot, d) is not None
-                                             for d in ctx.vocab.sizes if d >= size):
+        budget (``inf`` while the slot has a free group of that size or a wider one, ``widest``
+        (`_widest_free`) at least ``size``: `_join` may open a task)."""
+        task = slot.emptiest.get(size)
+        if task is None or widest >= size:
             return math.inf
         room = (slot.local_fits[1] - 1) * size - task.padded
-        return min(room, ctx.pack_tokens - task.padded) if ctx.pack_tokens else room
+        pack = self.ctx.pack_tokens
+        return min(room, pack - task.padded) if pack else room
 
     def add(self, slot: _Slot) -> None:
         """Append a new slot."""
         self.slots.append(slot)
         self.layers.add(slot.recompute_layers)
+        widest = self._widest_free(slot)
         for size, spare in self.spare.items():
             spare.append(self._spare(slot, size))
-            self.room[size].append(self._room(slot, size))
-            self._block(size, len(self.slots) - 1)
+            self.room[size].append(self._room(slot, size, widest))
+            self._block(size, len(self.slots) - 1, -math.inf)
 
-    def changed(self, k: int) -> None:
-        """Slot ``k`` got a task, a sequence or a new length."""
+    def changed(self, k: int, size: Optional[int] = None) -> None:
+        """Slot ``k`` got a task or a new length (every size's entries change), or a sequence
+        packed into its emptiest task of ``size`` (only that size's entries change: the others'
+        rooms may only have shrunk through what the slot learnt does not fit, and an entry may
+        stay too high)."""
         slot = self.slots[k]
-        for size, spare in self.spare.items():
-            spare[k] = self._spare(slot, size)
-            self.room[size][k] = self._room(slot, size)
-            self._block(size, k)
+        widest = self._widest_free(slot)
+        for s, spare in self.spare.items() if size is None else \
+                ((size, self.spare[size]),) if size in self.spare else ():
+            old, spare[k] = spare[k], self._spare(slot, s)
+            self.room[s][k] = self._room(slot, s, widest)
+            self._block(s, k, old)
 
-    def _block(self, size: int, k: int) -> None:
+    def _block(self, size: int, k: int, old: float) -> None:
+        """Keep the maximum of ``k``'s block after its entry changed from ``old``."""
         b, spare, maxes = k // self.BLOCK, self.spare[size], self.block_max[size]
-        top = max(spare[b * self.BLOCK:(b + 1) * self.BLOCK])
+        new = spare[k]
         if b == len(maxes):
-            maxes.append(top)
-        else:
-            maxes[b] = top
+            maxes.append(max(spare[b * self.BLOCK:(b + 1) * self.BLOCK]))
+        elif new >= maxes[b]:
+            maxes[b] = new
+        elif old >= maxes[b]:  # the maximum may have gone down
+            maxes[b] = max(spare[b * self.BLOCK:(b + 1) * self.BLOCK])
 
     def _of(self, size: int) -> tuple[list[float], list[float], list[float]]:
         spare = self.spare.get(size)
         if spare is None:
             spare = self.spare[size] = [self._spare(slot, size) for slot in self.slots]
-            self.room[size] = [self._room(slot, size) for slot in self.slots]
+            self.room[size] = [self._room(slot, size, self._widest_free(slot))
+                               for slot in self.slots]
             self.block_max[size] = [max(spare[i:i + self.BLOCK])
                                     for i in range(0, len(spare), self.BLOCK)]
         return spare, self.room[size], self.block_max[size]
@@ -436,10 +471,12 @@ class _Board:
                 if slot.recompute_layers < layers or (room != math.inf and
                                                       room < need[slot.recompute_layers]):
                     continue
+                opened = len(slot.tasks)
                 if _join(ctx, slot, item, mode):
-                    self.changed(k)
+                    self.changed(k, size if len(slot.tasks) == opened else None)
                     return True
-                rooms[k] = self._room(slot, size)  # it may have learnt what does not fit
+                # it may have learnt what does not fit
+                rooms[k] = self._room(slot, size, self._widest_free(slot))
         return False
 
 
