@@ -40,7 +40,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.memory import BF16
@@ -419,15 +419,27 @@ def _stage0_idle(costs: Sequence[SlotCost], p: int) -> float:
     slots can give, `_largest_cover`)."""
     trip = [(p - 1) * (c.time + 2 * c.p2p) for c in costs]
     by_trip = sorted(range(len(costs)), key=lambda i: (-trip[i], i))
+    ranked = [_ranked(costs, key) for key in (lambda c: c.forward, lambda c: c.backward,
+                                              lambda c: c.time)]
     idle = 0.0
     for q in (1, 2):
         top = by_trip[:(q - 1) * p + 1]
         if len(top) < (q - 1) * p + 1:
             break
         idle = max(idle, min(
-            sum(trip[i] for i in chosen) - _largest_cover(costs, set(chosen), q, p)
+            sum(trip[i] for i in chosen) - _largest_cover(costs, set(chosen), q, p, ranked)
             for chosen in itertools.combinations(top, q)))
     return max(0.0, idle)
+
+
+def _ranked(costs: Sequence[SlotCost], key: Callable[[SlotCost], float]) -> list[int]:
+    """Slot indices by ``key`` of their cost, largest first (ties: lower index first)."""
+    return sorted(range(len(costs)), key=lambda i: (-key(costs[i]), i))
+
+
+def _largest_of(ranked: list[int], count: int, but: set[int]) -> list[int]:
+    """The first ``count`` indices of ``ranked`` that are not in ``but``."""
+    return list(itertools.islice((i for i in ranked if i not in but), count))
 
 
 def _stage0_idle_interleaved(costs: Sequence[SlotCost], p: int, v: int) -> float:
@@ -453,12 +465,12 @@ def _stage0_idle_interleaved(costs: Sequence[SlotCost], p: int, v: int) -> float
     entries apart rather than ``P`` micro-batches, so the pairing argument needs another count."""
     trip = [(p - 1) * (c.time / v + 2 * c.p2p) for c in costs]
     seats, per_slot = 2 * (p - 1), min(2, v)
+    ranked = [_ranked(costs, lambda c: c.forward), _ranked(costs, lambda c: c.backward)]
     idle = 0.0
     for k in sorted(range(len(costs)), key=lambda i: (-trip[i], i))[:TRIPS_TRIED]:
         rest: set[int] = set()  # the 2 x seats largest by forward and by backward: enough
-        for key in (lambda i: costs[i].forward, lambda i: costs[i].backward):
-            rest.update(sorted((i for i in range(len(costs)) if i != k),
-                               key=lambda i: (-key(i), i))[:2 * seats])
+        for order in ranked:
+            rest.update(_largest_of(order, 2 * seats, {k}))
         best = {(0, 0): 0.0}  # (forward chunks, backward chunks) used -> largest cover
         for i in sorted(rest):
             f, b = costs[i].forward / v, costs[i].backward / v
@@ -473,16 +485,17 @@ def _stage0_idle_interleaved(costs: Sequence[SlotCost], p: int, v: int) -> float
     return idle
 
 
-def _largest_cover(costs: Sequence[SlotCost], chosen: set[int], q: int, p: int) -> float:
+def _largest_cover(costs: Sequence[SlotCost], chosen: set[int], q: int, p: int,
+                   ranked: list[list[int]]) -> float:
     """The most work the slots outside ``chosen`` can run inside ``q`` windows (see
     `_stage0_idle`): at most ``q (P - 1)`` backwards and ``q (P - 1)`` forwards, of distinct
     slots except at most ``(q - 1)(P - 1)`` slots that give both. Exact (a small knapsack over
-    the slots that can matter: the ``2 q (P - 1)`` largest by forward, backward and time)."""
+    the slots that can matter: the ``2 q (P - 1)`` largest by forward, backward and time;
+    ``ranked``: every slot in those three orders, `_ranked`)."""
     seats, k = q * (p - 1), 2 * q * (p - 1)
-    rest = [i for i in range(len(costs)) if i not in chosen]
     keep: set[int] = set()
-    for key in (lambda i: costs[i].forward, lambda i: costs[i].backward, lambda i: costs[i].time):
-        keep.update(sorted(rest, key=lambda i: (-key(i), i))[:k])
+    for order in ranked:
+        keep.update(_largest_of(order, k, chosen))
     best = {(0, 0, 0): 0.0}  # (backwards, forwards, both) used -> largest cover
     for i in sorted(keep):
         f, b = costs[i].forward, costs[i].backward
