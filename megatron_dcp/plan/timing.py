@@ -44,6 +44,7 @@ latency). The runtime pads every shard to a multiple of tp (at most tp - 1 token
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
 
@@ -85,20 +86,10 @@ class Terms(NamedTuple):
 _new_terms = tuple.__new__
 
 
-class _Rates(NamedTuple):
-    """Seconds per unit of each term for one (layout, recompute_layers): per local token, per
-    attention pair per rank, or per task. Computed once per task shape, then scaled."""
-
-    gemm: float
-    weights: float
-    attention: float
-    p2p: float
-    p2p_latency: float
-    all_to_all: float
-    all_to_all_latency: float
-    tensor_parallel: float
-    tensor_parallel_latency: float
-    per_token: float
+_Rates = namedtuple("_Rates", [name for name in Terms._fields if name != "per_task"])
+_Rates.__doc__ = """Seconds per unit of each term of `Terms` but ``per_task`` (the same for every
+task) for one (layout, recompute_layers): per local token, per attention pair per rank, or per
+task. Computed once per task shape, then scaled."""
 
 
 @dataclass
