@@ -251,7 +251,7 @@ def simulate_pipeline(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[Co
     the makespan only (no ``peak_bytes``, ``held`` or ``runs``; ``fits`` left True)."""
     seq = _padded([costs[i] for i in (order if order is not None else range(len(costs)))],
                   pipe, cm, padding)
-    p, v, m = pipe.stages, pipe.virtual, len(seq)
+    p, m = pipe.stages, len(seq)
     if m == 0:
         return PipelineResult(0.0, 0.0, 0.0, [0.0] * p, [0.0] * p, True, 0, [[] for _ in range(p)])
     ops = [_device_ops(pipe, s, m) for s in range(p)]
@@ -577,6 +577,29 @@ def best_order(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel
                 improved = True
                 break
     return best[1], best[2]
+
+
+BOUND_SLACK = 1e-9
+"""Relative rounding allowed between `pipeline_lower_bound` and a simulated makespan."""
+
+
+def shortest_candidate(candidates: Sequence[Sequence[SlotCost]], pipe: Pipeline,
+                       padding: Optional[SlotCost] = None) -> int:
+    """The index of the first candidate (the slots of a plan) with the shortest simulated
+    makespan under its best fixed order (`best_order` with ``FIXED_ORDERS``, memory left out).
+    Candidates are simulated by their `pipeline_lower_bound`, least first; once a bound exceeds
+    the best makespan found, that candidate and the rest cannot win and are not simulated."""
+    bounds = [pipeline_lower_bound(0.0, c, pipe, padding) for c in candidates]
+    best: Optional[tuple[float, int]] = None
+    for i in sorted(range(len(candidates)), key=lambda i: (bounds[i], i)):
+        if best is not None and bounds[i] > best[0] * (1 + BOUND_SLACK):
+            break
+        span = best_order(candidates[i], pipe, evaluations=FIXED_ORDERS, padding=padding,
+                          memory=False)[1].makespan_s
+        best = min(best or (span, i), (span, i))
+    if best is None:
+        raise PlanError("no candidate plan to choose from")
+    return best[1]
 
 
 def reorder(plan: Plan, order: Sequence[int], cm: CostModel) -> Plan:

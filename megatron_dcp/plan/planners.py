@@ -23,9 +23,9 @@ from megatron_dcp.plan.dcp import free_candidates
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.pipeline import (FIXED_ORDERS, Pipeline, best_order,
-                                        micro_batch_cost_model, order_slots, padding_cost,
-                                        pipeline_lower_bound, simulate_pipeline, slot_costs, stage_model)
+from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, order_slots,
+                                        padding_cost, shortest_candidate, simulate_pipeline,
+                                        slot_costs, stage_model)
 from megatron_dcp.plan.plan import Plan, PlanError, check_frame_tokens
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary
@@ -40,8 +40,6 @@ Candidate = tuple[float, str, list[Draft]]
 Chooser = Callable[[list[list[Draft]]], int]
 """Picks the DCP contest's winner among the candidates' drafts (its index), instead of the
 shortest makespan (a pipeline's simulated makespan: `_pipeline_chooser`)."""
-BOUND_SLACK = 1e-9
-"""Relative rounding allowed between a pipeline lower bound and a simulated makespan."""
 PIPELINE_MICRO_BATCHES = (1, 2, 4, 8)
 """With pipelines, DCP also tries a token budget per micro-batch of a rank's tokens / (k x P)
 for each k: more, shorter slots shrink the bubble; the shortest simulated pipeline wins."""
@@ -318,23 +316,13 @@ def _pipeline_chooser(cm: CostModel, pipe: Pipeline, policy: str
                       ) -> Callable[[PlanContext, list[int]], Chooser]:
     """The DCP contest's winner with a pipeline: the first candidate with the shortest simulated
     makespan under its best fixed order (`best_order` with ``FIXED_ORDERS``); memory is left
-    out, as every micro-batch was planned within its in-flight share (any order fits).
-    Candidates are simulated by their `pipeline_lower_bound` (least first) and those whose
-    bound exceeds the best makespan found are not simulated: they cannot win."""
+    out, as every micro-batch was planned within its in-flight share (any order fits);
+    `shortest_candidate`."""
     def chooser(ctx: PlanContext, skipped: list[int]) -> Chooser:
         def choose(candidates: list[list[Draft]]) -> int:
             pad = padding_cost(cm, cm.world_size)
-            costs = [slot_costs(to_plan(ctx, drafts, policy, skipped), cm)
-                     for drafts in candidates]
-            bounds = [pipeline_lower_bound(0.0, c, pipe, pad) for c in costs]
-            best: Optional[tuple[float, int]] = None
-            for i in sorted(range(len(costs)), key=lambda i: (bounds[i], i)):
-                if best is not None and bounds[i] > best[0] * (1 + BOUND_SLACK):
-                    break  # this bound and all later ones exceed the best makespan
-                span = best_order(costs[i], pipe, evaluations=FIXED_ORDERS, padding=pad,
-                                  memory=False)[1].makespan_s
-                best = min(best or (span, i), (span, i))
-            return best[1] if best is not None else 0
+            return shortest_candidate([slot_costs(to_plan(ctx, drafts, policy, skipped), cm)
+                                       for drafts in candidates], pipe, pad)
         return choose
     return chooser
 
