@@ -63,7 +63,7 @@ class PlanContext:
         self.padded = cm.padded
         """Tokens of one sequence on a degree after padding (`CostModel.padded`; bound once:
         the planner's inner loops call it hundreds of thousands of times)."""
-        self._times: dict[tuple[int, float, int, int], float] = {}
+        self._times: dict[tuple[int, float, int, int], tuple[float, Layout]] = {}
         self._fits: dict[tuple[int, str], tuple[tuple[int, int], ...]] = {}
         self._pads = [(d, cm.pad_multiple(d)) for d in self.vocab.sizes]
         """(size, padding multiple) of every vocabulary size (`fits`' inner loop)."""
@@ -95,12 +95,24 @@ class PlanContext:
     def seq_time(self, length: int, pairs: float, degree: int, recompute_layers: int) -> float:
         """`TimeModel.best_time` of one sequence (or task) of ``length`` tokens and ``pairs``,
         cached: the passes ask for the same (length, degree, recomputed layers) many times."""
+        return self.seq_best(length, pairs, degree, recompute_layers)[0]
+
+    def seq_best(self, length: int, pairs: float, degree: int, recompute_layers: int
+                 ) -> tuple[float, Layout]:
+        """`TimeModel.best_time` (time and layout), cached as `seq_time` (a draft of a task
+        timed before reads its layout here)."""
         key = (length, pairs, degree, recompute_layers)
-        t = self._times.get(key)
-        if t is None:
-            t = self.cm.time_model.best_time(length, pairs, degree, recompute_layers)[0]
-            self._times[key] = t
-        return t
+        found = self._times.get(key)
+        if found is None:
+            found = self._times[key] = self.cm.time_model.best_time(length, pairs, degree,
+                                                                    recompute_layers)
+        return found
+
+    def keep_best(self, length: int, pairs: float, degree: int, recompute_layers: int,
+                  best: tuple[float, Layout]) -> None:
+        """Record ``best``, what `TimeModel.best_time` returned for these arguments, in the cache
+        of `seq_best` (a planner that timed a task itself)."""
+        self._times[(length, pairs, degree, recompute_layers)] = best
 
     def fits(self, length: int, mode: str) -> tuple[tuple[int, int], ...]:
         """(degree, recomputed layers under ``mode``) of every vocabulary size where a sequence
@@ -136,7 +148,7 @@ class PlanContext:
         tokens = sum(self.lengths[s] for s in seqs)
         pairs = sum(self.pairs[s] for s in seqs)
         if layout is None:
-            duration, layout = self.cm.time_model.best_time(tokens, pairs, degree, recompute_layers)
+            duration, layout = self.seq_best(tokens, pairs, degree, recompute_layers)
         else:
             duration = self.cm.time_model.time_of(tokens, pairs, layout, recompute_layers)
         return Draft(start_rank, degree, list(seqs), recompute_layers, layout, duration, release,

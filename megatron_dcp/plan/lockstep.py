@@ -266,7 +266,7 @@ def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> li
             out.append(item)
         else:
             kinds.setdefault((item.degree, item.recompute_layers), []).append(item)
-    cap = ctx.pack_tokens or math.inf
+    cap, best_time = ctx.pack_tokens or math.inf, ctx.cm.time_model.best_time
     overhead = ctx.cm.time_model.task_overhead
     for (d, c), same in kinds.items():
         same.sort(key=lambda x: (-x.time, x.seqs[0]))
@@ -279,8 +279,8 @@ def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> li
         for k in range(len(same) - 1, -1, -1):
             after[k] = (after[k + 1][0] + max(same[k].time - overhead, 0.0),
                         after[k + 1][1] + same[k].padded(ctx, d))
-        group = [same[0]]
-        raw, pairs, padded, time = same[0].raw, same[0].pairs, same[0].padded(ctx, d), same[0].time
+        group, timed = [same[0]], None
+        raw, pairs, padded = same[0].raw, same[0].pairs, same[0].padded(ctx, d)
         for k in range(1, len(same) + 1):
             item = same[k] if k < len(same) else None
             if item is not None:
@@ -288,20 +288,20 @@ def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> li
                 fine_tokens = more <= cap and more <= min(tokens, after[k + 1][1] / fine)
                 layers = ctx.recompute_for(more, d, mode) if fine_tokens else None
                 if layers is not None and layers <= c:  # timed only where the tokens pass
-                    # (cached: `join_any` asks for the group's time at its layers again)
-                    t = ctx.seq_time(raw + item.raw, pairs + item.pairs, d, c)
-                    if t <= min(limit, after[k + 1][0] / fine):
+                    t = best_time(raw + item.raw, pairs + item.pairs, d, c)
+                    if t[0] <= min(limit, after[k + 1][0] / fine):
                         group.append(item)
-                        raw, pairs, padded, time = raw + item.raw, pairs + item.pairs, more, t
+                        raw, pairs, padded, timed = raw + item.raw, pairs + item.pairs, more, t
                         continue
             if len(group) == 1:
                 out.append(group[0])
-            else:
-                out.append(_Item(ctx, [s for g in group for s in g.seqs], d, c, time, None,
+            else:  # `join_any` and the drafts ask for its time and layout again
+                ctx.keep_best(raw, pairs, d, c, timed)
+                out.append(_Item(ctx, [s for g in group for s in g.seqs], d, c, timed[0], None,
                                  padded))
             if item is not None:
-                group = [item]
-                raw, pairs, padded, time = item.raw, item.pairs, item.padded(ctx, d), item.time
+                group, timed = [item], None
+                raw, pairs, padded = item.raw, item.pairs, item.padded(ctx, d)
     return out
 
 
