@@ -23,7 +23,9 @@ makespan among a few orders that fit memory (short slots first and last where th
 and drains, long ones side by side in the middle where the slots run between a micro-batch's
 forward and backward on stage 0 can cover its trip through the later stages).
 `pipeline_lower_bound`: what no order of the slots beats (the fill and drain, the longest
-micro-batch through every stage, and the wait it imposes on stage 0).
+micro-batch through every stage, and the wait it imposes on stage 0). `shortest_candidate`: the
+DCP contest's winner on the simulated makespan, skipping the candidates whose bound already
+exceeds the best makespan found.
 
 Model simplifications: a forward is ``1 / (3 + c/N)`` of a slot's stage time and the backward the
 rest (the cost model's passes); every stage counts the embedding and the head (the stage shape
