@@ -157,7 +157,7 @@ def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
     # the lockstep passes' own choices under recompute full (timing fewer degrees, issue 21)
     # are degree_choice's: same degree, recomputed layers, time and options per sequence
     from megatron_dcp.plan.choices import SeqChoice, degree_choice, raised
-    from megatron_dcp.plan.lockstep import _full_choices, _raised_all
+    from megatron_dcp.plan.lockstep import _full_choices
     from megatron_dcp.plan.planners import _context
 
     cfg = DCPConfig(hardware=hardware, schedule="lockstep")
@@ -175,8 +175,12 @@ def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
         assert [(c.i, c.degree, c.recompute_layers, c.time, c.fits) for c in up] == \
             [(c.i, c.degree, c.recompute_layers, c.time, c.fits)
              for c in _full_choices(ctx, floor)]
-        assert [(c.degree, c.time, c.fits) for c in _raised_all(ctx, ref, "full", floor)] == \
-            [(c.degree, c.time, c.fits) for c in up]
+        # raised takes the floor where the sequence fits there, else the first wider size
+        for mode in ("auto", "full", "none"):
+            for c in ref:
+                first = next(((d, k) for d, k in ctx.fits(c.length, mode) if d >= floor), None)
+                got = raised(ctx, SeqChoice(c.i, c.length, c.pairs, 1, 0, 0.0), mode, floor)
+                assert (got.degree, got.recompute_layers) == (first or (1, 0))
 
 
 def test_join_any_room_index_skips_only_slots_join_would_refuse(monkeypatch):

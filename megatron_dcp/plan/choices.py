@@ -65,6 +65,11 @@ def raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoic
     """A copy of ``info`` at degree ``floor`` or more (fewer degrees mean less fragmentation)."""
     if info.degree >= floor:
         return info
+    if floor in ctx.vocab.sizes:  # most sequences fit there: the first size of `fits` from it
+        c = ctx.recompute_for(ctx.padded(info.length, floor), floor, mode)
+        if c is not None:
+            return SeqChoice(info.i, info.length, info.pairs, floor, c,
+                             ctx.seq_time(info.length, info.pairs, floor, c))
     for d, c in ctx.fits(info.length, mode):
         if d >= floor:
             return SeqChoice(info.i, info.length, info.pairs, d, c,

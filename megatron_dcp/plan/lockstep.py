@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Iterator, Optional, Sequence
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, MIN_WORK_SAVING, OVERHEAD_TASKS,
@@ -83,9 +85,9 @@ class _Item:
             self.raw = sum(ctx.lengths[s] for s in seqs)
             self.pairs = sum(ctx.pairs[s] for s in seqs)
         self._options: Sequence[tuple[int, int]] = options if options is not None else []
-        self._untried = None if options is not None else \
-            [d for d in ctx.vocab.sizes if d >= degree]
-        """Sizes not yet tested for `options` (``None``: ``_options`` is complete)."""
+        self._untried = None if options is not None else bisect_left(ctx.vocab.sizes, degree)
+        """Index in the vocabulary's sizes of the next size to test for `options` (``None``:
+        ``_options`` is complete)."""
         self._padded: dict[int, int] = {} if padded is None else {degree: padded}
 
     def padded(self, ctx: PlanContext, degree: int) -> int:
@@ -103,13 +105,14 @@ class _Item:
         if self._untried is None:
             yield from self._options
             return
-        k = 0
+        k, sizes = 0, ctx.vocab.sizes
         while True:
             if k < len(self._options):
                 yield self._options[k]
                 k += 1
-            elif self._untried:
-                d = self._untried.pop(0)
+            elif self._untried < len(sizes):
+                d = sizes[self._untried]
+                self._untried += 1
                 c = ctx.recompute_for(self.padded(ctx, d), d, mode)
                 if c is not None:
                     self._options.append((d, c))
@@ -202,20 +205,19 @@ class _Slot:
         self.emptiest[task.degree] = same[heap[0][1]]
 
 
-def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int,
-            memo: dict) -> _Item:
-    """The smallest degree at which the sequence finishes within ``target`` without recompute
-    beyond ``base`` (a deeper slot makes every task in it recompute), else the smallest at which
-    it finishes within ``target``, else the fastest before work grows by `MAX_WORK_GROWTH`.
-    ``memo``: the choices of one pass (the same for every sequence of one length and choice)."""
-    key = (info.length, info.pairs, info.degree, info.recompute_layers, info.time,
-           len(info.fits))  # empty options are filled from the degree on: in the key too
-    found = memo.get(key)
-    if found is None:
-        if not info.fits:
-            fill_options(ctx, info, mode, info.degree)
-        found = memo[key] = _choose_new(ctx, info, target, base)
-    return _Item(ctx, [info.i], *found)
+def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int, floor: int
+            ) -> tuple[bool, int, int, float, Sequence[tuple[int, int]]]:
+    """(whether the sequence is wide or deep, degree, recomputed layers, time, options) of a
+    sequence raised to ``floor`` (`raised`): a short one keeps its choice; a wide or deep one
+    takes the smallest degree at which it finishes within ``target`` without recompute beyond
+    ``base`` (a deeper slot makes every task in it recompute), else the smallest at which it
+    finishes within ``target``, else the fastest before work grows by `MAX_WORK_GROWTH`."""
+    up = raised(ctx, info, mode, floor)
+    if up.degree <= 1 and up.recompute_layers <= base:
+        return False, 1, up.recompute_layers, up.time, ()
+    if not up.fits:
+        fill_options(ctx, up, mode, up.degree)
+    return (True, *_choose_new(ctx, up, target, base))
 
 
 def _choose_new(ctx: PlanContext, info: SeqChoice, target: float, base: int
@@ -274,22 +276,23 @@ def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> li
         # items stay fine enough to fill what the groups leave in every task
         # (time, tokens) the items from k on add to a task (time less its fixed cost): time or
         # memory may bind
-        after, fine = [(0.0, 0)] * (len(same) + 1), TAIL * ctx.world / d
+        fine = TAIL * ctx.world / d
         tokens = GRAIN_TOKENS * d * ctx.cm.memory_model.max_local_tokens(c)
-        for k in range(len(same) - 1, -1, -1):
-            after[k] = (after[k + 1][0] + max(same[k].time - overhead, 0.0),
-                        after[k + 1][1] + same[k].padded(ctx, d))
+        after_time = list(accumulate((max(x.time - overhead, 0.0) for x in reversed(same)),
+                                     initial=0.0))[::-1]
+        after_tokens = list(accumulate((x.padded(ctx, d) for x in reversed(same)),
+                                       initial=0))[::-1]
         group, timed = [same[0]], None
         raw, pairs, padded = same[0].raw, same[0].pairs, same[0].padded(ctx, d)
         for k in range(1, len(same) + 1):
             item = same[k] if k < len(same) else None
             if item is not None:
                 more = padded + item.padded(ctx, d)
-                fine_tokens = more <= cap and more <= min(tokens, after[k + 1][1] / fine)
+                fine_tokens = more <= cap and more <= min(tokens, after_tokens[k + 1] / fine)
                 layers = ctx.recompute_for(more, d, mode) if fine_tokens else None
                 if layers is not None and layers <= c:  # timed only where the tokens pass
                     t = best_time(raw + item.raw, pairs + item.pairs, d, c)
-                    if t[0] <= min(limit, after[k + 1][0] / fine):
+                    if t[0] <= min(limit, after_time[k + 1] / fine):
                         group.append(item)
                         raw, pairs, padded, timed = raw + item.raw, pairs + item.pairs, more, t
                         continue
@@ -568,18 +571,25 @@ def _least_loaded(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode
 
 
 def lockstep_items(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, target: float,
-                   grain: float = 0.0) -> tuple[list[_Item], list[_Item]]:
-    """The wide or deep items (step 1; each sequence's degree chosen by `_choose` for slots of
-    ``target`` seconds) and the short ones (steps 2-3) of a pass, longest first; ``grain`` > 0:
-    wide items of at most ``grain x target`` seconds packed into groups of that length
-    (`_packed`)."""
+                   grain: float = 0.0, floor: int = 1) -> tuple[list[_Item], list[_Item]]:
+    """The wide or deep items (step 1; each sequence raised to ``floor`` and its degree chosen by
+    `_choose` for slots of ``target`` seconds) and the short ones (steps 2-3) of a pass, longest
+    first; ``grain`` > 0: wide items of at most ``grain x target`` seconds packed into groups of
+    that length (`_packed`)."""
     base = ctx.cm.model.num_layers if mode == "full" else 0
     wide, short, memo = [], [], {}
     for info in infos:
-        if info.degree > 1 or info.recompute_layers > base:
-            wide.append(_choose(ctx, info, mode, target, base, memo))
+        # the same for every sequence of one length and choice (empty options are filled from
+        # the degree on: their count is in the key too)
+        key = (info.length, info.pairs, info.degree, info.recompute_layers, info.time,
+               len(info.fits))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = _choose(ctx, info, mode, target, base, floor)
+        if found[0]:
+            wide.append(_Item(ctx, [info.i], *found[1:]))
         else:
-            short.append(_Item(ctx, [info.i], 1, info.recompute_layers, info.time))
+            short.append(_Item(ctx, [info.i], *found[1:4]))
     if grain > 0 and len(wide) > PACK_FROM:
         # groups of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
         wide = _packed(ctx, wide, mode, max(grain * target, OVERHEAD_TASKS *
@@ -745,23 +755,6 @@ def _full_choices(ctx: PlanContext, floor: int = 1) -> list[SeqChoice]:
     return out
 
 
-def _raised_all(ctx: PlanContext, infos: list[SeqChoice], mode: str, floor: int
-                ) -> list[SeqChoice]:
-    """``[raised(ctx, info, mode, floor) for info in infos]``, each length raised once."""
-    out, memo = [], {}
-    for info in infos:
-        if info.degree >= floor:
-            out.append(info)
-            continue
-        found = memo.get((info.length, info.pairs))
-        if found is None:
-            up = raised(ctx, info, mode, floor)
-            found = memo[(info.length, info.pairs)] = () if up is info else \
-                (up.degree, up.recompute_layers, up.time)
-        out.append(SeqChoice(info.i, info.length, info.pairs, *found) if found else info)
-    return out
-
-
 def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
                         longest: float) -> list[tuple[float, str, list[Draft]]]:
     """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
@@ -771,18 +764,18 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
                grain) for floor, factor, recompute, extend, grain in LOCKSTEP_PASSES
               if recompute == "auto" or mode == "auto"]
     candidates = []
-    lifted: dict[tuple[str, int], list[SeqChoice]] = {}  # passes of one floor share the choices
+    full: dict[int, list[SeqChoice]] = {}  # passes of one floor share the choices under full
     made: dict[tuple, tuple[list[_Item], list[_Item]]] = {}  # and their items, of one target
     for floor, factor, recompute, extend, grain in passes_for(ctx, passes):
-        key = (recompute, floor)
-        if key not in lifted:
-            lifted[key] = _full_choices(ctx, floor) if recompute != mode else \
-                _raised_all(ctx, infos, mode, floor) if floor > 1 else infos
-        use = lifted[key]
         target = max(bound * factor, longest)
         key = (recompute, floor, target, grain)
         if key not in made:
-            made[key] = lockstep_items(ctx, use, recompute, target, grain)
+            if recompute == mode:
+                made[key] = lockstep_items(ctx, infos, mode, target, grain, floor)
+            else:
+                if floor not in full:
+                    full[floor] = _full_choices(ctx, floor)
+                made[key] = lockstep_items(ctx, full[floor], recompute, target, grain)
         drafts = lockstep_pass(ctx, made[key], recompute, extend)
         makespan = retime_slots(drafts, ctx.cm)
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
