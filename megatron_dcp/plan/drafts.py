@@ -67,6 +67,13 @@ class PlanContext:
         self._fits: dict[tuple[int, str], tuple[tuple[int, int], ...]] = {}
         self._pads = [(d, cm.pad_multiple(d)) for d in self.vocab.sizes]
         """(size, padding multiple) of every vocabulary size (`fits`' inner loop)."""
+        # the longest sequence that fits every size without recompute / with every layer
+        # recomputed (padded to m on d ranks: ceil(n / m) * m <= d * local), and those fits
+        self._short = {
+            mode: (min(((d * local // m) * m for d, m in self._pads), default=0),
+                   tuple((d, layers) for d, _ in self._pads))
+            for mode, local, layers in (("auto", self._local0, 0), ("none", self._local0, 0),
+                                        ("full", self._local_full, self._layers))}
 
     @property
     def world(self) -> int:
@@ -117,6 +124,9 @@ class PlanContext:
     def fits(self, length: int, mode: str) -> tuple[tuple[int, int], ...]:
         """(degree, recomputed layers under ``mode``) of every vocabulary size where a sequence
         of ``length`` tokens fits, smallest first (cached per length and mode)."""
+        short = self._short.get(mode)
+        if short is not None and length <= short[0]:
+            return short[1]
         key = (length, mode)
         found = self._fits.get(key)
         if found is None:

@@ -100,8 +100,9 @@ class _Item:
 
     def options(self, ctx: PlanContext, mode: str) -> Iterator[tuple[int, int]]:
         """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where
-        it fits (a single sequence's are shared by the items of its length: read only; a packed
-        group's are found one by one as they are asked for: most groups take the first)."""
+        it fits: shared by the items of one length where `_choose` found them (read only), else
+        (a packed group, a sequence that took its first option) found one by one as they are
+        asked for (most items take the first)."""
         if self._untried is None:
             yield from self._options
             return
@@ -216,6 +217,10 @@ def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: i
     if up.degree <= 1 and up.recompute_layers <= base:
         return False, 1, up.recompute_layers, up.time, ()
     if not up.fits:
+        if up.recompute_layers <= base and up.time <= target:
+            # its first option: most sequences of a floor pass (the options are found as an
+            # item asks for them, `_Item.options`)
+            return True, up.degree, up.recompute_layers, up.time, None
         fill_options(ctx, up, mode, up.degree)
     return (True, *_choose_new(ctx, up, target, base))
 
