@@ -38,6 +38,7 @@ from typing import Iterator, Optional, Sequence
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, MIN_WORK_SAVING, OVERHEAD_TASKS,
                                        SeqChoice, fill_options, floor_of, passes_for, raised)
+from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 
 MEMORY_SLACK = 0.9
@@ -74,16 +75,13 @@ class _Item:
     __slots__ = ("seqs", "raw", "pairs", "degree", "recompute_layers", "time", "_options",
                  "_untried", "_padded")
 
-    def __init__(self, ctx: PlanContext, seqs: list[int], degree: int, recompute_layers: int,
-                 time: float, options: Optional[Sequence[tuple[int, int]]] = (),
+    def __init__(self, ctx: PlanContext, seqs: list[int], raw: int, pairs: float, degree: int,
+                 recompute_layers: int, time: float,
+                 options: Optional[Sequence[tuple[int, int]]] = (),
                  padded: Optional[int] = None) -> None:
-        self.seqs, self.degree, self.recompute_layers = seqs, degree, recompute_layers
-        self.time = time
-        if len(seqs) == 1:
-            self.raw, self.pairs = ctx.lengths[seqs[0]], ctx.pairs[seqs[0]]
-        else:
-            self.raw = sum(ctx.lengths[s] for s in seqs)
-            self.pairs = sum(ctx.pairs[s] for s in seqs)
+        self.seqs, self.raw, self.pairs = seqs, raw, pairs
+        """``raw`` and ``pairs``: the sums over ``seqs`` in their order (as a draft sums them)."""
+        self.degree, self.recompute_layers, self.time = degree, recompute_layers, time
         self._options: Sequence[tuple[int, int]] = options if options is not None else []
         self._untried = None if options is not None else bisect_left(ctx.vocab.sizes, degree)
         """Index in the vocabulary's sizes of the next size to test for `options` (``None``:
@@ -124,7 +122,8 @@ class _Item:
 class _Task:
     """A task of a slot being filled: a group of ranks and the sequences packed on it."""
 
-    __slots__ = ("slot", "start", "degree", "index", "seqs", "padded", "raw", "pairs", "time")
+    __slots__ = ("slot", "start", "degree", "index", "seqs", "padded", "raw", "pairs", "time",
+                 "layout", "summed")
 
     def __init__(self, slot: "_Slot", start: int, size: int, index: int) -> None:
         self.slot, self.start, self.degree = slot, start, size
@@ -136,25 +135,35 @@ class _Task:
         self.raw = 0
         self.pairs = 0.0
         self.time = 0.0
+        self.layout: Optional[Layout] = None
+        """The layout of ``time`` (`TimeModel.best_time` at the slot's recomputed layers)."""
+        self.summed = True
+        """Whether ``pairs`` was summed in the order of ``seqs``, one sequence at a time (as a
+        draft sums them: its time and layout are the draft's), not a packed group added to
+        others."""
 
-    def add(self, item: _Item, padded: int, time: float) -> None:
+    def add(self, item: _Item, padded: int, best: tuple[float, Layout]) -> None:
+        """Add ``item``, with the task's padded tokens and `best_time` after it."""
+        if self.seqs and len(item.seqs) > 1:
+            self.summed = False
         self.seqs += item.seqs
         self.padded, self.raw = padded, self.raw + item.raw
         self.pairs += item.pairs
-        self.time = time
+        self.time, self.layout = best
 
-    def with_item(self, ctx: PlanContext, item: _Item, mode: str) -> Optional[tuple[int, float]]:
-        """(padded tokens, time) of the task with ``item`` added; ``None`` if that does not fit
-        the slot's recomputed layers, the pack budget (an item alone may exceed it) or its
-        length."""
+    def with_item(self, ctx: PlanContext, item: _Item, mode: str
+                  ) -> Optional[tuple[int, tuple[float, Layout]]]:
+        """(padded tokens, `best_time`) of the task with ``item`` added; ``None`` if that does
+        not fit the slot's recomputed layers, the pack budget (an item alone may exceed it) or
+        its length."""
         padded = self.padded + item.padded(ctx, self.degree)
         if self.seqs and ctx.pack_tokens and padded > ctx.pack_tokens:
             return None
         if not self.slot.fits(ctx, padded, self.degree, mode):
             return None
-        t = ctx.cm.time_model.best_time(self.raw + item.raw, self.pairs + item.pairs,
-                                        self.degree, self.slot.recompute_layers)[0]
-        return (padded, t) if t <= self.slot.length else None
+        best = ctx.cm.time_model.best_time(self.raw + item.raw, self.pairs + item.pairs,
+                                           self.degree, self.slot.recompute_layers)
+        return (padded, best) if best[0] <= self.slot.length else None
 
 
 @dataclass
@@ -305,8 +314,8 @@ def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> li
                 out.append(group[0])
             else:  # `join_any` and the drafts ask for its time and layout again
                 ctx.keep_best(raw, pairs, d, c, timed)
-                out.append(_Item(ctx, [s for g in group for s in g.seqs], d, c, timed[0], None,
-                                 padded))
+                out.append(_Item(ctx, [s for g in group for s in g.seqs], raw, pairs, d, c,
+                                 timed[0], None, padded))
             if item is not None:
                 group, timed = [item], None
                 raw, pairs, padded = item.raw, item.pairs, item.padded(ctx, d)
@@ -350,7 +359,8 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     for d, c in item.options(ctx, mode):
         if c > slot.recompute_layers:
             continue
-        t = ctx.seq_time(item.raw, item.pairs, d, slot.recompute_layers)
+        best = ctx.seq_best(item.raw, item.pairs, d, slot.recompute_layers)
+        t = best[0]
         if work is None:
             work = d * t
         elif d * t > MAX_WORK_GROWTH * work:
@@ -360,7 +370,7 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
         start = _free_block(ctx, slot, d)
         if start is not None:
             task = _occupy(ctx, slot, start, d)
-            task.add(item, item.padded(ctx, d), t)
+            task.add(item, item.padded(ctx, d), best)
             slot.added(task)
             return True
     return False
@@ -501,8 +511,8 @@ def _extend(ctx: PlanContext, board: _Board, item: _Item, mode: str) -> bool:
         saved, slot.length = slot.length, math.inf
         fit = task.with_item(ctx, item, mode)
         slot.length = saved
-        if fit is not None and (best is None or fit[1] - saved < best[0]):
-            best = (fit[1] - saved, k, task, fit)
+        if fit is not None and (best is None or fit[1][0] - saved < best[0]):
+            best = (fit[1][0] - saved, k, task, fit)
     alone = max(item.time, ctx.cm.time_model.slot_time(item.recompute_layers))
     if best is None or best[0] >= alone:
         return False
@@ -592,9 +602,9 @@ def lockstep_items(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targ
         if found is None:
             found = memo[key] = _choose(ctx, info, mode, target, base, floor)
         if found[0]:
-            wide.append(_Item(ctx, [info.i], *found[1:]))
+            wide.append(_Item(ctx, [info.i], info.length, info.pairs, *found[1:]))
         else:
-            short.append(_Item(ctx, [info.i], *found[1:4]))
+            short.append(_Item(ctx, [info.i], info.length, info.pairs, *found[1:4]))
     if grain > 0 and len(wide) > PACK_FROM:
         # groups of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
         wide = _packed(ctx, wide, mode, max(grain * target, OVERHEAD_TASKS *
@@ -621,7 +631,8 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[_Item], list[_Item]], mode
             layers = item.recompute_layers
             slot = _Slot(layers, max(item.time, cm.time_model.slot_time(layers)), bytearray(world))
             task = _occupy(ctx, slot, _free_block(ctx, slot, item.degree), item.degree)
-            task.add(item, item.padded(ctx, item.degree), item.time)
+            task.add(item, item.padded(ctx, item.degree),
+                     ctx.seq_best(item.raw, item.pairs, item.degree, layers))
             slot.added(task)
             board.add(slot)
     # step 2: short items on the ranks left free and in the wide tasks' spare time (none in
@@ -647,7 +658,9 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[_Item], list[_Item]], mode
     for k, slot in enumerate(s for s in slots if any(t.seqs for t in s.tasks)):
         for t in slot.tasks:
             if t.seqs:
-                draft = ctx.draft(t.start, t.degree, t.seqs, slot.recompute_layers)
+                draft = Draft(t.start, t.degree, list(t.seqs), slot.recompute_layers, t.layout,
+                              t.time, tokens=t.raw, slot=k) if t.summed else \
+                    ctx.draft(t.start, t.degree, t.seqs, slot.recompute_layers)
                 draft.slot = k
                 drafts.append(draft)
     retime_slots(drafts, cm)
