@@ -268,57 +268,64 @@ def _from(fits: Sequence[tuple[int, int]], degree: int) -> Sequence[tuple[int, i
     return ()
 
 
-def _packed(ctx: PlanContext, items: list[_Item], mode: str, limit: float) -> list[_Item]:
-    """Items of one degree and recomputed layers that take at most ``limit`` seconds packed
-    (next-fit, longest first) into groups of up to ``limit`` seconds that fit memory at those
-    layers (and ``pack_tokens``, and the bounds of `GRAIN_TOKENS` and `TAIL`), as the free passes
-    pack: a group joins a slot in one step where its sequences would take one each (a floor pass
-    raises thousands of short sequences to one node's ranks). Longer items, and groups of one,
-    are returned as they were."""
+_Row = tuple  # (-time, sequence, length, pairs, `_choose`'s choice): a wide sequence, sortable
+
+
+def _single(ctx: PlanContext, row: _Row) -> _Item:
+    """The item of one wide sequence."""
+    return _Item(ctx, [row[1]], row[2], row[3], *row[4][1:])
+
+
+def _packed(ctx: PlanContext, rows: list[_Row], mode: str, limit: float) -> list[_Item]:
+    """Wide sequences (``rows``, longest first) of one degree and recomputed layers that take at
+    most ``limit`` seconds packed (next-fit, longest first) into groups of up to ``limit``
+    seconds that fit memory at those layers (and ``pack_tokens``, and the bounds of
+    `GRAIN_TOKENS` and `TAIL`), as the free passes pack: a group joins a slot in one step where
+    its sequences would take one each (a floor pass raises thousands of short sequences to one
+    node's ranks). Longer sequences, and groups of one, are items of their own."""
     out: list[_Item] = []
-    kinds: dict[tuple[int, int], list[_Item]] = {}
-    for item in items:
-        if item.time > limit:
-            out.append(item)
-        else:
-            kinds.setdefault((item.degree, item.recompute_layers), []).append(item)
+    kinds: dict[tuple[int, int], list[_Row]] = {}
+    for row in rows:
+        if row[4][3] > limit:
+            out.append(_single(ctx, row))
+        else:  # each kind's rows stay longest first
+            kinds.setdefault(row[4][1:3], []).append(row)
     cap, best_time = ctx.pack_tokens or math.inf, ctx.cm.time_model.best_time
     overhead = ctx.cm.time_model.task_overhead
     for (d, c), same in kinds.items():
-        same.sort(key=lambda x: (-x.time, x.seqs[0]))
         # a group is at most 1 / (TAIL x groups of d in a slot) of the work after it: the last
         # items stay fine enough to fill what the groups leave in every task
         # (time, tokens) the items from k on add to a task (time less its fixed cost): time or
         # memory may bind
         fine = TAIL * ctx.world / d
         tokens = GRAIN_TOKENS * d * ctx.cm.memory_model.max_local_tokens(c)
-        after_time = list(accumulate((max(x.time - overhead, 0.0) for x in reversed(same)),
+        pads = [ctx.padded(row[2], d) for row in same]
+        after_time = list(accumulate((max(row[4][3] - overhead, 0.0) for row in reversed(same)),
                                      initial=0.0))[::-1]
-        after_tokens = list(accumulate((x.padded(ctx, d) for x in reversed(same)),
-                                       initial=0))[::-1]
+        after_tokens = list(accumulate(reversed(pads), initial=0))[::-1]
         group, timed = [same[0]], None
-        raw, pairs, padded = same[0].raw, same[0].pairs, same[0].padded(ctx, d)
+        raw, pairs, padded = same[0][2], same[0][3], pads[0]
         for k in range(1, len(same) + 1):
-            item = same[k] if k < len(same) else None
-            if item is not None:
-                more = padded + item.padded(ctx, d)
+            row = same[k] if k < len(same) else None
+            if row is not None:
+                more = padded + pads[k]
                 fine_tokens = more <= cap and more <= min(tokens, after_tokens[k + 1] / fine)
                 layers = ctx.recompute_for(more, d, mode) if fine_tokens else None
                 if layers is not None and layers <= c:  # timed only where the tokens pass
-                    t = best_time(raw + item.raw, pairs + item.pairs, d, c)
+                    t = best_time(raw + row[2], pairs + row[3], d, c)
                     if t[0] <= min(limit, after_time[k + 1] / fine):
-                        group.append(item)
-                        raw, pairs, padded, timed = raw + item.raw, pairs + item.pairs, more, t
+                        group.append(row)
+                        raw, pairs, padded, timed = raw + row[2], pairs + row[3], more, t
                         continue
             if len(group) == 1:
-                out.append(group[0])
+                out.append(_single(ctx, group[0]))
             else:  # `join_any` and the drafts ask for its time and layout again
                 ctx.keep_best(raw, pairs, d, c, timed)
-                out.append(_Item(ctx, [s for g in group for s in g.seqs], raw, pairs, d, c,
-                                 timed[0], None, padded))
-            if item is not None:
-                group, timed = [item], None
-                raw, pairs, padded = item.raw, item.pairs, item.padded(ctx, d)
+                out.append(_Item(ctx, [g[1] for g in group], raw, pairs, d, c, timed[0], None,
+                                 padded))
+            if row is not None:
+                group, timed = [row], None
+                raw, pairs, padded = row[2], row[3], pads[k]
     return out
 
 
@@ -592,7 +599,7 @@ def lockstep_items(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targ
     first; ``grain`` > 0: wide items of at most ``grain x target`` seconds packed into groups of
     that length (`_packed`)."""
     base = ctx.cm.model.num_layers if mode == "full" else 0
-    wide, short, memo = [], [], {}
+    rows, short, memo = [], [], {}
     for info in infos:
         # the same for every sequence of one length and choice (empty options are filled from
         # the degree on: their count is in the key too)
@@ -602,14 +609,17 @@ def lockstep_items(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targ
         if found is None:
             found = memo[key] = _choose(ctx, info, mode, target, base, floor)
         if found[0]:
-            wide.append(_Item(ctx, [info.i], info.length, info.pairs, *found[1:]))
+            rows.append((-found[3], info.i, info.length, info.pairs, found))
         else:
             short.append(_Item(ctx, [info.i], info.length, info.pairs, *found[1:4]))
-    if grain > 0 and len(wide) > PACK_FROM:
+    rows.sort()  # longest first (then by sequence: the rows differ there)
+    if grain > 0 and len(rows) > PACK_FROM:
         # groups of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
-        wide = _packed(ctx, wide, mode, max(grain * target, OVERHEAD_TASKS *
+        wide = _packed(ctx, rows, mode, max(grain * target, OVERHEAD_TASKS *
                                             ctx.cm.time_model.task_overhead))
-    wide.sort(key=lambda x: (-x.time, x.seqs[0]))
+        wide.sort(key=lambda x: (-x.time, x.seqs[0]))
+    else:
+        wide = [_single(ctx, row) for row in rows]
     short.sort(key=lambda x: (-x.time, x.seqs[0]))
     return wide, short
 
