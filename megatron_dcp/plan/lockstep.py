@@ -34,7 +34,7 @@ import math
 from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, MIN_WORK_SAVING, OVERHEAD_TASKS,
                                        SeqChoice, fill_options, floor_of, passes_for, raised)
@@ -96,27 +96,25 @@ class _Item:
                 else ctx.padded_tokens(self.seqs, degree)
         return found
 
-    def options(self, ctx: PlanContext, mode: str) -> Iterator[tuple[int, int]]:
-        """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where
-        it fits: shared by the items of one length where `_choose` found them (read only), else
-        (a packed group, a sequence that took its first option) found one by one as they are
-        asked for (most items take the first)."""
-        if self._untried is None:
-            yield from self._options
-            return
-        k, sizes = 0, ctx.vocab.sizes
-        while True:
-            if k < len(self._options):
-                yield self._options[k]
-                k += 1
-            elif self._untried < len(sizes):
+    def option(self, ctx: PlanContext, mode: str, k: int) -> Optional[tuple[int, int]]:
+        """The ``k``-th (degree, fewest recomputed layers) of the vocabulary sizes from
+        ``degree`` on where the item fits (``None`` past the last): shared by the items of one
+        length where `_choose` found them (read only), else (a packed group, a sequence that
+        took its first option) found one by one as they are asked for (most take the first)."""
+        found = self._options
+        if k < len(found):
+            return found[k]
+        if self._untried is not None:
+            sizes = ctx.vocab.sizes
+            while k >= len(found) and self._untried < len(sizes):
                 d = sizes[self._untried]
                 self._untried += 1
                 c = ctx.recompute_for(self.padded(ctx, d), d, mode)
                 if c is not None:
-                    self._options.append((d, c))
-            else:
-                return
+                    found.append((d, c))
+            if k < len(found):
+                return found[k]
+        return None
 
 
 class _Task:
@@ -228,7 +226,7 @@ def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: i
     if not up.fits:
         if up.recompute_layers <= base and up.time <= target:
             # its first option: most sequences of a floor pass (the options are found as an
-            # item asks for them, `_Item.options`)
+            # item asks for them, `_Item.option`)
             return True, up.degree, up.recompute_layers, up.time, None
         fill_options(ctx, up, mode, up.degree)
     return (True, *_choose_new(ctx, up, target, base))
@@ -336,7 +334,7 @@ def _free_block(ctx: PlanContext, slot: _Slot, size: int) -> Optional[int]:
     busy, starts = slot.busy, ctx.vocab.starts(size)
     for k in range(slot.next_block.get(size, 0), len(starts)):
         start = starts[k]
-        if not any(busy[start:start + size]):
+        if busy.find(1, start, start + size) < 0:  # no busy rank in the group
             slot.next_block[size] = k  # ranks only get busier: the groups before stay busy
             return start
     slot.no_block.add(size)
@@ -362,8 +360,10 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
             return True
     if not slot.free:  # no free group of any size
         return False
-    work = None
-    for d, c in item.options(ctx, mode):
+    work, k = None, 0
+    while (found := item.option(ctx, mode, k)) is not None:
+        d, c = found
+        k += 1
         if c > slot.recompute_layers:
             continue
         best = ctx.seq_best(item.raw, item.pairs, d, slot.recompute_layers)
@@ -664,13 +664,14 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[_Item], list[_Item]], mode
             slots.append(slot)
             new += [_occupy(ctx, slot, r, 1) for r in range(world)]
         left = _least_loaded(ctx, new, _fill(ctx, new, left, mode), mode)
-    drafts = []
-    for k, slot in enumerate(s for s in slots if any(t.seqs for t in s.tasks)):
+    drafts: list[Draft] = []
+    for slot in slots:  # slots without a sequence are dropped (and not counted)
+        k, layers = (drafts[-1].slot + 1 if drafts else 0), slot.recompute_layers
         for t in slot.tasks:
-            if t.seqs:
-                draft = Draft(t.start, t.degree, list(t.seqs), slot.recompute_layers, t.layout,
-                              t.time, tokens=t.raw, slot=k) if t.summed else \
-                    ctx.draft(t.start, t.degree, t.seqs, slot.recompute_layers)
+            if t.seqs:  # the task's own list: a draft may keep it
+                draft = Draft(t.start, t.degree, t.seqs, layers, t.layout, t.time,
+                              tokens=t.raw) if t.summed else \
+                    ctx.draft(t.start, t.degree, t.seqs, layers)
                 draft.slot = k
                 drafts.append(draft)
     retime_slots(drafts, cm)
