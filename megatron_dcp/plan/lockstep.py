@@ -149,12 +149,12 @@ class _Task:
         self.pairs += item.pairs
         self.time, self.layout = best
 
-    def with_item(self, ctx: PlanContext, item: _Item, mode: str
+    def with_item(self, ctx: PlanContext, item: _Item, tokens: int, mode: str
                   ) -> Optional[tuple[int, tuple[float, Layout]]]:
-        """(padded tokens, `best_time`) of the task with ``item`` added; ``None`` if that does
-        not fit the slot's recomputed layers, the pack budget (an item alone may exceed it) or
-        its length."""
-        padded = self.padded + item.padded(ctx, self.degree)
+        """(padded tokens, `best_time`) of the task with ``item`` (``tokens`` after padding at
+        the task's degree) added; ``None`` if that does not fit the slot's recomputed layers,
+        the pack budget (an item alone may exceed it) or its length."""
+        padded = self.padded + tokens
         if self.seqs and ctx.pack_tokens and padded > ctx.pack_tokens:
             return None
         if not self.slot.fits(ctx, padded, self.degree, mode):
@@ -348,12 +348,12 @@ def _join(ctx: PlanContext, slot: _Slot, item: _Item, mode: str) -> bool:
     size = item.degree
     # packing adds at least the item's time less the fixed per-task cost; a task whose tokens
     # per rank with the item's are known not to fit is passed over before any timing
-    task = slot.emptiest.get(size)
-    if task is not None and -(-(task.padded + item.padded(ctx, size)) // size) < \
-            slot.local_fits[1] and slot.length - task.time >= \
-            ctx.seq_time(item.raw, item.pairs, size, slot.recompute_layers) - \
+    task, tokens = slot.emptiest.get(size), item.padded(ctx, size)
+    if task is not None and -(-(task.padded + tokens) // size) < slot.local_fits[1] and \
+            slot.length - task.time >= ctx.seq_time(item.raw, item.pairs, size,
+                                                     slot.recompute_layers) - \
             ctx.cm.time_model.task_overhead:
-        fit = task.with_item(ctx, item, mode)
+        fit = task.with_item(ctx, item, tokens, mode)
         if fit is not None:
             task.add(item, *fit)
             slot.added(task)
@@ -516,7 +516,7 @@ def _extend(ctx: PlanContext, board: _Board, item: _Item, mode: str) -> bool:
                 -(-(task.padded + padded) // size) >= slot.local_fits[1]:  # known not to fit
             continue
         saved, slot.length = slot.length, math.inf
-        fit = task.with_item(ctx, item, mode)
+        fit = task.with_item(ctx, item, padded, mode)
         slot.length = saved
         if fit is not None and (best is None or fit[1][0] - saved < best[0]):
             best = (fit[1][0] - saved, k, task, fit)
@@ -551,20 +551,22 @@ def _fill(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode: str) -
     heapq.heapify(heap)
     left = []
     for item in items:
-        tried, placed = [], False
+        tried, placed = [], False  # entries are distinct: the heap's order is theirs alone
         while heap and len(tried) < 4:
-            entry = heapq.heappop(heap)
-            tried.append(entry)
-            task = tasks[entry[1]]
+            k = heap[0][1]
+            task = tasks[k]
             size = task.degree
-            if -(-(task.padded + item.padded(ctx, size)) // size) >= task.slot.local_fits[1]:
-                continue  # known not to fit the slot's memory: `with_item` would refuse it
-            fit = task.with_item(ctx, item, mode)
-            if fit is not None:
-                task.add(item, *fit)
-                tried[-1] = (task.time - task.slot.length, entry[1])
-                placed = True
-                break
+            padded = item.padded(ctx, size)
+            # (known not to fit the slot's memory: `with_item` would refuse it)
+            fit = None if -(-(task.padded + padded) // size) >= task.slot.local_fits[1] else \
+                task.with_item(ctx, item, padded, mode)
+            if fit is None:
+                tried.append(heapq.heappop(heap))
+                continue
+            task.add(item, *fit)
+            heapq.heapreplace(heap, (task.time - task.slot.length, k))
+            placed = True
+            break
         for entry in tried:
             heapq.heappush(heap, entry)
         if not placed:
@@ -581,7 +583,7 @@ def _least_loaded(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode
     for item in items:
         for task in sorted(tasks, key=lambda t: t.time)[:4]:
             saved, task.slot.length = task.slot.length, float("inf")
-            fit = task.with_item(ctx, item, mode)
+            fit = task.with_item(ctx, item, item.padded(ctx, task.degree), mode)
             task.slot.length = saved
             if fit is not None:
                 task.add(item, *fit)
