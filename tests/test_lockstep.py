@@ -165,16 +165,17 @@ def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
     ctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
     ref = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
     degree_choice(ctx, ref, "full")
-    got = _full_choices(ctx)
-    assert [(c.i, c.degree, c.recompute_layers, c.time, c.fits) for c in got] == \
-        [(c.i, c.degree, c.recompute_layers, c.time, c.fits) for c in ref]
+    lift = _full_choices(ctx)
+    got = [lift(SeqChoice(c.i, c.length, c.pairs)) for c in ref]
+    assert [(c.degree, c.recompute_layers, c.time, c.fits) for c in got] == \
+        [(c.degree, c.recompute_layers, c.time, c.fits) for c in ref]
     assert len({c.degree for c in got}) > 1
     # with a degree floor: the choices raised to it, without timing the degrees below it
     for floor in (2, 4, 8, 16):
         up = [raised(ctx, c, "full", floor) for c in ref]
-        assert [(c.i, c.degree, c.recompute_layers, c.time, c.fits) for c in up] == \
-            [(c.i, c.degree, c.recompute_layers, c.time, c.fits)
-             for c in _full_choices(ctx, floor)]
+        lift = _full_choices(ctx, floor)
+        assert [(c.degree, c.recompute_layers, c.time, c.fits) for c in up] == \
+            [(lift(c).degree, lift(c).recompute_layers, lift(c).time, lift(c).fits) for c in ref]
         # raised takes the floor where the sequence fits there, else the first wider size
         for mode in ("auto", "full", "none"):
             for c in ref:

@@ -34,7 +34,7 @@ import math
 from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, MIN_WORK_SAVING, OVERHEAD_TASKS,
                                        SeqChoice, fill_options, floor_of, passes_for, raised)
@@ -213,14 +213,16 @@ class _Slot:
         self.emptiest[task.degree] = same[heap[0][1]]
 
 
-def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int, floor: int
+def _choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int,
+            lift: Callable[[SeqChoice], SeqChoice]
             ) -> tuple[bool, int, int, float, Sequence[tuple[int, int]]]:
     """(whether the sequence is wide or deep, degree, recomputed layers, time, options) of a
-    sequence raised to ``floor`` (`raised`): a short one keeps its choice; a wide or deep one
-    takes the smallest degree at which it finishes within ``target`` without recompute beyond
-    ``base`` (a deeper slot makes every task in it recompute), else the smallest at which it
-    finishes within ``target``, else the fastest before work grows by `MAX_WORK_GROWTH`."""
-    up = raised(ctx, info, mode, floor)
+    sequence at its pass's choice (``lift``: raised to the pass's floor, or under recompute
+    ``full``): a short one keeps that choice; a wide or deep one takes the smallest degree at
+    which it finishes within ``target`` without recompute beyond ``base`` (a deeper slot makes
+    every task in it recompute), else the smallest at which it finishes within ``target``, else
+    the fastest before work grows by `MAX_WORK_GROWTH`."""
+    up = lift(info)
     if up.degree <= 1 and up.recompute_layers <= base:
         return False, 1, up.recompute_layers, up.time, ()
     if not up.fits:
@@ -400,6 +402,14 @@ class _Board:
         self.block_max: dict[int, list[float]] = {}
         self.layers: set[int] = set()
         """Recomputed layers of the slots."""
+        self._slot_times: dict[int, float] = {}
+
+    def slot_time(self, layers: int) -> float:
+        """`TimeModel.slot_time` (cached: `_extend` asks for it for every item)."""
+        found = self._slot_times.get(layers)
+        if found is None:
+            found = self._slot_times[layers] = self.ctx.cm.time_model.slot_time(layers)
+        return found
 
     @staticmethod
     def _spare(slot: _Slot, size: int) -> float:
@@ -520,7 +530,7 @@ def _extend(ctx: PlanContext, board: _Board, item: _Item, mode: str) -> bool:
         slot.length = saved
         if fit is not None and (best is None or fit[1][0] - saved < best[0]):
             best = (fit[1][0] - saved, k, task, fit)
-    alone = max(item.time, ctx.cm.time_model.slot_time(item.recompute_layers))
+    alone = max(item.time, board.slot_time(item.recompute_layers))
     if best is None or best[0] >= alone:
         return False
     _, k, task, fit = best
@@ -595,11 +605,14 @@ def _least_loaded(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode
 
 
 def lockstep_items(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, target: float,
-                   grain: float = 0.0, floor: int = 1) -> tuple[list[_Item], list[_Item]]:
-    """The wide or deep items (step 1; each sequence raised to ``floor`` and its degree chosen by
-    `_choose` for slots of ``target`` seconds) and the short ones (steps 2-3) of a pass, longest
-    first; ``grain`` > 0: wide items of at most ``grain x target`` seconds packed into groups of
-    that length (`_packed`)."""
+                   grain: float = 0.0, lift: Optional[Callable[[SeqChoice], SeqChoice]] = None
+                   ) -> tuple[list[_Item], list[_Item]]:
+    """The wide or deep items (step 1; each sequence at its choice for the pass, ``lift`` of its
+    `degree_choice` (``None``: that choice), and its degree chosen by `_choose` for slots of
+    ``target`` seconds) and the short ones (steps 2-3) of a pass, longest first; ``grain`` > 0:
+    wide items of at most ``grain x target`` seconds packed into groups of that length
+    (`_packed`)."""
+    lift = lift or (lambda info: info)
     base = ctx.cm.model.num_layers if mode == "full" else 0
     rows, short, memo = [], [], {}
     for info in infos:
@@ -609,7 +622,7 @@ def lockstep_items(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, targ
                len(info.fits))
         found = memo.get(key)
         if found is None:
-            found = memo[key] = _choose(ctx, info, mode, target, base, floor)
+            found = memo[key] = _choose(ctx, info, mode, target, base, lift)
         if found[0]:
             rows.append((-found[3], info.i, info.length, info.pairs, found))
         else:
@@ -641,7 +654,7 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[_Item], list[_Item]], mode
                 not (extend and _extend(ctx, board, item, mode)):
             # a slot bound by ZeRO's traffic has room for more work at no cost
             layers = item.recompute_layers
-            slot = _Slot(layers, max(item.time, cm.time_model.slot_time(layers)), bytearray(world))
+            slot = _Slot(layers, max(item.time, board.slot_time(layers)), bytearray(world))
             task = _occupy(ctx, slot, _free_block(ctx, slot, item.degree), item.degree)
             task.add(item, item.padded(ctx, item.degree),
                      ctx.seq_best(item.raw, item.pairs, item.degree, layers))
@@ -705,20 +718,23 @@ def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
     return out
 
 
-def _least_work(ctx: PlanContext, fits: tuple[tuple[int, int], ...], cache: dict) -> list[float]:
+def _least_work(ctx: PlanContext, fits: tuple[tuple[int, int], ...], floor: int, cache: dict
+                ) -> tuple[list[float], int]:
     """Per option ``k`` of ``fits`` (and ``inf`` after the last), the least work any option from
     the ``k``-th on can have under recompute ``full``: ranks x the time of an empty task (weights,
-    latencies, per-task cost; every other term of a task's time is positive). Cached per
-    ``fits``."""
-    least = cache.get(fits)
-    if least is None:
+    latencies, per-task cost; every other term of a task's time is positive); and the first
+    option at ``floor`` or wider (0 if none). Cached per ``fits`` (kept alive by the context's
+    cache: their ids are theirs)."""
+    found = cache.get(id(fits))
+    if found is None:
         tm = ctx.cm.time_model
         least = [d * min(tm.time_of(0, 0.0, lay, c) for lay in ctx.cm.layouts(d))
                  for d, c in fits] + [math.inf]
         for k in range(len(fits) - 1, -1, -1):
             least[k] = min(least[k], least[k + 1])
-        cache[fits] = least
-    return least
+        found = cache[id(fits)] = (least, next((k for k, f in enumerate(fits) if f[0] >= floor),
+                                               0))
+    return found
 
 
 def _full_choice(ctx: PlanContext, n: int, pairs: float, fits: tuple[tuple[int, int], ...],
@@ -755,35 +771,34 @@ def _below(ctx: PlanContext, n: int, pairs: float, fits: tuple[tuple[int, int], 
     return True
 
 
-def _full_choices(ctx: PlanContext, floor: int = 1) -> list[SeqChoice]:
-    """The active sequences' choices of `degree_choice` under recompute ``full`` (the same
-    degrees, options and times; tests/test_lockstep.py compares them), raised to ``floor``
-    (`raised`), faster: every degree recomputes every layer, so a wider degree is timed only
-    while a lower bound of its work (`_least_work`) could still undercut the work chosen, and a
-    choice that stays below ``floor`` (`_below`: most short sequences) is not found at all."""
-    chosen: dict[tuple[int, float], tuple] = {}
+def _full_choices(ctx: PlanContext, floor: int = 1) -> Callable[[SeqChoice], SeqChoice]:
+    """A sequence's choice of `degree_choice` under recompute ``full`` (the same degree, options
+    and time; tests/test_lockstep.py compares them), raised to ``floor`` (`raised`), found once
+    per length (one choice shared by the sequences of a length: `_choose` reads it), faster:
+    every degree recomputes every layer, so a wider degree is timed only while a lower bound of
+    its work (`_least_work`) could still undercut the work chosen, and a choice that stays below
+    ``floor`` (`_below`: most short sequences) is not found at all."""
+    chosen: dict[tuple[int, float], SeqChoice] = {}
     cache: dict = {}
-    out = []
-    for i in ctx.active:
-        n, pairs = ctx.lengths[i], ctx.pairs[i]
-        fits = ctx.fits(n, "full")
+
+    def lift(info: SeqChoice) -> SeqChoice:
+        n, pairs = info.length, info.pairs
         found = chosen.get((n, pairs))
-        if found is None:  # (degree, recomputed layers, time, whether the options are kept)
-            least = _least_work(ctx, fits, cache)
-            k0 = next((k for k, f in enumerate(fits) if f[0] >= floor), 0)
+        if found is None:
+            fits = ctx.fits(n, "full")
+            least, k0 = _least_work(ctx, fits, floor, cache)
             if k0 and _below(ctx, n, pairs, fits, least, k0):
                 d, c = fits[k0]
-                found = (d, c, ctx.seq_time(n, pairs, d, c), False)
+                found = SeqChoice(info.i, n, pairs, d, c, ctx.seq_time(n, pairs, d, c))
             else:
-                info = SeqChoice(i, n, pairs, *_full_choice(ctx, n, pairs, fits, least))
-                up = raised(ctx, info, "full", floor)
-                found = (up.degree, up.recompute_layers, up.time, up is info)
+                choice = SeqChoice(info.i, n, pairs, *_full_choice(ctx, n, pairs, fits, least))
+                found = raised(ctx, choice, "full", floor)
+                if found is choice:
+                    found.fits = list(fits)
             chosen[(n, pairs)] = found
-        info = SeqChoice(i, n, pairs, *found[:3])
-        if found[3]:
-            info.fits = list(fits)
-        out.append(info)
-    return out
+        return found
+
+    return lift
 
 
 def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
@@ -795,18 +810,17 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
                grain) for floor, factor, recompute, extend, grain in LOCKSTEP_PASSES
               if recompute == "auto" or mode == "auto"]
     candidates = []
-    full: dict[int, list[SeqChoice]] = {}  # passes of one floor share the choices under full
+    lifts: dict[tuple[str, int], Callable] = {}  # passes of one floor share the choices
     made: dict[tuple, tuple[list[_Item], list[_Item]]] = {}  # and their items, of one target
     for floor, factor, recompute, extend, grain in passes_for(ctx, passes):
         target = max(bound * factor, longest)
         key = (recompute, floor, target, grain)
         if key not in made:
-            if recompute == mode:
-                made[key] = lockstep_items(ctx, infos, mode, target, grain, floor)
-            else:
-                if floor not in full:
-                    full[floor] = _full_choices(ctx, floor)
-                made[key] = lockstep_items(ctx, full[floor], recompute, target, grain)
+            if (recompute, floor) not in lifts:
+                lifts[(recompute, floor)] = _full_choices(ctx, floor) if recompute != mode else \
+                    (lambda info, floor=floor: raised(ctx, info, mode, floor))
+            made[key] = lockstep_items(ctx, infos, recompute, target, grain,
+                                       lifts[(recompute, floor)])
         drafts = lockstep_pass(ctx, made[key], recompute, extend)
         makespan = retime_slots(drafts, ctx.cm)
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
