@@ -185,6 +185,9 @@ class _Slot:
     """Per size, the index into the vocabulary's starts before which every group is busy."""
     free: int = -1
     """Ranks without a task (-1: all of ``busy``; kept by `_occupy`)."""
+    widest: int = -1
+    """Index in the vocabulary's sizes above which no size has a free group (-1: not known
+    yet; ranks only get busier: `_Board._widest_free` resumes from it)."""
     local_fits: list[int] = field(default_factory=lambda: [0, 1 << 62])
     """Most tokens per rank known to fit at the slot's recomputed layers, fewest known not to
     (memory grows with them: tokens in between are asked of the cost model, once)."""
@@ -420,11 +423,14 @@ class _Board:
 
     def _widest_free(self, slot: _Slot) -> int:
         """The widest size of which the slot has a free group (0: none)."""
-        if slot.free:
-            for d in reversed(self.ctx.vocab.sizes):
-                if _free_block(self.ctx, slot, d) is not None:
-                    return d
-        return 0
+        if not slot.free:
+            return 0
+        sizes = self.ctx.vocab.sizes
+        k = slot.widest if slot.widest >= 0 else len(sizes) - 1
+        while k >= 0 and _free_block(self.ctx, slot, sizes[k]) is None:
+            k -= 1
+        slot.widest = max(k, 0)
+        return sizes[k] if k >= 0 else 0
 
     def _room(self, slot: _Slot, size: int, widest: int) -> float:
         """Padded tokens the emptiest task of ``size`` may still take: an item with more fits
