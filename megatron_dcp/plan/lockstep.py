@@ -610,29 +610,26 @@ def _least_loaded(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode
     return left
 
 
-def lockstep_items(ctx: PlanContext, infos: Sequence[SeqChoice], mode: str, target: float,
-                   grain: float = 0.0, lift: Optional[Callable[[SeqChoice], SeqChoice]] = None
+def lockstep_items(ctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode: str,
+                   target: float, grain: float = 0.0,
+                   lift: Optional[Callable[[SeqChoice], SeqChoice]] = None
                    ) -> tuple[list[_Item], list[_Item]]:
     """The wide or deep items (step 1; each sequence at its choice for the pass, ``lift`` of its
     `degree_choice` (``None``: that choice), and its degree chosen by `_choose` for slots of
     ``target`` seconds) and the short ones (steps 2-3) of a pass, longest first; ``grain`` > 0:
     wide items of at most ``grain x target`` seconds packed into groups of that length
-    (`_packed`)."""
+    (`_packed`). ``same``: the sequences' `degree_choice` grouped by length and choice (one
+    `_choose` per group: the same for each)."""
     lift = lift or (lambda info: info)
     base = ctx.cm.model.num_layers if mode == "full" else 0
-    rows, short, memo = [], [], {}
-    for info in infos:
-        # the same for every sequence of one length and choice (empty options are filled from
-        # the degree on: their count is in the key too)
-        key = (info.length, info.pairs, info.degree, info.recompute_layers, info.time,
-               len(info.fits))
-        found = memo.get(key)
-        if found is None:
-            found = memo[key] = _choose(ctx, info, mode, target, base, lift)
+    rows, short = [], []
+    for group in same:
+        found = _choose(ctx, group[0], mode, target, base, lift)
         if found[0]:
-            rows.append((-found[3], info.i, info.length, info.pairs, found))
+            rows += [(-found[3], info.i, info.length, info.pairs, found) for info in group]
         else:
-            short.append(_Item(ctx, [info.i], info.length, info.pairs, *found[1:4]))
+            short += [_Item(ctx, [info.i], info.length, info.pairs, *found[1:4])
+                      for info in group]
     rows.sort()  # longest first (then by sequence: the rows differ there)
     if grain > 0 and len(rows) > PACK_FROM:
         # groups of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
@@ -815,6 +812,13 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
     passes = [(floor_of(ctx, floor), factor, mode if recompute == "auto" else recompute, extend,
                grain) for floor, factor, recompute, extend, grain in LOCKSTEP_PASSES
               if recompute == "auto" or mode == "auto"]
+    # one choice per pass for the sequences of one length and `degree_choice` (an empty options
+    # list is filled from the degree on by `_choose`: the same choice either way)
+    groups: dict[tuple, list[SeqChoice]] = {}
+    for info in infos:
+        groups.setdefault((info.length, info.pairs, info.degree, info.recompute_layers,
+                           info.time, len(info.fits)), []).append(info)
+    same = list(groups.values())
     candidates = []
     lifts: dict[tuple[str, int], Callable] = {}  # passes of one floor share the choices
     made: dict[tuple, tuple[list[_Item], list[_Item]]] = {}  # and their items, of one target
@@ -825,7 +829,7 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
             if (recompute, floor) not in lifts:
                 lifts[(recompute, floor)] = _full_choices(ctx, floor) if recompute != mode else \
                     (lambda info, floor=floor: raised(ctx, info, mode, floor))
-            made[key] = lockstep_items(ctx, infos, recompute, target, grain,
+            made[key] = lockstep_items(ctx, same, recompute, target, grain,
                                        lifts[(recompute, floor)])
         drafts = lockstep_pass(ctx, made[key], recompute, extend)
         makespan = retime_slots(drafts, ctx.cm)
