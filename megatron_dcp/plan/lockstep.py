@@ -494,11 +494,17 @@ class _Board:
         has too little time left or too little memory are passed over without a call (the same
         tests `_join` starts with; blocks of slots where none can pass the first, in one step)."""
         size, layers, overhead = item.degree, item.recompute_layers, ctx.cm.time_model.task_overhead
-        need = {c: ctx.seq_time(item.raw, item.pairs, size, c) - overhead
-                for c in self.layers if c >= layers}
-        if not need:
-            return False
-        least = min(need.values())
+        if len(self.layers) == 1:  # most boards: one least need (no table)
+            need, (only,) = None, self.layers
+            if only < layers:
+                return False
+            least = ctx.seq_time(item.raw, item.pairs, size, only) - overhead
+        else:
+            need = {c: ctx.seq_time(item.raw, item.pairs, size, c) - overhead
+                    for c in self.layers if c >= layers}
+            if not need:
+                return False
+            least = min(need.values())
         spare, rooms, maxes = self._of(size)
         slots, block, tokens = self.slots, self.BLOCK, item.padded(ctx, size)
         for b, top in enumerate(maxes):
@@ -509,8 +515,8 @@ class _Board:
                 if room < least or tokens > rooms[k]:
                     continue
                 slot = slots[k]
-                if slot.recompute_layers < layers or (room != math.inf and
-                                                      room < need[slot.recompute_layers]):
+                if slot.recompute_layers < layers or room != math.inf and \
+                        room < (least if need is None else need[slot.recompute_layers]):
                     continue
                 opened = len(slot.tasks)
                 if _join(ctx, slot, item, mode):
