@@ -157,7 +157,7 @@ def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
     # the lockstep passes' own choices under recompute full (timing fewer degrees, issue 21)
     # are degree_choice's: same degree, recomputed layers, time and options per sequence
     from megatron_dcp.plan.choices import SeqChoice, degree_choice, raised
-    from megatron_dcp.plan.lockstep import _full_choices
+    from megatron_dcp.plan.choices import full_choices
     from megatron_dcp.plan.planners import _context
 
     cfg = DCPConfig(hardware=hardware, schedule="lockstep")
@@ -165,7 +165,7 @@ def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
     ctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
     ref = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
     degree_choice(ctx, ref, "full")
-    lift = _full_choices(ctx)
+    lift = full_choices(ctx)
     got = [lift(SeqChoice(c.i, c.length, c.pairs)) for c in ref]
     assert [(c.degree, c.recompute_layers, c.time, c.fits) for c in got] == \
         [(c.degree, c.recompute_layers, c.time, c.fits) for c in ref]
@@ -173,7 +173,7 @@ def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
     # with a degree floor: the choices raised to it, without timing the degrees below it
     for floor in (2, 4, 8, 16):
         up = [raised(ctx, c, "full", floor) for c in ref]
-        lift = _full_choices(ctx, floor)
+        lift = full_choices(ctx, floor)
         assert [(c.degree, c.recompute_layers, c.time, c.fits) for c in up] == \
             [(lift(c).degree, lift(c).recompute_layers, lift(c).time, lift(c).fits) for c in ref]
         # raised takes the floor where the sequence fits there, else the first wider size

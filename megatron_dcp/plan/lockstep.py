@@ -36,8 +36,8 @@ from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Callable, Optional, Sequence
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, MIN_WORK_SAVING, OVERHEAD_TASKS,
-                                       SeqChoice, fill_options, floor_of, passes_for, raised)
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, SeqChoice, fill_options,
+                                       floor_of, full_choices, passes_for, raised)
 from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 
@@ -727,89 +727,6 @@ def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
     return out
 
 
-def _least_work(ctx: PlanContext, fits: tuple[tuple[int, int], ...], floor: int, cache: dict
-                ) -> tuple[list[float], int]:
-    """Per option ``k`` of ``fits`` (and ``inf`` after the last), the least work any option from
-    the ``k``-th on can have under recompute ``full``: ranks x the time of an empty task (weights,
-    latencies, per-task cost; every other term of a task's time is positive); and the first
-    option at ``floor`` or wider (0 if none). Cached per ``fits`` (kept alive by the context's
-    cache: their ids are theirs)."""
-    found = cache.get(id(fits))
-    if found is None:
-        tm = ctx.cm.time_model
-        least = [d * min(tm.time_of(0, 0.0, lay, c) for lay in ctx.cm.layouts(d))
-                 for d, c in fits] + [math.inf]
-        for k in range(len(fits) - 1, -1, -1):
-            least[k] = min(least[k], least[k + 1])
-        found = cache[id(fits)] = (least, next((k for k, f in enumerate(fits) if f[0] >= floor),
-                                               0))
-    return found
-
-
-def _full_choice(ctx: PlanContext, n: int, pairs: float, fits: tuple[tuple[int, int], ...],
-                 least: list[float]) -> tuple[int, int, float]:
-    """(degree, recomputed layers, time) of `degree_choice` under recompute ``full`` for a
-    sequence of ``n`` tokens: a wider degree is timed only while ``least`` (`_least_work`) could
-    still undercut the work chosen by `MIN_WORK_SAVING`."""
-    d0, c0 = fits[0]
-    t0 = ctx.seq_time(n, pairs, d0, c0)
-    found, work = (d0, c0, t0), d0 * t0
-    for k in range(1, len(fits)):
-        if least[k] >= work * (1.0 - MIN_WORK_SAVING):
-            break
-        d, c = fits[k]
-        t = ctx.seq_time(n, pairs, d, c)
-        if d * t < work * (1.0 - MIN_WORK_SAVING):
-            found, work = (d, c, t), d * t
-    return found
-
-
-def _below(ctx: PlanContext, n: int, pairs: float, fits: tuple[tuple[int, int], ...],
-           least: list[float], k0: int) -> bool:
-    """Whether `_full_choice` is sure to stay below option ``k0``: no option from there on cuts
-    the first option's work by `MIN_WORK_SAVING` (the work chosen only falls from there), so the
-    degrees in between need no timing."""
-    d0, c0 = fits[0]
-    limit = d0 * ctx.seq_time(n, pairs, d0, c0) * (1.0 - MIN_WORK_SAVING)
-    for k in range(k0, len(fits)):
-        if least[k] >= limit:
-            return True
-        d, c = fits[k]
-        if d * ctx.seq_time(n, pairs, d, c) < limit:
-            return False
-    return True
-
-
-def _full_choices(ctx: PlanContext, floor: int = 1) -> Callable[[SeqChoice], SeqChoice]:
-    """A sequence's choice of `degree_choice` under recompute ``full`` (the same degree, options
-    and time; tests/test_lockstep.py compares them), raised to ``floor`` (`raised`), found once
-    per length (one choice shared by the sequences of a length: `_choose` reads it), faster:
-    every degree recomputes every layer, so a wider degree is timed only while a lower bound of
-    its work (`_least_work`) could still undercut the work chosen, and a choice that stays below
-    ``floor`` (`_below`: most short sequences) is not found at all."""
-    chosen: dict[tuple[int, float], SeqChoice] = {}
-    cache: dict = {}
-
-    def lift(info: SeqChoice) -> SeqChoice:
-        n, pairs = info.length, info.pairs
-        found = chosen.get((n, pairs))
-        if found is None:
-            fits = ctx.fits(n, "full")
-            least, k0 = _least_work(ctx, fits, floor, cache)
-            if k0 and _below(ctx, n, pairs, fits, least, k0):
-                d, c = fits[k0]
-                found = SeqChoice(info.i, n, pairs, d, c, ctx.seq_time(n, pairs, d, c))
-            else:
-                choice = SeqChoice(info.i, n, pairs, *_full_choice(ctx, n, pairs, fits, least))
-                found = raised(ctx, choice, "full", floor)
-                if found is choice:
-                    found.fits = list(fits)
-            chosen[(n, pairs)] = found
-        return found
-
-    return lift
-
-
 def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
                         longest: float) -> list[tuple[float, str, list[Draft]]]:
     """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
@@ -833,7 +750,7 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
         key = (recompute, floor, target, grain)
         if key not in made:
             if (recompute, floor) not in lifts:
-                lifts[(recompute, floor)] = _full_choices(ctx, floor) if recompute != mode else \
+                lifts[(recompute, floor)] = full_choices(ctx, floor) if recompute != mode else \
                     (lambda info, floor=floor: raised(ctx, info, mode, floor))
             made[key] = lockstep_items(ctx, same, recompute, target, grain,
                                        lifts[(recompute, floor)])
