@@ -200,10 +200,10 @@ def _below(ctx: PlanContext, n: int, pairs: float, fits: tuple[tuple[int, int], 
 def full_choices(ctx: PlanContext, floor: int = 1) -> Callable[[SeqChoice], SeqChoice]:
     """A sequence's choice of `degree_choice` under recompute ``full`` (the same degree, options
     and time; tests/test_lockstep.py compares them), raised to ``floor`` (`raised`), found once
-    per length (one choice shared by the sequences of a length: the lockstep passes read it), faster:
-    every degree recomputes every layer, so a wider degree is timed only while a lower bound of
-    its work (`_least_work`) could still undercut the work chosen, and a choice that stays below
-    ``floor`` (`_below`: most short sequences) is not found at all."""
+    per length (one choice shared by the sequences of a length: the lockstep passes read it),
+    faster: every degree recomputes every layer, so a wider degree is timed only while a lower
+    bound of its work (`_least_work`) could still undercut the work chosen, and a choice that
+    stays below ``floor`` (`_below`: most short sequences) is not found at all."""
     chosen: dict[tuple[int, float], SeqChoice] = {}
     cache: dict = {}
 

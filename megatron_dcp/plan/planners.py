@@ -439,9 +439,9 @@ def vocabulary_for_lengths(cost_model: CostModel, lengths: Iterable[int],
                            max_degree: Optional[int] = None, *, recompute: str = "auto",
                            sample: int = LENGTH_SAMPLE) -> Vocabulary:
     """The vocabulary of `Vocabulary.for_cost_model` cut to the group sizes the lengths the job
-    will see need (the indexed dataset's document sizes, the corpus's, a sample of batches), under the
-    memory budget ``cost_model`` charges (with the default vocabulary's communicators: every
-    size it fits, fits here too). For each length: the smallest size where it fits memory
+    will see need (the indexed dataset's document sizes, the corpus's, a sample of batches),
+    under the memory budget ``cost_model`` charges (with the default vocabulary's communicators:
+    every size it fits, fits here too). For each length: the smallest size where it fits memory
     (under ``recompute``, `DCPConfig.recompute`), the size where its work (ranks x time) is
     least and the size where its time is least (the planner raises a degree that shortens
     the critical path); plus size 1 (packed short sequences; it needs no communicator). A
