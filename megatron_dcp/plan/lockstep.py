@@ -532,10 +532,14 @@ def _extend(ctx: PlanContext, board: _Board, item: _Item, mode: str) -> bool:
     least, if that growth costs less than a slot of its own (its time, at least the slot's ZeRO
     traffic)."""
     size, best, padded = item.degree, None, item.padded(ctx, item.degree)
+    # a task past the pack budget with it, or known not to fit its slot's memory: `with_item`
+    # would refuse it (with small budgets most tasks are full: tested here, not by a call)
+    pack = ctx.pack_tokens - padded if ctx.pack_tokens else math.inf
     for k, slot in enumerate(board.slots):
         task = slot.emptiest.get(size)
         if slot.recompute_layers < item.recompute_layers or task is None or \
-                -(-(task.padded + padded) // size) >= slot.local_fits[1]:  # known not to fit
+                task.padded > pack and task.seqs or \
+                -(-(task.padded + padded) // size) >= slot.local_fits[1]:
             continue
         saved, slot.length = slot.length, math.inf
         fit = task.with_item(ctx, item, padded, mode)
