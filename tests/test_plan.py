@@ -216,6 +216,26 @@ def test_cost_model_memory_and_time():
     assert tm.time_of(4096, pairs, inter, 0) > tm.time_of(4096, pairs, intra, 0)
 
 
+@pytest.mark.parametrize("world, budget", [(64, None), (12, 60.0)])
+def test_fits_equal_the_size_by_size_rule_around_the_short_bound(world, budget):
+    # PlanContext.fits answers a sequence short enough for every size at once (a bound computed
+    # at start): the same options as testing each vocabulary size, on both sides of the bound
+    from megatron_dcp.plan.drafts import PlanContext
+
+    cfg = DCPConfig(hardware="h200", **({"memory_budget_gb": budget} if budget else {}))
+    cm = build_cost_model(LLAMA, cfg, world)
+    ctx = PlanContext(lengths=[1], active=[0], cm=cm, vocab=Vocabulary.for_cost_model(cm),
+                      recompute_mode="auto")
+    mm = cm.memory_model
+    edges = [mm.max_local_tokens(0), mm.max_local_tokens(LLAMA.num_layers)]
+    lengths = sorted({max(1, e + k) for e in edges for k in range(-40, 41)} | {1, 7, 4096})
+    for mode in ("auto", "none", "full"):
+        for n in lengths:
+            want = tuple((d, c) for d in ctx.vocab.sizes
+                         if (c := ctx.recompute_for(cm.padded(n, d), d, mode)) is not None)
+            assert ctx.fits(n, mode) == want, (mode, n)
+
+
 def test_time_of_is_the_total_of_the_terms_bit_for_bit():
     # time_of computes the table's total without building it (the planner's hot path)
     from dataclasses import replace
