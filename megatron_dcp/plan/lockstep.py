@@ -621,16 +621,14 @@ def _least_loaded(ctx: PlanContext, tasks: list[_Task], items: list[_Item], mode
 
 
 def lockstep_items(ctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode: str,
-                   target: float, grain: float = 0.0,
-                   lift: Optional[Callable[[SeqChoice], SeqChoice]] = None
+                   target: float, grain: float, lift: Callable[[SeqChoice], SeqChoice]
                    ) -> tuple[list[_Item], list[_Item]]:
     """The wide or deep items (step 1; each sequence at its choice for the pass, ``lift`` of its
-    `degree_choice` (``None``: that choice), and its degree chosen by `_choose` for slots of
-    ``target`` seconds) and the short ones (steps 2-3) of a pass, longest first; ``grain`` > 0:
-    wide items of at most ``grain x target`` seconds packed into groups of that length
-    (`_packed`). ``same``: the sequences' `degree_choice` grouped by length and choice (one
-    `_choose` per group: the same for each)."""
-    lift = lift or (lambda info: info)
+    `degree_choice`, and its degree chosen by `_choose` for slots of ``target`` seconds) and the
+    short ones (steps 2-3) of a pass, longest first; ``grain`` > 0: wide items of at most
+    ``grain x target`` seconds packed into groups of that length (`_packed`). ``same``: the
+    sequences' `degree_choice` grouped by length and choice (one `_choose` per group: the same
+    for each)."""
     base = ctx.cm.model.num_layers if mode == "full" else 0
     rows, short = [], []
     for group in same:
