@@ -25,5 +25,10 @@ simulate: venv
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
+# the edit loop: single-process tests only (no rank launches), under 3 minutes
+.PHONY: test-fast
+test-fast: venv
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -180,6 +180,7 @@ F32 = torch.float32
 VIDEO_S, VIDEO_T = ("spatial", 4), ("temporal", 4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_world1_degree1():
     cases = [{"name": "w1", "tasks": [{"ranks": [0]}]},
@@ -188,6 +189,7 @@ def test_world1_degree1():
     _check(run_distributed(_launch_body, 1, args=(cases,), timeout_s=110))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_world2_ulysses_ring_degree1():
     cases = [
@@ -215,6 +217,7 @@ def test_world2_ulysses_ring_degree1():
     _check(run_distributed(_launch_body, 2, args=(cases,), timeout_s=110))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_world3_ring():
     cases = [
@@ -231,6 +234,7 @@ def test_world3_ring():
     _check(run_distributed(_launch_body, 3, args=(cases,), timeout_s=110))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_world4_hybrid_and_degree4():
     cases = [

@@ -173,11 +173,7 @@ def test_calibrated_hardware_is_a_profile_json():
         hardware_from_dict({**data, "calibration": {"linear": -1.0}})
 
 
-def test_calibrated_profile_plans_in_the_simulator(tmp_path, capsys):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+def test_calibrated_profile_plans_in_the_simulator(tmp_path, capsys, tools_on_path):
     import simulate
 
     cal, _, _ = _run(cpu_start(), steps=3)
@@ -195,12 +191,9 @@ def test_calibrated_profile_plans_in_the_simulator(tmp_path, capsys):
     assert out["policies"]["dcp"]["step_time_s"] > 0
 
 
-def test_replay_of_a_log(tmp_path, capsys):
+def test_replay_of_a_log(tmp_path, capsys, tools_on_path):
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import simulate
 
     log = tmp_path / "run.jsonl"
@@ -267,6 +260,7 @@ def _body(rank, world_size, slow_rank, calibration):
     return out, hw.calibration, hw.step_overhead_s
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_calibrating_ranks_plan_alike_and_stay_exact(world_size):
@@ -286,6 +280,7 @@ def test_calibrating_ranks_plan_alike_and_stay_exact(world_size):
     assert len({str(r[1]) for r in results}) == 1  # the same fit on every rank
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_calibration_off_keeps_the_given_hardware():
     import sys
@@ -327,6 +322,7 @@ def _outside_body(rank, world_size, outside_s):
     return overheads
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_time_outside_the_step_joins_the_step_overhead():
     """Megatron's optimizer step runs after the driver returns. Reported, the iteration time

@@ -106,6 +106,7 @@ def _two_ranks(rank: int, world_size: int, root: str) -> tuple:
     return tag, sorted(manifest.get("checksums", {}))
 
 
+@pytest.mark.slow
 def test_a_corrupt_shard_stops_every_rank_alike(tmp_path):
     for tag, names in run_distributed(_two_ranks, world_size=2, args=(str(tmp_path),)):
         assert tag == "iter_1" and names == ["rank_0.pt", "rank_1.pt"]
@@ -223,6 +224,7 @@ def _reseal(checkpoint: Path) -> None:
     (checkpoint / MANIFEST).write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_megatron_example_checkpoints_load_weights_only(tmp_path):
     ckpt = tmp_path / "ckpt"

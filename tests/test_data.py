@@ -87,6 +87,7 @@ def test_read_documents(tmp_path):
         list(read_documents(str(bad)))
 
 
+@pytest.mark.slow
 def test_build_tool(tmp_path):
     jl = tmp_path / "in.jsonl"
     jl.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["alpha", "beta gamma"]))

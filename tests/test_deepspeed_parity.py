@@ -27,6 +27,8 @@ import pytest
 
 from distributed import JOB_ENV, deepspeed_command, launch_deepspeed, smallest_budget_gb
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 5
 REL_TOL = 1e-5

@@ -45,6 +45,7 @@ def _check(world: int, cases: list[dict]) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("world", [1, 2])
 def test_degree1_plans_match_reference(world):
@@ -115,11 +116,13 @@ def _world4_cases() -> list[dict]:
             dict(name="w4-idle-rank", model="decoder", plan=plan_dict(no_task, L, 4))]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_world2_mixed_layouts_match_reference():
     _check(2, _world2_cases())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_world4_mixed_degrees_match_reference():
     results = _check(4, _world4_cases())

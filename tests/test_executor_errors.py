@@ -83,6 +83,7 @@ def _bad_inputs(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bad_input_raises_on_every_rank():
     t0 = time.monotonic()
@@ -136,6 +137,7 @@ def _timeout_body(rank: int, world_size: int) -> str:
         dist.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_collective_timeout_names_rank_and_task():
     try:
@@ -167,6 +169,7 @@ def _worlds_body(rank: int, world_size: int) -> str:
         return str(exc)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_plans_that_differ_between_dcp_worlds_fail_the_check():
     """Tensor-parallel peers sit in different DCP worlds and must run the same tasks: the plan

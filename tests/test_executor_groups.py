@@ -6,6 +6,8 @@ import pytest
 
 from distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 
 def _pool_body(rank: int, world_size: int) -> dict:
     import torch

@@ -13,6 +13,8 @@ from distributed import run_distributed
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.recompute import run_layer
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 
 class TinyGPT(nn.Module):
     """A user's model: learned absolute positions, LayerNorm, GELU MLP; its forward takes the

@@ -24,6 +24,7 @@ SHAPE = ModelShape(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=64
                    num_kv_heads=2, name="decoder")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_profile_measures_ring_tasks_on_two_ranks(tmp_path):
     # run as a script, as users do: tools/ is then first on sys.path, where a file named like
@@ -51,6 +52,7 @@ def test_profile_measures_ring_tasks_on_two_ranks(tmp_path):
     assert hw.communicator_bytes == 0.0 and hw.ranks_per_node == 2
 
 
+@pytest.mark.slow
 def test_unwritable_output_fails_before_measuring(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -26,6 +26,7 @@ def run_check(tmp_path, *args, env=None, timeout=150):
     return res.returncode, json.loads(out.read_text()), res.stdout[-3000:] + res.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_cpu_mode_float32_every_section(tmp_path):
     code, report, output = run_check(tmp_path, "--skip", "profile")
@@ -79,6 +80,7 @@ def _stub_packages(folder, names):
     return str(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cpu_mode_float64_with_only_torch(tmp_path):
     """Only torch importable (a CUDA torch does not require numpy): the sections of
@@ -102,6 +104,7 @@ def test_cpu_mode_float64_with_only_torch(tmp_path):
     assert max(max(e.values()) for e in errors.values()) <= 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sync_injected_inside_tasks_fails_the_checked_sections(tmp_path):
     """Negative control: a host read of a device value inside every task fails each
@@ -140,6 +143,7 @@ def test_section_time_limit():
     assert state["section"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_wheels_installed_without_network(tmp_path):
     """``--wheels DIR``: the wheels in DIR become importable (pip --no-deps --no-index)."""

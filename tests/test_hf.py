@@ -114,6 +114,7 @@ def references():
     return {kind: reference(kind) for kind in CONFIGS}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size, plan", [(2, PLAN_2), (4, PLAN_4)], ids=["w2", "w4"])
 def test_models_match_single_process_training(references, world_size, plan):

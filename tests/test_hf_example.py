@@ -127,6 +127,7 @@ def _job(work: str, inputs: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------- the tests
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_example_losses_equal_with_and_without_dcp_and_on_one_rank(tmp_path):
     inputs = make_inputs(str(tmp_path))

@@ -194,6 +194,7 @@ def _pool_body(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_pool_with_tensor_parallelism_runs_no_collective_when_no_group_is_missing():
     results = run_distributed(_pool_body, 4, timeout_s=100)

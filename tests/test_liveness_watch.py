@@ -82,6 +82,7 @@ def _kill_all(procs) -> None:
             p.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_stalled_rank_ends_the_job_within_two_intervals(tmp_path):
     procs = _launch("stop", tmp_path)
@@ -118,6 +119,7 @@ def _run_to_end(case: str, tmp_path) -> list[str]:
     return texts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["busy", "ends", "host-ends-first"])
 def test_healthy_ranks_are_not_named(tmp_path, case):
@@ -125,6 +127,7 @@ def test_healthy_ranks_are_not_named(tmp_path, case):
         assert "liveness probes" not in text, text[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ending_the_job_prints_no_store_error(tmp_path):
     """`destroy_process_groups` stops the responders, and rank 0 (the store's host) waits for

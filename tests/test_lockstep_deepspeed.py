@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import launch_deepspeed  # noqa: E402
 from test_deepspeed_parity import _tight_budget  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ITERS = 5
 REL_TOL = 1e-5
 LENGTHS = [512, 384, 300, 200, 90, 40, 20, 7, 130, 256]

@@ -19,6 +19,8 @@ import torch
 from distributed import run_distributed
 from executor_cases import DECODER, build_model, make_batch, plan_dict, reference, rel_err, task
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 LENGTHS = (29, 7, 13, 18, 3, 22)

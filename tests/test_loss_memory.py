@@ -120,6 +120,7 @@ def _warm_body(rank, world_size):
     return len(mine), calls
 
 
+@pytest.mark.slow
 def test_groups_warmed_with_every_collective():
     for member_of, calls in run_distributed(_warm_body, world_size=3):
         assert calls == {"all_reduce": member_of, "all_to_all_single": member_of,

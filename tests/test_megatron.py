@@ -390,18 +390,21 @@ def launches(references):
     return case
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size, case", [(2, "dcp2"), (4, "dcp4")], ids=["dcp2", "dcp4"])
 def test_gpt_under_dcp_matches_single_process(launches, reference, world_size, case):
     _check(launches(case), reference, world_size)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpt_tensor_parallel_2_with_dcp_world_2_matches_single_process(launches, reference):
     # Megatron's order tp-cp-ep-dp-pp: global ranks (0, 1) share DP rank 0, (2, 3) DP rank 1.
     _check(launches("tp2"), reference, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpt_sequence_mean_loss_under_dcp_matches_single_process(launches, references):
     """``loss_reduction="sequence"``: the forward step hands per-token losses to the executor,
@@ -409,6 +412,7 @@ def test_gpt_sequence_mean_loss_under_dcp_matches_single_process(launches, refer
     _check(launches("sequence"), references["sequence"], 2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpt_overlap_grad_reduce_under_dcp_matches_single_process(launches, reference):
     """Megatron DDP with ``overlap_grad_reduce`` and small buckets: under DCP every micro-step
@@ -431,6 +435,7 @@ def test_overlap_param_gather_is_refused_before_any_collective():
         step(forward_step_func=None, data_iterator=iter([]), model=[model])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size, case", [(2, "thread_dcp2"), (4, "thread_dcp4")],
                          ids=["dcp2", "dcp4"])
@@ -441,6 +446,7 @@ def test_gpt_recompute_with_backward_on_another_thread(launches, reference, worl
     _check(launches(case), reference, world_size)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpt_recompute_on_another_thread_without_the_task_is_wrong(launches, reference):
     """Negative control: the task not passed to the model is refused (naming

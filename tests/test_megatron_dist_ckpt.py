@@ -19,6 +19,8 @@ from distributed import run_distributed
 from test_megatron_example import EXAMPLE
 from test_megatron_example_pp import COMMON
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 FLAGS = [*COMMON, "--train-iters", "4", "--dcp", "--use-distributed-optimizer",
          "--ckpt-format", "torch_dist"]
 # PP 2 x 2 virtual stages on 2 ranks (DP 1): 4 layers, chunks of one layer (rank 0: layers 0, 2)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "pretrain_megatron.py"
 COMMON = ["--calculate-per-token-loss", "--train-iters", "2", "--global-batch-tokens", "1536",

@@ -35,6 +35,7 @@ def _train(tmp_path: Path, name: str, extra: list[str]) -> list[dict]:
     return example_train(tmp_path, name, extra, COMMON, ranks=4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(320)
 def test_dcp_dp2_pp2_loss_per_iteration_equals_plain_pipeline(tmp_path):
     # a budget of 400 tokens at degree 1 (less what 1F1B holds in flight) makes the planner split

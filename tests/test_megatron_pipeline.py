@@ -21,6 +21,8 @@ from distributed import run_distributed
 from megatron_dcp.megatron.parallel import destroy_model_parallel
 from megatron_dcp.plan.plan import Plan, Task
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 LENGTHS = (29, 5, 9, 16, 12, 7)
 VOCAB = 64
 LAYERS, STAGES = 4, 2

@@ -54,6 +54,7 @@ def test_local_shards_need_padding():
     assert any(n % 2 for n in sizes) and any(n % 2 == 0 for n in sizes), sizes
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dp2_tp2_sequence_parallel_matches_single_process():
     reference = run_distributed(tm._reference, world_size=1, timeout_s=120)[0]
@@ -104,6 +105,7 @@ def _sp_pp_steps(rank, world_size, state):
             for fresh in (False, True)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_tp2_pp2_sequence_parallel_matches_single_process():
     """--sequence-parallel with pipeline parallelism: the P2P activations are the TP rank's

@@ -38,6 +38,7 @@ def test_padded_micro_batch_counts():
     assert interleaved_micro_batches(1, 2, virtual=4) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_dcp_dp2_pp2_vpp2_matches_single_process():
     reference = run_distributed(tp._reference, world_size=1, timeout_s=120)[0]

@@ -61,6 +61,7 @@ def _body(rank, world_size, skip):
     return bad.skipped, bad.loss, unchanged, good.skipped, good.loss, changed, driver.iteration
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_nonfinite_loss_stops_before_the_update_naming_iteration_rank_and_task():
     with pytest.raises(DistributedError) as err:
@@ -70,6 +71,7 @@ def test_nonfinite_loss_stops_before_the_update_naming_iteration_rank_and_task()
     assert "rank 0 (task 2)" in text and "--dcp_skip_nonfinite" in text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_skip_nonfinite_skips_the_update_and_trains_on():
     results = run_distributed(_body, world_size=2, args=(True,), timeout_s=100)
@@ -155,6 +157,7 @@ def _megatron_body(rank, world_size, skip):
     return outcome, all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("skip", [False, True], ids=["stop", "skip"])
 def test_megatron_nonfinite_gradient_norm_stops_or_skips_before_the_update(skip):

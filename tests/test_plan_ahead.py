@@ -141,6 +141,7 @@ def _train(rank, world_size, plan_ahead):
     return out, [t.name for t in threading.enumerate()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_two_ranks_same_losses_with_plan_ahead_on_and_off():
     on = run_distributed(_train, world_size=2, args=("on",), timeout_s=180)

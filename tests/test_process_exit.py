@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WRAPPER = str(ROOT / "tests" / "threads_at_exit.py")
 BACKEND_THREADS = ("gloo", "pt_gloo", "pt_tcpstore", "pt_nccl")
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(),
-                                reason="thread names are read from /proc")
+pytestmark = [pytest.mark.slow,  # every test here launches processes
+              pytest.mark.skipif(not Path("/proc/self/task").is_dir(),
+                                 reason="thread names are read from /proc")]
 
 
 def _backend_threads(names: list[str]) -> list[str]:

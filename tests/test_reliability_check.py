@@ -4,6 +4,7 @@ training on a wrong loss; ranks that agree pass with one collective."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from distributed import run_distributed
@@ -54,6 +55,7 @@ def _disagreeing_ranks(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_config_and_batch_disagreements_name_the_ranks():
     results = run_distributed(_disagreeing_ranks, world_size=2)
     for rank, out in enumerate(results):

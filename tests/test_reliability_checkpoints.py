@@ -53,6 +53,7 @@ def _saves(rank: int, world_size: int, root: str) -> str:
     return "saved"
 
 
+@pytest.mark.slow
 def test_rank_dying_mid_save_leaves_the_previous_checkpoint(tmp_path):
     from megatron_dcp.runtime.checkpoint_dir import read_latest, verify_checkpoint
 
@@ -87,6 +88,7 @@ def _failing_write(rank: int, world_size: int, root: str) -> str:
     return "saved"
 
 
+@pytest.mark.slow
 def test_failed_write_is_an_error_on_every_rank(tmp_path):
     root = str(tmp_path / "ckpt")
     for message in run_distributed(_failing_write, world_size=2, args=(root,)):
@@ -186,6 +188,7 @@ def _job(work: str, phase: str) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_resume_at_another_world_size_continues_the_trajectory(tmp_path):
     work = str(tmp_path)

@@ -105,6 +105,7 @@ def _stall_rank_1(tmp_path, flags: list[str], limit_s: float) -> tuple[str, floa
     return (tmp_path / "out.txt").read_text(), t_survivor
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_stalled_rank_ends_the_job_naming_it(tmp_path):
     """The collective timeout's path (the watch off): the failed collective names the rank."""
@@ -118,6 +119,7 @@ def test_stalled_rank_ends_the_job_naming_it(tmp_path):
     print(f"stalled rank 1: rank 0 exited after {t_survivor:.1f} s (timeout {TIMEOUT_S} s)")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_stall_under_the_default_timeout_ends_the_job_within_two_intervals(tmp_path):
     """The default 30-minute timeout: the liveness watch ends the job, naming the rank."""

@@ -31,6 +31,7 @@ def _repository_files() -> list[str]:
     return [p for p in out.decode().split("\0") if p and os.path.isfile(os.path.join(ROOT, p))]
 
 
+@pytest.mark.slow
 def test_no_file_refers_outside_the_repository():
     files = _repository_files()
     assert "docs/DESIGN.md" in files and "README.md" in files
@@ -63,6 +64,7 @@ def test_links_of_the_docs_resolve():
     assert not broken, "links to files that do not exist:\n" + "\n".join(broken)
 
 
+@pytest.mark.slow
 def test_planner_imports_no_torch_and_runtime_no_engine():
     # every module of the planner imports, and plans, without torch; every runtime module
     # imports without an engine

@@ -10,6 +10,8 @@ import pytest
 
 from megatron_dcp.plan.idx_format import write_lengths
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "simulate.py")
 SMALL = ["--gpus", "8", "--gpus-per-node", "4", "--global-batch-tokens", "300000"]

@@ -27,6 +27,8 @@ from distributed import run_distributed
 from executor_cases import (DECODER, build_model, make_batch, on_fresh_thread, plan_dict, reference,
                             rel_err, task)
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 LENGTHS = (29, 7, 13, 18, 3, 22)

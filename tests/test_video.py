@@ -191,6 +191,7 @@ def _cases(world: int) -> list[dict]:
             dict(name="w4-planned", plan=_planned(4, free_tokens=12))]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_run_plan_matches_whole_video_reference(ref, world):
@@ -205,6 +206,7 @@ def test_run_plan_matches_whole_video_reference(ref, world):
             _assert_exact(f"{case['name']} rank {rank}", loss, grads, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world, plan, enabled", [
     (2, None, False),                                                        # plain DP

@@ -21,6 +21,8 @@ import pytest
 
 from distributed import launch_deepspeed, smallest_budget_gb
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 ROOT = Path(__file__).resolve().parents[1]
 ITERS = 3
 REL_TOL = 1e-5

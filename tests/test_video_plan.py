@@ -216,6 +216,7 @@ def run_tool(*args):
                           timeout=120, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_simulate_tool_with_video_mix_and_shapes(tmp_path):
     small = ["--gpus", "8", "--gpus-per-node", "4", "--model", "video-dit"]
     proc = run_tool(*small, "--video-mix", "short", "--global-batch-tokens", "400000",

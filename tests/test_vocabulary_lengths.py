@@ -118,6 +118,7 @@ def _check(results: list[dict]) -> None:
         assert default["plan_sizes"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_deepspeed_initialize_creates_the_groups_the_lengths_need():
     results = run_distributed(_deepspeed, WORLD, args=(_budget_gb(),), timeout_s=110.0,
@@ -129,6 +130,7 @@ def test_deepspeed_initialize_creates_the_groups_the_lengths_need():
         assert abs(short["loss"] - default["loss"]) <= 1e-5 * abs(default["loss"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_megatron_forward_backward_creates_the_groups_the_lengths_need():
     pytest.importorskip("megatron.core")

@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import run_distributed  # noqa: E402
 from executor_cases import build_model, make_batch, plan_dict, task  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 GROUP_TIMEOUT_S = 30.0
 """Every group of these jobs: a hang becomes a timeout error within this."""
 STEPS = 2

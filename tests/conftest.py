@@ -1,0 +1,55 @@
+"""Shared test set-up: the ``slow`` marker and fixtures used by several test files.
+
+Two tiers:
+
+- ``make test-fast`` (``pytest -m "not slow"``): single-process tests, for the edit loop.
+- ``make test``: everything, including the ``slow`` tests.
+
+A test is ``slow`` when it launches processes: ranks through `distributed.run_distributed` or
+`distributed.launch_deepspeed`, ``torchrun``, or a script in a subprocess. Mark such a test
+with ``@pytest.mark.slow`` (or a whole file with ``pytestmark = pytest.mark.slow``);
+`tests/test_tiers.py` checks that no unmarked test calls a launcher.
+
+The test directory is on ``sys.path`` (pytest's default ``rootdir``-less import mode), so test
+files import the helpers here and in `distributed.py` by module name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root."""
+
+MARKERS = {
+    "slow": "launches processes (ranks, torchrun, DeepSpeed or a script); "
+            "deselect with -m 'not slow'",
+    "timeout": "per-test time limit in seconds (pytest-timeout)",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, meaning in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    """The repository root (scripts are run from it)."""
+    return ROOT
+
+
+@pytest.fixture
+def tools_on_path(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``tools/`` first on ``sys.path`` for this test only (``import simulate``)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    return ROOT / "tools"
+
+
+@pytest.fixture
+def examples_on_path(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``examples/`` first on ``sys.path`` for this test only (``import pretrain_gpt``)."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    return ROOT / "examples"
