@@ -153,56 +153,66 @@ def test_plan_json_keeps_slots_and_free_plans_unchanged():
 
 @pytest.mark.parametrize("world,dist,hardware", [(8, "short", "h200"), (32, "long", "a100"),
                                                  (64, "balanced", "h200")])
-def test_full_recompute_choices_equal_degree_choice(world, dist, hardware):
-    # the lockstep passes' own choices under recompute full (timing fewer degrees, issue 21)
-    # are degree_choice's: same degree, recomputed layers, time and options per sequence
-    from megatron_dcp.plan.choices import SeqChoice, degree_choice, raised
-    from megatron_dcp.plan.choices import full_choices
+def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware, monkeypatch):
+    # degree_choice passes over wider options whose lower bound of work (least_work) cannot
+    # undercut the work chosen: the choices equal those of timing every option (issue 30)
+    from megatron_dcp.plan import choices
     from megatron_dcp.plan.planners import _context
 
     cfg = DCPConfig(hardware=hardware, schedule="lockstep")
     lengths = sample_lengths(dist, world * 262144, seed=3, max_len=262144)
     ctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
-    ref = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
-    degree_choice(ctx, ref, "full")
-    lift = full_choices(ctx)
-    got = [lift(SeqChoice(c.i, c.length, c.pairs)) for c in ref]
-    assert [(c.degree, c.recompute_layers, c.time, c.fits) for c in got] == \
-        [(c.degree, c.recompute_layers, c.time, c.fits) for c in ref]
-    assert len({c.degree for c in got}) > 1
-    # with a degree floor: the choices raised to it, without timing the degrees below it
+    for mode in ("full", "auto"):
+        pruned = [choices.SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
+        choices.degree_choice(ctx, pruned, mode)
+        with monkeypatch.context() as m:
+            m.setattr(choices, "least_work", lambda ctx, fits, empty: [0.0] * (len(fits) + 1))
+            plain = [choices.SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
+            choices.degree_choice(ctx, plain, mode)
+        assert [(c.degree, c.recompute_layers, c.time) for c in pruned] == \
+            [(c.degree, c.recompute_layers, c.time) for c in plain]
+    assert len({c.degree for c in pruned}) > 1
+    # raised takes the floor where the sequence fits there, else the first wider size
     for floor in (2, 4, 8, 16):
-        up = [raised(ctx, c, "full", floor) for c in ref]
-        lift = full_choices(ctx, floor)
-        assert [(c.degree, c.recompute_layers, c.time, c.fits) for c in up] == \
-            [(lift(c).degree, lift(c).recompute_layers, lift(c).time, lift(c).fits) for c in ref]
-        # raised takes the floor where the sequence fits there, else the first wider size
         for mode in ("auto", "full", "none"):
-            for c in ref:
+            for c in pruned:
                 first = next(((d, k) for d, k in ctx.fits(c.length, mode) if d >= floor), None)
-                got = raised(ctx, SeqChoice(c.i, c.length, c.pairs, 1, 0, 0.0), mode, floor)
+                got = choices.raised(ctx, choices.SeqChoice(c.i, c.length, c.pairs, 1, 0, 0.0),
+                                     mode, floor)
                 assert (got.degree, got.recompute_layers) == (first or (1, 0))
 
 
-def test_join_any_room_index_skips_only_slots_join_would_refuse(monkeypatch):
-    # join_any passes over slots whose emptiest task the item is known not to fit in memory
-    # and that have no free group of its degree or wider (_Board._room, issue 21): the plan is
-    # the one of calling _join on every slot, with far fewer calls
-    import megatron_dcp.plan.lockstep as lockstep
+@pytest.mark.parametrize("world,dist", [(1024, "balanced"), (256, "short"), (64, "long")])
+def test_slot_index_names_every_slot_that_accepts_an_item(world, dist, monkeypatch):
+    # SlotIndex.candidates's contract: at least every slot where `join` would take the item
+    # (checked on a copy of the pass's state before each join: the plain scan over all slots)
+    import copy
 
-    world = 1024  # where slots keep free ranks but no free group of an item's degree
-    lengths = sample_lengths("balanced", 65536 * world, seed=1)
+    from megatron_dcp.plan import lockstep
+
+    lengths = sample_lengths(dist, 65536 * world, seed=1)
     cfg, kw = DCPConfig(hardware="h200"), dict(world_size=world, model=LLAMA, zero_stage=2)
-    calls, join = [0], lockstep._join
+    seen = {"items": 0, "skipped": 0}
+    first = lockstep.join_first
 
-    def counted(*args):
-        calls[0] += 1
-        return join(*args)
+    def checked(ctx, index, item, mode):
+        if seen["items"] < 300:
+            seen["items"] += 1
+            named = set(index.candidates(item.degree, -float("inf"), 0))
+            least = min((ctx.seq_time(item.tokens, item.pairs, item.degree, c)
+                         for c in index.layers if c >= item.recompute_layers), default=None)
+            if least is not None:
+                named = set(index.candidates(item.degree, least - ctx.cm.time_model.task_overhead,
+                                             item.padded(ctx, item.degree)))
+            for k, slot in enumerate(index.slots):
+                if k not in named and slot.recompute_layers >= item.recompute_layers:
+                    seen["skipped"] += 1
+                    trial = copy.deepcopy((slot, item))
+                    assert not lockstep.join(ctx, trial[0], trial[1], mode), (k, item)
+        return first(ctx, index, item, mode)
 
-    monkeypatch.setattr(lockstep, "_join", counted)
-    plan = make_plan(lengths, config=cfg, **kw)
-    indexed = calls[0]
-    monkeypatch.setattr(lockstep._Board, "_room", lambda self, slot, size, widest: float("inf"))
-    calls[0] = 0
-    assert make_plan(lengths, config=cfg, **kw).digest() == plan.digest()
-    assert indexed < 0.8 * calls[0]
+    monkeypatch.setattr(lockstep, "join_first", checked)
+    make_plan(lengths, config=cfg, **kw)
+    assert seen["items"] > 0
+    if world == 1024:
+        assert seen["skipped"] > 0  # the index passes over slots

@@ -1,13 +1,12 @@
 """Degree choices of single sequences and the constants every DCP pass shares (a leaf of the
 planner: the free passes of `megatron_dcp.plan.dcp` and the lockstep passes of
-`megatron_dcp.plan.lockstep` both start from `degree_choice`; the lockstep passes under recompute
-``full`` from `full_choices`, the same choices found faster)."""
+`megatron_dcp.plan.lockstep` both start from `degree_choice`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 from megatron_dcp.plan.drafts import PlanContext
 from megatron_dcp.plan.hardware import layout_kind
@@ -87,6 +86,24 @@ def _layout_kinds(ctx: PlanContext) -> dict[int, set[str]]:
     return out
 
 
+def least_work(ctx: PlanContext, fits: tuple[tuple[int, int], ...],
+               empty: dict[tuple[int, int], float]) -> list[float]:
+    """Per option ``k`` of ``fits`` (and ``inf`` after the last), a lower bound of the work
+    (ranks x time) of every option from the ``k``-th on: ranks x the time of an empty task
+    (weights, latencies, per-task cost; every other term of a task's time is positive), kept
+    per option in ``empty``."""
+    least = [math.inf] * (len(fits) + 1)
+    for k in range(len(fits) - 1, -1, -1):
+        d, c = fits[k]
+        work = empty.get(fits[k])
+        if work is None:
+            tm = ctx.cm.time_model
+            work = empty[fits[k]] = d * min(tm.time_of(0, 0.0, lay, c)
+                                            for lay in ctx.cm.layouts(d))
+        least[k] = min(work, least[k + 1])
+    return least
+
+
 def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[float, float]:
     """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
     total = 0.0
@@ -95,6 +112,8 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
     smallest = ctx.vocab.sizes[0]
     chosen: dict[tuple[int, float], tuple[int, int, float]] = {}
     kinds = _layout_kinds(ctx)
+    bounds: dict[tuple[tuple[int, int], ...], list[float]] = {}
+    empty: dict[tuple[int, int], float] = {}
     for info in infos:
         n, pairs = info.length, info.pairs
         if recompute_for(padded(n, smallest), smallest, mode) == 0:
@@ -114,7 +133,11 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
                 work = d0 * t0
                 found = (d0, c0, t0)
                 seen: set[str] = set()
-                for d, c in fits[1:]:
+                least = bounds.get(fits) or bounds.setdefault(fits, least_work(ctx, fits, empty))
+                for k in range(1, len(fits)):
+                    if least[k] >= work * (1.0 - MIN_WORK_SAVING):
+                        break  # no option from here on can cut the work enough
+                    d, c = fits[k]
                     t = seq_time(n, pairs, d, c)
                     if d * t < work * (1.0 - MIN_WORK_SAVING):
                         found, work = (d, c, t), d * t
@@ -142,86 +165,3 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
             fastest = min(fastest, seq_time(info.length, info.pairs, d, c))
         longest = max(longest, fastest)
     return per_rank, longest
-
-
-def _least_work(ctx: PlanContext, fits: tuple[tuple[int, int], ...], floor: int, cache: dict
-                ) -> tuple[list[float], int]:
-    """Per option ``k`` of ``fits`` (and ``inf`` after the last), the least work any option from
-    the ``k``-th on can have under recompute ``full``: ranks x the time of an empty task (weights,
-    latencies, per-task cost; every other term of a task's time is positive); and the first
-    option at ``floor`` or wider (0 if none). Cached per ``fits`` (kept alive by the context's
-    cache: their ids are theirs)."""
-    found = cache.get(id(fits))
-    if found is None:
-        tm = ctx.cm.time_model
-        least = [d * min(tm.time_of(0, 0.0, lay, c) for lay in ctx.cm.layouts(d))
-                 for d, c in fits] + [math.inf]
-        for k in range(len(fits) - 1, -1, -1):
-            least[k] = min(least[k], least[k + 1])
-        found = cache[id(fits)] = (least, next((k for k, f in enumerate(fits) if f[0] >= floor),
-                                               0))
-    return found
-
-
-def _full_choice(ctx: PlanContext, n: int, pairs: float, fits: tuple[tuple[int, int], ...],
-                 least: list[float]) -> tuple[int, int, float]:
-    """(degree, recomputed layers, time) of `degree_choice` under recompute ``full`` for a
-    sequence of ``n`` tokens: a wider degree is timed only while ``least`` (`_least_work`) could
-    still undercut the work chosen by `MIN_WORK_SAVING`."""
-    d0, c0 = fits[0]
-    t0 = ctx.seq_time(n, pairs, d0, c0)
-    found, work = (d0, c0, t0), d0 * t0
-    for k in range(1, len(fits)):
-        if least[k] >= work * (1.0 - MIN_WORK_SAVING):
-            break
-        d, c = fits[k]
-        t = ctx.seq_time(n, pairs, d, c)
-        if d * t < work * (1.0 - MIN_WORK_SAVING):
-            found, work = (d, c, t), d * t
-    return found
-
-
-def _below(ctx: PlanContext, n: int, pairs: float, fits: tuple[tuple[int, int], ...],
-           least: list[float], k0: int) -> bool:
-    """Whether `_full_choice` is sure to stay below option ``k0``: no option from there on cuts
-    the first option's work by `MIN_WORK_SAVING` (the work chosen only falls from there), so the
-    degrees in between need no timing."""
-    d0, c0 = fits[0]
-    limit = d0 * ctx.seq_time(n, pairs, d0, c0) * (1.0 - MIN_WORK_SAVING)
-    for k in range(k0, len(fits)):
-        if least[k] >= limit:
-            return True
-        d, c = fits[k]
-        if d * ctx.seq_time(n, pairs, d, c) < limit:
-            return False
-    return True
-
-
-def full_choices(ctx: PlanContext, floor: int = 1) -> Callable[[SeqChoice], SeqChoice]:
-    """A sequence's choice of `degree_choice` under recompute ``full`` (the same degree, options
-    and time; tests/test_lockstep.py compares them), raised to ``floor`` (`raised`), found once
-    per length (one choice shared by the sequences of a length: the lockstep passes read it),
-    faster: every degree recomputes every layer, so a wider degree is timed only while a lower
-    bound of its work (`_least_work`) could still undercut the work chosen, and a choice that
-    stays below ``floor`` (`_below`: most short sequences) is not found at all."""
-    chosen: dict[tuple[int, float], SeqChoice] = {}
-    cache: dict = {}
-
-    def lift(info: SeqChoice) -> SeqChoice:
-        n, pairs = info.length, info.pairs
-        found = chosen.get((n, pairs))
-        if found is None:
-            fits = ctx.fits(n, "full")
-            least, k0 = _least_work(ctx, fits, floor, cache)
-            if k0 and _below(ctx, n, pairs, fits, least, k0):
-                d, c = fits[k0]
-                found = SeqChoice(info.i, n, pairs, d, c, ctx.seq_time(n, pairs, d, c))
-            else:
-                choice = SeqChoice(info.i, n, pairs, *_full_choice(ctx, n, pairs, fits, least))
-                found = raised(ctx, choice, "full", floor)
-                if found is choice:
-                    found.fits = list(fits)
-            chosen[(n, pairs)] = found
-        return found
-
-    return lift
