@@ -236,25 +236,6 @@ def test_fits_equal_the_size_by_size_rule_around_the_short_bound(world, budget):
             assert ctx.fits(n, mode) == want, (mode, n)
 
 
-def test_time_of_is_the_total_of_the_terms_bit_for_bit():
-    # time_of computes the table's total without building it (the planner's hot path)
-    from dataclasses import replace
-
-    from megatron_dcp.plan.cost import Layout
-
-    curve = [[1024, 1.0], [4096, 1.3], [16384, 2.0]]
-    for hw in (load_hardware("h200"), replace(load_hardware("h200"), comm_overlap=0.6,
-                                              pack_curve=curve)):
-        tm = CostModel(LLAMA, hw, world_size=16).time_model
-        for lay in (Layout(1, 1, True, True), Layout(1, 8, True, True), Layout(2, 4, True, True),
-                    Layout(1, 16, True, False)):
-            for n in (7, 1000, 4096, 65536, 300000):
-                for layers in (0, 5):
-                    pairs = n * (n + 1) / 2
-                    assert tm.time_of(n, pairs, lay, layers) == \
-                        tm.total(tm.terms(n, pairs, lay, layers))
-
-
 def test_cost_terms_table_and_per_layout_attention():
     from megatron_dcp.plan.cost import Layout
 
@@ -267,7 +248,6 @@ def test_cost_terms_table_and_per_layout_attention():
         for layers in (0, 12):
             terms = tm.terms(65536, pairs, lay, layers)
             parts = tm.breakdown(65536, pairs, lay, layers)
-            assert tm.time_of(65536, pairs, lay, layers) == tm.total(terms)  # the same bits
             assert parts.compute + parts.comm + parts.overhead == pytest.approx(parts.total)
             assert tm.marginal_time(65536, pairs, lay, layers) <= parts.total
             assert (terms.p2p > 0) == (lay.ring > 1) and (terms.all_to_all > 0) == (lay.ulysses > 1)

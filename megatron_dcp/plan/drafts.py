@@ -13,6 +13,11 @@ from megatron_dcp.plan.plan import Plan, PlanError, Task
 from megatron_dcp.plan.vocabulary import Vocabulary
 
 
+def ceil_div(a: int, b: int) -> int:
+    """``a / b`` rounded up (integers)."""
+    return -(-a // b)
+
+
 @dataclass
 class Draft:
     """A task before it becomes a `Task`: contiguous ranks ``[start_rank, start_rank + degree)``."""
@@ -88,7 +93,7 @@ class PlanContext:
     def recompute_for(self, padded_tokens: int, degree: int, mode: str) -> Optional[int]:
         """Recomputed layers of a task under the recompute ``mode`` (`DCPConfig.recompute`: auto,
         the fewest that fit; full; none); ``None``: does not fit."""
-        local = -(-padded_tokens // degree)
+        local = ceil_div(padded_tokens, degree)
         if mode == "none":
             return 0 if local <= self._local0 else None
         if mode == "full":
@@ -115,12 +120,6 @@ class PlanContext:
                                                                     recompute_layers)
         return found
 
-    def keep_best(self, length: int, pairs: float, degree: int, recompute_layers: int,
-                  best: tuple[float, Layout]) -> None:
-        """Record ``best``, what `TimeModel.best_time` returned for these arguments, in the cache
-        of `seq_best` (a planner that timed a task itself)."""
-        self._times[(length, pairs, degree, recompute_layers)] = best
-
     def fits(self, length: int, mode: str) -> tuple[tuple[int, int], ...]:
         """(degree, recomputed layers under ``mode``) of every vocabulary size where a sequence
         of ``length`` tokens fits, smallest first (cached per length and mode)."""
@@ -130,15 +129,14 @@ class PlanContext:
         key = (length, mode)
         found = self._fits.get(key)
         if found is None:
-            if mode == "full":  # `recompute_for`, inline: a hot path
-                layers, most = self._layers, self._local_full
-                found = tuple((d, layers) for d, m in self._pads
-                              if -(-(-(-length // m) * m) // d) <= most)
+            if mode == "full":
+                found = tuple((d, self._layers) for d, m in self._pads
+                              if ceil_div(ceil_div(length, m) * m, d) <= self._local_full)
             else:
                 found = []
                 for d, m in self._pads:
-                    padded = -(-length // m) * m  # `CostModel.padded`, inline
-                    if -(-padded // d) <= self._local0:
+                    padded = ceil_div(length, m) * m  # `CostModel.padded`
+                    if ceil_div(padded, d) <= self._local0:
                         found.append((d, 0))  # no recompute
                         continue
                     c = self.recompute_for(padded, d, mode)

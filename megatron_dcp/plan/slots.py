@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from megatron_dcp.plan.cost import Layout
-from megatron_dcp.plan.drafts import PlanContext
+from megatron_dcp.plan.drafts import PlanContext, ceil_div
 from megatron_dcp.plan.lockstep_items import Item
 from megatron_dcp.plan.vocabulary import Vocabulary
 
@@ -152,7 +152,7 @@ class Slot:
     def fits_memory(self, ctx: PlanContext, padded_tokens: int, degree: int, mode: str) -> bool:
         """Whether a task of ``padded_tokens`` on ``degree`` ranks fits within the slot's
         recomputed layers under the recompute ``mode`` (only the tokens per rank matter)."""
-        local, known = -(-padded_tokens // degree), self._memory
+        local, known = ceil_div(padded_tokens, degree), self._memory
         if local <= known[0]:
             return True
         if local >= known[1]:
@@ -169,7 +169,7 @@ class Slot:
     def too_big(self, padded_tokens: int, degree: int) -> bool:
         """Whether ``padded_tokens`` on ``degree`` ranks are known not to fit (`fits_memory`
         would say no without asking the cost model)."""
-        return -(-padded_tokens // degree) >= self._memory[1]
+        return ceil_div(padded_tokens, degree) >= self._memory[1]
 
 
 def _duration(task: SlotTask) -> float:

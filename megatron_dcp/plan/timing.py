@@ -213,21 +213,8 @@ class TimeModel:
                 + t.per_token + t.per_task)
 
     def time_of(self, tokens: float, pairs: float, layout: Layout, recompute_layers: int) -> float:
-        """Predicted seconds of a task: ``total(terms(...))`` without the table (the planner's
-        hottest path: the same operations in the same order, so the same bits)."""
-        r = self._rates.get((layout, recompute_layers)) or self._rates_for(layout, recompute_layers)
-        d = layout.ulysses * layout.ring
-        local = tokens / d
-        pack = self._pack_factor(local) if self._pack_factor else 1.0
-        attention, p2p = pairs / d * r.attention, local * r.p2p
-        overlap = self.hw.comm_overlap
-        if overlap >= 1.0:
-            attention = max(attention, p2p)
-        else:
-            attention = attention + p2p - overlap * min(attention, p2p)
-        return (max(local * r.gemm * pack, r.weights) + attention + r.p2p_latency
-                + local * r.all_to_all + r.all_to_all_latency + local * r.tensor_parallel
-                + r.tensor_parallel_latency + local * r.per_token * pack + self.task_overhead)
+        """Predicted seconds of a task: ``total(terms(...))``."""
+        return self.total(self.terms(tokens, pairs, layout, recompute_layers))
 
     def marginal_time(self, tokens: float, pairs: float, layout: Layout, recompute_layers: int,
                       hidden: float = 1.0) -> float:
