@@ -1,19 +1,20 @@
-"""The package ``megatron_dcp`` has no import cycle: its modules' imports (read from the source,
-not executed; at module level and inside functions; ``if TYPE_CHECKING:`` blocks left out) form
-a graph without cycles. A cycle works only in one import order (hence imports moved into
-functions) and hides which module is the lower layer."""
+"""The packages ``megatron_dcp`` and ``deepspeed_plugin`` have no import cycle: their modules'
+imports (read from the source, not executed; at module level, inside functions and under
+``if TYPE_CHECKING:``) form a graph without cycles. A cycle works only in one import order
+(hence imports moved into functions or behind ``TYPE_CHECKING``) and hides which module is the
+lower layer."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = "megatron_dcp"
+PACKAGES = ("megatron_dcp", "deepspeed_plugin")
 
 
 def _modules() -> dict[str, Path]:
-    """Dotted name -> file of every module of the package (a package is its __init__)."""
+    """Dotted name -> file of every module of the packages (a package is its __init__)."""
     out = {}
-    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+    for path in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
@@ -22,14 +23,13 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(tree: ast.AST) -> list:
-    """Every import statement of a module: at module level and deferred into functions (a
-    deferred import hides a cycle, it does not remove it), except under ``if TYPE_CHECKING:``."""
+    """Every import statement of a module: at module level, deferred into functions and under
+    ``if TYPE_CHECKING:`` (a deferred or type-only import hides a cycle, it does not remove
+    it)."""
     out = []
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             out.append(node)
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            out += [n for child in node.orelse for n in _imports(child)]
         else:
             out += _imports(node)
     return out
@@ -90,9 +90,16 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) == []
 
 
+def test_type_only_imports_count():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a.b\n")
+    assert [a.name for node in _imports(tree) if isinstance(node, ast.Import)
+            for a in node.names] == ["a.b"]
+
+
 def test_the_package_has_no_import_cycle():
-    """Fails on the planner before issue 20: plan.dcp imported plan.lockstep inside plan_dcp,
-    plan.lockstep imported plan.dcp at module level."""
+    """Fails on the planner before issue 20 (plan.dcp imported plan.lockstep inside plan_dcp,
+    plan.lockstep imported plan.dcp at module level) and before issue 30 (plan.cost ->
+    plan.memory -> plan.cost under ``TYPE_CHECKING``)."""
     graph = import_graph()
     assert "megatron_dcp.plan.planners" in graph["megatron_dcp.plan"]  # the graph is read
     cycle = find_cycle(graph)

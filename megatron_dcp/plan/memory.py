@@ -19,7 +19,7 @@ softmax Megatron's vocabulary-parallel loss saves for backward (4 B). The chunke
 ``F.cross_entropy(logits.float())`` held 12 B per entry with fp32 logits (measured on CPU,
 docs/BENCHMARKS.md; the chunked loss 8), more with bf16 ones. Ring attention saves its merged
 output in the input dtype (the tensor it returns, which the next layer keeps anyway), so it adds
-nothing to ``A``. ``A`` (`CostModel.act_bytes`: bytes per token per layer, flash attention, no
+nothing to ``A``. ``A`` (`Geometry.act_bytes`: bytes per token per layer, flash attention, no
 dropout) = 2 B x (5h + 2*kv_dim + 3f) for a gated MLP (2f otherwise): norm inputs/outputs,
 q/k/v, attention output, MLP intermediates. Local tokens count the padding of
 `megatron_dcp.plan.plan.padded_length`, the runtime's own rule.
@@ -35,15 +35,12 @@ layer's ``2h`` input. Sequence parallelism (``model.sequence_parallel``, tp > 1)
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
+from megatron_dcp.plan.geometry import BF16, Geometry
 from megatron_dcp.plan.plan import PlanError, Task, padded_length
 
-if TYPE_CHECKING:
-    from megatron_dcp.plan.cost import CostModel
 
-BF16 = 2
-"""Bytes of a bf16 element (parameters, gradients, activations, logits)."""
 ZERO_BUCKET_ELEMENTS = 5e8
 """DeepSpeed's default ``reduce_bucket_size`` (elements): the gradient bucket of ZeRO-2/3."""
 RESERVE_BYTES = 4e9
@@ -84,7 +81,7 @@ class MemoryModel:
     made of.
     """
 
-    def __init__(self, geometry: CostModel, communicators_per_rank: int,
+    def __init__(self, geometry: Geometry, communicators_per_rank: int,
                  memory_budget: Optional[float], memory_fraction: float) -> None:
         self.geometry = geometry
         m, hardware, tp = geometry.model, geometry.hw, geometry.tensor_parallel

@@ -46,14 +46,12 @@ from __future__ import annotations
 
 from collections import namedtuple
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
+from megatron_dcp.plan.geometry import BF16, Geometry, Layout
 from megatron_dcp.plan.hardware import layout_kind
-from megatron_dcp.plan.memory import BF16
 from megatron_dcp.plan.plan import Plan, PlanError, Task
 
-if TYPE_CHECKING:
-    from megatron_dcp.plan.cost import CostModel, Layout
 
 LAUNCH_S_PER_LAYER = 90 * 2e-6
 """Analytic task overhead: ~90 kernels per layer (fwd+bwd), 2 us each when kernels are short."""
@@ -115,7 +113,7 @@ class TimeModel:
     shape (layout, recomputed layers) and best layouts per size class.
     """
 
-    def __init__(self, geometry: CostModel) -> None:
+    def __init__(self, geometry: Geometry) -> None:
         self.geometry = geometry
         self.model = geometry.model
         self.hw = geometry.hw
