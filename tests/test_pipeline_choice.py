@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from megatron_dcp.plan.pipeline import (FIXED_ORDERS, Pipeline, SlotCost, best_order,
-                                        shortest_candidate, simulate_pipeline)
+from megatron_dcp.plan.pipeline import Pipeline, SlotCost, simulate_pipeline
+from megatron_dcp.plan.pipeline_order import FIXED_ORDERS, best_order, shortest_candidate
 
 
 def _slots(rng: random.Random, count: int, world: int = 3) -> list[SlotCost]:

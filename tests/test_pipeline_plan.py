@@ -10,9 +10,9 @@ import pytest
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan import PlanError, build_cost_model, load_model, make_plan, simulate
-from megatron_dcp.plan.pipeline import (Pipeline, SlotCost, best_order, device_ops,
-                                        interleaved_micro_batches, padding_cost,
-                                        pipeline_lower_bound, simulate_pipeline, slot_costs)
+from megatron_dcp.plan.pipeline import (Pipeline, SlotCost, device_ops, interleaved_micro_batches,
+                                        padding_cost, simulate_pipeline, slot_costs)
+from megatron_dcp.plan.pipeline_order import best_order, pipeline_lower_bound
 
 
 def slot(forward, backward, p2p=0.0, kept=1.0, running=0.0):

@@ -23,9 +23,9 @@ from megatron_dcp.plan.dcp import free_candidates
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, order_slots,
-                                        padding_cost, shortest_candidate, simulate_pipeline,
-                                        slot_costs, stage_model)
+from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, padding_cost,
+                                        simulate_pipeline, slot_costs, stage_model)
+from megatron_dcp.plan.pipeline_order import order_slots, shortest_candidate
 from megatron_dcp.plan.plan import Plan, PlanError, check_frame_tokens
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary

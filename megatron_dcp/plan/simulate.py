@@ -21,7 +21,8 @@ from typing import NamedTuple, Optional, Sequence
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.hardware import layout_kind
 from megatron_dcp.plan.pipeline import (Pipeline, PipelineResult, padding_cost,
-                                        pipeline_lower_bound, simulate_pipeline, slot_costs)
+                                        simulate_pipeline, slot_costs)
+from megatron_dcp.plan.pipeline_order import pipeline_lower_bound
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.vocabulary import Vocabulary
 
