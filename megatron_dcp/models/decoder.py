@@ -26,6 +26,8 @@ from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.recompute import run_layer
 from megatron_dcp.runtime.context import TaskContext
+from megatron_dcp.runtime.offload import stash_for
+from megatron_dcp.runtime.tiling import loss_tiles_of, mlp_tiles_of, tiled_logits_loss, tiled_mlp
 
 
 @dataclass
@@ -93,8 +95,11 @@ class DecoderLayer(nn.Module):
         v = self.wv(h).view(t, self.cfg.num_kv_heads, d)
         attn = dcp_attention(q, k, v, causal=True, task=task)
         x_TE = x_TE + self.wo(attn.reshape(t, -1))
-        h = self.mlp_norm(x_TE)
-        return x_TE + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+        return x_TE + tiled_mlp(self.mlp, self.mlp_norm(x_TE), mlp_tiles_of(task))
+
+    def mlp(self, h_TE: torch.Tensor) -> torch.Tensor:
+        """The SwiGLU MLP of normed tokens (token-wise: `tiled_mlp` runs it over tiles)."""
+        return self.w_down(F.silu(self.w_gate(h_TE)) * self.w_up(h_TE))
 
 
 class Decoder(nn.Module):
@@ -115,22 +120,42 @@ class Decoder(nn.Module):
                 task: Optional[TaskContext] = None) -> torch.Tensor:
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
         0..T-1: one whole sequence), as the local shard of ``task`` (``None``: outside a task)."""
+        return F.linear(self.hidden(input_ids, position_ids, task), self.output_weight)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output projection ``[V, E]`` (the embedding when tied)."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+               task: Optional[TaskContext] = None) -> torch.Tensor:
+        """The final normed hidden states ``[T, E]`` (what the output projection takes)."""
         position_ids, task = check_inputs("Decoder", input_ids, position_ids, task,
                                           self.config.max_position)
         x = self.embed(input_ids)
         cos, sin = rope_tables(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        stash = stash_for(task)
         for i, layer in enumerate(self.layers):
-            x = run_layer(i, layer, x, cos, sin, task, task=task)
-        x = self.norm(x)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight)
+            x = run_layer(i, layer, x, cos, sin, task, task=task, stash=stash)
+        return self.norm(x)
+
+    def token_losses(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
+                     labels: torch.Tensor, task: Optional[TaskContext] = None) -> torch.Tensor:
+        """Cross-entropy of every token ``[T]`` (0 where ``labels == -100``); over the task's
+        ``loss_tiles`` tiles (`tiled_logits_loss`: no ``[T, V]`` logits) when it has more than
+        one."""
+        tiles = loss_tiles_of(task)
+        if tiles <= 1:
+            return token_losses(self(input_ids, position_ids, task), labels)
+        return tiled_logits_loss(self.hidden(input_ids, position_ids, task), self.output_weight,
+                                 labels, tiles, token_losses)
 
     def loss(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
              labels: torch.Tensor, reduction: str = "sum",
              task: Optional[TaskContext] = None) -> torch.Tensor:
         """Cross-entropy of the tokens: ``"sum"`` over labels != -100, or ``"none"`` (``[T]``).
         This is the ``forward_step`` the executor needs."""
-        losses = token_losses(self(input_ids, position_ids, task), labels)
+        losses = self.token_losses(input_ids, position_ids, labels, task)
         return losses.sum() if reduction == "sum" else losses
 
     def shape(self) -> ModelShape:

@@ -48,6 +48,8 @@ from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.recompute import run_layer
 from megatron_dcp.runtime.context import TaskContext
+from megatron_dcp.runtime.offload import stash_for
+from megatron_dcp.runtime.tiling import mlp_tiles_of, tiled_mlp
 from megatron_dcp.runtime.segments import upload
 
 
@@ -179,8 +181,12 @@ class DiTBlock(nn.Module):
         q, k, v = self.wqkv(_modulate(x_TE, shift1, scale1, eps)).view(t, 3, heads, -1).unbind(1)
         attn = dcp_attention(q, k, v, causal=False, group_of_position=groups, task=task)
         x_TE = x_TE + gate1 * self.wo(attn.reshape(t, -1))
-        h = self.fc2(F.gelu(self.fc1(_modulate(x_TE, shift2, scale2, eps))))
+        h = tiled_mlp(self.mlp, _modulate(x_TE, shift2, scale2, eps), mlp_tiles_of(task))
         return x_TE + gate2 * h
+
+    def mlp(self, h_TE: torch.Tensor) -> torch.Tensor:
+        """The GELU MLP of modulated tokens (token-wise: `tiled_mlp` runs it over tiles)."""
+        return self.fc2(F.gelu(self.fc1(h_TE)))
 
 
 @dataclass
@@ -268,9 +274,10 @@ class VideoDiT(nn.Module):
         frame_tokens = tuple(h * w for _, h, w in tv.shapes)
         spatial = VideoGroups("frame", frame_tokens)
         temporal = VideoGroups("cell", frame_tokens)
+        stash = stash_for(task)
         for i, block in enumerate(self.blocks):
             groups = temporal if block.temporal else spatial
-            x = run_layer(i, block, x, cond_SE, tv.seq_ids, groups, task, task=task)
+            x = run_layer(i, block, x, cond_SE, tv.seq_ids, groups, task, task=task, stash=stash)
         shift, scale = self.final_ada(F.silu(cond_SE))[tv.seq_ids].chunk(2, dim=-1)
         return self.patch_out(_modulate(x, shift, scale, self.config.norm_eps))
 

@@ -72,6 +72,15 @@ class Task:
     """Predicted peak memory per rank while the task runs, bytes (static memory included)."""
     slot: Optional[int] = None
     """Lockstep slot (0-based) of the task; ``None`` in a free plan."""
+    mlp_tiles: int = 1
+    """Chunks of its local tokens the MLP of every layer runs over, each recomputed in backward
+    (`megatron_dcp.runtime.tiling`); 1: untiled."""
+    loss_tiles: int = 1
+    """Chunks of its local tokens the output projection and loss run over, the logits of each
+    recomputed in backward, so no ``[tokens, vocab]`` logits exist; 1: untiled."""
+    offload_layers: int = 0
+    """Of the recomputed layers, how many first ones keep their saved inputs in host memory
+    between forward and backward (`megatron_dcp.runtime.offload`); ``<= recompute_layers``."""
 
     @property
     def degree(self) -> int:
@@ -99,6 +108,9 @@ class Task:
         d["seqs"] = list(self.seqs)
         if self.slot is None:
             del d["slot"]  # free plans keep the JSON of format version 1 as it was
+        for key, default in _LONG_DEFAULTS.items():
+            if d[key] == default:
+                del d[key]  # a task without long-sequence choices keeps its JSON as it was
         return d
 
     @classmethod
@@ -132,8 +144,30 @@ class Task:
             duration=_number(d.get("duration", 0.0), f"{where}.duration"),
             memory=_number(d.get("memory", 0.0), f"{where}.memory"),
             slot=_integer(slot, f"{where}.slot", 0) if slot is not None else None,
+            **_long_choices(d, where),
         )
 
+
+
+_LONG_DEFAULTS = {"mlp_tiles": 1, "loss_tiles": 1, "offload_layers": 0}
+"""The long-sequence choices of a task and their defaults (left out of its JSON when default)."""
+
+
+def _has_long_choices(task: Task) -> bool:
+    """Whether ``task`` tiles or offloads (a plan without any keeps the digest it always had)."""
+    return any(getattr(task, k) != v for k, v in _LONG_DEFAULTS.items())
+
+
+def _long_choices(d: dict[str, Any], where: str) -> dict[str, int]:
+    """A task JSON object's ``mlp_tiles``, ``loss_tiles``, ``offload_layers``, checked."""
+    out = {"mlp_tiles": _integer(d.get("mlp_tiles", 1), f"{where}.mlp_tiles", 1),
+           "loss_tiles": _integer(d.get("loss_tiles", 1), f"{where}.loss_tiles", 1),
+           "offload_layers": _integer(d.get("offload_layers", 0), f"{where}.offload_layers", 0)}
+    layers = d.get("recompute_layers", 0)
+    if out["offload_layers"] > layers:
+        raise ValueError(f"{where}: offload_layers {out['offload_layers']} > recompute_layers "
+                         f"{layers} (only recomputed layers' inputs are offloaded)")
+    return out
 
 
 TASK_KEYS = frozenset(f.name for f in fields(Task))
@@ -251,6 +285,7 @@ class Plan:
             "tasks": [
                 [t.id, list(t.ranks), list(t.seqs), t.ulysses, t.ring, t.recompute_layers,
                  round(t.start, 9)] + ([t.slot] if t.slot is not None else [])
+                + ([{k: getattr(t, k) for k in _LONG_DEFAULTS}] if _has_long_choices(t) else [])
                 for t in self.tasks
             ],
         }

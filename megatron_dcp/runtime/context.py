@@ -10,7 +10,7 @@ context variable is not visible, so the task travels as an argument (and a recom
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from megatron_dcp.plan.plan import Task
 
@@ -32,6 +32,21 @@ class TaskContext:
     """`megatron_dcp.runtime.layout.ShardLayout` of this rank's shard of the task's sequences."""
     recompute_layers: int = 0
     """Layers to recompute in this task (first ``recompute_layers`` layers of the model)."""
+    mlp_tiles: Optional[int] = None
+    """Chunks the MLP of every layer runs over (`megatron_dcp.runtime.tiling.tiled_mlp`);
+    ``None``: the task's ``mlp_tiles``."""
+    loss_tiles: Optional[int] = None
+    """Chunks the output projection and loss run over (`tiled_logits_loss`); ``None``: the
+    task's ``loss_tiles``."""
+    offload_layers: Optional[int] = None
+    """Recomputed layers whose saved inputs wait in host memory (`megatron_dcp.runtime.offload`);
+    ``None``: the task's ``offload_layers``."""
+
+    def __post_init__(self) -> None:
+        for key in ("mlp_tiles", "loss_tiles", "offload_layers"):
+            if getattr(self, key) is None:
+                setattr(self, key, int(getattr(self.task, key, 0 if key == "offload_layers"
+                                                else 1)))
 
     @property
     def degree(self) -> int:

@@ -26,6 +26,7 @@ import torch
 import torch.utils.checkpoint
 
 from megatron_dcp.runtime.context import TaskContext
+from megatron_dcp.runtime.offload import offload_layers_of, offloaded_layer
 
 _LAYERS_OUTSIDE_TASK: ContextVar[int] = ContextVar("megatron_dcp_recompute_layers", default=0)
 
@@ -52,7 +53,7 @@ def current_recompute_layers(task: Optional[TaskContext] = None) -> int:
 
 
 def run_layer(index: int, layer: Callable[..., torch.Tensor], *args: Any,
-              task: Optional[TaskContext] = None) -> torch.Tensor:
+              task: Optional[TaskContext] = None, stash: Any = None) -> torch.Tensor:
     """Run ``layer(*args)``, recomputing its activations in backward if ``index`` is below the
     task's ``recompute_layers``.
 
@@ -60,7 +61,13 @@ def run_layer(index: int, layer: Callable[..., torch.Tensor], *args: Any,
     called with (``None``: outside a task). Pass the task to the layer in ``args`` too: the
     layer's attention takes it, and a recompute gets the same arguments. Recomputation is only
     used when autograd records the forward (no effect under ``torch.no_grad``).
+
+    ``stash``: the `megatron_dcp.runtime.offload.HostStash` of this forward (from
+    ``stash_for(task)``); a layer below the task's ``offload_layers`` then keeps its first
+    argument in host memory between forward and backward (`offloaded_layer`).
     """
+    if stash is not None and index < offload_layers_of(task) and torch.is_grad_enabled():
+        return offloaded_layer(layer, *args, stash=stash)
     if index < current_recompute_layers(task) and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
     return layer(*args)
