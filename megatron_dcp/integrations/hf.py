@@ -36,11 +36,15 @@ from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.recompute import run_layer
 from megatron_dcp.runtime.context import TaskContext
+from megatron_dcp.runtime.offload import stash_for
+from megatron_dcp.runtime.tiling import loss_tiles_of, mlp_tiles_of, tiled_logits_loss, tiled_mlp
 
 ATTENTION = "dcp"
 """The name of DCP's attention in HF's ``AttentionInterface`` and ``AttentionMaskInterface``."""
 TASK_KWARG = "dcp_task"
 """The keyword that carries the `TaskContext` through HF's forward to the attention calls."""
+STASH_KWARG = "dcp_stash"
+"""The keyword that carries a forward's `HostStash` (activation offload) to the layers' hooks."""
 
 __all__ = ["ATTENTION", "DCPCausalLM", "HFTokenizer", "SUPPORTED_MODEL_TYPES", "check_supported",
            "enable", "is_hf_model", "load_causal_lm", "model_shape", "sliding_window"]
@@ -69,6 +73,7 @@ def hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     Outside a task: HF's SDPA attention with the mask HF built.
     """
     ctx = kwargs.pop(TASK_KWARG, None)
+    kwargs.pop(STASH_KWARG, None)
     if ctx is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -108,15 +113,67 @@ class _TaskRecompute:
 
     HF calls it with the layer's bound forward (a ``partial`` holding the keywords, the task
     among them) and the hidden state as the only positional argument.
+
+    With the task's ``mlp_tiles`` > 1 the layer's MLP runs over tiles (`_TiledMLPForward`: set
+    for the call, and again by the recompute, which calls the same `_WithMLPTiles`); with its
+    ``offload_layers`` the layer's input waits in the forward's `HostStash` (``dcp_stash``).
     """
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, mlp_forward: Optional["_TiledMLPForward"] = None) -> None:
         self.index = index
+        self.mlp_forward = mlp_forward
 
     def __call__(self, forward: Any, *args: Any) -> Any:
-        task = forward.keywords.get(TASK_KWARG) if isinstance(forward, functools.partial) \
-            else None
-        return run_layer(self.index, forward, *args, task=task)
+        keywords = forward.keywords if isinstance(forward, functools.partial) else {}
+        task = keywords.get(TASK_KWARG)
+        tiles = mlp_tiles_of(task)
+        if tiles > 1 and self.mlp_forward is not None:
+            forward = _WithMLPTiles(forward, self.mlp_forward, tiles)
+        return run_layer(self.index, forward, *args, task=task, stash=keywords.get(STASH_KWARG))
+
+
+class _TiledMLPForward:
+    """A decoder layer's ``mlp.forward``: the original one, over ``tiles`` tiles of the tokens
+    (`tiled_mlp`) while a layer call of a tiled task runs (``tiles`` is set by `_WithMLPTiles`
+    around that call only, on whichever thread runs it; 1 otherwise: untouched)."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+        self.tiles = 1
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.tiles <= 1 or args or kwargs or hidden_states.dim() != 3 or \
+                hidden_states.shape[0] != 1:
+            return self.forward(hidden_states, *args, **kwargs)
+        return tiled_mlp(self.forward, hidden_states[0], self.tiles)[None]
+
+
+class _WithMLPTiles:
+    """A layer's bound forward run with its MLP tiled (kept by a recompute, so the recompute
+    tiles the same way)."""
+
+    def __init__(self, forward: Any, mlp_forward: _TiledMLPForward, tiles: int) -> None:
+        self.layer_forward, self.mlp_forward, self.tiles = forward, mlp_forward, tiles
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        before, self.mlp_forward.tiles = self.mlp_forward.tiles, self.tiles
+        try:
+            return self.layer_forward(*args, **kwargs)
+        finally:
+            self.mlp_forward.tiles = before
+
+
+def _tiled_mlp_forward(layer: nn.Module) -> Optional[_TiledMLPForward]:
+    """Layer's MLP forward made tileable in place (once), or ``None`` without an ``mlp``."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is None:
+        return None
+    current = mlp.__dict__.get("forward")
+    if isinstance(current, _TiledMLPForward):
+        return current
+    wrapped = _TiledMLPForward(mlp.forward)
+    mlp.forward = wrapped
+    return wrapped
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -230,7 +287,7 @@ def enable(model: nn.Module, *, max_sequence_length: Optional[int] = None) -> Mo
         # HF calls the hook only when the flag is set (and in training with grad enabled); the
         # hook then recomputes if i < the task's recompute_layers, which may be 0.
         layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = _TaskRecompute(i)
+        layer._gradient_checkpointing_func = _TaskRecompute(i, _tiled_mlp_forward(layer))
     return model_shape(model)
 
 
@@ -273,6 +330,10 @@ class DCPCausalLM(nn.Module):
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
         0..T-1: one whole sequence), as the local shard of ``task`` (``None``: outside a
         task)."""
+        return self._call(self.causal_lm, input_ids, position_ids, task).logits[0]
+
+    def _call(self, module: nn.Module, input_ids: torch.Tensor,
+              position_ids: Optional[torch.Tensor], task: Optional[TaskContext]) -> Any:
         position_ids, ctx = check_inputs("DCPCausalLM", input_ids, position_ids, task)
         _check_recompute_hooks(self._layers)
         kwargs: dict[str, Any] = {}
@@ -281,9 +342,27 @@ class DCPCausalLM(nn.Module):
             # sequences, a sync); the task's layout decides who attends
             kwargs = {TASK_KWARG: ctx, "attention_mask": torch.empty(
                 1, 1, 0, 0, dtype=torch.bool, device=input_ids.device)}
-        out = self.causal_lm(input_ids=input_ids[None], position_ids=position_ids[None],
-                             use_cache=False, **kwargs)
-        return out.logits[0]
+            stash = stash_for(ctx)
+            if stash is not None:
+                kwargs[STASH_KWARG] = stash
+        return module(input_ids=input_ids[None], position_ids=position_ids[None],
+                      use_cache=False, **kwargs)
+
+    def token_losses(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
+                     labels: torch.Tensor, task: Optional[TaskContext] = None) -> torch.Tensor:
+        """Cross-entropy of every token ``[T]`` (0 where ``labels == -100``); with the task's
+        ``loss_tiles`` > 1 the output projection and loss run over tiles (`tiled_logits_loss`:
+        no ``[T, V]`` logits)."""
+        from megatron_dcp.models.common import token_losses
+
+        tiles = loss_tiles_of(task)
+        head = self.causal_lm.get_output_embeddings()
+        if tiles <= 1 or head is None or getattr(self.causal_lm.config, "final_logit_softcapping",
+                                                  None):
+            return token_losses(self(input_ids, position_ids, task), labels)
+        hidden = self._call(self.causal_lm.base_model, input_ids, position_ids, task)
+        return tiled_logits_loss(hidden.last_hidden_state[0], head.weight, labels, tiles,
+                                 token_losses, getattr(head, "bias", None))
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
