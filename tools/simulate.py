@@ -44,6 +44,7 @@ from typing import Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_dcp.config import POLICIES, DCPConfig, DCPConfigError  # noqa: E402
+from megatron_dcp.plan.memory import assign_long_choices  # noqa: E402
 from megatron_dcp.plan import (PlanError, build_cost_model, load_model, lower_bound,  # noqa: E402
                                make_plan, simulate, validate_plan)
 from megatron_dcp.plan.hardware import HardwareError  # noqa: E402
@@ -81,6 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                       "(interleaved schedule; default 1)")
     p.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2, 3),
                    help="ZeRO stage (default 1)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="optimizer states (and, ZeRO >= 2, gradient partitions) in host memory: "
+                        "DeepSpeed offload_optimizer, Megatron --optimizer-cpu-offload")
+    p.add_argument("--offload-param", action="store_true",
+                   help="ZeRO-3 parameter partitions in host memory (DeepSpeed offload_param)")
+    p.add_argument("--long-sequences", action="store_true",
+                   help="a task that fits no plain choice may tile its MLP and loss and offload "
+                        "recomputed layers' inputs to the host (docs/USAGE.md, Long sequences)")
     p.add_argument("--schedule", default="auto", choices=("auto", "free", "lockstep"),
                    help="micro-step schedule: auto (lockstep for ZeRO-2/3), free, lockstep")
     src = p.add_mutually_exclusive_group()
@@ -233,7 +242,9 @@ def run(args: argparse.Namespace) -> dict:
                      recompute=args.recompute,
                      oversize=args.oversize, max_degree=args.max_degree,
                      schedule=args.schedule)
-    cm = build_cost_model(model, base, world, zero_stage=args.zero_stage)
+    cm = build_cost_model(model, base, world, zero_stage=args.zero_stage,
+                          offload_optimizer=args.offload_optimizer,
+                          offload_param=args.offload_param, long_sequences=args.long_sequences)
     plans: dict[str, Plan] = {}
     for name in names:
         t0 = time.perf_counter()
@@ -241,6 +252,7 @@ def run(args: argparse.Namespace) -> dict:
                                 config=base.replace(policy=name),
                                 zero_stage=args.zero_stage, cost_model=cm,
                                 baseline_degree=args.baseline_degree, frame_tokens=frames)
+        plans[name] = assign_long_choices(plans[name], cm.memory_model)
         plans[name].meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
     if external is not None:
         validate_plan(external, model, cost_model=cm, check_times=False)

@@ -135,6 +135,10 @@ class Hardware:
     step_overhead_s: Optional[float] = None
     """Measured seconds per step besides the tasks (gradient reduction, optimizer step,
     planning); ``None``: the cost model's analytic `TimeModel.sync_time`."""
+    host_link_bandwidth: Optional[float] = None
+    """Achievable bytes/s per GPU, each direction, between device and pinned host memory (PCIe):
+    the rate activation offload (`megatron_dcp.runtime.offload`) moves layer inputs at; ``None``:
+    `megatron_dcp.plan.memory.HOST_LINK_BANDWIDTH`."""
     measured: dict = field(default_factory=dict, compare=False, hash=False)
     """Raw measurements of a profile (informational)."""
 
@@ -316,6 +320,7 @@ PRESETS: dict[str, Hardware] = {
         inter_latency=15e-6,  # InfiniBand NDR + NCCL protocol latency
         ranks_per_node=8,  # HGX H200: 8 GPUs per node
         communicator_bytes=NCCL_COMMUNICATOR_BYTES,
+        host_link_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s per direction, ~80 % achieved
     ),
     "h100": Hardware(
         name="h100",
@@ -332,6 +337,7 @@ PRESETS: dict[str, Hardware] = {
         inter_latency=15e-6,
         ranks_per_node=8,
         communicator_bytes=NCCL_COMMUNICATOR_BYTES,
+        host_link_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s per direction, ~80 % achieved
     ),
     "a100": Hardware(
         name="a100",
@@ -349,6 +355,7 @@ PRESETS: dict[str, Hardware] = {
         inter_latency=15e-6,
         ranks_per_node=8,
         communicator_bytes=NCCL_COMMUNICATOR_BYTES,
+        host_link_bandwidth=25e9,  # PCIe Gen4 x16: 32 GB/s per direction, ~80 % achieved
     ),
 }
 

@@ -54,6 +54,16 @@ LOSS_CHUNK_COPIES = 1
 forward, the softmax gradient in backward)."""
 
 
+HOST_LINK_BANDWIDTH = 25e9
+"""Device <-> pinned host bytes/s per GPU and direction when the hardware gives none."""
+MLP_TILE_TOKENS = 16384
+"""Local tokens per MLP tile of a tiled task (its MLP intermediates are this many tokens')."""
+LOSS_TILE_BYTES = 2 * 2**30
+"""Bytes of bf16 logits and their fp32 gradient per loss tile of a tiled task."""
+TILE_LAUNCH_S = 30e-6
+"""Seconds of launches and checkpoint bookkeeping per extra tile per layer and pass."""
+
+
 def loss_chunk_tokens(vocab: int, chunk_bytes: float = LOSS_CHUNK_BYTES) -> int:
     """Tokens per chunk of the chunked loss: ``chunk_bytes`` of fp32 logits (at least one)."""
     return max(1, int(chunk_bytes // (4 * vocab)))
@@ -159,8 +169,14 @@ class MemoryModel:
         return per_token * min(local, chunk)
 
     def memory_of(self, tokens: int, degree: int, recompute_layers: int) -> float:
-        """Peak bytes per rank of a task with ``tokens`` (padded) tokens over ``degree`` ranks."""
+        """Peak bytes per rank of a task with ``tokens`` (padded) tokens over ``degree`` ranks
+        (with `long_sequences`, all layers recomputed: the smaller of plain and tiled+offloaded,
+        `long_choices`)."""
         local = math.ceil(tokens / degree)
+        if self.long_sequences and recompute_layers >= self.num_layers:
+            choice = self.long_choices(tokens, degree)
+            if choice is not None and choice[1:] != (0, 1, 1):
+                return self.long_memory_of(tokens, degree, *choice)
         return self.static_memory + self.reserve + local * self.token_bytes(recompute_layers) \
             + self.loss_workspace(local)
 
@@ -174,12 +190,16 @@ class MemoryModel:
         gain = self.act_bytes - self.recomputed_layer_bytes
         need = (local * (self.token_bytes(0) + self.act_bytes) - free) / (local * gain)
         c = max(1, math.ceil(need - 1e-12))
+        if c > self.num_layers and self.long_sequences:
+            return self.num_layers if self._long_fits(tokens, degree) else None
         return c if c <= self.num_layers else None
 
     def max_local_tokens(self, recompute_layers: int, free: Optional[float] = None) -> int:
         """Most local tokens per rank with ``recompute_layers`` recomputed layers in ``free``
         bytes (default: the budget less static memory and reserve), the loss's workspace
         included (linear up to one chunk, then constant)."""
+        if self.long_sequences and free is None and recompute_layers >= self.num_layers:
+            return self._long_max_local()
         free = self._free if free is None else free
         per_token, chunk = self._loss_chunk
         token = self.token_bytes(recompute_layers)
@@ -196,4 +216,169 @@ class MemoryModel:
         """Predicted peak bytes per rank of ``task`` (static memory included), with the padding
         the runtime adds for the task's layout."""
         tokens = sum(padded_length(lengths[s], task.ulysses, task.ring) for s in task.seqs)
+        if task.mlp_tiles > 1 or task.loss_tiles > 1 or task.offload_layers:
+            return self.long_memory_of(tokens, task.degree, task.recompute_layers,
+                                       task.offload_layers, task.mlp_tiles, task.loss_tiles)
         return self.memory_of(tokens, task.degree, task.recompute_layers)
+
+    # ------------------------------------------------------------------ long sequences
+    # (issue 29): optimizer/parameter offload in the static memory; per task, MLP tiles, loss
+    # tiles and offloaded layers (megatron_dcp.runtime.tiling / offload). Off by default: a cost
+    # model without them plans bit-identically.
+    offload_optimizer = False
+    offload_param = False
+    long_sequences = False
+    """Whether a task that fits no plain choice may tile and offload (`long_choices`); the
+    planner then sees all layers recomputed, and `assign_long_choices` sets the tiles."""
+
+    def _long_fits(self, tokens: int, degree: int) -> bool:
+        local = math.ceil(tokens / degree)
+        mlp, loss = self.long_tiles(local)
+        n = self.num_layers
+        return self.long_memory_of(tokens, degree, n, n, mlp, loss) <= self.budget
+
+    def _long_max_local(self) -> int:
+        """Most local tokens a tiled, fully offloaded task holds (bisection; cached)."""
+        cached = getattr(self, "_long_local", None)
+        if cached is not None and cached[0] == self.static_memory:
+            return cached[1]
+        lo = self._plain_max_local_full()
+        hi = max(lo, 1)
+        while self._long_fits(hi * 2, 1):
+            hi *= 2
+        hi *= 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self._long_fits(mid, 1) else (lo, mid)
+        self._long_local = (self.static_memory, lo)
+        return lo
+
+    def _plain_max_local_full(self) -> int:
+        per_token, chunk = self._loss_chunk
+        token = self.token_bytes(self.num_layers)
+        local = int(max(0.0, self._free) // (token + per_token))
+        if local > chunk:
+            local = int(max(0.0, self._free - per_token * chunk) // token)
+        return local
+
+    def set_offload(self, optimizer: bool = False, param: bool = False) -> None:
+        """Optimizer states (DeepSpeed ``offload_optimizer``, Megatron's
+        ``--optimizer-cpu-offload``; with ZeRO >= 1 the fp32 master weights and Adam moments,
+        12 B per parameter) and, at ZeRO-3, parameter partitions (``offload_param``) live in
+        host memory: static device memory drops by them (the gathered layers stay)."""
+        if param and self.geometry.zero_stage < 3:
+            raise PlanError("offload_param needs ZeRO stage 3 (DeepSpeed offloads only "
+                            "partitioned parameters)")
+        self.offload_optimizer, self.offload_param = bool(optimizer), bool(param)
+        self.static_memory = self._static_memory()
+        if self.offload_optimizer or self.offload_param:
+            g = self.geometry
+            p, w = g.params, g.world_size
+            if self.offload_optimizer:
+                self.static_memory -= 12.0 * p / (w if g.zero_stage >= 1 else 1)
+            if self.offload_param:
+                self.static_memory -= 2.0 * p / w
+            if self.offload_optimizer and g.zero_stage >= 2:  # DeepSpeed: gradient partitions too
+                self.static_memory -= 2.0 * p / w
+        self._free = self.budget - self.static_memory - self.reserve
+        if self._free <= 0:
+            raise PlanError(self._static_message())
+
+    @property
+    def mlp_token_bytes(self) -> float:
+        """Of `act_bytes`, the MLP intermediates (what MLP tiling keeps to one tile)."""
+        m, tp = self.geometry.model, self.geometry.tensor_parallel
+        return BF16 * (3 if m.gated_mlp else 2) * m.ffn_hidden_size / tp
+
+    def long_memory_of(self, tokens: int, degree: int, recompute_layers: int,
+                       offload_layers: int, mlp_tiles: int, loss_tiles: int) -> float:
+        """Peak bytes per rank of a task that tiles and offloads: kept layers keep ``A`` per
+        token less the MLP's intermediates when tiled; recomputed layers their input (``2h``),
+        offloaded ones nothing but the two in flight (the one recomputing and the one
+        prefetched); the recompute buffer's MLP part and the logits are one tile's."""
+        local = math.ceil(tokens / degree)
+        n, c, o = self.num_layers, recompute_layers, min(offload_layers, recompute_layers)
+        mlp = self.mlp_token_bytes
+        mlp_tile = math.ceil(local / max(1, mlp_tiles))
+        layer = self.act_bytes - (mlp if mlp_tiles > 1 else 0.0)
+        kept = local * ((n - c) * layer + (c - o) * self.recomputed_layer_bytes)
+        in_flight = 2 * local * self.recomputed_layer_bytes if o else 0.0
+        buffer = local * layer + (mlp_tile * mlp if mlp_tiles > 1 else 0.0)
+        loss_tokens = math.ceil(local / max(1, loss_tiles))
+        logits = loss_tokens * self.logit_bytes + self.loss_workspace(loss_tokens)
+        if loss_tiles > 1:
+            logits += local * self.recomputed_layer_bytes  # the final hidden state's gradient
+        return self.static_memory + self.reserve + kept + in_flight + buffer + logits
+
+    def long_tiles(self, local: int) -> tuple[int, int]:
+        """(MLP tiles, loss tiles) for ``local`` tokens: `MLP_TILE_TOKENS` per MLP tile, one
+        tile of `LOSS_TILE_BYTES` logits per loss tile (1: untiled)."""
+        mlp = max(1, math.ceil(local / MLP_TILE_TOKENS))
+        loss = max(1, math.ceil(local * self.logit_bytes / LOSS_TILE_BYTES))
+        return mlp, loss
+
+    def long_choices(self, tokens: int, degree: int) -> Optional[tuple[int, int, int, int]]:
+        """``(recompute_layers, offload_layers, mlp_tiles, loss_tiles)`` for a task of
+        ``tokens`` over ``degree`` ranks: the plain fewest recomputed layers where that fits
+        (``(c, 0, 1, 1)``: a short task pays nothing), else all layers recomputed, tiles, and
+        the fewest offloaded layers that fit; ``None``: nothing fits."""
+        long, self.long_sequences = self.long_sequences, False
+        try:
+            c = self.min_recompute_layers(tokens, degree)  # the plain rule
+        finally:
+            self.long_sequences = long
+        if c is not None:
+            return c, 0, 1, 1
+        local = math.ceil(tokens / degree)
+        mlp, loss = self.long_tiles(local)
+        n = self.num_layers
+        for o in range(0, n + 1):
+            if self.long_memory_of(tokens, degree, n, o, mlp, loss) <= self.budget:
+                return n, o, mlp, loss
+        return None
+
+    def offload_seconds(self, tokens: int, degree: int, offload_layers: int,
+                        hidden_s: float) -> float:
+        """Seconds of offload traffic compute does not hide: ``offload_layers`` layer inputs
+        each way over the host link, less ``hidden_s`` (the task's compute)."""
+        bw = self.geometry.hw.host_link_bandwidth or HOST_LINK_BANDWIDTH
+        local = math.ceil(tokens / degree)
+        traffic_s = 2 * offload_layers * local * self.recomputed_layer_bytes / bw
+        return max(0.0, traffic_s - hidden_s)
+
+    def tiling_seconds(self, mlp_tiles: int, loss_tiles: int) -> float:
+        """Launch overhead of tiling: per extra tile, per layer, forward and both recomputes."""
+        return TILE_LAUNCH_S * (3 * self.num_layers * max(0, mlp_tiles - 1)
+                                + 2 * max(0, loss_tiles - 1))
+
+
+def assign_long_choices(plan: "Plan", memory_model: MemoryModel) -> "Plan":
+    """``plan`` with every task that fits only tiled and offloaded given its MLP tiles, loss
+    tiles and offloaded layers (`MemoryModel.long_choices`), its memory, and its duration
+    lengthened by the offload traffic its compute does not hide and tiling's launches (starts
+    are kept: the tasks that need this are the long ones, alone on their ranks). Tasks that fit
+    plainly are returned as they are: a short sequence pays nothing."""
+    from dataclasses import replace
+
+    from megatron_dcp.plan.plan import Plan  # noqa: F401 (type only)
+
+    mm = memory_model
+    if not mm.long_sequences:
+        return plan
+    tasks = []
+    for t in plan.tasks:
+        tokens = sum(padded_length(plan.lengths[s], t.ulysses, t.ring) for s in t.seqs if s >= 0)
+        if t.recompute_layers < mm.num_layers or tokens == 0:
+            tasks.append(t)
+            continue
+        choice = mm.long_choices(tokens, t.degree)
+        if choice is None or choice[1:] == (0, 1, 1):
+            tasks.append(t)
+            continue
+        c, o, mlp, loss = choice
+        extra = mm.offload_seconds(tokens, t.degree, o, t.duration) \
+            + mm.tiling_seconds(mlp, loss)
+        tasks.append(replace(t, recompute_layers=c, offload_layers=o, mlp_tiles=mlp,
+                             loss_tiles=loss, duration=t.duration + extra,
+                             memory=mm.long_memory_of(tokens, t.degree, c, o, mlp, loss)))
+    return replace(plan, tasks=tuple(tasks))

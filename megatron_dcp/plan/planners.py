@@ -62,12 +62,24 @@ def memory_stage(zero_stage: int, schedule: str) -> int:
 
 def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
                      hardware: "Hardware | str | None" = None, zero_stage: int = 1,
-                     vocabulary: Optional[Vocabulary] = None) -> CostModel:
+                     vocabulary: Optional[Vocabulary] = None, *, offload_optimizer: bool = False,
+                     offload_param: bool = False, long_sequences: bool = False) -> CostModel:
     """The cost model ``make_plan`` uses for these settings; ``zero_stage`` is the engine's, the
     model's static memory that of `memory_stage` under ``config.schedule``. A pipelined model
     (``model.pipeline_parallel > 1``) gets the cost model of one stage (`stage_model`), lockstep.
     ``vocabulary``: charge its communicators per rank (`vocabulary_for_lengths`); default: those
-    of the settings' vocabulary (`Vocabulary.for_cost_model`)."""
+    of the settings' vocabulary (`Vocabulary.for_cost_model`). ``offload_optimizer`` /
+    ``offload_param``: static memory in host memory (`MemoryModel.set_offload`);
+    ``long_sequences``: tasks may tile and offload (`MemoryModel.long_choices`)."""
+    if offload_optimizer or offload_param:
+        # static memory is checked against the budget once the offload is counted
+        cm = build_cost_model(model, config.replace(memory_budget_gb=float(2**40)), world_size,
+                              hardware, zero_stage, vocabulary, long_sequences=long_sequences)
+        hw = cm.hw
+        cm.memory_model.budget = config.memory_budget_gb * 2**30 \
+            if config.memory_budget_gb is not None else hw.hbm_bytes * config.memory_fraction
+        cm.memory_model.set_offload(offload_optimizer, offload_param)
+        return cm
     if model.pipeline_parallel > 1:
         model, config = stage_model(model), config.replace(schedule="lockstep")
     try:
@@ -76,13 +88,15 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
         raise PlanError(str(err)) from None
     budget = config.memory_budget_gb * 2**30 if config.memory_budget_gb is not None else None
     stage = memory_stage(zero_stage, schedule_for(config.schedule, zero_stage))
-    return CostModel(model, hw, world_size=world_size, zero_stage=stage,
+    cm = CostModel(model, hw, world_size=world_size, zero_stage=stage,
                      ranks_per_node=config.ranks_per_node, memory_budget=budget,
                      memory_fraction=config.memory_fraction,
                      attention_layout=config.attention_layout,
                      ulysses_scope=config.ulysses_scope, max_degree=config.max_degree,
                      communicators_per_rank=None if vocabulary is None
                      else vocabulary.communicators_per_rank())
+    cm.memory_model.long_sequences = long_sequences
+    return cm
 
 
 def pack_budget(config: DCPConfig, cm: CostModel) -> Optional[int]:
