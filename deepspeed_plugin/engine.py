@@ -18,11 +18,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.config import IGNORE_INDEX, DCPConfig
+from megatron_dcp.config import DCPConfig
 from megatron_dcp.models.common import token_losses
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.planners import schedule_for
-from megatron_dcp.runtime.step import Shard, StepDriver, StepResult
+from megatron_dcp.runtime.step import Shard, StepDriver, StepEngine, StepResult
 
 __all__ = ["DCPEngine", "LossFn", "StepResult", "token_loss"]
 
@@ -139,7 +139,7 @@ class DCPEngine:
         return path, client_state
 
 
-class _DeepSpeedSteps:
+class _DeepSpeedSteps(StepEngine):
     """DeepSpeed's side of the step driver's protocol (`megatron_dcp.runtime.step.StepEngine`)
     for one `DCPEngine`: forward and loss through ``loss_fn``, DeepSpeed's backward with the
     accumulation boundary, the micro-step scope and the optimizer step."""
@@ -158,7 +158,8 @@ class _DeepSpeedSteps:
         # none: their boundary reduction runs after the backward.
         self.coalesce = (dcp.enabled and not owner.lockstep and self.zero_stage in (1, 2, 3)
                          and hasattr(engine.optimizer, "_coalesce_grad_reduction"))
-        # Plain data parallel runs DeepSpeed's ordinary accumulation: equal micro-step counts.
+        # Plain data parallel runs DeepSpeed's ordinary accumulation: equal micro-step counts
+        # (the driver pads with empty micro-steps, which run through forward_loss and backward).
         self.equal_micro_steps = not dcp.enabled
 
     def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor:
@@ -174,15 +175,6 @@ class _DeepSpeedSteps:
             self.engine.set_gradient_accumulation_boundary(last)
         # DeepSpeed divides the reduced gradient by the world size: multiply to get a SUM.
         self.engine.backward(loss * self.world_size)
-
-    def empty_micro_step(self, last: bool) -> None:
-        """A forward and backward with zero gradient (keeps collectives matched across ranks):
-        ``loss_fn`` on two tokens outside any task, times zero (the graph of a real
-        micro-step)."""
-        ids = torch.zeros(2, dtype=torch.long, device=self.device)
-        labels = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=self.device)
-        shard = Shard(ids, torch.arange(2, device=self.device), labels, None)
-        self.backward(self.loss_fn(self.engine, shard).float().sum() * 0.0, last)
 
     def micro_steps(self) -> contextlib.AbstractContextManager:
         """Stages 1-3 with a free schedule: one coalesced reduction when the rank's micro-steps

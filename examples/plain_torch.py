@@ -1,4 +1,4 @@
-"""DCP in a plain torch loop: an engine is the five methods of the step driver's protocol.
+"""DCP in a plain torch loop: an engine is three methods (and a scope) on `StepEngine`.
 
     torchrun --nproc_per_node 2 examples/plain_torch.py --dcp --train-iters 4
 
@@ -17,12 +17,11 @@ import torch.distributed as dist
 from megatron_dcp.config import int_flag
 from megatron_dcp.models.common import token_losses
 from megatron_dcp.runtime.executor import reduce_gradients
+from megatron_dcp.runtime.step import StepEngine
 
 
-class TorchEngine:
+class TorchEngine(StepEngine):
     """A torch module and optimizer under `StepDriver`: no DDP, one SUM all-reduce per step."""
-
-    equal_micro_steps = False
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group=None):
         self.model, self.optimizer, self.group = model, optimizer, group
@@ -34,9 +33,6 @@ class TorchEngine:
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         loss.backward()
-
-    def empty_micro_step(self, last: bool) -> None:
-        """Nothing to join: the reduction in `finish` runs on every rank."""
 
     def micro_steps(self):
         self.optimizer.zero_grad()  # the step's gradients accumulate from zero

@@ -118,11 +118,14 @@ def _global_name(name: str, stage: int, chunk: int = 0, vp: int = 1) -> str:
 
 
 def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False,
-         calibrate=False):
+         calibrate=False, explicit_groups=False):
     """One DCP step of ``plan`` (default `_plan`) at PP 2 (``vp`` virtual stages) x TP ``tp``
     (``sp``: sequence parallel) x DP (the rest): (loss, gradients by global name and gathered
     over TP, target tokens reported, micro-steps); ``calibrate``: with the model's shape and
-    calibration on, and then also (the calibration's task samples, this rank's task times)."""
+    calibration on, and then also (the calibration's task samples, this rank's task times).
+    ``explicit_groups``: the step is given ``pg_collection`` and ``p2p_communicator`` (as
+    Megatron-LM passes them) and ``parallel_state``'s data- and pipeline-group getters fail
+    during the step, so the step can only have used the groups it was given."""
     from functools import partial
 
     import test_megatron as tm
@@ -167,10 +170,12 @@ def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False,
                                             calibration="on" if calibrate else "off"),
                                   model_shape=shape)
         batch = GlobalBatch(_sequences(), Plan.from_dict(plan or _plan()))
+        groups = _explicit_groups(chunks[0].config) if explicit_groups else {}
         reports = step(forward_step_func=forward_step, model=ddps, num_microbatches=1,
-                       data_iterator=iter([batch]), seq_length=0, micro_batch_size=1)
+                       data_iterator=iter([batch]), seq_length=0, micro_batch_size=1, **groups)
     finally:
         torch.autograd.backward, torch.Tensor.backward = plain_autograd, plain_backward
+        _explicit_groups_end()
     result = reports.result
     grads = {_global_name(n, stage, c, vp): tm._gather_tp(n, p, p.main_grad.detach().clone(), tp)
              for c, chunk in enumerate(chunks) for n, p in chunk.named_parameters()}
@@ -181,6 +186,38 @@ def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False,
         times = [(t.task_id, t.forward_s, t.backward_s) for t in result.stats.tasks]
         return result.loss, grads, tokens, result.micro_steps, samples, times
     return result.loss, grads, tokens, result.micro_steps
+
+
+_GETTERS = ("get_data_parallel_group", "get_pipeline_model_parallel_group")
+_SAVED: dict = {}
+
+
+def _explicit_groups(config) -> dict:
+    """``pg_collection`` and ``p2p_communicator`` as Megatron-LM builds them; then the
+    ``parallel_state`` getters of `_GETTERS` raise until `_explicit_groups_end`."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.use_mpu_process_groups(
+        ["tp", "cp", "embd", "pos_embd", "pp", "dp", "dp_cp"])
+    p2p = P2PCommunicator(groups.pp, config)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("parallel_state read although pg_collection was given")
+
+    for name in _GETTERS:
+        _SAVED[name] = getattr(parallel_state, name)
+        setattr(parallel_state, name, refuse)
+    return {"pg_collection": groups, "p2p_communicator": p2p}
+
+
+def _explicit_groups_end() -> None:
+    from megatron.core import parallel_state
+
+    for name, getter in _SAVED.items():
+        setattr(parallel_state, name, getter)
+    _SAVED.clear()
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +267,13 @@ def test_pipeline_task_times_reach_the_calibration(reference):
         assert samples == len(TASKS), (rank, samples)
         assert {t for t, _, _ in times} == mine[rank % 2], (rank, times)
         assert all(f > 0 and b > 0 for _, f, b in times), (rank, times)
+
+
+@pytest.mark.timeout(200)
+def test_dcp_uses_the_groups_it_is_given(reference):
+    """With ``pg_collection`` and ``p2p_communicator`` given, the step takes its data- and
+    pipeline-parallel groups from them (``parallel_state``'s getters fail meanwhile): exact."""
+    results = run_distributed(_dcp, world_size=4,
+                              args=(reference[0], False, None, 1, 1, False, False, True),
+                              timeout_s=180)
+    check_against_reference(results, reference)

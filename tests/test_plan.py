@@ -678,7 +678,8 @@ def test_megatron_step_plans_with_the_tensor_parallel_size(monkeypatch):
     step = step_module.DCPForwardBackward(DCPConfig(enabled=True, hardware="h200"),
                                           model_shape=LLAMA)  # a GPU model: not "auto" on CPU
     assert step.planning_shape() is LLAMA  # Megatron's parallel state not set up: TP 1
-    monkeypatch.setattr(step_module, "_tensor_parallel_size", lambda: 2)
+    monkeypatch.setattr(step_module.MegatronParallel, "of",
+                        classmethod(lambda cls, pg_collection=None: cls(tensor=2)))
     assert step.planning_shape() == replace(LLAMA, tensor_parallel=2)
     expected = make_plan([1000, 5000], world_size=2, model=replace(LLAMA, tensor_parallel=2),
                          config=step.config, zero_stage=step.zero_stage)

@@ -22,6 +22,7 @@ from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.digests import batch_digest
 from megatron_dcp.runtime.executor import SelfTargetBatch, target_count, target_weights
 from megatron_dcp.runtime.layout import ShardLayout
+from megatron_dcp.runtime.step import StepEngine
 
 DIT = dict(in_channels=3, hidden_size=16, num_layers=3, num_heads=4, ffn_hidden_size=32,
            max_frames=8, max_height=3, max_width=4, num_classes=3, frequency_size=16)
@@ -91,10 +92,8 @@ def _run_plans(rank, world_size, cases):
     return out
 
 
-class VideoTorchEngine:
-    """The step driver's protocol for the video DiT in plain torch (SUM-reduced gradients)."""
-
-    equal_micro_steps = False
+class VideoTorchEngine(StepEngine):
+    """The step driver's engine for the video DiT in plain torch (SUM-reduced gradients)."""
 
     def __init__(self, model, batch, group):
         self.model, self.batch, self.group = model, batch, group
@@ -106,13 +105,6 @@ class VideoTorchEngine:
 
     def backward(self, loss, last):
         on_fresh_thread(loss.backward)
-
-    def empty_micro_step(self, last):
-        """Nothing to join: the reduction in `finish` runs on every rank."""
-
-    def micro_steps(self):
-        import contextlib
-        return contextlib.nullcontext()
 
     def finish(self):
         from megatron_dcp.runtime.executor import reduce_gradients

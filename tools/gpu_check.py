@@ -89,6 +89,7 @@ sys.path.insert(0, ROOT)
 from megatron_dcp.runtime import backends, kernels  # noqa: E402
 from megatron_dcp.runtime.layout import ShardLayout  # noqa: E402
 from megatron_dcp.runtime.ring import ring_in_one_process  # noqa: E402
+from megatron_dcp.runtime.step import StepEngine  # noqa: E402
 
 # Sizes per device. exactness/ring: packed lengths, heads, kv heads, head dims (the first is the
 # main one), video frame; throughput: one long sequence and a pack; model_*: the reference
@@ -500,13 +501,11 @@ def section_throughput(ctx) -> dict:
 
 
 # ---------------------------------------------------------------------------- model sections
-class _Engine:
-    """The step driver's protocol (`megatron_dcp.runtime.step.StepEngine`) for a plain module:
+class _Engine(StepEngine):
+    """The step driver's engine (`megatron_dcp.runtime.step.StepEngine`) for a plain module:
     ``loss(model, shard, per_token)``, gradients zeroed in place at the start of a step and
     SUM-reduced at its end, no optimizer step. The sync check is on from each task's forward
     until its backward has ended; ``on_finish`` runs after the last task, before the reduction."""
-
-    equal_micro_steps = False
 
     def __init__(self, model, loss: Callable, check: SyncCheck, group=None,
                  on_finish: Optional[Callable[[], Any]] = None) -> None:
@@ -524,9 +523,6 @@ class _Engine:
             loss.backward()
         finally:
             self.check.off()
-
-    def empty_micro_step(self, last: bool) -> None:
-        """Nothing to join: the reduction in `finish` runs on every rank."""
 
     def micro_steps(self):
         for p in self.model.parameters():

@@ -9,15 +9,21 @@
 ``data_iterator`` yields one global batch per call; the step is the engine-neutral
 `megatron_dcp.runtime.step.StepDriver` and `MegatronStepEngine` is Megatron's side of it
 (micro-batches that carry the task and its recomputed layers as ``packed_seq_params``, DDP's
-``no_sync``, one ``finalize_model_grads``). Nothing of Megatron is patched and its
-``TransformerConfig`` is not changed: the layers of `get_gpt_layer_dcp_spec` read the task from
-their call. What differs from Megatron's schedules, and why:
+``no_sync``, one ``finalize_model_grads``). Nothing of Megatron is patched: the layers of
+`get_gpt_layer_dcp_spec` read the task from their call.
+
+The groups are Megatron's: ``pg_collection`` when the caller passes one (tp, pp, dp or dp_cp),
+else ``parallel_state`` (`MegatronParallel`). The model's ``TransformerConfig`` is left alone,
+except during a pipeline schedule call: Megatron's schedules read their settings from the model's
+config and take no other, so for that call `schedule_settings` sets six fields and restores
+them after (which, and why, is listed there). What differs from Megatron's schedules, and why:
 docs/MEGATRON.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -29,7 +35,8 @@ from megatron_dcp.config import IGNORE_INDEX, DCPConfig
 from megatron_dcp.plan.pipeline import interleaved_micro_batches
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.runtime.groups import GroupPool
-from megatron_dcp.runtime.step import Shard, StepDriver, StepResult
+from megatron_dcp.runtime.executor import MicroStep, PlanWork
+from megatron_dcp.runtime.step import Shard, StepDriver, StepEngine, StepResult
 
 
 class StepReports(list):
@@ -53,35 +60,62 @@ class GlobalBatch:
     next_lengths: Optional[Sequence[int]] = None
 
 
-def _model_chunks(model) -> list:
-    """The model as a list of chunks: one, or Megatron's virtual pipeline stages (as many as
-    ``parallel_state``'s virtual pipeline size)."""
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    want = _virtual_pipeline_size()
-    if len(chunks) != want:
-        raise ValueError(f"expected {want} model chunk(s) (the virtual pipeline size), got "
-                         f"{len(chunks)}")
-    return chunks
+@dataclass(frozen=True)
+class MegatronParallel:
+    """Megatron's parallel layout as a DCP step sees it: the groups of ``pg_collection`` when
+    given (a `megatron.core.process_groups_config.ProcessGroupCollection`), else
+    ``parallel_state``'s; sizes 1 where Megatron's model parallelism is not set up. The one
+    place this package reads Megatron's tensor-, pipeline- and data-parallel layout."""
 
+    tensor: int = 1
+    pipeline: int = 1
+    virtual: int = 1
+    """Virtual pipeline stages per pipeline rank (1 without interleaving)."""
+    pg_collection: object = None
+    """The caller's collection, passed on to Megatron's schedule (``None``: built from
+    ``parallel_state`` there)."""
 
-def _virtual_pipeline_size() -> int:
-    """Megatron's virtual pipeline stages per pipeline rank (1 without interleaving)."""
-    try:
+    @classmethod
+    def of(cls, pg_collection=None) -> "MegatronParallel":
+        try:
+            from megatron.core import parallel_state
+        except ImportError:
+            return cls(pg_collection=pg_collection)
+        virtual = int(parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
+        if pg_collection is not None:
+            return cls(pg_collection.tp.size(), pg_collection.pp.size(), virtual, pg_collection)
+        if not parallel_state.model_parallel_is_initialized():
+            return cls(virtual=virtual)
+        return cls(int(parallel_state.get_tensor_model_parallel_world_size()),
+                   int(parallel_state.get_pipeline_model_parallel_world_size()), virtual)
+
+    @property
+    def pipeline_group(self):
+        """This rank's pipeline-parallel group."""
+        if self.pg_collection is not None:
+            return self.pg_collection.pp
         from megatron.core import parallel_state
-    except ImportError:
-        return 1
-    return int(parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
 
+        return parallel_state.get_pipeline_model_parallel_group()
 
-def _tensor_parallel_size() -> int:
-    """Megatron's tensor-parallel world size, 1 when its model parallelism is not set up."""
-    try:
+    @property
+    def data_group(self):
+        """This rank's data-parallel group (the DCP world; Megatron's CP size is 1 under DCP,
+        so ``dp_cp`` is the same ranks)."""
+        if self.pg_collection is not None:
+            groups = vars(self.pg_collection)  # a collection holds only the groups it was given
+            return groups["dp"] if "dp" in groups else groups["dp_cp"]
         from megatron.core import parallel_state
-    except ImportError:
-        return 1
-    if not parallel_state.model_parallel_is_initialized():
-        return 1
-    return int(parallel_state.get_tensor_model_parallel_world_size())
+
+        return parallel_state.get_data_parallel_group()
+
+    def model_chunks(self, model) -> list:
+        """The model as a list of chunks: one, or one per virtual pipeline stage."""
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if len(chunks) != self.virtual:
+            raise ValueError(f"expected {self.virtual} model chunk(s) (the virtual pipeline "
+                             f"size), got {len(chunks)}")
+        return chunks
 
 
 def _token_losses(output_tensor, loss_mask, shard: Shard) -> torch.Tensor:
@@ -89,15 +123,15 @@ def _token_losses(output_tensor, loss_mask, shard: Shard) -> torch.Tensor:
     return (output_tensor.reshape(-1).float() * loss_mask.view(-1))[:shard.labels.numel()]
 
 
-class MegatronStepEngine:
-    """Megatron's side of the `StepDriver` protocol for one call of `DCPForwardBackward`;
-    ``chunks``: the model (with virtual pipeline stages: one chunk per stage)."""
+class MegatronStepEngine(StepEngine):
+    """Megatron's `StepEngine` for one call of `DCPForwardBackward`; ``chunks``: the model
+    (with virtual pipeline stages: one chunk per stage); ``parallel``: Megatron's layout."""
 
-    equal_micro_steps = False
-
-    def __init__(self, chunks: list, forward_step_func: Callable, forward_only: bool) -> None:
+    def __init__(self, chunks: list, forward_step_func: Callable, forward_only: bool,
+                 parallel: MegatronParallel, p2p_communicator=None) -> None:
         from megatron.core.utils import get_model_config
 
+        self.parallel, self.p2p_communicator = parallel, p2p_communicator
         self.chunks = chunks
         self.model = chunks[0]
         self.mconfig = get_model_config(self.model)
@@ -123,7 +157,7 @@ class MegatronStepEngine:
         size (padding: token 0, position 0, loss mask 0; attention skips it)."""
         from megatron_dcp.megatron.spec import DCPTaskParams
 
-        tp = _tensor_parallel_size() if self.mconfig.sequence_parallel else 1
+        tp = self.parallel.tensor if self.mconfig.sequence_parallel else 1
         pad = -shard.labels.numel() % tp
 
         def padded(x, value=0):
@@ -163,9 +197,6 @@ class MegatronStepEngine:
             loss = self.mconfig.grad_scale_func(loss)
         loss.backward()
 
-    def empty_micro_step(self, last: bool) -> None:
-        """Nothing: Megatron's DDP reduces once in `finish`, which every rank joins."""
-
     def micro_steps(self):
         stack = ExitStack()
         for chunk in self.chunks:
@@ -199,39 +230,35 @@ class MegatronStepEngine:
 
     def _reduce(self) -> None:
         """Megatron's ``finalize_model_grads`` (its DDP), or a SUM over data parallel."""
-        from megatron.core import parallel_state
-
         finalize = self.mconfig.finalize_model_grads_func
         if finalize is None:
             from megatron.core.distributed import finalize_model_grads as finalize
         if hasattr(self.model, "finish_grad_sync"):
-            finalize(self.chunks, None)
+            finalize(self.chunks, None, pg_collection=self.parallel.pg_collection) \
+                if self.parallel.pg_collection is not None else finalize(self.chunks, None)
         else:
             from megatron_dcp.runtime.executor import reduce_gradients
 
             reduce_gradients([p for c in self.chunks for p in c.parameters() if p.requires_grad],
-                             parallel_state.get_data_parallel_group())
-
-
-def _pipeline_parallel_size() -> int:
-    """Megatron's pipeline-parallel world size, 1 when its model parallelism is not set up."""
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return 1
-    if not parallel_state.model_parallel_is_initialized():
-        return 1
-    return int(parallel_state.get_pipeline_model_parallel_world_size())
+                             self.parallel.data_group)
 
 
 @contextmanager
-def _schedule_settings(mconfig, interleaved: bool, timers=None):
-    """The ``TransformerConfig`` settings Megatron's pipeline schedule reads, for one DCP call:
-    shapes sent ahead of every activation (each slot has its own length); no gradient sync
-    switched on inside the schedule and no finalisation at its end (DCP finalises once, in
-    ``finish``, with its own 1/T weighting instead of Megatron's 1/tokens); interleaved: P2P
-    without ``batch_isend_irecv`` (`pipeline_communication`); ``timers``: the schedule's
-    ``config.timers`` (`SlotTimers`). Restored after."""
+def schedule_settings(mconfig, interleaved: bool, timers=None):
+    """The ``TransformerConfig`` fields Megatron's pipeline schedule reads, set for one DCP
+    schedule call and restored after it (also when it fails). Megatron's schedules take these
+    from the model's config only, so there is no other way to pass them:
+
+    * ``variable_seq_lengths=True``: shapes sent ahead of every activation (each slot has its
+      own length);
+    * ``no_sync_func``, ``grad_sync_func``, ``finalize_model_grads_func`` = ``None``: no
+      gradient sync switched on inside the schedule and no finalisation at its end (DCP
+      finalises once, in ``finish``, with its own 1/T weighting instead of Megatron's
+      1/tokens; ``finish`` reads the caller's ``finalize_model_grads_func`` again, restored);
+    * interleaved: ``batch_p2p_comm=False``: P2P without ``batch_isend_irecv``
+      (`pipeline_communication`);
+    * ``timers``: `SlotTimers`, which time every micro-batch for the calibration and pass every
+      call on to the caller's timers."""
     settings = dict(_SCHEDULE_SETTINGS, **({"batch_p2p_comm": False} if interleaved else {}),
                     **({"timers": timers} if timers is not None else {}))
     saved = {name: getattr(mconfig, name) for name in settings}
@@ -329,7 +356,8 @@ class _SlotTimer:
             self.inner.stop(*args, **kwargs)
 
 
-def pipeline_communication(mconfig) -> dict:
+def pipeline_communication(mconfig, parallel: Optional[MegatronParallel] = None,
+                           p2p_communicator=None) -> dict:
     """``p2p_communicator`` and ``pg_collection`` for Megatron's pipeline schedules with micro-
     batches of different lengths (``variable_seq_lengths``), correct with two stages interleaved.
 
@@ -338,20 +366,29 @@ def pipeline_communication(mconfig) -> dict:
     match in the order they are posted: megatron-core 0.16's shape exchange posts the backward
     send before the forward one but receives the forward one first, so the shapes cross. Here the
     shapes go forward first, then backward (the receives in the same order); the tensors
-    themselves go without ``batch_isend_irecv`` (`_schedule_settings`), whose per-rank path
-    sends each direction over its own group with two stages."""
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    themselves go without ``batch_isend_irecv`` (`schedule_settings`), whose per-rank path
+    sends each direction over its own group with two stages.
 
-    groups = ProcessGroupCollection.use_mpu_process_groups(
-        ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"])
-    communicator = _ordered_shapes_communicator()(
-        parallel_state.get_pipeline_model_parallel_group(), mconfig)
-    return {"p2p_communicator": communicator, "pg_collection": groups}
+    ``parallel.pg_collection`` is passed on when the caller gave one; ``p2p_communicator``: the
+    caller's, whose pipeline group the communicator here uses (with its own shape exchange).
+    ``parallel`` defaults to ``parallel_state``'s layout."""
+    parallel = parallel if parallel is not None else MegatronParallel.of()
+    groups = parallel.pg_collection
+    if groups is None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        groups = ProcessGroupCollection.use_mpu_process_groups(
+            ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"])
+    pp_group = p2p_communicator.pp_group if p2p_communicator is not None \
+        else parallel.pipeline_group
+    return {"p2p_communicator": _ordered_shapes_communicator()(pp_group, mconfig),
+            "pg_collection": groups}
 
 
+@functools.cache
 def _ordered_shapes_communicator():
-    """Megatron's ``P2PCommunicator`` with the shape exchange of `pipeline_communication`."""
+    """Megatron's ``P2PCommunicator`` with the shape exchange of `pipeline_communication` (the
+    class is made once, on first use: megatron-core is imported only then)."""
     import torch.distributed as dist
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -390,10 +427,10 @@ class MegatronPipelineEngine(MegatronStepEngine):
     (``work.loss``) and broadcast over the pipeline, so every stage reports its pipeline's share.
     """
 
-    def run_micro_steps(self, work, per_token: bool, train: bool) -> list:
-        """All of this rank's micro-steps in one schedule call; returns ``(task id, loss)``."""
+    def run_micro_steps(self, work: PlanWork, per_token: bool, train: bool) -> None:
+        """All of this rank's micro-steps in one schedule call, each reported once after it
+        (``work.record``: its weighted loss on the last stage, its seconds on this stage)."""
         import torch.distributed as dist
-        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from megatron_dcp.megatron.cpu import CudaAsCpu, cpu_enabled
@@ -403,61 +440,58 @@ class MegatronPipelineEngine(MegatronStepEngine):
                              "the same slots): plan with ModelShape(pipeline_parallel=P) or "
                              "DCPConfig(schedule='lockstep')")
         steps = list(work)
-        if len(self.chunks) > 1:
-            count = interleaved_micro_batches(len(steps), _pipeline_parallel_size(),
+        interleaved = len(self.chunks) > 1
+        if interleaved:  # the schedule's count; the rest are empty micro-steps
+            count = interleaved_micro_batches(len(steps), self.parallel.pipeline,
                                               self.mconfig.microbatch_group_size_per_vp_stage,
                                               virtual=len(self.chunks))
-            steps += [_padding_step(work) for _ in range(count - len(steps))]
-        task_losses: list = []
-        timers = SlotTimers(self.mconfig.timers, cuda=work.comm_device is not None)
-
-        def forward_step(data_iterator, model):
-            step = next(data_iterator)
-            timers.forward(step)
-            output, loss_func, loss_mask = self._forward(step.shard, model)
-
-            def weighted(output_tensor):
-                loss_sum, num_tokens, report = self._loss(loss_func, output_tensor)
-                out = (_token_losses(output_tensor, loss_mask, step.shard) if per_token
-                       else loss_sum)
-                if step.task is not None:
-                    task_losses.append((step.task.id, out.detach()))
-                    work.local_tokens += step.tokens
-                return work.loss(step, out), num_tokens, report
-
-            return output, weighted
-
+            steps += [work.empty_step() for _ in range(count - len(steps))]
+        call = _ScheduleCall(self, work, per_token,
+                             SlotTimers(self.mconfig.timers, cuda=work.comm_device is not None))
         # interleaved: one iterator per chunk, each over every micro-batch
-        interleaved = len(self.chunks) > 1
         data = [iter(steps) for _ in self.chunks] if interleaved else iter(steps)
-        with _schedule_settings(self.mconfig, interleaved, timers), \
+        with schedule_settings(self.mconfig, interleaved, call.timers), \
                 CudaAsCpu() if cpu_enabled() else nullcontext():
-            get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=data, model=self.chunks,
+            get_forward_backward_func(self.parallel.pipeline, len(self.chunks) if interleaved
+                                      else None)(
+                forward_step_func=call.forward_step, data_iterator=data, model=self.chunks,
                 num_microbatches=len(steps), seq_length=1, micro_batch_size=1,
-                forward_only=not train, **pipeline_communication(self.mconfig))
+                forward_only=not train,
+                **pipeline_communication(self.mconfig, self.parallel, self.p2p_communicator))
+        times = {id(step): (f, b) for step, f, b in call.timers.seconds()}  # this stage's
+        for step in steps:
+            work.record(step, call.losses.get(id(step)), *times.get(id(step), (0.0, 0.0)))
         # the loss exists on the last stage only: every stage reports its pipeline's
-        group = parallel_state.get_pipeline_model_parallel_group()
-        dist.broadcast(work.local_loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=group)
-        for step, forward_s, backward_s in timers.seconds():  # this stage's, for calibration
-            work.add_task_time(step, forward_s, backward_s)
-        return task_losses
+        group = self.parallel.pipeline_group
+        dist.broadcast(work.local_loss, src=dist.get_process_group_ranks(group)[-1], group=group)
 
 
-def _padding_step(work):
-    """An empty micro-batch beyond the plan's slots (Megatron's interleaved schedule needs a
-    count the plan may not have): two tokens on this rank alone, no recompute, loss weight 0."""
-    from megatron_dcp.plan.plan import Task
-    from megatron_dcp.runtime.executor import MicroStep
-    from megatron_dcp.runtime.layout import ShardLayout
+class _ScheduleCall:
+    """The ``forward_step_func`` of one pipeline schedule call and what it saw: the weighted
+    loss of every micro-step whose loss this stage computed (``losses``, by micro-step), and
+    the micro-batches' times (``timers``)."""
 
-    task = Task(id=-1, ranks=(work.rank,), seqs=(-1,))
-    ctx = work.pool.context_for(task, work.rank, ShardLayout.build([2], 1, 1, 0))
-    ids = torch.zeros(2, dtype=torch.long, device=work.device)
-    labels = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=work.device)
-    return MicroStep(None, Shard(ids, torch.arange(2, device=work.device), labels, ctx), None,
-                     False)
+    def __init__(self, engine: MegatronPipelineEngine, work: PlanWork, per_token: bool,
+                 timers: SlotTimers) -> None:
+        self.engine, self.work, self.per_token, self.timers = engine, work, per_token, timers
+        self.losses: dict[int, torch.Tensor] = {}
+
+    def forward_step(self, data_iterator, model):
+        """Megatron's ``forward_step_func``: the next micro-step's forward through ``model``
+        (one chunk), and its loss function."""
+        step = next(data_iterator)
+        self.timers.forward(step)
+        output, loss_func, loss_mask = self.engine._forward(step.shard, model)
+        return output, functools.partial(self._loss, step, loss_func, loss_mask)
+
+    def _loss(self, step: MicroStep, loss_func, loss_mask, output_tensor):
+        """The loss function the schedule calls on the last stage: the micro-step's weighted
+        loss (``work.loss``), with Megatron's token count and report."""
+        loss_sum, num_tokens, report = self.engine._loss(loss_func, output_tensor)
+        out = _token_losses(output_tensor, loss_mask, step.shard) if self.per_token else loss_sum
+        loss = self.work.loss(step, out)
+        self.losses[id(step)] = loss.detach()
+        return loss, num_tokens, report
 
 
 class DCPForwardBackward:
@@ -487,6 +521,7 @@ class DCPForwardBackward:
         self.pool = pool
         self.hardware = hardware
         self._driver: Optional[StepDriver] = None
+        self._parallel: Optional[MegatronParallel] = None  # the last call's (its pg_collection)
         self._checked: set[int] = set()  # ids of the models checked (once, at their first step)
         self._report_keys: tuple[str, ...] = ("lm loss",)
 
@@ -495,10 +530,9 @@ class DCPForwardBackward:
         """The step driver over the data-parallel ranks (built on first use: collective)."""
         if self._driver is None:
             import torch.distributed as dist
-            from megatron.core import parallel_state
 
             if self.pool is None:
-                dp_group = parallel_state.get_data_parallel_group()
+                dp_group = self._layout().data_group
                 self.pool = GroupPool(world_ranks=dist.get_process_group_ranks(dp_group))
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else None
@@ -529,12 +563,17 @@ class DCPForwardBackward:
         """The `ModelShape` the planner sees: the given one, with Megatron's tensor- and
         pipeline-parallel sizes filled in where the shape leaves them at 1 (memory and time are
         those of one TP rank; P > 1 plans lockstep slots for the pipeline)."""
-        shape = self.model_shape
-        if shape is not None and shape.tensor_parallel == 1 and _tensor_parallel_size() > 1:
-            shape = dataclasses.replace(shape, tensor_parallel=_tensor_parallel_size())
-        if shape is not None and shape.pipeline_parallel == 1 and _pipeline_parallel_size() > 1:
-            shape = dataclasses.replace(shape, pipeline_parallel=_pipeline_parallel_size())
+        shape, parallel = self.model_shape, self._layout()
+        if shape is not None and shape.tensor_parallel == 1 and parallel.tensor > 1:
+            shape = dataclasses.replace(shape, tensor_parallel=parallel.tensor)
+        if shape is not None and shape.pipeline_parallel == 1 and parallel.pipeline > 1:
+            shape = dataclasses.replace(shape, pipeline_parallel=parallel.pipeline)
         return shape
+
+    def _layout(self) -> MegatronParallel:
+        """Megatron's layout: the last call's (with its ``pg_collection``), else
+        ``parallel_state``'s."""
+        return self._parallel if self._parallel is not None else MegatronParallel.of()
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model,
                  num_microbatches: Optional[int] = None, seq_length: Optional[int] = None,
@@ -544,14 +583,18 @@ class DCPForwardBackward:
                  pg_collection=None, force_all_reduce: bool = False) -> StepReports:
         """Run this rank's tasks of the next global batch; returns the loss reports and the
         `StepResult` (`StepReports`). Takes every keyword Megatron-LM's ``train_step`` passes
-        (0.19.2 adds ``force_all_reduce``, for its gradient logging: not used here)."""
+        (0.19.2 adds ``force_all_reduce``, for its gradient logging: not used here).
+        ``pg_collection``: Megatron's groups (tp, pp, dp or dp_cp; default ``parallel_state``'s),
+        used for sizes, the reduction and the pipeline schedule; ``p2p_communicator``: its
+        pipeline group is the schedule's (`pipeline_communication`)."""
         if collect_non_loss_data:
             raise ValueError("DCPForwardBackward: collect_non_loss_data is not supported")
-        chunks = _model_chunks(model)
+        self._parallel = parallel = MegatronParallel.of(pg_collection)
+        chunks = parallel.model_chunks(model)
         for chunk in chunks:
             self._check(chunk, forward_only)
-        kind = MegatronPipelineEngine if _pipeline_parallel_size() > 1 else MegatronStepEngine
-        engine = kind(chunks, forward_step_func, forward_only)
+        kind = MegatronPipelineEngine if parallel.pipeline > 1 else MegatronStepEngine
+        engine = kind(chunks, forward_step_func, forward_only, parallel, p2p_communicator)
         batch = next(data_iterator)
         if not isinstance(batch, GlobalBatch):
             batch = GlobalBatch(sequences=list(batch))

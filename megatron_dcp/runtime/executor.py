@@ -14,12 +14,15 @@ For each task of this rank, in plan order ``(start, id)``, `PlanWork` yields a `
    DCP world then equals the gradient of single-device training on the whole batch
    (`PlanWork.loss` applies them to what the model returned).
 
-A lockstep plan's slots where this rank has no task are micro-steps too (``task`` None, a
-two-token shard on this rank alone with the slot's recompute_layers, its loss multiplied by zero),
-and ``min_micro_steps`` pads the rank's count with the engine's own empty micro-steps (``shard``
-None). The caller (`megatron_dcp.runtime.step.StepDriver`, or `run_plan` for plain torch) runs
-forward, loss and backward of each; the model gets the task as an argument (``shard.task``),
-nothing is looked up.
+An *empty micro-step* (`PlanWork.empty_step`, the one place of the rule) contributes nothing
+and joins the collectives a micro-step issues: ``task`` None, a two-token shard on this rank
+alone (no target) with the recomputed layers of its slot, its loss multiplied by zero. It fills a
+lockstep plan's slots where this rank has no task, pads the rank's count up to
+``min_micro_steps`` (an engine that needs equal counts), and pads a pipeline schedule's
+micro-batches (`megatron_dcp.megatron.step`). The caller
+(`megatron_dcp.runtime.step.StepDriver`, or `run_plan` for plain torch) runs forward, loss and
+backward of each and reports it with `PlanWork.record`; the model gets the task as an argument
+(``shard.task``), nothing is looked up.
 
 Before anything else one tiny collective checks that every rank holds the same plan, the same DCP
 configuration and the same global batch (`megatron_dcp.runtime.digests.check_plan`). Gradient
@@ -265,12 +268,12 @@ class _Clock:
         return gap
 
 
-def _task_stats(done: list, gaps: list[float]) -> list[TaskStats]:
-    """`TaskStats` of the tasks run, from the clock's gaps (forward, backward, between)."""
-    return [TaskStats(task.id, task.degree, task.ulysses, task.ring, task.recompute_layers,
-                      len(task.seqs), layout.num_packed, layout.num_tokens, gaps[3 * i],
-                      gaps[3 * i + 1], task.duration)
-            for i, (task, layout) in enumerate(done)]
+def _task_stats(task: Task, layout: ShardLayout, forward_s: float,
+                backward_s: float) -> TaskStats:
+    """`TaskStats` of one task run on this rank with its shard ``layout``."""
+    return TaskStats(task.id, task.degree, task.ulysses, task.ring, task.recompute_layers,
+                     len(task.seqs), layout.num_packed, layout.num_tokens, forward_s,
+                     backward_s, task.duration)
 
 
 # ---------------------------------------------------------------------- the work of this rank
@@ -295,10 +298,8 @@ class MicroStep:
 
     task: Optional[Task]
     """The plan's task; ``None``: an empty micro-step (no gradient, the same collectives)."""
-    shard: Optional[Shard]
-    """The input (an empty lockstep slot: two tokens on this rank alone, recomputing the slot's
-    ``recompute_layers``); ``None``: the engine's own empty micro-step
-    (``engine.empty_micro_step``)."""
+    shard: Shard
+    """The input (an empty micro-step: two tokens on this rank alone, `PlanWork.empty_step`)."""
     weights: Optional[torch.Tensor]
     """Per-token loss weights of the shard (``None`` for an empty micro-step)."""
     last: bool
@@ -317,9 +318,13 @@ class PlanWork:
     entries no task of this rank uses may be ``None``); ``max_position``: checked for every
     sequence before any task runs; ``device``: where shards go (default: the host);
     ``targets``: ``"next"`` or ``"self"`` (default: the batch's own kind, `batch_targets`);
-    ``min_micro_steps``: pad with the engine's own empty micro-steps up to this count.
+    ``min_micro_steps``: pad with empty micro-steps up to this count.
     Nothing in the loop waits for the device (host-built shards, asynchronous copies,
     CUDA-event timings).
+
+    Per micro-step the caller runs forward, `loss` and backward, then reports it once with
+    `record` (its weighted loss and, when it timed it itself, its seconds); inside `running`
+    the micro-step is timed here and a failure names the task.
     """
 
     def __init__(self, plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int, *,
@@ -345,19 +350,22 @@ class PlanWork:
         self.micro_steps = max(len(self.order), min_micro_steps)
         """This rank's micro-steps, empty ones included."""
         self.local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        """This rank's share of the global loss: the sum of the weighted losses recorded."""
         self.local_tokens = 0
+        """Target tokens of the tasks whose loss was recorded."""
+        self.task_losses: list[tuple[int, torch.Tensor]] = []
+        """``(task id, weighted loss)`` of every task recorded: checked for non-finite values
+        once, after the step (one host sync)."""
         self._clock = _Clock(self.device)
-        self._done: list[tuple[Task, ShardLayout]] = []
-        self._timed: list[TaskStats] = []  # timed by the engine (`add_task_time`)
+        self._timing: Optional[MicroStep] = None  # the micro-step inside `running`
+        self._timed: list[MicroStep] = []  # timed by `running`, in order
+        self._ran: list[tuple[MicroStep, Optional[float], Optional[float]]] = []
 
     def __iter__(self) -> Iterator[MicroStep]:
         for i in range(self.micro_steps):
             last = i == self.micro_steps - 1
-            if i >= len(self.order):
-                yield MicroStep(None, None, None, last)
-                continue
-            task, layers = self.order[i]
-            yield self._empty_slot(layers, last) if task is None else self._task_step(task, last)
+            task, layers = self.order[i] if i < len(self.order) else (None, 0)
+            yield self.empty_step(layers, last) if task is None else self._task_step(task, last)
 
     def _task_step(self, task: Task, last: bool) -> MicroStep:
         try:
@@ -366,16 +374,19 @@ class PlanWork:
             labels_host, ids, positions, labels, weights = _shard_inputs(
                 task, layout, self.sequences, self.weight_of, self.device, self.targets)
             ctx = self.pool.context_for(task, self.rank, layout)
+            ctx.sequence_weights = tuple(self.weight_of(s) for s in task.seqs)
         except Exception as exc:  # noqa: BLE001 - re-raised with rank / task / sequences
             raise TaskError(self.rank, task, self.plan.lengths, exc) from exc
         tokens = int((labels_host != IGNORE_INDEX).sum())
         return MicroStep(task, Shard(ids, positions, labels, ctx), weights, last, layout, tokens)
 
-    def _empty_slot(self, recompute_layers: int, last: bool) -> MicroStep:
-        """An empty lockstep slot: a two-token task on this rank alone that recomputes
-        ``recompute_layers`` (its loss is multiplied by zero: no gradient, the same collectives)."""
+    def empty_step(self, recompute_layers: int = 0, last: bool = False) -> MicroStep:
+        """An empty micro-step: a two-token task on this rank alone, no target, that recomputes
+        ``recompute_layers`` (its loss is multiplied by zero: no gradient, the same modules and
+        collectives as a task's micro-step)."""
         task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), recompute_layers=recompute_layers)
         ctx = self.pool.context_for(task, self.rank, ShardLayout.build([2], 1, 1, 0))
+        ctx.sequence_weights = (0.0,)
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         positions = torch.arange(2, device=self.device)
         labels = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=self.device)
@@ -389,35 +400,56 @@ class PlanWork:
             yield step
             return
         self._clock.mark()
+        self._timing = step
         try:
             yield step
         except Exception as exc:  # noqa: BLE001 - re-raised with rank / task / sequences
             raise TaskError(self.rank, step.task, self.plan.lengths, exc) from exc
+        finally:
+            self._timing = None
         self._clock.mark()
-        self.local_tokens += step.tokens
-        self._done.append((step.task, step.layout))
+        self._timed.append(step)
 
     def loss(self, step: MicroStep, out: torch.Tensor) -> torch.Tensor:
         """The weighted loss of a micro-step from what the model returned for its shard (the
-        summed token losses, or per-token losses ``[T]``): the loss to run backward on. An empty
-        micro-step's is ``0 * out.sum()`` (the graph of a real one, no gradient)."""
+        summed token losses, or per-token losses ``[T]``): the loss to run backward on (inside
+        `running`, the end of the micro-step's forward). An empty micro-step's is
+        ``0 * out.sum()`` (the graph of a real one, no gradient)."""
         if step.task is None:
             return out.sum() * 0.0
         loss = _weighted_loss(out, step.shard.labels, step.weights, self.loss_reduction,
                               self.total)
-        self._clock.mark()
-        self.local_loss = self.local_loss + loss.detach().to(torch.float64)
+        if self._timing is step:
+            self._clock.mark()
         return loss
 
-    def add_task_time(self, step: MicroStep, forward_s: float, backward_s: float) -> None:
-        """Record a task's forward and backward seconds measured by the engine (a pipeline
-        schedule runs them apart, not inside `running`); an empty micro-step is ignored."""
+    def record(self, step: MicroStep, loss: Optional[torch.Tensor],
+               forward_s: Optional[float] = None, backward_s: Optional[float] = None) -> None:
+        """Report one micro-step once it ran: its weighted loss (`loss`; ``None`` where this
+        rank computed none, a pipeline stage before the last) and its forward and backward
+        seconds (``None``: timed by `running`). The one call per micro-step an engine that runs
+        its own schedule makes; an empty micro-step is ignored."""
         if step.task is None:
             return
-        task, layout = step.task, step.layout
-        self._timed.append(TaskStats(task.id, task.degree, task.ulysses, task.ring,
-                                     task.recompute_layers, len(task.seqs), layout.num_packed,
-                                     layout.num_tokens, forward_s, backward_s, task.duration))
+        if loss is not None:
+            loss = loss.detach()
+            self.local_loss = self.local_loss + loss.to(torch.float64)
+            self.task_losses.append((step.task.id, loss))
+            self.local_tokens += step.tokens
+        self._ran.append((step, forward_s, backward_s))
+
+    def _task_stats(self) -> list[TaskStats]:
+        """`TaskStats` of the tasks recorded: their own seconds, else the clock's (forward,
+        backward, between: three gaps per micro-step timed by `running`)."""
+        gaps = self._clock.seconds()
+        timed = {id(step): i for i, step in enumerate(self._timed)}
+        out = []
+        for step, forward_s, backward_s in self._ran:
+            if forward_s is None and id(step) in timed:
+                i = timed[id(step)]
+                forward_s, backward_s = gaps[3 * i], gaps[3 * i + 1]
+            out.append(_task_stats(step.task, step.layout, forward_s or 0.0, backward_s or 0.0))
+        return out
 
     def stats(self, loss: Optional[float] = None) -> StepStats:
         """`StepStats` of the micro-steps run (``loss``: the global loss; default: this
@@ -425,7 +457,7 @@ class PlanWork:
         local = float(self.local_loss)
         return StepStats(loss=local if loss is None else loss, tokens=self.total,
                          local_loss=local, local_tokens=self.local_tokens,
-                         tasks=_task_stats(self._done, self._clock.seconds()) + self._timed,
+                         tasks=self._task_stats(),
                          wall_s=time.perf_counter() - self.t_start, digest=self.digest,
                          groups_created=self.groups_created)
 
@@ -459,7 +491,9 @@ def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
     backward = backward or (lambda loss: loss.backward())
     for step in steps:
         with steps.running(step):
-            backward(steps.loss(step, forward_step(step.shard)))
+            loss = steps.loss(step, forward_step(step.shard))
+            backward(loss)
+        steps.record(step, loss)
     return steps.stats(global_sum(float(steps.local_loss), pool.world_group, steps.comm_device))
 
 

@@ -3,9 +3,10 @@
 The driver owns everything both engines need alike: planning (with the iteration the planner
 sees), the global loss, the non-finite checks and the timings (`StepTiming`). It owns the one
 loop of the step: `megatron_dcp.runtime.executor.PlanWork` yields this rank's micro-steps (the
-plan check, the groups, the shards with their task, the loss weights, empty micro-steps for a
-rank with fewer tasks than it must run) and the driver hands each to the engine. An engine
-supplies only the `StepEngine` protocol:
+plan check, the groups, the shards with their task, the loss weights, empty micro-steps where
+a rank has no task) and `StepEngine.run_micro_steps` runs them through the engine.
+
+An engine subclasses `StepEngine`. Required:
 
 * ``forward_loss(shard, per_token)``: forward and loss of one shard (sum of token losses, or
   per-token losses for the ``sequence`` reduction); ``shard.task`` is the task, to be passed on
@@ -13,27 +14,29 @@ supplies only the `StepEngine` protocol:
   sees it because the model was called with it);
 * ``backward(loss, last)``: backward of one micro-step; ``last`` marks the rank's last one (the
   accumulation boundary);
-* ``empty_micro_step(last)``: a micro-step that contributes nothing but joins the collectives a
-  micro-step issues (a rank without tasks must still join the gradient reduction once);
-* ``micro_steps()``: the reduction scope around the rank's micro-steps (Megatron's ``no_sync``,
-  DeepSpeed's coalesced reduction), or a null context;
-* ``finish()``: reduce gradients and step the optimizer; returns the gradient norm or ``None``;
-* ``equal_micro_steps``: True when every rank must run the same number of micro-steps (the
-  driver pads a free plan with empty ones).
+* ``finish()``: reduce gradients and step the optimizer; returns the gradient norm or ``None``.
 
-Optional, for a step whose loss or gradient norm is not finite (`megatron_dcp.runtime.nonfinite`:
+Optional, declared on `StepEngine` with the default an engine gets when it does not set them:
+
+* ``equal_micro_steps`` (False): every rank must run the same number of micro-steps (the driver
+  pads a free plan with empty ones: plain data parallel under DeepSpeed);
+* ``micro_steps()`` (a null context): the reduction scope around the rank's micro-steps
+  (Megatron's ``no_sync``, DeepSpeed's coalesced reduction);
+* ``run_micro_steps(work, per_token, train)`` (the driver's loop): run all micro-steps of the
+  `PlanWork`, reporting each with ``work.record``; a pipeline schedule overrides it (it
+  interleaves their forwards and backwards);
+
+and for a step whose loss or gradient norm is not finite (`megatron_dcp.runtime.nonfinite`:
 stopped before ``finish``, or with ``DCPConfig.skip_nonfinite`` skipped):
 
-* ``skip_update()``: discard the step's gradients without an update (absent: nothing to do, the
-  caller steps the optimizer, e.g. Megatron's example, and skips it on ``StepResult.skipped``);
-* ``scales_loss``: True when the engine skips overflow steps itself (an fp16 loss scaler): the
+* ``scales_loss`` (False): the engine skips overflow steps itself (an fp16 loss scaler): the
   driver then leaves such a step to the engine and counts it as skipped;
-* ``update_applied()``: whether ``finish`` applied its update (absent: assumed applied).
-* ``nonfinite_ranks``: after ``finish``, the ranks whose own gradients were not finite (a dict
-  by rank, as `describe_ranks` takes; named in the error of a non-finite gradient norm).
-* ``run_micro_steps(work, per_token, train)``: run all micro-steps of the `PlanWork` in one call
-  (a pipeline schedule interleaves their forwards and backwards), weighting each loss with
-  ``work.loss``; returns the ``(task id, loss)`` of its tasks. Absent: the driver's loop.
+* ``skip_update()`` (nothing): discard the step's gradients without an update (nothing to do
+  when the caller steps the optimizer, e.g. Megatron's example, and skips it on
+  ``StepResult.skipped``);
+* ``update_applied()`` (True): whether ``finish`` applied its update;
+* ``nonfinite_ranks`` (none): after ``finish``, the ranks whose own gradients were not finite
+  (a mapping by rank, as `describe_ranks` takes; named in the error of a non-finite norm).
 
 A *lockstep* plan (`Plan.lockstep`, planned for ZeRO-2/3) needs no more of the engine: every rank
 runs every slot, its task of the slot or, in a slot where it has none, an empty task: one
@@ -56,7 +59,8 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional, Protocol, Sequence
+from types import MappingProxyType
+from typing import Any, ContextManager, Mapping, Optional, Sequence
 
 import torch
 
@@ -75,20 +79,51 @@ from megatron_dcp.runtime.step_timing import StepTiming
 __all__ = ["Shard", "StepDriver", "StepEngine", "StepResult", "data_parallel_plan"]
 
 
-class StepEngine(Protocol):
-    """What an engine supplies to `StepDriver` (see the module docstring)."""
+class StepEngine:
+    """What an engine supplies to `StepDriver`: subclass it, implement `forward_loss`,
+    `backward` and `finish`, and set or override the optional members (their defaults here are
+    what an engine gets without them; the module docstring lists them)."""
 
-    equal_micro_steps: bool
+    equal_micro_steps: bool = False
+    """Every rank must run the same number of micro-steps (padded with empty ones)."""
+    scales_loss: bool = False
+    """The engine skips overflow steps itself (an fp16 loss scaler)."""
+    nonfinite_ranks: Mapping[int, Optional[int]] = MappingProxyType({})
+    """After `finish`: the ranks whose own gradients were not finite (none by default)."""
 
-    def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor: ...
+    def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor:
+        """Forward and loss of one shard: the sum of its token losses, or per-token losses."""
+        raise NotImplementedError
 
-    def backward(self, loss: torch.Tensor, last: bool) -> None: ...
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Backward of one micro-step; ``last``: the rank's last one (accumulation boundary)."""
+        raise NotImplementedError
 
-    def empty_micro_step(self, last: bool) -> None: ...
+    def finish(self) -> Optional[float]:
+        """Reduce the gradients and step the optimizer; the gradient norm or ``None``."""
+        raise NotImplementedError
 
-    def micro_steps(self) -> ContextManager[Any]: ...
+    def micro_steps(self) -> ContextManager[Any]:
+        """The reduction scope around the rank's micro-steps (default: none)."""
+        return nullcontext()
 
-    def finish(self) -> Optional[float]: ...
+    def run_micro_steps(self, work: PlanWork, per_token: bool, train: bool) -> None:
+        """Run every micro-step of ``work`` in order (forward, weighted loss, backward) and
+        report each (``work.record``). An engine whose schedule interleaves micro-steps (a
+        pipeline) overrides it."""
+        for step in work:
+            with work.running(step):
+                loss = work.loss(step, self.forward_loss(step.shard, per_token))
+                if train:
+                    self.backward(loss, step.last)
+            work.record(step, loss)
+
+    def skip_update(self) -> None:
+        """Discard the step's gradients without an update (default: nothing to discard)."""
+
+    def update_applied(self) -> bool:
+        """Whether the last `finish` applied its update (default: True)."""
+        return True
 
 
 @dataclass
@@ -308,12 +343,12 @@ class StepDriver:
         if next_lengths is not None:  # the thread starts once this step's plan is taken
             self.plan_ahead(next_lengths, iteration=self.iteration + int(train),
                             frame_tokens=next_frame_tokens)
-        work, task_losses = self._micro_steps(engine, plan, sequences, train)
+        work = self._micro_steps(engine, plan, sequences, train)
         stats = work.stats()
         # Every backward has run on every rank (ZeRO 0/1 reduce inside a rank's last one, an
         # idle rank's comes after the task loop): the loss collective may come now, before the
         # update, so a non-finite step is stopped or skipped before it changes the model.
-        loss, bad = self._global_loss(stats.local_loss, first_nonfinite_task(task_losses))
+        loss, bad = self._global_loss(stats.local_loss, first_nonfinite_task(work.task_losses))
         grad_norm, skipped = None, False
         if train:
             grad_norm, skipped = self._update(engine, loss, bad)
@@ -351,14 +386,17 @@ class StepDriver:
         return plan, plan_s, plan_s
 
     def _micro_steps(self, engine: StepEngine, plan: Plan, sequences: Sequence[torch.Tensor],
-                     train: bool) -> tuple[PlanWork, list]:
-        """The one loop: this rank's micro-steps of ``plan`` (`PlanWork`: its tasks, a lockstep
-        plan's empty slots, and with ``engine.equal_micro_steps`` the engine's own empty
-        micro-steps up to the busiest rank's count), each through the engine. Returns the work
-        and the ``(task id, loss)`` of every task, checked once after the loop (one sync)."""
+                     train: bool) -> PlanWork:
+        """This rank's micro-steps of ``plan`` (`PlanWork`: its tasks, a lockstep plan's empty
+        slots, and with ``engine.equal_micro_steps`` empty micro-steps up to the busiest rank's
+        count), run by the engine (`StepEngine.run_micro_steps`). Returns the work, which holds
+        every task's loss, checked once after the loop (one sync)."""
+        if not isinstance(engine, StepEngine):
+            raise TypeError(f"{type(engine).__name__} is not a StepEngine: subclass "
+                            "megatron_dcp.runtime.step.StepEngine (its optional members get "
+                            "their defaults there)")
         per_token = self.config.loss_reduction == "sequence"
         counts = _micro_step_counts(plan)  # a plan for another world fails in the plan check
-        task_losses: list = []
         scope = engine.micro_steps() if train else nullcontext()
         with scope, nullcontext() if train else torch.no_grad():
             work = PlanWork(plan, sequences, self.rank, pool=self.pool, config=self.config,
@@ -366,43 +404,26 @@ class StepDriver:
                             max_position=self.max_position, device=self.device,
                             min_micro_steps=max(max(counts, default=0)
                                                 if engine.equal_micro_steps else 0, 1))
-            run_all = getattr(engine, "run_micro_steps", None)
-            if run_all is not None:  # a pipeline schedule interleaves them: the engine runs all
-                return work, run_all(work, per_token, train)
-            for step in work:
-                with work.running(step):
-                    if step.shard is None:  # the engine's own empty micro-step
-                        if train:
-                            engine.empty_micro_step(step.last)
-                        continue
-                    out = engine.forward_loss(step.shard, per_token)
-                    if step.task is not None:
-                        task_losses.append((step.task.id, out.detach()))
-                    loss = work.loss(step, out)
-                    if train:
-                        engine.backward(loss, step.last)
-        return work, task_losses
+            engine.run_micro_steps(work, per_token, train)
+        return work
 
     def _update(self, engine: StepEngine, loss: float,
                 bad: dict[int, Optional[int]]) -> tuple[Optional[float], bool]:
         """``engine.finish()`` unless the loss is not finite (`check_step`: stop, or skip with
         ``skip_update``); then the gradient norm is checked. Returns (gradient norm, skipped)."""
         iteration, skip = self.iteration + 1, self.config.skip_nonfinite
-        if getattr(engine, "scales_loss", False):  # fp16 overflow: the loss scaler's business
+        if engine.scales_loss:  # fp16 overflow: the loss scaler's business
             grad_norm = engine.finish()
-            applied = getattr(engine, "update_applied", lambda: True)()
-            return grad_norm, not applied
+            return grad_norm, not engine.update_applied()
         if check_step(iteration, loss, skip=skip, where=describe_ranks(bad)):
-            skip_update = getattr(engine, "skip_update", None)
-            if skip_update is not None:
-                skip_update()
+            engine.skip_update()
             return None, True
         grad_norm = engine.finish()
-        applied = getattr(engine, "update_applied", lambda: True)()
+        applied = engine.update_applied()
         # A finite loss with a non-finite norm: skipped only where the engine did not apply it.
         if check_step(iteration, loss, grad_norm, skip=skip and not applied,
                       where="the update was applied" if applied
-                      else describe_ranks(getattr(engine, "nonfinite_ranks", {}))):
+                      else describe_ranks(dict(engine.nonfinite_ranks))):
             return grad_norm, True
         return grad_norm, False
 
