@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test venv simulate clean
 
-$(BIN)/.installed: setup.py
+$(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
@@ -16,14 +16,45 @@ $(BIN)/.installed: setup.py
 
 venv: $(BIN)/.installed
 
+# The second leg: megatron-core 0.19.2 (cp312 wheels only; its wheel ships Megatron-LM's
+# megatron/training) on a Python 3.12 found here: pyenv's 3.12.1, else python3.12 on PATH.
+# torch 2.13.0 for 3.12 comes from PyPI (the CUDA build: large, runs on CPU too).
+PY312 ?= $(firstword $(wildcard $(shell pyenv prefix 3.12.1 2>/dev/null)/bin/python3.12) \
+                     $(shell command -v python3.12 2>/dev/null))
+VENV312 := .venv312
+BIN312 := $(VENV312)/bin
+# the 3.12 leg's tests: everything that drives megatron-core (0.19.2 there)
+TESTS312 := tests/test_megatron*.py
+
+$(BIN312)/.installed: pyproject.toml
+	$(PY312) -m venv $(VENV312)
+	$(BIN312)/pip install -q --upgrade pip
+	$(BIN312)/pip install -q torch==2.13.0
+	DS_BUILD_OPS=0 $(BIN312)/pip install -q -e ".[megatron,deepspeed,hf,test]"
+	touch $@
+
+.PHONY: venv312 test312
+ifeq ($(strip $(PY312)),)
+venv312:
+	@echo "no Python 3.12 found (pyenv prefix 3.12.1, python3.12): megatron-core 0.19 leg skipped"
+test312: venv312
+else
+venv312: $(BIN312)/.installed
+test312: venv312
+	OMP_NUM_THREADS=1 $(BIN312)/python -m pytest -q $(TESTS312)
+endif
+
 demo: venv
 	$(BIN)/python tools/demo.py
 
 simulate: venv
 	$(BIN)/python tools/simulate.py --gpus 32 --gpus-per-node 8 --model llama-7b --hardware h200 --dist short --policy all
 
+# both legs: the suite on Python 3.10/3.11 (megatron-core 0.16.1), then the Megatron tests on
+# Python 3.12 (megatron-core 0.19.2)
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	$(MAKE) --no-print-directory test312
 
 # the edit loop: single-process tests only (no rank launches), under 3 minutes
 .PHONY: test-fast
@@ -31,4 +62,4 @@ test-fast: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV312) build *.egg-info

@@ -16,14 +16,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def fake_version(monkeypatch):
-    monkeypatch.setattr(patching, "package_version", lambda package: (0, 19, 2))
+    monkeypatch.setattr(patching, "package_version", lambda package: (0, 18, 1))
     monkeypatch.setattr(patching, "_CHECKED", {})
 
 
 def test_untested_minor_with_every_internal_warns_and_runs(fake_version):
-    with pytest.warns(UserWarning, match="megatron-core 0.19.2 is not a tested version"):
+    with pytest.warns(UserWarning, match="megatron-core 0.18.1 is not a tested version"):
         patching.check_version("megatron-core", "test")
     patching.check_version("megatron-core", "test")  # accepted once: no second lookup
+
+
+@pytest.mark.parametrize("version", [(0, 16, 1), (0, 19, 2)])
+def test_tested_versions_run_without_a_warning(monkeypatch, version):
+    import warnings
+
+    monkeypatch.setattr(patching, "package_version", lambda package: version)
+    monkeypatch.setattr(patching, "_CHECKED", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patching.check_version("megatron-core", "test")
+    # the gate itself: a version outside SUPPORTED is not silently accepted
+    monkeypatch.setattr(patching, "package_version", lambda package: (0, version[1] + 1, 0))
+    with pytest.warns(UserWarning, match="not a tested version"):
+        patching.check_version("megatron-core", "test")
 
 
 def test_untested_minor_missing_an_internal_fails_naming_it(fake_version, monkeypatch):
