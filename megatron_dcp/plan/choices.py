@@ -104,6 +104,33 @@ def least_work(ctx: PlanContext, fits: tuple[tuple[int, int], ...],
     return least
 
 
+def _least_work_option(ctx: PlanContext, n: int, pairs: float, fits, least: list[float],
+                       kinds) -> tuple[int, int, float]:
+    """The (degree, recomputed layers, time) of the option with the least work, among those
+    cutting the first option's work by at least MIN_WORK_SAVING (else the first)."""
+    seq_time = ctx.seq_time
+    d0, c0 = fits[0]
+    t0 = seq_time(n, pairs, d0, c0)
+    work = d0 * t0
+    found = (d0, c0, t0)
+    seen: set[str] = set()
+    for k in range(1, len(fits)):
+        if least[k] >= work * (1.0 - MIN_WORK_SAVING):
+            break  # no option from here on can cut the work enough
+        d, c = fits[k]
+        t = seq_time(n, pairs, d, c)
+        if d * t < work * (1.0 - MIN_WORK_SAVING):
+            found, work = (d, c, t), d * t
+        if c == 0:
+            # no recompute left to save: wider groups of a layout kind already seen
+            # only add communication, but a kind not yet seen may need less work
+            # (Ulysses needs a degree dividing the heads: 3 and 6 run ring or hybrid)
+            seen.update(kinds[d])
+            if seen >= kinds[0]:
+                break
+    return found
+
+
 def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[float, float]:
     """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
     total = 0.0
@@ -128,27 +155,8 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
             info.fits = list(fits)
             found = chosen.get((n, pairs))
             if found is None:
-                d0, c0 = fits[0]
-                t0 = seq_time(n, pairs, d0, c0)
-                work = d0 * t0
-                found = (d0, c0, t0)
-                seen: set[str] = set()
                 least = bounds.get(fits) or bounds.setdefault(fits, least_work(ctx, fits, empty))
-                for k in range(1, len(fits)):
-                    if least[k] >= work * (1.0 - MIN_WORK_SAVING):
-                        break  # no option from here on can cut the work enough
-                    d, c = fits[k]
-                    t = seq_time(n, pairs, d, c)
-                    if d * t < work * (1.0 - MIN_WORK_SAVING):
-                        found, work = (d, c, t), d * t
-                    if c == 0:
-                        # no recompute left to save: wider groups of a layout kind already seen
-                        # only add communication, but a kind not yet seen may need less work
-                        # (Ulysses needs a degree dividing the heads: 3 and 6 run ring or hybrid)
-                        seen.update(kinds[d])
-                        if seen >= kinds[0]:
-                            break
-                chosen[(n, pairs)] = found
+                found = chosen[(n, pairs)] = _least_work_option(ctx, n, pairs, fits, least, kinds)
             info.degree, info.recompute_layers, info.time = found
         else:
             info.time = seq_time(n, pairs, info.degree, info.recompute_layers)
