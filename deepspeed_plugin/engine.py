@@ -176,7 +176,7 @@ class _DeepSpeedSteps(StepEngine):
         # DeepSpeed divides the reduced gradient by the world size: multiply to get a SUM.
         self.engine.backward(loss * self.world_size)
 
-    def micro_steps(self) -> contextlib.AbstractContextManager:
+    def reduction_scope(self) -> contextlib.AbstractContextManager:
         """Stages 1-3 with a free schedule: one coalesced reduction when the rank's micro-steps
         end. Lockstep, ZeRO-0 and plain data parallel: DeepSpeed's own accumulation."""
         if self.coalesce:

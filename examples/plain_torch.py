@@ -34,7 +34,7 @@ class TorchEngine(StepEngine):
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         loss.backward()
 
-    def micro_steps(self):
+    def reduction_scope(self):
         self.optimizer.zero_grad()  # the step's gradients accumulate from zero
         return contextlib.nullcontext()
 

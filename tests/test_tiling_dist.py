@@ -14,6 +14,8 @@ from distributed import run_distributed
 from executor_cases import assert_matches, plan_dict, reference, run_cases
 from executor_cases import task as make_task
 
+pytestmark = pytest.mark.slow  # every test here launches processes
+
 LENGTHS = [37, 11, 26, 9, 17]
 
 

@@ -92,6 +92,7 @@ def _body(rank, world_size, plan):
                          if rank == 0 else None)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hf_tiled_offloaded_plan_at_two_ranks():
     import dataclasses

@@ -524,7 +524,7 @@ class _Engine(StepEngine):
         finally:
             self.check.off()
 
-    def micro_steps(self):
+    def reduction_scope(self):
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.zero_()

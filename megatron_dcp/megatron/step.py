@@ -160,16 +160,16 @@ class MegatronStepEngine(StepEngine):
         tp = self.parallel.tensor if self.mconfig.sequence_parallel else 1
         pad = -shard.labels.numel() % tp
 
-        def padded(x, value=0):
+        def pad_end(x, value=0):
             return torch.nn.functional.pad(x, (0, pad), value=value).view(1, -1)
 
         params = DCPTaskParams.of(shard.task, train=not self.forward_only, sp_pad=pad)
-        loss_mask = padded((shard.labels != IGNORE_INDEX).to(torch.float32))
+        loss_mask = pad_end((shard.labels != IGNORE_INDEX).to(torch.float32))
         micro_batch = {
-            "tokens": padded(shard.input_ids),
-            "labels": padded(shard.labels.clamp(min=0)),
+            "tokens": pad_end(shard.input_ids),
+            "labels": pad_end(shard.labels.clamp(min=0)),
             "loss_mask": loss_mask,
-            "position_ids": padded(shard.position_ids),
+            "position_ids": pad_end(shard.position_ids),
             "attention_mask": None,
             "packed_seq_params": params,
         }
@@ -197,7 +197,7 @@ class MegatronStepEngine(StepEngine):
             loss = self.mconfig.grad_scale_func(loss)
         loss.backward()
 
-    def micro_steps(self):
+    def reduction_scope(self):
         stack = ExitStack()
         for chunk in self.chunks:
             if hasattr(chunk, "no_sync"):

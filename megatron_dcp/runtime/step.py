@@ -20,7 +20,7 @@ Optional, declared on `StepEngine` with the default an engine gets when it does 
 
 * ``equal_micro_steps`` (False): every rank must run the same number of micro-steps (the driver
   pads a free plan with empty ones: plain data parallel under DeepSpeed);
-* ``micro_steps()`` (a null context): the reduction scope around the rank's micro-steps
+* ``reduction_scope()`` (a null context): the reduction scope around the rank's micro-steps
   (Megatron's ``no_sync``, DeepSpeed's coalesced reduction);
 * ``run_micro_steps(work, per_token, train)`` (the driver's loop): run all micro-steps of the
   `PlanWork`, reporting each with ``work.record``; a pipeline schedule overrides it (it
@@ -103,7 +103,7 @@ class StepEngine:
         """Reduce the gradients and step the optimizer; the gradient norm or ``None``."""
         raise NotImplementedError
 
-    def micro_steps(self) -> ContextManager[Any]:
+    def reduction_scope(self) -> ContextManager[Any]:
         """The reduction scope around the rank's micro-steps (default: none)."""
         return nullcontext()
 
@@ -397,7 +397,7 @@ class StepDriver:
                             "their defaults there)")
         per_token = self.config.loss_reduction == "sequence"
         counts = _micro_step_counts(plan)  # a plan for another world fails in the plan check
-        scope = engine.micro_steps() if train else nullcontext()
+        scope = engine.reduction_scope() if train else nullcontext()
         with scope, nullcontext() if train else torch.no_grad():
             work = PlanWork(plan, sequences, self.rank, pool=self.pool, config=self.config,
                             loss_reduction=self.config.loss_reduction,
