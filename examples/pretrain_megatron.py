@@ -50,6 +50,7 @@ from megatron_dcp.config import float_flag, int_flag
 from megatron_dcp.data import GlobalBatchSampler, open_dataset
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
+from megatron_dcp.megatron.moe import add_moe_args
 from megatron_dcp.megatron.parallel import destroy_model_parallel
 from megatron_dcp.runtime.allocator import use_expandable_segments
 from megatron_dcp.runtime.groups import before_init_process_group, destroy_process_groups
@@ -116,6 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--distributed-timeout-minutes", type=float_flag(), default=30.0,
                    help="timeout of every process group, Megatron's own included")
     g.add_argument("--quiet", action="store_true", help="only the final line")
+    add_moe_args(p)  # --num-experts, --expert-model-parallel-size, ... (megatron_dcp.megatron.moe)
     add_dcp_args(p)
     args = p.parse_args(argv)
     if args.num_layers % args.pipeline_model_parallel_size:
@@ -171,6 +173,10 @@ def init_distributed(args) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         enable_cpu()
+        if args.num_experts:  # the router's TE name, the alltoall dispatcher's CUDA stream
+            from megatron_dcp.megatron.moe import enable_moe_cpu
+
+            enable_moe_cpu()
     if not dist.is_initialized():
         before_init_process_group()
         dist.init_process_group("nccl" if cuda else "gloo",
@@ -180,6 +186,7 @@ def init_distributed(args) -> None:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         # Megatron's groups default to 30 minutes: a stalled rank would block the others that long
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     seed_rng(args.seed)
@@ -215,27 +222,35 @@ def params_dtype(args) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
-def layer_spec(dcp: bool, use_transformer_engine=None, config=None, vp_stage=None):
+def layer_spec(dcp: bool, use_transformer_engine=None, config=None, vp_stage=None,
+               num_experts=None, moe_grouped_gemm: bool = False):
     """The GPT layer spec of both modes, built from one layer implementation (Transformer
     Engine's when installed, ``use_transformer_engine=None``: detect; else Megatron's local
     spec with DCP's `SPNorm`, which supports ``--sequence-parallel``), so that a comparison of
     the modes differs in the core attention only: DCP's with ``dcp``, Megatron's own without.
     With a ``config`` (and no TE): the block spec of this pipeline stage (model chunk
-    ``vp_stage``), whose final norm is `SPNorm` too."""
+    ``vp_stage``), whose final norm is `SPNorm` too. ``num_experts``: MoE layers (Megatron's;
+    under DCP with `megatron_dcp.megatron.moe.DCPTopKRouter`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_dcp.megatron.spec import SPNorm, get_gpt_block_dcp_spec, get_gpt_layer_dcp_spec
 
     if use_transformer_engine is None:
         use_transformer_engine = bool(getattr(gpt_layer_specs, "HAVE_TE", False))
+    moe = {"num_experts": num_experts, "moe_grouped_gemm": moe_grouped_gemm} if num_experts \
+        else {}
     if dcp:
         spec = get_gpt_layer_dcp_spec(normalization="RMSNorm",
-                                      use_transformer_engine=use_transformer_engine)
+                                      use_transformer_engine=use_transformer_engine, **moe)
     elif use_transformer_engine:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SPNorm
+    if num_experts and not dcp:  # Megatron's router; a filler micro-batch adds no aux loss
+        from megatron_dcp.megatron.moe import DCPTopKRouter
+
+        spec.submodules.mlp.submodules.router = DCPTopKRouter
     if config is None or use_transformer_engine:
         return spec
     return get_gpt_block_dcp_spec(config, spec, vp_stage=vp_stage)
@@ -251,6 +266,8 @@ def build_model(args, dcp: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dcp.megatron.moe import transformer_config_kwargs as moe_config_kwargs
 
     vocab = padded_vocab_size(args)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
@@ -270,6 +287,7 @@ def build_model(args, dcp: bool):
         masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        **moe_config_kwargs(args),  # --num-experts ...: MoE layers (megatron_dcp.megatron.moe)
         # under --dcp the recomputed layers are per task (the DCP layers read it from their call)
         **({} if dcp else dict(recompute_granularity=args.recompute_granularity,
                                recompute_method=args.recompute_method,
@@ -281,7 +299,9 @@ def build_model(args, dcp: bool):
     # with virtual stages chunk c is virtual stage c x P + this stage (Megatron's vp_stage)
     for c in range(args.virtual_pipeline_model_parallel_size or 1):
         vp = c if args.virtual_pipeline_model_parallel_size else None
-        model = GPTModel(config, layer_spec(dcp, config=config, vp_stage=vp), vocab_size=vocab,
+        spec = layer_spec(dcp, config=config, vp_stage=vp, num_experts=args.num_experts,
+                          moe_grouped_gemm=args.moe_grouped_gemm)
+        model = GPTModel(config, spec, vocab_size=vocab,
                          max_sequence_length=args.seq_length, position_embedding_type="rope",
                          pre_process=parallel_state.is_pipeline_first_stage(False, vp),
                          post_process=parallel_state.is_pipeline_last_stage(False, vp),
@@ -354,7 +374,8 @@ def forward_step(data_iterator, model):
     lets a layer recomputed in backward (on CUDA's autograd thread) attend as its task."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"], packed_seq_params=batch.get("packed_seq_params"))
+                   labels=batch["labels"], packed_seq_params=batch.get("packed_seq_params"),
+                   padding_mask=batch.get("padding_mask"))  # plain MoE's filler micro-batches
     return output, partial(loss_func, batch["loss_mask"])
 
 
@@ -372,6 +393,24 @@ def plain_micro_batches(sequences, dp_rank: int, dp_size: int, device, multiple:
         n += pad
         yield {"tokens": ids, "labels": labels, "loss_mask": mask, "attention_mask": None,
                "position_ids": torch.arange(n, device=device).view(1, -1)}
+
+
+def moe_filled_micro_batches(micro_batches, count: int, busiest: int, multiple: int, device):
+    """Plain Megatron with expert parallelism: every rank of an expert-parallel group joins the
+    token all-to-all of every micro-batch, so a rank with fewer sequences runs filler
+    micro-batches up to the ``busiest`` rank's count: tokens masked as padding for the router
+    (``padding_mask``: no auxiliary loss, no z-loss) and for the loss. Returns them and the
+    count."""
+    fill = busiest - count
+    if fill <= 0:
+        return micro_batches, count
+    n = max(2, multiple)
+    filler = {"tokens": torch.zeros(1, n, dtype=torch.long, device=device),
+              "labels": torch.zeros(1, n, dtype=torch.long, device=device),
+              "loss_mask": torch.zeros(1, n, device=device), "attention_mask": None,
+              "position_ids": torch.arange(n, device=device).view(1, -1),
+              "padding_mask": torch.ones(1, n, dtype=torch.bool, device=device)}
+    return iter(list(micro_batches) + [filler] * fill), busiest
 
 
 def plain_step(chunks, sequences, args, device):
@@ -400,6 +439,10 @@ def plain_step(chunks, sequences, args, device):
                          f"{dp_rank} without any: raise --global-batch-tokens")
     multiple = args.tensor_model_parallel_size if args.sequence_parallel else 1
     micro_batches = plain_micro_batches(sequences, dp_rank, dp_size, device, multiple)
+    if args.num_experts and args.expert_model_parallel_size > 1:
+        micro_batches, count = moe_filled_micro_batches(micro_batches, count,
+                                                        -(-len(sequences) // dp_size),
+                                                        multiple, device)
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
     # micro-batches differ in length: the pipeline's P2P sends each one's shape first (set here,

@@ -88,6 +88,13 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
     if _get(args, "overlap_param_gather", False):
         problems.append(OVERLAP_PARAM_GATHER_PROBLEM)
     problems += _recompute_and_head_problems(args, config)
+    from megatron_dcp.megatron.moe import moe_problems, moe_schedule
+
+    problems += moe_problems(args)  # token dropping, micro-batch-level auxiliary losses
+    try:
+        config = moe_schedule(args, config)  # expert parallelism: lockstep slots
+    except DCPConfigError as err:
+        problems.append(str(err))
     if problems:
         raise DCPArgumentError("invalid DCP arguments:\n  - " + "\n  - ".join(problems))
 

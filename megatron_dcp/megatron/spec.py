@@ -110,12 +110,15 @@ class DCPTaskParams(_packed_seq_params_class()):
 
 
 def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernorm: bool = False,
-                           use_transformer_engine: Optional[bool] = None):
+                           use_transformer_engine: Optional[bool] = None,
+                           num_experts: Optional[int] = None, moe_grouped_gemm: bool = False):
     """Megatron-core GPT layer spec with `DCPTransformerLayer` and `DCPCoreAttention`.
 
     The rest of the layer comes from Megatron's Transformer Engine spec when TE is installed
     (``use_transformer_engine=None``: detect) or its local spec (pure torch) otherwise. Checks
-    the megatron-core version first (`megatron_dcp.patching.check_version`).
+    the megatron-core version first (`megatron_dcp.patching.check_version`). ``num_experts``:
+    an MoE layer (Megatron's, ``moe_grouped_gemm`` as Megatron's spec takes it) whose router is
+    `megatron_dcp.megatron.moe.DCPTopKRouter` (auxiliary losses independent of the plan).
     """
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -126,11 +129,18 @@ def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernor
 
     if use_transformer_engine is None:
         use_transformer_engine = bool(getattr(gpt_layer_specs, "HAVE_TE", False))
+    moe = {} if not num_experts else {"num_experts": num_experts,
+                                      "moe_grouped_gemm": moe_grouped_gemm}
     if use_transformer_engine:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm,
+                                                                          **moe)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization,
-                                                        qk_layernorm=qk_layernorm)
+                                                        qk_layernorm=qk_layernorm, **moe)
+    if num_experts:
+        from megatron_dcp.megatron.moe import DCPTopKRouter
+
+        spec.submodules.mlp.submodules.router = DCPTopKRouter
     attention = spec.submodules.self_attention
     if spec.module is not TransformerLayer or not hasattr(attention.submodules, "core_attention"):
         raise TypeError(f"get_gpt_layer_dcp_spec: expected Megatron's TransformerLayer with a "
@@ -213,6 +223,7 @@ class DCPTransformerLayer(_transformer_layer()):
     def forward(self, *args, **kwargs):
         """Megatron's layer forward (``hidden_states, ..., packed_seq_params=...``)."""
         params = kwargs.get("packed_seq_params")
+        self._bind_task(params)
         if getattr(params, "task", None) is None:
             return super().forward(*args, **kwargs)
         params.reached = True
@@ -234,11 +245,20 @@ class DCPTransformerLayer(_transformer_layer()):
         tensors = [kwargs.pop(name, None) for name in names]
 
         def run(*values):
+            self._bind_task(kwargs.get("packed_seq_params"))  # a recompute: this call's task
             return super(DCPTransformerLayer, self).forward(*args, **dict(zip(names, values)),
                                                             **kwargs)
 
         return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations,
                                           *tensors)
+
+    def _bind_task(self, params) -> None:
+        """Hand the call's task parameters to an MoE router that takes them
+        (`megatron_dcp.megatron.moe.DCPTopKRouter`: its auxiliary losses are per sequence)."""
+        router = getattr(getattr(self, "mlp", None), "router", None)
+        bind = getattr(router, "bind_task", None)
+        if bind is not None:
+            bind(params)
 
 
 def _earlier_chunk_layers(config, vp_stage: Optional[int]) -> int:

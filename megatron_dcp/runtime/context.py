@@ -32,6 +32,11 @@ class TaskContext:
     """`megatron_dcp.runtime.layout.ShardLayout` of this rank's shard of the task's sequences."""
     recompute_layers: int = 0
     """Layers to recompute in this task (first ``recompute_layers`` layers of the model)."""
+    sequence_weights: tuple = ()
+    """Loss weight of every target token of each of the task's sequences (packing order): the
+    plan's ``1 / T``, or ``1 / (S * targets)`` under the ``sequence`` reduction; 0 for an empty
+    lockstep slot. Losses computed inside the model (an MoE router's auxiliary losses,
+    `megatron_dcp.megatron.moe`) weight themselves with it."""
     mlp_tiles: Optional[int] = None
     """Chunks the MLP of every layer runs over (`megatron_dcp.runtime.tiling.tiled_mlp`);
     ``None``: the task's ``mlp_tiles``."""
