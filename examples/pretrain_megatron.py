@@ -102,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     precision.add_argument("--fp32", action="store_true",
                            help="fp32 throughout (the default on CPU; on CUDA the slower choice)")
     g.add_argument("--save", default=None, help="checkpoint directory")
-    g.add_argument("--save-interval", type=int, default=0,
+    g.add_argument("--save-interval", type=int_flag(0), default=0,
                    help="save every N iterations and after the last (0: only after the last)")
     g.add_argument("--load", default=None, help="resume from the latest checkpoint in this "
                    "directory, or from one checkpoint directory in it")
@@ -126,7 +126,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.virtual_pipeline_model_parallel_size = _virtual_stages(p, args)
     if args.save_profile and not args.dcp:
         p.error("--save-profile writes the calibrated DCP cost model: it needs --dcp")
-    if args.save:  # at start, not at the first save after hours of training
+    if args.lr > torch.finfo(torch.float32).max:  # fp32 parameters and states: inf at once
+        p.error(f"argument --lr: {args.lr}: must be below {torch.finfo(torch.float32).max:.4g} "
+                "(the largest float32)")
+    if args.save is not None:  # at start, not at the first save after hours of training
         from megatron_dcp.runtime.checkpoint_dir import CheckpointError, check_save_dir
 
         try:
@@ -351,8 +354,9 @@ def load_checkpoint(args, chunks, optimizer, sampler, step_fn) -> int:
     from."""
     from megatron_dcp.megatron import checkpointing
 
-    iteration, extra = checkpointing.load_checkpoint(args.load, chunks, optimizer,
-                                                     ckpt_format=args.ckpt_format)
+    iteration, extra = checkpointing.load_checkpoint(
+        args.load, chunks, optimizer, ckpt_format=args.ckpt_format,
+        vocab_size=ByteTokenizer.vocab_size, vocab_divisible_by=args.make_vocab_size_divisible_by)
     sampler.load_state_dict(extra["sampler"])
     if step_fn is not None and extra["planner"] is not None:
         step_fn.driver.load_state_dict(extra["planner"])
@@ -502,7 +506,8 @@ def main(argv=None) -> int:
     chunks, shape = build_model(args, dcp_config.enabled)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     optimizer = build_optimizer(args, chunks)
-    dataset = open_dataset(args.data_path, padded_vocab_size(args))  # ids checked
+    # ids checked against the tokenizer's vocabulary: the padding rows are no tokens
+    dataset = open_dataset(args.data_path, ByteTokenizer.vocab_size)
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
     # the planner's memory model: optimizer states sharded over data parallel, or not

@@ -34,12 +34,14 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, save_atomically, save_file,
-                                                 split_load_path, verify_checkpoint)
+from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, agree, save_atomically,
+                                                 save_file, split_load_path, verify_checkpoint)
+from megatron_dcp.runtime.safe_load import SafeFileSystemReader, load_weights
 
 FORMATS = ("torch", "torch_dist")
 _LEGACY = {"virtual_pipeline": 1}  # what a manifest written before the key was recorded held
 STATE_FILE = "state.pt"  # torch_dist: iteration and extra state beside Megatron's files
+COMMON_FILE = "common.pt"  # torch_dist: megatron-core's non-sharded state
 # the distributed optimizer's format that reshards in every dimension (megatron-core 0.16)
 SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -107,12 +109,17 @@ def save_checkpoint(save_dir: str, iteration: int, model: Any, optimizer: Any,
     return save_atomically(save_dir, f"iter_{iteration}", write, meta=meta)
 
 
-def load_checkpoint(load: str, model: Any, optimizer: Any, *,
-                    ckpt_format: str = "torch") -> tuple[int, Optional[dict]]:
+def load_checkpoint(load: str, model: Any, optimizer: Any, *, ckpt_format: str = "torch",
+                    vocab_size: Optional[int] = None,
+                    vocab_divisible_by: Optional[int] = None) -> tuple[int, Optional[dict]]:
     """Collective: restore model chunk(s) and ``optimizer`` from ``load`` (a save directory, its
     ``latest`` loaded, or one checkpoint in it), verified first; returns ``(iteration, extra)``.
     Raises `CheckpointError` naming what differs when the checkpoint cannot load here: another
-    format, or (``"torch"``) another layout."""
+    format, (``"torch"``) another layout, (``"torch_dist"``) a tensor of another global shape
+    (the padded vocabulary: ``vocab_size``, the real one, and ``vocab_divisible_by``, Megatron's
+    ``--make-vocab-size-divisible-by``, give the value that would fit); a file that asks for
+    anything its format does not hold is refused (`megatron_dcp.runtime.safe_load`), on every
+    rank alike, before anything is loaded."""
     _check_format(ckpt_format)
     load_dir, tag = split_load_path(load)
     tag, manifest = verify_checkpoint(load_dir, tag)
@@ -148,9 +155,22 @@ def load_checkpoint(load: str, model: Any, optimizer: Any, *,
     else:
         from megatron.core import dist_checkpointing
 
-        state = _read(os.path.join(path, STATE_FILE))
         _create_optimizer_states(optimizer)
-        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), path)
+        sharded = _sharded_state(model, optimizer, is_loading=True)
+        problem = ""
+        try:  # every file that unpickles, checked on every rank before Megatron reads any
+            state = _read(os.path.join(path, STATE_FILE))
+            _read(os.path.join(path, COMMON_FILE))
+            saved_shapes = _saved_shapes(path)
+            problem = _shape_problem(path, sharded, saved_shapes, vocab_size,
+                                     vocab_divisible_by)
+        except CheckpointError as err:
+            problem = str(err)
+        agree(problem)  # raises on every rank when any rank found a problem
+        with _safe_torch_dist_reads():
+            loaded = dist_checkpointing.load(sharded, path,
+                                             sharded_strategy=_safe_sharded_strategy(),
+                                             common_strategy=_safe_common_strategy())
         chunks = _chunks(model)
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded[_model_key(i, len(chunks))])
@@ -166,13 +186,111 @@ def _check_format(ckpt_format: str) -> None:
 
 
 def _read(path: str) -> dict:
-    """``torch.load(weights_only=True)``: tensors and plain types, nothing in the file runs."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - a file that verified yet holds more than weights
-        raise CheckpointError(f"{path} is not a checkpoint of megatron-dcp: it holds more than "
-                              f"tensors and plain types, which a load refuses to unpickle "
-                              f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    """``torch.load(weights_only=True)``: tensors and plain types, nothing in the file runs (a
+    file that asks for more is refused naming it and the class: `load_weights`)."""
+    return load_weights(path)
+
+
+def _saved_shapes(path: str) -> dict[str, tuple]:
+    """The global shape of every tensor in the torch_dist checkpoint ``path``, from its
+    ``.metadata`` (read with only its own classes admitted)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = SafeFileSystemReader(path).read_metadata()
+    return {key: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)}
+
+
+_VOCAB_KEYS = ("word_embeddings.weight", "output_layer.weight")
+
+
+def _shape_problem(path: str, sharded: dict, saved: dict[str, tuple],
+                   vocab_size: Optional[int], divisible_by: Optional[int]) -> str:
+    """Why this rank's tensors cannot load from the checkpoint's (a global shape differs:
+    megatron-core loads the overlapping part of a tensor it marks ``allow_shape_mismatch``,
+    the padded vocabulary rows among them, and leaves the rest as initialised), or ``""``."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    differ = {}
+    for tensor in nested_values(sharded):
+        if isinstance(tensor, ShardedTensor) and tensor.key in saved and \
+                tuple(tensor.global_shape) != saved[tensor.key]:
+            differ.setdefault(tensor.key, (saved[tensor.key], tuple(tensor.global_shape)))
+    if not differ:
+        return ""
+    vocab = {k: v for k, v in differ.items() if k.endswith(_VOCAB_KEYS)}
+    text = (f"checkpoint {path} holds tensors of another shape than this run builds: "
+            + ", ".join(f"{k} {list(a)} (this run: {list(b)})" for k, (a, b) in
+                        list(differ.items())[:4]) + (" ..." if len(differ) > 4 else ""))
+    if vocab:
+        (saved_rows, *_), (rows, *_) = next(iter(vocab.values()))
+        text += (f"; the padded vocabulary differs ({saved_rows} rows saved, {rows} here): "
+                 "Megatron pads it to a multiple of --make-vocab-size-divisible-by x "
+                 "tensor-parallel size, so a change of tensor parallelism changes it, and "
+                 "loading would keep the extra rows random (a different model)")
+        hint = _divisible_by_hint(saved_rows, vocab_size)
+        if hint:
+            text += f"; resume with --make-vocab-size-divisible-by {hint}, which pads to " \
+                    f"{saved_rows} here"
+        elif divisible_by is not None:
+            text += "; no --make-vocab-size-divisible-by pads to the saved size at this " \
+                    "tensor-parallel size"
+    return text
+
+
+def _divisible_by_hint(saved_rows: int, vocab_size: Optional[int]) -> Optional[int]:
+    """The largest ``--make-vocab-size-divisible-by`` that pads ``vocab_size`` to
+    ``saved_rows`` at this run's tensor-parallel size, or None."""
+    if vocab_size is None:
+        return None
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    for d in range(saved_rows // tp, 0, -1):
+        m = d * tp
+        if -(-vocab_size // m) * m == saved_rows:
+            return d
+    return None
+
+
+class _SafeReaders:
+    """While active, megatron-core's torch_dist strategies read through `SafeFileSystemReader`
+    (``.metadata`` with its own classes only; byte items checked ``weights_only``): the module
+    function they call for a reader is swapped, and restored on exit."""
+
+    def __enter__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies import torch as strategies
+
+        self._module, self._own = strategies, strategies._get_filesystem_reader
+        strategies._get_filesystem_reader = lambda path, cache_metadata=False: \
+            SafeFileSystemReader(path)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._module._get_filesystem_reader = self._own
+
+
+def _safe_torch_dist_reads() -> _SafeReaders:
+    return _SafeReaders()
+
+
+def _safe_sharded_strategy() -> Any:
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    return TorchDistLoadShardedStrategy()
+
+
+def _safe_common_strategy() -> Any:
+    """megatron-core's common load strategy with ``common.pt`` read by `load_weights`
+    (explicitly ``weights_only``, whatever torch's default or TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD
+    say)."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class SafeCommonLoad(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir: Any) -> Any:
+            return load_weights(os.path.join(str(checkpoint_dir), COMMON_FILE))
+
+    return SafeCommonLoad()
 
 
 def _sharded_state(model: Any, optimizer: Any, is_loading: bool) -> dict:

@@ -157,6 +157,20 @@ def _failures(outcomes: list[Any]) -> dict[int, str]:
     return {r: text for r, text in enumerate(outcomes) if text}
 
 
+def agree(problem: str, group: Any = None) -> None:
+    """Collective: raise `CheckpointError` on every rank when any rank found a ``problem``
+    (one text per rank, ``""`` for none): the same text when every rank found the same one,
+    else each rank's, so that no rank goes on loading alone."""
+    failed = _failures(_gather(problem, group))
+    if not failed:
+        return
+    texts = set(failed.values())
+    if len(texts) == 1:
+        raise CheckpointError(texts.pop())
+    raise CheckpointError("\n  ".join(["cannot load the checkpoint:"] + [
+        f"rank {r}: {text}" for r, text in failed.items()]))
+
+
 def _fsync(path: str, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY if directory else os.O_RDWR)
     try:
@@ -210,6 +224,9 @@ def check_save_dir(save_dir: str) -> None:
     """At start: ``save_dir`` is a writable directory, or can be created (it is created now,
     with a probe file written and removed). Raises `CheckpointError` saying why not (a path
     that is a file has its own message)."""
+    if not save_dir.strip():
+        raise CheckpointError(f"checkpoint directory {save_dir!r} is an empty name: give a "
+                              "directory")
     blocker = os.path.abspath(save_dir)
     while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
         blocker = os.path.dirname(blocker)
