@@ -29,6 +29,7 @@ exit. What and why:
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -89,8 +90,8 @@ class CudaAsCpu(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" \
-                else name
+            cpu = args[0].device.type == "cpu" and not name.startswith("torch.cuda.")
+            return name.replace("torch.", "torch.cuda.", 1) if cpu else name  # (nested modes)
         return func(*args, **kwargs)
 
 
@@ -179,3 +180,132 @@ def seed_rng(seed: int) -> None:
     cpu = not torch.cuda.is_available()
     tensor_parallel.model_parallel_cuda_manual_seed(
         seed, inference_rng_tracker=cpu, force_reset_rng=cpu)
+
+
+# ---------------------------------------------------------------------- Megatron-LM on the CPU
+LM_NAME = "megatron-lm-cpu"
+"""The registry name of the patches that run Megatron-LM's training package
+(``megatron.training``, shipped in megatron-core 0.19's wheel) on the CPU: the launcher's CPU
+harness (`megatron_dcp.megatron.run`)."""
+
+
+def _allow_no_cuda(initialize: Callable) -> Callable:
+    """``initialize_megatron`` without its ``torch.cuda.is_available()`` assert."""
+
+    @functools.wraps(initialize)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_no_cuda"] = True
+        return initialize(*args, **kwargs)
+
+    return run
+
+
+def _no_compile() -> None:
+    """``_compile_dependencies`` on CPU: the wheel ships the dataset helpers built
+    (``helpers_cpp``) but not their Makefile, so Megatron-LM's ``make`` fails; check the built
+    module imports and meet at the barrier Megatron-LM's version ends with."""
+    import torch.distributed as dist
+
+    importlib.import_module("megatron.core.datasets.helpers_cpp")
+    dist.barrier()
+
+
+def _no_jit_warmup(*args: Any, **kwargs: Any) -> None:
+    """``set_jit_fusion_options`` on CPU: with torch >= 2.2 it only warms the fused bias-GeLU /
+    bias-dropout functions up on tensors it allocates on ``"cuda"``; nothing to do here."""
+
+
+def _cpu_random_seed(seed_: int, data_parallel_random_init: bool = False, *args: Any,
+                     **kwargs: Any) -> None:
+    """``_set_random_seed`` on CPU: Megatron-LM's seeds (``seed + 100 x pipeline rank``,
+    ``+ 10 x data-parallel rank`` with ``--data-parallel-random-init``) for Python, NumPy and
+    torch, and the model-parallel RNG tracker the CPU can run (as `seed_rng`): Megatron-LM's
+    ``CudaRNGStatesTracker`` reads CUDA generator states."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+
+    if seed_ is None or seed_ <= 0:
+        raise ValueError(f"Seed ({seed_}) should be a positive integer.")
+    seed = seed_ + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed += 10 * parallel_state.get_data_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True,
+                                                    force_reset_rng=True)
+
+
+def _one_device(initialize_distributed: Callable) -> Callable:
+    """``_initialize_distributed`` that sets up model parallelism on the CPU: Megatron-LM
+    creates its parallel groups only where ``torch.cuda.device_count() > 0``; during this call
+    the CPU counts as one device and ``torch.cuda.set_device`` does nothing."""
+
+    @functools.wraps(initialize_distributed)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        saved = torch.cuda.device_count, torch.cuda.set_device
+        torch.cuda.device_count, torch.cuda.set_device = (lambda: 1), (lambda device: None)
+        try:
+            return initialize_distributed(*args, **kwargs)
+        finally:
+            torch.cuda.device_count, torch.cuda.set_device = saved
+
+    return run
+
+
+class _CpuStream(torch.cpu.Stream):
+    """``torch.cuda.Stream`` on the CPU: torch's CPU stream, with the methods Megatron-LM calls
+    (ops run in order on the CPU: nothing to wait for)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+    def synchronize(self) -> None:
+        """Nothing is pending on the CPU."""
+
+    def query(self) -> bool:
+        return True
+
+
+def _lm_install(patches: PatchSet) -> None:
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training  # noqa: F401  (binds the names patched)
+
+    # DDP set-up and the optimizer step run on side streams
+    patches.replace("torch.cuda", "Stream", _CpuStream, aliases=False)
+    patches.replace("torch.cuda", "current_stream", lambda device=None: _CpuStream(),
+                    aliases=False)
+    patches.replace("torch.cuda", "stream", torch.cpu.stream, aliases=False)
+    # the rerun state machine saves and restores the device generator: the CPU's here
+    patches.replace("torch.cuda", "get_rng_state", lambda device="cuda": torch.get_rng_state(),
+                    aliases=False)
+    patches.replace("torch.cuda", "set_rng_state",
+                    lambda new_state, device="cuda": torch.set_rng_state(new_state),
+                    aliases=False)
+
+    patches.replace("megatron.training.initialize", "initialize_megatron",
+                    _allow_no_cuda(initialize.initialize_megatron), check=callable)
+    patches.replace("megatron.training.initialize", "_compile_dependencies", _no_compile,
+                    check=callable)
+    patches.replace("megatron.training.initialize", "set_jit_fusion_options", _no_jit_warmup,
+                    check=callable)
+    patches.replace("megatron.training.initialize", "_set_random_seed", _cpu_random_seed,
+                    check=callable)
+    patches.replace("megatron.training.initialize", "_initialize_distributed",
+                    _one_device(initialize._initialize_distributed), check=callable)
+    # the whole of pretrain() maps CUDA devices to the CPU: Megatron-LM allocates on "cuda"
+    # and calls .cuda() in many places (counters, reports, batches); one mode covers them all
+    patches.replace("megatron.training.training", "pretrain", _on_cpu(training.pretrain),
+                    check=callable)
+
+
+def enable_lm_cpu() -> None:
+    """`enable_cpu` and the patches Megatron-LM's ``megatron.training`` needs on the CPU
+    (idempotent; refused on a machine with CUDA)."""
+    enable_cpu()
+    patching.apply(LM_NAME, "megatron-core", _lm_install)
