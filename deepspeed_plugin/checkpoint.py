@@ -7,21 +7,24 @@
 * ``load``: the checkpoint is verified on every rank first (manifest, every file's size and
   checksum; a corrupt ``latest`` falls back to the newest checkpoint that verifies).
   Saved at the same world size and ZeRO stage, DeepSpeed loads it as usual. Saved at another
-  world size (or stage) with ZeRO 1-3, whose optimizer states are partitioned by rank, it is
+  world size (or ZeRO 1 <-> 2) with ZeRO 1-3, whose optimizer states are partitioned by rank, it is
   converted once to DeepSpeed's *universal* checkpoint (``ds_to_universal``: one file per
   parameter and state, independent of the partitioning; written beside it as ``TAG.universal``,
   atomically) and loaded from there. ZeRO 0 keeps whole optimizer states and loads at any world
   size directly. DCP's update does not depend on the plan, so the resumed run continues the
-  trajectory of the run that saved (elastic training).
+  trajectory of the run that saved (elastic training). A change between ZeRO 3 and ZeRO 1 or 2,
+  or to or from ZeRO 0, is refused at start naming both stages (`stage_change_refused`).
 
-Loading unpickles (DeepSpeed's ``torch.load(weights_only=False)``, which DeepSpeed's loader
-needs): only load checkpoints you trust. The checksums catch corruption, not a crafted file.
+Loading unpickles fully (DeepSpeed's ``torch.load(weights_only=False)``, which DeepSpeed's loader
+needs; rank 0 says so on stderr at every load): only load checkpoints you trust. The checksums
+catch corruption, not a crafted file.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -85,10 +88,12 @@ def load(engine: Any, load_dir: str, tag: Optional[str] = None,
     checkpoint when the world size or ZeRO stage differs; returns ``(path, client_state)``."""
     tag, manifest = verify_checkpoint(load_dir, tag)
     saved_world, saved_stage = int(manifest["world_size"]), int(manifest["zero_stage"])
-    if saved_stage != engine.zero_stage and 0 in (saved_stage, engine.zero_stage):
-        raise CheckpointError(
-            f"checkpoint {os.path.join(load_dir, tag)} was saved at ZeRO {saved_stage}; this run "
-            f"uses ZeRO {engine.zero_stage}: ZeRO 0 checkpoints load only at ZeRO 0 and back")
+    refused = stage_change_refused(saved_stage, engine.zero_stage)
+    if refused:
+        raise CheckpointError(f"checkpoint {os.path.join(load_dir, tag)} {refused}")
+    if engine.rank == 0:
+        print(f"loading {os.path.join(load_dir, tag)}: {FULL_UNPICKLE}", file=sys.stderr,
+              flush=True)
     universal = saved_stage > 0 and (saved_world, saved_stage) != (engine.world_size,
                                                                     engine.zero_stage)
     if universal:
@@ -103,6 +108,30 @@ def load(engine: Any, load_dir: str, tag: Optional[str] = None,
     if path is None:
         raise CheckpointError(f"DeepSpeed found nothing to load in {os.path.join(load_dir, tag)}")
     return path, client_state or {}
+
+
+FULL_UNPICKLE = ("DeepSpeed's loader unpickles its files fully (torch.load with "
+                 "weights_only=False): only load checkpoints you trust; the checksums catch "
+                 "corruption, not a crafted file")
+
+
+def stage_change_refused(saved: int, now: int) -> str:
+    """Why a checkpoint saved at ZeRO ``saved`` cannot load at ZeRO ``now`` (``""``: it can).
+    ZeRO 0 keeps whole optimizer states, 1-3 partition them: 0 loads only at 0. Between 1 and 2
+    the universal checkpoint carries the states exactly; between 3 and 1 or 2 DeepSpeed's
+    universal loader fails (an AssertionError in its state_dict_factory, DeepSpeed 0.19), so
+    that is refused here, before anything is converted or loaded."""
+    if saved == now:
+        return ""
+    fix = f"resume with --zero-stage {saved} (the stage it was saved at)"
+    if 0 in (saved, now):
+        return (f"was saved at ZeRO {saved}; this run uses ZeRO {now}: ZeRO 0 checkpoints "
+                f"load only at ZeRO 0, and ZeRO 1-3 ones only at ZeRO 1-3: {fix}")
+    if 3 in (saved, now):
+        return (f"was saved at ZeRO {saved}; this run uses ZeRO {now}: DeepSpeed's universal "
+                "checkpoint does not load between ZeRO 3 and ZeRO 1 or 2 (ZeRO 1 <-> 2 "
+                f"works): {fix}")
+    return ""
 
 
 def _universal(load_dir: str, tag: str, manifest: dict) -> str:

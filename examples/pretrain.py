@@ -61,13 +61,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     # --save, --save-interval, --keep-last, --load, --distributed-timeout-s, --quiet
     training.add_checkpoint_flags(
         g, load_help="resume from the latest checkpoint in this directory, or from one "
-        "checkpoint directory in it; at any world size and ZeRO 1-3 stage (ZeRO 0: any world "
-        "size); loading unpickles: only load checkpoints you trust",
+        "checkpoint directory in it; at any world size, at the ZeRO stage it was saved at or "
+        "between ZeRO 1 and 2 (ZeRO 0 <-> 1-3 and ZeRO 3 <-> 1-2 are refused at start); "
+        "DeepSpeed's loader unpickles fully: only load checkpoints you trust",
         timeout_help="timeout of every process group (DeepSpeed's included); long enough for "
         "a long, healthy step (a stalled rank ends the job sooner: --dcp_liveness_interval_s)")
     deepspeed.add_config_arguments(p)
     deepspeed_plugin.add_dcp_arguments(p)
     args = p.parse_args(argv)
+    training.check_lr(p, args)
     if args.save_profile and not args.dcp:
         p.error("--save-profile writes the calibrated DCP cost model: it needs --dcp")
     return args

@@ -59,6 +59,16 @@ def add_checkpoint_flags(g, *, load_help: str, timeout_help: str) -> None:
     g.add_argument("--quiet", action="store_true", help="only the final line")
 
 
+def check_lr(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--lr`` above the largest float32 is refused (the parameters' update would be inf at
+    the first step, and torch's optimizer fails converting it)."""
+    import torch
+
+    biggest = torch.finfo(torch.float32).max
+    if args.lr is not None and args.lr > biggest:
+        p.error(f"argument --lr: {args.lr}: must be below {biggest:.4g} (the largest float32)")
+
+
 def _save_dir(path: str) -> str:
     """``--save``: a writable directory or one that can be created, checked at start."""
     from megatron_dcp.runtime.checkpoint_dir import CheckpointError, check_save_dir

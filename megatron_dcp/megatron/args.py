@@ -102,8 +102,9 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
     max_per_rank = _get(args, "max_seqlen_per_dp_cp_rank", None)
     if max_per_rank and config.pack_tokens is None:
         config = config.replace(pack_tokens=int(max_per_rank))
+    dcp_world = dcp_world_size(args, world_size)  # its own error names the sizes
     try:
-        config.check_world(dcp_world_size(args, world_size))
+        config.check_world(dcp_world)
     except DCPConfigError as err:
         raise DCPArgumentError(f"{err} (the data-parallel size)") from None
     return config

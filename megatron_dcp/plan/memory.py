@@ -39,6 +39,7 @@ from typing import Optional, Sequence
 
 from megatron_dcp.plan.geometry import BF16, Geometry
 from megatron_dcp.plan.plan import PlanError, Task, padded_length
+from megatron_dcp.plan.units import count_text, size_text
 
 
 ZERO_BUCKET_ELEMENTS = 5e8
@@ -120,13 +121,13 @@ class MemoryModel:
         g = self.geometry
         comm = self.communicators_per_rank * g.hw.communicator_bytes
         return (
-            f"memory budget {self.budget / 2**30:.1f} GiB per rank is below the static memory "
-            f"{(self.static_memory + self.reserve) / 2**30:.1f} GiB of {g.model.name} "
-            f"({g.params / 1e9:.2f}B parameters per TP rank (tp {g.tensor_parallel}), "
+            f"memory budget {size_text(self.budget)} per rank is below the static memory "
+            f"{size_text(self.static_memory + self.reserve)} of {g.model.name} "
+            f"({count_text(g.params)} parameters per TP rank (tp {g.tensor_parallel}), "
             f"ZeRO stage {g.zero_stage}, DCP world {g.world_size}, "
             f"{self.communicators_per_rank} communicators per rank "
-            f"({comm / 2**30:.1f} GiB), {self.reserve / 2**30:.1f} "
-            "GiB reserve): raise the budget or the ZeRO stage, or shrink the group vocabulary "
+            f"({size_text(comm)}), {size_text(self.reserve)} "
+            "reserve): raise the budget or the ZeRO stage, or shrink the group vocabulary "
             "(max_degree, ulysses_scope)"
         )
 

@@ -30,6 +30,7 @@ from megatron_dcp.plan.plan import Plan, PlanError, check_frame_tokens
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary
 from megatron_dcp.plan.workload import WorkloadError, validate_lengths
+from megatron_dcp.plan.units import size_text
 
 BASELINES = {"bucket": plan_bucket, "packed": plan_packed, "static": plan_static,
              "greedy-cp": plan_greedy_cp}
@@ -131,14 +132,18 @@ def _oversize(ctx: PlanContext, policy: str) -> list[int]:
         elif policy == "skip":
             skipped.append(i)
         else:
-            budget_gib = ctx.cm.memory_model.budget / 2**30
+            budget = size_text(ctx.cm.memory_model.budget)
+            world = ctx.cm.world_size
             why = (f"exceeds the model's max_position {limit}" if too_long_model else
-                   f"fits no group of at most {top} ranks in {budget_gib:.1f} GiB per rank")
+                   f"fits no group of at most {top} ranks in {budget} per rank" +
+                   (f" (the DCP world has {world} rank{'s' * (world != 1)})"
+                    if top >= world else ""))
             video = f" ({n // frame} frames of {frame} tokens)" if frame else ""
+            more = "max_degree" if top < world else "the data-parallel size (DCP world)"
             raise PlanError(
                 f"sequence {i} has {n} tokens{video} and {why}; the largest length that fits is "
                 f"{max(fit_len, 0)} tokens (set dcp.oversize to truncate or skip, raise "
-                "the memory budget, the ZeRO stage or max_degree)"
+                f"the memory budget, the ZeRO stage or {more})"
             )
     return skipped
 
