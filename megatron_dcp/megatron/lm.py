@@ -1,0 +1,308 @@
+"""DCP inside Megatron-LM's own training loop (``megatron.training``), for the launcher.
+
+`enable_dcp` applies one patch set (registry name ``megatron-lm-dcp``) before the user's script
+runs; nothing in the script changes:
+
+* ``parse_args``: DCP's flags (`add_dcp_args`, and ``--dcp-log-json PATH``) join Megatron-LM's,
+  through its ``extra_args_provider`` hook (composed with the script's own provider);
+* ``validate_args``: after Megatron-LM's checks, `validate_dcp_args` and the checks of this
+  module (`launcher_problems`) refuse a bad combination at start, naming the flag; ``--spec`` is
+  set to DCP's layer spec (`megatron_dcp.megatron.lm_spec`);
+* ``get_forward_backward_func`` (as ``megatron.training.training`` calls it): returns
+  `LMForwardBackward`, which reads the whole global batch from the script's data iterator
+  (every micro-batch Megatron-LM would run this step, of every data-parallel rank), cuts it
+  into documents at their boundaries, and runs the plan through `DCPForwardBackward`.
+  Evaluation (``forward_only``) runs Megatron-LM's own schedule.
+
+Megatron-LM's ``train_step`` then reduces the ``lm loss`` reports and steps the optimizer as
+usual, so its logging stays. What is refused, and why: docs/MEGATRON.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_dcp import patching
+from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
+from megatron_dcp.patching import PatchSet
+
+NAME = "megatron-lm-dcp"
+SPEC = ["megatron_dcp.megatron.lm_spec", "layer_spec"]
+"""Megatron-LM's ``--spec MODULE NAME`` for DCP's layer spec."""
+
+
+def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DCP's Megatron flags and the launcher's own (``--dcp-log-json``)."""
+    add_dcp_args(parser)
+    group = parser.add_argument_group("DCP launcher")
+    group.add_argument("--dcp-log-json", default=None, metavar="PATH",
+                       help="with --dcp: one JSON row per iteration (iteration, loss, tokens, "
+                            "plan with its degrees), written by rank 0")
+    return parser
+
+
+def _compose(extra: Optional[Callable]) -> Callable:
+    def provider(parser):
+        if extra is not None:
+            parser = extra(parser)
+        return add_launcher_args(parser)
+
+    return provider
+
+
+def _parse_args(parse_args: Callable) -> Callable:
+    @functools.wraps(parse_args)
+    def run(extra_args_provider=None, *args: Any, **kwargs: Any):
+        return parse_args(_compose(extra_args_provider), *args, **kwargs)
+
+    return run
+
+
+def launcher_problems(args: argparse.Namespace) -> list[str]:
+    """What the launcher cannot run under ``--dcp``, each naming its flag."""
+    problems = []
+    boundaries = getattr(args, "dataloader_inter_document_masking", False) \
+        or getattr(args, "sft", False)
+    if not boundaries:
+        problems.append("--dcp takes the documents of every packed sample by their boundaries: "
+                        "give --dataloader-inter-document-masking (the samples carry cu_seqlens) "
+                        "or use --sft's packed samples")
+    if getattr(args, "eod_mask_loss", False):
+        problems.append("--dcp does not support --eod-mask-loss: DCP trains every token's "
+                        "next-token target of a document")
+    if args.spec is not None and list(args.spec) != SPEC:
+        problems.append(f"--dcp uses DCP's layer spec ({' '.join(SPEC)}): drop --spec "
+                        f"{' '.join(args.spec)}")
+    if args.tensor_model_parallel_size > 1:
+        problems.append("--dcp through the launcher does not support "
+                        "--tensor-model-parallel-size > 1 yet: Megatron-LM's get_batch "
+                        "broadcasts batches of --seq-length tokens over the TP group, DCP's "
+                        "micro-batches differ in length")
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        problems.append("--dcp through the launcher does not support virtual pipeline stages "
+                        "(--num-layers-per-virtual-pipeline-stage) yet")
+    if getattr(args, "context_parallel_size", 1) > 1 and not getattr(
+            args, "hybrid_context_parallel", False):
+        pass  # validate_dcp_args names --context-parallel-size
+    return problems
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Megatron-LM's validated ``args`` under ``--dcp``: `validate_dcp_args` and
+    `launcher_problems` (one `DCPArgumentError` naming every problem); then ``--spec`` is DCP's."""
+    problems = launcher_problems(args)
+    try:
+        validate_dcp_args(args, world_size=args.world_size)
+    except DCPArgumentError as err:
+        problems.insert(0, str(err).removeprefix("invalid DCP arguments:\n  - "))
+    if problems:
+        raise DCPArgumentError("invalid DCP arguments:\n  - " + "\n  - ".join(problems))
+    args.spec = list(SPEC)
+
+
+def _validate_args(validate_args: Callable) -> Callable:
+    @functools.wraps(validate_args)
+    def run(args, *rest: Any, **kwargs: Any):
+        out = validate_args(args, *rest, **kwargs)
+        if getattr(args, "dcp", False):
+            check_args(args)
+        return out
+
+    return run
+
+
+def _forward_backward_func(get_func: Callable) -> Callable:
+    step: list = []  # one LMForwardBackward per process, made at the first call
+
+    @functools.wraps(get_func)
+    def run(*args: Any, **kwargs: Any):
+        from megatron.training import get_args
+
+        schedule = get_func(*args, **kwargs)
+        if not getattr(get_args(), "dcp", False):
+            return schedule
+        if not step:
+            step.append(LMForwardBackward(get_args()))
+        step[0].schedule = schedule
+        return step[0]
+
+    return run
+
+
+def _install(patches: PatchSet) -> None:
+    import megatron.training.arguments as arguments
+    import megatron.training.training as training
+
+    patches.replace("megatron.training.arguments", "parse_args",
+                    _parse_args(arguments.parse_args), check=callable)
+    patches.replace("megatron.training.arguments", "validate_args",
+                    _validate_args(arguments.validate_args), check=callable)
+    patches.set(training, "get_forward_backward_func",
+                _forward_backward_func(training.get_forward_backward_func))
+
+
+def enable_dcp() -> None:
+    """Apply the launcher's DCP hooks of Megatron-LM (idempotent)."""
+    patching.apply(NAME, "megatron-core", _install)
+
+
+# ---------------------------------------------------------------------- the step
+def model_shape_from_args(args: argparse.Namespace):
+    """The planner's `ModelShape` of Megatron-LM's GPT from its parsed ``args``."""
+    from megatron_dcp.plan.model import ModelShape
+
+    return ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_heads=args.num_attention_heads,
+                      ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+                      vocab_size=args.padded_vocab_size,
+                      num_kv_heads=(args.num_query_groups if args.group_query_attention
+                                    else None) or args.num_attention_heads,
+                      max_position=args.seq_length + 1, name="megatron-lm-gpt",  # + the last target
+                      tensor_parallel=args.tensor_model_parallel_size,
+                      pipeline_parallel=args.pipeline_model_parallel_size,
+                      sequence_parallel=bool(args.sequence_parallel))
+
+
+class TaskModel:
+    """A model chunk called with the DCP task: whatever ``packed_seq_params`` the script's
+    ``forward_step`` builds from the micro-batch's ``cu_seqlens`` is replaced by the shard's
+    `DCPTaskParams` (the task travels with the call). Attributes are the chunk's."""
+
+    def __init__(self, module, params) -> None:
+        self.module = module
+        self.params = params
+
+    def __call__(self, *args: Any, packed_seq_params=None, **kwargs: Any):
+        return self.module(*args, packed_seq_params=self.params, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+
+def lm_micro_batch(micro_batch: dict) -> dict:
+    """DCP's micro-batch (one shard) as Megatron-LM's data loader yields one: ``[1, T]``
+    tensors, the shard as one packed document (``cu_seqlens`` ``[[0, T]]``)."""
+    tokens = micro_batch["tokens"]
+    length = tokens.shape[-1]
+    return {"tokens": tokens, "labels": micro_batch["labels"],
+            "loss_mask": micro_batch["loss_mask"], "position_ids": micro_batch["position_ids"],
+            "attention_mask": None,
+            "cu_seqlens": torch.tensor([[0, length]], dtype=torch.int32, device=tokens.device),
+            "max_seqlen": torch.tensor([length], dtype=torch.int32, device=tokens.device)}
+
+
+def _adapted(forward_step_func: Callable) -> Callable:
+    """The script's ``forward_step`` over DCP's micro-batches."""
+
+    def forward_step(data_iterator, model):
+        micro_batch = next(data_iterator)
+        return forward_step_func(iter([lm_micro_batch(micro_batch)]),
+                                 TaskModel(model, micro_batch["packed_seq_params"]))
+
+    return forward_step
+
+
+def documents(batch: dict) -> list[torch.Tensor]:
+    """The documents of one Megatron-LM batch (``[mbs, S]`` tensors, ``cu_seqlens`` padded
+    with ``S``): for each document, its tokens and then the target of its last token (so DCP's
+    next-token targets are exactly the batch's ``labels``: across a document boundary, and at
+    the end of the sample). Refuses a loss mask that drops a token of a document."""
+    tokens, labels = batch["tokens"].cpu(), batch["labels"].cpu()
+    mask, cu_rows = batch["loss_mask"].cpu(), batch["cu_seqlens"].cpu()
+    out = []
+    for row in range(tokens.shape[0]):
+        cu = cu_rows[row].tolist()
+        bounds = [0] + [c for i, c in enumerate(cu[1:], 1) if c > cu[i - 1]]
+        for a, b in zip(bounds, bounds[1:]):
+            if not bool((mask[row, a:b] > 0).all()):
+                raise ValueError(f"--dcp: sample {row} has loss-masked tokens in its document "
+                                 f"[{a}, {b}): DCP trains every next-token target")
+            out.append(torch.cat([tokens[row, a:b], labels[row, b - 1:b]]).to(torch.long))
+    return out
+
+
+class LMForwardBackward:
+    """Megatron-LM's ``forward_backward_func`` under ``--dcp`` (see the module docstring);
+    ``schedule``: Megatron-LM's own, for evaluation."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch.distributed as dist
+
+        from megatron_dcp.megatron.step import DCPForwardBackward
+
+        self.args = args
+        self.config = validate_dcp_args(args, world_size=args.world_size)
+        self.step = DCPForwardBackward(self.config, model_shape=model_shape_from_args(args),
+                                       zero_stage=int(bool(args.use_distributed_optimizer)))
+        self.schedule: Optional[Callable] = None
+        self.iteration = int(args.iteration)  # steps taken (after a --load: its iteration)
+        self.log_path = args.dcp_log_json if dist.get_rank() == 0 else None
+        if self.log_path:
+            open(self.log_path, "a" if args.load else "w").close()
+
+    def global_batch(self, data_iterator, num_microbatches: int) -> list[torch.Tensor]:
+        """Every document of this step: each rank with a data iterator reads the
+        ``num_microbatches`` batches Megatron-LM would run; those of the first pipeline stage's
+        tensor-parallel rank 0 are gathered, in data-parallel rank order."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        iterator = next((it for it in iterators if it is not None), None)
+        local = [next(iterator) for _ in range(num_microbatches)] if iterator is not None else []
+        source = ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_first_stage()
+        mine = None
+        if source:
+            if iterator is None:
+                raise ValueError("--dcp: the first pipeline stage's tensor-parallel rank 0 has "
+                                 "no data iterator")
+            mine = (ps.get_data_parallel_rank(),
+                    [d.numpy() for batch in local for d in documents(batch)])
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        parts = sorted(p for p in gathered if p is not None)
+        return [torch.from_numpy(d) for _, docs in parts for d in docs]
+
+    def __call__(self, *, forward_step_func: Callable, data_iterator, model,
+                 num_microbatches: int, forward_only: bool = False, **kwargs: Any):
+        if forward_only:  # evaluation: Megatron-LM's own schedule
+            return self.schedule(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                 model=model, num_microbatches=num_microbatches,
+                                 forward_only=True, **kwargs)
+        from megatron_dcp.megatron.step import GlobalBatch
+
+        sequences = self.global_batch(data_iterator, num_microbatches)
+        kwargs.pop("p2p_communicator", None)
+        kwargs.pop("pg_collection", None)
+        reports = self.step(forward_step_func=_adapted(forward_step_func),
+                            data_iterator=iter([GlobalBatch(sequences)]), model=model,
+                            num_microbatches=1, **kwargs)
+        self._log(reports)
+        return reports
+
+    def _log(self, reports) -> None:
+        """One JSON row: the loss as Megatron-LM's ``lm loss`` (the reports summed over
+        micro-steps and data-parallel ranks), the tokens, the plan."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        self.iteration += 1
+        summed = torch.zeros(2, dtype=torch.float64)
+        for report in reports:
+            summed += report["lm loss"].detach().cpu().double().view(-1)[:2]
+        dist.all_reduce(summed, group=ps.get_data_parallel_group())  # a collective: every rank
+        if not self.log_path or not ps.is_pipeline_last_stage():
+            return
+        from megatron_dcp.runtime.report import plan_summary
+
+        result = reports.result
+        row = {"iteration": self.iteration, "loss": float(summed[0] / summed[1]),
+               "tokens": result.tokens, "sequences": result.sequences,
+               "plan": plan_summary(result.plan)}
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
