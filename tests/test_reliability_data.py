@@ -187,3 +187,12 @@ def test_batch_larger_than_the_corpus_is_refused_at_once():
                                          r"corpus holds: 350 tokens in 3 usable documents"):
         GlobalBatchSampler(lengths, 100_000_000, max_seq_len=200)
     assert time.perf_counter() - t0 < 1.0
+
+
+def test_output_prefix_naming_a_directory_is_refused(tmp_path, capsys):
+    source = _jsonl(tmp_path / "a.jsonl", 3)
+    for prefix in (f"{tmp_path}/", str(tmp_path)):  # would write hidden DIR/.bin, DIR/.idx
+        with pytest.raises(SystemExit):
+            _build_tool()(["--input", str(source), "--output-prefix", prefix])
+        assert f"{prefix!r} names a directory" in capsys.readouterr().err
+    assert not (tmp_path / ".bin").exists() and not (tmp_path / ".idx").exists()

@@ -86,6 +86,12 @@ def _example(name: str):
     ("pretrain_megatron.py", ["--num-query-groups", "0"], "--num-query-groups: 0: must be >= 1"),
     ("pretrain_megatron.py", ["--train-iters", "0"], "--train-iters: 0: must be >= 1"),
     ("pretrain_megatron.py", ["--seq-length", "x"], "--seq-length: 'x' is not an integer"),
+    # issue 31: as the DeepSpeed example refuses them
+    ("pretrain_megatron.py", ["--save-interval", "-1"], "--save-interval: -1: must be >= 0"),
+    ("pretrain_megatron.py", ["--save", ""], "--save: checkpoint directory '' is an empty name"),
+    ("pretrain.py", ["--save", ""], "--save: checkpoint directory '' is an empty name"),
+    ("pretrain_megatron.py", ["--lr", "1e39"], "--lr: 1e+39: must be below 3.403e+38"),
+    ("pretrain.py", ["--lr", "1e39"], "--lr: 1e+39: must be below 3.403e+38"),
 ])
 def test_example_flags_are_checked(script, flags, message, capsys):
     module = _example(script)
@@ -112,3 +118,37 @@ def test_unsupported_hf_architecture_is_refused_naming_it(tmp_path, config_name,
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=want):
         hf.enable(model)
+
+
+# ------------------------------------------------------------------ issue 31: clear words
+def test_indivisible_world_names_the_model_parallel_size_only():
+    from megatron_dcp.megatron.args import DCPArgumentError, validate_dcp_args
+
+    args = _example("pretrain_megatron.py").parse_args(["--dcp", "--calculate-per-token-loss",
+                                                        "--tensor-model-parallel-size", "2"])
+    with pytest.raises(DCPArgumentError) as err:
+        validate_dcp_args(args, world_size=3)
+    assert "world size 3 is not divisible by tensor x pipeline x context parallel size 2" in \
+        str(err.value) and "(the data-parallel size)" not in str(err.value)
+
+
+def _simulate(tmp_path, lengths) -> str:
+    import subprocess
+
+    path = tmp_path / "lengths.txt"
+    path.write_text("".join(f"{n}\n" for n in lengths))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "simulate.py"), "--gpus", "2",
+                           "--lengths", str(path), "--oversize", "skip", "--policy",
+                           "dcp,bucket"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_simulate_shows_skipped_sequences_and_no_efficiency_when_all_are(tmp_path):
+    some = _simulate(tmp_path, [1000, 3_000_000])
+    assert "skipped" in some.splitlines()[2]  # the table's head
+    assert "dcp: --oversize skip left out 1 of 2 sequences (3000000 tokens)" in some
+    every = _simulate(tmp_path, [3_000_000, 4_000_000])
+    row = next(line for line in every.splitlines() if line.startswith("dcp "))
+    assert "1.000" not in row and " - " in row
+    assert "left out 2 of 2 sequences (7000000 tokens)" in every and "no efficiency" in every

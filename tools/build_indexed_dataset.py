@@ -31,6 +31,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-eod", action="store_true", help="do not append the end-of-document token")
     args = p.parse_args(argv)
 
+    prefix = args.output_prefix
+    if not os.path.basename(prefix) or os.path.isdir(prefix):  # DIR/ would write DIR/.bin
+        p.error(f"argument --output-prefix: {prefix!r} names a directory; give a path PREFIX "
+                f"for PREFIX.bin and PREFIX.idx, such as {os.path.join(prefix, 'corpus')}")
     missing = [path for path in args.input or () if not os.path.isfile(path)]
     if missing:
         p.error(f"input file(s) not found: {', '.join(missing)}")

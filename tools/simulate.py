@@ -287,14 +287,16 @@ def run(args: argparse.Namespace) -> dict:
     }
     for name, r in results.items():
         plan = plans[name]
+        trained = bool(plan.tasks)  # every sequence skipped: no efficiency to speak of
         out["policies"][name] = {
             "step_time_s": r.step_time_s, "tokens_per_s": r.tokens_per_s,
-            "efficiency": r.efficiency,
+            "efficiency": r.efficiency if trained else None,
             "imbalance": r.imbalance, "plan_ms": plan.meta.get("plan_ms", 0.0), "mfu": r.mfu,
-            "speedup_vs_bucket": (ref.step_time_s / r.step_time_s) if ref else None,
-            "moldable_efficiency": r.moldable_efficiency,
+            "speedup_vs_bucket": (ref.step_time_s / r.step_time_s) if ref and trained else None,
+            "moldable_efficiency": r.moldable_efficiency if trained else None,
             "comm_share": r.comm_share, "recompute_share": r.recompute_share, "tasks": r.num_tasks,
-            "skipped": len(plan.skipped), "candidate": plan.meta.get("candidate"),
+            "skipped": len(plan.skipped),
+            "skipped_tokens": sum(plan.lengths[i] for i in plan.skipped), "candidate": plan.meta.get("candidate"),
             "digest": plan.digest(),
         }
         if pipe.stages > 1:
@@ -357,19 +359,29 @@ def print_table(out: dict) -> None:
           f"incl. {out['sync_s']:.3f} s gradient sync)")
     print(f"group vocabulary: {out['vocabulary']} "
           f"({out['communicator_memory_gib']:.1f} GiB of communicators per rank)")
+    skips = any(r.get("skipped") for r in out["policies"].values())
     head = f"{'policy':<14}{'step s':>9}{'tokens/s':>11}{'vs bucket':>10}{'effic.':>8}" \
            f"{'(mold.)':>8}{'imbal.':>8}" \
-           f"{'MFU':>6}{'recomp':>8}{'comm':>6}{'tasks':>7}{'plan ms':>9}"
+           f"{'MFU':>6}{'recomp':>8}{'comm':>6}{'tasks':>7}{'plan ms':>9}" + \
+           (f"{'skipped':>9}" if skips else "")
     print(head)
     print("-" * len(head))
+
+    def figure(value) -> str:
+        return f"{value:>8.3f}" if value is not None else f"{'-':>8}"
+
     for name, r in out["policies"].items():
         speed = f"{r['speedup_vs_bucket']:.2f}x" if r["speedup_vs_bucket"] else "-"
         print(f"{name:<14}{r['step_time_s']:>9.3f}{r['tokens_per_s']:>11.0f}{speed:>10}"
-              f"{r['efficiency']:>8.3f}"
-              f"{r['moldable_efficiency']:>8.3f}"
+              f"{figure(r['efficiency'])}{figure(r['moldable_efficiency'])}"
               f"{r['imbalance']:>8.3f}{r['mfu']:>6.2f}{r['recompute_share']:>8.2f}"
               f"{r['comm_share']:>6.2f}"
-              f"{r['tasks']:>7}{r['plan_ms']:>9.1f}")
+              f"{r['tasks']:>7}{r['plan_ms']:>9.1f}" + (f"{r['skipped']:>9}" if skips else ""))
+    for name, r in out["policies"].items():
+        if r.get("skipped"):
+            print(f"{name}: --oversize skip left out {r['skipped']} of {out['sequences']} "
+                  f"{kind} ({r['skipped_tokens']} tokens): they fit no group"
+                  + ("; nothing trains, so no efficiency" if not r["tasks"] else ""))
     if out.get("pipeline_parallel", 1) > 1:
         print(f"pipeline: {out['pipeline_parallel']} stages x {out['virtual_pipeline']} virtual, "
               f"tp {out['tensor_parallel']} (efficiency against each plan's pipeline-aware bound)")
