@@ -87,12 +87,14 @@ def test_skipped_steps_and_sequences_are_counted_and_train_no_tokens(tmp_path, c
     path = tmp_path / "log.jsonl"
     log = TrainingLog("dcp", 2, json_path=str(path))
     log.iteration(1, loss=2.0, tokens=100, step_s=1.0, plan={"mode": "x", "micro_steps_per_rank":
-                                                            1}, skipped_sequences=1)
+                                                            1}, skipped_sequences=1, sequences=2)
     log.iteration(2, loss=float("nan"), tokens=100, step_s=1.0, skipped=True,
-                  plan=plan_summary(None, micro_steps=1))
+                  plan=plan_summary(None, micro_steps=1), sequences=2)
     log.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["skipped_sequences"] for r in records] == [1, 0]
+    # issue 31: sequences counted as tokens are, the trained ones (the batch's beside them)
+    assert [(r["sequences"], r["batch_sequences"]) for r in records] == [(1, 2), (0, 2)]
     assert [(r["skipped"], r["skipped_steps"], r["tokens"]) for r in records] == \
         [(False, 0, 100), (True, 1, 0)]
     out = capsys.readouterr().out.splitlines()

@@ -160,7 +160,9 @@ class TrainingLog:
         model predicted (DCP); ``calibration_error``: the online calibration's current median
         relative error of that prediction; ``skipped``: the step applied no update (a non-finite
         loss skipped, an fp16 overflow): it trained no tokens; ``skipped_sequences``: sequences
-        of the batch the oversize policy left out."""
+        of the batch the oversize policy left out. An ``extra`` ``sequences`` (the batch's
+        count) is recorded like ``tokens``: the sequences trained (without those left out; none
+        in a skipped step), the batch's count as ``batch_sequences``."""
         self.iterations += 1
         tokens = 0 if skipped else tokens
         self.tokens += tokens
@@ -175,6 +177,9 @@ class TrainingLog:
             record["predicted_s"] = predicted_s
             record["calibration_error"] = calibration_error
         record.update(extra)
+        if "sequences" in extra:  # counted as the tokens are: the trained ones
+            record["batch_sequences"] = extra["sequences"]
+            record["sequences"] = 0 if skipped else extra["sequences"] - skipped_sequences
         record["plan"] = plan
         if self._json is not None:
             self._json.write(json.dumps(record) + "\n")
