@@ -201,6 +201,12 @@ def padded_vocab_size(args) -> int:
     return -(-ByteTokenizer.vocab_size // multiple) * multiple
 
 
+def open_training_data(args):
+    """The embedded corpus or ``--data-path``, every token id checked against the tokenizer's
+    vocabulary (257 bytes and EOD), not the padded one: the padding rows are no tokens."""
+    return open_dataset(args.data_path, ByteTokenizer.vocab_size)
+
+
 def model_shape(args):
     """The planner's `ModelShape` of the GPT model these flags build."""
     from megatron_dcp.plan.model import ModelShape
@@ -506,8 +512,7 @@ def main(argv=None) -> int:
     chunks, shape = build_model(args, dcp_config.enabled)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     optimizer = build_optimizer(args, chunks)
-    # ids checked against the tokenizer's vocabulary: the padding rows are no tokens
-    dataset = open_dataset(args.data_path, ByteTokenizer.vocab_size)
+    dataset = open_training_data(args)
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
     # the planner's memory model: optimizer states sharded over data parallel, or not

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -173,6 +174,23 @@ def test_token_id_past_the_vocabulary_names_the_document(tmp_path):
     with pytest.raises(ValueError, match=r"document 2 has token id 300 at position 1, outside "
                                          r"the model's vocabulary of 257"):
         open_dataset(prefix, vocab_size=257)
+
+
+def test_megatron_example_checks_ids_against_the_real_vocabulary(tmp_path):
+    """Issue 31: id 300 is below the padded vocabulary (384) but no byte token."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import pretrain_megatron
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    prefix = str(tmp_path / "ids")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for doc in ([1, 2, 3], [6, 300, 7, 8]):
+            w.add_document(doc)
+    args = pretrain_megatron.parse_args(["--data-path", prefix])
+    assert pretrain_megatron.padded_vocab_size(args) == 384
+    with pytest.raises(ValueError, match=r"document 1 has token id 300 .*vocabulary of 257"):
+        pretrain_megatron.open_training_data(args)
 
 
 def test_batch_larger_than_the_corpus_is_refused_at_once():
