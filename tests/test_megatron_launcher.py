@@ -1,0 +1,135 @@
+"""The launcher (``python -m megatron_dcp.megatron.run SCRIPT ARGS``) on Megatron-LM's own
+training loop (megatron-core 0.19's ``megatron.training``, Python 3.12 leg): a Megatron-LM-style
+script (tests/megatron_lm_style/pretrain_gpt_style.py) trains unchanged with and without
+``--dcp`` on 2 CPU ranks, with the same ``lm loss`` per iteration while DCP splits sequences;
+bad combinations fail at start, naming the flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.training", reason="Megatron-LM's training package (megatron-core "
+                    "0.19, Python 3.12: the .venv312 leg of make test)")
+pytestmark = pytest.mark.slow  # every test here launches processes
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "megatron_lm_style" / "pretrain_gpt_style.py"
+SEQ = 256
+COMMON = [
+    "--mock-data", "--dataloader-inter-document-masking", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "255", "--num-layers", "2", "--hidden-size", "32",
+    "--num-attention-heads", "4", "--seq-length", str(SEQ), "--max-position-embeddings",
+    str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "5",
+    "--lr", "1e-3", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+    "--position-embedding-type", "rope", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--calculate-per-token-loss", "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion", "--num-workers", "0", "--no-rope-fusion",
+    "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
+    "--no-persist-layer-norm"]
+# plain Megatron-LM on CPU: Megatron's local core attention refuses THD packed sequences
+# (Transformer Engine's takes them): DCP's layer spec runs them as one rank
+PLAIN = ["--spec", "megatron_dcp.megatron.lm_spec", "layer_spec"]
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+
+
+def _budget_gb(tokens: int) -> float:
+    """Memory per rank (GiB) the cost model gives a degree-1 task of ``tokens`` tokens of the
+    model of ``COMMON`` (as `LMForwardBackward` builds it)."""
+    import argparse
+
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.megatron.lm import model_shape_from_args
+    from megatron_dcp.plan import build_cost_model
+
+    args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4,
+                              ffn_hidden_size=None, padded_vocab_size=256, num_query_groups=None,
+                              group_query_attention=False, seq_length=SEQ,
+                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              sequence_parallel=False)
+    cost = build_cost_model(model_shape_from_args(args), DCPConfig(), world_size=2, zero_stage=0)
+    return cost.memory_model.memory_of(tokens, 1, 0) / 2**30
+
+
+def _launch(extra: list[str], ranks: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(ranks), "-m", "megatron_dcp.megatron.run", str(SCRIPT), *COMMON, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _lm_losses(done: subprocess.CompletedProcess) -> dict[int, float]:
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return {int(i): float(v) for i, v in LOSS.findall(done.stdout + done.stderr)}
+
+
+@pytest.mark.timeout(600)
+def test_dcp_lm_loss_equals_plain_megatron_lm_at_dp2(tmp_path):
+    log = tmp_path / "dcp.jsonl"
+    # a memory budget that holds 200 tokens at degree 1 and a small pack budget: the planner
+    # splits the long documents over both ranks (degree 2) and packs the short ones
+    dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log), "--dcp-hardware", "h200",
+                              "--dcp-pack-tokens", "128",
+                              "--dcp-memory-budget-gb", f"{_budget_gb(200):.6f}"]))
+    plain = _lm_losses(_launch(PLAIN))
+    assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
+    for it in plain:  # Megatron-LM's own lm loss lines, 7 significant digits
+        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["tokens"] == 4 * SEQ for r in rows)  # every token has its target
+    assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
+    # the rows' loss is the iteration's own; Megatron-LM's line from the 2nd averages since
+    # the last print: the first row and the last line (one iteration each) agree
+    assert rows[0]["loss"] == pytest.approx(plain[1], rel=1e-5)
+    # negative control: a changed learning rate changes the losses beyond the tolerance
+    other = _lm_losses(_launch(PLAIN + ["--lr", "3e-3"], ranks=1))
+    assert other[5] != pytest.approx(plain[5], rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("extra, flag", [
+    (["--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank", "256"],
+     "--hybrid-context-parallel"),
+    (["--eod-mask-loss"], "--eod-mask-loss"),
+    (["--spec", "megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"],
+     "--spec"),
+])
+def test_a_bad_combination_fails_at_start_naming_the_flag(extra, flag):
+    done = _launch(["--dcp", *extra], ranks=1, timeout=200)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "invalid DCP arguments" in out and flag in out, out[-3000:]
+    assert "iteration        1/" not in out  # refused before training
+
+
+@pytest.mark.timeout(300)
+def test_dcp_without_a_document_boundary_source_fails_naming_it():
+    common = [a for a in COMMON if a != "--dataloader-inter-document-masking"]
+    cmd = [sys.executable, "-m", "megatron_dcp.megatron.run", str(SCRIPT), *common, "--dcp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29533"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "--dataloader-inter-document-masking" in out and "invalid DCP arguments" in out, \
+        out[-3000:]
+
+
+def test_usage_and_missing_script():
+    from megatron_dcp.megatron.run import cpu_arguments, main
+
+    assert main([]) == 2
+    assert main(["/no/such/script.py"]) == 2
+    assert cpu_arguments(["--x"]) == ["--x", "--distributed-backend", "gloo",
+                                      "--use-cpu-initialization"]
+    assert cpu_arguments(["--distributed-backend=nccl", "--use-cpu-initialization"]) == [
+        "--distributed-backend=nccl", "--use-cpu-initialization"]
