@@ -15,9 +15,13 @@
   trajectory of the run that saved (elastic training). A change between ZeRO 3 and ZeRO 1 or 2,
   or to or from ZeRO 0, is refused at start naming both stages (`stage_change_refused`).
 
-Loading unpickles fully (DeepSpeed's ``torch.load(weights_only=False)``, which DeepSpeed's loader
-needs; rank 0 says so on stderr at every load): only load checkpoints you trust. The checksums
-catch corruption, not a crafted file.
+Loading runs no code from a crafted file as far as a check can see to it: before DeepSpeed
+reads anything, every ``.pt`` file is read with ``weights_only=True`` (tensors, plain types and
+DeepSpeed's own state classes: `check_files`); a file that asks for anything else is refused
+naming it and the class. DeepSpeed's loader then unpickles the files fully
+(``torch.load(weights_only=False)``, which it needs; rank 0 says so at every load), so a file
+replaced between the check and the load would still run its code: only load checkpoints you
+trust. The checksums catch corruption, not a crafted file.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ def load(engine: Any, load_dir: str, tag: Optional[str] = None,
     refused = stage_change_refused(saved_stage, engine.zero_stage)
     if refused:
         raise CheckpointError(f"checkpoint {os.path.join(load_dir, tag)} {refused}")
+    check_files(os.path.join(load_dir, tag), manifest)  # before anything unpickles them
     if engine.rank == 0:
         print(f"loading {os.path.join(load_dir, tag)}: {FULL_UNPICKLE}", file=sys.stderr,
               flush=True)
@@ -110,9 +115,49 @@ def load(engine: Any, load_dir: str, tag: Optional[str] = None,
     return path, client_state or {}
 
 
-FULL_UNPICKLE = ("DeepSpeed's loader unpickles its files fully (torch.load with "
-                 "weights_only=False): only load checkpoints you trust; the checksums catch "
-                 "corruption, not a crafted file")
+FULL_UNPICKLE = ("every file was first read with weights_only=True (tensors, plain types and "
+                 "DeepSpeed's own state classes), then DeepSpeed's loader unpickles them fully "
+                 "(torch.load with weights_only=False): a file replaced between the two reads "
+                 "would run its code, so load only checkpoints you trust")
+
+
+def deepspeed_safe_globals() -> list:
+    """The classes DeepSpeed 0.19's checkpoint files hold besides tensors and plain types: its
+    loss scalers, the ZeRO stage enum and the fragment addresses of ZeRO 1/2's optimizer
+    state."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def check_files(path: str, manifest: dict) -> None:
+    """Collective: every ``.pt`` file of the checkpoint ``path`` (those in its manifest) read
+    with ``weights_only=True`` and `deepspeed_safe_globals` (memory-mapped: the tensors' bytes
+    are not read), the files shared out over the ranks; a file that asks for anything else is
+    an `UnsafeCheckpointError` on every rank naming the file and the class, before DeepSpeed's
+    loader (which unpickles fully) or its universal converter reads anything."""
+    from megatron_dcp.runtime.checkpoint_dir import agree
+    from megatron_dcp.runtime.safe_load import load_weights
+
+    allowed = deepspeed_safe_globals()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    names = sorted(n for n in manifest.get("files", {}) if n.endswith(".pt"))
+    problem = ""
+    for name in names[rank::world]:
+        file = os.path.join(path, name)
+        try:
+            try:
+                load_weights(file, safe_globals=allowed, mmap=True)
+            except CheckpointError as err:
+                if "mmap" not in str(err) and "zip" not in str(err):
+                    raise
+                load_weights(file, safe_globals=allowed)  # the legacy format maps nothing
+        except CheckpointError as err:
+            problem = str(err)
+            break
+    agree(problem)
 
 
 def stage_change_refused(saved: int, now: int) -> str:
@@ -141,7 +186,8 @@ def _universal(load_dir: str, tag: str, manifest: dict) -> str:
     target = tag + UNIVERSAL
     if read_manifest(os.path.join(load_dir, target)) is not None:
         try:
-            verify_checkpoint(load_dir, target)
+            _, converted = verify_checkpoint(load_dir, target)
+            check_files(os.path.join(load_dir, target), converted)
         except CheckpointError as err:
             raise CheckpointError(f"{err}\n(delete {os.path.join(load_dir, target)} to convert "
                                   f"{tag} again)") from None

@@ -1,7 +1,9 @@
 """DeepSpeed checkpoints across ZeRO stages (issue 31): a change between ZeRO 3 and ZeRO 1 (either
 way) is refused at start naming both stages, before any universal conversion is written
 (DeepSpeed 0.19's universal loader dies with a bare AssertionError in its state_dict_factory
-there); ZeRO 1 -> 2 still loads; every load says once that DeepSpeed's loader unpickles fully.
+there); ZeRO 1 -> 2 still loads; every load says once that DeepSpeed's loader unpickles fully,
+after every file was read with ``weights_only=True``: a crafted optimizer shard (its manifest
+resealed) is refused naming it, and its code never runs.
 One DeepSpeed launch (1 rank) runs this file as the training script."""
 
 from __future__ import annotations
@@ -49,6 +51,50 @@ def _job(work: str) -> None:
         converted = os.path.exists(os.path.join(work, f"zero{saved}", "iter_1.universal"))
         with open(os.path.join(work, f"{saved}to{now}.txt"), "w") as f:
             f.write(f"{said}\nconverted: {converted}")
+    # a crafted optimizer shard (manifest resealed): refused naming it, nothing runs
+    import shutil
+
+    import torch
+
+    crafted = os.path.join(work, "crafted")
+    shutil.copytree(os.path.join(work, "zero3"), crafted)
+    shard = os.path.join(crafted, "iter_1", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    state = torch.load(shard, weights_only=False)  # our own file, trusted
+    state["payload"] = Payload(os.path.join(work, "ran"))
+    torch.save(state, shard)
+    _reseal(os.path.join(crafted, "iter_1"))
+    try:
+        pretrain.main([*COMMON, "--zero-stage", "3", "--train-iters", "2", "--load", crafted])
+        said = "loaded"
+    except CheckpointError as err:
+        said = str(err)
+    with open(os.path.join(work, "crafted.txt"), "w") as f:
+        f.write(said)
+
+
+class Payload:
+    """Unpickling this creates the file ``marker``: code from the file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _reseal(checkpoint: str) -> None:
+    """The manifest updated as whoever crafted the files would."""
+    import json
+
+    from megatron_dcp.runtime.checkpoint_dir import MANIFEST, file_checksum
+
+    with open(os.path.join(checkpoint, MANIFEST)) as f:
+        manifest = json.load(f)
+    for name in manifest["files"]:
+        manifest["files"][name] = os.path.getsize(os.path.join(checkpoint, name))
+        manifest["checksums"][name] = file_checksum(os.path.join(checkpoint, name))
+    with open(os.path.join(checkpoint, MANIFEST), "w") as f:
+        json.dump(manifest, f)
 
 
 @pytest.mark.slow
@@ -64,7 +110,11 @@ def test_zero_1_3_changes_are_refused_naming_both_stages(tmp_path):
         assert said.endswith("converted: False")
     assert (tmp_path / "1to2.txt").read_text() == "loaded\nconverted: True"
     out = proc.stdout + proc.stderr
-    assert out.count("DeepSpeed's loader unpickles its files fully") == 1  # the one load
+    assert out.count("then DeepSpeed's loader unpickles them fully") == 1  # the one load
+    crafted = (tmp_path / "crafted.txt").read_text()
+    shard = tmp_path / "crafted" / "iter_1" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    assert f"{shard} is not a checkpoint of megatron-dcp: it asks for io.open" in crafted, crafted
+    assert not (tmp_path / "ran").exists()
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def refused_global(err: BaseException) -> str:
 
 
 def load_weights(path: Any, *, name: Optional[str] = None, safe_globals: Iterable[Any] = (),
-                 map_location: Any = "cpu") -> Any:
+                 map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load(path, weights_only=True)`` (``path``: a file name or a seekable file object,
     ``name`` the file named in errors) with ``safe_globals`` also admitted. A file that asks for
     anything else raises `UnsafeCheckpointError` naming the file and the global; nothing in it
@@ -120,7 +120,8 @@ def load_weights(path: Any, *, name: Optional[str] = None, safe_globals: Iterabl
     where = name or str(path)
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True,
+                              **({"mmap": True} if mmap else {}))
     except pickle.UnpicklingError as err:
         what = refused_global(err)
         raise UnsafeCheckpointError(
