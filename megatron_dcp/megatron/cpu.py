@@ -24,6 +24,10 @@ exit. What and why:
   returns, under `CudaAsCpu`: a torch function mode, active only inside those calls, that makes
   CUDA devices the CPU, ``.cuda()`` a no-op and a CPU tensor's ``type()`` the CUDA name of its
   dtype.
+
+`enable_lm_cpu()` (registry name ``megatron-lm-cpu``) adds what Megatron-LM's own training
+package (``megatron.training``, megatron-core 0.19) needs on the CPU, for the launcher
+`megatron_dcp.megatron.run`; each stop it covers is listed in docs/MEGATRON.md.
 """
 
 from __future__ import annotations
