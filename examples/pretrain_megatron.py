@@ -29,8 +29,9 @@ examples/pretrain.py (DeepSpeed); ``--log-json`` writes one JSON object per iter
 model, the optimizer, the data position and the planner's state, saved atomically and verified
 before load (`megatron_dcp.megatron.checkpointing`): ``--ckpt-format torch`` (one file per rank,
 loads at the layout it was saved with) or ``torch_dist`` (Megatron's distributed checkpoint,
-loads at another data-, tensor- or pipeline-parallel size); a resumed run continues with the
-losses of an uninterrupted one.
+loads at another data-parallel size, and at another tensor- or pipeline-parallel size where no
+tensor changes shape); a resumed run continues with the losses of an uninterrupted one. No file
+of a checkpoint runs code on load (`megatron_dcp.runtime.safe_load`).
 """
 
 from __future__ import annotations
@@ -109,7 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--ckpt-format", default="torch", choices=("torch", "torch_dist"),
                    help="torch: one file per rank, loads at the layout it was saved with; "
                         "torch_dist: Megatron's distributed checkpoint, loads at another "
-                        "data-, tensor- or pipeline-parallel size")
+                        "data-parallel size, and at another tensor- or pipeline-parallel size "
+                        "without --use-distributed-optimizer when no tensor changes shape (a "
+                        "TP change pads the vocabulary otherwise: refused at start, naming the "
+                        "--make-vocab-size-divisible-by that fits); every file is read without "
+                        "running code from it")
     g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
     g.add_argument("--save-profile", default=None, metavar="PATH",
                    help="with --dcp: write the calibrated cost-model hardware at the end as a "

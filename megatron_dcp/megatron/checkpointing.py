@@ -18,7 +18,17 @@ Two formats (``ckpt_format``, Megatron-LM's ``--ckpt-format`` names where they e
   other formats fail without Apex or Transformer Engine: docs/MEGATRON.md): its states follow
   the gradient buffers of each chunk, so with it TP, PP and the virtual stages must match. The
   iteration and the extra state go beside them in ``TAG/state.pt`` (rank 0's, read by every
-  rank with ``weights_only=True``).
+  rank with ``weights_only=True``). Without the distributed optimizer a load may change TP or PP,
+  but a tensor whose global shape differs from the checkpoint's (the padded vocabulary, a
+  multiple of ``--make-vocab-size-divisible-by`` x TP) is refused, naming the flag value that
+  fits: megatron-core would load the overlapping rows and keep the others random.
+
+No file runs code on load (`megatron_dcp.runtime.safe_load`): ``rank_{r}.pt``, ``state.pt`` and
+``common.pt`` are read with ``weights_only=True``; torch.distributed.checkpoint's ``.metadata``
+(which torch reads with ``pickle.load``) with an unpickler admitting only its own classes, on
+every rank before megatron-core reads anything, and megatron-core's load itself reads through
+`SafeFileSystemReader` (also checking the byte items torch's planner would unpickle fully). A
+refusal names the file and the class, on every rank alike.
 
 Both go through `megatron_dcp.runtime.checkpoint_dir`: written into ``TAG.partial``, every file's
 size and CRC-32 in the manifest (Megatron's files are checksummed by reading them back once),
