@@ -82,6 +82,8 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     dcp = dcp_config if dcp_config is not None else dcp_config_from(ds_config, args)
 
     world_size, rank, cpu = _init_distributed(timeout)
+    if isinstance(model, hf.DCPCausalLM):  # DCPEngine.backward multiplies each loss by the
+        model.router_loss_scale = float(world_size)  # world size: so is a router loss in it
     check_supported(ds_config, dcp, world_size, model)
     largest = max((p.numel() for p in model.parameters()), default=0)
     ds_ready, notices = prepare_config(ds_config, world_size, cpu=cpu, dcp=dcp,

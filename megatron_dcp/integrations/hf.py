@@ -1,4 +1,5 @@
-"""Hugging Face Transformers causal LMs (Llama, Qwen2, Mistral ...) under DCP.
+"""Hugging Face Transformers causal LMs (Llama, Qwen2, Mistral; Mixtral, Qwen2-MoE, Qwen3-MoE)
+under DCP.
 
 `enable(model)` prepares a ``PreTrainedModel`` in place: the ``"dcp"`` attention function
 (`dcp_attention` inside a task, HF's SDPA with the user's mask outside one, so evaluation and
@@ -8,6 +9,12 @@ wraps the model with the runtime's forward signature ``(input_ids [T], position_
 task) -> logits [T, V]`` and the HF model's own parameter names, so DeepSpeed's state dict keeps
 HF's keys. Losses are computed from the logits with the project's shifted labels: HF's built-in
 loss shifts the labels again inside the row, which is wrong on a shard.
+
+Mixture-of-experts models train as any other (ZeRO shards their experts; no expert
+parallelism). When their config asks for the router's load-balancing loss
+(``output_router_logits`` and ``router_aux_loss_coef`` > 0), `DCPCausalLM` computes it per whole
+sequence of the task (`megatron_dcp.runtime.moe.sequence_balancing_loss`: HF's per-batch value
+would depend on the plan) and adds it to backward of the logits.
 
 The task travels as the ``dcp_task`` keyword through HF's forward to every attention call (HF
 passes unknown keywords down as ``**kwargs``) and, as part of the layer's bound forward, into
@@ -217,7 +224,7 @@ def model_shape(model: nn.Module) -> ModelShape:
     tied = output is not None and output.weight is model.get_input_embeddings().weight
     return ModelShape(num_layers=int(config.num_hidden_layers),
                       hidden_size=int(config.hidden_size), num_heads=heads,
-                      ffn_hidden_size=int(config.intermediate_size),
+                      ffn_hidden_size=_active_ffn(config),
                       vocab_size=int(config.vocab_size),
                       num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                       head_dim=int(head_dim), tied_embeddings=tied, qkv_bias=qkv_bias,
@@ -226,9 +233,38 @@ def model_shape(model: nn.Module) -> ModelShape:
                       name=str(getattr(config, "model_type", "hf")))
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
 """The architectures tested under DCP: decoder-only, causal, RoPE positions per token, a gated
-MLP, attention replaceable through transformers' ``AttentionInterface``."""
+MLP (or gated experts: Mixtral, Qwen2-MoE, Qwen3-MoE, whose experts ZeRO shards like any
+parameter), attention replaceable through transformers' ``AttentionInterface``."""
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""Mixture-of-experts architectures: with ``output_router_logits`` and ``router_aux_loss_coef``
+> 0 in their config, DCP adds the router's load-balancing loss per whole sequence
+(`router_loss`)."""
+
+
+def _num_experts(config: Any) -> int:
+    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+               or 0)
+
+
+def _active_ffn(config: Any) -> int:
+    """The FFN width a token runs through: a dense model's ``intermediate_size``; with experts,
+    top-k experts' (``moe_intermediate_size``, Mixtral's ``intermediate_size``) plus a shared
+    expert's (Qwen2-MoE). (The cost model counts an MoE layer as this dense FFN.)"""
+    if not _num_experts(config):
+        return int(config.intermediate_size)
+    expert = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+    shared = int(getattr(config, "shared_expert_intermediate_size", None) or 0)
+    return int(config.num_experts_per_tok) * expert + shared
+
+
+def router_loss_enabled(config: Any) -> bool:
+    """Whether the model's own config asks for the router's load-balancing loss (HF's switch:
+    ``output_router_logits`` with ``router_aux_loss_coef`` > 0)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(_num_experts(config) and getattr(config, "output_router_logits", False)
+                and float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) > 0)
 
 
 def check_supported(config: Any, what: str = "the model") -> None:
@@ -305,6 +341,10 @@ class DCPCausalLM(nn.Module):
                  max_sequence_length: Optional[int] = None) -> None:
         super().__init__()
         self._shape = enable(causal_lm, max_sequence_length=max_sequence_length)
+        self.router_loss_scale = 1.0
+        """The factor the engine multiplies every micro-step's loss by before backward (the
+        DeepSpeed plugin: the world size, turning DeepSpeed's average into a sum): the router's
+        load-balancing loss, which joins backward inside the model, is scaled alike."""
         self.__dict__["causal_lm"] = causal_lm  # not a child: that would prefix every key
         self._layers = _decoder_layers(causal_lm)  # a plain list: registers nothing
         for name, child in causal_lm.named_children():
@@ -330,7 +370,30 @@ class DCPCausalLM(nn.Module):
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
         0..T-1: one whole sequence), as the local shard of ``task`` (``None``: outside a
         task)."""
+        if self._router_loss_wanted(task):  # the base model: HF's head would add its own
+            output = self._call(self.causal_lm.base_model, input_ids, position_ids, task)
+            logits = self.causal_lm.get_output_embeddings()(output.last_hidden_state[0])
+            return self._with_router_loss(logits, output, task)
         return self._call(self.causal_lm, input_ids, position_ids, task).logits[0]
+
+    def _router_loss_wanted(self, task: Optional[TaskContext]) -> bool:
+        return task is not None and self.training and torch.is_grad_enabled() \
+            and router_loss_enabled(self.causal_lm.config)
+
+    def _with_router_loss(self, out: torch.Tensor, output: Any,
+                          task: Optional[TaskContext]) -> torch.Tensor:
+        """``out``, carrying the router's load-balancing loss of the task's whole sequences
+        (`megatron_dcp.runtime.moe.sequence_balancing_loss`: its gradient joins backward of
+        ``out``) when the config asks for it; ``out`` unchanged otherwise."""
+        if not self._router_loss_wanted(task):
+            return out
+        from megatron_dcp.runtime.moe import AttachLoss, sequence_balancing_loss
+
+        config = self.causal_lm.config.get_text_config()
+        logits = [g for g in (output.router_logits or ()) if g is not None]
+        loss = sequence_balancing_loss(logits, int(config.num_experts_per_tok), task,
+                                       float(config.router_aux_loss_coef))
+        return AttachLoss.apply(out, loss, self.router_loss_scale)
 
     def _call(self, module: nn.Module, input_ids: torch.Tensor,
               position_ids: Optional[torch.Tensor], task: Optional[TaskContext]) -> Any:
@@ -345,6 +408,8 @@ class DCPCausalLM(nn.Module):
             stash = stash_for(ctx)
             if stash is not None:
                 kwargs[STASH_KWARG] = stash
+            if self._router_loss_wanted(ctx):
+                kwargs["output_router_logits"] = True
         return module(input_ids=input_ids[None], position_ids=position_ids[None],
                       use_cache=False, **kwargs)
 
@@ -361,7 +426,8 @@ class DCPCausalLM(nn.Module):
                                                   None):
             return token_losses(self(input_ids, position_ids, task), labels)
         hidden = self._call(self.causal_lm.base_model, input_ids, position_ids, task)
-        return tiled_logits_loss(hidden.last_hidden_state[0], head.weight, labels, tiles,
+        last = self._with_router_loss(hidden.last_hidden_state[0], hidden, task)
+        return tiled_logits_loss(last, head.weight, labels, tiles,
                                  token_losses, getattr(head, "bias", None))
 
 
