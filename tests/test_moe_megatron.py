@@ -103,6 +103,7 @@ def test_dcp_moe_ep2_equals_plain_megatron(tmp_path):
     assert max(_rel(local, plain)) > 1e-5, (local, plain)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
     (["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"],

@@ -144,6 +144,7 @@ def _simulate(tmp_path, lengths) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_simulate_shows_skipped_sequences_and_no_efficiency_when_all_are(tmp_path):
     some = _simulate(tmp_path, [1000, 3_000_000])
     assert "skipped" in some.splitlines()[2]  # the table's head

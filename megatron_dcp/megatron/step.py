@@ -460,7 +460,7 @@ class MegatronPipelineEngine(MegatronStepEngine):
                 **pipeline_communication(self.mconfig, self.parallel, self.p2p_communicator))
         times = {id(step): (f, b) for step, f, b in call.timers.seconds()}  # this stage's
         for step in steps:
-            work.record(step, call.losses.get(id(step)), *times.get(id(step), (0.0, 0.0)))
+            work.record(step, call.losses.get(id(step)), *times.get(id(step), (None, None)))
         # the loss exists on the last stage only: every stage reports its pipeline's
         group = self.parallel.pipeline_group
         dist.broadcast(work.local_loss, src=dist.get_process_group_ranks(group)[-1], group=group)

@@ -427,8 +427,8 @@ class PlanWork:
                forward_s: Optional[float] = None, backward_s: Optional[float] = None) -> None:
         """Report one micro-step once it ran: its weighted loss (`loss`; ``None`` where this
         rank computed none, a pipeline stage before the last) and its forward and backward
-        seconds (``None``: timed by `running`). The one call per micro-step an engine that runs
-        its own schedule makes; an empty micro-step is ignored."""
+        seconds (``None``: timed by `running`, or not at all). The one call per micro-step an
+        engine that runs its own schedule makes; an empty micro-step is ignored."""
         if step.task is None:
             return
         if loss is not None:
@@ -439,8 +439,9 @@ class PlanWork:
         self._ran.append((step, forward_s, backward_s))
 
     def _task_stats(self) -> list[TaskStats]:
-        """`TaskStats` of the tasks recorded: their own seconds, else the clock's (forward,
-        backward, between: three gaps per micro-step timed by `running`)."""
+        """`TaskStats` of the tasks recorded with a time: their own seconds, else the clock's
+        (forward, backward, between: three gaps per micro-step timed by `running`); a task
+        timed by neither (a schedule whose timers did not pair up) has none."""
         gaps = self._clock.seconds()
         timed = {id(step): i for i, step in enumerate(self._timed)}
         out = []
@@ -448,7 +449,8 @@ class PlanWork:
             if forward_s is None and id(step) in timed:
                 i = timed[id(step)]
                 forward_s, backward_s = gaps[3 * i], gaps[3 * i + 1]
-            out.append(_task_stats(step.task, step.layout, forward_s or 0.0, backward_s or 0.0))
+            if forward_s is not None:
+                out.append(_task_stats(step.task, step.layout, forward_s, backward_s or 0.0))
         return out
 
     def stats(self, loss: Optional[float] = None) -> StepStats:
