@@ -15,9 +15,9 @@
 The groups are Megatron's: ``pg_collection`` when the caller passes one (tp, pp, dp or dp_cp),
 else ``parallel_state`` (`MegatronParallel`). The model's ``TransformerConfig`` is left alone,
 except during a pipeline schedule call: Megatron's schedules read their settings from the model's
-config and take no other, so for that call `schedule_settings` sets six fields and restores
-them after (which, and why, is listed there). What differs from Megatron's schedules, and why:
-docs/MEGATRON.md.
+config and take no other, so for that call `schedule_settings` sets five fields (six when
+interleaved) and restores them after (which, and why, is listed there). What differs from
+Megatron's schedules, and why: docs/MEGATRON.md.
 """
 
 from __future__ import annotations
