@@ -163,31 +163,38 @@ def load_checkpoint(load: str, model: Any, optimizer: Any, *, ckpt_format: str =
             chunk.load_state_dict(saved)
         _load_optimizer_state(optimizer, state["optimizer"])
     else:
-        from megatron.core import dist_checkpointing
-
-        _create_optimizer_states(optimizer)
-        sharded = _sharded_state(model, optimizer, is_loading=True)
-        problem = ""
-        try:  # every file that unpickles, checked on every rank before Megatron reads any
-            state = _read(os.path.join(path, STATE_FILE))
-            _read(os.path.join(path, COMMON_FILE))
-            saved_shapes = _saved_shapes(path)
-            problem = _shape_problem(path, sharded, saved_shapes, vocab_size,
-                                     vocab_divisible_by)
-        except CheckpointError as err:
-            problem = str(err)
-        agree(problem)  # raises on every rank when any rank found a problem
-        with _safe_torch_dist_reads():
-            loaded = dist_checkpointing.load(sharded, path,
-                                             sharded_strategy=_safe_sharded_strategy(),
-                                             common_strategy=_safe_common_strategy())
-        chunks = _chunks(model)
-        for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(loaded[_model_key(i, len(chunks))])
-        with torch.no_grad():  # fp32: the optimizer's shards are views of the parameters
-            optimizer.load_state_dict(loaded["optimizer"])
-        _restore_steps(optimizer, loaded["optimizer"])
+        state = _load_torch_dist(path, model, optimizer, vocab_size, vocab_divisible_by)
     return int(state["iteration"]), state["extra"]
+
+
+def _load_torch_dist(path: str, model: Any, optimizer: Any, vocab_size: Optional[int],
+                     divisible_by: Optional[int]) -> dict:
+    """Collective: every file of the torch_dist checkpoint ``path`` that unpickles checked on
+    every rank (and the tensors' global shapes against this run's) before megatron-core reads
+    any, then its load through the safe reader; returns ``state.pt``'s content."""
+    from megatron.core import dist_checkpointing
+
+    _create_optimizer_states(optimizer)
+    sharded = _sharded_state(model, optimizer, is_loading=True)
+    problem, state = "", {}
+    try:  # every file that unpickles, checked on every rank before Megatron reads any
+        state = _read(os.path.join(path, STATE_FILE))
+        _read(os.path.join(path, COMMON_FILE))
+        problem = _shape_problem(path, sharded, _saved_shapes(path), vocab_size, divisible_by)
+    except CheckpointError as err:
+        problem = str(err)
+    agree(problem)  # raises on every rank when any rank found a problem
+    with _safe_torch_dist_reads():
+        loaded = dist_checkpointing.load(sharded, path,
+                                         sharded_strategy=_safe_sharded_strategy(),
+                                         common_strategy=_safe_common_strategy())
+    chunks = _chunks(model)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[_model_key(i, len(chunks))])
+    with torch.no_grad():  # fp32: the optimizer's shards are views of the parameters
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_steps(optimizer, loaded["optimizer"])
+    return state
 
 
 def _check_format(ckpt_format: str) -> None:
