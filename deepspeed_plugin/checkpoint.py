@@ -157,6 +157,9 @@ def check_files(path: str, manifest: dict) -> None:
         except CheckpointError as err:
             problem = str(err)
             break
+        except OSError as err:  # raised on every rank alike by agree, not on this one alone
+            problem = f"{file}: {type(err).__name__}: {err}"
+            break
     agree(problem)
 
 

@@ -183,6 +183,8 @@ def _load_torch_dist(path: str, model: Any, optimizer: Any, vocab_size: Optional
         problem = _shape_problem(path, sharded, _saved_shapes(path), vocab_size, divisible_by)
     except CheckpointError as err:
         problem = str(err)
+    except Exception as err:  # noqa: BLE001 - raised on every rank alike by agree, not alone
+        problem = f"checkpoint {path}: {type(err).__name__}: {err}"
     agree(problem)  # raises on every rank when any rank found a problem
     with _safe_torch_dist_reads():
         loaded = dist_checkpointing.load(sharded, path,
