@@ -217,7 +217,7 @@ _NON_NEGATIVE_OR_NULL = ("token_overhead_s", "task_overhead_s", "step_overhead_s
 _OPTIONAL = ("name", "measured", "ranks_per_node", "ring_attention_flops",
              "hybrid_attention_flops", "communicator_bytes", "token_overhead_s",
              "task_overhead_s", "pack_curve", "pack_tokens", "comm_overlap", "calibration",
-             "step_overhead_s", "reserve_bytes")
+             "step_overhead_s", "reserve_bytes", "host_link_bandwidth")
 """Fields a profile without a ``base`` may leave out."""
 
 

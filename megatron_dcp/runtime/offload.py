@@ -34,7 +34,6 @@ import os
 import tempfile
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.utils.checkpoint
 
