@@ -131,7 +131,7 @@ def test_world4_mixed_degrees_match_reference():
 
 
 def test_target_weights_token_and_sequence():
-    from megatron_dcp.runtime.executor import target_weights
+    from megatron_dcp.runtime.targets import target_weights
 
     # 3 sequences with 4, 0 and 2 targets: T = 6 targets, S = 2 sequences that have one
     assert target_weights([5, 1, 3]) == [1 / 6] * 3

@@ -20,7 +20,7 @@ from megatron_dcp.models.dit import DiTConfig, VideoDiT, VideoGroups
 from megatron_dcp.plan.plan import Task
 from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.digests import batch_digest
-from megatron_dcp.runtime.executor import SelfTargetBatch, target_count, target_weights
+from megatron_dcp.runtime.targets import SelfTargetBatch, target_count, target_weights
 from megatron_dcp.runtime.layout import ShardLayout
 from megatron_dcp.runtime.step import StepEngine
 

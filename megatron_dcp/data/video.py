@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_dcp.runtime.executor import SelfTargetBatch
+from megatron_dcp.runtime.targets import SelfTargetBatch
 
 
 @dataclass(frozen=True)
