@@ -63,7 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         timeout_help="timeout of every process group (DeepSpeed's included)")
     deepspeed.add_config_arguments(p)
     deepspeed_plugin.add_dcp_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    training.check_lr(p, args)
+    return args
 
 
 def open_videos(args: argparse.Namespace):

@@ -92,6 +92,7 @@ def _example(name: str):
     ("pretrain.py", ["--save", ""], "--save: checkpoint directory '' is an empty name"),
     ("pretrain_megatron.py", ["--lr", "1e39"], "--lr: 1e+39: must be below 3.403e+38"),
     ("pretrain.py", ["--lr", "1e39"], "--lr: 1e+39: must be below 3.403e+38"),
+    ("pretrain_video.py", ["--lr", "1e39"], "--lr: 1e+39: must be below 3.403e+38"),
 ])
 def test_example_flags_are_checked(script, flags, message, capsys):
     module = _example(script)
