@@ -5,7 +5,8 @@
   ``TorchCheckpointEngine``); the checkpoint and ``latest`` appear only after every rank
   confirmed (`megatron_dcp.runtime.checkpoint_dir`).
 * ``load``: the checkpoint is verified on every rank first (manifest, every file's size and
-  checksum; a corrupt ``latest`` falls back to the newest checkpoint that verifies).
+  checksum; a corrupt ``latest`` falls back to the newest checkpoint that verifies:
+  `megatron_dcp.runtime.checkpoint_verify`).
   Saved at the same world size and ZeRO stage, DeepSpeed loads it as usual. Saved at another
   world size (or ZeRO 1 <-> 2) with ZeRO 1-3, whose optimizer states are partitioned by rank, it is
   converted once to DeepSpeed's *universal* checkpoint (``ds_to_universal``: one file per
@@ -34,8 +35,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, read_manifest,
-                                                 save_atomically, save_file,
-                                                 verify_checkpoint)
+                                                 save_atomically, save_file)
+from megatron_dcp.runtime.checkpoint_verify import verify_checkpoint
 
 UNIVERSAL = ".universal"
 
@@ -138,7 +139,7 @@ def check_files(path: str, manifest: dict) -> None:
     are not read), the files shared out over the ranks; a file that asks for anything else is
     an `UnsafeCheckpointError` on every rank naming the file and the class, before DeepSpeed's
     loader (which unpickles fully) or its universal converter reads anything."""
-    from megatron_dcp.runtime.checkpoint_dir import agree
+    from megatron_dcp.runtime.checkpoint_verify import agree
     from megatron_dcp.runtime.safe_load import load_weights
 
     allowed = deepspeed_safe_globals()

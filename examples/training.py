@@ -118,7 +118,7 @@ def resume(engine, sampler, args: argparse.Namespace) -> int:
     ``--train-iters``: exit 1, `check_resume_point`)."""
     if not args.load:
         return 0
-    from megatron_dcp.runtime.checkpoint_dir import split_load_path
+    from megatron_dcp.runtime.checkpoint_verify import split_load_path
     from megatron_dcp.runtime.report import check_resume_point
 
     _, client = engine.load_checkpoint(*split_load_path(args.load))

@@ -42,7 +42,8 @@ def _flip(path: Path, offset: int, count: int = 64) -> None:
 
 
 def test_same_size_corruption_is_named_and_latest_falls_back(tmp_path, capsys):
-    from megatron_dcp.runtime.checkpoint_dir import CheckpointError, verify_checkpoint
+    from megatron_dcp.runtime.checkpoint_dir import CheckpointError
+    from megatron_dcp.runtime.checkpoint_verify import verify_checkpoint
 
     root = tmp_path / "ckpt"
     for step in (1, 2, 3):
@@ -64,7 +65,8 @@ def test_same_size_corruption_is_named_and_latest_falls_back(tmp_path, capsys):
 
 def test_first_bytes_flipped_names_the_file(tmp_path):
     """Without the checksum, torch.load fails with an UnpicklingError that names no file."""
-    from megatron_dcp.runtime.checkpoint_dir import CheckpointError, verify_checkpoint
+    from megatron_dcp.runtime.checkpoint_dir import CheckpointError
+    from megatron_dcp.runtime.checkpoint_verify import verify_checkpoint
 
     root = tmp_path / "ckpt"
     _save(root, 1)
@@ -75,7 +77,8 @@ def test_first_bytes_flipped_names_the_file(tmp_path):
 
 def test_a_file_written_another_way_is_checksummed_by_reading_it(tmp_path):
     from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, file_checksum,
-                                                     save_atomically, verify_checkpoint)
+                                                     save_atomically)
+    from megatron_dcp.runtime.checkpoint_verify import verify_checkpoint
 
     root = tmp_path / "ckpt"
 
@@ -94,7 +97,7 @@ def test_a_file_written_another_way_is_checksummed_by_reading_it(tmp_path):
 def _two_ranks(rank: int, world_size: int, root: str) -> tuple:
     import torch.distributed as dist
 
-    from megatron_dcp.runtime.checkpoint_dir import verify_checkpoint
+    from megatron_dcp.runtime.checkpoint_verify import verify_checkpoint
 
     for step in (1, 2):
         _save(Path(root), step, rank=rank)
@@ -125,7 +128,8 @@ def test_keep_last_keeps_the_newest_verified_checkpoint(tmp_path):
 
 
 def test_latest_may_name_only_a_checkpoint_in_its_directory(tmp_path):
-    from megatron_dcp.runtime.checkpoint_dir import CheckpointError, verify_checkpoint
+    from megatron_dcp.runtime.checkpoint_dir import CheckpointError
+    from megatron_dcp.runtime.checkpoint_verify import verify_checkpoint
 
     _save(tmp_path / "other", 2)
     (tmp_path / "ckpt").mkdir()

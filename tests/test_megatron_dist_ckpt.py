@@ -142,7 +142,8 @@ def launches(tmp_path_factory):
 
 @pytest.mark.timeout(400)
 def test_torch_dist_resumes_resharded_with_the_uninterrupted_losses(launches, capsys):
-    from megatron_dcp.runtime.checkpoint_dir import MANIFEST, verify_checkpoint
+    from megatron_dcp.runtime.checkpoint_dir import MANIFEST
+    from megatron_dcp.runtime.checkpoint_verify import verify_checkpoint
 
     run, ckpt = launches["run"], launches["work"] / "resharded"
     full = run("full")

@@ -55,7 +55,8 @@ def _saves(rank: int, world_size: int, root: str) -> str:
 
 @pytest.mark.slow
 def test_rank_dying_mid_save_leaves_the_previous_checkpoint(tmp_path):
-    from megatron_dcp.runtime.checkpoint_dir import read_latest, verify_checkpoint
+    from megatron_dcp.runtime.checkpoint_dir import read_latest
+    from megatron_dcp.runtime.checkpoint_verify import verify_checkpoint
 
     root = str(tmp_path / "ckpt")
     with pytest.raises(DistributedError) as failure:
@@ -100,8 +101,8 @@ def test_failed_write_is_an_error_on_every_rank(tmp_path):
 
 
 def test_incomplete_checkpoints_name_what_is_missing(tmp_path):
-    from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, prune, save_atomically,
-                                                     split_load_path, verify_checkpoint)
+    from megatron_dcp.runtime.checkpoint_dir import CheckpointError, prune, save_atomically
+    from megatron_dcp.runtime.checkpoint_verify import split_load_path, verify_checkpoint
 
     root = tmp_path / "ckpt"
     with pytest.raises(CheckpointError, match="does not exist"):

@@ -33,7 +33,8 @@ refusal names the file and the class, on every rank alike.
 Both go through `megatron_dcp.runtime.checkpoint_dir`: written into ``TAG.partial``, every file's
 size and CRC-32 in the manifest (Megatron's files are checksummed by reading them back once),
 ``latest`` moved only after every rank confirmed; a load verifies every file first and falls
-back from a corrupt ``latest`` to the newest checkpoint that verifies.
+back from a corrupt ``latest`` to the newest checkpoint that verifies
+(`megatron_dcp.runtime.checkpoint_verify`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.runtime.checkpoint_dir import (CheckpointError, agree, save_atomically,
-                                                 save_file, split_load_path, verify_checkpoint)
+from megatron_dcp.runtime.checkpoint_dir import CheckpointError, save_atomically, save_file
+from megatron_dcp.runtime.checkpoint_verify import agree, split_load_path, verify_checkpoint
 from megatron_dcp.runtime.safe_load import SafeFileSystemReader, load_weights
 
 FORMATS = ("torch", "torch_dist")

@@ -12,12 +12,13 @@ state, and what the engine records: world size, ZeRO stage ...) and the pointer 
   ``latest`` (write a temporary file, rename it over): a crash at any point leaves ``latest``
   naming the previous, complete checkpoint. Optionally the oldest complete checkpoints beyond
   ``keep_last`` are deleted, never the newest one saved ``verified``.
-* `verify_checkpoint` (collective): resolve ``latest`` (a tag inside ``SAVE_DIR`` only) or the
-  tag given, check the manifest, every file's presence and size on every rank and every file's
-  checksum (the files shared out over the ranks), before the engine's loader reads anything.
-  A checkpoint that fails names the file; loading ``latest``, the newest older checkpoint that
-  verifies is loaded instead, saying so.
+* `megatron_dcp.runtime.checkpoint_verify`: the load side (every file's presence, size and
+  checksum checked before the engine's loader reads anything; ``latest`` falls back to the
+  newest checkpoint that verifies).
 * `check_save_dir`: the ``--save`` directory is creatable and writable, checked at start.
+* `read_manifest`, `read_latest`, `complete_checkpoints`, `primary_checkpoints`, `prune`: reading
+  and pruning the directory; `gather`, `group_rank`, `group_size`, `failures`: the collective
+  helpers both sides use (without torch.distributed: one rank).
 
 A shared file system is assumed (every rank sees the directory, as DeepSpeed's own ``latest``
 file assumes); durability against power loss comes from fsync of the files, the manifest and the
@@ -30,7 +31,6 @@ import errno
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 import zlib
@@ -136,7 +136,7 @@ def file_checksum(path: str, chunk_bytes: int = 16 << 20) -> str:
             crc = zlib.crc32(view[:n], crc)
 
 
-def _gather(value: Any, group: Any) -> list[Any]:
+def gather(value: Any, group: Any) -> list[Any]:
     """Every rank's ``value`` (index = rank in ``group``); the value itself without a group."""
     if not dist.is_available() or not dist.is_initialized():
         return [value]
@@ -145,30 +145,19 @@ def _gather(value: Any, group: Any) -> list[Any]:
     return out
 
 
-def _rank(group: Any) -> int:
+def group_rank(group: Any) -> int:
+    """This process's rank in ``group`` (0 without torch.distributed)."""
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def _world(group: Any) -> int:
+def group_size(group: Any) -> int:
+    """Ranks of ``group`` (1 without torch.distributed)."""
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def _failures(outcomes: list[Any]) -> dict[int, str]:
+def failures(outcomes: list[Any]) -> dict[int, str]:
+    """The ranks (index of ``outcomes``) that reported a problem, with its text."""
     return {r: text for r, text in enumerate(outcomes) if text}
-
-
-def agree(problem: str, group: Any = None) -> None:
-    """Collective: raise `CheckpointError` on every rank when any rank found a ``problem``
-    (one text per rank, ``""`` for none): the same text when every rank found the same one,
-    else each rank's, so that no rank goes on loading alone."""
-    failed = _failures(_gather(problem, group))
-    if not failed:
-        return
-    texts = set(failed.values())
-    if len(texts) == 1:
-        raise CheckpointError(texts.pop())
-    raise CheckpointError("\n  ".join(["cannot load the checkpoint:"] + [
-        f"rank {r}: {text}" for r, text in failed.items()]))
 
 
 def _fsync(path: str, directory: bool = False) -> None:
@@ -287,7 +276,7 @@ def save_atomically(save_dir: str, tag: str, write: Callable[[str], Any], *,
         raise CheckpointError(f"checkpoint tag {tag!r}: must be a plain directory name")
     if keep_last is not None and keep_last < 1:
         raise CheckpointError(f"keep_last={keep_last}: must be >= 1")
-    rank = _rank(group)
+    rank = group_rank(group)
     staging = tag + PARTIAL
     staging_path = os.path.join(save_dir, staging)
     problem = ""
@@ -297,15 +286,15 @@ def save_atomically(save_dir: str, tag: str, write: Callable[[str], Any], *,
             shutil.rmtree(staging_path, ignore_errors=True)  # left by a save that crashed
         except OSError as err:
             problem = f"cannot prepare {staging_path}: {_describe(err, save_dir)}"
-    failed = _failures(_gather(problem, group))  # also: nobody writes before the cleanup
+    failed = failures(gather(problem, group))  # also: nobody writes before the cleanup
     checksums: dict[str, str] = {}
     if not failed:
         try:
             checksums = _relative(write(staging), staging_path)
         except Exception as err:  # noqa: BLE001 - reported to every rank, then raised
             problem = _describe(err, save_dir)
-        outcomes = _gather((problem, checksums), group)
-        failed = _failures([text for text, _ in outcomes])
+        outcomes = gather((problem, checksums), group)
+        failed = failures([text for text, _ in outcomes])
         checksums = {name: crc for _, sums in outcomes for name, crc in sums.items()}
     if failed:
         if rank == 0:  # a full disk gets its space back
@@ -318,7 +307,7 @@ def save_atomically(save_dir: str, tag: str, write: Callable[[str], Any], *,
         except Exception as err:  # noqa: BLE001 - reported to every rank, then raised
             problem = _describe(err, save_dir)
             shutil.rmtree(staging_path, ignore_errors=True)
-    failed = _failures(_gather(problem, group))
+    failed = failures(gather(problem, group))
     if failed:
         raise CheckpointError(_not_saved(save_dir, tag, failed))
     return os.path.join(save_dir, tag)
@@ -385,7 +374,7 @@ def read_manifest(path: str) -> Optional[dict]:
         raise CheckpointError(f"{os.path.join(path, MANIFEST)} is unreadable: {err}") from None
 
 
-def _complete(save_dir: str) -> list[tuple[str, dict]]:
+def complete_checkpoints(save_dir: str) -> list[tuple[str, dict]]:
     """``(tag, manifest)`` of the complete checkpoints in ``save_dir``, oldest first."""
     found = []
     for name in os.listdir(save_dir) if os.path.isdir(save_dir) else ():
@@ -401,7 +390,7 @@ def _complete(save_dir: str) -> list[tuple[str, dict]]:
     return [(name, manifest) for _, name, manifest in sorted(found, key=lambda f: f[:2])]
 
 
-def _primary(checkpoints: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+def primary_checkpoints(checkpoints: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     """Without the derived checkpoints (``TAG.universal`` beside ``TAG``)."""
     tags = [t for t, _ in checkpoints]
     return [(t, m) for t, m in checkpoints
@@ -412,7 +401,7 @@ def prune(save_dir: str, keep_last: int) -> list[str]:
     """Delete all but the newest ``keep_last`` complete checkpoints, never the one ``latest``
     names nor the newest one saved ``verified`` (with their derived directories ``TAG.*``),
     and the partial directories; returns the tags deleted."""
-    primary = _primary(_complete(save_dir))
+    primary = primary_checkpoints(complete_checkpoints(save_dir))
     keep = {t for t, _ in primary[-keep_last:]} if keep_last else set()
     keep.add(read_latest(save_dir))
     keep.update([t for t, m in primary if m.get("verified") is True][-1:])
@@ -425,102 +414,3 @@ def prune(save_dir: str, keep_last: int) -> list[str]:
         if name.endswith(PARTIAL):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
     return doomed
-
-
-def split_load_path(path: str) -> tuple[str, Optional[str]]:
-    """``--load`` takes a checkpoint directory (its ``latest`` is loaded) or one checkpoint in
-    it: ``(load_dir, tag)``."""
-    path = os.path.normpath(path)
-    if os.path.isfile(os.path.join(path, MANIFEST)):
-        return os.path.dirname(path), os.path.basename(path)
-    return path, None
-
-
-def _problems(load_dir: str, tag: Optional[str], rank: int,
-              world: int) -> tuple[Optional[str], Optional[dict], str, list[str]]:
-    """(tag, manifest, problem, corrupt files) of one rank's view of the checkpoint: presence
-    and size of every file, the checksums of this rank's share of the files."""
-    if tag is None:
-        try:
-            tag = read_latest(load_dir)
-        except CheckpointError as err:
-            return None, None, str(err), []
-        if tag is None:
-            where = "does not exist" if not os.path.isdir(load_dir) else \
-                f"has no {LATEST} file (no save completed there)"
-            return None, None, f"no checkpoint to load: {load_dir} {where}", []
-    path = os.path.join(load_dir, tag)
-    if not os.path.isdir(path):
-        return tag, None, f"checkpoint {path} does not exist", []
-    try:
-        manifest = read_manifest(path)
-    except CheckpointError as err:
-        return tag, None, str(err), []
-    if manifest is None:
-        return tag, None, (f"checkpoint {path} is incomplete: it has no {MANIFEST} (its save did "
-                           "not finish, or megatron-dcp did not write it)"), []
-    missing, short = [], []
-    for name, size in manifest.get("files", {}).items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            missing.append(name)
-        elif os.path.getsize(file) != size:
-            short.append(f"{name} ({os.path.getsize(file)} of {size} bytes)")
-    if missing or short:
-        parts = ([f"missing {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else "")]
-                 if missing else []) + ([f"wrong size {', '.join(short[:10])}"] if short else [])
-        return tag, manifest, f"checkpoint {path} is incomplete: {'; '.join(parts)}", []
-    corrupt = []
-    for name, want in sorted(manifest.get("checksums", {}).items())[rank::world]:
-        try:
-            got = file_checksum(os.path.join(path, name))
-        except OSError as err:
-            return tag, manifest, f"checkpoint {path}: cannot read {name}: {err}", []
-        if got != want:
-            corrupt.append(f"{name} ({got}, saved as {want})")
-    return tag, manifest, "", corrupt
-
-
-def _verify(load_dir: str, tag: Optional[str],
-            group: Any) -> tuple[Optional[str], Optional[dict], str]:
-    """Collective: (tag, manifest, the reason it cannot be loaded or "")."""
-    tag, manifest, problem, corrupt = _problems(load_dir, tag, _rank(group), _world(group))
-    outcomes = _gather((problem, corrupt), group)
-    failed = _failures([text for text, _ in outcomes])
-    if failed:
-        if len(set(failed.values())) == 1 and len(failed) == len(outcomes):
-            return tag, manifest, next(iter(failed.values()))
-        return tag, manifest, "\n  ".join(["cannot load the checkpoint:"] + [
-            f"rank {r}: {text}" for r, text in failed.items()])
-    corrupt = sorted(name for _, names in outcomes for name in names)
-    if corrupt:
-        return tag, manifest, (
-            f"checkpoint {os.path.join(load_dir, str(tag))} is corrupt: the checksum of "
-            f"{', '.join(corrupt)} differs from the one recorded when it was saved")
-    return tag, manifest, ""
-
-
-def verify_checkpoint(load_dir: str, tag: Optional[str] = None, *,
-                      group: Any = None) -> tuple[str, dict]:
-    """Collective: the tag to load and its manifest, after every rank checked every file's
-    presence and size and its share of the checksums. Given a ``tag``, that checkpoint or a
-    `CheckpointError`; without, the one ``latest`` names, or if that one is missing a file or
-    corrupt, the newest other complete checkpoint that verifies (rank 0 says so on stderr).
-    Raises `CheckpointError` on every rank alike, so that no rank starts loading alone."""
-    found, manifest, problem = _verify(load_dir, tag, group)
-    if not problem:
-        assert found is not None and manifest is not None
-        return found, manifest
-    if tag is not None or found is None:  # asked for this one, or no latest to fall back from
-        raise CheckpointError(problem)
-    for older, _ in reversed(_primary(_complete(load_dir))):
-        if older == found:
-            continue
-        older, manifest, why_not = _verify(load_dir, older, group)
-        if not why_not:
-            if _rank(group) == 0:
-                print(f"{problem}\nloading {os.path.join(load_dir, str(older))} instead: the "
-                      "newest checkpoint that verifies", file=sys.stderr, flush=True)
-            assert older is not None and manifest is not None
-            return older, manifest
-    raise CheckpointError(f"{problem}\nno other checkpoint in {load_dir} verifies either")
