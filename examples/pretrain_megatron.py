@@ -262,9 +262,9 @@ def layer_spec(dcp: bool, use_transformer_engine=None, config=None, vp_stage=Non
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **moe)
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SPNorm
     if num_experts and not dcp:  # Megatron's router; a filler micro-batch adds no aux loss
-        from megatron_dcp.megatron.moe import DCPTopKRouter
+        from megatron_dcp.megatron.moe import use_dcp_router
 
-        spec.submodules.mlp.submodules.router = DCPTopKRouter
+        use_dcp_router(spec)
     if config is None or use_transformer_engine:
         return spec
     return get_gpt_block_dcp_spec(config, spec, vp_stage=vp_stage)

@@ -39,6 +39,7 @@ back from a corrupt ``latest`` to the newest checkpoint that verifies
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Optional, Sequence
 
@@ -180,17 +181,19 @@ def _load_torch_dist(path: str, model: Any, optimizer: Any, vocab_size: Optional
     problem, state = "", {}
     try:  # every file that unpickles, checked on every rank before Megatron reads any
         state = _read(os.path.join(path, STATE_FILE))
-        _read(os.path.join(path, COMMON_FILE))
+        if os.path.exists(os.path.join(path, COMMON_FILE)):  # megatron-core 0.16's format
+            _read(os.path.join(path, COMMON_FILE))
         problem = _shape_problem(path, sharded, _saved_shapes(path), vocab_size, divisible_by)
     except CheckpointError as err:
         problem = str(err)
     except Exception as err:  # noqa: BLE001 - raised on every rank alike by agree, not alone
         problem = f"checkpoint {path}: {type(err).__name__}: {err}"
     agree(problem)  # raises on every rank when any rank found a problem
-    with _safe_torch_dist_reads():
-        loaded = dist_checkpointing.load(sharded, path,
-                                         sharded_strategy=_safe_sharded_strategy(),
-                                         common_strategy=_safe_common_strategy())
+    strategies = {"sharded_strategy": _safe_sharded_strategy()}
+    if "common_strategy" in inspect.signature(dist_checkpointing.load).parameters:
+        strategies["common_strategy"] = _safe_common_strategy()  # 0.16: common.pt
+    with _safe_torch_dist_reads():  # 0.19: the common state is an item of the torch_dist files
+        loaded = dist_checkpointing.load(sharded, path, **strategies)
     chunks = _chunks(model)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[_model_key(i, len(chunks))])
@@ -280,14 +283,19 @@ class _SafeReaders:
     function they call for a reader is swapped, and restored on exit."""
 
     def __enter__(self) -> None:
+        from megatron.core.dist_checkpointing import serialization
         from megatron.core.dist_checkpointing.strategies import torch as strategies
 
-        self._module, self._own = strategies, strategies._get_filesystem_reader
-        strategies._get_filesystem_reader = lambda path, cache_metadata=False: \
-            SafeFileSystemReader(path)
+        # 0.19's serialization reads the common state with the same function, imported
+        self._own = [(module, module._get_filesystem_reader) for module in
+                     (strategies, serialization) if hasattr(module, "_get_filesystem_reader")]
+        for module, _ in self._own:
+            module._get_filesystem_reader = lambda path, *args, **kwargs: \
+                SafeFileSystemReader(path)
 
     def __exit__(self, *exc: Any) -> None:
-        self._module._get_filesystem_reader = self._own
+        for module, own in self._own:
+            module._get_filesystem_reader = own
 
 
 def _safe_torch_dist_reads() -> _SafeReaders:

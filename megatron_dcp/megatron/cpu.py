@@ -123,6 +123,48 @@ def _optimizer_on_cpu(get_optimizer: Callable) -> Callable:
     return build
 
 
+class _CpuStream(torch.cpu.Stream):
+    """``torch.cuda.Stream`` on the CPU: torch's CPU stream, with the methods Megatron-LM calls
+    (ops run in order on the CPU: nothing to wait for)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+
+    def synchronize(self) -> None:
+        """Nothing is pending on the CPU."""
+
+    def query(self) -> bool:
+        return True
+
+
+def _install_streams(patches: PatchSet) -> None:
+    """torch.cuda's streams and device generator on the CPU (0.19's grad buffers reduce on a
+    communication stream and wait on the current one; the pipeline schedule, the MoE dispatcher,
+    DDP set-up and the optimizer step use side streams; the rerun state machine saves and
+    restores the device generator)."""
+    patches.replace("torch.cuda", "Stream", _CpuStream, aliases=False)
+    patches.replace("torch.cuda", "current_stream", _cpu_current_stream, aliases=False)
+    patches.replace("torch.cuda", "default_stream", _cpu_current_stream, aliases=False)
+    patches.replace("torch.cuda", "stream", torch.cpu.stream, aliases=False)
+    patches.replace("torch.cuda", "get_rng_state", _cpu_get_rng_state, aliases=False)
+    patches.replace("torch.cuda", "set_rng_state", _cpu_set_rng_state, aliases=False)
+
+
+def _cpu_current_stream(device=None) -> _CpuStream:
+    return _CpuStream()
+
+
+def _cpu_get_rng_state(device="cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
+    torch.set_rng_state(new_state)
+
+
 NAME = "megatron-cpu"
 """The CPU patches' name in the registry (`megatron_dcp.patching.applied`)."""
 
@@ -137,6 +179,7 @@ def _install(patches: PatchSet) -> None:
     utils, random = "megatron.core.transformer.utils", "megatron.core.tensor_parallel.random"
     patches.replace("torch.cuda", "current_device", _cpu_current_device, aliases=False)
     patches.replace("torch.cuda", "synchronize", _cpu_synchronize, aliases=False)
+    _install_streams(patches)
     patches.replace(utils, "get_default_causal_mask", _causal_mask, check=callable)
     patches.replace(utils, "get_sliding_window_causal_mask", _sliding_window_causal_mask,
                     check=callable)
@@ -259,38 +302,9 @@ def _one_device(initialize_distributed: Callable) -> Callable:
     return run
 
 
-class _CpuStream(torch.cpu.Stream):
-    """``torch.cuda.Stream`` on the CPU: torch's CPU stream, with the methods Megatron-LM calls
-    (ops run in order on the CPU: nothing to wait for)."""
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        return super().__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__()
-
-    def synchronize(self) -> None:
-        """Nothing is pending on the CPU."""
-
-    def query(self) -> bool:
-        return True
-
-
 def _lm_install(patches: PatchSet) -> None:
     import megatron.training.initialize as initialize
     import megatron.training.training as training  # noqa: F401  (binds the names patched)
-
-    # DDP set-up and the optimizer step run on side streams
-    patches.replace("torch.cuda", "Stream", _CpuStream, aliases=False)
-    patches.replace("torch.cuda", "current_stream", lambda device=None: _CpuStream(),
-                    aliases=False)
-    patches.replace("torch.cuda", "stream", torch.cpu.stream, aliases=False)
-    # the rerun state machine saves and restores the device generator: the CPU's here
-    patches.replace("torch.cuda", "get_rng_state", lambda device="cuda": torch.get_rng_state(),
-                    aliases=False)
-    patches.replace("torch.cuda", "set_rng_state",
-                    lambda new_state, device="cuda": torch.set_rng_state(new_state),
-                    aliases=False)
 
     patches.replace("megatron.training.initialize", "initialize_megatron",
                     _allow_no_cuda(initialize.initialize_megatron), check=callable)

@@ -11,13 +11,16 @@ sources without importing them. This module imports nothing of Megatron.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
+from typing import Any
 
 _CPU = "megatron_dcp/megatron/cpu.py"
 _SPEC = "megatron_dcp/megatron/spec.py"
 _STEP = "megatron_dcp/megatron/step.py"
+_MOE = "megatron_dcp/megatron/moe.py"
 
 INTERNALS: dict[str, str] = {
     # CPU patch targets (replaced, aliases included) and what cpu.py calls
@@ -47,6 +50,7 @@ INTERNALS: dict[str, str] = {
     "megatron.core.transformer.transformer_layer:TransformerLayerSubmodules.self_attention": _SPEC,
     "megatron.core.transformer.attention:SelfAttentionSubmodules.core_attention": _SPEC,
     "megatron.core.transformer.module:MegatronModule": _SPEC,
+    "megatron.core.transformer.moe.moe_layer:MoESubmodules.router": _MOE,
     "megatron.core.transformer.enums:AttnMaskType.causal": _SPEC,
     "megatron.core.transformer.enums:AttnMaskType.padding_causal": _SPEC,
     "megatron.core.tensor_parallel.random:checkpoint": _SPEC,
@@ -74,6 +78,16 @@ INTERNALS: dict[str, str] = {
     "megatron.core.parallel_state:destroy_model_parallel": "megatron_dcp/megatron/parallel.py",
 }
 """Every internal, by name, with the megatron-dcp file that uses it."""
+
+
+def module_submodules(entry: Any) -> Any:
+    """The ``submodules`` of one entry of a layer spec: a ``ModuleSpec``'s ``.submodules``
+    (megatron-core 0.16), or the ``submodules=`` keyword of the ``functools.partial(module,
+    submodules=...)`` that 0.19's spec builders return for an MLP or MoE layer."""
+    if isinstance(entry, functools.partial):
+        return entry.keywords["submodules"]
+    return entry.submodules
+
 
 _ENTRY = re.compile(r"^([\w.]+):([\w.]+)(?:\(([\w, ]*)\))?$")
 

@@ -234,7 +234,8 @@ class DCPTopKRouter(_router_class()):
     module docstring); Megatron's own router outside a task, except that a micro-batch of
     padding only (``padding_mask`` all set: a filler that lets a rank join its expert-parallel
     all-to-alls) adds no balancing loss (Megatron's would be 0 / 0). Put in a layer spec's
-    ``mlp.submodules.router`` (`get_gpt_layer_dcp_spec` does with ``num_experts``)."""
+    ``mlp.submodules.router`` (`use_dcp_router`; `get_gpt_layer_dcp_spec` does with
+    ``num_experts``)."""
 
     _dcp_params = None
 
@@ -340,6 +341,15 @@ class DCPTopKRouter(_router_class()):
 # ---------------------------------------------------------------------- CPU
 MOE_CPU = "megatron-moe-cpu"
 """The MoE CPU patches' name in the registry."""
+
+
+def use_dcp_router(layer_spec) -> None:
+    """Make `DCPTopKRouter` the router of a Megatron layer spec's MoE MLP (in place). The MLP
+    entry is a ``ModuleSpec`` on megatron-core 0.16 and a ``functools.partial(MoELayer,
+    submodules=...)`` on 0.19: both are handled."""
+    from megatron_dcp.megatron.internals import module_submodules
+
+    module_submodules(layer_spec.submodules.mlp).router = DCPTopKRouter
 
 
 class _NoStream:

@@ -138,9 +138,9 @@ def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernor
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization,
                                                         qk_layernorm=qk_layernorm, **moe)
     if num_experts:
-        from megatron_dcp.megatron.moe import DCPTopKRouter
+        from megatron_dcp.megatron.moe import use_dcp_router
 
-        spec.submodules.mlp.submodules.router = DCPTopKRouter
+        use_dcp_router(spec)
     attention = spec.submodules.self_attention
     if spec.module is not TransformerLayer or not hasattr(attention.submodules, "core_attention"):
         raise TypeError(f"get_gpt_layer_dcp_spec: expected Megatron's TransformerLayer with a "
