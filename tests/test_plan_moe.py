@@ -183,6 +183,13 @@ def test_moe_activations_count_routed_tokens_and_dispatch_buffers():
     assert half == pytest.approx((dense_layer + base) / 2)
 
 
+def test_mlp_tiles_see_the_routed_experts_intermediates():
+    m = moe(moe_shared_expert_ffn=256)
+    routed = BF16 * 3 * (m.moe_topk * m.moe_ffn_hidden_size + 256)
+    assert cost(m).memory_model.mlp_token_bytes == pytest.approx(routed)
+    assert cost(replace(m, num_experts=None)).memory_model.mlp_token_bytes == BF16 * 3 * 4096
+
+
 def test_stage_model_keeps_the_last_stages_dense_layers():
     m = moe(num_layers=8, moe_dense_layers=3, pipeline_parallel=2)
     assert stage_model(m).moe_dense_layers == 0 and stage_model(m).num_layers == 4

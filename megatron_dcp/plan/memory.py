@@ -297,6 +297,10 @@ class MemoryModel:
     def mlp_token_bytes(self) -> float:
         """Of `act_bytes`, the MLP intermediates (what MLP tiling keeps to one tile)."""
         m, tp = self.geometry.model, self.geometry.tensor_parallel
+        if m.is_moe:  # the mean over the layers of the dense FFN's and the routed experts'
+            width = (m.moe_dense_layers * m.ffn_hidden_size + m.moe_layers * (
+                m.moe_topk * m.moe_ffn_hidden_size + m.moe_shared_expert_ffn)) / m.num_layers
+            return BF16 * (3 if m.gated_mlp else 2) * width / tp
         return BF16 * (3 if m.gated_mlp else 2) * m.ffn_hidden_size / tp
 
     def long_memory_of(self, tokens: int, degree: int, recompute_layers: int,
