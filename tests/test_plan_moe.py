@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dcp.config import DCPConfig
-from megatron_dcp.plan import PlanError, load_hardware, load_model, make_plan
+from megatron_dcp.plan import PlanError, load_hardware, load_model, make_plan, validate_plan
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.geometry import BF16
 from megatron_dcp.plan.model import ModelShape
@@ -237,6 +237,15 @@ def test_free_plans_with_ep_are_refused_and_auto_is_lockstep():
     # EP 1: free plans stay allowed
     plan = make_plan(LENGTHS, world_size=8, model=moe(), config=DCPConfig(schedule="free"))
     assert plan.meta["schedule"] == "free"
+
+
+def test_a_free_plan_does_not_validate_for_ep():
+    free = make_plan(LENGTHS, world_size=8, model=moe(), config=DCPConfig(schedule="free"))
+    validate_plan(free, moe())
+    with pytest.raises(PlanError, match="--ep"):
+        validate_plan(free, moe(expert_parallel=4))
+    validate_plan(make_plan(LENGTHS, world_size=8, model=moe(expert_parallel=4),
+                            config=DCPConfig()), moe(expert_parallel=4))
 
 
 def test_free_with_ep_is_refused_for_pipelines_too():
