@@ -170,6 +170,18 @@ def test_expert_memory_divides_by_ep():
     assert cost(replace(moe(), num_experts=None)).expert_params == 0
 
 
+def test_gradient_sync_reduces_experts_over_their_replicas():
+    one, eight = cost(moe()), cost(moe(expert_parallel=8))
+    assert eight.time_model.sync_time() < one.time_model.sync_time()
+    # the optimizer's states are the same share per rank (ZeRO-1): the difference is the
+    # all-reduce of the gradients a rank holds (experts over w / EP = 2 ranks)
+    w, bw = 16, H200.inter_bandwidth
+    e1, e8 = one.expert_params, eight.expert_params
+    expect = 2.0 * BF16 * ((w - 1) / w * e1 - (2 - 1) / 2 * e8) / bw
+    assert one.time_model.sync_time() - eight.time_model.sync_time() == \
+        pytest.approx(expect, rel=1e-9)
+
+
 def test_moe_activations_count_routed_tokens_and_dispatch_buffers():
     base = cost(moe()).act_bytes
     # two more routed copies per token: their 3 x expert-FFN intermediates and 2 x h buffers
