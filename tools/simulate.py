@@ -21,6 +21,13 @@ through Megatron's 1F1B (interleaved with V > 1) schedule: the table adds the bu
 micro-batches and whether the in-flight memory fits. ``--corpus``: the global batch from the
 embedded corpus's documents (byte tokens, in file order).
 
+Mixture of experts (``--model mixtral-8x7b``, ``qwen3-30b-a3b``, ``deepseek-v3`` or a shape with
+``num_experts``): ``--ep N`` splits the experts over N ranks of the DCP world; each MoE layer then
+adds its token all-to-alls, and every policy plans lockstep slots (``--schedule free`` is
+refused, as the runtime refuses it)::
+
+    python tools/simulate.py --gpus 64 --model qwen3-30b-a3b --ep 8 --corpus --policy all
+
 Videos (``--video-mix short|balanced|long`` or ``--video-shapes FILE`` of ``frames height width``
 lines in latent patches): every video keeps its own frame size (the plan's ``frame_tokens``), the
 bucket baseline buckets by shape at the smallest degree that fits the largest video (unless
@@ -77,6 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism with --tp > 1 (activations, P2P "
                         "between stages and TP collectives split along the sequence)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel size of a MoE model (--model mixtral-8x7b, "
+                        "qwen3-30b-a3b, deepseek-v3 or a shape with num_experts); > 1 plans "
+                        "lockstep (--schedule free is refused); default: the model's")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank "
                                                       "(interleaved schedule; default 1)")
@@ -227,6 +238,15 @@ def run(args: argparse.Namespace) -> dict:
                         sequence_parallel=args.sequence_parallel or model.sequence_parallel)
     except ValueError as err:
         raise PlanError(f"--tp/--pp/--vpp/--sequence-parallel: {err}") from None
+    if args.ep is not None:
+        if not model.is_moe:
+            raise PlanError(f"--ep {args.ep} needs a MoE model (mixtral-8x7b, qwen3-30b-a3b, "
+                            f"deepseek-v3 or a ModelShape with num_experts); {model.name} is "
+                            "dense")
+        try:
+            model = replace(model, expert_parallel=args.ep)
+        except ValueError as err:
+            raise PlanError(f"--ep {args.ep}: {err}") from None
     pipe = Pipeline.of(model)
     if external is not None:
         lengths = list(external.lengths)
@@ -279,6 +299,8 @@ def run(args: argparse.Namespace) -> dict:
         "hardware": cm.hw.name, "zero_stage": args.zero_stage, "sync_s": sync,
         "schedule": first.meta.get("schedule", "free"), "tensor_parallel": model.tensor_parallel,
         "sequence_parallel": model.sequence_parallel,
+        "experts": model.num_experts or 0, "moe_topk": model.moe_topk if model.is_moe else 0,
+        "expert_parallel": model.expert_parallel,
         "pipeline_parallel": pipe.stages, "virtual_pipeline": pipe.virtual,
         "vocabulary_groups": len(vocab), "vocabulary": vocab.describe(),
         "communicator_memory_gib":
@@ -348,11 +370,19 @@ def plot_plans(shown: list, path: str, cm) -> None:
     plt.close(fig)
 
 
+def _experts_text(out: dict) -> str:
+    """`` (E experts top-k, EP n)`` for a MoE model, empty for a dense one."""
+    if not out.get("experts"):
+        return ""
+    return f" ({out['experts']} experts top-{out['moe_topk']}, EP {out['expert_parallel']})"
+
+
 def print_table(out: dict) -> None:
     """The human-readable table of `run`'s result."""
     kind = "videos" if out.get("videos") else "sequences"
     print(f"{out['sequences']} {kind}, {out['tokens']} tokens on {out['world_size']} ranks "
-          f"({out['ranks_per_node']}/node), {out['model']} on {out['hardware']}, ZeRO "
+          f"({out['ranks_per_node']}/node), {out['model']}{_experts_text(out)} on "
+          f"{out['hardware']}, ZeRO "
           f"{out['zero_stage']}, {out['schedule']} schedule; "
           f"lower bound {out['lower_bound_s']:.3f} s (moldable "
           f"{out['moldable_lower_bound_s']:.3f} s; both "

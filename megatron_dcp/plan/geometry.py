@@ -10,7 +10,10 @@ each sub-group inside a node or not) and the padding the planner counts (`Geomet
 A Ulysses sub-group (contiguous ranks) or ring sub-group (strided ranks) inside one node uses the
 intra-node links, otherwise the inter-node ones. Where heads are not ``h / heads`` wide
 (``ModelShape.head_dim``), q, the attention output and attention FLOPs use ``heads x head_dim``
-for ``h``; tied embeddings and q/k/v biases count in the parameters.
+for ``h``; tied embeddings and q/k/v biases count in the parameters. A MoE model
+(``ModelShape.num_experts``) has its own sizes (`Geometry._init_expert_sizes`): the parameters a
+rank holds (routed experts divided by expert parallelism), those ZeRO shards, those a token's
+FLOPs use, and the bytes of the expert all-to-all; a dense model's sizes are computed as before.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class Geometry:
                  memory_budget: Optional[float] = None, memory_fraction: float = 0.9,
                  attention_layout: str = "auto", ulysses_scope: str = "any") -> None:
         _check_settings(zero_stage, world_size, memory_budget, memory_fraction)
+        if world_size % model.expert_parallel:
+            raise PlanError(f"expert_parallel={model.expert_parallel} (--ep) does not divide the "
+                            f"DCP world of {world_size} ranks (expert-parallel groups are "
+                            "contiguous ranks of it)")
         self.model = model
         self.hw = hardware
         self.world_size = int(world_size)
@@ -94,6 +101,61 @@ class Geometry:
         self.act_bytes = BF16 * (3 * h + (split if tp == 1 else split / tp))
         if tp > 1 and m.sequence_parallel:  # norms and layer inputs split along the sequence
             self.act_bytes = BF16 * (3 * h + split) / tp
+        self.zero_params = self.params
+        """Parameters per tensor-parallel rank that ZeRO shards over the DCP world, counted so
+        that ``zero_params / world`` is a rank's shard: the parameters themselves for a dense
+        model (`_init_expert_sizes` for a MoE one)."""
+        self.active_params = self.params
+        """Parameters per tensor-parallel rank whose FLOPs every token pays (6 x this x tokens of
+        training); all of them for a dense model."""
+        self.active_layer_params: Optional[float] = None
+        """MoE: the layers' parameters a token's FLOPs use, summed over the layers, per
+        tensor-parallel rank; ``None`` for a dense model (``num_layers x layer_params``)."""
+        self.expert_params = 0.0
+        """Routed experts' parameters a rank holds (all MoE layers; 0 for a dense model)."""
+        self.dispatch_bytes = 0.0
+        """Bytes per local token of one expert-parallel all-to-all (dispatch or combine)."""
+        self.expert_intra = True
+        """Whether an expert-parallel group (``expert_parallel`` contiguous ranks) is in a node."""
+        if m.is_moe:
+            self._init_expert_sizes(full_layer)
+
+    def _init_expert_sizes(self, dense_layer: float) -> None:
+        """Sizes of a MoE model per tensor-parallel rank (module doc of `megatron_dcp.plan.timing`
+        and `megatron_dcp.plan.memory`): a MoE layer holds the attention, the shared expert, the
+        router (``h x experts``) and ``1/EP`` of the routed experts; a token runs the attention,
+        the shared expert, the router and ``topk`` routed experts. Activations per token of a MoE
+        layer: the routed tokens' FFN intermediates (``topk x`` the expert's) and the shared
+        expert's, and the dispatch/permutation buffers (``topk x h``, twice); ``act_bytes`` is
+        the mean over the layers."""
+        m = self.model
+        h, n, tp, ep = m.hidden_size, m.num_layers, self.tensor_parallel, m.expert_parallel
+        mats = 3 if m.gated_mlp else 2
+        dense_ffn = mats * h * m.ffn_hidden_size
+        attention = dense_layer - dense_ffn
+        experts = m.num_experts * mats * h * m.moe_ffn_hidden_size
+        replicated = attention + mats * h * m.moe_shared_expert_ffn + h * m.num_experts
+        active = replicated + m.moe_topk * mats * h * m.moe_ffn_hidden_size
+        k, moe = m.moe_dense_layers, m.moe_layers
+        embeddings = (1 if m.tied_embeddings else 2) * m.vocab_size * h
+        self.expert_params = moe * experts / (ep * tp)
+        dense_part = (k * dense_layer + moe * replicated + embeddings) / tp
+        self.params = dense_part + self.expert_params
+        self.zero_params = dense_part + self.expert_params * ep
+        self.layer_params = max(dense_layer if k else 0.0, replicated + experts / ep) / tp
+        self.active_layer_params = (k * dense_layer + moe * active) / tp
+        self.active_params = self.active_layer_params + embeddings / tp
+        self.dispatch_bytes = BF16 * m.moe_topk * h
+        rpn = self.ranks_per_node
+        self.expert_intra = ep <= rpn and rpn % ep == 0
+        split = 2 * self.q_dim + 2 * self.kv_dim
+        moe_split = split + mats * (m.moe_topk * m.moe_ffn_hidden_size + m.moe_shared_expert_ffn)
+        kept = 3 * h + 2 * m.moe_topk * h  # layer inputs, norms, residual; dispatch buffers
+        if tp > 1 and m.sequence_parallel:
+            moe_act = BF16 * (kept + moe_split) / tp
+        else:
+            moe_act = BF16 * (kept + moe_split / tp)
+        self.act_bytes = (k * self.act_bytes + moe * moe_act) / n
 
     def pad_multiple(self, degree: int) -> int:
         """The largest `megatron_dcp.plan.plan.pad_multiple` over the layouts allowed at

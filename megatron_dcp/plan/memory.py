@@ -30,6 +30,13 @@ intermediates: ``2h + 2*kv_dim + 3f``) divides by ``tp``; the ``3h`` of layer in
 outputs and residuals stays whole (replicated: no sequence parallelism), as does a recomputed
 layer's ``2h`` input. Sequence parallelism (``model.sequence_parallel``, tp > 1) divides those by
 ``tp`` too.
+
+Mixture of experts (`Geometry._init_expert_sizes`): a rank holds the dense part of the model
+(attention, shared expert, router, embeddings, leading dense layers) and ``1/EP`` of every MoE
+layer's routed experts; ZeRO shards the dense part over the DCP world and the experts over the
+``w/EP`` ranks that hold the same experts. ``A`` of a MoE layer counts the routed tokens' FFN
+intermediates (``topk x`` an expert's) and the shared expert's in place of the dense FFN's, and
+the dispatch/permutation buffers (``2 x topk x h``); ``A`` is the mean over the layers.
 """
 
 from __future__ import annotations
@@ -135,17 +142,18 @@ class MemoryModel:
         """Parameters, gradients and optimizer states by ZeRO stage, and the communicators."""
         g = self.geometry
         p, w, s = g.params, g.world_size, g.zero_stage
+        z = g.zero_params  # p for a dense model; with experts, their shard is over w / EP
         params, grads, states = 2.0 * p, 2.0 * p, 12.0 * p
         if s >= 1:
-            states /= w
+            states = 12.0 * z / w
         if s >= 2:
-            grads /= w
+            grads = 2.0 * z / w
         if s >= 2:
             grads += BF16 * min(ZERO_BUCKET_ELEMENTS, p)
         if s >= 3:
             m = g.model
             head = m.vocab_size * m.hidden_size / m.tensor_parallel
-            params = params / w + BF16 * min(p, 2 * g.layer_params + head)
+            params = 2.0 * z / w + BF16 * min(p, 2 * g.layer_params + head)
         comms = self.communicators_per_rank * g.hw.communicator_bytes
         return params + grads + states + comms
 
@@ -274,9 +282,9 @@ class MemoryModel:
         self.static_memory = self._static_memory()
         if self.offload_optimizer or self.offload_param:
             g = self.geometry
-            p, w = g.params, g.world_size
+            p, w = g.zero_params, g.world_size  # what ZeRO shards (with experts: over w / EP)
             if self.offload_optimizer:
-                self.static_memory -= 12.0 * p / (w if g.zero_stage >= 1 else 1)
+                self.static_memory -= 12.0 * p / w if g.zero_stage >= 1 else 12.0 * g.params
             if self.offload_param:
                 self.static_memory -= 2.0 * p / w
             if self.offload_optimizer and g.zero_stage >= 2:  # DeepSpeed: gradient partitions too
@@ -289,6 +297,10 @@ class MemoryModel:
     def mlp_token_bytes(self) -> float:
         """Of `act_bytes`, the MLP intermediates (what MLP tiling keeps to one tile)."""
         m, tp = self.geometry.model, self.geometry.tensor_parallel
+        if m.is_moe:  # the mean over the layers of the dense FFN's and the routed experts'
+            width = (m.moe_dense_layers * m.ffn_hidden_size + m.moe_layers * (
+                m.moe_topk * m.moe_ffn_hidden_size + m.moe_shared_expert_ffn)) / m.num_layers
+            return BF16 * (3 if m.gated_mlp else 2) * width / tp
         return BF16 * (3 if m.gated_mlp else 2) * m.ffn_hidden_size / tp
 
     def long_memory_of(self, tokens: int, degree: int, recompute_layers: int,

@@ -50,6 +50,21 @@ class ModelShape:
     virtual_pipeline: int = 1
     """Virtual stages V per pipeline rank (Megatron's interleaved schedule): a stage's layers in
     V chunks of ``num_layers / (P x V)``."""
+    num_experts: Optional[int] = None
+    """Routed experts per MoE layer; ``None`` or 0: a dense model (every field below unused)."""
+    moe_topk: int = 1
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """FFN width of one routed expert; default (and after construction, for a MoE model)
+    ``ffn_hidden_size``, which is then the width of the leading dense layers' FFN."""
+    moe_shared_expert_ffn: int = 0
+    """FFN width of the shared expert(s), all of them together (every token runs it); 0: none."""
+    moe_dense_layers: int = 0
+    """Leading layers with a dense FFN of ``ffn_hidden_size`` (DeepSeek-V3's first 3)."""
+    expert_parallel: int = 1
+    """Expert-parallel size EP: the experts of a MoE layer are split over EP ranks of the DCP
+    world, which exchange the routed tokens by all-to-all in every MoE layer (dispatch and
+    combine); every rank of a group must then run every micro-step (lockstep plans)."""
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"):
@@ -85,6 +100,52 @@ class ModelShape:
         if self.num_layers % chunks:
             raise ValueError(f"model.num_layers={self.num_layers} is not divisible by "
                              f"pipeline_parallel x virtual_pipeline = {chunks}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """The MoE fields: consistent, or all at their dense defaults."""
+        e, ep = self.num_experts, self.expert_parallel
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(f"model.expert_parallel={ep!r}: must be a positive integer")
+        if not e:
+            if e not in (None, 0):
+                raise ValueError(f"model.num_experts={e!r}: must be a positive integer, 0 or None")
+            if ep > 1:
+                raise ValueError(f"model.expert_parallel={ep} needs a MoE model (num_experts > 0)"
+                                 f"; {self.name} is dense")
+            return
+        if isinstance(e, bool) or not isinstance(e, int) or e < 1:
+            raise ValueError(f"model.num_experts={e!r}: must be a positive integer, 0 or None")
+        k = self.moe_topk
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
+            raise ValueError(f"model.moe_topk={k!r}: must be an integer from 1 to "
+                             f"num_experts={e}")
+        if self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        f = self.moe_ffn_hidden_size
+        if isinstance(f, bool) or not isinstance(f, int) or f < 1:
+            raise ValueError(f"model.moe_ffn_hidden_size={f!r}: must be a positive integer")
+        for key in ("moe_shared_expert_ffn", "moe_dense_layers"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"model.{key}={value!r}: must be an integer >= 0")
+        if self.moe_dense_layers >= self.num_layers:
+            raise ValueError(f"model.moe_dense_layers={self.moe_dense_layers}: must be below "
+                             f"num_layers={self.num_layers} (else the model is dense: "
+                             "num_experts=None)")
+        if e % ep:
+            raise ValueError(f"model.expert_parallel={ep} does not divide num_experts={e} "
+                             "(each expert-parallel rank holds whole experts)")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the FFN of some layers is a mixture of experts."""
+        return bool(self.num_experts)
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with a MoE FFN (0 for a dense model)."""
+        return self.num_layers - self.moe_dense_layers if self.num_experts else 0
 
     @property
     def kv_heads(self) -> int:

@@ -94,11 +94,17 @@ class Pipeline:
 
 def stage_model(model: ModelShape) -> ModelShape:
     """The shape of one pipeline stage: ``num_layers / P`` layers (the embedding and the head
-    kept, conservatively), without pipeline fields; the model itself when ``P == 1``."""
+    kept, conservatively), without pipeline fields; the model itself when ``P == 1``. A MoE
+    model's stage keeps the leading dense layers the last stage has (usually none: its layers
+    are all MoE layers, the most expensive kind)."""
     if model.pipeline_parallel == 1 and model.virtual_pipeline == 1:
         return model
-    return replace(model, num_layers=model.layers_per_stage, pipeline_parallel=1,
-                   virtual_pipeline=1)
+    per_stage = model.layers_per_stage
+    if model.is_moe:
+        dense = max(0, model.moe_dense_layers - (model.num_layers - per_stage))
+        return replace(model, num_layers=per_stage, pipeline_parallel=1, virtual_pipeline=1,
+                       moe_dense_layers=dense)
+    return replace(model, num_layers=per_stage, pipeline_parallel=1, virtual_pipeline=1)
 
 
 def micro_batch_cost_model(cm: CostModel, pipe: Pipeline, share: float = 1.0) -> CostModel:

@@ -46,9 +46,18 @@ PIPELINE_MICRO_BATCHES = (1, 2, 4, 8)
 for each k: more, shorter slots shrink the bubble; the shortest simulated pipeline wins."""
 
 
-def schedule_for(schedule: str, zero_stage: int) -> str:
+def schedule_for(schedule: str, zero_stage: int, expert_parallel: int = 1) -> str:
     """``free`` or ``lockstep``: the config's ``schedule``, where ``auto`` means lockstep for
-    ZeRO-2/3 (their per-micro-step collectives must line up on every rank), else free."""
+    ZeRO-2/3 and for expert parallelism > 1 (their per-micro-step collectives, and every MoE
+    layer's token all-to-all, must line up on every rank), else free. `PlanError` for ``free``
+    with ``expert_parallel > 1`` (the runtime refuses it too)."""
+    if expert_parallel > 1:
+        if schedule == "free":
+            raise PlanError(f"schedule free with expert_parallel={expert_parallel} (--ep): the "
+                            "expert all-to-all of every MoE layer joins all ranks of an "
+                            "expert-parallel group in every micro-step, so plans must be "
+                            "lockstep (use schedule auto or lockstep, or --ep 1)")
+        return "lockstep"
     if schedule == "auto":
         return "lockstep" if zero_stage >= 2 else "free"
     return schedule
@@ -88,7 +97,8 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
     except HardwareError as err:
         raise PlanError(str(err)) from None
     budget = config.memory_budget_gb * 2**30 if config.memory_budget_gb is not None else None
-    stage = memory_stage(zero_stage, schedule_for(config.schedule, zero_stage))
+    stage = memory_stage(zero_stage, schedule_for(config.schedule, zero_stage,
+                                                  model.expert_parallel))
     cm = CostModel(model, hw, world_size=world_size, zero_stage=stage,
                      ranks_per_node=config.ranks_per_node, memory_budget=budget,
                      memory_fraction=config.memory_fraction,
@@ -268,7 +278,7 @@ def _context(lengths: Sequence[int], world_size: int, model: ModelShape, config:
     config.check_world(world_size)
     if zero_stage is None:
         zero_stage = cost_model.zero_stage if cost_model is not None else 1
-    schedule = schedule_for(config.schedule, zero_stage)
+    schedule = schedule_for(config.schedule, zero_stage, model.expert_parallel)
     cm = _cost_model_for(model, config, world_size, hardware, zero_stage, schedule, cost_model,
                          vocabulary)
     vocab = _vocabulary_for(cm, config, vocabulary)
@@ -295,6 +305,7 @@ def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape
     pipe, stage = Pipeline.of(model), stage_model(model)
     if zero_stage is None:
         zero_stage = cost_model.zero_stage if cost_model is not None else 1
+    schedule_for(config.schedule, zero_stage, model.expert_parallel)  # free with EP: refused
     config = config.replace(schedule="lockstep")
     cm = cost_model or build_cost_model(stage, config, world_size, hardware, zero_stage,
                                         kwargs.get("vocabulary"))

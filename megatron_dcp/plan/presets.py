@@ -38,11 +38,32 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     "video-dit": ModelShape(num_layers=28, hidden_size=1152, num_heads=16, ffn_hidden_size=4608,
                             vocab_size=64, gated_mlp=False, causal=False, frame_tokens=1024,
                             name="video-dit"),
+    # Mixture of experts (config.json of each model on the Hugging Face Hub). Mixtral 8x7B
+    # (Jiang et al. 2024): every layer routes to 2 of 8 SwiGLU experts of 14336.
+    "mixtral-8x7b": ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                               ffn_hidden_size=14336, vocab_size=32000, num_experts=8,
+                               moe_topk=2, name="mixtral-8x7b"),
+    # Qwen3-30B-A3B: 128 experts of 768, top-8, no shared expert; heads 128 wide (32 x 128 =
+    # 4096 > hidden 2048). ffn_hidden_size is config.json's intermediate_size (no dense layer).
+    "qwen3-30b-a3b": ModelShape(num_layers=48, hidden_size=2048, num_heads=32, num_kv_heads=4,
+                                head_dim=128, ffn_hidden_size=6144, vocab_size=151936,
+                                num_experts=128, moe_topk=8, moe_ffn_hidden_size=768,
+                                name="qwen3-30b-a3b"),
+    # DeepSeek-V3-shaped (DeepSeek-AI 2024): 61 layers, the first 3 with a dense FFN of 18432,
+    # the others 256 routed experts of 2048 (top-8) and 1 shared expert of 2048. Its multi-head
+    # latent attention is approximated as plain multi-head attention of 128 heads x 128 (MLA's
+    # low-rank q/kv projections, 64-wide rotary part and compressed KV are not modelled), and
+    # its multi-token prediction module is left out.
+    "deepseek-v3": ModelShape(num_layers=61, hidden_size=7168, num_heads=128, head_dim=128,
+                              ffn_hidden_size=18432, vocab_size=129280, num_experts=256,
+                              moe_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_ffn=2048,
+                              moe_dense_layers=3, name="deepseek-v3"),
 }
 
 
 def load_model(name_or_path: "str | ModelShape | dict[str, Any]") -> ModelShape:
-    """A preset name (``gpt-1b``, ``llama-7b``, ``llama-13b``, ``llama-70b``, ``video-dit``), a JSON
+    """A preset name (``gpt-1b``, ``llama-7b``, ``llama-13b``, ``llama-70b``, ``video-dit``,
+    ``mixtral-8x7b``, ``qwen3-30b-a3b``, ``deepseek-v3``), a JSON
     file with ModelShape fields, a dict of them, or a ModelShape (returned as is)."""
     if isinstance(name_or_path, ModelShape):
         return name_or_path

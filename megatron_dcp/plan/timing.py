@@ -40,6 +40,16 @@ all-reduce volume ``2 (tp-1)/tp`` at the intra-node link (not overlapped). With 
 nothing changes. Sequence parallelism (``model.sequence_parallel``, tp > 1): each TP all-reduce
 becomes an all-gather and a reduce-scatter of the same total volume in twice the calls (twice the
 latency). The runtime pads every shard to a multiple of tp (at most tp - 1 tokens, not counted).
+
+Mixture of experts (``model.num_experts``): ``gemm`` counts the FLOPs a token pays, the active
+experts (``topk`` routed experts, the shared expert) and the router GEMM (``h x experts``),
+not every expert (`Geometry.active_layer_params`); weight streaming and the gradient sync count
+the parameters a rank holds (routed experts divided by EP; their gradients reduce over the w/EP
+replicas of each expert). With expert parallelism (``expert_parallel = EP > 1``) each MoE layer
+adds a dispatch and a combine all-to-all in forward, the same in backward, and both again per
+recomputed layer, each of ``T/d x topk x h x 2 B x (EP-1)/EP`` at the link the expert-parallel
+group uses (`TimeModel._expert_all_to_all`), in ``all_to_all`` (and its latency). A dense model
+takes the code path it took before these fields existed.
 """
 
 from __future__ import annotations
@@ -144,8 +154,12 @@ class TimeModel:
         n, h, tp = m.num_layers, m.hidden_size, g.tensor_parallel
         rc = recompute_layers / n
         passes = 3.0 + rc
-        gemm = (n * 2 * g.layer_params * passes + 3 * 2 * m.vocab_size * h / tp) \
-            / hw.linear_flops
+        if g.active_layer_params is None:  # dense
+            gemm = (n * 2 * g.layer_params * passes + 3 * 2 * m.vocab_size * h / tp) \
+                / hw.linear_flops
+        else:  # MoE: the experts a token runs (top-k, shared, router), not all of them
+            gemm = (2 * g.active_layer_params * passes + 3 * 2 * m.vocab_size * h / tp) \
+                / hw.linear_flops
         weights = BF16 * g.params * passes / hw.hbm_bandwidth
         attention = n * 4 * g.q_dim / tp * (3.5 + rc) \
             / hw.attention_rate(layout.ulysses, layout.ring)
@@ -165,6 +179,9 @@ class TimeModel:
             calls = n * (2.0 + rc)
             a2a = calls * BF16 * (2 * g.q_dim + 2 * g.kv_dim) / tp * (u - 1) / u / bw
             a2a_latency = calls * 4 * lat
+        if m.expert_parallel > 1:
+            expert, expert_latency = self._expert_all_to_all(rc)
+            a2a, a2a_latency = a2a + expert, a2a_latency + expert_latency
         if tp > 1:
             # 2 all-reduces forward, 2 backward, 2 per recomputed layer, each of local x h bf16
             calls = n * (4.0 + 2.0 * rc)
@@ -180,6 +197,19 @@ class TimeModel:
                        tp_rate * tp_s, tp_latency * tp_s, per_token * s("per_token"))
         self._rates[(layout, recompute_layers)] = rates
         return rates
+
+    def _expert_all_to_all(self, rc: float) -> tuple[float, float]:
+        """Seconds per local token, and per task, of the expert-parallel all-to-alls: each MoE
+        layer dispatches its tokens' ``topk`` copies to the experts' ranks and combines them back
+        in forward, again (the gradients) in backward, and once more per recomputed layer; each
+        call moves ``(EP-1)/EP`` of ``topk x h`` bf16 per token (priced as Ulysses' all-to-all:
+        intra-node links when an expert-parallel group is inside a node)."""
+        m, hw, g = self.model, self.hw, self.geometry
+        bw, lat = (hw.intra_bandwidth, hw.intra_latency) if g.expert_intra else \
+            (hw.inter_bandwidth, hw.inter_latency)
+        ep = m.expert_parallel
+        calls = m.moe_layers * (4.0 + 2.0 * rc)
+        return calls * g.dispatch_bytes * (ep - 1) / ep / bw, calls * lat
 
     def terms(self, tokens: float, pairs: float, layout: Layout, recompute_layers: int,
               pack: Optional[float] = None) -> Terms:
@@ -329,11 +359,16 @@ class TimeModel:
         w = g.world_size
         if w == 1:
             comm = 0.0
+        elif g.expert_params:  # experts reduce over their replicas: w / EP ranks
+            bw = self.hw.intra_bandwidth if w <= g.ranks_per_node else self.hw.inter_bandwidth
+            replicas = w // self.model.expert_parallel
+            comm = 2.0 * BF16 * ((w - 1) / w * (g.params - g.expert_params)
+                                 + (replicas - 1) / replicas * g.expert_params) / bw
         else:
             bw = self.hw.intra_bandwidth if w <= g.ranks_per_node else self.hw.inter_bandwidth
             # all-reduce of bf16 grads == reduce-scatter + all-gather: 2 (w-1)/w x 2 bytes/param
             comm = 2.0 * (w - 1) / w * BF16 * g.params / bw
-        states = 16.0 * g.params / (w if g.zero_stage >= 1 else 1)
+        states = 16.0 * g.zero_params / w if g.zero_stage >= 1 else 16.0 * g.params
         return comm + 2 * states / self.hw.hbm_bandwidth
 
     def slot_time(self, recompute_layers: int) -> float:
@@ -366,4 +401,4 @@ class TimeModel:
             pairs = sum(g.attn_pairs(x) for x in lengths)
         else:
             pairs = sum(g.pairs_of(x, s) for x, s in zip(lengths, frame_tokens))
-        return 6.0 * g.params * tokens + 3 * 4.0 * h * n * pairs
+        return 6.0 * g.active_params * tokens + 3 * 4.0 * h * n * pairs

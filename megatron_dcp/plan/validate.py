@@ -26,13 +26,18 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
     With ``frame_tokens`` (videos): one positive frame size per sequence, dividing its length.
     Lockstep plans (`Plan.lockstep`): every task has a slot >= 0, a rank is in at most one task
     per slot, its tasks' slots rise in its execution order, and the tasks of a slot recompute the
-    same number of layers (so every rank issues the same engine collectives slot by slot).
+    same number of layers (so every rank issues the same engine collectives slot by slot). With
+    ``model.expert_parallel > 1`` the plan must be lockstep.
     """
     model = model or (cost_model.model if cost_model else None)
     n = len(plan.lengths)
     world = plan.world_size
     if world < 1:
         raise PlanError(f"plan world_size {world} must be >= 1")
+    if model is not None and model.expert_parallel > 1 and plan.tasks and not plan.lockstep:
+        raise PlanError(f"a free plan for expert_parallel={model.expert_parallel} (--ep): every "
+                        "rank of an expert-parallel group must run every micro-step (lockstep "
+                        "slots)")
     if plan.frame_tokens is not None:
         try:
             check_frame_tokens(plan.lengths, plan.frame_tokens)
