@@ -444,7 +444,8 @@ def plain_step(chunks, sequences, args, device):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_dcp.megatron.cpu import CudaAsCpu
-    from megatron_dcp.megatron.step import interleaved_micro_batches, pipeline_communication
+    from megatron_dcp.megatron.pipeline_engine import (interleaved_micro_batches,
+                                                       pipeline_communication)
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()

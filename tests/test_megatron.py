@@ -179,7 +179,7 @@ def _dcp_step(rank, world_size, tp, plan_dict, state, loss_reduction="token", ba
 
     from megatron_dcp import patching
     from megatron_dcp.megatron.spec import DCPCoreAttention
-    from megatron_dcp.megatron.step import MegatronStepEngine
+    from megatron_dcp.megatron.engine import MegatronStepEngine
 
     problems = []
     applied = _patch_counter()

@@ -28,7 +28,7 @@ def test_padded_micro_batch_counts():
     """Megatron 0.16's interleaved schedule: at least one group, the last group whole or of at
     least PP micro-batches, and more chunk micro-batches than stage 0's warm-up (2 slots at PP 2,
     V 2 -> 4: with 2, stage 0 is all warm-up and gloo hangs; 5 at PP 4 with groups of 6 -> 10)."""
-    from megatron_dcp.megatron.step import interleaved_micro_batches
+    from megatron_dcp.megatron.pipeline_engine import interleaved_micro_batches
 
     assert [interleaved_micro_batches(m, 2) for m in (1, 2, 3, 4, 5)] == [4, 4, 4, 4, 6]
     assert interleaved_micro_batches(5, 4) == 8

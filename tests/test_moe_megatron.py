@@ -143,7 +143,7 @@ def _main(mode: str, argv: list[str]) -> int:
     if mode == "thread":
         from executor_cases import on_fresh_thread
 
-        from megatron_dcp.megatron.step import MegatronStepEngine
+        from megatron_dcp.megatron.engine import MegatronStepEngine
 
         plain_backward = MegatronStepEngine.backward
         MegatronStepEngine.backward = lambda self, loss, last: on_fresh_thread(

@@ -196,8 +196,8 @@ def test_interleaved_runs_a_count_megatron_accepts():
 
 
 def test_runtime_pads_with_the_planners_rule():
-    step = pytest.importorskip("megatron_dcp.megatron.step")
-    assert step.interleaved_micro_batches is interleaved_micro_batches
+    engine = pytest.importorskip("megatron_dcp.megatron.pipeline_engine")
+    assert engine.interleaved_micro_batches is interleaved_micro_batches
 
 
 def test_make_plan_with_virtual_stages_plans_the_padded_count():

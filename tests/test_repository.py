@@ -348,3 +348,38 @@ def test_long_function_check_counts_lines(tmp_path):
     (tmp_path / "megatron_dcp" / "m.py").write_text(body)
     assert long_functions(str(tmp_path), ("megatron_dcp",)) == [
         "megatron_dcp/m.py:61 long (61 lines)"]
+
+
+MODULE_LINES = 500
+"""The most lines a module of the packages may have (issue 30: megatron/step.py, 644 lines, was
+split into engine.py, pipeline_engine.py and step.py)."""
+
+
+def long_modules(root: str, packages=PACKAGES, limit: int = MODULE_LINES) -> list[str]:
+    """``path (n lines)`` of every ``.py`` module of ``packages`` over ``limit`` lines."""
+    found = []
+    for package in packages:
+        for folder, _, names in os.walk(os.path.join(root, package)):
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as handle:
+                    lines = len(handle.read().splitlines())
+                if lines > limit:
+                    rel = os.path.relpath(path, root).replace(os.sep, "/")
+                    found.append(f"{rel} ({lines} lines)")
+    return sorted(found)
+
+
+def test_no_module_is_longer_than_500_lines():
+    found = long_modules(ROOT)
+    assert not found, (f"{len(found)} module(s) over {MODULE_LINES} lines; split each along its "
+                       "seam:\n" + "\n".join(found))
+
+
+def test_long_module_check_counts_lines(tmp_path):
+    # negative control: a 501-line module is named, a 500-line one is not
+    (tmp_path / "megatron_dcp" / "sub").mkdir(parents=True)
+    (tmp_path / "megatron_dcp" / "ok.py").write_text("x = 1\n" * 500)
+    (tmp_path / "megatron_dcp" / "sub" / "long.py").write_text("x = 1\n" * 501)
+    assert long_modules(str(tmp_path), ("megatron_dcp",)) == [
+        "megatron_dcp/sub/long.py (501 lines)"]

@@ -21,6 +21,7 @@ _CPU = "megatron_dcp/megatron/cpu.py"
 _SPEC = "megatron_dcp/megatron/spec.py"
 _STEP = "megatron_dcp/megatron/step.py"
 _MOE = "megatron_dcp/megatron/moe.py"
+_ENGINE = "megatron_dcp/megatron/engine.py"
 
 INTERNALS: dict[str, str] = {
     # CPU patch targets (replaced, aliases included) and what cpu.py calls
@@ -64,17 +65,17 @@ INTERNALS: dict[str, str] = {
         _STEP,
     # the step: model config, DDP's no_sync, one finalize_model_grads
     "megatron.core.utils:get_model_config": _STEP,
-    "megatron.core.model_parallel_config:ModelParallelConfig.grad_scale_func": _STEP,
-    "megatron.core.model_parallel_config:ModelParallelConfig.finalize_model_grads_func": _STEP,
-    "megatron.core.distributed:finalize_model_grads(num_tokens)": _STEP,
-    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.no_sync": _STEP,
+    "megatron.core.model_parallel_config:ModelParallelConfig.grad_scale_func": _ENGINE,
+    "megatron.core.model_parallel_config:ModelParallelConfig.finalize_model_grads_func": _ENGINE,
+    "megatron.core.distributed:finalize_model_grads(num_tokens)": _ENGINE,
+    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.no_sync": _ENGINE,
     "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.finish_grad_sync":
-        _STEP,
+        _ENGINE,
     "megatron.core.distributed.distributed_data_parallel_config:"
     "DistributedDataParallelConfig.overlap_param_gather": _STEP,
-    "megatron.core.parallel_state:get_data_parallel_group": _STEP,
-    "megatron.core.parallel_state:model_parallel_is_initialized": _STEP,
-    "megatron.core.parallel_state:get_tensor_model_parallel_world_size": _STEP,
+    "megatron.core.parallel_state:get_data_parallel_group": _ENGINE,
+    "megatron.core.parallel_state:model_parallel_is_initialized": _ENGINE,
+    "megatron.core.parallel_state:get_tensor_model_parallel_world_size": _ENGINE,
     "megatron.core.parallel_state:destroy_model_parallel": "megatron_dcp/megatron/parallel.py",
 }
 """Every internal, by name, with the megatron-dcp file that uses it."""

@@ -1,0 +1,204 @@
+"""`MegatronStepEngine`: Megatron's `StepEngine` (`megatron_dcp.runtime.step_engine`) for one
+call of `DCPForwardBackward` without pipeline parallelism, and `MegatronParallel`, Megatron's
+parallel layout as the step reads it.
+
+Each micro-step is one call of Megatron's ``forward_step_func`` on a one-micro-batch iterator that
+carries the task and its recomputed layers as ``packed_seq_params``; the micro-steps run in DDP's
+``no_sync`` and the gradients are finalised once (``finalize_model_grads``). With pipeline
+parallelism `megatron_dcp.megatron.pipeline_engine.MegatronPipelineEngine` runs the same
+micro-steps through Megatron's schedule.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron_dcp.config import IGNORE_INDEX
+from megatron_dcp.runtime.step import Shard, StepEngine
+
+
+@dataclass(frozen=True)
+class MegatronParallel:
+    """Megatron's parallel layout as a DCP step sees it: the groups of ``pg_collection`` when
+    given (a `megatron.core.process_groups_config.ProcessGroupCollection`), else
+    ``parallel_state``'s; sizes 1 where Megatron's model parallelism is not set up. The one
+    place this package reads Megatron's tensor-, pipeline- and data-parallel layout."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    virtual: int = 1
+    """Virtual pipeline stages per pipeline rank (1 without interleaving)."""
+    pg_collection: object = None
+    """The caller's collection, passed on to Megatron's schedule (``None``: built from
+    ``parallel_state`` there)."""
+
+    @classmethod
+    def of(cls, pg_collection=None) -> "MegatronParallel":
+        try:
+            from megatron.core import parallel_state
+        except ImportError:
+            return cls(pg_collection=pg_collection)
+        virtual = int(parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
+        if pg_collection is not None:
+            return cls(pg_collection.tp.size(), pg_collection.pp.size(), virtual, pg_collection)
+        if not parallel_state.model_parallel_is_initialized():
+            return cls(virtual=virtual)
+        return cls(int(parallel_state.get_tensor_model_parallel_world_size()),
+                   int(parallel_state.get_pipeline_model_parallel_world_size()), virtual)
+
+    @property
+    def pipeline_group(self):
+        """This rank's pipeline-parallel group."""
+        if self.pg_collection is not None:
+            return self.pg_collection.pp
+        from megatron.core import parallel_state
+
+        return parallel_state.get_pipeline_model_parallel_group()
+
+    @property
+    def data_group(self):
+        """This rank's data-parallel group (the DCP world; Megatron's CP size is 1 under DCP,
+        so ``dp_cp`` is the same ranks)."""
+        if self.pg_collection is not None:
+            groups = vars(self.pg_collection)  # a collection holds only the groups it was given
+            return groups["dp"] if "dp" in groups else groups["dp_cp"]
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    def model_chunks(self, model) -> list:
+        """The model as a list of chunks: one, or one per virtual pipeline stage."""
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if len(chunks) != self.virtual:
+            raise ValueError(f"expected {self.virtual} model chunk(s) (the virtual pipeline "
+                             f"size), got {len(chunks)}")
+        return chunks
+
+
+def token_losses(output_tensor, loss_mask, shard: Shard) -> torch.Tensor:
+    """Masked per-token losses of the shard's own tokens (any SP padding dropped)."""
+    return (output_tensor.reshape(-1).float() * loss_mask.view(-1))[:shard.labels.numel()]
+
+
+class MegatronStepEngine(StepEngine):
+    """Megatron's `StepEngine` for one call of `DCPForwardBackward`; ``chunks``: the model
+    (with virtual pipeline stages: one chunk per stage); ``parallel``: Megatron's layout."""
+
+    def __init__(self, chunks: list, forward_step_func: Callable, forward_only: bool,
+                 parallel: MegatronParallel, p2p_communicator=None) -> None:
+        from megatron.core.utils import get_model_config
+
+        self.parallel, self.p2p_communicator = parallel, p2p_communicator
+        self.chunks = chunks
+        self.model = chunks[0]
+        self.mconfig = get_model_config(self.model)
+        self.forward_step_func = forward_step_func
+        self.forward_only = forward_only
+        self.reports: list[dict] = []
+        self.nonfinite_ranks: dict[int, None] = {}
+        """Global ranks whose own gradients were not finite in the last `finish`."""
+
+    def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor:
+        """Megatron's ``forward_step_func`` and ``loss_func`` on one shard; the task (and its
+        recomputed layers) travels in the micro-batch's ``packed_seq_params``."""
+        output_tensor, loss_func, loss_mask = self._forward(shard)
+        loss_sum, _num_tokens, _report = self._loss(loss_func, output_tensor)
+        if per_token:  # the driver weights every token by its sequence's 1/(S * targets)
+            return token_losses(output_tensor, loss_mask, shard)
+        return loss_sum
+
+    def _forward(self, shard: Shard, model=None):
+        """``forward_step_func`` on the shard's micro-batch through ``model`` (default: the one
+        chunk): (output, loss_func, loss mask).
+        Under sequence parallelism the micro-batch is padded at its end to a multiple of the TP
+        size (padding: token 0, position 0, loss mask 0; attention skips it)."""
+        from megatron_dcp.megatron.spec import DCPTaskParams
+
+        tp = self.parallel.tensor if self.mconfig.sequence_parallel else 1
+        pad = -shard.labels.numel() % tp
+
+        def pad_end(x, value=0):
+            return torch.nn.functional.pad(x, (0, pad), value=value).view(1, -1)
+
+        params = DCPTaskParams.of(shard.task, train=not self.forward_only, sp_pad=pad)
+        loss_mask = pad_end((shard.labels != IGNORE_INDEX).to(torch.float32))
+        micro_batch = {
+            "tokens": pad_end(shard.input_ids),
+            "labels": pad_end(shard.labels.clamp(min=0)),
+            "loss_mask": loss_mask,
+            "position_ids": pad_end(shard.position_ids),
+            "attention_mask": None,
+            "packed_seq_params": params,
+        }
+        output_tensor, loss_func = self.forward_step_func(iter([micro_batch]),
+                                                          model or self.model)
+        if params is not None and not params.reached:
+            raise ValueError(
+                f"task {shard.task.task.id}: no DCP layer ran with the micro-batch's "
+                "packed_seq_params; the forward_step_func must pass "
+                "packed_seq_params=micro_batch['packed_seq_params'] to the model (else the shard "
+                "runs as one ordinary sequence: wrong attention and positions)")
+        return output_tensor, loss_func, loss_mask
+
+    def _loss(self, loss_func, output_tensor):
+        """``loss_func`` in its per-token form (loss_sum, num_tokens, report); keeps the report."""
+        outputs = loss_func(output_tensor)
+        if len(outputs) != 3:
+            raise ValueError("DCP needs the per-token loss_func form (loss_sum, num_tokens, "
+                             "report); got a 2-tuple (mean loss)")
+        self.reports.append(outputs[2])
+        return outputs
+
+    def backward(self, loss: torch.Tensor, last: bool) -> None:
+        if self.mconfig.grad_scale_func is not None:
+            loss = self.mconfig.grad_scale_func(loss)
+        loss.backward()
+
+    def reduction_scope(self):
+        stack = ExitStack()
+        for chunk in self.chunks:
+            if hasattr(chunk, "no_sync"):
+                stack.enter_context(chunk.no_sync())
+        return stack
+
+    def finish(self) -> Optional[float]:
+        """Finalise gradients once (Megatron DDP), or SUM-reduce them (a bare module); the
+        optimizer step is the caller's. Before that, one all-reduce over the job finds the ranks
+        whose own gradients are not finite (`nonfinite_gradient_ranks`: ``nonfinite_ranks``);
+        then the gradient norm is ``nan`` on every rank (`StepDriver` stops or skips the step
+        before the update), else ``None`` (not computed: Megatron's optimizer does)."""
+        import torch.distributed as dist
+
+        from megatron_dcp.runtime.nonfinite import nonfinite_gradient_ranks
+
+        grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None
+                 else p.grad for c in self.chunks for p in c.parameters() if p.requires_grad]
+        device = grads[0].device if grads and grads[0] is not None \
+            and grads[0].device.type == "cuda" else None
+        self.nonfinite_ranks = nonfinite_gradient_ranks(grads, dist.get_rank(),
+                                                        dist.get_world_size(), None, device)
+        self._reduce()
+        return float("nan") if self.nonfinite_ranks else None
+
+    def update_applied(self) -> bool:
+        """False: ``finish`` applies no update (the caller steps the optimizer, and skips it on
+        ``StepResult.skipped``)."""
+        return False
+
+    def _reduce(self) -> None:
+        """Megatron's ``finalize_model_grads`` (its DDP), or a SUM over data parallel."""
+        finalize = self.mconfig.finalize_model_grads_func
+        if finalize is None:
+            from megatron.core.distributed import finalize_model_grads as finalize
+        if hasattr(self.model, "finish_grad_sync"):
+            finalize(self.chunks, None, pg_collection=self.parallel.pg_collection) \
+                if self.parallel.pg_collection is not None else finalize(self.chunks, None)
+        else:
+            from megatron_dcp.runtime.executor import reduce_gradients
+
+            reduce_gradients([p for c in self.chunks for p in c.parameters() if p.requires_grad],
+                             self.parallel.data_group)

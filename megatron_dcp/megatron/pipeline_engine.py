@@ -1,0 +1,274 @@
+"""`MegatronPipelineEngine`: DCP micro-steps through Megatron's own pipeline schedule (1F1B, or
+interleaved over the model chunks of a virtual pipeline), one schedule call per step.
+
+Megatron's schedules read their settings from the model's ``TransformerConfig`` and take no
+other, so for that call `schedule_settings` sets five fields (six when interleaved) and restores
+them after; `SlotTimers` times every micro-batch for the calibration through ``config.timers``;
+`pipeline_communication` gives the schedule a ``p2p_communicator`` whose shape exchange is
+correct with two stages interleaved. What differs from Megatron's schedules, and why:
+docs/MEGATRON.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Optional
+
+import torch
+
+from megatron_dcp.megatron.engine import MegatronParallel, MegatronStepEngine, token_losses
+from megatron_dcp.plan.pipeline import interleaved_micro_batches
+from megatron_dcp.runtime.executor import MicroStep, PlanWork
+
+
+@contextmanager
+def schedule_settings(mconfig, interleaved: bool, timers=None):
+    """The ``TransformerConfig`` fields Megatron's pipeline schedule reads, set for one DCP
+    schedule call and restored after it (also when it fails). Megatron's schedules take these
+    from the model's config only, so there is no other way to pass them:
+
+    * ``variable_seq_lengths=True``: shapes sent ahead of every activation (each slot has its
+      own length);
+    * ``no_sync_func``, ``grad_sync_func``, ``finalize_model_grads_func`` = ``None``: no
+      gradient sync switched on inside the schedule and no finalisation at its end (DCP
+      finalises once, in ``finish``, with its own 1/T weighting instead of Megatron's
+      1/tokens; ``finish`` reads the caller's ``finalize_model_grads_func`` again, restored);
+    * interleaved: ``batch_p2p_comm=False``: P2P without ``batch_isend_irecv``
+      (`pipeline_communication`);
+    * ``timers``: `SlotTimers`, which time every micro-batch for the calibration and pass every
+      call on to the caller's timers."""
+    settings = dict(_SCHEDULE_SETTINGS, **({"batch_p2p_comm": False} if interleaved else {}),
+                    **({"timers": timers} if timers is not None else {}))
+    saved = {name: getattr(mconfig, name) for name in settings}
+    try:
+        for name, value in settings.items():
+            setattr(mconfig, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(mconfig, name, value)
+
+
+_SCHEDULE_SETTINGS = {"variable_seq_lengths": True, "no_sync_func": None, "grad_sync_func": None,
+                      "finalize_model_grads_func": None}
+
+
+class SlotTimers:
+    """Megatron's ``config.timers`` during one DCP schedule call: times the ``forward-compute``
+    (forward and loss) and ``backward-compute`` of every micro-batch on this stage, for the
+    calibration, and passes every call on to the timers it stands in for (``inner``: Megatron-LM's,
+    or ``None``). As the free path's task clock (`megatron_dcp.runtime.executor`): CUDA events on
+    the current stream, read once after the schedule (one synchronize), else ``perf_counter``.
+
+    The micro-batch of a forward is the one its ``forward_step_func`` takes (`forward`); a stage
+    runs the backwards in the order of its forwards (1F1B; interleaved, Megatron's schedule table
+    with the chunks reversed), so the i-th backward is the i-th forward's micro-batch.
+    """
+
+    _NAMES = ("forward-compute", "backward-compute")
+
+    def __init__(self, inner=None, cuda: bool = False) -> None:
+        self.inner, self.cuda = inner, cuda
+        self.forwards: list = []
+        """The micro-batch of each forward, in order."""
+        self.marks: dict[str, list] = {name: [] for name in self._NAMES}
+
+    def forward(self, step) -> None:
+        """The forward now running is ``step``'s (called from the ``forward_step_func``)."""
+        self.forwards.append(step)
+
+    def __call__(self, name: str, log_level=None):
+        inner = None
+        if self.inner is not None:
+            inner = self.inner(name) if log_level is None else self.inner(name, log_level)
+        return _SlotTimer(self, name, inner)
+
+    def _mark(self, name: str) -> None:
+        if name not in self.marks:
+            return
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[name].append(event)
+        else:
+            self.marks[name].append(time.perf_counter())
+
+    def seconds(self) -> list[tuple[object, float, float]]:
+        """``(micro-batch, forward seconds, backward seconds)`` of every micro-batch this stage
+        ran, its model chunks summed (backward 0 when forward only); ``[]`` when the marks do not
+        pair up with the forwards (a schedule that calls the timers otherwise)."""
+        spans = {}
+        for name, marks in self.marks.items():
+            if self.cuda and marks:
+                marks[-1].synchronize()
+                spans[name] = [a.elapsed_time(b) / 1e3 for a, b in zip(marks[::2], marks[1::2])]
+            else:
+                spans[name] = [b - a for a, b in zip(marks[::2], marks[1::2])]
+        forward, backward = spans["forward-compute"], spans["backward-compute"]
+        n = len(self.forwards)
+        if any(len(m) % 2 for m in self.marks.values()) or len(forward) != n \
+                or len(backward) not in (0, n):
+            return []
+        totals: dict[int, list] = {}
+        for i, step in enumerate(self.forwards):
+            entry = totals.setdefault(id(step), [step, 0.0, 0.0])
+            entry[1] += forward[i]
+            entry[2] += backward[i] if backward else 0.0
+        return [tuple(entry) for entry in totals.values()]
+
+
+class _SlotTimer:
+    """One of `SlotTimers`' timers: marks its start and stop, and calls the inner timer's."""
+
+    def __init__(self, timers: SlotTimers, name: str, inner) -> None:
+        self.timers, self.name, self.inner = timers, name, inner
+
+    def start(self, *args, **kwargs) -> None:
+        if self.inner is not None:
+            self.inner.start(*args, **kwargs)
+        self.timers._mark(self.name)
+
+    def stop(self, *args, **kwargs) -> None:
+        self.timers._mark(self.name)
+        if self.inner is not None:
+            self.inner.stop(*args, **kwargs)
+
+
+def pipeline_communication(mconfig, parallel: Optional[MegatronParallel] = None,
+                           p2p_communicator=None) -> dict:
+    """``p2p_communicator`` and ``pg_collection`` for Megatron's pipeline schedules with micro-
+    batches of different lengths (``variable_seq_lengths``), correct with two stages interleaved.
+
+    There the previous and the next stage are the same rank, and a call can send to it in both
+    directions (the activation of one chunk, the gradient of another). Messages between two ranks
+    match in the order they are posted: megatron-core 0.16's shape exchange posts the backward
+    send before the forward one but receives the forward one first, so the shapes cross. Here the
+    shapes go forward first, then backward (the receives in the same order); the tensors
+    themselves go without ``batch_isend_irecv`` (`schedule_settings`), whose per-rank path
+    sends each direction over its own group with two stages.
+
+    ``parallel.pg_collection`` is passed on when the caller gave one; ``p2p_communicator``: the
+    caller's, whose pipeline group the communicator here uses (with its own shape exchange).
+    ``parallel`` defaults to ``parallel_state``'s layout."""
+    parallel = parallel if parallel is not None else MegatronParallel.of()
+    groups = parallel.pg_collection
+    if groups is None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        groups = ProcessGroupCollection.use_mpu_process_groups(
+            ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"])
+    pp_group = p2p_communicator.pp_group if p2p_communicator is not None \
+        else parallel.pipeline_group
+    return {"p2p_communicator": _ordered_shapes_communicator()(pp_group, mconfig),
+            "pg_collection": groups}
+
+
+@functools.cache
+def _ordered_shapes_communicator():
+    """Megatron's ``P2PCommunicator`` with the shape exchange of `pipeline_communication` (the
+    class is made once, on first use: megatron-core is imported only then)."""
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    class OrderedShapes(P2PCommunicator):
+        def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            shapes = [None, None]  # received from the previous rank, from the next
+            ops = []
+            for i, send, recv, to, source in (  # forward, then backward
+                    (0, tensor_send_next, recv_prev, self.next_rank, self.prev_rank),
+                    (1, tensor_send_prev, recv_next, self.prev_rank, self.next_rank)):
+                if send is not None:
+                    shape = torch.tensor(send.size(), device=device, dtype=torch.int64)
+                    ops.append(dist.P2POp(dist.isend, shape, to, self.pp_group))
+                if recv:
+                    shapes[i] = torch.empty(3, device=device, dtype=torch.int64)
+                    ops.append(dist.P2POp(dist.irecv, shapes[i], source, self.pp_group))
+            for req in dist.batch_isend_irecv(ops) if ops else []:
+                req.wait()
+            return tuple(s.tolist() if s is not None else [0, 0, 0] for s in shapes)
+
+    return OrderedShapes
+
+
+class MegatronPipelineEngine(MegatronStepEngine):
+    """`MegatronStepEngine` for pipeline parallelism: the slots of a lockstep plan are the
+    micro-batches of Megatron's own schedule (``get_forward_backward_func()``: 1F1B, or the
+    interleaved schedule over the model chunks of a virtual pipeline, where every chunk reads the
+    micro-batches in order and the last stage's last chunk computes the loss; its count is
+    padded with empty micro-batches to one the schedule accepts, `interleaved_micro_batches`).
+
+    Every stage runs the same plan, so slot k is micro-batch k on every pipeline, and the ranks of
+    a task meet in its collectives inside that micro-batch's forward and backward on each stage
+    (the schedule runs the same order on every pipeline). A slot where this rank has no task is
+    an empty micro-batch (two tokens, loss weight 0). The loss is weighted on the last stage
+    (``work.loss``) and broadcast over the pipeline, so every stage reports its pipeline's share.
+    """
+
+    def run_micro_steps(self, work: PlanWork, per_token: bool, train: bool) -> None:
+        """All of this rank's micro-steps in one schedule call, each reported once after it
+        (``work.record``: its weighted loss on the last stage, its seconds on this stage)."""
+        import torch.distributed as dist
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from megatron_dcp.megatron.cpu import CudaAsCpu, cpu_enabled
+
+        if not work.plan.lockstep:
+            raise ValueError("DCP with pipeline parallelism runs a lockstep plan (every pipeline "
+                             "the same slots): plan with ModelShape(pipeline_parallel=P) or "
+                             "DCPConfig(schedule='lockstep')")
+        steps = list(work)
+        interleaved = len(self.chunks) > 1
+        if interleaved:  # the schedule's count; the rest are empty micro-steps
+            count = interleaved_micro_batches(len(steps), self.parallel.pipeline,
+                                              self.mconfig.microbatch_group_size_per_vp_stage,
+                                              virtual=len(self.chunks))
+            steps += [work.empty_step() for _ in range(count - len(steps))]
+        call = _ScheduleCall(self, work, per_token,
+                             SlotTimers(self.mconfig.timers, cuda=work.comm_device is not None))
+        # interleaved: one iterator per chunk, each over every micro-batch
+        data = [iter(steps) for _ in self.chunks] if interleaved else iter(steps)
+        with schedule_settings(self.mconfig, interleaved, call.timers), \
+                CudaAsCpu() if cpu_enabled() else nullcontext():
+            get_forward_backward_func(self.parallel.pipeline, len(self.chunks) if interleaved
+                                      else None)(
+                forward_step_func=call.forward_step, data_iterator=data, model=self.chunks,
+                num_microbatches=len(steps), seq_length=1, micro_batch_size=1,
+                forward_only=not train,
+                **pipeline_communication(self.mconfig, self.parallel, self.p2p_communicator))
+        times = {id(step): (f, b) for step, f, b in call.timers.seconds()}  # this stage's
+        for step in steps:
+            work.record(step, call.losses.get(id(step)), *times.get(id(step), (None, None)))
+        # the loss exists on the last stage only: every stage reports its pipeline's
+        group = self.parallel.pipeline_group
+        dist.broadcast(work.local_loss, src=dist.get_process_group_ranks(group)[-1], group=group)
+
+
+class _ScheduleCall:
+    """The ``forward_step_func`` of one pipeline schedule call and what it saw: the weighted
+    loss of every micro-step whose loss this stage computed (``losses``, by micro-step), and
+    the micro-batches' times (``timers``)."""
+
+    def __init__(self, engine: MegatronPipelineEngine, work: PlanWork, per_token: bool,
+                 timers: SlotTimers) -> None:
+        self.engine, self.work, self.per_token, self.timers = engine, work, per_token, timers
+        self.losses: dict[int, torch.Tensor] = {}
+
+    def forward_step(self, data_iterator, model):
+        """Megatron's ``forward_step_func``: the next micro-step's forward through ``model``
+        (one chunk), and its loss function."""
+        step = next(data_iterator)
+        self.timers.forward(step)
+        output, loss_func, loss_mask = self.engine._forward(step.shard, model)
+        return output, functools.partial(self._loss, step, loss_func, loss_mask)
+
+    def _loss(self, step: MicroStep, loss_func, loss_mask, output_tensor):
+        """The loss function the schedule calls on the last stage: the micro-step's weighted
+        loss (``work.loss``), with Megatron's token count and report."""
+        loss_sum, num_tokens, report = self.engine._loss(loss_func, output_tensor)
+        out = token_losses(output_tensor, loss_mask, step.shard) if self.per_token else loss_sum
+        loss = self.work.loss(step, out)
+        self.losses[id(step)] = loss.detach()
+        return loss, num_tokens, report
