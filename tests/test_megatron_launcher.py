@@ -39,9 +39,11 @@ PLAIN = ["--spec", "megatron_dcp.megatron.lm_spec", "layer_spec"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 
 
-def _budget_gb(tokens: int) -> float:
+def _budget_gb(tokens: int, tp: int = 1, sp: bool = False) -> float:
     """Memory per rank (GiB) the cost model gives a degree-1 task of ``tokens`` tokens of the
-    model of ``COMMON`` (as `LMForwardBackward` builds it)."""
+    model of ``COMMON`` (as `LMForwardBackward` builds it) at TP ``tp``, without pipeline
+    parallelism (with it, the stages hold less and the planner adds in-flight micro-batches:
+    200 tokens still split there)."""
     import argparse
 
     from megatron_dcp.config import DCPConfig
@@ -51,9 +53,10 @@ def _budget_gb(tokens: int) -> float:
     args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4,
                               ffn_hidden_size=None, padded_vocab_size=256, num_query_groups=None,
                               group_query_attention=False, seq_length=SEQ,
-                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                              sequence_parallel=False)
-    cost = build_cost_model(model_shape_from_args(args), DCPConfig(), world_size=2, zero_stage=0)
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                              sequence_parallel=sp)
+    cost = build_cost_model(model_shape_from_args(args), DCPConfig(), world_size=2,
+                            zero_stage=0)
     return cost.memory_model.memory_of(tokens, 1, 0) / 2**30
 
 
@@ -92,6 +95,30 @@ def test_dcp_lm_loss_equals_plain_megatron_lm_at_dp2(tmp_path):
     # negative control: a changed learning rate changes the losses beyond the tolerance
     other = _lm_losses(_launch(PLAIN + ["--lr", "3e-3"], ranks=1))
     assert other[5] != pytest.approx(plain[5], rel=1e-5)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2, "sp": True}], ids=["dp2xpp2", "dp2xtp2sp"])
+def test_dcp_lm_loss_equals_plain_megatron_lm_on_4_ranks(tmp_path, layout):
+    """DP 2 x PP 2, and DP 2 x TP 2 with sequence parallelism: Megatron-LM's lm loss lines are
+    plain Megatron-LM's while the plans split sequences (the budget holds 200 tokens)."""
+    extra = ["--pipeline-model-parallel-size", str(layout.get("pp", 1)),
+             "--tensor-model-parallel-size", str(layout.get("tp", 1))]
+    extra += ["--sequence-parallel"] if layout.get("sp") else []
+    log = tmp_path / "dcp.jsonl"
+    dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log), "--dcp-hardware", "h200",
+                              "--dcp-pack-tokens", "128", "--dcp-memory-budget-gb",
+                              f"{_budget_gb(200, layout.get('tp', 1), layout.get('sp', False)):.6f}",
+                              *extra], ranks=4))
+    plain = _lm_losses(_launch(PLAIN + extra, ranks=4))
+    assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
+    for it in plain:
+        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]  # the last stage writes
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["tokens"] == 4 * SEQ for r in rows)
+    assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
+    assert rows[0]["loss"] == pytest.approx(plain[1], rel=1e-5)
 
 
 @pytest.mark.timeout(300)

@@ -302,10 +302,20 @@ def _one_device(initialize_distributed: Callable) -> Callable:
     return run
 
 
+def _cpu_arch_version() -> int:
+    """The CPU as an architecture with no CUDA work-queue limit (Blackwell's 10 in Megatron-LM's
+    numbering: no ``CUDA_DEVICE_MAX_CONNECTIONS`` requirement; the CPU has no such queues)."""
+    return 10
+
+
 def _lm_install(patches: PatchSet) -> None:
     import megatron.training.initialize as initialize
     import megatron.training.training as training  # noqa: F401  (binds the names patched)
 
+    # validate_args asks the GPU's architecture (TP/CP on Hopper and before require
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, a CUDA work-queue setting)
+    patches.replace("megatron.training.arguments", "get_device_arch_version", _cpu_arch_version,
+                    check=callable)
     patches.replace("megatron.training.initialize", "initialize_megatron",
                     _allow_no_cuda(initialize.initialize_megatron), check=callable)
     patches.replace("megatron.training.initialize", "_compile_dependencies", _no_compile,

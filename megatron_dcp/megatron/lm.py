@@ -42,7 +42,8 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group = parser.add_argument_group("DCP launcher")
     group.add_argument("--dcp-log-json", default=None, metavar="PATH",
                        help="with --dcp: one JSON row per iteration (iteration, loss, tokens, "
-                            "plan with its degrees), written by rank 0")
+                            "plan with its degrees), written by the last pipeline stage's "
+                            "first rank")
     return parser
 
 
@@ -78,11 +79,6 @@ def launcher_problems(args: argparse.Namespace) -> list[str]:
     if args.spec is not None and list(args.spec) != SPEC:
         problems.append(f"--dcp uses DCP's layer spec ({' '.join(SPEC)}): drop --spec "
                         f"{' '.join(args.spec)}")
-    if args.tensor_model_parallel_size > 1:
-        problems.append("--dcp through the launcher does not support "
-                        "--tensor-model-parallel-size > 1 yet: Megatron-LM's get_batch "
-                        "broadcasts batches of --seq-length tokens over the TP group, DCP's "
-                        "micro-batches differ in length")
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         problems.append("--dcp through the launcher does not support virtual pipeline stages "
                         "(--num-layers-per-virtual-pipeline-stage) yet")
@@ -200,9 +196,20 @@ def _adapted(forward_step_func: Callable) -> Callable:
     """The script's ``forward_step`` over DCP's micro-batches."""
 
     def forward_step(data_iterator, model):
+        from megatron.training import get_args
+
         micro_batch = next(data_iterator)
-        return forward_step_func(iter([lm_micro_batch(micro_batch)]),
-                                 TaskModel(model, micro_batch["packed_seq_params"]))
+        # Megatron-LM's get_batch broadcasts TP rank 0's micro-batch into buffers of
+        # (--micro-batch-size, --seq-length) on the other TP ranks: the shard's shape, for the
+        # call (every TP rank runs the same shard)
+        args = get_args()
+        own = args.seq_length, args.micro_batch_size
+        args.seq_length, args.micro_batch_size = int(micro_batch["tokens"].shape[-1]), 1
+        try:
+            return forward_step_func(iter([lm_micro_batch(micro_batch)]),
+                                     TaskModel(model, micro_batch["packed_seq_params"]))
+        finally:
+            args.seq_length, args.micro_batch_size = own
 
     return forward_step
 
@@ -231,7 +238,7 @@ class LMForwardBackward:
     ``schedule``: Megatron-LM's own, for evaluation."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
 
         from megatron_dcp.megatron.step import DCPForwardBackward
 
@@ -241,7 +248,10 @@ class LMForwardBackward:
                                        zero_stage=int(bool(args.use_distributed_optimizer)))
         self.schedule: Optional[Callable] = None
         self.iteration = int(args.iteration)  # steps taken (after a --load: its iteration)
-        self.log_path = args.dcp_log_json if dist.get_rank() == 0 else None
+        # the writer: the last pipeline stage's first rank (the stage that has the losses)
+        writer = ps.is_pipeline_last_stage(ignore_virtual=True) \
+            and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+        self.log_path = args.dcp_log_json if writer else None
         if self.log_path:
             open(self.log_path, "a" if args.load else "w").close()
 
@@ -296,7 +306,7 @@ class LMForwardBackward:
         for report in reports:
             summed += report["lm loss"].detach().cpu().double().view(-1)[:2]
         dist.all_reduce(summed, group=ps.get_data_parallel_group())  # a collective: every rank
-        if not self.log_path or not ps.is_pipeline_last_stage():
+        if not self.log_path:
             return
         from megatron_dcp.runtime.report import plan_summary
 

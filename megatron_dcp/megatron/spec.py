@@ -154,18 +154,21 @@ def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernor
     return spec
 
 
-def get_gpt_block_dcp_spec(config, layer_spec=None, vp_stage: Optional[int] = None):
+def get_gpt_block_dcp_spec(config, layer_spec=None, vp_stage: Optional[int] = None,
+                           pp_rank: Optional[int] = None):
     """Megatron's ``TransformerBlockSubmodules`` for this pipeline stage: ``layer_spec``
     (default `get_gpt_layer_dcp_spec` with ``config.normalization``) for each of its layers and
     `SPNorm` as the final norm where Megatron's block would use ``WrappedTorchNorm`` (no TE, no
     Apex), which refuses sequence parallelism. Pass it to ``GPTModel`` as the layer spec; needed
     with ``config.sequence_parallel`` where TE and Apex are absent (`get_gpt_layer_dcp_spec`
-    alone covers the layers' norms, not the final one)."""
+    alone covers the layers' norms, not the final one). ``pp_rank``: this pipeline rank, where
+    Megatron's parallel state is not yet set up (megatron-core 0.19)."""
     from megatron.core.transformer import transformer_block as tb
 
     if layer_spec is None:
         layer_spec = get_gpt_layer_dcp_spec(normalization=config.normalization)
-    layers = tb.get_num_layers_to_build(config, vp_stage=vp_stage)
+    stage = {} if pp_rank is None else {"pp_rank": pp_rank}
+    layers = tb.get_num_layers_to_build(config, vp_stage=vp_stage, **stage)
     norm = SPNorm if _is_torch_norm(tb.LayerNormImpl) else tb.LayerNormImpl
     return tb.TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=norm)
 
