@@ -121,6 +121,33 @@ def test_dcp_lm_loss_equals_plain_megatron_lm_on_4_ranks(tmp_path, layout):
     assert rows[0]["loss"] == pytest.approx(plain[1], rel=1e-5)
 
 
+@pytest.mark.timeout(900)
+def test_megatron_lm_save_and_load_resume_resharded_with_the_uninterrupted_losses(tmp_path):
+    """Megatron-LM's own --save/--load (torch_dist, distributed optimizer) under --dcp: saved at
+    DP 2 x PP 2 after 2 iterations, resumed at DP 1 x PP 2 (the optimizer resharded over DP):
+    iterations 3-5 have the uninterrupted run's losses; the planner's state is beside the
+    checkpoint."""
+    from megatron_dcp.megatron.lm import PLANNER_FILE
+
+    run = ["--dcp", "--dcp-hardware", "h200", "--dcp-pack-tokens", "128",
+           "--dcp-memory-budget-gb", f"{_budget_gb(200):.6f}", "--pipeline-model-parallel-size",
+           "2", "--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
+    ckpt, logs = tmp_path / "ckpt", {name: tmp_path / f"{name}.jsonl" for name in ("all", "b")}
+    _lm_losses(_launch(run + ["--dcp-log-json", str(logs["all"])], ranks=4))
+    _lm_losses(_launch(run + ["--save", str(ckpt), "--save-interval", "2", "--exit-interval",
+                              "2"], ranks=4))
+    state = json.loads((ckpt / "iter_0000002" / PLANNER_FILE).read_text())
+    assert state["iteration"] == 2
+    # another DP size: Megatron-LM's RNG state is per rank (dropout is 0 here)
+    _lm_losses(_launch(run + ["--load", str(ckpt), "--no-load-rng", "--dcp-log-json",
+                              str(logs["b"])], ranks=2))
+    rows = {name: {r["iteration"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+            for name, path in logs.items()}
+    assert sorted(rows["b"]) == [3, 4, 5]
+    for it in (3, 4, 5):
+        assert rows["b"][it] == pytest.approx(rows["all"][it], rel=1e-5), (it, rows)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("extra, flag", [
     (["--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank", "256"],

@@ -176,7 +176,7 @@ def _load_torch_dist(path: str, model: Any, optimizer: Any, vocab_size: Optional
     any, then its load through the safe reader; returns ``state.pt``'s content."""
     from megatron.core import dist_checkpointing
 
-    _create_optimizer_states(optimizer)
+    create_optimizer_states(optimizer)
     sharded = _sharded_state(model, optimizer, is_loading=True)
     problem, state = "", {}
     try:  # every file that unpickles, checked on every rank before Megatron reads any
@@ -335,12 +335,13 @@ def _sharded_state(model: Any, optimizer: Any, is_loading: bool) -> dict:
     return state
 
 
-def _create_optimizer_states(optimizer: Any) -> None:
+def create_optimizer_states(optimizer: Any) -> None:
     """Give a fresh Megatron optimizer's torch optimizer its states (one step on zero gradients:
     zero moments, ``step`` 1), which the load then overwrites. Without Apex or Transformer
-    Engine, megatron-core 0.16's ``DistributedOptimizer.state_dict`` (called to build the state
-    dict a load fills) reads torch Adam's ``step`` and fails on an optimizer that never
-    stepped."""
+    Engine, megatron-core's ``DistributedOptimizer.state_dict`` (0.16 and 0.19; called to build
+    the state dict a load fills) reads torch Adam's ``step`` and fails on an optimizer that
+    never stepped. Only before a load that overwrites the parameters and states: the step
+    moves parameters where weight decay is set."""
     for o in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = o.optimizer
         if inner is None or inner.state:

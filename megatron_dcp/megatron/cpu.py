@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -302,6 +303,53 @@ def _one_device(initialize_distributed: Callable) -> Callable:
     return run
 
 
+TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's file naming the latest checkpoint of a ``--save`` folder."""
+
+
+def _with_optimizer_states(load_checkpoint: Callable) -> Callable:
+    """Megatron-LM's ``load_checkpoint`` where the distributed optimizer can resume without
+    Apex or Transformer Engine (megatron-core 0.19 on the CPU):
+
+    * its ``state_dict`` fails on an optimizer that never stepped: when the folder holds a
+      checkpoint whose optimizer is loaded, the states are made first
+      (`checkpointing.create_optimizer_states`);
+    * in fp32 its main parameters are views of the model's, which an in-place copy may not change
+      under autograd: the load runs without it;
+    * its load gives torch Adam one shared ``step`` tensor holding the step of the optimizer the
+      load started from (the saved count is not restored): every parameter's ``step`` is set to
+      the loaded iteration, each its own tensor (fp32 on the CPU skips no step, so the
+      iteration is the step count)."""
+
+    @functools.wraps(load_checkpoint)
+    def run(ddp_model, optimizer, *args: Any, **kwargs: Any):
+        from megatron.training import get_args
+
+        from megatron_dcp.megatron.checkpointing import create_optimizer_states
+
+        margs = get_args()
+        where = getattr(margs, kwargs.get("load_arg", "load"), None)
+        loads_optimizer = optimizer is not None and where and not margs.no_load_optim \
+            and not margs.finetune and os.path.exists(os.path.join(where, TRACKER))
+        if loads_optimizer:
+            create_optimizer_states(optimizer)
+        with torch.no_grad():
+            out = load_checkpoint(ddp_model, optimizer, *args, **kwargs)
+        if loads_optimizer and isinstance(out, tuple) and out[0]:
+            _set_steps(optimizer, int(out[0]))
+        return out
+
+    return run
+
+
+def _set_steps(optimizer: Any, step: int) -> None:
+    """Every torch Adam state's ``step``: ``step``, one tensor per parameter."""
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in getattr(getattr(o, "optimizer", None), "state", {}).values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = torch.tensor(float(step), dtype=state["step"].dtype)
+
+
 def _cpu_arch_version() -> int:
     """The CPU as an architecture with no CUDA work-queue limit (Blackwell's 10 in Megatron-LM's
     numbering: no ``CUDA_DEVICE_MAX_CONNECTIONS`` requirement; the CPU has no such queues)."""
@@ -316,6 +364,9 @@ def _lm_install(patches: PatchSet) -> None:
     # CUDA_DEVICE_MAX_CONNECTIONS=1, a CUDA work-queue setting)
     patches.replace("megatron.training.arguments", "get_device_arch_version", _cpu_arch_version,
                     check=callable)
+    # resuming the distributed optimizer without Apex/TE needs its states before the load
+    patches.replace("megatron.training.training", "load_checkpoint",
+                    _with_optimizer_states(training.load_checkpoint), check=callable)
     patches.replace("megatron.training.initialize", "initialize_megatron",
                     _allow_no_cuda(initialize.initialize_megatron), check=callable)
     patches.replace("megatron.training.initialize", "_compile_dependencies", _no_compile,

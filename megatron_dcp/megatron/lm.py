@@ -8,6 +8,8 @@ runs; nothing in the script changes:
 * ``validate_args``: after Megatron-LM's checks, `validate_dcp_args` and the checks of this
   module (`launcher_problems`) refuse a bad combination at start, naming the flag; ``--spec`` is
   set to DCP's layer spec (`megatron_dcp.megatron.lm_spec`);
+* ``save_checkpoint`` / ``load_checkpoint`` (as ``megatron.training.training`` calls them):
+  the planner's state beside each checkpoint (`PlannerCheckpoint`);
 * ``get_forward_backward_func`` (as ``megatron.training.training`` calls it): returns
   `LMForwardBackward`, which reads the whole global batch from the script's data iterator
   (every micro-batch Megatron-LM would run this step, of every data-parallel rank), cuts it
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -112,7 +115,67 @@ def _validate_args(validate_args: Callable) -> Callable:
     return run
 
 
-def _forward_backward_func(get_func: Callable) -> Callable:
+PLANNER_FILE = "dcp_planner.json"
+"""The planner's state (`StepDriver.state_dict`: its iteration, the calibrated hardware) in the
+folder of each checkpoint Megatron-LM's ``--save`` writes (``iter_NNNNNNN/``)."""
+
+
+class PlannerCheckpoint:
+    """The planner's state beside Megatron-LM's own checkpoints: after Megatron-LM's
+    ``save_checkpoint`` returns, rank 0 writes `PLANNER_FILE` into the iteration's folder (JSON,
+    written to a temporary name and renamed); after ``load_checkpoint``, every rank reads the
+    loaded iteration's file, and the step restores it before its first plan. A checkpoint
+    without the file (saved without ``--dcp``) starts the planner afresh."""
+
+    def __init__(self) -> None:
+        self.step: Optional["LMForwardBackward"] = None
+        self.loaded: Optional[dict] = None
+
+    def wrap_save(self, save_checkpoint: Callable) -> Callable:
+        @functools.wraps(save_checkpoint)
+        def run(iteration, *args: Any, **kwargs: Any):
+            import torch.distributed as dist
+            from megatron.training import get_args
+
+            out = save_checkpoint(iteration, *args, **kwargs)
+            margs = get_args()
+            if self.step is not None and margs.save and dist.get_rank() == 0:
+                folder = _iteration_folder(margs.save, iteration)
+                os.makedirs(folder, exist_ok=True)
+                target = os.path.join(folder, PLANNER_FILE)
+                with open(target + ".tmp", "w") as f:
+                    json.dump(self.step.step.driver.state_dict(), f)
+                os.replace(target + ".tmp", target)
+            return out
+
+        return run
+
+    def wrap_load(self, load_checkpoint: Callable) -> Callable:
+        @functools.wraps(load_checkpoint)
+        def run(*args: Any, **kwargs: Any):
+            from megatron.training import get_args
+
+            out = load_checkpoint(*args, **kwargs)
+            margs = get_args()
+            where = getattr(margs, kwargs.get("load_arg", "load"), None)
+            iteration = out[0] if isinstance(out, tuple) else None
+            if getattr(margs, "dcp", False) and where and iteration:
+                path = os.path.join(_iteration_folder(where, iteration), PLANNER_FILE)
+                if os.path.exists(path):
+                    with open(path) as f:
+                        self.loaded = json.load(f)
+            return out
+
+        return run
+
+
+def _iteration_folder(root: str, iteration: int) -> str:
+    from megatron.training.checkpointing import get_checkpoint_name
+
+    return get_checkpoint_name(root, iteration, return_base_dir=True)
+
+
+def _forward_backward_func(get_func: Callable, saved: PlannerCheckpoint) -> Callable:
     step: list = []  # one LMForwardBackward per process, made at the first call
 
     @functools.wraps(get_func)
@@ -123,7 +186,8 @@ def _forward_backward_func(get_func: Callable) -> Callable:
         if not getattr(get_args(), "dcp", False):
             return schedule
         if not step:
-            step.append(LMForwardBackward(get_args()))
+            step.append(LMForwardBackward(get_args(), resume=saved.loaded))
+            saved.step = step[0]
         step[0].schedule = schedule
         return step[0]
 
@@ -138,8 +202,13 @@ def _install(patches: PatchSet) -> None:
                     _parse_args(arguments.parse_args), check=callable)
     patches.replace("megatron.training.arguments", "validate_args",
                     _validate_args(arguments.validate_args), check=callable)
+    saved = PlannerCheckpoint()
     patches.set(training, "get_forward_backward_func",
-                _forward_backward_func(training.get_forward_backward_func))
+                _forward_backward_func(training.get_forward_backward_func, saved))
+    patches.replace("megatron.training.training", "save_checkpoint",
+                    saved.wrap_save(training.save_checkpoint), check=callable)
+    patches.replace("megatron.training.training", "load_checkpoint",
+                    saved.wrap_load(training.load_checkpoint), check=callable)
 
 
 def enable_dcp() -> None:
@@ -237,7 +306,7 @@ class LMForwardBackward:
     """Megatron-LM's ``forward_backward_func`` under ``--dcp`` (see the module docstring);
     ``schedule``: Megatron-LM's own, for evaluation."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, resume: Optional[dict] = None) -> None:
         from megatron.core import parallel_state as ps
 
         from megatron_dcp.megatron.step import DCPForwardBackward
@@ -247,6 +316,7 @@ class LMForwardBackward:
         self.step = DCPForwardBackward(self.config, model_shape=model_shape_from_args(args),
                                        zero_stage=int(bool(args.use_distributed_optimizer)))
         self.schedule: Optional[Callable] = None
+        self.resume = resume  # the planner state of a --load, restored before the first plan
         self.iteration = int(args.iteration)  # steps taken (after a --load: its iteration)
         # the writer: the last pipeline stage's first rank (the stage that has the losses)
         writer = ps.is_pipeline_last_stage(ignore_virtual=True) \
@@ -286,6 +356,9 @@ class LMForwardBackward:
                                  forward_only=True, **kwargs)
         from megatron_dcp.megatron.step import GlobalBatch
 
+        if self.resume is not None:  # every rank, at its first step (the driver is collective)
+            self.step.driver.load_state_dict(self.resume)
+            self.resume = None
         sequences = self.global_batch(data_iterator, num_microbatches)
         kwargs.pop("p2p_communicator", None)
         kwargs.pop("pg_collection", None)
