@@ -188,6 +188,7 @@ def test_megatron_lm_namespace_defaults_with_dcp():
     (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     (dict(recompute_granularity="selective"), "selective"),
     (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-method block"),
+    (dict(attention_dropout=0.1), "--attention-dropout 0"),  # Megatron-LM's default
 ])
 def test_megatron_lm_namespace_refusals(megatron, message):
     args = megatron_lm_args("--dcp", calculate_per_token_loss=True, **megatron)

@@ -87,6 +87,11 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
                         "batch")
     if _get(args, "overlap_param_gather", False):
         problems.append(OVERLAP_PARAM_GATHER_PROBLEM)
+    if (_get(args, "attention_dropout", 0.0) or 0.0) > 0:
+        problems.append(f"--dcp needs --attention-dropout 0 (given "
+                        f"{_get(args, 'attention_dropout')}; Megatron-LM's default is 0.1): "
+                        "DCP splits a sequence's attention over ranks per the plan, so a random "
+                        "dropout stream there would depend on the plan")
     problems += _recompute_and_head_problems(args, config)
     from megatron_dcp.megatron.moe import moe_problems, moe_schedule
 
