@@ -139,7 +139,7 @@ def _wrap(engine: Any, dcp: DCPConfig, model: Any, model_shape: Any, hardware: A
     """The DCP engine around DeepSpeed's, with its groups created (collective): those
     ``vocabulary_lengths`` need, or the default vocabulary's."""
     from deepspeed_plugin import patches
-    from megatron_dcp.plan.planners import schedule_for
+    from megatron_dcp.plan.schedule import schedule_for
     from megatron_dcp.runtime.groups import GroupPool
 
     stage = int(engine.zero_optimization_stage())

@@ -27,7 +27,7 @@ import sys
 from typing import Any, Optional, Union
 
 from megatron_dcp.config import DCPConfig, DCPConfigError
-from megatron_dcp.plan.planners import schedule_for
+from megatron_dcp.plan.schedule import schedule_for
 
 DEEPSPEED_DEFAULT_CLIPPING = 1.0
 

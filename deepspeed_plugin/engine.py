@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.models.common import token_losses
 from megatron_dcp.plan.plan import Plan
-from megatron_dcp.plan.planners import schedule_for
+from megatron_dcp.plan.schedule import schedule_for
 from megatron_dcp.runtime.step import Shard, StepDriver, StepEngine, StepResult
 
 __all__ = ["DCPEngine", "LossFn", "StepResult", "token_loss"]
@@ -54,6 +54,21 @@ def check_takes_task(model: Any) -> None:
             "yourself (docs/DEEPSPEED.md, 'Your own model or objective')")
 
 
+def host_offload(engine: Any) -> dict[str, bool]:
+    """What the DeepSpeed engine keeps in host memory, as `StepDriver` takes it: the optimizer
+    states (``zero_optimization.offload_optimizer`` to cpu or nvme, all of them: a partial
+    ``ratio`` keeps part on the device, so none is counted) and ZeRO-3's parameter partitions
+    (``offload_param`` to cpu or nvme)."""
+    def on_host(offload: Any) -> bool:
+        device = getattr(offload, "device", None)  # a str (or an OffloadDeviceEnum)
+        return getattr(device, "value", device) in ("cpu", "nvme")
+
+    optimizer, param = engine.zero_offload_optimizer(), engine.zero_offload_param()
+    whole = float(getattr(optimizer, "ratio", 1.0) or 1.0) >= 1.0
+    return {"offload_optimizer": on_host(optimizer) and whole,
+            "offload_param": on_host(param) and int(engine.zero_optimization_stage()) == 3}
+
+
 class DCPEngine:
     """A DeepSpeed engine (``.deepspeed``) whose ``train_step`` runs one DCP step.
 
@@ -78,7 +93,8 @@ class DCPEngine:
         # line up.
         self.lockstep = dcp.enabled and schedule_for(dcp.schedule, self.zero_stage) == "lockstep"
         self.driver = StepDriver(dcp, pool=pool, model_shape=model_shape, hardware=hardware,
-                                 zero_stage=self.zero_stage, device=self.device)
+                                 zero_stage=self.zero_stage, device=self.device,
+                                 **host_offload(engine))
         self._steps = _DeepSpeedSteps(self, loss_fn or token_loss)
 
     @property

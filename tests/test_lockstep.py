@@ -14,7 +14,7 @@ from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.plan import (PlanError, build_cost_model, load_model, make_plan, simulate,
                                validate_plan)
 from megatron_dcp.plan.plan import Plan, Task
-from megatron_dcp.plan.planners import memory_stage, schedule_for
+from megatron_dcp.plan.schedule import memory_stage, schedule_for
 from megatron_dcp.plan.workload import sample_lengths
 
 LLAMA = load_model("llama-7b")

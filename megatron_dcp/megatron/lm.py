@@ -314,7 +314,9 @@ class LMForwardBackward:
         self.args = args
         self.config = validate_dcp_args(args, world_size=args.world_size)
         self.step = DCPForwardBackward(self.config, model_shape=model_shape_from_args(args),
-                                       zero_stage=int(bool(args.use_distributed_optimizer)))
+                                       zero_stage=int(bool(args.use_distributed_optimizer)),
+                                       offload_optimizer=bool(getattr(
+                                           args, "optimizer_cpu_offload", False)))
         self.schedule: Optional[Callable] = None
         self.resume = resume  # the planner state of a --load, restored before the first plan
         self.iteration = int(args.iteration)  # steps taken (after a --load: its iteration)

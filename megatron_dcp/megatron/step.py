@@ -71,12 +71,15 @@ class DCPForwardBackward:
     `GlobalBatchSampler.distinct_lengths`, or a sample of batches): the groups created at the
     first use are only those they need (`megatron_dcp.plan.planners.vocabulary_for_lengths`)
     and every plan is made over them (a batch that would want a missing group gets the best
-    plan within them); ``None``: the default vocabulary.
+    plan within them); ``None``: the default vocabulary. ``offload_optimizer``: Megatron's
+    ``--optimizer-cpu-offload`` (the planner leaves the optimizer states out of device memory).
     """
 
     def __init__(self, config: DCPConfig, *, model_shape=None, pool=None, hardware=None,
-                 zero_stage: int = 0, vocabulary_lengths: Optional[Sequence[int]] = None) -> None:
+                 zero_stage: int = 0, vocabulary_lengths: Optional[Sequence[int]] = None,
+                 offload_optimizer: bool = False) -> None:
         self.config = config
+        self.offload_optimizer = offload_optimizer  # Megatron's --optimizer-cpu-offload
         self.vocabulary_lengths = vocabulary_lengths
         # Memory the planner counts per rank for optimizer states: 0 = every rank holds them all
         # (Megatron's default), 1 = sharded over the data-parallel ranks
@@ -103,7 +106,8 @@ class DCPForwardBackward:
                 if torch.cuda.is_available() else None
             self._driver = StepDriver(self.config.replace(enabled=True), pool=self.pool,
                                       model_shape=self.planning_shape(), hardware=self.hardware,
-                                      zero_stage=self.zero_stage, device=device)
+                                      zero_stage=self.zero_stage, device=device,
+                                      offload_optimizer=self.offload_optimizer)
             if self.model_shape is not None:  # every communicator now, none inside a step
                 report = self._driver.create_groups(self.vocabulary_lengths)
                 if dist.get_rank() == 0:

@@ -27,6 +27,7 @@ from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, paddin
                                         simulate_pipeline, slot_costs, stage_model)
 from megatron_dcp.plan.pipeline_order import order_slots, shortest_candidate
 from megatron_dcp.plan.plan import Plan, PlanError, check_frame_tokens
+from megatron_dcp.plan.schedule import memory_stage, schedule_for
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary
 from megatron_dcp.plan.workload import WorkloadError, validate_lengths
@@ -44,30 +45,6 @@ shortest makespan (a pipeline's simulated makespan: `_pipeline_chooser`)."""
 PIPELINE_MICRO_BATCHES = (1, 2, 4, 8)
 """With pipelines, DCP also tries a token budget per micro-batch of a rank's tokens / (k x P)
 for each k: more, shorter slots shrink the bubble; the shortest simulated pipeline wins."""
-
-
-def schedule_for(schedule: str, zero_stage: int, expert_parallel: int = 1) -> str:
-    """``free`` or ``lockstep``: the config's ``schedule``, where ``auto`` means lockstep for
-    ZeRO-2/3 and for expert parallelism > 1 (their per-micro-step collectives, and every MoE
-    layer's token all-to-all, must line up on every rank), else free. `PlanError` for ``free``
-    with ``expert_parallel > 1`` (the runtime refuses it too)."""
-    if expert_parallel > 1:
-        if schedule == "free":
-            raise PlanError(f"schedule free with expert_parallel={expert_parallel} (--ep): the "
-                            "expert all-to-all of every MoE layer joins all ranks of an "
-                            "expert-parallel group in every micro-step, so plans must be "
-                            "lockstep (use schedule auto or lockstep, or --ep 1)")
-        return "lockstep"
-    if schedule == "auto":
-        return "lockstep" if zero_stage >= 2 else "free"
-    return schedule
-
-
-def memory_stage(zero_stage: int, schedule: str) -> int:
-    """The ZeRO stage whose static memory a plan may assume. A free schedule under ZeRO-2/3 runs
-    as ZeRO-1 does (one coalesced reduction: a full local gradient; ZeRO-3's parameters kept
-    gathered for the step), so its sharded memory would overstate what is free."""
-    return zero_stage if schedule == "lockstep" else min(zero_stage, 1)
 
 
 def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
@@ -88,7 +65,10 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
         hw = cm.hw
         cm.memory_model.budget = config.memory_budget_gb * 2**30 \
             if config.memory_budget_gb is not None else hw.hbm_bytes * config.memory_fraction
-        cm.memory_model.set_offload(offload_optimizer, offload_param)
+        # a free plan's ZeRO-3 keeps parameters gathered (memory stage 1): nothing to offload;
+        # below ZeRO-3 the memory model refuses offload_param
+        gathered = zero_stage >= 3 > cm.zero_stage
+        cm.memory_model.set_offload(offload_optimizer, offload_param and not gathered)
         return cm
     if model.pipeline_parallel > 1:
         model, config = stage_model(model), config.replace(schedule="lockstep")
@@ -190,7 +170,8 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
               zero_stage: Optional[int] = None, cost_model: Optional[CostModel] = None,
               baseline_degree: "str | int | None" = None,
               frame_tokens: Optional[Sequence[int]] = None,
-              vocabulary: Optional[Vocabulary] = None) -> Plan:
+              vocabulary: Optional[Vocabulary] = None, offload_optimizer: bool = False,
+              offload_param: bool = False) -> Plan:
     """Plan one global batch with ``config.policy``; deterministic in its inputs.
 
     Policies: ``dcp`` (DCP-inter + DCP-intra, `megatron_dcp.plan.dcp`), ``dcp-inter`` (the same
@@ -214,9 +195,15 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     ``vocabulary``: plan over these groups (the pool's, `vocabulary_for_lengths`; its
     communicators are charged), not the settings' default (`Vocabulary.for_cost_model`); it must
     be for the same world, heads and layout rules (checked). Its sizes go to
-    ``meta["vocabulary_sizes"]``.
+    ``meta["vocabulary_sizes"]``. ``offload_optimizer`` / ``offload_param``: the engine keeps
+    optimizer states / ZeRO-3 parameter partitions in host memory (`build_cost_model`).
     Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
     """
+    if cost_model is None and (offload_optimizer or offload_param):
+        cost_model = build_cost_model(model, config, world_size, hardware,
+                                      1 if zero_stage is None else zero_stage, vocabulary,
+                                      offload_optimizer=offload_optimizer,
+                                      offload_param=offload_param)
     if model.pipeline_parallel > 1:
         return _plan_pipeline(lengths, world_size=world_size, model=model, config=config,
                               iteration=iteration, hardware=hardware, zero_stage=zero_stage,

@@ -104,25 +104,32 @@ class StepDriver:
     ``pool``: the `megatron_dcp.runtime.groups.GroupPool` of the DCP world; ``model_shape``:
     the `ModelShape` the planner needs (unless every step is given its plan); ``hardware``
     overrides ``config.hardware``; ``zero_stage``: the ZeRO stage whose memory the planner
-    assumes; ``device``: where shards go; ``max_position``: longest sequence the model accepts.
+    assumes; ``device``: where shards go; ``max_position``: longest sequence the model accepts;
+    ``offload_optimizer`` / ``offload_param``: the engine keeps optimizer states / ZeRO-3
+    parameter partitions in host memory (DeepSpeed's ``offload_optimizer`` / ``offload_param``,
+    Megatron's ``--optimizer-cpu-offload``): the planner's static memory leaves them out.
     """
 
     def __init__(self, config: DCPConfig, *, pool: Any, model_shape: Any = None,
                  hardware: Any = None, zero_stage: int = 0,
                  device: Optional[torch.device] = None,
-                 max_position: Optional[int] = None) -> None:
+                 max_position: Optional[int] = None, offload_optimizer: bool = False,
+                 offload_param: bool = False) -> None:
         self.config = config
         self.pool = pool
         self.model_shape = model_shape
         self.hardware = hardware
         self.zero_stage = zero_stage
+        self.offload = {"offload_optimizer": bool(offload_optimizer),
+                        "offload_param": bool(offload_param)}
+        """The engine's host-memory offload, as `build_cost_model` and `make_plan` take it."""
         self.device = torch.device(device) if device is not None else None
         self.max_position = max_position
         if max_position is None and model_shape is not None:
             self.max_position = getattr(model_shape, "max_position", None)
         self.iteration = 0
         """Training steps taken (the planner's ``iteration``); save it with checkpoints."""
-        self.timing = StepTiming(config, model_shape, zero_stage)
+        self.timing = StepTiming(config, model_shape, zero_stage, self.offload)
         """Predicted step times and the online calibration (`StepTiming`)."""
         self._ahead = PlanAhead()
         self.vocabulary: Any = None
@@ -175,7 +182,7 @@ class StepDriver:
         if self.model_shape is None:
             raise ValueError("create_groups needs the model's shape (model_shape=)")
         cost_model = build_cost_model(self.model_shape, self.config, self.world_size,
-                                      self.hardware, self.zero_stage)
+                                      self.hardware, self.zero_stage, **self.offload)
         if self.model_shape.pipeline_parallel > 1:  # a micro-batch's share of what 1F1B holds
             cost_model = micro_batch_cost_model(cost_model, Pipeline.of(self.model_shape))
         if lengths is None:
@@ -213,7 +220,8 @@ class StepDriver:
                          config=self.config,
                          iteration=self.iteration if iteration is None else iteration,
                          hardware=self.hardware if hardware is None else hardware,
-                         zero_stage=self.zero_stage, vocabulary=vocabulary, **extra)
+                         zero_stage=self.zero_stage, vocabulary=vocabulary, **self.offload,
+                         **extra)
 
     def plan_ahead(self, lengths: Sequence[int], *, iteration: Optional[int] = None,
                    frame_tokens: Optional[Sequence[int]] = None) -> bool:

@@ -24,8 +24,10 @@ class StepTiming:
     """Predicted step times and the calibration state of one `StepDriver` (``config``,
     ``model_shape`` and ``zero_stage`` are the driver's)."""
 
-    def __init__(self, config: Any, model_shape: Any, zero_stage: int) -> None:
+    def __init__(self, config: Any, model_shape: Any, zero_stage: int,
+                 offload: Optional[dict] = None) -> None:
         self.config, self.model_shape, self.zero_stage = config, model_shape, zero_stage
+        self.offload = dict(offload or {})  # the driver's (`StepDriver.offload`)
         self.calibrator: Optional[Calibrator] = None
         """Made at the first calibrated step; its fit is the hardware the next plan uses."""
         self._sync_cache: tuple = (None, 0.0)
@@ -53,7 +55,7 @@ class StepTiming:
             from megatron_dcp.plan import build_cost_model
 
             sync = build_cost_model(self.model_shape, self.config, world_size, hardware,
-                                    self.zero_stage).time_model.sync_time()
+                                    self.zero_stage, **self.offload).time_model.sync_time()
             self._sync_cache = (hardware, sync)
         return makespan + sync
 
@@ -100,7 +102,8 @@ class StepTiming:
             from megatron_dcp.plan import build_cost_model
 
             base = build_cost_model(self.model_shape, self.config, world_size,
-                                    Calibrator.uncalibrated(hardware), self.zero_stage)
+                                    Calibrator.uncalibrated(hardware), self.zero_stage,
+                                    **self.offload)
             self.calibrator = Calibrator(base, hardware)
         index = {t.id: k for k, t in enumerate(plan.tasks)}
         previous = self._last_wall_s  # None on every rank alike (same calibration history)
