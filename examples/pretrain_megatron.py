@@ -213,7 +213,9 @@ def open_training_data(args):
 
 
 def model_shape(args):
-    """The planner's `ModelShape` of the GPT model these flags build."""
+    """The planner's `ModelShape` of the GPT model these flags build (MoE fields:
+    `megatron_dcp.megatron.moe_shape.moe_shape_fields`)."""
+    from megatron_dcp.megatron.moe_shape import moe_shape_fields
     from megatron_dcp.plan.model import ModelShape
 
     return ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -225,7 +227,7 @@ def model_shape(args):
                       tensor_parallel=args.tensor_model_parallel_size,
                       pipeline_parallel=args.pipeline_model_parallel_size,
                       virtual_pipeline=args.virtual_pipeline_model_parallel_size or 1,
-                      sequence_parallel=args.sequence_parallel)
+                      sequence_parallel=args.sequence_parallel, **moe_shape_fields(args))
 
 
 def params_dtype(args) -> torch.dtype:

@@ -138,12 +138,36 @@ def test_hf_moe_dcp_equals_deepspeed_and_one_rank(tmp_path):
                 (name, local, reference)
 
 
-def test_model_shape_counts_active_experts():
+def _shape(config):
+    from megatron_dcp.integrations import hf
+
+    return hf.model_shape(transformers.AutoModelForCausalLM.from_config(config))
+
+
+def _moe(shape) -> tuple:
+    return (shape.num_experts, shape.moe_topk, shape.moe_ffn_hidden_size,
+            shape.moe_shared_expert_ffn, shape.moe_dense_layers, shape.expert_parallel)
+
+
+def test_model_shape_sets_the_moe_fields():
+    assert _moe(_shape(CONFIGS["mixtral"]())) == (4, 2, 48, 0, 0, 1)
+    assert _moe(_shape(CONFIGS["qwen3_moe"]())) == (4, 2, 24, 0, 0, 1)
+    shape = _shape(CONFIGS["qwen2_moe"]())
+    assert _moe(shape) == (4, 2, 24, 40, 0, 1) and shape.ffn_hidden_size == 48
+    # dense layers (mlp_only_layers, decoder_sparse_step): counted, as if they led
+    assert _moe(_shape(transformers.Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 4},
+                                                   intermediate_size=48, moe_intermediate_size=24,
+                                                   num_experts=4, head_dim=8,
+                                                   mlp_only_layers=[0])))[4] == 1
+    assert _moe(_shape(transformers.Qwen2MoeConfig(**{**COMMON, "num_hidden_layers": 4},
+                                                   intermediate_size=48, moe_intermediate_size=24,
+                                                   num_experts=4, decoder_sparse_step=2)))[4] == 2
+
+
+def test_router_loss_enabled():
     from megatron_dcp.integrations import hf
 
     config = CONFIGS["qwen2_moe"]()
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    assert hf.model_shape(model).ffn_hidden_size == 2 * 24 + 40
     assert hf.router_loss_enabled(config)
     config.output_router_logits = False
     assert not hf.router_loss_enabled(config)

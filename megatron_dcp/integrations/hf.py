@@ -214,7 +214,7 @@ def sliding_window(config: Any) -> Optional[int]:
 
 def model_shape(model: nn.Module) -> ModelShape:
     """The planner's `ModelShape` of an HF causal LM (its text config and its modules: tied
-    embeddings and q/k/v biases as the model has them)."""
+    embeddings and q/k/v biases as the model has them; experts: `_moe_fields`)."""
     config = model.config.get_text_config()
     heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -224,13 +224,13 @@ def model_shape(model: nn.Module) -> ModelShape:
     tied = output is not None and output.weight is model.get_input_embeddings().weight
     return ModelShape(num_layers=int(config.num_hidden_layers),
                       hidden_size=int(config.hidden_size), num_heads=heads,
-                      ffn_hidden_size=_active_ffn(config),
+                      ffn_hidden_size=int(config.intermediate_size),
                       vocab_size=int(config.vocab_size),
                       num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
                       head_dim=int(head_dim), tied_embeddings=tied, qkv_bias=qkv_bias,
                       gated_mlp=True, causal=True,
                       max_position=getattr(config, "max_position_embeddings", None),
-                      name=str(getattr(config, "model_type", "hf")))
+                      name=str(getattr(config, "model_type", "hf")), **_moe_fields(config))
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -248,15 +248,29 @@ def _num_experts(config: Any) -> int:
                or 0)
 
 
-def _active_ffn(config: Any) -> int:
-    """The FFN width a token runs through: a dense model's ``intermediate_size``; with experts,
-    top-k experts' (``moe_intermediate_size``, Mixtral's ``intermediate_size``) plus a shared
-    expert's (Qwen2-MoE). (The cost model counts an MoE layer as this dense FFN.)"""
-    if not _num_experts(config):
-        return int(config.intermediate_size)
+def _moe_fields(config: Any) -> dict:
+    """`ModelShape` MoE keywords of an HF config (``{}``: dense): experts
+    (``num_local_experts`` / ``num_experts``), top-k (``num_experts_per_tok``), one expert's FFN
+    (``moe_intermediate_size``, Mixtral's ``intermediate_size``), the shared expert's
+    (Qwen2-MoE's ``shared_expert_intermediate_size``), no expert parallelism (ZeRO shards the
+    experts). Dense layers (Qwen2/3-MoE: in ``mlp_only_layers`` or off ``decoder_sparse_step``,
+    an FFN of ``intermediate_size``) are counted as if they led: an interleaved layout is
+    approximated by its number of dense layers (``moe_dense_layers`` means leading ones)."""
+    experts = _num_experts(config)
+    if not experts:
+        return {}
+    layers = int(config.num_hidden_layers)
+    step = int(getattr(config, "decoder_sparse_step", None) or 1)
+    only_mlp = set(getattr(config, "mlp_only_layers", None) or ())
+    dense = sum(1 for i in range(layers) if i in only_mlp or (i + 1) % step)
+    if dense >= layers:
+        return {}  # every layer dense: a dense model of intermediate_size
     expert = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
-    shared = int(getattr(config, "shared_expert_intermediate_size", None) or 0)
-    return int(config.num_experts_per_tok) * expert + shared
+    return dict(num_experts=experts, moe_topk=int(config.num_experts_per_tok),
+                moe_ffn_hidden_size=expert,
+                moe_shared_expert_ffn=int(getattr(config, "shared_expert_intermediate_size",
+                                                  None) or 0),
+                moe_dense_layers=dense, expert_parallel=1)
 
 
 def router_loss_enabled(config: Any) -> bool:

@@ -218,7 +218,9 @@ def enable_dcp() -> None:
 
 # ---------------------------------------------------------------------- the step
 def model_shape_from_args(args: argparse.Namespace):
-    """The planner's `ModelShape` of Megatron-LM's GPT from its parsed ``args``."""
+    """The planner's `ModelShape` of Megatron-LM's GPT from its parsed ``args`` (MoE fields:
+    `megatron_dcp.megatron.moe_shape.moe_shape_fields`)."""
+    from megatron_dcp.megatron.moe_shape import moe_shape_fields
     from megatron_dcp.plan.model import ModelShape
 
     return ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -230,7 +232,8 @@ def model_shape_from_args(args: argparse.Namespace):
                       max_position=args.seq_length + 1, name="megatron-lm-gpt",  # + the last target
                       tensor_parallel=args.tensor_model_parallel_size,
                       pipeline_parallel=args.pipeline_model_parallel_size,
-                      sequence_parallel=bool(args.sequence_parallel))
+                      sequence_parallel=bool(args.sequence_parallel),
+                      **moe_shape_fields(args))
 
 
 class TaskModel:

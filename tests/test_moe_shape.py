@@ -1,0 +1,93 @@
+"""The planner's MoE shape from Megatron's flags (`megatron_dcp.megatron.moe_shape`), both
+shape builders (examples/pretrain_megatron.py, the Megatron-LM launcher): single process."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_dcp.megatron.args import DCPArgumentError
+from megatron_dcp.megatron.moe_shape import moe_shape_fields
+from megatron_dcp.plan.model import ModelShape
+
+
+def _lm_args(**moe) -> argparse.Namespace:
+    return argparse.Namespace(num_layers=4, hidden_size=32, num_attention_heads=4,
+                              ffn_hidden_size=None, padded_vocab_size=256, num_query_groups=None,
+                              group_query_attention=False, seq_length=128,
+                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              sequence_parallel=False, **moe)
+
+
+MOE = dict(num_experts=4, moe_router_topk=2, expert_model_parallel_size=2,
+           moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=32)
+
+
+def test_moe_flags_give_the_fields():
+    fields = moe_shape_fields(_lm_args(**MOE))
+    assert fields == dict(num_experts=4, moe_topk=2, moe_ffn_hidden_size=48,
+                          moe_shared_expert_ffn=32, moe_dense_layers=0, expert_parallel=2)
+
+
+def test_dense_args_give_todays_shape():
+    from megatron_dcp.megatron.lm import model_shape_from_args
+
+    args = _lm_args()
+    assert moe_shape_fields(args) == {}
+    assert model_shape_from_args(args) == ModelShape(
+        num_layers=4, hidden_size=32, num_heads=4, ffn_hidden_size=128, vocab_size=256,
+        num_kv_heads=4, max_position=129, name="megatron-lm-gpt", tensor_parallel=1,
+        pipeline_parallel=1, sequence_parallel=False)
+
+
+def test_launcher_shape_is_moe():
+    from megatron_dcp.megatron.lm import model_shape_from_args
+
+    shape = model_shape_from_args(_lm_args(**MOE))
+    assert shape.is_moe and shape.expert_parallel == 2 and shape.moe_ffn_hidden_size == 48
+    assert shape.ffn_hidden_size == 128  # the dense layers' (none here)
+
+
+def test_layer_freq():
+    lead = moe_shape_fields(_lm_args(**MOE, moe_layer_freq=[0, 1, 1, 1]))
+    assert lead["moe_dense_layers"] == 1
+    assert moe_shape_fields(_lm_args(**MOE, moe_layer_freq=2))["moe_dense_layers"] == 2
+    with pytest.raises(DCPArgumentError, match="--moe-layer-freq"):
+        moe_shape_fields(_lm_args(**MOE, moe_layer_freq=[0, 0, 0, 0]))
+    with pytest.raises(DCPArgumentError, match="--moe-layer-freq"):
+        moe_shape_fields(_lm_args(**MOE, moe_layer_freq=[1, 1]))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(expert_tensor_parallel_size=2), "--expert-tensor-parallel-size"),
+    (dict(expert_model_parallel_size=3), "--num-experts 4"),
+    (dict(world_size=3), "data-parallel size 3"),
+])
+def test_bad_layouts_name_the_flags(extra, message):
+    with pytest.raises(DCPArgumentError, match=message):
+        moe_shape_fields(_lm_args(**{**MOE, **extra}))
+
+
+def test_tp_x_ep_is_accepted():
+    args = _lm_args(**MOE, expert_tensor_parallel_size=2, world_size=8)
+    args.tensor_model_parallel_size = 2
+    assert moe_shape_fields(args)["expert_parallel"] == 2
+
+
+def test_example_shape_sets_the_fields():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import pretrain_megatron as pm
+
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "64"]
+    dense = pm.model_shape(pm.parse_args(flags))
+    assert not dense.is_moe
+    moe = pm.model_shape(pm.parse_args(flags + [
+        "--num-experts", "4", "--expert-model-parallel-size", "2",
+        "--moe-ffn-hidden-size", "48", "--moe-shared-expert-intermediate-size", "32"]))
+    assert (moe.num_experts, moe.moe_topk, moe.moe_ffn_hidden_size, moe.moe_shared_expert_ffn,
+            moe.expert_parallel) == (4, 2, 48, 32, 2)
