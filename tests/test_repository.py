@@ -110,6 +110,18 @@ def diagram_layers(design: str) -> list[list[str]]:
     return layers
 
 
+def package_sources(root: str, packages=PACKAGES):
+    """``(path, rel, text)`` of every ``.py`` module of ``packages`` under ``root`` (``rel``: the
+    path from ``root`` with ``/``), in a stable order."""
+    for package in packages:
+        for folder, _, names in sorted(os.walk(os.path.join(root, package))):
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as handle:
+                    text = handle.read()
+                yield path, os.path.relpath(path, root).replace(os.sep, "/"), text
+
+
 def package_imports(root: str, packages=PACKAGES) -> dict[str, list[tuple[int, str]]]:
     """Per module of ``packages`` under ``root``: (line, imported module) for every import of
     those packages, at module level or inside a function (relative imports resolved)."""
@@ -228,14 +240,8 @@ def hidden_task_state(root: str, packages=PACKAGES) -> list[str]:
     module-level or class-level (not a dataclass field) variable typed with a task, a ``global``
     statement naming a task, or a function named as one of `REMOVED_LOOKUPS`."""
     problems = []
-    for package in packages:
-        for folder, _, names in os.walk(os.path.join(root, package)):
-            for name in sorted(n for n in names if n.endswith(".py")):
-                path = os.path.join(folder, name)
-                rel = os.path.relpath(path, root).replace(os.sep, "/")
-                with open(path, encoding="utf-8") as handle:
-                    tree = ast.parse(handle.read(), path)
-                problems += _hidden_state_of(rel, tree)
+    for path, rel, text in package_sources(root, packages):
+        problems += _hidden_state_of(rel, ast.parse(text, path))
     return problems
 
 
@@ -319,18 +325,12 @@ MAX_LONG_FUNCTIONS = 0
 def long_functions(root: str, packages=PACKAGES, limit: int = LONG_FUNCTION_LINES) -> list[str]:
     """``path:line name (n lines)`` of every function of ``packages`` over ``limit`` lines."""
     found = []
-    for package in packages:
-        for folder, _, names in os.walk(os.path.join(root, package)):
-            for name in sorted(n for n in names if n.endswith(".py")):
-                path = os.path.join(folder, name)
-                with open(path, encoding="utf-8") as handle:
-                    tree = ast.parse(handle.read(), path)
-                rel = os.path.relpath(path, root).replace(os.sep, "/")
-                for node in ast.walk(tree):
-                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                        lines = node.end_lineno - node.lineno + 1
-                        if lines > limit:
-                            found.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
+    for path, rel, text in package_sources(root, packages):
+        for node in ast.walk(ast.parse(text, path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{rel}:{node.lineno} {node.name} ({lines} lines)")
     return sorted(found)
 
 
@@ -357,16 +357,9 @@ split into engine.py, pipeline_engine.py and step.py)."""
 
 def long_modules(root: str, packages=PACKAGES, limit: int = MODULE_LINES) -> list[str]:
     """``path (n lines)`` of every ``.py`` module of ``packages`` over ``limit`` lines."""
-    found = []
-    for package in packages:
-        for folder, _, names in os.walk(os.path.join(root, package)):
-            for name in sorted(n for n in names if n.endswith(".py")):
-                path = os.path.join(folder, name)
-                with open(path, encoding="utf-8") as handle:
-                    lines = len(handle.read().splitlines())
-                if lines > limit:
-                    rel = os.path.relpath(path, root).replace(os.sep, "/")
-                    found.append(f"{rel} ({lines} lines)")
+    found = [f"{rel} ({len(text.splitlines())} lines)"
+             for _, rel, text in package_sources(root, packages)
+             if len(text.splitlines()) > limit]
     return sorted(found)
 
 
