@@ -3,6 +3,8 @@
   python benchmarks/bench_megatron.py                    # 2 ranks, 10 measured iterations
   python benchmarks/bench_megatron.py --iters 20 --out runs/bench_megatron.json
   python benchmarks/bench_megatron.py --simulate     # DCP vs Megatron's own hybrid-CP scheduler
+  python benchmarks/bench_megatron.py --num-experts 4 --moe-router-topk 2 \
+      --expert-model-parallel-size 2                 # MoE: every mode with the same experts and EP
 
 One torchrun job (2 ranks, gloo on CPU) builds one Megatron DDP model per mode from the same
 initial weights and, every iteration, runs the same global batch through each mode in turn (order
@@ -16,6 +18,11 @@ and
 parallelism). Each step includes planning, forward/backward, gradient finalisation and the
 optimizer. Warm-up iterations are not counted. On CPU the planner gets this machine's numbers
 (``tools/profile_hardware.py --quick``, once, in runs/hardware_cpu.json).
+
+With ``--num-experts`` every mode builds the same mixture-of-experts model (Megatron's MoE layers,
+dropless top-k routing); with ``--expert-model-parallel-size`` above 1 plain data parallel pads
+every rank to the busiest rank's micro-batch count (the expert all-to-alls need every rank) and
+DCP plans lockstep slots (`megatron_dcp.megatron.moe.moe_schedule`).
 """
 
 from __future__ import annotations
@@ -50,30 +57,39 @@ def _inside(args) -> None:
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
     from megatron_dcp.runtime.groups import destroy_process_groups
 
+    moe = []
+    if args.num_experts:
+        moe = ["--num-experts", str(args.num_experts), "--moe-router-topk", str(args.moe_router_topk),
+               "--expert-model-parallel-size", str(args.expert_model_parallel_size)]
     targs = ex.parse_args(["--calculate-per-token-loss", "--num-layers", str(args.layers),
                            "--hidden-size", str(args.hidden), "--num-attention-heads",
                            str(args.heads), "--num-query-groups", str(args.kv_heads),
-                           "--seq-length", str(args.seq_length), "--seed", "1"])
+                           "--seq-length", str(args.seq_length), "--seed", "1", *moe])
     ex.init_distributed(targs)
     rank = dist.get_rank()
     device = torch.device("cpu")
     runs = {}
     for mode in MODES:
         torch.manual_seed(1)
-        ddp, shape = ex.build_model(targs, dcp=mode != "dp")  # dp-dcpattn: DCP's kernel
-        params = [p for p in ddp.parameters() if p.requires_grad]
+        chunks, shape = ex.build_model(targs, dcp=mode != "dp")  # dp-dcpattn: DCP's kernel
+        params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         step = None
         if mode.startswith("dcp"):
             config = DCPConfig(enabled=True, hardware=args.hardware or "h200",
                                max_degree=1 if mode == "dcp-d1" else None)
+            if args.num_experts:  # lockstep slots under expert parallelism
+                from megatron_dcp.megatron.moe import moe_schedule
+
+                config = moe_schedule(targs, config)
             step = DCPForwardBackward(config, model_shape=shape)
-        runs[mode] = dict(ddp=ddp, params=params, step=step,
+        runs[mode] = dict(chunks=chunks, params=params, step=step,
                           opt=torch.optim.AdamW(params, lr=1e-3), seconds=0.0, losses=[])
     # identical initial weights in every mode
-    reference = {n: p.detach().clone() for n, p in runs["dp"]["ddp"].module.named_parameters()}
+    reference = {n: p.detach().clone()
+                 for n, p in runs["dp"]["chunks"][0].module.named_parameters()}
     for run in runs.values():
         with torch.no_grad():
-            for n, p in run["ddp"].module.named_parameters():
+            for n, p in run["chunks"][0].module.named_parameters():
                 p.copy_(reference[n])
 
     dataset = open_dataset(None)
@@ -88,14 +104,15 @@ def _inside(args) -> None:
             run = runs[mode]
             dist.barrier()
             t0 = time.perf_counter()
-            run["ddp"].zero_grad_buffer()
+            for chunk in run["chunks"]:
+                chunk.zero_grad_buffer()
             run["opt"].zero_grad(set_to_none=True)
             if run["step"] is None:
-                reports = ex.plain_step(run["ddp"], seqs, targs, device)
+                reports = ex.plain_step(run["chunks"], seqs, targs, device)
             else:
                 reports = run["step"](forward_step_func=ex.forward_step,
                                       data_iterator=iter([GlobalBatch(seqs)]),
-                                      model=[run["ddp"]], num_microbatches=1,
+                                      model=run["chunks"], num_microbatches=1,
                                       seq_length=args.seq_length, micro_batch_size=1)
             summed = torch.stack([r["lm loss"] for r in reports]).sum(0).double()
             dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
@@ -109,7 +126,9 @@ def _inside(args) -> None:
         if it >= args.warmup:
             tokens_total += sum(int(s.numel()) for s in seqs)
     if rank == 0:
-        result = {"iters": args.iters, "tokens": tokens_total, "modes": {}}
+        result = {"iters": args.iters, "tokens": tokens_total, "modes": {},
+                  "num_experts": args.num_experts, "moe_router_topk": args.moe_router_topk,
+                  "expert_model_parallel_size": args.expert_model_parallel_size}
         for mode, run in runs.items():
             result["modes"][mode] = {"tokens_per_s": tokens_total / run["seconds"],
                                      "seconds": run["seconds"], "final_loss": run["losses"][-1]}
@@ -173,6 +192,9 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--global-batch-tokens", type=int, default=8192)
+    p.add_argument("--num-experts", type=int, default=0, help="MoE layers with this many experts")
+    p.add_argument("--moe-router-topk", type=int, default=2)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
     p.add_argument("--hardware", default=None, help="cost-model hardware; CPU: measured once")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_megatron.json"))
     p.add_argument("--simulate", action="store_true",
