@@ -103,8 +103,7 @@ def test_dcp_moe_ep2_equals_plain_megatron(tmp_path):
     assert max(_rel(local, plain)) > 1e-5, (local, plain)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("flags, message", [
+PLAN_DEPENDENT = [
     (["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
     (["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"],
      "--moe-router-load-balancing-type aux_loss"),
@@ -112,13 +111,35 @@ def test_dcp_moe_ep2_equals_plain_megatron(tmp_path):
      "--moe-router-load-balancing-type global_aux_loss"),
     (["--moe-input-jitter-eps", "0.01"], "--moe-input-jitter-eps"),
     (["--expert-model-parallel-size", "2", "--dcp-schedule", "free"], "--dcp-schedule free"),
-])
-def test_plan_dependent_moe_settings_fail_at_start(flags, message):
+]
+"""MoE settings that depend on which sequences share a micro-batch (or a free plan under EP), and
+the flag each error names."""
+
+
+@pytest.mark.slow
+def test_a_plan_dependent_moe_setting_ends_the_process_at_start():
+    flags, message = PLAN_DEPENDENT[0]
     done = subprocess.run([sys.executable, str(EXAMPLE), "--dcp", "--calculate-per-token-loss",
                            "--num-experts", "4", *flags], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert message in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, message", PLAN_DEPENDENT)
+def test_plan_dependent_moe_settings_fail_at_start(flags, message, examples_on_path):
+    """In this process: the example's ``main`` raises before it starts anything (no process
+    group), naming the flag (the process exit is the test above)."""
+    import torch.distributed as dist
+
+    import pretrain_megatron
+    from megatron_dcp.megatron.args import DCPArgumentError
+
+    with pytest.raises(DCPArgumentError) as raised:
+        pretrain_megatron.main(["--dcp", "--calculate-per-token-loss", "--num-experts", "4",
+                                *flags])
+    assert message in str(raised.value)
+    assert not dist.is_initialized()
 
 
 def test_expert_parallel_plans_lockstep():
