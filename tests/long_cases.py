@@ -44,8 +44,20 @@ def long_budget_gb(shape: Any, world: int, zero_stage: int, *, hardware: str = "
     cm = build_cost_model(shape, DCPConfig(enabled=True, hardware=hardware,
                                            memory_budget_gb=64.0), world, zero_stage=zero_stage)
     mm = cm.memory_model
-    plain = mm.memory_of(max(LENGTHS), world, LAYERS)
+    plain = mm.memory_of(max(LENGTHS), world, shape.num_layers)
     return (plain - share * (plain - mm.static_memory - mm.reserve)) / 2**30
+
+
+def megatron_shape() -> Any:
+    """The `ModelShape` of `megatron_config`'s GPTModel (vocabulary `MEGATRON_VOCAB`)."""
+    from megatron_dcp.plan.model import ModelShape
+
+    return ModelShape(num_layers=LAYERS, hidden_size=32, num_heads=8, ffn_hidden_size=48,
+                      vocab_size=MEGATRON_VOCAB, num_kv_heads=4, head_dim=4, gated_mlp=True,
+                      causal=True, max_position=1024, name="gpt")
+
+
+MEGATRON_VOCAB = 64
 
 
 def batch(step: int, vocab: int = VOCAB) -> list:
