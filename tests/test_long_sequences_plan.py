@@ -70,6 +70,9 @@ def test_only_the_long_task_tiles_and_offloads():
     cm = build_cost_model(SHAPE, _config(), 2, zero_stage=0, long_sequences=True)
     for t in plan.tasks:
         assert cm.memory_model.task_memory(t, plan.lengths) <= cm.memory_model.budget
+    from megatron_dcp.plan import validate_plan
+
+    validate_plan(plan, SHAPE, cost_model=cm)  # lengthened tasks retimed: no rank overlaps
 
 
 def test_assigning_twice_changes_nothing_and_loss_tiling_off_keeps_loss_whole():
@@ -186,3 +189,20 @@ def test_a_tile_count_above_the_tokens_runs_empty_tiles():
     assert calls == [1, 1, 1, 0, 0] and torch.allclose(out, x @ w)
     out.sum().backward()  # the empty tiles recompute too
     assert sorted(calls[5:]) == [0, 0, 1, 1, 1]
+
+
+def test_a_lockstep_slot_with_two_mlp_tile_counts_is_refused():
+    from dataclasses import replace
+
+    from megatron_dcp.plan import validate_plan
+
+    plan = make_plan([700, 300, 40, 20, 90, 7, 130, 650, 5], world_size=2, model=SHAPE,
+                     config=_config(stage=3), zero_stage=3, long_sequences=True)
+    validate_plan(plan, SHAPE)
+    slot = next(t.slot for t in plan.tasks
+                if sum(u.slot == t.slot for u in plan.tasks) > 1)
+    first = next(t for t in plan.tasks if t.slot == slot)
+    bad = replace(plan, tasks=tuple(replace(t, mlp_tiles=t.mlp_tiles + 1) if t is first else t
+                                    for t in plan.tasks))
+    with pytest.raises(PlanError, match="the tasks of a slot run as many MLP tiles"):
+        validate_plan(bad, SHAPE)

@@ -371,9 +371,9 @@ class MemoryModel:
 def assign_long_choices(plan: "Plan", memory_model: MemoryModel) -> "Plan":
     """``plan`` with every task that fits only tiled and offloaded given its MLP tiles, loss
     tiles and offloaded layers (`MemoryModel.long_choices`), its memory, and its duration
-    lengthened by the offload traffic its compute does not hide and tiling's launches (starts
-    are kept: the tasks that need this are the long ones, alone on their ranks). Tasks that fit
-    plainly are returned as they are: a short sequence pays nothing. A task that has long
+    lengthened by the offload traffic its compute does not hide and tiling's launches (later
+    tasks of its ranks start later: `_retimed`). Tasks that fit plainly keep their choices
+    (none): a short sequence pays nothing. A task that has long
     choices already keeps them (applying this twice changes nothing).
 
     In a lockstep plan every task of a slot gets the slot's largest MLP tile count (more tiles
@@ -411,4 +411,36 @@ def assign_long_choices(plan: "Plan", memory_model: MemoryModel) -> "Plan":
     if any(n > 1 for n in slot_tiles.values()):
         tasks = [t if t.slot is None or t.mlp_tiles == slot_tiles[t.slot]
                  else replace(t, mlp_tiles=slot_tiles[t.slot]) for t in tasks]
-    return replace(plan, tasks=tuple(tasks))
+    return replace(plan, tasks=tuple(_retimed(tasks, bool(slot_tiles))))
+
+
+def _retimed(tasks: list, lockstep: bool) -> list:
+    """``tasks`` (in ``(start, id)`` order) with starts moved later where a lengthened task
+    would overlap the next one on a rank; the order of the tasks a rank shares is kept. A
+    lockstep plan's slot ``k`` starts when slot ``k - 1``'s longest task ends (or as planned,
+    when later)."""
+    from dataclasses import replace
+
+    if lockstep:
+        old = sorted({t.slot: t.start for t in tasks}.items())
+        longest: dict[int, float] = {}
+        for t in tasks:
+            longest[t.slot] = max(longest.get(t.slot, 0.0), t.duration)
+        new = {}
+        for i, (slot, start) in enumerate(old):
+            if i == 0:
+                new[slot] = start
+            else:
+                prev, prev_start = old[i - 1]
+                new[slot] = new[prev] + max(start - prev_start, longest[prev])
+        return [t if new[t.slot] == t.start else replace(t, start=new[t.slot]) for t in tasks]
+    free_at: dict[int, float] = {}
+    out = []
+    for t in sorted(tasks, key=lambda t: (t.start, t.id)):
+        start = max([t.start] + [free_at.get(r, 0.0) for r in t.ranks])
+        if start != t.start:
+            t = replace(t, start=start)
+        for r in t.ranks:
+            free_at[r] = start + t.duration
+        out.append(t)
+    return sorted(out, key=lambda t: (t.start, t.id))

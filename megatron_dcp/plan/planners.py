@@ -202,8 +202,8 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     be for the same world, heads and layout rules (checked). Its sizes go to
     ``meta["vocabulary_sizes"]``. ``offload_optimizer`` / ``offload_param``: the engine keeps
     optimizer states / ZeRO-3 parameter partitions in host memory (`build_cost_model`).
-    ``long_sequences`` / ``loss_tiling`` (or a cost model built with them): long choices
-    (`megatron_dcp.plan.memory.assign_long_choices`). Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
+    ``long_sequences`` / ``loss_tiling`` (or a cost model with them): `assign_long_choices`.
+    Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
     """
     if cost_model is None and (offload_optimizer or offload_param or long_sequences):
         if long_sequences and model.pipeline_parallel > 1:  # micro-batches in flight
