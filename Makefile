@@ -27,6 +27,7 @@ BIN312 := $(VENV312)/bin
 # with DP/TP/SP/PP/VPP, the distributed optimizer, torch_dist checkpoints, MoE with EP), about
 # 6-10 minutes here
 TESTS312 := $(sort $(wildcard tests/test_megatron*.py)) tests/test_moe_megatron.py \
+            tests/test_long_sequences_megatron.py \
             tests/test_example_dtype.py
 
 $(BIN312)/.installed: pyproject.toml

@@ -25,7 +25,8 @@ from typing import Any, Optional, Sequence
 from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_config_from,
                                      load_ds_config,
                                      prepare_config)
-from deepspeed_plugin.engine import DCPEngine, LossFn, StepResult, check_takes_task, token_loss
+from deepspeed_plugin.engine import (DCPEngine, LossFn, StepResult, check_takes_labels,
+                                     check_takes_task, token_loss)
 from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.integrations import hf
 from megatron_dcp.runtime.allocator import use_expandable_segments
@@ -74,12 +75,12 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     if model is None:
         raise ValueError("deepspeed_plugin.initialize requires a model")
     use_expandable_segments()  # before CUDA initialises: shapes change every micro-step
-    model = _prepared_model(model, loss_fn)
-    patches.apply_all()
-    patches.process_group_timeout(timeout)
     ds_config = load_ds_config(config if config is not None or args is None
                                else getattr(args, "deepspeed_config", None))
     dcp = dcp_config if dcp_config is not None else dcp_config_from(ds_config, args)
+    model = _prepared_model(model, loss_fn, dcp)
+    patches.apply_all()
+    patches.process_group_timeout(timeout)
 
     world_size, rank, cpu = _init_distributed(timeout)
     if isinstance(model, hf.DCPCausalLM):  # DCPEngine.backward multiplies each loss by the
@@ -121,14 +122,17 @@ def _args_without_config(args: Optional[argparse.Namespace]) -> Optional[argpars
     return ds_args
 
 
-def _prepared_model(model: Any, loss_fn: Optional[LossFn]) -> Any:
+def _prepared_model(model: Any, loss_fn: Optional[LossFn], dcp: DCPConfig) -> Any:
     """The model DeepSpeed gets: an HF ``PreTrainedModel`` wrapped in `hf.DCPCausalLM` (the
     runtime's forward signature, DCP's attention and recompute); without ``loss_fn`` it must take
-    the task (`token_loss` passes each micro-step's task to it)."""
+    the task (`token_loss` passes each micro-step's task to it), and with
+    ``dcp.long_sequences`` the labels (a long task's loss is tiled inside its forward)."""
     if hf.is_hf_model(model):
         model = hf.DCPCausalLM(model)
     if loss_fn is None:
         check_takes_task(model)
+        if dcp.enabled and dcp.long_sequences:
+            check_takes_labels(model)
     return model
 
 

@@ -23,6 +23,7 @@ from megatron_dcp.models.common import token_losses
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.schedule import schedule_for
 from megatron_dcp.runtime.step import Shard, StepDriver, StepEngine, StepResult
+from megatron_dcp.runtime.tiling import loss_tiles_of
 
 __all__ = ["DCPEngine", "LossFn", "StepResult", "token_loss"]
 
@@ -35,9 +36,29 @@ the shard's task (``shard.task``; ``None`` outside a task): nothing else carries
 def token_loss(model: torch.nn.Module, shard: Shard) -> torch.Tensor:
     """The default objective: next-token cross-entropy of every token of the shard, from
     ``model(input_ids, position_ids, task=shard.task) -> logits [T, V]`` (chunked:
-    `megatron_dcp.models.common.token_losses`, no whole fp32 copy of the logits)."""
+    `megatron_dcp.models.common.token_losses`, no whole fp32 copy of the logits). A task with
+    ``loss_tiles`` > 1 (``dcp.long_sequences``) calls ``model(..., task=, labels=shard.labels)
+    -> token losses [T]`` instead: the model tiles its output projection and loss inside its
+    own forward, where ZeRO-3 has the projection's weight gathered (`Decoder`, `DCPCausalLM`
+    do; `check_takes_labels` refuses a model that does not at start)."""
+    if loss_tiles_of(shard.task) > 1:
+        return model(shard.input_ids, shard.position_ids, task=shard.task, labels=shard.labels)
     logits = model(shard.input_ids, shard.position_ids, task=shard.task)
     return token_losses(logits, shard.labels)
+
+
+def check_takes_labels(model: Any) -> None:
+    """With ``dcp.long_sequences`` and the default `token_loss`: refuse a model whose forward
+    takes no ``labels`` (a task's tiled loss is computed inside the forward), naming it."""
+    forward = getattr(model, "forward", None)
+    params = inspect.signature(forward).parameters.values() if forward is not None else ()
+    if not any(p.name == "labels" or p.kind is p.VAR_KEYWORD for p in params):
+        raise TypeError(
+            f"dcp.long_sequences: {type(model).__name__}.forward takes no 'labels' argument: a "
+            "long task's loss is tiled inside the model's forward (forward(input_ids, "
+            "position_ids, task=..., labels=...) -> token losses [T], as "
+            "megatron_dcp.models.Decoder does). Add it, or pass loss_fn= calling your model "
+            "with the task's loss tiles yourself (docs/USAGE.md, 'Long sequences')")
 
 
 def check_takes_task(model: Any) -> None:

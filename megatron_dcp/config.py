@@ -129,6 +129,9 @@ class DCPConfig:
     liveness_interval_s: float = 60.0
     """Seconds between the liveness watch's probes (by the first and the last rank); a rank that misses two in a row (stopped, hung in a device call, dead) is named on every rank and the job ends then, not at the collective timeout; 0: no watch (a stalled rank is named when a collective times out)."""
 
+    long_sequences: bool = False
+    """Long-sequence choices per task: a task whose sequence fits no degree, layout and recomputed layers in memory recomputes every layer and gets MLP tiles, loss tiles and the fewest layer inputs offloaded to host memory that fit; tasks that fit plainly get none (docs/USAGE.md, "Long sequences"). Needs recompute auto or full."""
+
     skip_nonfinite: bool = False
     """A step whose loss or gradient norm is not finite is skipped (no update, counted in the log) instead of stopping the job before it saves; honoured with and without --dcp (an fp16 loss scaler's overflow steps are skipped by the engine either way)."""
 
@@ -167,6 +170,10 @@ class DCPConfig:
         if self.liveness_interval_s < 0:
             raise DCPConfigError(f"dcp.liveness_interval_s={self.liveness_interval_s!r}: must be "
                                  ">= 0 (0: no watch)")
+        if self.long_sequences and self.recompute == "none":
+            raise DCPConfigError("dcp.long_sequences needs dcp.recompute auto or full: a long "
+                                 "task recomputes every layer (its tiles and offloaded inputs "
+                                 "are recomputed in backward)")
         if not self.hardware:
             raise DCPConfigError("dcp.hardware='': must name a preset or a profile JSON")
 

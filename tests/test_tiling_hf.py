@@ -111,3 +111,29 @@ def test_hf_tiled_offloaded_plan_at_two_ranks():
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     for n, g in ref_grads.items():
         assert rel_err(results[0][1][n], g) <= 1e-5, n
+
+
+def test_wrapper_tiles_the_loss_in_its_forward_for_the_default_objective():
+    """``DCPCausalLM.forward(..., labels=)`` (what `deepspeed_plugin.token_loss` calls for a
+    task with loss tiles, inside the module's forward: ZeRO-3) equals the untiled loss."""
+    from deepspeed_plugin.engine import check_takes_labels, token_loss
+    from megatron_dcp.integrations.hf import DCPCausalLM
+    from megatron_dcp.runtime.executor import Shard
+
+    model = DCPCausalLM(build("llama"))
+    model.train()
+    check_takes_labels(model)
+    lengths = [21, 14]
+    seqs = make_batch(lengths, COMMON["vocab_size"])
+    ids = torch.cat(seqs)
+    labels = torch.cat([torch.cat([s[1:], torch.tensor([-100])]) for s in seqs])
+    out = []
+    for tiles in (1, 4):
+        ctx = _ctx(lengths, loss_tiles=tiles, mlp_tiles=tiles, recompute=2)
+        model.zero_grad()
+        losses = token_loss(model, Shard(ids, ctx.layout.position_ids, labels, ctx))
+        on_fresh_thread(losses.sum().backward)
+        out.append((losses.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.allclose(out[0][0], out[1][0], rtol=1e-6, atol=1e-6)
+    for name, g in out[0][1].items():
+        assert rel_err(out[1][1][name], g) <= 1e-6, name

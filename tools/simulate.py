@@ -51,7 +51,6 @@ from typing import Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_dcp.config import POLICIES, DCPConfig, DCPConfigError  # noqa: E402
-from megatron_dcp.plan.memory import assign_long_choices  # noqa: E402
 from megatron_dcp.plan import (PlanError, build_cost_model, load_model, lower_bound,  # noqa: E402
                                make_plan, simulate, validate_plan)
 from megatron_dcp.plan.hardware import HardwareError  # noqa: E402
@@ -272,7 +271,6 @@ def run(args: argparse.Namespace) -> dict:
                                 config=base.replace(policy=name),
                                 zero_stage=args.zero_stage, cost_model=cm,
                                 baseline_degree=args.baseline_degree, frame_tokens=frames)
-        plans[name] = assign_long_choices(plans[name], cm.memory_model)
         plans[name].meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
     if external is not None:
         validate_plan(external, model, cost_model=cm, check_times=False)

@@ -380,10 +380,14 @@ class DCPCausalLM(nn.Module):
         return super().train(mode)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                task: Optional[TaskContext] = None) -> torch.Tensor:
+                task: Optional[TaskContext] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
         0..T-1: one whole sequence), as the local shard of ``task`` (``None``: outside a
-        task)."""
+        task). With ``labels [T]``: the token losses ``[T]`` (`token_losses`: over the task's
+        loss tiles), computed inside this call (where ZeRO-3 has the head gathered)."""
+        if labels is not None:
+            return self.token_losses(input_ids, position_ids, labels, task)
         if self._router_loss_wanted(task):  # the base model: HF's head would add its own
             output = self._call(self.causal_lm.base_model, input_ids, position_ids, task)
             logits = self.causal_lm.get_output_embeddings()(output.last_hidden_state[0])
@@ -438,7 +442,7 @@ class DCPCausalLM(nn.Module):
         head = self.causal_lm.get_output_embeddings()
         if tiles <= 1 or head is None or getattr(self.causal_lm.config, "final_logit_softcapping",
                                                   None):
-            return token_losses(self(input_ids, position_ids, task), labels)
+            return token_losses(self.forward(input_ids, position_ids, task), labels)
         hidden = self._call(self.causal_lm.base_model, input_ids, position_ids, task)
         last = self._with_router_loss(hidden.last_hidden_state[0], hidden, task)
         return tiled_logits_loss(last, head.weight, labels, tiles,

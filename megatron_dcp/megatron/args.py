@@ -93,6 +93,7 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
                         "DCP splits a sequence's attention over ranks per the plan, so a random "
                         "dropout stream there would depend on the plan")
     problems += _recompute_and_head_problems(args, config)
+    problems += long_sequence_problems(args, config)
     from megatron_dcp.megatron.moe import moe_problems, moe_schedule
 
     problems += moe_problems(args)  # token dropping, micro-batch-level auxiliary losses
@@ -135,4 +136,24 @@ def _recompute_and_head_problems(args: argparse.Namespace, config: DCPConfig) ->
             problems.append(f"--dcp-attention-layout ulysses with --dcp-max-degree "
                             f"{config.max_degree}: heads per tensor-parallel rank ({heads // tp} "
                             f"query, {kv // tp} key/value) must be divisible by the degree")
+    return problems
+
+
+def long_sequence_problems(args: argparse.Namespace, config: DCPConfig) -> list[str]:
+    """What ``--dcp-long-sequences`` cannot run with (each part by its flag). The loss of a long
+    task is never tiled under Megatron (the planner counts its logits whole: docs/MEGATRON.md)."""
+    if not config.long_sequences:
+        return []
+    problems = []
+    if _get(args, "pipeline_model_parallel_size", 1) > 1:
+        problems.append("--dcp-long-sequences with --pipeline-model-parallel-size > 1 is not "
+                        "supported: a pipeline stage holds several micro-batches in flight, "
+                        "which the long-sequence choices do not count")
+    if _get(args, "num_experts", None):
+        problems.append("--dcp-long-sequences with --num-experts is not supported: the MLP "
+                        "tiles of a long task run Megatron's dense MLP, not an MoE layer")
+    if _get(args, "distribute_saved_activations", False):
+        problems.append("--dcp-long-sequences with --distribute-saved-activations is not "
+                        "supported: an offloaded layer keeps its whole saved input in host "
+                        "memory instead")
     return problems

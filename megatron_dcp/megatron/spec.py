@@ -55,6 +55,8 @@ from typing import Any, Optional
 import torch
 
 from megatron_dcp.runtime.context import TaskContext
+from megatron_dcp.runtime.offload import OffloadEntry, offload_layers_of
+from megatron_dcp.runtime.tiling import mlp_tiles_of, tiled_mlp
 
 
 def _packed_seq_params_class():
@@ -80,6 +82,9 @@ class DCPTaskParams(_packed_seq_params_class()):
     reached: bool = False
     """Set by the first `DCPTransformerLayer` that runs with these parameters: the step checks it
     to name a ``forward_step_func`` that did not pass them to the model."""
+    stash: Any = None
+    """The `megatron_dcp.runtime.offload.HostStash` of this micro-step's forward (the task's
+    ``offload_layers`` > 0 in training), where offloaded layers keep their saved input."""
 
     @classmethod
     def of(cls, task: Optional[TaskContext], train: bool = True,
@@ -93,8 +98,11 @@ class DCPTaskParams(_packed_seq_params_class()):
         # describes the packing.
         host = task.layout.position_ids
         n = int(host.max()) + 1 if host.numel() else 1
+        from megatron_dcp.runtime.offload import stash_for
+
         return cls(qkv_format="sbhd", max_seqlen_q=n, max_seqlen_kv=n, task=task,
-                   recompute_layers=task.recompute_layers if train else 0, sp_pad=sp_pad)
+                   recompute_layers=task.recompute_layers if train else 0, sp_pad=sp_pad,
+                   stash=stash_for(task) if train else None)
 
     def rotary_rows(self, table):
         """The rows of Megatron's rotary table ``[max_seqlen_q, 1, 1, dim]`` (or of each of a
@@ -222,6 +230,8 @@ class DCPTransformerLayer(_transformer_layer()):
         self.block_index = layer_number - 1 + _earlier_chunk_layers(config,
                                                                     kwargs.get("vp_stage"))
         """Index of the layer in this pipeline stage (its chunks in order), from 0."""
+        self._mlp_tiles = _tileable_mlp(self)
+        """The MLP's tileable forward (`TiledMLPForward`; ``None``: MoE, not tiled)."""
 
     def forward(self, *args, **kwargs):
         """Megatron's layer forward (``hidden_states, ..., packed_seq_params=...``)."""
@@ -235,8 +245,24 @@ class DCPTransformerLayer(_transformer_layer()):
             kwargs["rotary_pos_emb"] = params.rotary_rows(rope)
         if not (self.training and torch.is_grad_enabled()
                 and self.block_index < params.recompute_layers):
-            return super().forward(*args, **kwargs)
+            return self._run(params, *args, **kwargs)
         return self._recomputed(*args, **kwargs)
+
+    def _run(self, params, *args, **kwargs):
+        """Megatron's layer forward with the MLP over the task's ``mlp_tiles`` tiles (set for
+        this call only, on whichever thread runs it: a recompute sets it again)."""
+        tiles = mlp_tiles_of(getattr(params, "task", None))
+        if tiles <= 1 or self._mlp_tiles is None:
+            return super().forward(*args, **kwargs)
+        if not self._mlp_tiles.tileable:
+            raise ValueError(f"layer {self.block_index}: task {params.task.task.id} has "
+                             f"mlp_tiles {tiles}, but this layer's MLP is not Megatron's dense "
+                             "MLP (MoE layers are not tiled)")
+        before, self._mlp_tiles.tiles = self._mlp_tiles.tiles, tiles
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._mlp_tiles.tiles = before
 
     def _recomputed(self, *args, **kwargs):
         from megatron.core import tensor_parallel
@@ -246,14 +272,20 @@ class DCPTransformerLayer(_transformer_layer()):
         # The tensors go through the checkpoint (saved for backward); the rest in the closure.
         names = ("hidden_states", "attention_mask", "context", "context_mask", "rotary_pos_emb")
         tensors = [kwargs.pop(name, None) for name in names]
+        params = kwargs.get("packed_seq_params")
 
         def run(*values):
-            self._bind_task(kwargs.get("packed_seq_params"))  # a recompute: this call's task
-            return super(DCPTransformerLayer, self).forward(*args, **dict(zip(names, values)),
-                                                            **kwargs)
+            self._bind_task(params)  # a recompute: this call's task
+            return self._run(params, *args, **dict(zip(names, values)), **kwargs)
 
-        return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations,
-                                          *tensors)
+        stash = getattr(params, "stash", None)
+        if stash is None or self.block_index >= offload_layers_of(params.task):
+            return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations,
+                                              *tensors)
+        # Offloaded: Megatron's own recompute, its saved layer input kept in host memory
+        return offloaded_saved_input(
+            lambda: tensor_parallel.checkpoint(run, self.config.distribute_saved_activations,
+                                               *tensors), tensors[0], stash)
 
     def _bind_task(self, params) -> None:
         """Hand the call's task parameters to an MoE router that takes them
@@ -262,6 +294,70 @@ class DCPTransformerLayer(_transformer_layer()):
         bind = getattr(router, "bind_task", None)
         if bind is not None:
             bind(params)
+
+
+class TiledMLPForward:
+    """A layer's ``mlp.forward`` (Megatron's dense MLP: ``(hidden [s, b, h]) -> (out, bias)``)
+    that runs over ``tiles`` tiles of the sequence dimension (`tiled_mlp`: each tile recomputed
+    in backward) while ``tiles`` > 1, which `DCPTransformerLayer` sets around a call of a tiled
+    task. Token-wise, so exact; with sequence parallelism every tensor-parallel rank tiles its
+    own part alike (fc1 gathers the tile of every rank, fc2 scatters them back)."""
+
+    def __init__(self, forward, tileable: bool) -> None:
+        self.forward, self.tileable, self.tiles = forward, tileable, 1
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        if self.tiles <= 1 or args or any(v is not None for v in kwargs.values()):
+            return self.forward(hidden_states, *args, **kwargs)
+        bias: list = [None]
+
+        def tile(x):
+            out, bias[0] = self.forward(x)
+            return out
+
+        return tiled_mlp(tile, hidden_states, self.tiles), bias[0]
+
+
+def _tileable_mlp(layer) -> Optional[TiledMLPForward]:
+    """Install `TiledMLPForward` as the layer's ``mlp.forward`` (``tileable``: Megatron's dense
+    ``MLP``; an MoE layer's is installed untileable, so a tiled task names it)."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is None:
+        return None
+    current = mlp.__dict__.get("forward")
+    if isinstance(current, TiledMLPForward):
+        return current
+    from megatron.core.transformer.mlp import MLP
+
+    wrapped = TiledMLPForward(mlp.forward, type(mlp) is MLP)
+    mlp.forward = wrapped
+    return wrapped
+
+
+def offloaded_saved_input(checkpoint, hidden, stash):
+    """``checkpoint()`` (Megatron's ``tensor_parallel.checkpoint`` of one layer) with the layer
+    input ``hidden`` it saves for backward kept in ``stash`` (host memory) instead of on the
+    device: a saved-tensor hook moves it there in forward, and its recompute in backward reads
+    it back (`HostStash.get`, which prefetches the layer before). Megatron's recompute is
+    otherwise unchanged (its RNG states, tracker included, are restored as without offload)."""
+    entries = []
+
+    def pack(t):
+        if not entries and t.data_ptr() == hidden.data_ptr() and t.shape == hidden.shape \
+                and t.dtype == hidden.dtype:
+            entry = stash.put(t)
+            entries.append(entry)
+            return entry
+        return t
+
+    def unpack(packed):
+        return packed.stash.get(packed) if isinstance(packed, OffloadEntry) else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = checkpoint()
+    for entry in entries:
+        stash.release(entry)
+    return out
 
 
 def _earlier_chunk_layers(config, vp_stage: Optional[int]) -> int:

@@ -38,6 +38,12 @@ from megatron_dcp.runtime.groups import GroupPool
 from megatron_dcp.runtime.step import StepDriver, StepResult
 
 
+LOSS_TILING = False
+"""Megatron's output layer and loss run whole (GPTModel computes them inside its forward, with
+no per-task hook): with ``long_sequences`` the planner counts a long task's logits whole, and
+its MLP tiles and offloaded layers run in `megatron_dcp.megatron.spec.DCPTransformerLayer`."""
+
+
 class StepReports(list):
     """What one call of `DCPForwardBackward` returns: Megatron's loss reports (a list of dicts,
     as Megatron's schedules return), and ``result``, the step's `StepResult` (loss, plan,
@@ -107,7 +113,8 @@ class DCPForwardBackward:
             self._driver = StepDriver(self.config.replace(enabled=True), pool=self.pool,
                                       model_shape=self.planning_shape(), hardware=self.hardware,
                                       zero_stage=self.zero_stage, device=device,
-                                      offload_optimizer=self.offload_optimizer)
+                                      offload_optimizer=self.offload_optimizer,
+                                      loss_tiling=LOSS_TILING)
             if self.model_shape is not None:  # every communicator now, none inside a step
                 report = self._driver.create_groups(self.vocabulary_lengths)
                 if dist.get_rank() == 0:
@@ -125,7 +132,9 @@ class DCPForwardBackward:
             return self.driver.plan(lengths)
         planner = StepDriver(self.config.replace(enabled=True), pool=None,
                              model_shape=self.planning_shape(), hardware=self.hardware,
-                             zero_stage=self.zero_stage)  # plans only: no groups
+                             zero_stage=self.zero_stage,
+                             offload_optimizer=self.offload_optimizer,
+                             loss_tiling=LOSS_TILING)  # plans only: no groups
         return planner.plan(lengths, self.iteration, world_size)
 
     def planning_shape(self):

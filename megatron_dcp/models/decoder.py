@@ -117,9 +117,15 @@ class Decoder(nn.Module):
         init_weights(self, config.init_std, seed)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                task: Optional[TaskContext] = None) -> torch.Tensor:
+                task: Optional[TaskContext] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``[T, V]`` of the tokens ``input_ids [T]`` at ``position_ids [T]`` (default
-        0..T-1: one whole sequence), as the local shard of ``task`` (``None``: outside a task)."""
+        0..T-1: one whole sequence), as the local shard of ``task`` (``None``: outside a task).
+        With ``labels [T]``: the token losses ``[T]`` instead (`token_losses`: over the task's
+        loss tiles), computed inside this call, where an engine that gathers parameters per
+        module call (ZeRO-3) has the output projection gathered."""
+        if labels is not None:
+            return self.token_losses(input_ids, position_ids, labels, task)
         return F.linear(self.hidden(input_ids, position_ids, task), self.output_weight)
 
     @property
@@ -145,10 +151,10 @@ class Decoder(nn.Module):
         ``loss_tiles`` tiles (`tiled_logits_loss`: no ``[T, V]`` logits) when it has more than
         one."""
         tiles = loss_tiles_of(task)
+        hidden = self.hidden(input_ids, position_ids, task)
         if tiles <= 1:
-            return token_losses(self(input_ids, position_ids, task), labels)
-        return tiled_logits_loss(self.hidden(input_ids, position_ids, task), self.output_weight,
-                                 labels, tiles, token_losses)
+            return token_losses(F.linear(hidden, self.output_weight), labels)
+        return tiled_logits_loss(hidden, self.output_weight, labels, tiles, token_losses)
 
     def loss(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
              labels: torch.Tensor, reduction: str = "sum",

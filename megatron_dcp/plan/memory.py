@@ -239,6 +239,9 @@ class MemoryModel:
     long_sequences = False
     """Whether a task that fits no plain choice may tile and offload (`long_choices`); the
     planner then sees all layers recomputed, and `assign_long_choices` sets the tiles."""
+    loss_tiling = True
+    """Whether the engine tiles the loss of a long task (False: its logits are counted whole,
+    ``loss_tiles`` stays 1)."""
 
     def _long_fits(self, tokens: int, degree: int) -> bool:
         local = math.ceil(tokens / degree)
@@ -328,7 +331,7 @@ class MemoryModel:
         tile of `LOSS_TILE_BYTES` logits per loss tile (1: untiled)."""
         mlp = max(1, math.ceil(local / MLP_TILE_TOKENS))
         loss = max(1, math.ceil(local * self.logit_bytes / LOSS_TILE_BYTES))
-        return mlp, loss
+        return mlp, loss if self.loss_tiling else 1
 
     def long_choices(self, tokens: int, degree: int) -> Optional[tuple[int, int, int, int]]:
         """``(recompute_layers, offload_layers, mlp_tiles, loss_tiles)`` for a task of
@@ -368,9 +371,15 @@ class MemoryModel:
 def assign_long_choices(plan: "Plan", memory_model: MemoryModel) -> "Plan":
     """``plan`` with every task that fits only tiled and offloaded given its MLP tiles, loss
     tiles and offloaded layers (`MemoryModel.long_choices`), its memory, and its duration
-    lengthened by the offload traffic its compute does not hide and tiling's launches (starts
-    are kept: the tasks that need this are the long ones, alone on their ranks). Tasks that fit
-    plainly are returned as they are: a short sequence pays nothing."""
+    lengthened by the offload traffic its compute does not hide and tiling's launches (later
+    tasks of its ranks start later: `_retimed`). Tasks that fit plainly keep their choices
+    (none): a short sequence pays nothing. A task that has long
+    choices already keeps them (applying this twice changes nothing).
+
+    In a lockstep plan every task of a slot gets the slot's largest MLP tile count (more tiles
+    never need more memory): the runtime calls the MLP's modules once per tile, and every rank
+    must call the same modules in a slot (ZeRO-3 gathers parameters per module call; the
+    executor's empty micro-steps run the slot's tiles too, `Plan.slot_mlp_tiles`)."""
     from dataclasses import replace
 
     from megatron_dcp.plan.plan import Plan  # noqa: F401 (type only)
@@ -381,7 +390,8 @@ def assign_long_choices(plan: "Plan", memory_model: MemoryModel) -> "Plan":
     tasks = []
     for t in plan.tasks:
         tokens = sum(padded_length(plan.lengths[s], t.ulysses, t.ring) for s in t.seqs if s >= 0)
-        if t.recompute_layers < mm.num_layers or tokens == 0:
+        has_choices = t.mlp_tiles > 1 or t.loss_tiles > 1 or t.offload_layers > 0
+        if t.recompute_layers < mm.num_layers or tokens == 0 or has_choices:
             tasks.append(t)
             continue
         choice = mm.long_choices(tokens, t.degree)
@@ -394,4 +404,43 @@ def assign_long_choices(plan: "Plan", memory_model: MemoryModel) -> "Plan":
         tasks.append(replace(t, recompute_layers=c, offload_layers=o, mlp_tiles=mlp,
                              loss_tiles=loss, duration=t.duration + extra,
                              memory=mm.long_memory_of(tokens, t.degree, c, o, mlp, loss)))
-    return replace(plan, tasks=tuple(tasks))
+    slot_tiles: dict[int, int] = {}
+    for t in tasks:
+        if t.slot is not None:
+            slot_tiles[t.slot] = max(slot_tiles.get(t.slot, 1), t.mlp_tiles)
+    if any(n > 1 for n in slot_tiles.values()):
+        tasks = [t if t.slot is None or t.mlp_tiles == slot_tiles[t.slot]
+                 else replace(t, mlp_tiles=slot_tiles[t.slot]) for t in tasks]
+    return replace(plan, tasks=tuple(_retimed(tasks, bool(slot_tiles))))
+
+
+def _retimed(tasks: list, lockstep: bool) -> list:
+    """``tasks`` (in ``(start, id)`` order) with starts moved later where a lengthened task
+    would overlap the next one on a rank; the order of the tasks a rank shares is kept. A
+    lockstep plan's slot ``k`` starts when slot ``k - 1``'s longest task ends (or as planned,
+    when later)."""
+    from dataclasses import replace
+
+    if lockstep:
+        old = sorted({t.slot: t.start for t in tasks}.items())
+        longest: dict[int, float] = {}
+        for t in tasks:
+            longest[t.slot] = max(longest.get(t.slot, 0.0), t.duration)
+        new = {}
+        for i, (slot, start) in enumerate(old):
+            if i == 0:
+                new[slot] = start
+            else:
+                prev, prev_start = old[i - 1]
+                new[slot] = new[prev] + max(start - prev_start, longest[prev])
+        return [t if new[t.slot] == t.start else replace(t, start=new[t.slot]) for t in tasks]
+    free_at: dict[int, float] = {}
+    out = []
+    for t in sorted(tasks, key=lambda t: (t.start, t.id)):
+        start = max([t.start] + [free_at.get(r, 0.0) for r in t.ranks])
+        if start != t.start:
+            t = replace(t, start=start)
+        for r in t.ranks:
+            free_at[r] = start + t.duration
+        out.append(t)
+    return sorted(out, key=lambda t: (t.start, t.id))

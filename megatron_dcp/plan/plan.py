@@ -275,6 +275,17 @@ class Plan:
                 layers[t.slot] = t.recompute_layers
         return layers
 
+    def slot_mlp_tiles(self) -> list[int]:
+        """``mlp_tiles`` of every slot of a lockstep plan, by slot index (``[]`` when free): the
+        largest of its tasks' (the planner gives them all the same, `assign_long_choices`), which
+        an empty micro-step of the slot runs too."""
+        slots = [t.slot for t in self.tasks if t.slot is not None]
+        tiles = [1] * (max(slots) + 1 if slots else 0)
+        for t in self.tasks:
+            if t.slot is not None:
+                tiles[t.slot] = max(tiles[t.slot], t.mlp_tiles)
+        return tiles
+
     def digest(self) -> str:
         """Hex digest of everything that decides execution (not ``meta``); ``frame_tokens``
         counts when set (a plan without it keeps the digest it always had)."""

@@ -22,6 +22,7 @@ from megatron_dcp.plan.choices import SeqChoice, degree_choice
 from megatron_dcp.plan.dcp import free_candidates
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
+from megatron_dcp.plan.memory import assign_long_choices
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, padding_cost,
                                         simulate_pipeline, slot_costs, stage_model)
@@ -50,21 +51,23 @@ for each k: more, shorter slots shrink the bubble; the shortest simulated pipeli
 def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
                      hardware: "Hardware | str | None" = None, zero_stage: int = 1,
                      vocabulary: Optional[Vocabulary] = None, *, offload_optimizer: bool = False,
-                     offload_param: bool = False, long_sequences: bool = False) -> CostModel:
+                     offload_param: bool = False, long_sequences: bool = False,
+                     loss_tiling: bool = True) -> CostModel:
     """The cost model ``make_plan`` uses for these settings; ``zero_stage`` is the engine's, the
     model's static memory that of `memory_stage` under ``config.schedule``. A pipelined model
     (``model.pipeline_parallel > 1``) gets the cost model of one stage (`stage_model`), lockstep.
     ``vocabulary``: charge its communicators per rank (`vocabulary_for_lengths`); default: those
     of the settings' vocabulary (`Vocabulary.for_cost_model`). ``offload_optimizer`` /
     ``offload_param``: static memory in host memory (`MemoryModel.set_offload`);
-    ``long_sequences``: tasks may tile and offload (`MemoryModel.long_choices`)."""
+    ``long_sequences``: tasks may tile and offload (`MemoryModel.long_choices`), the loss too
+    unless ``loss_tiling`` is False."""
     if offload_optimizer or offload_param:
         # static memory is checked against the budget once the offload is counted
         cm = build_cost_model(model, config.replace(memory_budget_gb=float(2**40)), world_size,
-                              hardware, zero_stage, vocabulary, long_sequences=long_sequences)
-        hw = cm.hw
+                              hardware, zero_stage, vocabulary, long_sequences=long_sequences,
+                              loss_tiling=loss_tiling)
         cm.memory_model.budget = config.memory_budget_gb * 2**30 \
-            if config.memory_budget_gb is not None else hw.hbm_bytes * config.memory_fraction
+            if config.memory_budget_gb is not None else cm.hw.hbm_bytes * config.memory_fraction
         # a free plan's ZeRO-3 keeps parameters gathered (memory stage 1): nothing to offload;
         # below ZeRO-3 the memory model refuses offload_param
         gathered = zero_stage >= 3 > cm.zero_stage
@@ -87,6 +90,7 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
                      communicators_per_rank=None if vocabulary is None
                      else vocabulary.communicators_per_rank())
     cm.memory_model.long_sequences = long_sequences
+    cm.memory_model.loss_tiling = loss_tiling
     return cm
 
 
@@ -171,7 +175,8 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
               baseline_degree: "str | int | None" = None,
               frame_tokens: Optional[Sequence[int]] = None,
               vocabulary: Optional[Vocabulary] = None, offload_optimizer: bool = False,
-              offload_param: bool = False) -> Plan:
+              offload_param: bool = False, long_sequences: bool = False,
+              loss_tiling: bool = True) -> Plan:
     """Plan one global batch with ``config.policy``; deterministic in its inputs.
 
     Policies: ``dcp`` (DCP-inter + DCP-intra, `megatron_dcp.plan.dcp`), ``dcp-inter`` (the same
@@ -197,22 +202,30 @@ def make_plan(lengths: Sequence[int], *, world_size: int, model: ModelShape, con
     be for the same world, heads and layout rules (checked). Its sizes go to
     ``meta["vocabulary_sizes"]``. ``offload_optimizer`` / ``offload_param``: the engine keeps
     optimizer states / ZeRO-3 parameter partitions in host memory (`build_cost_model`).
+    ``long_sequences`` / ``loss_tiling`` (or a cost model with them): `assign_long_choices`.
     Raises `PlanError` (bad lengths, a sequence that fits nowhere, a budget below static memory).
     """
-    if cost_model is None and (offload_optimizer or offload_param):
+    if cost_model is None and (offload_optimizer or offload_param or long_sequences):
+        if long_sequences and model.pipeline_parallel > 1:  # micro-batches in flight
+            raise PlanError("long_sequences with pipeline parallelism is not supported")
         cost_model = build_cost_model(model, config, world_size, hardware,
                                       1 if zero_stage is None else zero_stage, vocabulary,
                                       offload_optimizer=offload_optimizer,
-                                      offload_param=offload_param)
+                                      offload_param=offload_param,
+                                      long_sequences=long_sequences, loss_tiling=loss_tiling)
     if model.pipeline_parallel > 1:
-        return _plan_pipeline(lengths, world_size=world_size, model=model, config=config,
+        plan = _plan_pipeline(lengths, world_size=world_size, model=model, config=config,
                               iteration=iteration, hardware=hardware, zero_stage=zero_stage,
                               cost_model=cost_model, baseline_degree=baseline_degree,
                               frame_tokens=frame_tokens, vocabulary=vocabulary)
-    return _plan_flat(lengths, world_size=world_size, model=model, config=config,
-                      iteration=iteration, hardware=hardware, zero_stage=zero_stage,
-                      cost_model=cost_model, baseline_degree=baseline_degree,
-                      frame_tokens=frame_tokens, vocabulary=vocabulary)
+    else:
+        plan = _plan_flat(lengths, world_size=world_size, model=model, config=config,
+                          iteration=iteration, hardware=hardware, zero_stage=zero_stage,
+                          cost_model=cost_model, baseline_degree=baseline_degree,
+                          frame_tokens=frame_tokens, vocabulary=vocabulary)
+    if cost_model is not None and cost_model.memory_model.long_sequences:
+        plan = assign_long_choices(plan, cost_model.memory_model)
+    return plan
 
 
 def _plan_flat(lengths: Sequence[int], *, world_size: int, model: ModelShape, config: DCPConfig,

@@ -26,7 +26,8 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
     With ``frame_tokens`` (videos): one positive frame size per sequence, dividing its length.
     Lockstep plans (`Plan.lockstep`): every task has a slot >= 0, a rank is in at most one task
     per slot, its tasks' slots rise in its execution order, and the tasks of a slot recompute the
-    same number of layers (so every rank issues the same engine collectives slot by slot). With
+    same number of layers and run as many MLP tiles (so every rank issues the same engine
+    collectives slot by slot). With
     ``model.expert_parallel > 1`` the plan must be lockstep.
     """
     model = model or (cost_model.model if cost_model else None)
@@ -139,6 +140,7 @@ def _check_overlaps(plan: Plan) -> None:
 def _check_slots(plan: Plan) -> None:
     """The slot rules of a lockstep plan (see `validate_plan`)."""
     recompute_layers: dict[int, tuple[int, int]] = {}  # slot -> (recompute_layers, first task id)
+    mlp_tiles: dict[int, tuple[int, int]] = {}  # slot -> (mlp_tiles, first task id)
     last = [(-1, -1)] * plan.world_size  # per rank: (slot, task id) of its previous task
     for t in plan.tasks:  # (start, id) order: the order every rank runs its tasks in
         if t.slot is None or t.slot < 0:
@@ -148,6 +150,10 @@ def _check_slots(plan: Plan) -> None:
         if c != t.recompute_layers:
             raise PlanError(f"slot {t.slot}: task {t.id} recomputes {t.recompute_layers} layers, "
                             f"task {first} {c}: the tasks of a slot recompute as many layers")
+        tiles, first = mlp_tiles.setdefault(t.slot, (t.mlp_tiles, t.id))
+        if tiles != t.mlp_tiles:  # the MLP's modules run once per tile: ZeRO-3's gathers
+            raise PlanError(f"slot {t.slot}: task {t.id} has mlp_tiles {t.mlp_tiles}, task "
+                            f"{first} {tiles}: the tasks of a slot run as many MLP tiles")
         for r in t.ranks:
             slot, tid = last[r]
             if t.slot == slot:

@@ -238,6 +238,7 @@ class PlanWork:
         self.weight_of = sequence_weighting(plan, loss_reduction, self.targets)
         self.total = target_count(plan, self.targets)
         self.order = _rank_order(plan, rank)
+        self._slot_tiles = _empty_step_tiles(plan, rank)
         self.micro_steps = max(len(self.order), min_micro_steps)
         """This rank's micro-steps, empty ones included."""
         self.local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -256,7 +257,11 @@ class PlanWork:
         for i in range(self.micro_steps):
             last = i == self.micro_steps - 1
             task, layers = self.order[i] if i < len(self.order) else (None, 0)
-            yield self.empty_step(layers, last) if task is None else self._task_step(task, last)
+            if task is None:
+                tiles = self._slot_tiles[i] if i < len(self._slot_tiles) else 1
+                yield self.empty_step(layers, last, mlp_tiles=tiles)
+            else:
+                yield self._task_step(task, last)
 
     def _task_step(self, task: Task, last: bool) -> MicroStep:
         try:
@@ -271,11 +276,14 @@ class PlanWork:
         tokens = int((labels_host != IGNORE_INDEX).sum())
         return MicroStep(task, Shard(ids, positions, labels, ctx), weights, last, layout, tokens)
 
-    def empty_step(self, recompute_layers: int = 0, last: bool = False) -> MicroStep:
+    def empty_step(self, recompute_layers: int = 0, last: bool = False,
+                   mlp_tiles: int = 1) -> MicroStep:
         """An empty micro-step: a two-token task on this rank alone, no target, that recomputes
-        ``recompute_layers`` (its loss is multiplied by zero: no gradient, the same modules and
-        collectives as a task's micro-step)."""
-        task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), recompute_layers=recompute_layers)
+        ``recompute_layers`` and runs its MLP over ``mlp_tiles`` tiles (its slot's: its loss is
+        multiplied by zero: no gradient, the same modules and collectives as a task's
+        micro-step)."""
+        task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), recompute_layers=recompute_layers,
+                    mlp_tiles=mlp_tiles)
         ctx = self.pool.context_for(task, self.rank, ShardLayout.build([2], 1, 1, 0))
         ctx.sequence_weights = (0.0,)
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
@@ -367,6 +375,21 @@ def _rank_order(plan: Plan, rank: int) -> list[tuple[Optional[Task], int]]:
             next_slot = task.slot + 1
         order.append((task, task.recompute_layers))
     return order + [(None, layers) for layers in slots[next_slot:]]
+
+
+def _empty_step_tiles(plan: Plan, rank: int) -> list[int]:
+    """Per micro-step of this rank (`_rank_order`'s order), its slot's MLP tiles (1 for a free
+    plan): what an empty micro-step of that slot runs."""
+    tiles = plan.slot_mlp_tiles()
+    if not tiles:
+        return []
+    out: list[int] = []
+    next_slot = 0
+    for task in plan.tasks_for_rank(rank):
+        out += tiles[next_slot:task.slot]
+        out.append(task.mlp_tiles)
+        next_slot = task.slot + 1
+    return out + tiles[next_slot:]
 
 
 def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,

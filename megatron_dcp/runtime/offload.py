@@ -39,7 +39,7 @@ import torch.utils.checkpoint
 
 from megatron_dcp.runtime.context import TaskContext
 
-__all__ = ["HostStash", "offload_layers_of", "offloaded_layer", "stash_for"]
+__all__ = ["HostStash", "OffloadEntry", "offload_layers_of", "offloaded_layer", "stash_for"]
 
 
 def offload_layers_of(task: Optional[TaskContext]) -> int:
@@ -77,6 +77,11 @@ class _Entry:
         for s in self.shape:
             n *= s
         return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+OffloadEntry = _Entry
+"""What `HostStash.put` returns: a stashed tensor, for `HostStash.get` (engines that keep a
+layer input through their own recompute's saved tensors: `megatron_dcp.megatron.spec`)."""
 
 
 class HostStash:

@@ -108,13 +108,17 @@ class StepDriver:
     ``offload_optimizer`` / ``offload_param``: the engine keeps optimizer states / ZeRO-3
     parameter partitions in host memory (DeepSpeed's ``offload_optimizer`` / ``offload_param``,
     Megatron's ``--optimizer-cpu-offload``): the planner's static memory leaves them out.
+    ``config.long_sequences``: every plan (made ahead too) gives a task that fits no plain choice
+    MLP tiles, loss tiles and offloaded layers (`megatron_dcp.plan.make_plan`), which reach the
+    model in the task's `TaskContext`; ``loss_tiling=False``: the engine cannot tile the loss
+    (the planner counts such a task's logits whole).
     """
 
     def __init__(self, config: DCPConfig, *, pool: Any, model_shape: Any = None,
                  hardware: Any = None, zero_stage: int = 0,
                  device: Optional[torch.device] = None,
                  max_position: Optional[int] = None, offload_optimizer: bool = False,
-                 offload_param: bool = False) -> None:
+                 offload_param: bool = False, loss_tiling: bool = True) -> None:
         self.config = config
         self.pool = pool
         self.model_shape = model_shape
@@ -123,6 +127,9 @@ class StepDriver:
         self.offload = {"offload_optimizer": bool(offload_optimizer),
                         "offload_param": bool(offload_param)}
         """The engine's host-memory offload, as `build_cost_model` and `make_plan` take it."""
+        self.long = {"long_sequences": bool(config.long_sequences),
+                     "loss_tiling": bool(loss_tiling)}
+        """The long-sequence choices, as `build_cost_model` and `make_plan` take them."""
         self.device = torch.device(device) if device is not None else None
         self.max_position = max_position
         if max_position is None and model_shape is not None:
@@ -182,7 +189,8 @@ class StepDriver:
         if self.model_shape is None:
             raise ValueError("create_groups needs the model's shape (model_shape=)")
         cost_model = build_cost_model(self.model_shape, self.config, self.world_size,
-                                      self.hardware, self.zero_stage, **self.offload)
+                                      self.hardware, self.zero_stage, **self.offload,
+                                      **self.long)
         if self.model_shape.pipeline_parallel > 1:  # a micro-batch's share of what 1F1B holds
             cost_model = micro_batch_cost_model(cost_model, Pipeline.of(self.model_shape))
         if lengths is None:
@@ -221,7 +229,7 @@ class StepDriver:
                          iteration=self.iteration if iteration is None else iteration,
                          hardware=self.hardware if hardware is None else hardware,
                          zero_stage=self.zero_stage, vocabulary=vocabulary, **self.offload,
-                         **extra)
+                         **self.long, **extra)
 
     def plan_ahead(self, lengths: Sequence[int], *, iteration: Optional[int] = None,
                    frame_tokens: Optional[Sequence[int]] = None) -> bool:

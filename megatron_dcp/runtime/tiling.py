@@ -66,10 +66,15 @@ def tile_bounds(tokens: int, tiles: int) -> list[tuple[int, int]]:
 def _per_tile(fn: Callable[..., torch.Tensor], tiles: int, x: torch.Tensor,
               *token_args: torch.Tensor) -> torch.Tensor:
     """``fn(x_tile, *arg_tiles)`` over the tiles of dim 0, concatenated; each tile checkpointed
-    (non-reentrant) when autograd records."""
-    bounds = tile_bounds(x.shape[0], tiles)
-    if len(bounds) <= 1:
+    (non-reentrant) when autograd records. ``tiles`` > 1 calls ``fn`` exactly ``tiles`` times,
+    on empty tiles where there are fewer tokens: every task of a lockstep slot (an empty
+    micro-step's two tokens included) then calls the same modules as often, which ZeRO-3's
+    per-module parameter gathers need on every rank."""
+    if int(tiles) <= 1:
         return fn(x, *token_args)
+    bounds = tile_bounds(x.shape[0], tiles)
+    n = x.shape[0]
+    bounds += [(n, n)] * (int(tiles) - len(bounds))
     record = torch.is_grad_enabled()
     outs = []
     for s, e in bounds:
