@@ -244,23 +244,27 @@ def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]
     losing balance). ``drafts`` must be in start order; returns them in the same order."""
     last: list[Optional[int]] = [None] * ctx.world  # index into ``out`` of each rank's last task
     out: list[Draft] = []
+    padded: list[Optional[int]] = []  # padded tokens of each task of ``out``, once asked for
     for d in drafts:
         a, b = d.start_rank, d.start_rank + d.degree
         k = last[a]
         prev = out[k] if k is not None else None
         if prev is not None and prev.start_rank == a and prev.degree == d.degree and \
                 all(last[r] == k for r in range(a, b)):
-            seqs = prev.seqs + d.seqs
-            tokens = ctx.padded_tokens(seqs, d.degree)
+            if padded[k] is None:
+                padded[k] = ctx.padded_tokens(prev.seqs, d.degree)
+            tokens = padded[k] + ctx.padded_tokens(d.seqs, d.degree)
             fits_cap = tokens <= (ctx.pack_tokens or tokens)
             c = ctx.recompute_for(tokens, d.degree, mode) if fits_cap else None
             if c is not None:
-                merged = ctx.draft(a, d.degree, seqs, c)
+                merged = ctx.draft(a, d.degree, prev.seqs + d.seqs, c, sums=(
+                    prev.tokens + d.tokens, prev.pairs + d.pairs))
                 if merged.duration <= prev.duration + d.duration:
                     merged.start = prev.start
-                    out[k] = merged
+                    out[k], padded[k] = merged, tokens
                     continue
         out.append(d)
+        padded.append(None)
         for r in range(a, b):
             last[r] = len(out) - 1
     return out

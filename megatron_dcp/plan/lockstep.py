@@ -220,7 +220,8 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: 
         for t in slot.tasks:
             if t.seqs:
                 drafts.append(Draft(t.start_rank, t.degree, t.seqs, slot.recompute_layers,
-                                    t.layout, t.duration, tokens=t.tokens, slot=k))
+                                    t.layout, t.duration, tokens=t.tokens, pairs=t.pairs,
+                                    slot=k))
     retime_slots(drafts, cm)
     return drafts
 
