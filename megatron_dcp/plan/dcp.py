@@ -209,7 +209,7 @@ def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
         drafts.append(draft)
 
     for task in sorted(tasks, key=lambda t: (-t.time, t.seqs[0])):
-        work = None
+        work, tried = None, []  # its options up to where work grows too much
         for d, c, t in _options_for(ctx, task, mode):
             finish, start_rank, at, hole = earliest(d, t)
             if finish <= target:
@@ -218,18 +218,14 @@ def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
             if work is None:
                 work = d * t
             elif d * t > MAX_WORK_GROWTH * work:
-                deferred.append(task)
+                deferred.append((task, tried))  # wider groups would waste more than they save
                 break
+            tried.append((d, c, t))
         else:
-            deferred.append(task)
-    for task in sorted(deferred, key=lambda t: (-t.time, t.seqs[0])):
+            deferred.append((task, tried))
+    for task, tried in sorted(deferred, key=lambda x: (-x[0].time, x[0].seqs[0])):
         best = None
-        work = None
-        for d, c, t in _options_for(ctx, task, mode):
-            if work is None:
-                work = d * t
-            elif d * t > MAX_WORK_GROWTH * work:
-                break  # wider groups would waste more than they save
+        for d, c, t in tried:
             finish, start_rank, at, hole = earliest(d, t)
             if best is None or finish < best[0]:
                 best = (finish, d, c, start_rank, at, hole)
