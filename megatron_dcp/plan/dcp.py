@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional, Union
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, SeqChoice, floor_of,
                                        passes_for, raised)
+from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import BlockClock, Draft, PlanContext, retime
 
 
@@ -64,12 +65,18 @@ class PackedTask:
 
     seqs: list[int]
     tokens: int
-    """Tokens after padding at ``degree``."""
+    """Tokens before padding."""
+    padded_tokens: int
+    """Tokens after padding at ``degree`` (what memory counts)."""
     pairs: float
     degree: int
     """The smallest degree at which every sequence of the task fits."""
+    recompute_layers: int
+    """Recomputed layers at ``degree``."""
     time: float
-    """Predicted seconds at ``degree``."""
+    """Predicted seconds at ``degree`` (`TimeModel.best_time` of ``tokens``, as its draft's)."""
+    layout: Layout
+    """The layout of ``time``."""
 
 
 def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
@@ -81,10 +88,15 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
     token_cap = ctx.pack_tokens or float("inf")
     tasks: list[PackedTask] = []
     by_degree: dict[int, list[SeqChoice]] = {}
+
+    def alone(info: SeqChoice, degree: int) -> PackedTask:
+        time, layout = ctx.seq_best(info.length, info.pairs, degree, info.recompute_layers)
+        return PackedTask([info.i], info.length, ctx.padded(info.length, degree), info.pairs,
+                          degree, info.recompute_layers, time, layout)
+
     for info in infos:
         if info.time > limit:
-            tasks.append(PackedTask([info.i], ctx.padded(info.length, info.degree), info.pairs,
-                                    info.degree, info.time))
+            tasks.append(alone(info, info.degree))
         else:
             by_degree.setdefault(info.degree, []).append(info)
     for degree, items in by_degree.items():
@@ -92,19 +104,20 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
         cur: Optional[PackedTask] = None
         cur_recompute = 0
         for info in items:
-            tokens = ctx.padded(info.length, degree)
             if cur is not None:
-                new_tokens, new_pairs = cur.tokens + tokens, cur.pairs + info.pairs
-                c = ctx.recompute_for(new_tokens, degree, mode) if new_tokens <= token_cap else None
+                padded = cur.padded_tokens + ctx.padded(info.length, degree)
+                c = ctx.recompute_for(padded, degree, mode) if padded <= token_cap else None
                 # no more recompute than its longest sequence needs alone: recompute is work
                 if c is not None and c <= cur_recompute:
-                    t = cm.time_model.best_time(new_tokens, new_pairs, degree, c)[0]
+                    tokens, pairs = cur.tokens + info.length, cur.pairs + info.pairs
+                    t, layout = cm.time_model.best_time(tokens, pairs, degree, c)
                     if t <= limit:
                         cur.seqs.append(info.i)
-                        cur.tokens, cur.pairs, cur.time = new_tokens, new_pairs, t
+                        cur.tokens, cur.padded_tokens, cur.pairs = tokens, padded, pairs
+                        cur.recompute_layers, cur.time, cur.layout = c, t, layout
                         continue
                 tasks.append(cur)
-            cur = PackedTask([info.i], tokens, info.pairs, degree, info.time)
+            cur = alone(info, degree)
             cur_recompute = info.recompute_layers
         if cur is not None:
             tasks.append(cur)
@@ -112,19 +125,15 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
 
 
 def _options_for(ctx: PlanContext, task: PackedTask, mode: str):
-    """(degree, recompute_layers, time) of a packed task for every vocabulary degree from its
-    minimum on."""
-    lengths = ctx.lengths
-    raw = task.tokens if task.degree == 1 else sum(lengths[s] for s in task.seqs)
+    """(degree, recompute_layers, time, layout) of a packed task for every vocabulary degree
+    from its minimum on."""
+    yield task.degree, task.recompute_layers, task.time, task.layout
     for d in ctx.vocab.sizes:
-        if d < task.degree:
+        if d <= task.degree:
             continue
-        padded_tokens = raw if d == 1 else ctx.padded_tokens(task.seqs, d)
-        c = ctx.recompute_for(padded_tokens, d, mode)
-        if c is None:
-            continue
-        t = task.time if d == task.degree else ctx.cm.time_model.best_time(raw, task.pairs, d, c)[0]
-        yield d, c, t
+        c = ctx.recompute_for(ctx.padded_tokens(task.seqs, d), d, mode)
+        if c is not None:
+            yield (d, c) + ctx.cm.time_model.best_time(task.tokens, task.pairs, d, c)
 
 
 class Holes:
@@ -197,10 +206,10 @@ def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
             return found[2] + t, found[1], found[2], found[0]
         return at + t, start_rank, at, None
 
-    def put(task: PackedTask, d: int, c: int, start_rank: int, at: float,
-            hole: "int | None") -> None:
-        draft = ctx.draft(start_rank, d, task.seqs, c)
-        draft.start = at
+    def put(task: PackedTask, d: int, c: int, t: float, layout: Layout, start_rank: int,
+            at: float, hole: "int | None") -> None:
+        draft = Draft(start_rank, d, list(task.seqs), c, layout, t, tokens=task.tokens,
+                      pairs=task.pairs, start=at)
         if hole is None:
             holes.record(clock.avail, start_rank, d, at)
             clock.occupy(start_rank, d, at + draft.duration)
@@ -210,25 +219,25 @@ def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
 
     for task in sorted(tasks, key=lambda t: (-t.time, t.seqs[0])):
         work, tried = None, []  # its options up to where work grows too much
-        for d, c, t in _options_for(ctx, task, mode):
+        for d, c, t, layout in _options_for(ctx, task, mode):
             finish, start_rank, at, hole = earliest(d, t)
             if finish <= target:
-                put(task, d, c, start_rank, at, hole)
+                put(task, d, c, t, layout, start_rank, at, hole)
                 break
             if work is None:
                 work = d * t
             elif d * t > MAX_WORK_GROWTH * work:
                 deferred.append((task, tried))  # wider groups would waste more than they save
                 break
-            tried.append((d, c, t))
+            tried.append((d, c, t, layout))
         else:
             deferred.append((task, tried))
     for task, tried in sorted(deferred, key=lambda x: (-x[0].time, x[0].seqs[0])):
         best = None
-        for d, c, t in tried:
+        for d, c, t, layout in tried:
             finish, start_rank, at, hole = earliest(d, t)
             if best is None or finish < best[0]:
-                best = (finish, d, c, start_rank, at, hole)
+                best = (finish, d, c, t, layout, start_rank, at, hole)
         put(task, *best[1:])
     drafts.sort(key=lambda d: (d.start, d.start_rank))
     return drafts
