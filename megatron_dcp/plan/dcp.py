@@ -25,6 +25,7 @@ of ``SEARCH_PASSES`` (fewer for large inputs, to stay within the latency budget)
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
@@ -172,10 +173,9 @@ class Holes:
                 continue
             if starts is None:
                 starts = self.vocab.starts(size)
-            for s in starts:
-                if s >= r0 and s + size <= r1:
-                    best = (k, s, free)
-                    break
+            j = bisect_left(starts, r0)  # the first group from r0 on (starts ascend)
+            if j < len(starts) and starts[j] + size <= r1:
+                best = (k, starts[j], free)
         return best
 
     def take(self, k: int, start: int, size: int, end: float) -> None:
