@@ -163,9 +163,9 @@ def lockstep_items(ctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode: 
                    ) -> tuple[list[Item], list[Item]]:
     """The wide or deep items and the short ones of a pass, longest first: each sequence at
     ``lift`` of its `degree_choice` (raised to the pass's floor, or its choice under recompute
-    ``full``), its degree chosen by `choose` for slots of ``target`` seconds; ``grain`` > 0:
-    wide items of at most ``grain x target`` seconds packed (`pack_wide`). ``same``: the
-    sequences' choices grouped by length and choice (one `choose` per group)."""
+    ``full`` from the floor on), its degree chosen by `choose` for slots of ``target`` seconds;
+    ``grain`` > 0: wide items of at most ``grain x target`` seconds packed (`pack_wide`).
+    ``same``: the sequences' choices grouped by length and choice (one `choose` per group)."""
     base = ctx.cm.model.num_layers if mode == "full" else 0
     wide, short = [], []
     for group in same:
