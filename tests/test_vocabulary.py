@@ -135,3 +135,14 @@ def test_plans_over_a_data_vocabulary_are_valid_and_charge_its_communicators():
     with pytest.raises(PlanError, match="vocabulary="):
         make_plan(lengths, world_size=32, model=model, config=config.replace(max_degree=8),
                   vocabulary=vocab)
+
+
+@pytest.mark.parametrize("world,rpn,max_degree,sizes", [
+    (1024, 8, None, None), (96, 6, None, None), (40, 8, 16, None), (12, 4, None, (1, 3, 12)),
+    (7, 8, None, None)])
+def test_starts_ascend(world, rpn, max_degree, sizes):
+    # the list scheduler's holes find a group by bisection over Vocabulary.starts
+    vocab = Vocabulary(world, rpn, max_degree, sizes=sizes)
+    for size in vocab.sizes:
+        starts = vocab.starts(size)
+        assert list(starts) == sorted(set(starts)) and starts

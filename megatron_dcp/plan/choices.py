@@ -131,12 +131,14 @@ def _least_work_option(ctx: PlanContext, n: int, pairs: float, fits, least: list
     return found
 
 
-def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[float, float]:
-    """Minimal degrees and times; returns (total work / ranks, longest fastest time)."""
+def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str, floor: int = 0
+                  ) -> tuple[float, float]:
+    """Minimal degrees and times, of the vocabulary sizes from ``floor`` on (a size); returns
+    (total work / ranks, longest fastest time)."""
     total = 0.0
     overhead = ctx.cm.time_model.task_overhead
     seq_time, padded, recompute_for = ctx.seq_time, ctx.padded, ctx.recompute_for
-    smallest = ctx.vocab.sizes[0]
+    smallest = max(ctx.vocab.sizes[0], floor)
     chosen: dict[tuple[int, float], tuple[int, int, float]] = {}
     kinds = _layout_kinds(ctx)
     bounds: dict[tuple[tuple[int, int], ...], list[float]] = {}
@@ -147,6 +149,8 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str) -> tuple[
             info.degree, info.recompute_layers = smallest, 0  # most sequences: no options needed
         else:
             fits = ctx.fits(n, mode)
+            if floor:
+                fits = tuple(f for f in fits if f[0] >= floor) or fits
             if fits:
                 info.degree, info.recompute_layers = fits[0]
         if info.recompute_layers:

@@ -25,11 +25,13 @@ of ``SEARCH_PASSES`` (fewer for large inputs, to stay within the latency budget)
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, SeqChoice, floor_of,
                                        passes_for, raised)
+from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import BlockClock, Draft, PlanContext, retime
 
 
@@ -64,12 +66,18 @@ class PackedTask:
 
     seqs: list[int]
     tokens: int
-    """Tokens after padding at ``degree``."""
+    """Tokens before padding."""
+    padded_tokens: int
+    """Tokens after padding at ``degree`` (what memory counts)."""
     pairs: float
     degree: int
     """The smallest degree at which every sequence of the task fits."""
+    recompute_layers: int
+    """Recomputed layers at ``degree``."""
     time: float
-    """Predicted seconds at ``degree``."""
+    """Predicted seconds at ``degree`` (`TimeModel.best_time` of ``tokens``, as its draft's)."""
+    layout: Layout
+    """The layout of ``time``."""
 
 
 def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
@@ -81,10 +89,15 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
     token_cap = ctx.pack_tokens or float("inf")
     tasks: list[PackedTask] = []
     by_degree: dict[int, list[SeqChoice]] = {}
+
+    def alone(info: SeqChoice, degree: int) -> PackedTask:
+        time, layout = ctx.seq_best(info.length, info.pairs, degree, info.recompute_layers)
+        return PackedTask([info.i], info.length, ctx.padded(info.length, degree), info.pairs,
+                          degree, info.recompute_layers, time, layout)
+
     for info in infos:
         if info.time > limit:
-            tasks.append(PackedTask([info.i], ctx.padded(info.length, info.degree), info.pairs,
-                                    info.degree, info.time))
+            tasks.append(alone(info, info.degree))
         else:
             by_degree.setdefault(info.degree, []).append(info)
     for degree, items in by_degree.items():
@@ -92,19 +105,20 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
         cur: Optional[PackedTask] = None
         cur_recompute = 0
         for info in items:
-            tokens = ctx.padded(info.length, degree)
             if cur is not None:
-                new_tokens, new_pairs = cur.tokens + tokens, cur.pairs + info.pairs
-                c = ctx.recompute_for(new_tokens, degree, mode) if new_tokens <= token_cap else None
+                padded = cur.padded_tokens + ctx.padded(info.length, degree)
+                c = ctx.recompute_for(padded, degree, mode) if padded <= token_cap else None
                 # no more recompute than its longest sequence needs alone: recompute is work
                 if c is not None and c <= cur_recompute:
-                    t = cm.time_model.best_time(new_tokens, new_pairs, degree, c)[0]
+                    tokens, pairs = cur.tokens + info.length, cur.pairs + info.pairs
+                    t, layout = cm.time_model.best_time(tokens, pairs, degree, c)
                     if t <= limit:
                         cur.seqs.append(info.i)
-                        cur.tokens, cur.pairs, cur.time = new_tokens, new_pairs, t
+                        cur.tokens, cur.padded_tokens, cur.pairs = tokens, padded, pairs
+                        cur.recompute_layers, cur.time, cur.layout = c, t, layout
                         continue
                 tasks.append(cur)
-            cur = PackedTask([info.i], tokens, info.pairs, degree, info.time)
+            cur = alone(info, degree)
             cur_recompute = info.recompute_layers
         if cur is not None:
             tasks.append(cur)
@@ -112,19 +126,15 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
 
 
 def _options_for(ctx: PlanContext, task: PackedTask, mode: str):
-    """(degree, recompute_layers, time) of a packed task for every vocabulary degree from its
-    minimum on."""
-    lengths = ctx.lengths
-    raw = task.tokens if task.degree == 1 else sum(lengths[s] for s in task.seqs)
+    """(degree, recompute_layers, time, layout) of a packed task for every vocabulary degree
+    from its minimum on."""
+    yield task.degree, task.recompute_layers, task.time, task.layout
     for d in ctx.vocab.sizes:
-        if d < task.degree:
+        if d <= task.degree:
             continue
-        padded_tokens = raw if d == 1 else ctx.padded_tokens(task.seqs, d)
-        c = ctx.recompute_for(padded_tokens, d, mode)
-        if c is None:
-            continue
-        t = task.time if d == task.degree else ctx.cm.time_model.best_time(raw, task.pairs, d, c)[0]
-        yield d, c, t
+        c = ctx.recompute_for(ctx.padded_tokens(task.seqs, d), d, mode)
+        if c is not None:
+            yield (d, c) + ctx.cm.time_model.best_time(task.tokens, task.pairs, d, c)
 
 
 class Holes:
@@ -163,10 +173,9 @@ class Holes:
                 continue
             if starts is None:
                 starts = self.vocab.starts(size)
-            for s in starts:
-                if s >= r0 and s + size <= r1:
-                    best = (k, s, free)
-                    break
+            j = bisect_left(starts, r0)  # the first group from r0 on (starts ascend)
+            if j < len(starts) and starts[j] + size <= r1:
+                best = (k, starts[j], free)
         return best
 
     def take(self, k: int, start: int, size: int, end: float) -> None:
@@ -197,10 +206,10 @@ def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
             return found[2] + t, found[1], found[2], found[0]
         return at + t, start_rank, at, None
 
-    def put(task: PackedTask, d: int, c: int, start_rank: int, at: float,
-            hole: "int | None") -> None:
-        draft = ctx.draft(start_rank, d, task.seqs, c)
-        draft.start = at
+    def put(task: PackedTask, d: int, c: int, t: float, layout: Layout, start_rank: int,
+            at: float, hole: "int | None") -> None:
+        draft = Draft(start_rank, d, list(task.seqs), c, layout, t, tokens=task.tokens,
+                      pairs=task.pairs, start=at)
         if hole is None:
             holes.record(clock.avail, start_rank, d, at)
             clock.occupy(start_rank, d, at + draft.duration)
@@ -209,30 +218,26 @@ def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
         drafts.append(draft)
 
     for task in sorted(tasks, key=lambda t: (-t.time, t.seqs[0])):
-        work = None
-        for d, c, t in _options_for(ctx, task, mode):
+        work, tried = None, []  # its options up to where work grows too much
+        for d, c, t, layout in _options_for(ctx, task, mode):
             finish, start_rank, at, hole = earliest(d, t)
             if finish <= target:
-                put(task, d, c, start_rank, at, hole)
+                put(task, d, c, t, layout, start_rank, at, hole)
                 break
             if work is None:
                 work = d * t
             elif d * t > MAX_WORK_GROWTH * work:
-                deferred.append(task)
+                deferred.append((task, tried))  # wider groups would waste more than they save
                 break
+            tried.append((d, c, t, layout))
         else:
-            deferred.append(task)
-    for task in sorted(deferred, key=lambda t: (-t.time, t.seqs[0])):
+            deferred.append((task, tried))
+    for task, tried in sorted(deferred, key=lambda x: (-x[0].time, x[0].seqs[0])):
         best = None
-        work = None
-        for d, c, t in _options_for(ctx, task, mode):
-            if work is None:
-                work = d * t
-            elif d * t > MAX_WORK_GROWTH * work:
-                break  # wider groups would waste more than they save
+        for d, c, t, layout in tried:
             finish, start_rank, at, hole = earliest(d, t)
             if best is None or finish < best[0]:
-                best = (finish, d, c, start_rank, at, hole)
+                best = (finish, d, c, t, layout, start_rank, at, hole)
         put(task, *best[1:])
     drafts.sort(key=lambda d: (d.start, d.start_rank))
     return drafts
@@ -244,23 +249,27 @@ def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]
     losing balance). ``drafts`` must be in start order; returns them in the same order."""
     last: list[Optional[int]] = [None] * ctx.world  # index into ``out`` of each rank's last task
     out: list[Draft] = []
+    padded: list[Optional[int]] = []  # padded tokens of each task of ``out``, once asked for
     for d in drafts:
         a, b = d.start_rank, d.start_rank + d.degree
         k = last[a]
         prev = out[k] if k is not None else None
         if prev is not None and prev.start_rank == a and prev.degree == d.degree and \
                 all(last[r] == k for r in range(a, b)):
-            seqs = prev.seqs + d.seqs
-            tokens = ctx.padded_tokens(seqs, d.degree)
+            if padded[k] is None:
+                padded[k] = ctx.padded_tokens(prev.seqs, d.degree)
+            tokens = padded[k] + ctx.padded_tokens(d.seqs, d.degree)
             fits_cap = tokens <= (ctx.pack_tokens or tokens)
             c = ctx.recompute_for(tokens, d.degree, mode) if fits_cap else None
             if c is not None:
-                merged = ctx.draft(a, d.degree, seqs, c)
+                merged = ctx.draft(a, d.degree, prev.seqs + d.seqs, c, sums=(
+                    prev.tokens + d.tokens, prev.pairs + d.pairs))
                 if merged.duration <= prev.duration + d.duration:
                     merged.start = prev.start
-                    out[k] = merged
+                    out[k], padded[k] = merged, tokens
                     continue
         out.append(d)
+        padded.append(None)
         for r in range(a, b):
             last[r] = len(out) - 1
     return out

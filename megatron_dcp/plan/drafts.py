@@ -31,6 +31,9 @@ class Draft:
     release: float = 0.0
     """Earliest start (a lockstep baseline's round barrier); 0 for free-running plans."""
     tokens: int = 0
+    """Tokens of ``seqs`` before padding."""
+    pairs: float = 0.0
+    """Attention pairs of ``seqs``."""
     start: float = 0.0
     slot: Optional[int] = None
     """Lockstep slot; ``None`` in a free schedule."""
@@ -151,16 +154,19 @@ class PlanContext:
         return "none" if self.recompute_mode == "none" else "full"
 
     def draft(self, start_rank: int, degree: int, seqs: list[int], recompute_layers: int,
-              release: float = 0.0, layout: Optional[Layout] = None) -> Draft:
-        """A draft task with its best layout and predicted duration."""
-        tokens = sum(self.lengths[s] for s in seqs)
-        pairs = sum(self.pairs[s] for s in seqs)
+              release: float = 0.0, layout: Optional[Layout] = None,
+              sums: Optional[tuple[int, float]] = None) -> Draft:
+        """A draft task with its best layout and predicted duration. ``sums``: the tokens and
+        attention pairs of ``seqs``, where the caller has them."""
+        if sums is None:
+            sums = (sum(self.lengths[s] for s in seqs), sum(self.pairs[s] for s in seqs))
+        tokens, pairs = sums
         if layout is None:
             duration, layout = self.seq_best(tokens, pairs, degree, recompute_layers)
         else:
             duration = self.cm.time_model.time_of(tokens, pairs, layout, recompute_layers)
         return Draft(start_rank, degree, list(seqs), recompute_layers, layout, duration, release,
-                     tokens)
+                     tokens, pairs)
 
 
 def retime(drafts: Sequence[Draft], world: int, barriers: "bool | str" = True) -> float:

@@ -220,7 +220,8 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: 
         for t in slot.tasks:
             if t.seqs:
                 drafts.append(Draft(t.start_rank, t.degree, t.seqs, slot.recompute_layers,
-                                    t.layout, t.duration, tokens=t.tokens, slot=k))
+                                    t.layout, t.duration, tokens=t.tokens, pairs=t.pairs,
+                                    slot=k))
     retime_slots(drafts, cm)
     return drafts
 
@@ -252,13 +253,13 @@ def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
 
 def _full_lift(ctx: PlanContext, infos: list[SeqChoice], floor: int
                ) -> Callable[[SeqChoice], SeqChoice]:
-    """A sequence's `degree_choice` under recompute ``full`` (one per length: the same for each
-    sequence of a length), raised to ``floor``."""
+    """A sequence's `degree_choice` under recompute ``full`` from the size ``floor`` on (one per
+    length: the same for each sequence of a length)."""
     full: dict[tuple[int, float], SeqChoice] = {}
     for x in infos:
         full.setdefault((x.length, x.pairs), SeqChoice(x.i, x.length, x.pairs))
-    degree_choice(ctx, list(full.values()), "full")
-    return lambda info: raised(ctx, full[(info.length, info.pairs)], "full", floor)
+    degree_choice(ctx, list(full.values()), "full", floor)
+    return lambda info: full[(info.length, info.pairs)]
 
 
 def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from megatron_dcp.plan.choices import MAX_WORK_GROWTH, OVERHEAD_TASKS, SeqChoice, fill_options
 from megatron_dcp.plan.drafts import PlanContext
@@ -42,7 +42,7 @@ class Item:
     duration: float
     choices: Optional[list[tuple[int, int]]] = None
     """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where the
-    item fits, smallest first; ``None``: not found yet (`options`)."""
+    item fits, smallest first; ``None``: not known (`options` finds them as asked)."""
     _padded: Optional[dict[int, int]] = field(default=None, repr=False)
 
     def padded(self, ctx: PlanContext, degree: int) -> int:
@@ -56,16 +56,17 @@ class Item:
             found = self._padded[degree] = ctx.padded_tokens(self.seqs, degree)
         return found
 
-    def options(self, ctx: PlanContext, mode: str) -> list[tuple[int, int]]:
-        """`choices`, found on first use."""
-        if self.choices is None:
-            self.choices = []
-            for d in ctx.vocab.sizes:
-                if d >= self.degree:
-                    c = ctx.recompute_for(self.padded(ctx, d), d, mode)
-                    if c is not None:
-                        self.choices.append((d, c))
-        return self.choices
+    def options(self, ctx: PlanContext, mode: str) -> Iterator[tuple[int, int]]:
+        """`choices`, or where they are not known, the same found as asked (a caller mostly
+        takes the first)."""
+        if self.choices is not None:
+            yield from self.choices
+            return
+        for d in ctx.vocab.sizes:
+            if d >= self.degree:
+                c = ctx.recompute_for(self.padded(ctx, d), d, mode)
+                if c is not None:
+                    yield d, c
 
 
 def choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int
@@ -162,9 +163,9 @@ def lockstep_items(ctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode: 
                    ) -> tuple[list[Item], list[Item]]:
     """The wide or deep items and the short ones of a pass, longest first: each sequence at
     ``lift`` of its `degree_choice` (raised to the pass's floor, or its choice under recompute
-    ``full``), its degree chosen by `choose` for slots of ``target`` seconds; ``grain`` > 0:
-    wide items of at most ``grain x target`` seconds packed (`pack_wide`). ``same``: the
-    sequences' choices grouped by length and choice (one `choose` per group)."""
+    ``full`` from the floor on), its degree chosen by `choose` for slots of ``target`` seconds;
+    ``grain`` > 0: wide items of at most ``grain x target`` seconds packed (`pack_wide`).
+    ``same``: the sequences' choices grouped by length and choice (one `choose` per group)."""
     base = ctx.cm.model.num_layers if mode == "full" else 0
     wide, short = [], []
     for group in same:

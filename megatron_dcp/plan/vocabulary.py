@@ -166,7 +166,8 @@ class Vocabulary:
                    ulysses_scope=getattr(cost_model, "ulysses_scope", "any"))
 
     def starts(self, size: int) -> tuple[int, ...]:
-        """First ranks of groups of ``size`` ranks (empty: the size is not in the vocabulary)."""
+        """First ranks of groups of ``size`` ranks, ascending (empty: the size is not in the
+        vocabulary)."""
         return self._starts.get(size, ())
 
     def groups(self) -> Iterator[tuple[int, ...]]:
