@@ -147,12 +147,11 @@ def slot_costs(plan: Plan, cm: CostModel) -> list[SlotCost]:
     if not plan.lockstep:
         raise PlanError("a pipeline runs lockstep plans only (slots are its micro-batches)")
     depths = plan.slot_recompute_layers()
-    n_slots, world = len(depths), plan.world_size
-    length = [cm.time_model.slot_time(c) for c in depths]
-    local = [[0] * world for _ in range(n_slots)]
-    frames = plan.frame_tokens
+    world = plan.world_size
+    length = cm.time_model.slot_lengths(depths, (
+        (t.slot, cm.time_model.task_time(t, plan.lengths, plan.frame_tokens)) for t in plan.tasks))
+    local = [[0] * world for _ in depths]
     for t in plan.tasks:
-        length[t.slot] = max(length[t.slot], cm.time_model.task_time(t, plan.lengths, frames))
         tokens = sum(padded_length(plan.lengths[s], t.ulysses, t.ring) for s in t.seqs)
         for r in t.ranks:
             local[t.slot][r] = math.ceil(tokens / len(t.ranks))
