@@ -130,15 +130,14 @@ def _to_device(x: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- timing
-class _Clock:
-    """Per-task forward/backward times without a host sync per task.
+class Clock:
+    """Marks in time without a host sync per mark, and the seconds between them: on CUDA
+    (``cuda``) events recorded on the current stream, read once at the end (one synchronize);
+    elsewhere ``perf_counter`` (CPU ops are synchronous). The one clock of a step: `PlanWork`
+    times its tasks with one, the Megatron pipeline's ``SlotTimers`` each timer name with one."""
 
-    On CUDA, events are recorded on the current stream and read once, after the step's last
-    task (one synchronize per step); elsewhere ``perf_counter`` (CPU ops are synchronous).
-    """
-
-    def __init__(self, device: Optional[torch.device]) -> None:
-        self.cuda = device is not None and device.type == "cuda"
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
         self.marks: list = []
 
     def mark(self) -> None:
@@ -150,13 +149,11 @@ class _Clock:
             self.marks.append(time.perf_counter())
 
     def seconds(self) -> list[float]:
-        """Differences of consecutive marks of each task (3 marks per task), in seconds."""
+        """Seconds between consecutive marks."""
         if self.cuda and self.marks:
             self.marks[-1].synchronize()
-            gap = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        else:
-            gap = [b - a for a, b in zip(self.marks, self.marks[1:])]
-        return gap
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def _task_stats(task: Task, layout: ShardLayout, forward_s: float,
@@ -248,7 +245,7 @@ class PlanWork:
         self.task_losses: list[tuple[int, torch.Tensor]] = []
         """``(task id, weighted loss)`` of every task recorded: checked for non-finite values
         once, after the step (one host sync)."""
-        self._clock = _Clock(self.device)
+        self._clock = Clock(self.comm_device is not None)
         self._timing: Optional[MicroStep] = None  # the micro-step inside `running`
         self._timed: list[MicroStep] = []  # timed by `running`, in order
         self._ran: list[tuple[MicroStep, Optional[float], Optional[float]]] = []
