@@ -204,13 +204,14 @@ def retime(drafts: Sequence[Draft], world: int, barriers: "bool | str" = True) -
 def retime_slots(drafts: Sequence[Draft], cm: CostModel) -> float:
     """Start times of a lockstep schedule: slot ``k`` starts when slot ``k - 1`` has ended and
     lasts the longer of its longest task and `TimeModel.slot_time` (every rank runs a micro-step
-    in every slot; `TimeModel.slot_lengths`). Every draft needs a slot. Returns the makespan
+    in every slot; `TimeModel.slot_durations`). Every draft needs a slot. Returns the makespan
     (the simulator's rule too)."""
     recompute_layers = [0] * (max((d.slot for d in drafts), default=-1) + 1)
     for d in drafts:
         recompute_layers[d.slot] = d.recompute_layers
-    length = cm.time_model.slot_lengths(recompute_layers, ((d.slot, d.duration) for d in drafts))
-    starts = list(itertools.accumulate(length, initial=0.0))
+    durations = cm.time_model.slot_durations(recompute_layers,
+                                             ((d.slot, d.duration) for d in drafts))
+    starts = list(itertools.accumulate(durations, initial=0.0))
     for d in drafts:
         d.start = starts[d.slot]
     return starts[-1]

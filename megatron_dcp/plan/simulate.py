@@ -205,9 +205,9 @@ def _moldable_bound(bound: float, work: float, seqs: Sequence[tuple[int, float, 
 
 def _slot_starts(plan: Plan, cm: CostModel, parts: Sequence) -> list[float]:
     """Start of every slot of a lockstep plan, and its end as the last entry."""
-    length = cm.time_model.slot_lengths(plan.slot_recompute_layers(),
-                                        ((t.slot, p.total) for t, p in zip(plan.tasks, parts)))
-    return list(itertools.accumulate(length, initial=0.0))
+    durations = cm.time_model.slot_durations(
+        plan.slot_recompute_layers(), ((t.slot, p.total) for t, p in zip(plan.tasks, parts)))
+    return list(itertools.accumulate(durations, initial=0.0))
 
 
 class _Timeline(NamedTuple):

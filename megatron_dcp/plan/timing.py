@@ -389,17 +389,17 @@ class TimeModel:
         one = self.time_of(1, g.attn_pairs(1), g.layouts(1)[0], recompute_layers)
         return max(one, comm)
 
-    def slot_lengths(self, recompute_layers: Sequence[int],
+    def slot_durations(self, recompute_layers: Sequence[int],
                      tasks: Iterable[tuple[int, float]]) -> list[float]:
         """Seconds of every lockstep slot, by slot index: the longer of its longest task and
         `slot_time` (``recompute_layers``: of each slot; ``tasks``: ``(slot, seconds)`` of every
         task; a slot no task uses lasts `slot_time`). The one place of this rule: the planner
         (`retime_slots`), the simulator, the pipeline's slot costs and the slot reordering
         call it, each with its own task seconds."""
-        length = [self.slot_time(c) for c in recompute_layers]
+        durations = [self.slot_time(c) for c in recompute_layers]
         for slot, seconds in tasks:
-            length[slot] = max(length[slot], seconds)
-        return length
+            durations[slot] = max(durations[slot], seconds)
+        return durations
 
     def model_flops(self, lengths: Sequence[int],
                     frame_tokens: Optional[Sequence[int]] = None) -> float:
