@@ -235,7 +235,6 @@ class PlanWork:
         self.weight_of = sequence_weighting(plan, loss_reduction, self.targets)
         self.total = target_count(plan, self.targets)
         self.order = _rank_order(plan, rank)
-        self._slot_tiles = _empty_step_tiles(plan, rank)
         self.micro_steps = max(len(self.order), min_micro_steps)
         """This rank's micro-steps, empty ones included."""
         self.local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -253,9 +252,8 @@ class PlanWork:
     def __iter__(self) -> Iterator[MicroStep]:
         for i in range(self.micro_steps):
             last = i == self.micro_steps - 1
-            task, layers = self.order[i] if i < len(self.order) else (None, 0)
+            task, layers, tiles = self.order[i] if i < len(self.order) else (None, 0, 1)
             if task is None:
-                tiles = self._slot_tiles[i] if i < len(self._slot_tiles) else 1
                 yield self.empty_step(layers, last, mlp_tiles=tiles)
             else:
                 yield self._task_step(task, last)
@@ -360,33 +358,19 @@ class PlanWork:
                          groups_created=self.groups_created)
 
 
-def _rank_order(plan: Plan, rank: int) -> list[tuple[Optional[Task], int]]:
-    """``(task, recompute_layers)`` of this rank's micro-steps in plan order; in a lockstep plan
-    ``(None, the slot's recompute_layers)`` for each slot where this rank has no task."""
-    slots = plan.slot_recompute_layers()  # [] for a free plan
-    order: list[tuple[Optional[Task], int]] = []
+def _rank_order(plan: Plan, rank: int) -> list[tuple[Optional[Task], int, int]]:
+    """``(task, recompute_layers, mlp_tiles)`` of this rank's micro-steps in plan order; in a
+    lockstep plan ``(None, the slot's recompute_layers, the slot's mlp_tiles)`` for each slot
+    where this rank has no task: what its empty micro-step runs."""
+    slots = list(zip(plan.slot_recompute_layers(), plan.slot_mlp_tiles()))  # [] for a free plan
+    order: list[tuple[Optional[Task], int, int]] = []
     next_slot = 0
     for task in plan.tasks_for_rank(rank):
         if slots:
-            order += [(None, layers) for layers in slots[next_slot:task.slot]]
+            order += [(None, layers, tiles) for layers, tiles in slots[next_slot:task.slot]]
             next_slot = task.slot + 1
-        order.append((task, task.recompute_layers))
-    return order + [(None, layers) for layers in slots[next_slot:]]
-
-
-def _empty_step_tiles(plan: Plan, rank: int) -> list[int]:
-    """Per micro-step of this rank (`_rank_order`'s order), its slot's MLP tiles (1 for a free
-    plan): what an empty micro-step of that slot runs."""
-    tiles = plan.slot_mlp_tiles()
-    if not tiles:
-        return []
-    out: list[int] = []
-    next_slot = 0
-    for task in plan.tasks_for_rank(rank):
-        out += tiles[next_slot:task.slot]
-        out.append(task.mlp_tiles)
-        next_slot = task.slot + 1
-    return out + tiles[next_slot:]
+        order.append((task, task.recompute_layers, task.mlp_tiles))
+    return order + [(None, layers, tiles) for layers, tiles in slots[next_slot:]]
 
 
 def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
