@@ -89,7 +89,7 @@ def test_assigning_twice_changes_nothing_and_loss_tiling_off_keeps_loss_whole():
 
 
 def test_lockstep_slots_share_their_mlp_tiles_and_empty_steps_run_them():
-    from megatron_dcp.runtime.executor import _empty_step_tiles, _rank_order
+    from megatron_dcp.runtime.executor import _rank_order
 
     lengths = [700, 300, 40, 20, 90, 7, 130, 650, 5]
     plan = make_plan(lengths, world_size=2, model=SHAPE, config=_config(stage=3), zero_stage=3,
@@ -99,8 +99,7 @@ def test_lockstep_slots_share_their_mlp_tiles_and_empty_steps_run_them():
     for t in plan.tasks:
         assert t.mlp_tiles == slots[t.slot]
     for rank in range(2):
-        order, tiles = _rank_order(plan, rank), _empty_step_tiles(plan, rank)
-        assert len(order) == len(tiles) == len(slots)
+        tiles = [tiles for _, _, tiles in _rank_order(plan, rank)]
         assert tiles == slots  # one micro-step per slot, each with its slot's tiles
 
 

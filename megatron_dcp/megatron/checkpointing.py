@@ -46,6 +46,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dcp.megatron.engine import MegatronParallel
 from megatron_dcp.runtime.checkpoint_dir import CheckpointError, save_atomically, save_file
 from megatron_dcp.runtime.checkpoint_verify import agree, split_load_path, verify_checkpoint
 from megatron_dcp.runtime.safe_load import SafeFileSystemReader, load_weights
@@ -62,13 +63,12 @@ def parallel_layout(model: Any, optimizer: Any) -> dict[str, Any]:
     """The layout a checkpoint records: world, tensor-, pipeline- and data-parallel sizes, the
     model chunks per rank (``virtual_pipeline``: 1 without virtual stages) and whether the
     optimizer is Megatron's distributed one."""
-    from megatron.core import parallel_state
-
+    parallel = MegatronParallel.of()
     return {"world_size": dist.get_world_size(),
-            "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
-            "pipeline_parallel": parallel_state.get_pipeline_model_parallel_world_size(),
+            "tensor_parallel": parallel.tensor,
+            "pipeline_parallel": parallel.pipeline,
             "virtual_pipeline": len(_chunks(model)),
-            "data_parallel": parallel_state.get_data_parallel_world_size(),
+            "data_parallel": dist.get_world_size(parallel.data_group),
             "distributed_optimizer": is_distributed_optimizer(optimizer)}
 
 
@@ -267,9 +267,7 @@ def _divisible_by_hint(saved_rows: int, vocab_size: Optional[int]) -> Optional[i
     ``saved_rows`` at this run's tensor-parallel size, or None."""
     if vocab_size is None:
         return None
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp = MegatronParallel.of().tensor
     for d in range(saved_rows // tp, 0, -1):
         m = d * tp
         if -(-vocab_size // m) * m == saved_rows:

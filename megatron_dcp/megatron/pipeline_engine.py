@@ -12,7 +12,6 @@ docs/MEGATRON.md.
 from __future__ import annotations
 
 import functools
-import time
 from contextlib import contextmanager, nullcontext
 from typing import Optional
 
@@ -20,7 +19,7 @@ import torch
 
 from megatron_dcp.megatron.engine import MegatronParallel, MegatronStepEngine, token_losses
 from megatron_dcp.plan.pipeline import interleaved_micro_batches
-from megatron_dcp.runtime.executor import MicroStep, PlanWork
+from megatron_dcp.runtime.executor import Clock, MicroStep, PlanWork
 
 
 @contextmanager
@@ -59,8 +58,8 @@ class SlotTimers:
     """Megatron's ``config.timers`` during one DCP schedule call: times the ``forward-compute``
     (forward and loss) and ``backward-compute`` of every micro-batch on this stage, for the
     calibration, and passes every call on to the timers it stands in for (``inner``: Megatron-LM's,
-    or ``None``). As the free path's task clock (`megatron_dcp.runtime.executor`): CUDA events on
-    the current stream, read once after the schedule (one synchronize), else ``perf_counter``.
+    or ``None``). One `Clock` per timer name (CUDA events read once after the schedule, else
+    ``perf_counter``), as `PlanWork` times its tasks.
 
     The micro-batch of a forward is the one its ``forward_step_func`` takes (`forward`); a stage
     runs the backwards in the order of its forwards (1F1B; interleaved, Megatron's schedule table
@@ -70,10 +69,10 @@ class SlotTimers:
     _NAMES = ("forward-compute", "backward-compute")
 
     def __init__(self, inner=None, cuda: bool = False) -> None:
-        self.inner, self.cuda = inner, cuda
+        self.inner = inner
         self.forwards: list = []
         """The micro-batch of each forward, in order."""
-        self.marks: dict[str, list] = {name: [] for name in self._NAMES}
+        self.clocks = {name: Clock(cuda) for name in self._NAMES}
 
     def forward(self, step) -> None:
         """The forward now running is ``step``'s (called from the ``forward_step_func``)."""
@@ -86,29 +85,17 @@ class SlotTimers:
         return _SlotTimer(self, name, inner)
 
     def _mark(self, name: str) -> None:
-        if name not in self.marks:
-            return
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks[name].append(event)
-        else:
-            self.marks[name].append(time.perf_counter())
+        if name in self.clocks:
+            self.clocks[name].mark()
 
     def seconds(self) -> list[tuple[object, float, float]]:
         """``(micro-batch, forward seconds, backward seconds)`` of every micro-batch this stage
         ran, its model chunks summed (backward 0 when forward only); ``[]`` when the marks do not
         pair up with the forwards (a schedule that calls the timers otherwise)."""
-        spans = {}
-        for name, marks in self.marks.items():
-            if self.cuda and marks:
-                marks[-1].synchronize()
-                spans[name] = [a.elapsed_time(b) / 1e3 for a, b in zip(marks[::2], marks[1::2])]
-            else:
-                spans[name] = [b - a for a, b in zip(marks[::2], marks[1::2])]
-        forward, backward = spans["forward-compute"], spans["backward-compute"]
+        # a timer's marks are start, stop, start, ...: every other gap is a micro-batch's
+        forward, backward = (self.clocks[name].seconds()[::2] for name in self._NAMES)
         n = len(self.forwards)
-        if any(len(m) % 2 for m in self.marks.values()) or len(forward) != n \
+        if any(len(c.marks) % 2 for c in self.clocks.values()) or len(forward) != n \
                 or len(backward) not in (0, n):
             return []
         totals: dict[int, list] = {}

@@ -84,7 +84,13 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
           ) -> list[PackedTask]:
     """Sequences whose time at their minimal degree is at most ``limit`` packed (next-fit,
     longest first) into tasks of up to ``limit`` seconds (and ``pack_tokens`` tokens when the
-    config sets it); longer sequences become tasks of their own."""
+    config sets it); longer sequences become tasks of their own.
+
+    The lockstep passes pack with `megatron_dcp.plan.lockstep_items.pack_wide`, which differs on
+    purpose: there a slot's tasks share its recomputed layers, so it groups per degree and
+    recomputed layers and keeps them, and bounds each group by its slot's share (``GRAIN_TOKENS``,
+    ``TAIL``); here a task is free to recompute anything up to what its longest sequence needs
+    alone, and is timed at its best layout."""
     cm = ctx.cm
     token_cap = ctx.pack_tokens or float("inf")
     tasks: list[PackedTask] = []

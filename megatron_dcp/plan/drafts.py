@@ -5,6 +5,7 @@ tasks (`Draft`), rank availability (`BlockClock`), re-timing, DCP-intra on a fin
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -203,19 +204,17 @@ def retime(drafts: Sequence[Draft], world: int, barriers: "bool | str" = True) -
 def retime_slots(drafts: Sequence[Draft], cm: CostModel) -> float:
     """Start times of a lockstep schedule: slot ``k`` starts when slot ``k - 1`` has ended and
     lasts the longer of its longest task and `TimeModel.slot_time` (every rank runs a micro-step
-    in every slot). Every draft needs a slot. Returns the makespan (the simulator's rule too)."""
-    slot_len: dict[int, float] = {}
-    recompute_layers: dict[int, int] = {}
+    in every slot; `TimeModel.slot_durations`). Every draft needs a slot. Returns the makespan
+    (the simulator's rule too)."""
+    recompute_layers = [0] * (max((d.slot for d in drafts), default=-1) + 1)
     for d in drafts:
-        slot_len[d.slot] = max(slot_len.get(d.slot, 0.0), d.duration)
         recompute_layers[d.slot] = d.recompute_layers
-    starts, clock = {}, 0.0
-    for k in sorted(slot_len):
-        starts[k] = clock
-        clock += max(slot_len[k], cm.time_model.slot_time(recompute_layers[k]))
+    durations = cm.time_model.slot_durations(recompute_layers,
+                                             ((d.slot, d.duration) for d in drafts))
+    starts = list(itertools.accumulate(durations, initial=0.0))
     for d in drafts:
         d.start = starts[d.slot]
-    return clock
+    return starts[-1]
 
 
 class BlockClock:

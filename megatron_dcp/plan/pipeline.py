@@ -141,27 +141,26 @@ class SlotCost:
 
 def slot_costs(plan: Plan, cm: CostModel) -> list[SlotCost]:
     """The stage cost of every slot of a lockstep ``plan`` under the stage cost model ``cm``: its
-    length as the simulator's (the longest task, at least `TimeModel.slot_time`), split into
+    duration as the simulator's (the longest task, at least `TimeModel.slot_time`), split into
     forward and backward; P2P and memory from each rank's local tokens (an idle rank runs an
     empty micro-step: nothing held)."""
     if not plan.lockstep:
         raise PlanError("a pipeline runs lockstep plans only (slots are its micro-batches)")
     depths = plan.slot_recompute_layers()
-    n_slots, world = len(depths), plan.world_size
-    length = [cm.time_model.slot_time(c) for c in depths]
-    local = [[0] * world for _ in range(n_slots)]
-    frames = plan.frame_tokens
+    world = plan.world_size
+    durations = cm.time_model.slot_durations(depths, (
+        (t.slot, cm.time_model.task_time(t, plan.lengths, plan.frame_tokens)) for t in plan.tasks))
+    local = [[0] * world for _ in depths]
     for t in plan.tasks:
-        length[t.slot] = max(length[t.slot], cm.time_model.task_time(t, plan.lengths, frames))
         tokens = sum(padded_length(plan.lengths[s], t.ulysses, t.ring) for s in t.seqs)
         for r in t.ranks:
             local[t.slot][r] = math.ceil(tokens / len(t.ranks))
     n = cm.model.num_layers
     costs = []
     for k, c in enumerate(depths):
-        forward = length[k] / (3.0 + c / n)
+        forward = durations[k] / (3.0 + c / n)
         kept, total = cm.memory_model.kept_token_bytes(c), cm.memory_model.token_bytes(c)
-        costs.append(SlotCost(forward, length[k] - forward, p2p_time(max(local[k]), cm),
+        costs.append(SlotCost(forward, durations[k] - forward, p2p_time(max(local[k]), cm),
                               [x * kept for x in local[k]], [x * (total - kept) for x in local[k]]))
     return costs
 
@@ -186,10 +185,10 @@ def padding_cost(cm: Optional[CostModel], world: int) -> SlotCost:
     (`TimeModel.slot_time`); nothing at all without a cost model."""
     if cm is None:
         return SlotCost(0.0, 0.0, 0.0, [0.0] * world, [0.0] * world)
-    length = cm.time_model.slot_time(0)
+    duration = cm.time_model.slot_time(0)
     kept, total = cm.memory_model.kept_token_bytes(0), cm.memory_model.token_bytes(0)
-    forward = length / 3.0
-    return SlotCost(forward, length - forward, p2p_time(PADDING_TOKENS, cm),
+    forward = duration / 3.0
+    return SlotCost(forward, duration - forward, p2p_time(PADDING_TOKENS, cm),
                     [PADDING_TOKENS * kept] * world, [PADDING_TOKENS * (total - kept)] * world)
 
 

@@ -263,14 +263,9 @@ def reorder(plan: Plan, order: Sequence[int], cm: CostModel) -> Plan:
     """``plan`` with its slots in ``order`` (new slot ``k`` is old slot ``order[k]``), starts
     re-timed slot after slot and task ids in the new order."""
     new_of = {old: k for k, old in enumerate(order)}
-    depths = plan.slot_recompute_layers()
-    length = [cm.time_model.slot_time(c) for c in depths]
-    for t in plan.tasks:
-        length[t.slot] = max(length[t.slot], t.duration)
-    starts, clock = [], 0.0
-    for old in order:
-        starts.append(clock)
-        clock += length[old]
+    durations = cm.time_model.slot_durations(plan.slot_recompute_layers(),
+                                             ((t.slot, t.duration) for t in plan.tasks))
+    starts = list(itertools.accumulate((durations[old] for old in order), initial=0.0))
     moved = sorted((replace(t, slot=new_of[t.slot], start=starts[new_of[t.slot]])
                     for t in plan.tasks), key=lambda t: (t.slot, t.ranks[0]))
     tasks = tuple(replace(t, id=i) for i, t in enumerate(moved))

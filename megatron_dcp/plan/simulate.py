@@ -14,6 +14,7 @@ memory is checked.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple, Optional, Sequence
@@ -204,14 +205,9 @@ def _moldable_bound(bound: float, work: float, seqs: Sequence[tuple[int, float, 
 
 def _slot_starts(plan: Plan, cm: CostModel, parts: Sequence) -> list[float]:
     """Start of every slot of a lockstep plan, and its end as the last entry."""
-    depths = plan.slot_recompute_layers()
-    length = [cm.time_model.slot_time(c) for c in depths]
-    for t, p in zip(plan.tasks, parts):
-        length[t.slot] = max(length[t.slot], p.total)
-    starts = [0.0]
-    for x in length:
-        starts.append(starts[-1] + x)
-    return starts
+    durations = cm.time_model.slot_durations(
+        plan.slot_recompute_layers(), ((t.slot, p.total) for t, p in zip(plan.tasks, parts)))
+    return list(itertools.accumulate(durations, initial=0.0))
 
 
 class _Timeline(NamedTuple):

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections import namedtuple
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import Iterable, NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.geometry import BF16, Geometry, Layout
 from megatron_dcp.plan.hardware import layout_kind
@@ -388,6 +388,18 @@ class TimeModel:
             comm = passes * share
         one = self.time_of(1, g.attn_pairs(1), g.layouts(1)[0], recompute_layers)
         return max(one, comm)
+
+    def slot_durations(self, recompute_layers: Sequence[int],
+                     tasks: Iterable[tuple[int, float]]) -> list[float]:
+        """Seconds of every lockstep slot, by slot index: the longer of its longest task and
+        `slot_time` (``recompute_layers``: of each slot; ``tasks``: ``(slot, seconds)`` of every
+        task; a slot no task uses lasts `slot_time`). The one place of this rule: the planner
+        (`retime_slots`), the simulator, the pipeline's slot costs and the slot reordering
+        call it, each with its own task seconds."""
+        durations = [self.slot_time(c) for c in recompute_layers]
+        for slot, seconds in tasks:
+            durations[slot] = max(durations[slot], seconds)
+        return durations
 
     def model_flops(self, lengths: Sequence[int],
                     frame_tokens: Optional[Sequence[int]] = None) -> float:

@@ -130,15 +130,14 @@ def _to_device(x: torch.Tensor, device: Optional[torch.device]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- timing
-class _Clock:
-    """Per-task forward/backward times without a host sync per task.
+class Clock:
+    """Marks in time without a host sync per mark, and the seconds between them: on CUDA
+    (``cuda``) events recorded on the current stream, read once at the end (one synchronize);
+    elsewhere ``perf_counter`` (CPU ops are synchronous). The one clock of a step: `PlanWork`
+    times its tasks with one, the Megatron pipeline's ``SlotTimers`` each timer name with one."""
 
-    On CUDA, events are recorded on the current stream and read once, after the step's last
-    task (one synchronize per step); elsewhere ``perf_counter`` (CPU ops are synchronous).
-    """
-
-    def __init__(self, device: Optional[torch.device]) -> None:
-        self.cuda = device is not None and device.type == "cuda"
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
         self.marks: list = []
 
     def mark(self) -> None:
@@ -150,13 +149,11 @@ class _Clock:
             self.marks.append(time.perf_counter())
 
     def seconds(self) -> list[float]:
-        """Differences of consecutive marks of each task (3 marks per task), in seconds."""
+        """Seconds between consecutive marks."""
         if self.cuda and self.marks:
             self.marks[-1].synchronize()
-            gap = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        else:
-            gap = [b - a for a, b in zip(self.marks, self.marks[1:])]
-        return gap
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def _task_stats(task: Task, layout: ShardLayout, forward_s: float,
@@ -238,7 +235,6 @@ class PlanWork:
         self.weight_of = sequence_weighting(plan, loss_reduction, self.targets)
         self.total = target_count(plan, self.targets)
         self.order = _rank_order(plan, rank)
-        self._slot_tiles = _empty_step_tiles(plan, rank)
         self.micro_steps = max(len(self.order), min_micro_steps)
         """This rank's micro-steps, empty ones included."""
         self.local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -248,7 +244,7 @@ class PlanWork:
         self.task_losses: list[tuple[int, torch.Tensor]] = []
         """``(task id, weighted loss)`` of every task recorded: checked for non-finite values
         once, after the step (one host sync)."""
-        self._clock = _Clock(self.device)
+        self._clock = Clock(self.comm_device is not None)
         self._timing: Optional[MicroStep] = None  # the micro-step inside `running`
         self._timed: list[MicroStep] = []  # timed by `running`, in order
         self._ran: list[tuple[MicroStep, Optional[float], Optional[float]]] = []
@@ -256,9 +252,8 @@ class PlanWork:
     def __iter__(self) -> Iterator[MicroStep]:
         for i in range(self.micro_steps):
             last = i == self.micro_steps - 1
-            task, layers = self.order[i] if i < len(self.order) else (None, 0)
+            task, layers, tiles = self.order[i] if i < len(self.order) else (None, 0, 1)
             if task is None:
-                tiles = self._slot_tiles[i] if i < len(self._slot_tiles) else 1
                 yield self.empty_step(layers, last, mlp_tiles=tiles)
             else:
                 yield self._task_step(task, last)
@@ -363,33 +358,19 @@ class PlanWork:
                          groups_created=self.groups_created)
 
 
-def _rank_order(plan: Plan, rank: int) -> list[tuple[Optional[Task], int]]:
-    """``(task, recompute_layers)`` of this rank's micro-steps in plan order; in a lockstep plan
-    ``(None, the slot's recompute_layers)`` for each slot where this rank has no task."""
-    slots = plan.slot_recompute_layers()  # [] for a free plan
-    order: list[tuple[Optional[Task], int]] = []
+def _rank_order(plan: Plan, rank: int) -> list[tuple[Optional[Task], int, int]]:
+    """``(task, recompute_layers, mlp_tiles)`` of this rank's micro-steps in plan order; in a
+    lockstep plan ``(None, the slot's recompute_layers, the slot's mlp_tiles)`` for each slot
+    where this rank has no task: what its empty micro-step runs."""
+    slots = list(zip(plan.slot_recompute_layers(), plan.slot_mlp_tiles()))  # [] for a free plan
+    order: list[tuple[Optional[Task], int, int]] = []
     next_slot = 0
     for task in plan.tasks_for_rank(rank):
         if slots:
-            order += [(None, layers) for layers in slots[next_slot:task.slot]]
+            order += [(None, layers, tiles) for layers, tiles in slots[next_slot:task.slot]]
             next_slot = task.slot + 1
-        order.append((task, task.recompute_layers))
-    return order + [(None, layers) for layers in slots[next_slot:]]
-
-
-def _empty_step_tiles(plan: Plan, rank: int) -> list[int]:
-    """Per micro-step of this rank (`_rank_order`'s order), its slot's MLP tiles (1 for a free
-    plan): what an empty micro-step of that slot runs."""
-    tiles = plan.slot_mlp_tiles()
-    if not tiles:
-        return []
-    out: list[int] = []
-    next_slot = 0
-    for task in plan.tasks_for_rank(rank):
-        out += tiles[next_slot:task.slot]
-        out.append(task.mlp_tiles)
-        next_slot = task.slot + 1
-    return out + tiles[next_slot:]
+        order.append((task, task.recompute_layers, task.mlp_tiles))
+    return order + [(None, layers, tiles) for layers, tiles in slots[next_slot:]]
 
 
 def run_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]], rank: int,
