@@ -154,7 +154,8 @@ def test_plan_json_keeps_slots_and_free_plans_unchanged():
 @pytest.mark.parametrize("world,dist,hardware", [(8, "short", "h200"), (32, "long", "a100"),
                                                  (64, "balanced", "h200")])
 def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware, monkeypatch):
-    # degree_choice passes over wider options whose lower bound of work (least_work) cannot
+    # degree_choice passes over wider options whose lower bound of work (least_work: the empty
+    # task and the GEMM work, the same at every degree) cannot
     # undercut the work chosen: the choices equal those of timing every option (issue 30)
     from megatron_dcp.plan import choices
     from megatron_dcp.plan.planners import _context
@@ -166,7 +167,8 @@ def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware
         pruned = [choices.SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
         choices.degree_choice(ctx, pruned, mode)
         with monkeypatch.context() as m:
-            m.setattr(choices, "least_work", lambda ctx, fits, empty: [0.0] * (len(fits) + 1))
+            m.setattr(choices, "least_work",
+                      lambda floors: [choices.WorkFloor(0.0, 0.0, 0.0, 0.0)] * len(floors))
             plain = [choices.SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
             choices.degree_choice(ctx, plain, mode)
         assert [(c.degree, c.recompute_layers, c.time) for c in pruned] == \
