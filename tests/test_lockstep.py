@@ -218,3 +218,32 @@ def test_slot_index_names_every_slot_that_accepts_an_item(world, dist, monkeypat
     assert seen["items"] > 0
     if world == 1024:
         assert seen["skipped"] > 0  # the index passes over slots
+
+
+@pytest.mark.parametrize("hardware,curve", [("h200", None), ("a100", None),
+                                            ("h200", [[1024, 1.0], [8192, 0.7]])])
+def test_time_floors_never_exceed_a_task_time(hardware, curve):
+    # TimeFloors (and WorkFloor) are lower bounds: the lockstep pass skips timing a task whose
+    # floor passes its limit, which must never skip a task that would fit
+    import random
+
+    from megatron_dcp.plan import load_hardware
+    from megatron_dcp.plan.choices import TimeFloors, work_floor
+    from megatron_dcp.plan.planners import _context
+
+    hw = load_hardware(hardware)
+    if curve:
+        hw = replace(hw, name="curved", pack_curve=curve)
+    cfg, moe = DCPConfig(hardware=hardware), load_model("qwen3-30b-a3b")
+    for model in (LLAMA, moe):
+        ctx = _context([4096] * 64, 64, model, cfg, None, 3, None, None, None, None)[0]
+        ctx = replace(ctx, cm=build_cost_model(model, cfg, 64, hardware=hw, zero_stage=3))
+        floors, tm, rng = TimeFloors(ctx), ctx.cm.time_model, random.Random(0)
+        for _ in range(400):
+            d = rng.choice(ctx.vocab.sizes)
+            c = rng.choice((0, model.num_layers // 2, model.num_layers))
+            tokens = rng.choice((1, 64, 4096, 65536, 1 << 20))
+            pairs = ctx.cm.pairs_of(tokens, None) * rng.choice((0.0, 0.5, 1.0))
+            time = tm.best_time(tokens, pairs, d, c)[0]
+            assert floors.time(d, c, tokens, pairs) <= time
+            assert work_floor(ctx, d, c).of(tokens, pairs) <= d * time

@@ -34,8 +34,8 @@ import math
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice, floor_of,
-                                       passes_for, raised)
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, TimeFloors, degree_choice,
+                                       floor_of, passes_for, raised)
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 from megatron_dcp.plan.lockstep_items import Item, lockstep_items
 from megatron_dcp.plan.slots import Fit, Slot, SlotIndex, SlotTask
@@ -125,17 +125,18 @@ def extend(ctx: PlanContext, index: SlotIndex, item: Item, mode: str, slot_time:
     """Pack an item that fits no slot's duration into the task of its degree where the slot
     grows least, if that growth costs less than a slot of its own (its duration, at least
     ``slot_time``: the slot's ZeRO traffic)."""
-    size, best = item.degree, None
+    size, best, growth = item.degree, None, max(item.duration, slot_time)
     for k, slot in enumerate(index.slots):
         task = slot.emptiest(size)
         if slot.recompute_layers < item.recompute_layers or task is None:
             continue
-        fit = task.with_item(ctx, item, mode, math.inf)
-        if fit is not None and (best is None or fit.duration - slot.duration < best[0]):
-            best = (fit.duration - slot.duration, k, task, fit)
-    if best is None or best[0] >= max(item.duration, slot_time):
+        # only a growth below the least so far counts (the limit a hair above it: rounding)
+        fit = task.with_item(ctx, item, mode, (slot.duration + growth) * (1.0 + 1e-12))
+        if fit is not None and fit.duration - slot.duration < growth:
+            best, growth = (k, task, fit), fit.duration - slot.duration
+    if best is None:
         return False
-    _, k, task, fit = best
+    k, task, fit = best
     task.add(item, fit)
     index.slots[k].duration = max(index.slots[k].duration, task.duration)
     index.changed(k)
@@ -184,7 +185,7 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: 
     world, cm, vocab = ctx.world, ctx.cm, ctx.vocab
     base = cm.model.num_layers if mode == "full" else 0
     wide, short = items
-    index = SlotIndex(ctx)
+    index, floors = SlotIndex(ctx), TimeFloors(ctx)
     slot_times: dict[int, float] = {}
     for item in wide:  # step 1
         layers = item.recompute_layers
@@ -194,7 +195,7 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: 
                 extend_slots and extend(ctx, index, item, mode, slot_times[layers]):
             continue
         # a slot bound by ZeRO's traffic has room for more work at no cost
-        slot = Slot(vocab, layers, max(item.duration, slot_times[layers]))
+        slot = Slot(vocab, layers, max(item.duration, slot_times[layers]), floors)
         _start_task(ctx, slot, item, slot.occupancy.first_free(item.degree), item.degree)
         index.add(slot)
     slots = index.slots
@@ -210,7 +211,7 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: 
         duration = max(left[0].duration, work / (world * count), cm.time_model.slot_time(base))
         new = []
         for _ in range(count):
-            slot = Slot(vocab, base, duration)
+            slot = Slot(vocab, base, duration, floors)
             slots.append(slot)
             new += [slot.open_task(r, 1) for r in range(world)]
         left = fill(ctx, new, fill(ctx, new, left, mode, limit=True), mode, limit=False)
