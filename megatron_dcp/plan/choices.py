@@ -129,26 +129,6 @@ def work_floor(ctx: PlanContext, degree: int, recompute_layers: int) -> WorkFloo
                      degree * min(per_pair))
 
 
-class TimeFloors:
-    """Lower bounds of a task's time (seconds) per degree and recomputed layers: its
-    `WorkFloor` per rank, whatever its layout. A few float operations where `TimeModel.best_time`
-    needs a lookup and a timing per layout: a task asked to stay within a limit is checked
-    against its floor first (`megatron_dcp.plan.slots.SlotTask.with_item`,
-    `megatron_dcp.plan.lockstep_items.pack_wide`; tests/test_lockstep.py checks the bound)."""
-
-    def __init__(self, ctx: PlanContext) -> None:
-        self.ctx = ctx
-        self._floors: dict[tuple[int, int], WorkFloor] = {}
-
-    def time(self, degree: int, recompute_layers: int, tokens: int, pairs: float) -> float:
-        """At most the time of a task of ``tokens`` and ``pairs`` on ``degree`` ranks."""
-        key = (degree, recompute_layers)
-        floor = self._floors.get(key)
-        if floor is None:
-            floor = self._floors[key] = work_floor(self.ctx, degree, recompute_layers)
-        return floor.of(tokens, pairs) / degree
-
-
 def least_work(floors: Sequence[WorkFloor]) -> list[WorkFloor]:
     """Per option ``k`` of an option list, a `WorkFloor` of every option from the ``k``-th on
     (``floors``: the options' own)."""

@@ -34,8 +34,8 @@ import math
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, TimeFloors, degree_choice,
-                                       floor_of, passes_for, raised)
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice, floor_of,
+                                       passes_for, raised)
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 from megatron_dcp.plan.lockstep_items import Item, lockstep_items
 from megatron_dcp.plan.slots import Fit, Slot, SlotIndex, SlotTask
@@ -185,7 +185,7 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: 
     world, cm, vocab = ctx.world, ctx.cm, ctx.vocab
     base = cm.model.num_layers if mode == "full" else 0
     wide, short = items
-    index, floors = SlotIndex(ctx), TimeFloors(ctx)
+    index = SlotIndex(ctx)
     slot_times: dict[int, float] = {}
     for item in wide:  # step 1
         layers = item.recompute_layers
@@ -195,7 +195,7 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: 
                 extend_slots and extend(ctx, index, item, mode, slot_times[layers]):
             continue
         # a slot bound by ZeRO's traffic has room for more work at no cost
-        slot = Slot(vocab, layers, max(item.duration, slot_times[layers]), floors)
+        slot = Slot(vocab, layers, max(item.duration, slot_times[layers]))
         _start_task(ctx, slot, item, slot.occupancy.first_free(item.degree), item.degree)
         index.add(slot)
     slots = index.slots
@@ -211,7 +211,7 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: 
         duration = max(left[0].duration, work / (world * count), cm.time_model.slot_time(base))
         new = []
         for _ in range(count):
-            slot = Slot(vocab, base, duration, floors)
+            slot = Slot(vocab, base, duration)
             slots.append(slot)
             new += [slot.open_task(r, 1) for r in range(world)]
         left = fill(ctx, new, fill(ctx, new, left, mode, limit=True), mode, limit=False)

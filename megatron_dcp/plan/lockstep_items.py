@@ -14,8 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, SeqChoice, TimeFloors,
-                                       fill_options)
+from megatron_dcp.plan.choices import MAX_WORK_GROWTH, OVERHEAD_TASKS, SeqChoice, fill_options
 from megatron_dcp.plan.drafts import PlanContext
 
 GRAIN_TOKENS, TAIL = 0.02, 2.0
@@ -128,7 +127,6 @@ def pack_wide(ctx: PlanContext, items: list[Item], mode: str, limit: float) -> l
         else:  # each kind's items stay longest first
             kinds.setdefault((item.degree, item.recompute_layers), []).append(item)
     cap, overhead = ctx.pack_tokens or math.inf, ctx.cm.time_model.task_overhead
-    floors = TimeFloors(ctx)
     for (d, c), same in kinds.items():
         fine = TAIL * ctx.world / d
         most_tokens = GRAIN_TOKENS * d * ctx.cm.memory_model.max_local_tokens(c)
@@ -145,10 +143,9 @@ def pack_wide(ctx: PlanContext, items: list[Item], mode: str, limit: float) -> l
                 more = padded + item.padded(ctx, d)
                 c_more = ctx.recompute_for(more, d, mode) \
                     if more <= min(cap, most_tokens, tokens_after[k + 1] / fine) else None
-                most = min(limit, time_after[k + 1] / fine)  # seconds the group may take
-                if c_more is not None and c_more <= c and floors.time(
-                        d, c, tokens + item.tokens, pairs + item.pairs) <= most and \
-                        ctx.seq_time(tokens + item.tokens, pairs + item.pairs, d, c) <= most:
+                if c_more is not None and c_more <= c and ctx.seq_time(
+                        tokens + item.tokens, pairs + item.pairs, d, c) <= \
+                        min(limit, time_after[k + 1] / fine):
                     group.append(item)
                     padded, tokens, pairs = more, tokens + item.tokens, pairs + item.pairs
                     continue

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from megatron_dcp.plan.choices import TimeFloors
 from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import PlanContext, ceil_div
 from megatron_dcp.plan.lockstep_items import Item
@@ -96,11 +95,9 @@ class SlotTask:
             return None
         if not self.slot.fits_memory(ctx, padded, self.degree, mode):
             return None
-        tokens, pairs, slot = self.tokens + item.tokens, self.pairs + item.pairs, self.slot
-        if slot.floors.time(self.degree, slot.recompute_layers, tokens, pairs) > limit:
-            return None
-        duration, layout = ctx.cm.time_model.best_time(tokens, pairs, self.degree,
-                                                       slot.recompute_layers)
+        duration, layout = ctx.cm.time_model.best_time(
+            self.tokens + item.tokens, self.pairs + item.pairs, self.degree,
+            self.slot.recompute_layers)
         return Fit(padded, duration, layout) if duration <= limit else None
 
     def add(self, item: Item, fit: Fit) -> None:
@@ -115,12 +112,10 @@ class SlotTask:
 
 class Slot:
     """A slot being filled: its recomputed layers, its ``duration`` (seconds: the longest task's,
-    at least what it was opened for), its ranks and its tasks; ``floors``: the pass's bounds of
-    task times."""
+    at least what it was opened for), its ranks and its tasks."""
 
-    def __init__(self, vocab: Vocabulary, recompute_layers: int, duration: float,
-                 floors: TimeFloors) -> None:
-        self.recompute_layers, self.duration, self.floors = recompute_layers, duration, floors
+    def __init__(self, vocab: Vocabulary, recompute_layers: int, duration: float) -> None:
+        self.recompute_layers, self.duration = recompute_layers, duration
         self.occupancy = Occupancy(vocab)
         self.tasks: list[SlotTask] = []
         self.by_size: dict[int, list[SlotTask]] = {}
