@@ -246,3 +246,25 @@ def test_work_floors_never_exceed_a_sequences_work(hardware, curve):
             pairs = ctx.cm.pairs_of(tokens, None) * rng.choice((0.0, 0.5, 1.0))
             time = tm.best_time(tokens, pairs, d, c)[0]
             assert work_floor(ctx, d, c).of(tokens, pairs) <= d * time
+
+
+@pytest.mark.parametrize("world,dist", [(256, "short"), (32, "balanced"), (64, "long")])
+def test_pruned_passes_could_not_have_won(world, dist):
+    # lockstep_candidates(prune=True) skips a recompute-full pass only where least_makespan
+    # (a lower bound of every full plan) is above the shortest so far: the same winner
+    from megatron_dcp.plan import lockstep
+    from megatron_dcp.plan.choices import SeqChoice, degree_choice
+    from megatron_dcp.plan.planners import _context
+
+    cfg = DCPConfig(hardware="h200", schedule="lockstep")
+    lengths = sample_lengths(dist, 65536 * world, seed=2)[:4000]
+    ctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
+    infos = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
+    per_rank, longest = degree_choice(ctx, infos, "auto")
+    args = (ctx, infos, "auto", max(per_rank, longest), longest)
+    every, pruned = lockstep.lockstep_candidates(*args), lockstep.lockstep_candidates(*args,
+                                                                                      prune=True)
+    least = lockstep.least_makespan(ctx, infos, LLAMA.num_layers)
+    assert all(least <= c[0] for c in every if "recompute=full" in c[1])
+    assert min(every, key=lambda c: c[0])[1] == min(pruned, key=lambda c: c[0])[1]
+    assert {c[1] for c in pruned} <= {c[1] for c in every}

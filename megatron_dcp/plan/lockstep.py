@@ -35,7 +35,7 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice, floor_of,
-                                       passes_for, raised)
+                                       passes_for, raised, work_floor)
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 from megatron_dcp.plan.lockstep_items import Item, lockstep_items
 from megatron_dcp.plan.slots import Fit, Slot, SlotIndex, SlotTask
@@ -263,11 +263,25 @@ def _full_lift(ctx: PlanContext, infos: list[SeqChoice], floor: int
     return lambda info: full[(info.length, info.pairs)]
 
 
+def least_makespan(ctx: PlanContext, infos: list[SeqChoice], recompute_layers: int) -> float:
+    """A lower bound of the makespan of any plan of ``infos`` whose tasks all recompute
+    ``recompute_layers``: the sequences' marginal work (`WorkFloor`, at the degree where it is
+    least) over the ranks (a task's ranks x time is at least its sequences' marginal work, and no
+    rank works past the makespan)."""
+    floors = [work_floor(ctx, d, recompute_layers) for d in ctx.vocab.sizes]
+    tokens, pairs = sum(x.length for x in infos), sum(x.pairs for x in infos)
+    return (tokens * min(f.per_token for f in floors) + pairs * min(f.per_pair for f in floors)
+            ) * (1.0 - 1e-9) / ctx.world
+
+
 def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
-                        longest: float) -> list[tuple[float, str, list[Draft]]]:
+                        longest: float, prune: bool = False
+                        ) -> list[tuple[float, str, list[Draft]]]:
     """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
     the ``full`` ones only where ``mode`` is ``auto``), from the sequences' degree choices
-    ``infos`` under ``mode``; ``bound`` and ``longest`` as in `megatron_dcp.plan.dcp`."""
+    ``infos`` under ``mode``; ``bound`` and ``longest`` as in `megatron_dcp.plan.dcp`.
+    ``prune`` (where the shortest candidate wins): the ``full`` passes run after the others and
+    are left out where `least_makespan` shows they cannot be shorter than the shortest so far."""
     passes = [(floor_of(ctx, floor), factor, mode if recompute == "auto" else recompute, extend,
                grain) for floor, factor, recompute, extend, grain in LOCKSTEP_PASSES
               if recompute == "auto" or mode == "auto"]
@@ -277,10 +291,18 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
         groups.setdefault((info.length, info.pairs, info.degree, info.recompute_layers,
                            info.time, len(info.fits)), []).append(info)
     same = list(groups.values())
-    candidates = []
+    found: dict[int, tuple[float, str, list[Draft]]] = {}
     lifts: dict[tuple[str, int], Callable] = {}  # passes of one floor share the choices
     made: dict[tuple, tuple[list[Item], list[Item]]] = {}  # and their items, of one target
-    for floor, factor, recompute, extend_slots, grain in passes_for(ctx, passes):
+    kept = passes_for(ctx, passes)
+    full_floor = None
+    for k in sorted(range(len(kept)), key=lambda k: kept[k][2] != mode):  # stable: mode first
+        floor, factor, recompute, extend_slots, grain = kept[k]
+        if prune and recompute != mode and found:
+            if full_floor is None:
+                full_floor = least_makespan(ctx, infos, ctx.cm.model.num_layers)
+            if full_floor > min(c[0] for c in found.values()):
+                continue
         target = max(bound * factor, longest)
         key = (recompute, floor, target, grain)
         if key not in made:
@@ -293,5 +315,5 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
         makespan = retime_slots(drafts, ctx.cm)
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
                 f"{',extend' if extend_slots else ''}{f',g={grain}' if grain else ''})")
-        candidates.append((makespan, name, drafts))
-    return candidates
+        found[k] = (makespan, name, drafts)
+    return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it
