@@ -154,7 +154,8 @@ def test_plan_json_keeps_slots_and_free_plans_unchanged():
 @pytest.mark.parametrize("world,dist,hardware", [(8, "short", "h200"), (32, "long", "a100"),
                                                  (64, "balanced", "h200")])
 def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware, monkeypatch):
-    # degree_choice passes over wider options whose lower bound of work (least_work) cannot
+    # degree_choice passes over wider options whose lower bound of work (least_work: the empty
+    # task and the GEMM work, the same at every degree) cannot
     # undercut the work chosen: the choices equal those of timing every option (issue 30)
     from megatron_dcp.plan import choices
     from megatron_dcp.plan.planners import _context
@@ -166,7 +167,8 @@ def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware
         pruned = [choices.SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
         choices.degree_choice(ctx, pruned, mode)
         with monkeypatch.context() as m:
-            m.setattr(choices, "least_work", lambda ctx, fits, empty: [0.0] * (len(fits) + 1))
+            m.setattr(choices, "least_work",
+                      lambda floors: [choices.WorkFloor(0.0, 0.0, 0.0, 0.0)] * len(floors))
             plain = [choices.SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
             choices.degree_choice(ctx, plain, mode)
         assert [(c.degree, c.recompute_layers, c.time) for c in pruned] == \
@@ -216,3 +218,53 @@ def test_slot_index_names_every_slot_that_accepts_an_item(world, dist, monkeypat
     assert seen["items"] > 0
     if world == 1024:
         assert seen["skipped"] > 0  # the index passes over slots
+
+
+@pytest.mark.parametrize("hardware,curve", [("h200", None), ("a100", None),
+                                            ("h200", [[1024, 1.0], [8192, 0.7]])])
+def test_work_floors_never_exceed_a_sequences_work(hardware, curve):
+    # WorkFloor is a lower bound of ranks x time at any layout: degree_choice skips timing the
+    # options whose floor cannot undercut the work chosen, which must never skip a better one
+    import random
+
+    from megatron_dcp.plan import load_hardware
+    from megatron_dcp.plan.choices import work_floor
+    from megatron_dcp.plan.planners import _context
+
+    hw = load_hardware(hardware)
+    if curve:
+        hw = replace(hw, name="curved", pack_curve=curve)
+    cfg, moe = DCPConfig(hardware=hardware), load_model("qwen3-30b-a3b")
+    for model in (LLAMA, moe):
+        ctx = _context([4096] * 64, 64, model, cfg, None, 3, None, None, None, None)[0]
+        ctx = replace(ctx, cm=build_cost_model(model, cfg, 64, hardware=hw, zero_stage=3))
+        tm, rng = ctx.cm.time_model, random.Random(0)
+        for _ in range(400):
+            d = rng.choice(ctx.vocab.sizes)
+            c = rng.choice((0, model.num_layers // 2, model.num_layers))
+            tokens = rng.choice((1, 64, 4096, 65536, 1 << 20))
+            pairs = ctx.cm.pairs_of(tokens, None) * rng.choice((0.0, 0.5, 1.0))
+            time = tm.best_time(tokens, pairs, d, c)[0]
+            assert work_floor(ctx, d, c).of(tokens, pairs) <= d * time
+
+
+@pytest.mark.parametrize("world,dist", [(256, "short"), (32, "balanced"), (64, "long")])
+def test_pruned_passes_could_not_have_won(world, dist):
+    # lockstep_candidates(prune=True) skips a recompute-full pass only where least_makespan
+    # (a lower bound of every full plan) is above the shortest so far: the same winner
+    from megatron_dcp.plan import lockstep
+    from megatron_dcp.plan.choices import SeqChoice, degree_choice
+    from megatron_dcp.plan.planners import _context
+
+    cfg = DCPConfig(hardware="h200", schedule="lockstep")
+    lengths = sample_lengths(dist, 65536 * world, seed=2)[:4000]
+    ctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
+    infos = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
+    per_rank, longest = degree_choice(ctx, infos, "auto")
+    args = (ctx, infos, "auto", max(per_rank, longest), longest)
+    every, pruned = lockstep.lockstep_candidates(*args), lockstep.lockstep_candidates(*args,
+                                                                                      prune=True)
+    least = lockstep.least_makespan(ctx, infos, LLAMA.num_layers)
+    assert all(least <= c[0] for c in every if "recompute=full" in c[1])
+    assert min(every, key=lambda c: c[0])[1] == min(pruned, key=lambda c: c[0])[1]
+    assert {c[1] for c in pruned} <= {c[1] for c in every}

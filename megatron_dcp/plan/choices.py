@@ -86,25 +86,59 @@ def _layout_kinds(ctx: PlanContext) -> dict[int, set[str]]:
     return out
 
 
-def least_work(ctx: PlanContext, fits: tuple[tuple[int, int], ...],
-               empty: dict[tuple[int, int], float]) -> list[float]:
-    """Per option ``k`` of ``fits`` (and ``inf`` after the last), a lower bound of the work
-    (ranks x time) of every option from the ``k``-th on: ranks x the time of an empty task
-    (weights, latencies, per-task cost; every other term of a task's time is positive), kept
-    per option in ``empty``."""
-    least = [math.inf] * (len(fits) + 1)
-    for k in range(len(fits) - 1, -1, -1):
-        d, c = fits[k]
-        work = empty.get(fits[k])
-        if work is None:
-            tm = ctx.cm.time_model
-            work = empty[fits[k]] = d * min(tm.time_of(0, 0.0, lay, c)
-                                            for lay in ctx.cm.layouts(d))
-        least[k] = min(work, least[k + 1])
+@dataclass(frozen=True, slots=True)
+class WorkFloor:
+    """Lower bounds of a sequence's work (ranks x seconds) at an option (degree, recomputed
+    layers), whatever layout of the degree it runs. A task's time is at least its fixed costs
+    (latencies, per-task cost) plus the larger of its weight streaming and its marginal time
+    (`TimeModel.marginal_time`: GEMMs at the smallest pack factor, attention, element-wise
+    work, all-to-all and TP volume; linear in tokens and pairs). The marginal work's GEMM part
+    is the same at every degree: the bound stays close to the work of wider options."""
+
+    fixed: float
+    """Ranks x the fixed costs of a task."""
+    weights: float
+    """Ranks x the weight streaming of a task."""
+    per_token: float
+    """Marginal work per token."""
+    per_pair: float
+    """Marginal work per attention pair."""
+
+    def of(self, tokens: int, pairs: float) -> float:
+        """The bound for a sequence of ``tokens`` and ``pairs`` (the factor absorbs rounding)."""
+        return (self.fixed + max(self.weights, tokens * self.per_token + pairs * self.per_pair)
+                ) * (1.0 - 1e-9)
+
+    def least(self, other: "WorkFloor") -> "WorkFloor":
+        """A bound of both options: each part the smaller."""
+        return WorkFloor(min(self.fixed, other.fixed), min(self.weights, other.weights),
+                         min(self.per_token, other.per_token), min(self.per_pair, other.per_pair))
+
+
+def work_floor(ctx: PlanContext, degree: int, recompute_layers: int) -> WorkFloor:
+    """The `WorkFloor` of an option: each part the least over the degree's layouts."""
+    tm, layouts = ctx.cm.time_model, ctx.cm.layouts(degree)
+    fixed, weights, per_token, per_pair = [], [], [], []
+    for lay in layouts:
+        empty = tm.terms(0, 0.0, lay, recompute_layers)
+        weights.append(empty.weights)
+        fixed.append(tm.total(empty) - empty.weights)  # no tokens: the weights, then the rest
+        per_token.append(tm.marginal_time(1, 0.0, lay, recompute_layers))
+        per_pair.append(tm.marginal_time(0, 1.0, lay, recompute_layers))
+    return WorkFloor(degree * min(fixed), degree * min(weights), degree * min(per_token),
+                     degree * min(per_pair))
+
+
+def least_work(floors: Sequence[WorkFloor]) -> list[WorkFloor]:
+    """Per option ``k`` of an option list, a `WorkFloor` of every option from the ``k``-th on
+    (``floors``: the options' own)."""
+    least = list(floors)
+    for k in range(len(least) - 2, -1, -1):
+        least[k] = least[k].least(least[k + 1])
     return least
 
 
-def _least_work_option(ctx: PlanContext, n: int, pairs: float, fits, least: list[float],
+def _least_work_option(ctx: PlanContext, n: int, pairs: float, fits, least: list[WorkFloor],
                        kinds) -> tuple[int, int, float]:
     """The (degree, recomputed layers, time) of the option with the least work, among those
     cutting the first option's work by at least MIN_WORK_SAVING (else the first)."""
@@ -115,7 +149,7 @@ def _least_work_option(ctx: PlanContext, n: int, pairs: float, fits, least: list
     found = (d0, c0, t0)
     seen: set[str] = set()
     for k in range(1, len(fits)):
-        if least[k] >= work * (1.0 - MIN_WORK_SAVING):
+        if least[k].of(n, pairs) >= work * (1.0 - MIN_WORK_SAVING):
             break  # no option from here on can cut the work enough
         d, c = fits[k]
         t = seq_time(n, pairs, d, c)
@@ -141,8 +175,8 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str, floor: in
     smallest = max(ctx.vocab.sizes[0], floor)
     chosen: dict[tuple[int, float], tuple[int, int, float]] = {}
     kinds = _layout_kinds(ctx)
-    bounds: dict[tuple[tuple[int, int], ...], list[float]] = {}
-    empty: dict[tuple[int, int], float] = {}
+    floors: dict[tuple[int, int], WorkFloor] = {}
+    bounds: dict[tuple[tuple[int, int], ...], list[WorkFloor]] = {}
     for info in infos:
         n, pairs = info.length, info.pairs
         if recompute_for(padded(n, smallest), smallest, mode) == 0:
@@ -159,7 +193,10 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str, floor: in
             info.fits = list(fits)
             found = chosen.get((n, pairs))
             if found is None:
-                least = bounds.get(fits) or bounds.setdefault(fits, least_work(ctx, fits, empty))
+                least = bounds.get(fits)
+                if least is None:
+                    least = bounds[fits] = least_work(
+                        [floors.get(f) or floors.setdefault(f, work_floor(ctx, *f)) for f in fits])
                 found = chosen[(n, pairs)] = _least_work_option(ctx, n, pairs, fits, least, kinds)
             info.degree, info.recompute_layers, info.time = found
         else:

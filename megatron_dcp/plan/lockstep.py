@@ -35,7 +35,7 @@ from dataclasses import replace
 from typing import Callable, Sequence
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice, floor_of,
-                                       passes_for, raised)
+                                       passes_for, raised, work_floor)
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 from megatron_dcp.plan.lockstep_items import Item, lockstep_items
 from megatron_dcp.plan.slots import Fit, Slot, SlotIndex, SlotTask
@@ -125,17 +125,18 @@ def extend(ctx: PlanContext, index: SlotIndex, item: Item, mode: str, slot_time:
     """Pack an item that fits no slot's duration into the task of its degree where the slot
     grows least, if that growth costs less than a slot of its own (its duration, at least
     ``slot_time``: the slot's ZeRO traffic)."""
-    size, best = item.degree, None
+    size, best, growth = item.degree, None, max(item.duration, slot_time)
     for k, slot in enumerate(index.slots):
         task = slot.emptiest(size)
         if slot.recompute_layers < item.recompute_layers or task is None:
             continue
-        fit = task.with_item(ctx, item, mode, math.inf)
-        if fit is not None and (best is None or fit.duration - slot.duration < best[0]):
-            best = (fit.duration - slot.duration, k, task, fit)
-    if best is None or best[0] >= max(item.duration, slot_time):
+        # only a growth below the least so far counts (the limit a hair above it: rounding)
+        fit = task.with_item(ctx, item, mode, (slot.duration + growth) * (1.0 + 1e-12))
+        if fit is not None and fit.duration - slot.duration < growth:
+            best, growth = (k, task, fit), fit.duration - slot.duration
+    if best is None:
         return False
-    _, k, task, fit = best
+    k, task, fit = best
     task.add(item, fit)
     index.slots[k].duration = max(index.slots[k].duration, task.duration)
     index.changed(k)
@@ -262,11 +263,25 @@ def _full_lift(ctx: PlanContext, infos: list[SeqChoice], floor: int
     return lambda info: full[(info.length, info.pairs)]
 
 
+def least_makespan(ctx: PlanContext, infos: list[SeqChoice], recompute_layers: int) -> float:
+    """A lower bound of the makespan of any plan of ``infos`` whose tasks all recompute
+    ``recompute_layers``: the sequences' marginal work (`WorkFloor`, at the degree where it is
+    least) over the ranks (a task's ranks x time is at least its sequences' marginal work, and no
+    rank works past the makespan)."""
+    floors = [work_floor(ctx, d, recompute_layers) for d in ctx.vocab.sizes]
+    tokens, pairs = sum(x.length for x in infos), sum(x.pairs for x in infos)
+    return (tokens * min(f.per_token for f in floors) + pairs * min(f.per_pair for f in floors)
+            ) * (1.0 - 1e-9) / ctx.world
+
+
 def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
-                        longest: float) -> list[tuple[float, str, list[Draft]]]:
+                        longest: float, prune: bool = False
+                        ) -> list[tuple[float, str, list[Draft]]]:
     """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
     the ``full`` ones only where ``mode`` is ``auto``), from the sequences' degree choices
-    ``infos`` under ``mode``; ``bound`` and ``longest`` as in `megatron_dcp.plan.dcp`."""
+    ``infos`` under ``mode``; ``bound`` and ``longest`` as in `megatron_dcp.plan.dcp`.
+    ``prune`` (where the shortest candidate wins): the ``full`` passes run after the others and
+    are left out where `least_makespan` shows they cannot be shorter than the shortest so far."""
     passes = [(floor_of(ctx, floor), factor, mode if recompute == "auto" else recompute, extend,
                grain) for floor, factor, recompute, extend, grain in LOCKSTEP_PASSES
               if recompute == "auto" or mode == "auto"]
@@ -276,10 +291,18 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
         groups.setdefault((info.length, info.pairs, info.degree, info.recompute_layers,
                            info.time, len(info.fits)), []).append(info)
     same = list(groups.values())
-    candidates = []
+    found: dict[int, tuple[float, str, list[Draft]]] = {}
     lifts: dict[tuple[str, int], Callable] = {}  # passes of one floor share the choices
     made: dict[tuple, tuple[list[Item], list[Item]]] = {}  # and their items, of one target
-    for floor, factor, recompute, extend_slots, grain in passes_for(ctx, passes):
+    kept = passes_for(ctx, passes)
+    full_floor = None
+    for k in sorted(range(len(kept)), key=lambda k: kept[k][2] != mode):  # stable: mode first
+        floor, factor, recompute, extend_slots, grain = kept[k]
+        if prune and recompute != mode and found:
+            if full_floor is None:
+                full_floor = least_makespan(ctx, infos, ctx.cm.model.num_layers)
+            if full_floor > min(c[0] for c in found.values()):
+                continue
         target = max(bound * factor, longest)
         key = (recompute, floor, target, grain)
         if key not in made:
@@ -292,5 +315,5 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
         makespan = retime_slots(drafts, ctx.cm)
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
                 f"{',extend' if extend_slots else ''}{f',g={grain}' if grain else ''})")
-        candidates.append((makespan, name, drafts))
-    return candidates
+        found[k] = (makespan, name, drafts)
+    return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it

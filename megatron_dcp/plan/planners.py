@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 from typing import Callable, Iterable, Optional, Sequence
 
 from megatron_dcp.config import DCPConfig
@@ -428,17 +429,16 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
              baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None,
              lockstep: bool = False, choose: Optional[Chooser] = None
              ) -> tuple[list[Draft], str, dict[str, float]]:
-    """DCP drafts, the name of the candidate that won (``dcp(...)``, ``lockstep(...)`` or
-    ``<baseline>+intra``) and every candidate's predicted makespan (module doc). ``inter``: the
-    DCP passes are candidates; ``intra``: fewest recomputed layers (else the baselines' full
-    recompute); ``lockstep``: every candidate in slots. ``choose``: picks the winner's index
-    (by a pipeline's simulated makespan) instead of the shortest makespan."""
+    """DCP drafts, the winner's name (``dcp(...)``, ``lockstep(...)``, ``<baseline>+intra``) and
+    every candidate's predicted makespan (module doc). ``inter``: DCP passes compete; ``intra``:
+    fewest recomputed layers (else the baselines' full recompute); ``lockstep``: in slots (passes
+    that cannot win skipped, without ``choose``). ``choose``: picks the winner (by a pipeline)."""
     mode = ctx.recompute_mode if intra else ctx.baseline_mode()
     candidates: list[Candidate] = []
     if inter:
         infos = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
         per_rank, longest = degree_choice(ctx, infos, mode)
-        passes = lockstep_candidates if lockstep else free_candidates
+        passes = partial(lockstep_candidates, prune=choose is None) if lockstep else free_candidates
         candidates += passes(ctx, infos, mode, max(per_rank, longest), longest)
         if len(ctx.active) * ctx.world > BASELINE_CANDIDATE_LIMIT:
             baselines = {}  # large inputs: the planner's latency budget has no room for them
