@@ -178,7 +178,8 @@ def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware
     for floor in (2, 4, 8, 16):
         for mode in ("auto", "full", "none"):
             for c in pruned:
-                first = next(((d, k) for d, k in ctx.fits(c.length, mode) if d >= floor), None)
+                first = next(((d, k) for d, k in ctx.fitting_options(c.length, mode)
+                              if d >= floor), None)
                 got = choices.raised(ctx, choices.SeqChoice(c.i, c.length, c.pairs, 1, 0, 0.0),
                                      mode, floor)
                 assert (got.degree, got.recompute_layers) == (first or (1, 0))

@@ -217,9 +217,9 @@ def test_cost_model_memory_and_time():
 
 
 @pytest.mark.parametrize("world, budget", [(64, None), (12, 60.0)])
-def test_fits_equal_the_size_by_size_rule_around_the_short_bound(world, budget):
-    # PlanContext.fits answers a sequence short enough for every size at once (a bound computed
-    # at start): the same options as testing each vocabulary size, on both sides of the bound
+def test_fitting_options_equal_the_size_by_size_rule_around_the_short_bound(world, budget):
+    # PlanContext.fitting_options answers a sequence short enough for every size at once (a bound
+    # computed at start): the same options as testing each vocabulary size, on both sides of the bound
     from megatron_dcp.plan.drafts import PlanContext
 
     cfg = DCPConfig(hardware="h200", **({"memory_budget_gb": budget} if budget else {}))
@@ -233,7 +233,7 @@ def test_fits_equal_the_size_by_size_rule_around_the_short_bound(world, budget):
         for n in lengths:
             want = tuple((d, c) for d in ctx.vocab.sizes
                          if (c := ctx.recompute_for(cm.padded(n, d), d, mode)) is not None)
-            assert ctx.fits(n, mode) == want, (mode, n)
+            assert ctx.fitting_options(n, mode) == want, (mode, n)
 
 
 def test_cost_terms_table_and_per_layout_attention():

@@ -52,26 +52,27 @@ class SeqChoice:
     degree: int = 0
     recompute_layers: int = 0
     time: float = 0.0
-    fits: list[tuple[int, int]] = field(default_factory=list)
+    fitting_options: list[tuple[int, int]] = field(default_factory=list)
     """(degree, recompute_layers) of every vocabulary size from ``degree`` on where it fits."""
 
 
 def fill_options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:
-    """Fill ``info.fits`` with (degree, recompute_layers) for every vocabulary size from
-    ``start_at`` on."""
-    info.fits += [f for f in ctx.fits(info.length, mode) if f[0] >= start_at]
+    """Fill ``info.fitting_options`` with (degree, recompute_layers) for every vocabulary size
+    from ``start_at`` on."""
+    info.fitting_options += [f for f in ctx.fitting_options(info.length, mode)
+                             if f[0] >= start_at]
 
 
 def raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoice:
     """A copy of ``info`` at degree ``floor`` or more (fewer degrees mean less fragmentation)."""
     if info.degree >= floor:
         return info
-    if floor in ctx.vocab.sizes:  # most sequences fit there: the first size of `fits` from it
+    if floor in ctx.vocab.sizes:  # most sequences fit there: the first fitting size from it
         c = ctx.recompute_for(ctx.padded(info.length, floor), floor, mode)
         if c is not None:
             return SeqChoice(info.i, info.length, info.pairs, floor, c,
                              ctx.seq_time(info.length, info.pairs, floor, c))
-    for d, c in ctx.fits(info.length, mode):
+    for d, c in ctx.fitting_options(info.length, mode):
         if d >= floor:
             return SeqChoice(info.i, info.length, info.pairs, d, c,
                              ctx.seq_time(info.length, info.pairs, d, c))
@@ -138,20 +139,20 @@ def least_work(floors: Sequence[WorkFloor]) -> list[WorkFloor]:
     return least
 
 
-def _least_work_option(ctx: PlanContext, n: int, pairs: float, fits, least: list[WorkFloor],
+def _least_work_option(ctx: PlanContext, n: int, pairs: float, options, least: list[WorkFloor],
                        kinds) -> tuple[int, int, float]:
     """The (degree, recomputed layers, time) of the option with the least work, among those
     cutting the first option's work by at least MIN_WORK_SAVING (else the first)."""
     seq_time = ctx.seq_time
-    d0, c0 = fits[0]
+    d0, c0 = options[0]
     t0 = seq_time(n, pairs, d0, c0)
     work = d0 * t0
     found = (d0, c0, t0)
     seen: set[str] = set()
-    for k in range(1, len(fits)):
+    for k in range(1, len(options)):
         if least[k].of(n, pairs) >= work * (1.0 - MIN_WORK_SAVING):
             break  # no option from here on can cut the work enough
-        d, c = fits[k]
+        d, c = options[k]
         t = seq_time(n, pairs, d, c)
         if d * t < work * (1.0 - MIN_WORK_SAVING):
             found, work = (d, c, t), d * t
@@ -182,22 +183,24 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str, floor: in
         if recompute_for(padded(n, smallest), smallest, mode) == 0:
             info.degree, info.recompute_layers = smallest, 0  # most sequences: no options needed
         else:
-            fits = ctx.fits(n, mode)
+            options = ctx.fitting_options(n, mode)
             if floor:
-                fits = tuple(f for f in fits if f[0] >= floor) or fits
-            if fits:
-                info.degree, info.recompute_layers = fits[0]
+                options = tuple(f for f in options if f[0] >= floor) or options
+            if options:
+                info.degree, info.recompute_layers = options[0]
         if info.recompute_layers:
             # recompute costs work: more ranks (less recompute) may do the sequence with less
             # work (the same for every sequence of this length: cached)
-            info.fits = list(fits)
+            info.fitting_options = list(options)
             found = chosen.get((n, pairs))
             if found is None:
-                least = bounds.get(fits)
+                least = bounds.get(options)
                 if least is None:
-                    least = bounds[fits] = least_work(
-                        [floors.get(f) or floors.setdefault(f, work_floor(ctx, *f)) for f in fits])
-                found = chosen[(n, pairs)] = _least_work_option(ctx, n, pairs, fits, least, kinds)
+                    least = bounds[options] = least_work(
+                        [floors.get(f) or floors.setdefault(f, work_floor(ctx, *f))
+                         for f in options])
+                found = chosen[(n, pairs)] = _least_work_option(ctx, n, pairs, options, least,
+                                                                kinds)
             info.degree, info.recompute_layers, info.time = found
         else:
             info.time = seq_time(n, pairs, info.degree, info.recompute_layers)
@@ -207,10 +210,10 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str, floor: in
     for info in sorted(infos, key=lambda x: -x.time):
         if info.time <= max(per_rank, longest):
             break  # its fastest time is at most its current time: cannot raise the bound
-        if not info.fits:
+        if not info.fitting_options:
             fill_options(ctx, info, mode, info.degree)
         fastest = info.time
-        for d, c in info.fits:
+        for d, c in info.fitting_options:
             fastest = min(fastest, seq_time(info.length, info.pairs, d, c))
         longest = max(longest, fastest)
     return per_rank, longest

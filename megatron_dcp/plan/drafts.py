@@ -73,9 +73,9 @@ class PlanContext:
         """Tokens of one sequence on a degree after padding (`CostModel.padded`; bound once:
         the planner's inner loops call it hundreds of thousands of times)."""
         self._times: dict[tuple[int, float, int, int], tuple[float, Layout]] = {}
-        self._fits: dict[tuple[int, str], tuple[tuple[int, int], ...]] = {}
+        self._fitting: dict[tuple[int, str], tuple[tuple[int, int], ...]] = {}
         self._pads = [(d, cm.pad_multiple(d)) for d in self.vocab.sizes]
-        """(size, padding multiple) of every vocabulary size (`fits`' inner loop)."""
+        """(size, padding multiple) of every vocabulary size (`fitting_options`' inner loop)."""
         # the longest sequence that fits every size without recompute / with every layer
         # recomputed (padded to m on d ranks: ceil(n / m) * m <= d * local), and those fits
         self._short = {
@@ -124,14 +124,14 @@ class PlanContext:
                                                                     recompute_layers)
         return found
 
-    def fits(self, length: int, mode: str) -> tuple[tuple[int, int], ...]:
+    def fitting_options(self, length: int, mode: str) -> tuple[tuple[int, int], ...]:
         """(degree, recomputed layers under ``mode``) of every vocabulary size where a sequence
         of ``length`` tokens fits, smallest first (cached per length and mode)."""
         short = self._short.get(mode)
         if short is not None and length <= short[0]:
             return short[1]
         key = (length, mode)
-        found = self._fits.get(key)
+        found = self._fitting.get(key)
         if found is None:
             if mode == "full":
                 found = tuple((d, self._layers) for d, m in self._pads
@@ -147,7 +147,7 @@ class PlanContext:
                     if c is not None:
                         found.append((d, c))
                 found = tuple(found)
-            self._fits[key] = found
+            self._fitting[key] = found
         return found
 
     def baseline_mode(self) -> str:

@@ -289,7 +289,7 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
     groups: dict[tuple, list[SeqChoice]] = {}
     for info in infos:
         groups.setdefault((info.length, info.pairs, info.degree, info.recompute_layers,
-                           info.time, len(info.fits)), []).append(info)
+                           info.time, len(info.fitting_options)), []).append(info)
     same = list(groups.values())
     found: dict[int, tuple[float, str, list[Draft]]] = {}
     lifts: dict[tuple[str, int], Callable] = {}  # passes of one floor share the choices

@@ -78,19 +78,19 @@ def choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: in
     ``target``, else the fastest before work grows by `MAX_WORK_GROWTH`."""
     if info.degree <= 1 and info.recompute_layers <= base:
         return False, 1, info.recompute_layers, info.time, None
-    if not info.fits:
+    if not info.fitting_options:
         if info.recompute_layers <= base and info.time <= target:
             return True, info.degree, info.recompute_layers, info.time, None
         fill_options(ctx, info, mode, info.degree)
-    fits = info.fits
-    for d, c in fits:
+    options = info.fitting_options
+    for d, c in options:
         if c <= base:
             t = ctx.seq_time(info.length, info.pairs, d, c)
             if t <= target:
-                return True, d, c, t, _from(fits, d)
+                return True, d, c, t, _from(options, d)
             break
     best, work = None, None
-    for d, c in fits:
+    for d, c in options:
         t = ctx.seq_time(info.length, info.pairs, d, c)
         if work is None:
             work = d * t
@@ -102,12 +102,12 @@ def choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: in
         if best is None or t < best[2]:
             best = (d, c, t)
     d, c, t = best or (info.degree, info.recompute_layers, info.time)
-    return True, d, c, t, _from(fits, d)
+    return True, d, c, t, _from(options, d)
 
 
-def _from(fits: Sequence[tuple[int, int]], degree: int) -> list[tuple[int, int]]:
-    """The options of ``fits`` (smallest degree first) from ``degree`` on."""
-    return [f for f in fits if f[0] >= degree]
+def _from(options: Sequence[tuple[int, int]], degree: int) -> list[tuple[int, int]]:
+    """The ``options`` (smallest degree first) from ``degree`` on."""
+    return [f for f in options if f[0] >= degree]
 
 
 def _longest_first(item: Item) -> tuple[float, int]:
