@@ -47,12 +47,17 @@ def token_loss(model: torch.nn.Module, shard: Shard) -> torch.Tensor:
     return token_losses(logits, shard.labels)
 
 
+def _forward_takes(model: Any, name: str) -> bool:
+    """Whether ``model.forward`` takes a keyword argument ``name`` (by name or ``**kwargs``)."""
+    forward = getattr(model, "forward", None)
+    params = inspect.signature(forward).parameters.values() if forward is not None else ()
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def check_takes_labels(model: Any) -> None:
     """With ``dcp.long_sequences`` and the default `token_loss`: refuse a model whose forward
     takes no ``labels`` (a task's tiled loss is computed inside the forward), naming it."""
-    forward = getattr(model, "forward", None)
-    params = inspect.signature(forward).parameters.values() if forward is not None else ()
-    if not any(p.name == "labels" or p.kind is p.VAR_KEYWORD for p in params):
+    if not _forward_takes(model, "labels"):
         raise TypeError(
             f"dcp.long_sequences: {type(model).__name__}.forward takes no 'labels' argument: a "
             "long task's loss is tiled inside the model's forward (forward(input_ids, "
@@ -64,9 +69,7 @@ def check_takes_labels(model: Any) -> None:
 def check_takes_task(model: Any) -> None:
     """Refuse a model whose forward takes no ``task`` (the default `token_loss` passes it),
     naming the model: DCP gives every micro-step's task to the model as an argument."""
-    forward = getattr(model, "forward", None)
-    params = inspect.signature(forward).parameters.values() if forward is not None else ()
-    if not any(p.name == "task" or p.kind is p.VAR_KEYWORD for p in params):
+    if not _forward_takes(model, "task"):
         raise TypeError(
             f"{type(model).__name__}.forward takes no 'task' argument: under DCP the model gets "
             "each micro-step's task as an argument (forward(input_ids, position_ids, task=...) "
