@@ -162,15 +162,15 @@ def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware
 
     cfg = DCPConfig(hardware=hardware, schedule="lockstep")
     lengths = sample_lengths(dist, world * 262144, seed=3, max_len=262144)
-    ctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
+    pctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
     for mode in ("full", "auto"):
-        pruned = [choices.SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
-        choices.degree_choice(ctx, pruned, mode)
+        pruned = [choices.SeqChoice(i, pctx.lengths[i], pctx.pairs[i]) for i in pctx.active]
+        choices.degree_choice(pctx, pruned, mode)
         with monkeypatch.context() as m:
             m.setattr(choices, "least_work",
                       lambda floors: [choices.WorkFloor(0.0, 0.0, 0.0, 0.0)] * len(floors))
-            plain = [choices.SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
-            choices.degree_choice(ctx, plain, mode)
+            plain = [choices.SeqChoice(i, pctx.lengths[i], pctx.pairs[i]) for i in pctx.active]
+            choices.degree_choice(pctx, plain, mode)
         assert [(c.degree, c.recompute_layers, c.time) for c in pruned] == \
             [(c.degree, c.recompute_layers, c.time) for c in plain]
     assert len({c.degree for c in pruned}) > 1
@@ -178,9 +178,9 @@ def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware
     for floor in (2, 4, 8, 16):
         for mode in ("auto", "full", "none"):
             for c in pruned:
-                first = next(((d, k) for d, k in ctx.fitting_options(c.length, mode)
+                first = next(((d, k) for d, k in pctx.fitting_options(c.length, mode)
                               if d >= floor), None)
-                got = choices.raised(ctx, choices.SeqChoice(c.i, c.length, c.pairs, 1, 0, 0.0),
+                got = choices.raised(pctx, choices.SeqChoice(c.i, c.length, c.pairs, 1, 0, 0.0),
                                      mode, floor)
                 assert (got.degree, got.recompute_layers) == (first or (1, 0))
 
@@ -198,21 +198,21 @@ def test_slot_index_names_every_slot_that_accepts_an_item(world, dist, monkeypat
     seen = {"items": 0, "skipped": 0}
     first = lockstep.join_first
 
-    def checked(ctx, index, item, mode):
+    def checked(pctx, index, item, mode):
         if seen["items"] < 300:
             seen["items"] += 1
             named = set(index.candidates(item.degree, -float("inf"), 0))
-            least = min((ctx.seq_time(item.tokens, item.pairs, item.degree, c)
+            least = min((pctx.seq_time(item.tokens, item.pairs, item.degree, c)
                          for c in index.layers if c >= item.recompute_layers), default=None)
             if least is not None:
-                named = set(index.candidates(item.degree, least - ctx.cm.time_model.task_overhead,
-                                             item.padded(ctx, item.degree)))
+                named = set(index.candidates(item.degree, least - pctx.cm.time_model.task_overhead,
+                                             item.padded(pctx, item.degree)))
             for k, slot in enumerate(index.slots):
                 if k not in named and slot.recompute_layers >= item.recompute_layers:
                     seen["skipped"] += 1
                     trial = copy.deepcopy((slot, item))
-                    assert not lockstep.join(ctx, trial[0], trial[1], mode), (k, item)
-        return first(ctx, index, item, mode)
+                    assert not lockstep.join(pctx, trial[0], trial[1], mode), (k, item)
+        return first(pctx, index, item, mode)
 
     monkeypatch.setattr(lockstep, "join_first", checked)
     make_plan(lengths, config=cfg, **kw)
@@ -237,16 +237,16 @@ def test_work_floors_never_exceed_a_sequences_work(hardware, curve):
         hw = replace(hw, name="curved", pack_curve=curve)
     cfg, moe = DCPConfig(hardware=hardware), load_model("qwen3-30b-a3b")
     for model in (LLAMA, moe):
-        ctx = _context([4096] * 64, 64, model, cfg, None, 3, None, None, None, None)[0]
-        ctx = replace(ctx, cm=build_cost_model(model, cfg, 64, hardware=hw, zero_stage=3))
-        tm, rng = ctx.cm.time_model, random.Random(0)
+        pctx = _context([4096] * 64, 64, model, cfg, None, 3, None, None, None, None)[0]
+        pctx = replace(pctx, cm=build_cost_model(model, cfg, 64, hardware=hw, zero_stage=3))
+        tm, rng = pctx.cm.time_model, random.Random(0)
         for _ in range(400):
-            d = rng.choice(ctx.vocab.sizes)
+            d = rng.choice(pctx.vocab.sizes)
             c = rng.choice((0, model.num_layers // 2, model.num_layers))
             tokens = rng.choice((1, 64, 4096, 65536, 1 << 20))
-            pairs = ctx.cm.pairs_of(tokens, None) * rng.choice((0.0, 0.5, 1.0))
+            pairs = pctx.cm.pairs_of(tokens, None) * rng.choice((0.0, 0.5, 1.0))
             time = tm.best_time(tokens, pairs, d, c)[0]
-            assert work_floor(ctx, d, c).of(tokens, pairs) <= d * time
+            assert work_floor(pctx, d, c).of(tokens, pairs) <= d * time
 
 
 @pytest.mark.parametrize("world,dist", [(256, "short"), (32, "balanced"), (64, "long")])
@@ -259,13 +259,13 @@ def test_pruned_passes_could_not_have_won(world, dist):
 
     cfg = DCPConfig(hardware="h200", schedule="lockstep")
     lengths = sample_lengths(dist, 65536 * world, seed=2)[:4000]
-    ctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
-    infos = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
-    per_rank, longest = degree_choice(ctx, infos, "auto")
-    args = (ctx, infos, "auto", max(per_rank, longest), longest)
+    pctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
+    infos = [SeqChoice(i, pctx.lengths[i], pctx.pairs[i]) for i in pctx.active]
+    per_rank, longest = degree_choice(pctx, infos, "auto")
+    args = (pctx, infos, "auto", max(per_rank, longest), longest)
     every, pruned = lockstep.lockstep_candidates(*args), lockstep.lockstep_candidates(*args,
                                                                                       prune=True)
-    least = lockstep.least_makespan(ctx, infos, LLAMA.num_layers)
+    least = lockstep.least_makespan(pctx, infos, LLAMA.num_layers)
     assert all(least <= c[0] for c in every if "recompute=full" in c[1])
     assert min(every, key=lambda c: c[0])[1] == min(pruned, key=lambda c: c[0])[1]
     assert {c[1] for c in pruned} <= {c[1] for c in every}

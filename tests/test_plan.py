@@ -224,16 +224,16 @@ def test_fitting_options_equal_the_size_by_size_rule_around_the_short_bound(worl
 
     cfg = DCPConfig(hardware="h200", **({"memory_budget_gb": budget} if budget else {}))
     cm = build_cost_model(LLAMA, cfg, world)
-    ctx = PlanContext(lengths=[1], active=[0], cm=cm, vocab=Vocabulary.for_cost_model(cm),
+    pctx = PlanContext(lengths=[1], active=[0], cm=cm, vocab=Vocabulary.for_cost_model(cm),
                       recompute_mode="auto")
     mm = cm.memory_model
     edges = [mm.max_local_tokens(0), mm.max_local_tokens(LLAMA.num_layers)]
     lengths = sorted({max(1, e + k) for e in edges for k in range(-40, 41)} | {1, 7, 4096})
     for mode in ("auto", "none", "full"):
         for n in lengths:
-            want = tuple((d, c) for d in ctx.vocab.sizes
-                         if (c := ctx.recompute_for(cm.padded(n, d), d, mode)) is not None)
-            assert ctx.fitting_options(n, mode) == want, (mode, n)
+            want = tuple((d, c) for d in pctx.vocab.sizes
+                         if (c := pctx.recompute_for(cm.padded(n, d), d, mode)) is not None)
+            assert pctx.fitting_options(n, mode) == want, (mode, n)
 
 
 def test_cost_terms_table_and_per_layout_attention():

@@ -52,10 +52,10 @@ def test_degree_choice_reaches_a_wider_ulysses_degree():
 
     world = 32
     cm = build_cost_model(MODEL, DCPConfig(hardware="h200"), world)
-    ctx = PlanContext(lengths=[109504, 51164], active=[0, 1], cm=cm,
+    pctx = PlanContext(lengths=[109504, 51164], active=[0, 1], cm=cm,
                       vocab=Vocabulary(world, cm.ranks_per_node), recompute_mode="auto")
-    infos = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
-    degree_choice(ctx, infos, "auto")
+    infos = [SeqChoice(i, pctx.lengths[i], pctx.pairs[i]) for i in pctx.active]
+    degree_choice(pctx, infos, "auto")
     assert [(x.degree, x.recompute_layers) for x in infos] == [(8, 0), (4, 0)]
 
 

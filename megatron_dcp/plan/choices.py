@@ -27,19 +27,19 @@ docs/BENCHMARKS.md), and every pass re-plans the whole batch."""
 P = TypeVar("P", bound=tuple)
 
 
-def passes_for(ctx: PlanContext, passes: Sequence[P]) -> list[P]:
+def passes_for(pctx: PlanContext, passes: Sequence[P]) -> list[P]:
     """The passes (tuples whose first entry is a degree floor) this input gets: those whose floor
     is a vocabulary size, fewer for large inputs (`LARGE_INPUT`, `HUGE_INPUT`)."""
-    kept = [p for p in passes if p[0] in ctx.vocab.sizes]
-    size = len(ctx.active) * ctx.world
+    kept = [p for p in passes if p[0] in pctx.vocab.sizes]
+    size = len(pctx.active) * pctx.world
     if size > HUGE_INPUT:
         return kept[:HUGE_INPUT_PASSES]
     return kept[:LARGE_INPUT_PASSES] if size > LARGE_INPUT else kept
 
 
-def floor_of(ctx: PlanContext, floor: "int | str") -> int:
+def floor_of(pctx: PlanContext, floor: "int | str") -> int:
     """A pass's degree floor in ranks (``"node"``: one node's ranks)."""
-    return ctx.vocab.ranks_per_node if floor == "node" else floor
+    return pctx.vocab.ranks_per_node if floor == "node" else floor
 
 
 @dataclass(slots=True)
@@ -56,33 +56,33 @@ class SeqChoice:
     """(degree, recompute_layers) of every vocabulary size from ``degree`` on where it fits."""
 
 
-def fill_options(ctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:
+def fill_options(pctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:
     """Fill ``info.fitting_options`` with (degree, recompute_layers) for every vocabulary size
     from ``start_at`` on."""
-    info.fitting_options += [f for f in ctx.fitting_options(info.length, mode)
+    info.fitting_options += [f for f in pctx.fitting_options(info.length, mode)
                              if f[0] >= start_at]
 
 
-def raised(ctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoice:
+def raised(pctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoice:
     """A copy of ``info`` at degree ``floor`` or more (fewer degrees mean less fragmentation)."""
     if info.degree >= floor:
         return info
-    if floor in ctx.vocab.sizes:  # most sequences fit there: the first fitting size from it
-        c = ctx.recompute_for(ctx.padded(info.length, floor), floor, mode)
+    if floor in pctx.vocab.sizes:  # most sequences fit there: the first fitting size from it
+        c = pctx.recompute_for(pctx.padded(info.length, floor), floor, mode)
         if c is not None:
             return SeqChoice(info.i, info.length, info.pairs, floor, c,
-                             ctx.seq_time(info.length, info.pairs, floor, c))
-    for d, c in ctx.fitting_options(info.length, mode):
+                             pctx.seq_time(info.length, info.pairs, floor, c))
+    for d, c in pctx.fitting_options(info.length, mode):
         if d >= floor:
             return SeqChoice(info.i, info.length, info.pairs, d, c,
-                             ctx.seq_time(info.length, info.pairs, d, c))
+                             pctx.seq_time(info.length, info.pairs, d, c))
     return info
 
 
-def _layout_kinds(ctx: PlanContext) -> dict[int, set[str]]:
+def _layout_kinds(pctx: PlanContext) -> dict[int, set[str]]:
     """Layout kinds (`layout_kind`) per vocabulary size, and under key 0 those of all sizes."""
-    out = {d: {layout_kind(lay.ulysses, lay.ring) for lay in ctx.cm.layouts(d)}
-           for d in ctx.vocab.sizes}
+    out = {d: {layout_kind(lay.ulysses, lay.ring) for lay in pctx.cm.layouts(d)}
+           for d in pctx.vocab.sizes}
     out[0] = set().union(*out.values())
     return out
 
@@ -116,9 +116,9 @@ class WorkFloor:
                          min(self.per_token, other.per_token), min(self.per_pair, other.per_pair))
 
 
-def work_floor(ctx: PlanContext, degree: int, recompute_layers: int) -> WorkFloor:
+def work_floor(pctx: PlanContext, degree: int, recompute_layers: int) -> WorkFloor:
     """The `WorkFloor` of an option: each part the least over the degree's layouts."""
-    tm, layouts = ctx.cm.time_model, ctx.cm.layouts(degree)
+    tm, layouts = pctx.cm.time_model, pctx.cm.layouts(degree)
     fixed, weights, per_token, per_pair = [], [], [], []
     for lay in layouts:
         empty = tm.terms(0, 0.0, lay, recompute_layers)
@@ -139,11 +139,11 @@ def least_work(floors: Sequence[WorkFloor]) -> list[WorkFloor]:
     return least
 
 
-def _least_work_option(ctx: PlanContext, n: int, pairs: float, options, least: list[WorkFloor],
+def _least_work_option(pctx: PlanContext, n: int, pairs: float, options, least: list[WorkFloor],
                        kinds) -> tuple[int, int, float]:
     """The (degree, recomputed layers, time) of the option with the least work, among those
     cutting the first option's work by at least MIN_WORK_SAVING (else the first)."""
-    seq_time = ctx.seq_time
+    seq_time = pctx.seq_time
     d0, c0 = options[0]
     t0 = seq_time(n, pairs, d0, c0)
     work = d0 * t0
@@ -166,16 +166,16 @@ def _least_work_option(ctx: PlanContext, n: int, pairs: float, options, least: l
     return found
 
 
-def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str, floor: int = 0
+def degree_choice(pctx: PlanContext, infos: list[SeqChoice], mode: str, floor: int = 0
                   ) -> tuple[float, float]:
     """Minimal degrees and times, of the vocabulary sizes from ``floor`` on (a size); returns
     (total work / ranks, longest fastest time)."""
     total = 0.0
-    overhead = ctx.cm.time_model.task_overhead
-    seq_time, padded, recompute_for = ctx.seq_time, ctx.padded, ctx.recompute_for
-    smallest = max(ctx.vocab.sizes[0], floor)
+    overhead = pctx.cm.time_model.task_overhead
+    seq_time, padded, recompute_for = pctx.seq_time, pctx.padded, pctx.recompute_for
+    smallest = max(pctx.vocab.sizes[0], floor)
     chosen: dict[tuple[int, float], tuple[int, int, float]] = {}
-    kinds = _layout_kinds(ctx)
+    kinds = _layout_kinds(pctx)
     floors: dict[tuple[int, int], WorkFloor] = {}
     bounds: dict[tuple[tuple[int, int], ...], list[WorkFloor]] = {}
     for info in infos:
@@ -183,7 +183,7 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str, floor: in
         if recompute_for(padded(n, smallest), smallest, mode) == 0:
             info.degree, info.recompute_layers = smallest, 0  # most sequences: no options needed
         else:
-            options = ctx.fitting_options(n, mode)
+            options = pctx.fitting_options(n, mode)
             if floor:
                 options = tuple(f for f in options if f[0] >= floor) or options
             if options:
@@ -197,21 +197,21 @@ def degree_choice(ctx: PlanContext, infos: list[SeqChoice], mode: str, floor: in
                 least = bounds.get(options)
                 if least is None:
                     least = bounds[options] = least_work(
-                        [floors.get(f) or floors.setdefault(f, work_floor(ctx, *f))
+                        [floors.get(f) or floors.setdefault(f, work_floor(pctx, *f))
                          for f in options])
-                found = chosen[(n, pairs)] = _least_work_option(ctx, n, pairs, options, least,
+                found = chosen[(n, pairs)] = _least_work_option(pctx, n, pairs, options, least,
                                                                 kinds)
             info.degree, info.recompute_layers, info.time = found
         else:
             info.time = seq_time(n, pairs, info.degree, info.recompute_layers)
         total += info.degree * max(info.time - overhead, 0.0)
-    per_rank = total / ctx.world
+    per_rank = total / pctx.world
     longest = 0.0
     for info in sorted(infos, key=lambda x: -x.time):
         if info.time <= max(per_rank, longest):
             break  # its fastest time is at most its current time: cannot raise the bound
         if not info.fitting_options:
-            fill_options(ctx, info, mode, info.degree)
+            fill_options(pctx, info, mode, info.degree)
         fastest = info.time
         for d, c in info.fitting_options:
             fastest = min(fastest, seq_time(info.length, info.pairs, d, c))

@@ -80,7 +80,7 @@ class PackedTask:
     """The layout of ``time``."""
 
 
-def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
+def _pack(pctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
           ) -> list[PackedTask]:
     """Sequences whose time at their minimal degree is at most ``limit`` packed (next-fit,
     longest first) into tasks of up to ``limit`` seconds (and ``pack_tokens`` tokens when the
@@ -91,14 +91,14 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
     recomputed layers and keeps them, and bounds each group by its slot's share (``GRAIN_TOKENS``,
     ``TAIL``); here a task is free to recompute anything up to what its longest sequence needs
     alone, and is timed at its best layout."""
-    cm = ctx.cm
-    token_cap = ctx.pack_tokens or float("inf")
+    cm = pctx.cm
+    token_cap = pctx.pack_tokens or float("inf")
     tasks: list[PackedTask] = []
     by_degree: dict[int, list[SeqChoice]] = {}
 
     def alone(info: SeqChoice, degree: int) -> PackedTask:
-        time, layout = ctx.seq_best(info.length, info.pairs, degree, info.recompute_layers)
-        return PackedTask([info.i], info.length, ctx.padded(info.length, degree), info.pairs,
+        time, layout = pctx.seq_best(info.length, info.pairs, degree, info.recompute_layers)
+        return PackedTask([info.i], info.length, pctx.padded(info.length, degree), info.pairs,
                           degree, info.recompute_layers, time, layout)
 
     for info in infos:
@@ -112,8 +112,8 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
         cur_recompute = 0
         for info in items:
             if cur is not None:
-                padded = cur.padded_tokens + ctx.padded(info.length, degree)
-                c = ctx.recompute_for(padded, degree, mode) if padded <= token_cap else None
+                padded = cur.padded_tokens + pctx.padded(info.length, degree)
+                c = pctx.recompute_for(padded, degree, mode) if padded <= token_cap else None
                 # no more recompute than its longest sequence needs alone: recompute is work
                 if c is not None and c <= cur_recompute:
                     tokens, pairs = cur.tokens + info.length, cur.pairs + info.pairs
@@ -131,16 +131,16 @@ def _pack(ctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
     return tasks
 
 
-def _options_for(ctx: PlanContext, task: PackedTask, mode: str):
+def _options_for(pctx: PlanContext, task: PackedTask, mode: str):
     """(degree, recompute_layers, time, layout) of a packed task for every vocabulary degree
     from its minimum on."""
     yield task.degree, task.recompute_layers, task.time, task.layout
-    for d in ctx.vocab.sizes:
+    for d in pctx.vocab.sizes:
         if d <= task.degree:
             continue
-        c = ctx.recompute_for(ctx.padded_tokens(task.seqs, d), d, mode)
+        c = pctx.recompute_for(pctx.padded_tokens(task.seqs, d), d, mode)
         if c is not None:
-            yield (d, c) + ctx.cm.time_model.best_time(task.tokens, task.pairs, d, c)
+            yield (d, c) + pctx.cm.time_model.best_time(task.tokens, task.pairs, d, c)
 
 
 class Holes:
@@ -193,14 +193,14 @@ class Holes:
                 self.holes.append([a, b, f, busy])
 
 
-def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
+def _build(pctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
            ) -> list[Draft]:
     """Moldable list scheduling, longest first: each task on the smallest degree whose earliest
     finish meets ``target``, on the group of that size that frees first or in an idle interval
     an earlier task left (`Holes`). Tasks that meet the target nowhere wait until all others are
     placed (so short tasks fill the gaps first), then take the degree with the earliest finish."""
-    clock = BlockClock(ctx.vocab)
-    holes = Holes(ctx.vocab, 1e-3 * target)
+    clock = BlockClock(pctx.vocab)
+    holes = Holes(pctx.vocab, 1e-3 * target)
     drafts = []
     deferred = []
 
@@ -225,7 +225,7 @@ def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
 
     for task in sorted(tasks, key=lambda t: (-t.time, t.seqs[0])):
         work, tried = None, []  # its options up to where work grows too much
-        for d, c, t, layout in _options_for(ctx, task, mode):
+        for d, c, t, layout in _options_for(pctx, task, mode):
             finish, start_rank, at, hole = earliest(d, t)
             if finish <= target:
                 put(task, d, c, t, layout, start_rank, at, hole)
@@ -249,11 +249,11 @@ def _build(ctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
     return drafts
 
 
-def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]:
+def _merge_runs(pctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]:
     """Merge back-to-back tasks of the same group into one packed task where that is not slower
     (scheduling fine-grained, then packing what landed together, saves the per-task cost without
     losing balance). ``drafts`` must be in start order; returns them in the same order."""
-    last: list[Optional[int]] = [None] * ctx.world  # index into ``out`` of each rank's last task
+    last: list[Optional[int]] = [None] * pctx.world  # index into ``out`` of each rank's last task
     out: list[Draft] = []
     padded: list[Optional[int]] = []  # padded tokens of each task of ``out``, once asked for
     for d in drafts:
@@ -263,12 +263,12 @@ def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]
         if prev is not None and prev.start_rank == a and prev.degree == d.degree and \
                 all(last[r] == k for r in range(a, b)):
             if padded[k] is None:
-                padded[k] = ctx.padded_tokens(prev.seqs, d.degree)
-            tokens = padded[k] + ctx.padded_tokens(d.seqs, d.degree)
-            fits_cap = tokens <= (ctx.pack_tokens or tokens)
-            c = ctx.recompute_for(tokens, d.degree, mode) if fits_cap else None
+                padded[k] = pctx.padded_tokens(prev.seqs, d.degree)
+            tokens = padded[k] + pctx.padded_tokens(d.seqs, d.degree)
+            fits_cap = tokens <= (pctx.pack_tokens or tokens)
+            c = pctx.recompute_for(tokens, d.degree, mode) if fits_cap else None
             if c is not None:
-                merged = ctx.draft(a, d.degree, prev.seqs + d.seqs, c, sums=(
+                merged = pctx.draft(a, d.degree, prev.seqs + d.seqs, c, sums=(
                     prev.tokens + d.tokens, prev.pairs + d.pairs))
                 if merged.duration <= prev.duration + d.duration:
                     merged.start = prev.start
@@ -281,19 +281,19 @@ def _merge_runs(ctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft]
     return out
 
 
-def free_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
+def free_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
                     longest: float) -> list[tuple[float, str, list[Draft]]]:
     """(makespan, name, timed drafts) of every free pass this input gets (`SEARCH_PASSES`), from
     the sequences' degree choices ``infos``; ``bound``: the lower bound of the makespan,
     ``longest``: the longest sequence at its fastest degree."""
     candidates = []
-    passes = [(floor_of(ctx, p.floor), p.target, p.grain) for p in SEARCH_PASSES]
-    for floor, factor, grain in passes_for(ctx, passes):
+    passes = [(floor_of(pctx, p.floor), p.target, p.grain) for p in SEARCH_PASSES]
+    for floor, factor, grain in passes_for(pctx, passes):
         target = max(bound * factor, longest)
-        use = infos if floor == 1 else [raised(ctx, info, mode, floor) for info in infos]
+        use = infos if floor == 1 else [raised(pctx, info, mode, floor) for info in infos]
         # tasks of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
-        limit = max(grain * target, OVERHEAD_TASKS * ctx.cm.time_model.task_overhead)
-        drafts = _merge_runs(ctx, _build(ctx, _pack(ctx, use, mode, limit), mode, target), mode)
-        makespan = retime(drafts, ctx.world, barriers=False)
+        limit = max(grain * target, OVERHEAD_TASKS * pctx.cm.time_model.task_overhead)
+        drafts = _merge_runs(pctx, _build(pctx, _pack(pctx, use, mode, limit), mode, target), mode)
+        makespan = retime(drafts, pctx.world, barriers=False)
         candidates.append((makespan, f"dcp(floor={floor},M={factor},g={grain})", drafts))
     return candidates

@@ -258,12 +258,12 @@ class BlockClock:
             heapq.heapreplace(heap, (end, start))
 
 
-def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Sequence[int],
+def to_plan(pctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Sequence[int],
             meta: Optional[dict] = None) -> Plan:
     """Turn timed drafts into a `Plan` (task ids in start order)."""
     order = sorted(range(len(drafts)), key=lambda k: (drafts[k].start, drafts[k].start_rank, k))
     tasks = []
-    cm = ctx.cm
+    cm = pctx.cm
     for tid, k in enumerate(order):
         d = drafts[k]
         task = Task(id=tid, ranks=tuple(range(d.start_rank, d.start_rank + d.degree)),
@@ -271,21 +271,21 @@ def to_plan(ctx: PlanContext, drafts: Sequence[Draft], policy: str, skipped: Seq
                     recompute_layers=d.recompute_layers, start=d.start, duration=d.duration,
                     slot=d.slot)
         # memory with the padding of the layout the task got (the runtime's own rule)
-        tasks.append(replace(task, memory=cm.memory_model.task_memory(task, ctx.lengths)))
-    frames = tuple(ctx.frame_tokens) if ctx.frame_tokens is not None else None
-    return Plan(tasks=tuple(tasks), lengths=tuple(ctx.lengths), world_size=ctx.world, policy=policy,
-                skipped=tuple(skipped), meta=dict(meta or {}), frame_tokens=frames)
+        tasks.append(replace(task, memory=cm.memory_model.task_memory(task, pctx.lengths)))
+    frames = tuple(pctx.frame_tokens) if pctx.frame_tokens is not None else None
+    return Plan(tasks=tuple(tasks), lengths=tuple(pctx.lengths), world_size=pctx.world,
+                policy=policy, skipped=tuple(skipped), meta=dict(meta or {}), frame_tokens=frames)
 
 
-def lighten(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
+def lighten(pctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
     """DCP-intra on a finished structure: every task gets the fewest recomputed layers that fit
     (same ranks, sequences and order)."""
     result = []
     for d in drafts:
-        tokens = ctx.padded_tokens(d.seqs, d.degree)
-        recompute_layers = ctx.recompute_for(tokens, d.degree, ctx.recompute_mode)
+        tokens = pctx.padded_tokens(d.seqs, d.degree)
+        recompute_layers = pctx.recompute_for(tokens, d.degree, pctx.recompute_mode)
         if recompute_layers is None or recompute_layers >= d.recompute_layers:
             result.append(replace(d))
         else:
-            result.append(ctx.draft(d.start_rank, d.degree, d.seqs, recompute_layers, d.release))
+            result.append(pctx.draft(d.start_rank, d.degree, d.seqs, recompute_layers, d.release))
     return result

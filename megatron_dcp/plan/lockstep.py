@@ -62,7 +62,7 @@ FILL_TRIES = 4
 """Step 2 and 3 try an item on this many of the emptiest tasks before giving up on it."""
 
 
-def join(ctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
+def join(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
     """Put a wide or deep item into ``slot`` if it finishes within the slot's duration at the
     slot's recomputed layers: packed into the task of its degree with the most time left, or
     on the first free group of its degree (or a wider one, while its work grows less than
@@ -71,21 +71,21 @@ def join(ctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
     task = slot.emptiest(size)
     # packing adds at least the item's time less the fixed per-task cost (checked before the
     # task with the item is timed)
-    if task is not None and not slot.too_big(task.padded_tokens + item.padded(ctx, size), size) \
-            and slot.duration - task.duration >= ctx.seq_time(item.tokens, item.pairs, size,
+    if task is not None and not slot.too_big(task.padded_tokens + item.padded(pctx, size), size) \
+            and slot.duration - task.duration >= pctx.seq_time(item.tokens, item.pairs, size,
                                                                layers) - \
-            ctx.cm.time_model.task_overhead:
-        fit = task.with_item(ctx, item, mode, slot.duration)
+            pctx.cm.time_model.task_overhead:
+        fit = task.with_item(pctx, item, mode, slot.duration)
         if fit is not None:
             task.add(item, fit)
             return True
     if not slot.occupancy.free:
         return False
     work = None
-    for d, c in item.options(ctx, mode):
+    for d, c in item.options(pctx, mode):
         if c > layers:
             continue
-        duration = ctx.seq_time(item.tokens, item.pairs, d, layers)
+        duration = pctx.seq_time(item.tokens, item.pairs, d, layers)
         if work is None:
             work = d * duration
         elif d * duration > MAX_WORK_GROWTH * work:
@@ -94,34 +94,34 @@ def join(ctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
             continue
         start = slot.occupancy.first_free(d)
         if start is not None:
-            _start_task(ctx, slot, item, start, d)
+            _start_task(pctx, slot, item, start, d)
             return True
     return False
 
 
-def _start_task(ctx: PlanContext, slot: Slot, item: Item, start_rank: int, degree: int) -> None:
+def _start_task(pctx: PlanContext, slot: Slot, item: Item, start_rank: int, degree: int) -> None:
     """A new task of ``item`` alone on ``[start_rank, start_rank + degree)`` of ``slot``."""
-    duration, layout = ctx.seq_best(item.tokens, item.pairs, degree, slot.recompute_layers)
-    slot.open_task(start_rank, degree).add(item, Fit(item.padded(ctx, degree), duration, layout))
+    duration, layout = pctx.seq_best(item.tokens, item.pairs, degree, slot.recompute_layers)
+    slot.open_task(start_rank, degree).add(item, Fit(item.padded(pctx, degree), duration, layout))
 
 
-def join_first(ctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bool:
+def join_first(pctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bool:
     """`join` the item into the first slot that takes it (of those `SlotIndex.candidates`
     names: at least every slot that does)."""
-    size, overhead = item.degree, ctx.cm.time_model.task_overhead
+    size, overhead = item.degree, pctx.cm.time_model.task_overhead
     deep = [c for c in index.layers if c >= item.recompute_layers]
     if not deep:
         return False
-    least = min(ctx.seq_time(item.tokens, item.pairs, size, c) for c in deep) - overhead
-    for k in index.candidates(size, least, item.padded(ctx, size)):
+    least = min(pctx.seq_time(item.tokens, item.pairs, size, c) for c in deep) - overhead
+    for k in index.candidates(size, least, item.padded(pctx, size)):
         slot = index.slots[k]
-        if slot.recompute_layers >= item.recompute_layers and join(ctx, slot, item, mode):
+        if slot.recompute_layers >= item.recompute_layers and join(pctx, slot, item, mode):
             index.changed(k)
             return True
     return False
 
 
-def extend(ctx: PlanContext, index: SlotIndex, item: Item, mode: str, slot_time: float) -> bool:
+def extend(pctx: PlanContext, index: SlotIndex, item: Item, mode: str, slot_time: float) -> bool:
     """Pack an item that fits no slot's duration into the task of its degree where the slot
     grows least, if that growth costs less than a slot of its own (its duration, at least
     ``slot_time``: the slot's ZeRO traffic)."""
@@ -131,7 +131,7 @@ def extend(ctx: PlanContext, index: SlotIndex, item: Item, mode: str, slot_time:
         if slot.recompute_layers < item.recompute_layers or task is None:
             continue
         # only a growth below the least so far counts (the limit a hair above it: rounding)
-        fit = task.with_item(ctx, item, mode, (slot.duration + growth) * (1.0 + 1e-12))
+        fit = task.with_item(pctx, item, mode, (slot.duration + growth) * (1.0 + 1e-12))
         if fit is not None and fit.duration - slot.duration < growth:
             best, growth = (k, task, fit), fit.duration - slot.duration
     if best is None:
@@ -143,7 +143,7 @@ def extend(ctx: PlanContext, index: SlotIndex, item: Item, mode: str, slot_time:
     return True
 
 
-def fill(ctx: PlanContext, tasks: list[SlotTask], items: list[Item], mode: str, limit: bool
+def fill(pctx: PlanContext, tasks: list[SlotTask], items: list[Item], mode: str, limit: bool
          ) -> list[Item]:
     """Worst-fit decreasing of single-rank items (longest first) into ``tasks``: each to the
     task with the most time left in its slot of the `FILL_TRIES` emptiest where it fits (an empty
@@ -161,7 +161,7 @@ def fill(ctx: PlanContext, tasks: list[SlotTask], items: list[Item], mode: str, 
         while heap and len(tried) < FILL_TRIES:
             k = heap[0][1]
             task = tasks[k]
-            fit = task.with_item(ctx, item, mode, task.slot.duration if limit else math.inf)
+            fit = task.with_item(pctx, item, mode, task.slot.duration if limit else math.inf)
             if fit is None:
                 tried.append(heapq.heappop(heap))
                 continue
@@ -177,35 +177,35 @@ def fill(ctx: PlanContext, tasks: list[SlotTask], items: list[Item], mode: str, 
     return left
 
 
-def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: str,
+def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode: str,
                   extend_slots: bool = False) -> list[Draft]:
     """One lockstep schedule (see the module docstring) of the items of `lockstep_items` (read
     only: passes may share them); ``extend_slots``: a wide item that fits no slot may lengthen
     one where that costs less than a slot of its own. Returns timed drafts."""
-    world, cm, vocab = ctx.world, ctx.cm, ctx.vocab
+    world, cm, vocab = pctx.world, pctx.cm, pctx.vocab
     base = cm.model.num_layers if mode == "full" else 0
     wide, short = items
-    index = SlotIndex(ctx)
+    index = SlotIndex(pctx)
     slot_times: dict[int, float] = {}
     for item in wide:  # step 1
         layers = item.recompute_layers
         if layers not in slot_times:
             slot_times[layers] = cm.time_model.slot_time(layers)
-        if join_first(ctx, index, item, mode) or \
-                extend_slots and extend(ctx, index, item, mode, slot_times[layers]):
+        if join_first(pctx, index, item, mode) or \
+                extend_slots and extend(pctx, index, item, mode, slot_times[layers]):
             continue
         # a slot bound by ZeRO's traffic has room for more work at no cost
         slot = Slot(vocab, layers, max(item.duration, slot_times[layers]))
-        _start_task(ctx, slot, item, slot.occupancy.first_free(item.degree), item.degree)
+        _start_task(pctx, slot, item, slot.occupancy.first_free(item.degree), item.degree)
         index.add(slot)
     slots = index.slots
     left = short
     if short:  # step 2: the ranks left free and the wide tasks' spare time
         tasks = [t for slot in slots for t in slot.tasks]
         tasks += [slot.open_task(r, 1) for slot in slots for r in slot.occupancy.free_ranks()]
-        left = fill(ctx, tasks, short, mode, limit=True)
+        left = fill(pctx, tasks, short, mode, limit=True)
     while left:  # step 3: slots of short sequences only, as few as memory allows
-        cap = min(ctx.pack_tokens or math.inf, cm.memory_model.max_tokens(1, base)) * MEMORY_SLACK
+        cap = min(pctx.pack_tokens or math.inf, cm.memory_model.max_tokens(1, base)) * MEMORY_SLACK
         count = max(1, math.ceil(sum(x.tokens for x in left) / (world * cap)))
         work = sum(x.duration for x in left)
         duration = max(left[0].duration, work / (world * count), cm.time_model.slot_time(base))
@@ -214,7 +214,7 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: 
             slot = Slot(vocab, base, duration)
             slots.append(slot)
             new += [slot.open_task(r, 1) for r in range(world)]
-        left = fill(ctx, new, fill(ctx, new, left, mode, limit=True), mode, limit=False)
+        left = fill(pctx, new, fill(pctx, new, left, mode, limit=True), mode, limit=False)
     drafts: list[Draft] = []
     for slot in (s for s in slots if any(t.seqs for t in s.tasks)):  # empty slots dropped
         k = drafts[-1].slot + 1 if drafts else 0
@@ -227,11 +227,11 @@ def lockstep_pass(ctx: PlanContext, items: tuple[list[Item], list[Item]], mode: 
     return drafts
 
 
-def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
+def to_slots(pctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
     """A free schedule in lockstep: each task in the first slot after its ranks' previous tasks
     (its own order kept), every task of a slot at the slot's deepest recompute. Timed."""
     order = sorted(drafts, key=lambda d: (d.start, d.start_rank))
-    next_slot = [0] * ctx.world
+    next_slot = [0] * pctx.world
     placed = []
     for d in order:
         ranks = range(d.start_rank, d.start_rank + d.degree)
@@ -244,37 +244,37 @@ def to_slots(ctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
         recompute_layers[k] = max(recompute_layers.get(k, 0), d.recompute_layers)
     out = []
     for k, d in placed:
-        new = ctx.draft(d.start_rank, d.degree, d.seqs, recompute_layers[k], layout=d.layout) \
+        new = pctx.draft(d.start_rank, d.degree, d.seqs, recompute_layers[k], layout=d.layout) \
             if d.recompute_layers != recompute_layers[k] else replace(d)
         new.slot = k
         out.append(new)
-    retime_slots(out, ctx.cm)
+    retime_slots(out, pctx.cm)
     return out
 
 
-def _full_lift(ctx: PlanContext, infos: list[SeqChoice], floor: int
+def _full_lift(pctx: PlanContext, infos: list[SeqChoice], floor: int
                ) -> Callable[[SeqChoice], SeqChoice]:
     """A sequence's `degree_choice` under recompute ``full`` from the size ``floor`` on (one per
     length: the same for each sequence of a length)."""
     full: dict[tuple[int, float], SeqChoice] = {}
     for x in infos:
         full.setdefault((x.length, x.pairs), SeqChoice(x.i, x.length, x.pairs))
-    degree_choice(ctx, list(full.values()), "full", floor)
+    degree_choice(pctx, list(full.values()), "full", floor)
     return lambda info: full[(info.length, info.pairs)]
 
 
-def least_makespan(ctx: PlanContext, infos: list[SeqChoice], recompute_layers: int) -> float:
+def least_makespan(pctx: PlanContext, infos: list[SeqChoice], recompute_layers: int) -> float:
     """A lower bound of the makespan of any plan of ``infos`` whose tasks all recompute
     ``recompute_layers``: the sequences' marginal work (`WorkFloor`, at the degree where it is
     least) over the ranks (a task's ranks x time is at least its sequences' marginal work, and no
     rank works past the makespan)."""
-    floors = [work_floor(ctx, d, recompute_layers) for d in ctx.vocab.sizes]
+    floors = [work_floor(pctx, d, recompute_layers) for d in pctx.vocab.sizes]
     tokens, pairs = sum(x.length for x in infos), sum(x.pairs for x in infos)
     return (tokens * min(f.per_token for f in floors) + pairs * min(f.per_pair for f in floors)
-            ) * (1.0 - 1e-9) / ctx.world
+            ) * (1.0 - 1e-9) / pctx.world
 
 
-def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
+def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
                         longest: float, prune: bool = False
                         ) -> list[tuple[float, str, list[Draft]]]:
     """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
@@ -282,7 +282,7 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
     ``infos`` under ``mode``; ``bound`` and ``longest`` as in `megatron_dcp.plan.dcp`.
     ``prune`` (where the shortest candidate wins): the ``full`` passes run after the others and
     are left out where `least_makespan` shows they cannot be shorter than the shortest so far."""
-    passes = [(floor_of(ctx, floor), factor, mode if recompute == "auto" else recompute, extend,
+    passes = [(floor_of(pctx, floor), factor, mode if recompute == "auto" else recompute, extend,
                grain) for floor, factor, recompute, extend, grain in LOCKSTEP_PASSES
               if recompute == "auto" or mode == "auto"]
     # the sequences of one length and choice get one choice per pass
@@ -294,25 +294,25 @@ def lockstep_candidates(ctx: PlanContext, infos: list[SeqChoice], mode: str, bou
     found: dict[int, tuple[float, str, list[Draft]]] = {}
     lifts: dict[tuple[str, int], Callable] = {}  # passes of one floor share the choices
     made: dict[tuple, tuple[list[Item], list[Item]]] = {}  # and their items, of one target
-    kept = passes_for(ctx, passes)
+    kept = passes_for(pctx, passes)
     full_floor = None
     for k in sorted(range(len(kept)), key=lambda k: kept[k][2] != mode):  # stable: mode first
         floor, factor, recompute, extend_slots, grain = kept[k]
         if prune and recompute != mode and found:
             if full_floor is None:
-                full_floor = least_makespan(ctx, infos, ctx.cm.model.num_layers)
+                full_floor = least_makespan(pctx, infos, pctx.cm.model.num_layers)
             if full_floor > min(c[0] for c in found.values()):
                 continue
         target = max(bound * factor, longest)
         key = (recompute, floor, target, grain)
         if key not in made:
             if (recompute, floor) not in lifts:
-                lifts[(recompute, floor)] = _full_lift(ctx, infos, floor) if recompute != mode \
-                    else (lambda info, floor=floor: raised(ctx, info, mode, floor))
-            made[key] = lockstep_items(ctx, same, recompute, target, grain,
+                lifts[(recompute, floor)] = _full_lift(pctx, infos, floor) if recompute != mode \
+                    else (lambda info, floor=floor: raised(pctx, info, mode, floor))
+            made[key] = lockstep_items(pctx, same, recompute, target, grain,
                                        lifts[(recompute, floor)])
-        drafts = lockstep_pass(ctx, made[key], recompute, extend_slots)
-        makespan = retime_slots(drafts, ctx.cm)
+        drafts = lockstep_pass(pctx, made[key], recompute, extend_slots)
+        makespan = retime_slots(drafts, pctx.cm)
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
                 f"{',extend' if extend_slots else ''}{f',g={grain}' if grain else ''})")
         found[k] = (makespan, name, drafts)

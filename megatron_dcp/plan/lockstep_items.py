@@ -45,31 +45,31 @@ class Item:
     item fits, smallest first; ``None``: not known (`options` finds them as asked)."""
     _padded: Optional[dict[int, int]] = field(default=None, repr=False)
 
-    def padded(self, ctx: PlanContext, degree: int) -> int:
+    def padded(self, pctx: PlanContext, degree: int) -> int:
         """Tokens after padding on ``degree`` ranks (of a group: kept per degree)."""
         if len(self.seqs) == 1:
-            return ctx.padded(self.tokens, degree)
+            return pctx.padded(self.tokens, degree)
         if self._padded is None:
             self._padded = {}
         found = self._padded.get(degree)
         if found is None:
-            found = self._padded[degree] = ctx.padded_tokens(self.seqs, degree)
+            found = self._padded[degree] = pctx.padded_tokens(self.seqs, degree)
         return found
 
-    def options(self, ctx: PlanContext, mode: str) -> Iterator[tuple[int, int]]:
+    def options(self, pctx: PlanContext, mode: str) -> Iterator[tuple[int, int]]:
         """`choices`, or where they are not known, the same found as asked (a caller mostly
         takes the first)."""
         if self.choices is not None:
             yield from self.choices
             return
-        for d in ctx.vocab.sizes:
+        for d in pctx.vocab.sizes:
             if d >= self.degree:
-                c = ctx.recompute_for(self.padded(ctx, d), d, mode)
+                c = pctx.recompute_for(self.padded(pctx, d), d, mode)
                 if c is not None:
                     yield d, c
 
 
-def choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int
+def choose(pctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int
            ) -> tuple[bool, int, int, float, Optional[list[tuple[int, int]]]]:
     """(whether the sequence is wide or deep, degree, recomputed layers, duration, options) of a
     sequence at its pass's choice ``info``: a short one keeps it; a wide or deep one takes the
@@ -81,17 +81,17 @@ def choose(ctx: PlanContext, info: SeqChoice, mode: str, target: float, base: in
     if not info.fitting_options:
         if info.recompute_layers <= base and info.time <= target:
             return True, info.degree, info.recompute_layers, info.time, None
-        fill_options(ctx, info, mode, info.degree)
+        fill_options(pctx, info, mode, info.degree)
     options = info.fitting_options
     for d, c in options:
         if c <= base:
-            t = ctx.seq_time(info.length, info.pairs, d, c)
+            t = pctx.seq_time(info.length, info.pairs, d, c)
             if t <= target:
                 return True, d, c, t, _from(options, d)
             break
     best, work = None, None
     for d, c in options:
-        t = ctx.seq_time(info.length, info.pairs, d, c)
+        t = pctx.seq_time(info.length, info.pairs, d, c)
         if work is None:
             work = d * t
         elif d * t > MAX_WORK_GROWTH * work:
@@ -114,7 +114,7 @@ def _longest_first(item: Item) -> tuple[float, int]:
     return -item.duration, item.seqs[0]
 
 
-def pack_wide(ctx: PlanContext, items: list[Item], mode: str, limit: float) -> list[Item]:
+def pack_wide(pctx: PlanContext, items: list[Item], mode: str, limit: float) -> list[Item]:
     """Wide items (one sequence each, longest first) of at most ``limit`` seconds, packed per
     degree and recomputed layers (next-fit, longest first) into groups of up to ``limit`` seconds
     that fit memory at those layers, ``pack_tokens``, and the bounds of `GRAIN_TOKENS` and
@@ -126,24 +126,24 @@ def pack_wide(ctx: PlanContext, items: list[Item], mode: str, limit: float) -> l
             out.append(item)
         else:  # each kind's items stay longest first
             kinds.setdefault((item.degree, item.recompute_layers), []).append(item)
-    cap, overhead = ctx.pack_tokens or math.inf, ctx.cm.time_model.task_overhead
+    cap, overhead = pctx.pack_tokens or math.inf, pctx.cm.time_model.task_overhead
     for (d, c), same in kinds.items():
-        fine = TAIL * ctx.world / d
-        most_tokens = GRAIN_TOKENS * d * ctx.cm.memory_model.max_local_tokens(c)
+        fine = TAIL * pctx.world / d
+        most_tokens = GRAIN_TOKENS * d * pctx.cm.memory_model.max_local_tokens(c)
         # time (less the fixed per-task cost) and tokens the items after each one add
         time_after, tokens_after = [0.0] * (len(same) + 1), [0] * (len(same) + 1)
         for k in range(len(same) - 1, -1, -1):
             time_after[k] = time_after[k + 1] + max(same[k].duration - overhead, 0.0)
-            tokens_after[k] = tokens_after[k + 1] + same[k].padded(ctx, d)
-        group, padded, tokens, pairs = [same[0]], same[0].padded(ctx, d), same[0].tokens, \
+            tokens_after[k] = tokens_after[k + 1] + same[k].padded(pctx, d)
+        group, padded, tokens, pairs = [same[0]], same[0].padded(pctx, d), same[0].tokens, \
             same[0].pairs
         for k in range(1, len(same) + 1):
             if k < len(same):
                 item = same[k]
-                more = padded + item.padded(ctx, d)
-                c_more = ctx.recompute_for(more, d, mode) \
+                more = padded + item.padded(pctx, d)
+                c_more = pctx.recompute_for(more, d, mode) \
                     if more <= min(cap, most_tokens, tokens_after[k + 1] / fine) else None
-                if c_more is not None and c_more <= c and ctx.seq_time(
+                if c_more is not None and c_more <= c and pctx.seq_time(
                         tokens + item.tokens, pairs + item.pairs, d, c) <= \
                         min(limit, time_after[k + 1] / fine):
                     group.append(item)
@@ -151,14 +151,14 @@ def pack_wide(ctx: PlanContext, items: list[Item], mode: str, limit: float) -> l
                     continue
             out.append(group[0] if len(group) == 1 else Item(
                 [s for x in group for s in x.seqs], tokens, pairs, d, c,
-                ctx.seq_time(tokens, pairs, d, c)))
+                pctx.seq_time(tokens, pairs, d, c)))
             if k < len(same):
-                group, padded, tokens, pairs = [same[k]], same[k].padded(ctx, d), \
+                group, padded, tokens, pairs = [same[k]], same[k].padded(pctx, d), \
                     same[k].tokens, same[k].pairs
     return out
 
 
-def lockstep_items(ctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode: str,
+def lockstep_items(pctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode: str,
                    target: float, grain: float, lift: Callable[[SeqChoice], SeqChoice]
                    ) -> tuple[list[Item], list[Item]]:
     """The wide or deep items and the short ones of a pass, longest first: each sequence at
@@ -166,18 +166,18 @@ def lockstep_items(ctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode: 
     ``full`` from the floor on), its degree chosen by `choose` for slots of ``target`` seconds;
     ``grain`` > 0: wide items of at most ``grain x target`` seconds packed (`pack_wide`).
     ``same``: the sequences' choices grouped by length and choice (one `choose` per group)."""
-    base = ctx.cm.model.num_layers if mode == "full" else 0
+    base = pctx.cm.model.num_layers if mode == "full" else 0
     wide, short = [], []
     for group in same:
-        is_wide, d, c, t, options = choose(ctx, lift(group[0]), mode, target, base)
+        is_wide, d, c, t, options = choose(pctx, lift(group[0]), mode, target, base)
         for info in group:
             item = Item([info.i], info.length, info.pairs, d, c, t, options)
             (wide if is_wide else short).append(item)
     wide.sort(key=_longest_first)
     if grain > 0 and len(wide) > PACK_FROM:
         # groups of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
-        wide = pack_wide(ctx, wide, mode, max(grain * target, OVERHEAD_TASKS *
-                                              ctx.cm.time_model.task_overhead))
+        wide = pack_wide(pctx, wide, mode, max(grain * target, OVERHEAD_TASKS *
+                                               pctx.cm.time_model.task_overhead))
         wide.sort(key=_longest_first)
     short.sort(key=_longest_first)
     return wide, short

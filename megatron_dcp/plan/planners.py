@@ -101,34 +101,34 @@ def pack_budget(config: DCPConfig, cm: CostModel) -> Optional[int]:
     return config.pack_tokens if config.pack_tokens is not None else cm.hw.pack_tokens
 
 
-def _oversize(ctx: PlanContext, policy: str) -> list[int]:
+def _oversize(pctx: PlanContext, policy: str) -> list[int]:
     """Apply the oversize policy: returns the skipped sequences (truncation is done in place)."""
-    sizes = ctx.vocab.sizes
+    sizes = pctx.vocab.sizes
     top = sizes[-1]
-    mode = "none" if ctx.recompute_mode == "none" else "full"
-    cap = ctx.cm.memory_model.max_tokens(top, ctx.cm.model.num_layers if mode == "full" else 0)
-    step = ctx.cm.pad_multiple(top)
+    mode = "none" if pctx.recompute_mode == "none" else "full"
+    cap = pctx.cm.memory_model.max_tokens(top, pctx.cm.model.num_layers if mode == "full" else 0)
+    step = pctx.cm.pad_multiple(top)
     largest = (cap // step) * step
-    limit = ctx.cm.model.max_position
+    limit = pctx.cm.model.max_position
     skipped = []
-    for i, n in enumerate(ctx.lengths):
+    for i, n in enumerate(pctx.lengths):
         too_long_model = limit is not None and n > limit
-        fits = not too_long_model and ctx.recompute_for(ctx.padded(n, top), top, mode) is not None
+        fits = not too_long_model and pctx.recompute_for(pctx.padded(n, top), top, mode) is not None
         if fits:
             continue
         fit_len = min(largest, limit) if limit is not None else largest
-        frame = ctx.frame_tokens[i] if ctx.frame_tokens is not None else None
+        frame = pctx.frame_tokens[i] if pctx.frame_tokens is not None else None
         if policy == "truncate" and fit_len >= 1:
             if frame is not None:  # whole frames; less than one frame: one partial frame
                 fit_len = fit_len // frame * frame if fit_len >= frame else fit_len
-                ctx.frame_tokens[i] = frame = min(frame, fit_len)
-            ctx.lengths[i] = fit_len
-            ctx.pairs[i] = ctx.cm.pairs_of(fit_len, frame)
+                pctx.frame_tokens[i] = frame = min(frame, fit_len)
+            pctx.lengths[i] = fit_len
+            pctx.pairs[i] = pctx.cm.pairs_of(fit_len, frame)
         elif policy == "skip":
             skipped.append(i)
         else:
-            budget = size_text(ctx.cm.memory_model.budget)
-            world = ctx.cm.world_size
+            budget = size_text(pctx.cm.memory_model.budget)
+            world = pctx.cm.world_size
             why = (f"exceeds the model's max_position {limit}" if too_long_model else
                    f"fits no group of at most {top} ranks in {budget} per rank" +
                    (f" (the DCP world has {world} rank{'s' * (world != 1)})"
@@ -235,30 +235,30 @@ def _plan_flat(lengths: Sequence[int], *, world_size: int, model: ModelShape, co
                frame_tokens: Optional[Sequence[int]], vocabulary: Optional[Vocabulary],
                chooser: Optional[Callable[[PlanContext, list[int]], Chooser]] = None,
                baselines: Optional[dict] = None) -> Plan:
-    """`make_plan` without a pipeline. ``chooser(ctx, skipped)``: the DCP contest picks its
+    """`make_plan` without a pipeline. ``chooser(pctx, skipped)``: the DCP contest picks its
     winner by the function it returns (`plan_dcp`'s ``choose``); ``baselines``: the
     contest's baseline candidates (default `BASELINES`)."""
     t0 = time.perf_counter()
-    ctx, skipped, zero_stage, schedule = _context(
+    pctx, skipped, zero_stage, schedule = _context(
         lengths, world_size, model, config, hardware, zero_stage, cost_model, baseline_degree,
         frame_tokens, vocabulary)
-    cm, vocab = ctx.cm, ctx.vocab
+    cm, vocab = pctx.cm, pctx.vocab
     meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
             "zero_stage": zero_stage, "schedule": schedule,
             "vocabulary_groups": len(vocab),
             "communicators_per_rank": cm.memory_model.communicators_per_rank}
     if vocabulary is not None:
         meta["vocabulary_sizes"] = list(vocab.sizes)
-    if not ctx.active:
-        frames = ctx.frame_tokens
-        plan = Plan(tasks=(), lengths=tuple(ctx.lengths), world_size=world_size,
+    if not pctx.active:
+        frames = pctx.frame_tokens
+        plan = Plan(tasks=(), lengths=tuple(pctx.lengths), world_size=world_size,
                     policy=config.policy, skipped=tuple(skipped), meta=meta,
                     frame_tokens=tuple(frames) if frames is not None else None)
     else:
-        drafts = _drafts_of_policy(ctx, config.policy, schedule == "lockstep", meta,
-                                   chooser(ctx, skipped) if chooser is not None else None,
+        drafts = _drafts_of_policy(pctx, config.policy, schedule == "lockstep", meta,
+                                   chooser(pctx, skipped) if chooser is not None else None,
                                    BASELINES if baselines is None else baselines)
-        plan = to_plan(ctx, drafts, config.policy, skipped, meta)
+        plan = to_plan(pctx, drafts, config.policy, skipped, meta)
     plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
     return plan
 
@@ -284,14 +284,14 @@ def _context(lengths: Sequence[int], world_size: int, model: ModelShape, config:
                          vocabulary)
     vocab = _vocabulary_for(cm, config, vocabulary)
     _check_baseline_degree(baseline_degree, vocab)
-    ctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab,
-                      recompute_mode=config.recompute,
-                      pack_tokens=pack_budget(config, cm), baseline_degree=baseline_degree,
-                      frame_tokens=frames)
-    skipped = _oversize(ctx, config.oversize)
+    pctx = PlanContext(lengths=clean, active=[], cm=cm, vocab=vocab,
+                       recompute_mode=config.recompute,
+                       pack_tokens=pack_budget(config, cm), baseline_degree=baseline_degree,
+                       frame_tokens=frames)
+    skipped = _oversize(pctx, config.oversize)
     skip = set(skipped)
-    ctx.active = [i for i in range(len(clean)) if i not in skip]
-    return ctx, skipped, zero_stage, schedule
+    pctx.active = [i for i in range(len(clean)) if i not in skip]
+    return pctx, skipped, zero_stage, schedule
 
 
 def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape,
@@ -349,10 +349,10 @@ def _pipeline_chooser(cm: CostModel, pipe: Pipeline, policy: str
     makespan under its best fixed order (`best_order` with ``FIXED_ORDERS``); memory is left
     out, as every micro-batch was planned within its in-flight share (any order fits);
     `shortest_candidate`."""
-    def chooser(ctx: PlanContext, skipped: list[int]) -> Chooser:
+    def chooser(pctx: PlanContext, skipped: list[int]) -> Chooser:
         def choose(candidates: list[list[Draft]]) -> int:
             pad = padding_cost(cm, cm.world_size)
-            return shortest_candidate([slot_costs(to_plan(ctx, drafts, policy, skipped), cm)
+            return shortest_candidate([slot_costs(to_plan(pctx, drafts, policy, skipped), cm)
                                        for drafts in candidates], pipe, pad)
         return choose
     return chooser
@@ -402,30 +402,30 @@ def _vocabulary_for(cm: CostModel, config: DCPConfig,
     return vocabulary
 
 
-def _drafts_of_policy(ctx: PlanContext, policy: str, lockstep: bool, meta: dict,
+def _drafts_of_policy(pctx: PlanContext, policy: str, lockstep: bool, meta: dict,
                       choose: Optional[Chooser] = None,
                       baselines: dict = BASELINES) -> list[Draft]:
     """Step 3 of `make_plan`: the timed drafts of ``policy`` for the context's active sequences.
     A baseline's drafts are cut into lockstep slots or retimed with round barriers; the DCP
     policies record their winning candidate and all candidates in ``meta``."""
     if policy in BASELINES:
-        drafts = BASELINES[policy](ctx)
+        drafts = BASELINES[policy](pctx)
         if lockstep:
-            return to_slots(ctx, drafts)
-        retime(drafts, ctx.world, barriers=True)
+            return to_slots(pctx, drafts)
+        retime(drafts, pctx.world, barriers=True)
         return drafts
     if policy == "dcp-intra":
         drafts, meta["candidate"], meta["candidates"] = plan_dcp(
-            ctx, inter=False, intra=True, baselines={"bucket": plan_bucket}, lockstep=lockstep,
+            pctx, inter=False, intra=True, baselines={"bucket": plan_bucket}, lockstep=lockstep,
             choose=choose)
     else:
         drafts, meta["candidate"], meta["candidates"] = plan_dcp(
-            ctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=baselines,
+            pctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=baselines,
             lockstep=lockstep, choose=choose)
     return drafts
 
 
-def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
+def plan_dcp(pctx: PlanContext, inter: bool = True, intra: bool = True,
              baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None,
              lockstep: bool = False, choose: Optional[Chooser] = None
              ) -> tuple[list[Draft], str, dict[str, float]]:
@@ -433,29 +433,29 @@ def plan_dcp(ctx: PlanContext, inter: bool = True, intra: bool = True,
     every candidate's predicted makespan (module doc). ``inter``: DCP passes compete; ``intra``:
     fewest recomputed layers (else the baselines' full recompute); ``lockstep``: in slots (passes
     that cannot win skipped, without ``choose``). ``choose``: picks the winner (by a pipeline)."""
-    mode = ctx.recompute_mode if intra else ctx.baseline_mode()
+    mode = pctx.recompute_mode if intra else pctx.baseline_mode()
     candidates: list[Candidate] = []
     if inter:
-        infos = [SeqChoice(i, ctx.lengths[i], ctx.pairs[i]) for i in ctx.active]
-        per_rank, longest = degree_choice(ctx, infos, mode)
+        infos = [SeqChoice(i, pctx.lengths[i], pctx.pairs[i]) for i in pctx.active]
+        per_rank, longest = degree_choice(pctx, infos, mode)
         passes = partial(lockstep_candidates, prune=choose is None) if lockstep else free_candidates
-        candidates += passes(ctx, infos, mode, max(per_rank, longest), longest)
-        if len(ctx.active) * ctx.world > BASELINE_CANDIDATE_LIMIT:
+        candidates += passes(pctx, infos, mode, max(per_rank, longest), longest)
+        if len(pctx.active) * pctx.world > BASELINE_CANDIDATE_LIMIT:
             baselines = {}  # large inputs: the planner's latency budget has no room for them
     for name, planner in (baselines or {}).items():
-        drafts = planner(ctx)
+        drafts = planner(pctx)
         # DCP-inter has its own candidates, so a baseline plan that packs beyond the configured
         # token budget is dropped; DCP-intra alone keeps the bucket plan as the bucket policy does
-        if inter and ctx.pack_tokens and any(len(d.seqs) > 1 and d.tokens > ctx.pack_tokens
-                                             for d in drafts):
+        if inter and pctx.pack_tokens and any(len(d.seqs) > 1 and d.tokens > pctx.pack_tokens
+                                              for d in drafts):
             continue
         if intra:
-            drafts = lighten(ctx, drafts)
+            drafts = lighten(pctx, drafts)
         if lockstep:
-            drafts = to_slots(ctx, drafts)
-            makespan = retime_slots(drafts, ctx.cm)
+            drafts = to_slots(pctx, drafts)
+            makespan = retime_slots(drafts, pctx.cm)
         else:
-            makespan = retime(drafts, ctx.world, barriers=False if inter else "rounds")
+            makespan = retime(drafts, pctx.world, barriers=False if inter else "rounds")
         candidates.append((makespan, f"{name}+intra" if intra else name, drafts))
     if choose is None:
         candidates.sort(key=lambda c: c[0])  # stable: ties keep the pass order
@@ -483,12 +483,12 @@ def vocabulary_for_lengths(cost_model: CostModel, lengths: Iterable[int],
     if len(distinct) > sample:
         step = (len(distinct) - 1) / (sample - 1)
         distinct = sorted({distinct[round(k * step)] for k in range(sample)})
-    ctx = PlanContext(lengths=distinct, active=[], cm=cost_model, vocab=full,
-                      recompute_mode=recompute)
+    pctx = PlanContext(lengths=distinct, active=[], cm=cost_model, vocab=full,
+                       recompute_mode=recompute)
     keep = {1} & set(full.sizes)
-    for n, pairs in zip(distinct, ctx.pairs):
+    for n, pairs in zip(distinct, pctx.pairs):
         fits = [(d, c) for d in full.sizes
-                if (c := ctx.recompute_for(ctx.padded(n, d), d, recompute)) is not None]
+                if (c := pctx.recompute_for(pctx.padded(n, d), d, recompute)) is not None]
         if not fits:
             continue
         times = [(cost_model.time_model.best_time(n, pairs, d, c)[0], d) for d, c in fits]

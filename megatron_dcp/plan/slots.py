@@ -86,16 +86,16 @@ class SlotTask:
     layout: Optional[Layout] = None
     """The layout of ``duration`` (`TimeModel.best_time` at the slot's recomputed layers)."""
 
-    def with_item(self, ctx: PlanContext, item: Item, mode: str, limit: float) -> Optional[Fit]:
+    def with_item(self, pctx: PlanContext, item: Item, mode: str, limit: float) -> Optional[Fit]:
         """The task with ``item`` added, or ``None`` where that passes the pack budget (an item
         alone may exceed it), the slot's recomputed layers under the recompute ``mode``, or
         ``limit`` seconds."""
-        padded = self.padded_tokens + item.padded(ctx, self.degree)
-        if self.seqs and ctx.pack_tokens and padded > ctx.pack_tokens:
+        padded = self.padded_tokens + item.padded(pctx, self.degree)
+        if self.seqs and pctx.pack_tokens and padded > pctx.pack_tokens:
             return None
-        if not self.slot.fits_memory(ctx, padded, self.degree, mode):
+        if not self.slot.fits_memory(pctx, padded, self.degree, mode):
             return None
-        duration, layout = ctx.cm.time_model.best_time(
+        duration, layout = pctx.cm.time_model.best_time(
             self.tokens + item.tokens, self.pairs + item.pairs, self.degree,
             self.slot.recompute_layers)
         return Fit(padded, duration, layout) if duration <= limit else None
@@ -149,7 +149,7 @@ class Slot:
         elif now is not None and task.duration < now.duration:
             self._emptiest[task.degree] = task
 
-    def fits_memory(self, ctx: PlanContext, padded_tokens: int, degree: int, mode: str) -> bool:
+    def fits_memory(self, pctx: PlanContext, padded_tokens: int, degree: int, mode: str) -> bool:
         """Whether a task of ``padded_tokens`` on ``degree`` ranks fits within the slot's
         recomputed layers under the recompute ``mode`` (only the tokens per rank matter)."""
         local, known = ceil_div(padded_tokens, degree), self._memory
@@ -157,7 +157,7 @@ class Slot:
             return True
         if local >= known[1]:
             return False
-        c = ctx.recompute_for(padded_tokens, degree, mode)
+        c = pctx.recompute_for(padded_tokens, degree, mode)
         ok = c is not None and c <= self.recompute_layers
         known[0 if ok else 1] = local
         return ok
@@ -185,8 +185,8 @@ class SlotIndex:
     ``-inf`` without such a task). `candidates` returns at least every slot that accepts the
     item (tests/test_lockstep.py checks it against the plain scan)."""
 
-    def __init__(self, ctx: PlanContext) -> None:
-        self.ctx = ctx
+    def __init__(self, pctx: PlanContext) -> None:
+        self.pctx = pctx
         self.slots: list[Slot] = []
         self._room: dict[int, list[tuple[float, float]]] = {}
         self.layers: set[int] = set()
@@ -222,6 +222,6 @@ class SlotIndex:
         if task is None:
             return -math.inf, -math.inf
         tokens = slot.most_local_tokens() * size
-        if task.seqs and self.ctx.pack_tokens:
-            tokens = min(tokens, self.ctx.pack_tokens)
+        if task.seqs and self.pctx.pack_tokens:
+            tokens = min(tokens, self.pctx.pack_tokens)
         return slot.duration - task.duration, tokens - task.padded_tokens
