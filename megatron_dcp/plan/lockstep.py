@@ -121,11 +121,12 @@ def join_first(pctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bo
     return False
 
 
-def extend(pctx: PlanContext, index: SlotIndex, item: Item, mode: str, slot_time: float) -> bool:
+def extend(pctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bool:
     """Pack an item that fits no slot's duration into the task of its degree where the slot
-    grows least, if that growth costs less than a slot of its own (its duration, at least
-    ``slot_time``: the slot's ZeRO traffic)."""
-    size, best, growth = item.degree, None, max(item.duration, slot_time)
+    grows least, if that growth costs less than a slot of its own (`TimeModel.slot_duration`:
+    its duration, at least the slot's ZeRO traffic)."""
+    new_slot = pctx.cm.time_model.slot_duration(item.recompute_layers, item.duration)
+    size, best, growth = item.degree, None, new_slot
     for k, slot in enumerate(index.slots):
         task = slot.emptiest(size)
         if slot.recompute_layers < item.recompute_layers or task is None:
@@ -186,16 +187,13 @@ def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode:
     base = cm.model.num_layers if mode == "full" else 0
     wide, short = items
     index = SlotIndex(pctx)
-    slot_times: dict[int, float] = {}
     for item in wide:  # step 1
-        layers = item.recompute_layers
-        if layers not in slot_times:
-            slot_times[layers] = cm.time_model.slot_time(layers)
         if join_first(pctx, index, item, mode) or \
-                extend_slots and extend(pctx, index, item, mode, slot_times[layers]):
+                extend_slots and extend(pctx, index, item, mode):
             continue
         # a slot bound by ZeRO's traffic has room for more work at no cost
-        slot = Slot(vocab, layers, max(item.duration, slot_times[layers]))
+        layers = item.recompute_layers
+        slot = Slot(vocab, layers, cm.time_model.slot_duration(layers, item.duration))
         _start_task(pctx, slot, item, slot.occupancy.first_free(item.degree), item.degree)
         index.add(slot)
     slots = index.slots
@@ -208,7 +206,7 @@ def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode:
         cap = min(pctx.pack_tokens or math.inf, cm.memory_model.max_tokens(1, base)) * MEMORY_SLACK
         count = max(1, math.ceil(sum(x.tokens for x in left) / (world * cap)))
         work = sum(x.duration for x in left)
-        duration = max(left[0].duration, work / (world * count), cm.time_model.slot_time(base))
+        duration = cm.time_model.slot_duration(base, max(left[0].duration, work / (world * count)))
         new = []
         for _ in range(count):
             slot = Slot(vocab, base, duration)

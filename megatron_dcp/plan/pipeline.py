@@ -185,7 +185,7 @@ def padding_cost(cm: Optional[CostModel], world: int) -> SlotCost:
     (`TimeModel.slot_time`); nothing at all without a cost model."""
     if cm is None:
         return SlotCost(0.0, 0.0, 0.0, [0.0] * world, [0.0] * world)
-    duration = cm.time_model.slot_time(0)
+    duration = cm.time_model.slot_duration(0)
     kept, total = cm.memory_model.kept_token_bytes(0), cm.memory_model.token_bytes(0)
     forward = duration / 3.0
     return SlotCost(forward, duration - forward, p2p_time(PADDING_TOKENS, cm),

@@ -130,6 +130,7 @@ class TimeModel:
         self._init_constants()
         self._rates: dict[tuple[Layout, int], _Rates] = {}
         self._best_layout: dict[tuple, tuple[Layout, ...]] = {}
+        self._slot_time: dict[int, float] = {}
 
     def _init_constants(self) -> None:
         """The hardware's per-token and per-task overheads (measured, else analytic: one write
@@ -396,10 +397,19 @@ class TimeModel:
         task; a slot no task uses lasts `slot_time`). The one place of this rule: the planner
         (`retime_slots`), the simulator, the pipeline's slot costs and the slot reordering
         call it, each with its own task seconds."""
-        durations = [self.slot_time(c) for c in recompute_layers]
+        durations = [self.slot_duration(c) for c in recompute_layers]
         for slot, seconds in tasks:
             durations[slot] = max(durations[slot], seconds)
         return durations
+
+    def slot_duration(self, recompute_layers: int, longest_s: float = 0.0) -> float:
+        """Seconds of one lockstep slot whose longest task takes ``longest_s``: the longer of
+        that and `slot_time` (cached per recomputed-layer count). `slot_durations` applies it
+        to every slot of a plan; the lockstep planner to a slot it opens."""
+        least = self._slot_time.get(recompute_layers)
+        if least is None:
+            least = self._slot_time[recompute_layers] = self.slot_time(recompute_layers)
+        return max(least, longest_s)
 
     def model_flops(self, lengths: Sequence[int],
                     frame_tokens: Optional[Sequence[int]] = None) -> float:
