@@ -1,9 +1,10 @@
 """Baseline planners in the same framework: bucket, packed, static and greedy-cp.
 
-All share one choice: the fixed sequence-parallel degree ``D`` of the run, a power of two at which
-the longest sequence fits memory with the baseline's recompute mode. By default for text
-(``tuned``) every such degree is tried and the fastest kept, as a practitioner tunes the SP degree
-once for a data set: a strong baseline. ``baseline_degree="min"`` takes the smallest one (the
+Bucket, packed and static share one choice: the fixed sequence-parallel degree ``D`` of the run,
+a power of two at which the longest sequence fits memory with the baseline's recompute mode
+(greedy-cp instead gives each sequence its own power-of-two CP size, `plan_greedy_cp`). By
+default for text (``tuned``) every such degree is tried and the fastest kept, as a practitioner
+tunes the SP degree once for a data set: a strong baseline. ``baseline_degree="min"`` takes the smallest one (the
 paper's literal "what the longest sequence needs", the default for videos); an integer fixes the
 degree (a group size at which the longest sequence fits) for every batch of a run. The DCP world
 is tiled by the vocabulary's groups of ``D`` ranks (ranks no group covers stay idle). Recompute:
