@@ -1,16 +1,16 @@
 """Baseline planners in the same framework: bucket, packed, static and greedy-cp.
 
-Bucket, packed and static share one choice: the fixed sequence-parallel degree ``D`` of the run,
-a power of two at which the longest sequence fits memory with the baseline's recompute mode
-(greedy-cp instead gives each sequence its own power-of-two CP size, `plan_greedy_cp`). By
-default for text (``tuned``) every such degree is tried and the fastest kept, as a practitioner
-tunes the SP degree once for a data set: a strong baseline. ``baseline_degree="min"`` takes the smallest one (the
-paper's literal "what the longest sequence needs", the default for videos); an integer fixes the
-degree (a group size at which the longest sequence fits) for every batch of a run. The DCP world
-is tiled by the vocabulary's groups of ``D`` ranks (ranks no group covers stay idle). Recompute:
-``bucket`` recomputes every layer (the paper's baseline); the others recompute one number of
-layers for the whole run, the fewest that fit their largest micro-batch (what a practitioner
-tunes once); ``recompute`` none/full overrides both.
+Bucket, packed and static share one choice: the fixed sequence-parallel degree ``D`` of the run, a
+power of two at which the longest sequence fits memory with the baseline's recompute mode
+(greedy-cp instead gives each sequence its own power-of-two CP size, `plan_greedy_cp`). By default
+for text (``tuned``) every such degree is tried and the fastest kept, as a practitioner tunes the
+SP degree once for a data set: a strong baseline. ``baseline_degree="min"`` takes the smallest one
+(the paper's literal "what the longest sequence needs", the default for videos); an integer fixes
+the degree (a group size at which the longest sequence fits) for every batch of a run. The DCP
+world is tiled by the vocabulary's groups of ``D`` ranks (ranks no group covers stay idle).
+Recompute: ``bucket`` recomputes every layer (the paper's baseline); the others recompute one
+number of layers for the whole run, the fewest that fit their largest micro-batch (what a
+practitioner tunes once); ``recompute`` none/full overrides both.
 """
 
 from __future__ import annotations
