@@ -227,8 +227,9 @@ class GroupPool:
         pipeline-parallel communication needs anyway. Every job rank's pool holds the same rank
         tuples (groups are created for all worlds together), so each rank finds the same missing
         groups by itself: when none is missing, nothing is communicated. When some are, every
-        job rank first checks that all found the same ones (one all-reduce; a mismatch raises on
-        every rank), then creates them in one order."""
+        job rank first checks that all found the same ones when the job has several DCP worlds
+        (one all-reduce; a mismatch raises on every rank; one world's plans were compared by the
+        plan check), then creates them in one order."""
         wanted = {tuple(int(r) for r in g) for g in groups}
         for ranks in wanted:
             if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.world_size for r in ranks):
