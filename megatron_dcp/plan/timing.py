@@ -374,9 +374,10 @@ class TimeModel:
 
     def slot_time(self, recompute_layers: int) -> float:
         """Shortest lockstep slot whose tasks recompute ``recompute_layers``: every rank runs a
-        micro-step in every slot (an idle one a one-token task), and ZeRO moves parameters and
-        gradients over the DCP world in each: stage 3 all-gathers the bf16 parameters in forward,
-        backward and for every recomputed layer, stages 2/3 reduce-scatter the bf16 gradients.
+        micro-step in every slot (an idle one an empty micro-step, timed as one token), and ZeRO
+        moves parameters and gradients over the DCP world in each: stage 3 all-gathers the bf16
+        parameters in forward, backward and for every recomputed layer, stages 2/3
+        reduce-scatter the bf16 gradients.
         That traffic overlaps the compute (prefetch, bucketed reduction): a slot lasts the
         longer of its longest task and this time."""
         g = self.geometry
