@@ -144,5 +144,5 @@ def test_starts_ascend(world, rpn, max_degree, sizes):
     # the list scheduler's holes find a group by bisection over Vocabulary.starts
     vocab = Vocabulary(world, rpn, max_degree, sizes=sizes)
     for size in vocab.sizes:
-        starts = vocab.starts(size)
+        starts = vocab.first_ranks(size)
         assert list(starts) == sorted(set(starts)) and starts

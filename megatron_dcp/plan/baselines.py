@@ -79,7 +79,7 @@ def tuned(planner: Callable[[PlanContext, int], list[Draft]]) -> Planner:
 
 
 def _groups(pctx: PlanContext, degree: int) -> list[int]:
-    return list(pctx.vocab.starts(degree))
+    return list(pctx.vocab.first_ranks(degree))
 
 
 def _run_recompute_layers(pctx: PlanContext, degree: int, max_tokens: int) -> int:
@@ -315,12 +315,12 @@ def _greedy_cp_sizes(pctx: PlanContext, cap: int) -> dict[int, int]:
     for i in pctx.active:
         want = 1 << max(0, math.ceil(math.log2(max(1, -(-pctx.lengths[i] // cap)))))
         n = pctx.lengths[i]
-        fits = [s for s in pow2
-                if s >= want and pctx.recompute_for(pctx.padded(n, s), s, "auto") is not None]
-        if not fits:
-            fits = [s for s in vocab.sizes
-                    if pctx.recompute_for(pctx.padded(n, s), s, "auto") is not None]
-        size_of[i] = fits[0]
+        fitting = [s for s in pow2
+                   if s >= want and pctx.recompute_for(pctx.padded(n, s), s, "auto") is not None]
+        if not fitting:
+            fitting = [s for s in vocab.sizes
+                       if pctx.recompute_for(pctx.padded(n, s), s, "auto") is not None]
+        size_of[i] = fitting[0]
     return size_of
 
 
@@ -344,7 +344,7 @@ def _greedy_cp_round(pctx: PlanContext, remaining: list[int], size_of: dict[int,
                                      and best[3] + need <= cap * size):
             best = None
         if best is None:
-            starts = pctx.vocab.starts(size)
+            starts = pctx.vocab.first_ranks(size)
             p = pointer.get(size, 0)
             while p < len(starts) and any(busy[starts[p]:starts[p] + size]):
                 p += 1

@@ -178,7 +178,7 @@ class Holes:
             if busy - free < duration or r1 - r0 < size or (best and free >= best[2]):
                 continue
             if starts is None:
-                starts = self.vocab.starts(size)
+                starts = self.vocab.first_ranks(size)
             j = bisect_left(starts, r0)  # the first group from r0 on (starts ascend)
             if j < len(starts) and starts[j] + size <= r1:
                 best = (k, starts[j], free)

@@ -229,7 +229,7 @@ class BlockClock:
         """The group of ``size`` ranks that frees first: (start rank, when all of it is free)."""
         heap = self.heaps.get(size)
         if heap is None:
-            heap = [(0.0, s) for s in self.vocab.starts(size)]
+            heap = [(0.0, s) for s in self.vocab.first_ranks(size)]
             if not heap:
                 raise PlanError(f"no group of {size} ranks in the vocabulary")
             heapq.heapify(heap)

@@ -487,12 +487,11 @@ def vocabulary_for_lengths(cost_model: CostModel, lengths: Iterable[int],
                        recompute_mode=recompute)
     keep = {1} & set(full.sizes)
     for n, pairs in zip(distinct, pctx.pairs):
-        fits = [(d, c) for d in full.sizes
-                if (c := pctx.recompute_for(pctx.padded(n, d), d, recompute)) is not None]
-        if not fits:
+        fitting = pctx.fitting_options(n, recompute)
+        if not fitting:
             continue
-        times = [(cost_model.time_model.best_time(n, pairs, d, c)[0], d) for d, c in fits]
-        keep.add(fits[0][0])
+        times = [(cost_model.time_model.best_time(n, pairs, d, c)[0], d) for d, c in fitting]
+        keep.add(fitting[0][0])
         keep.add(min(times)[1])
         keep.add(min((t * d, d) for t, d in times)[1])
     return Vocabulary(full.world_size, full.ranks_per_node, max_degree, heads=full.heads,

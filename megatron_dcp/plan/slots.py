@@ -31,13 +31,13 @@ class Occupancy:
         self._widest = len(vocab.sizes) - 1
         """Index into ``vocab.sizes`` above which no size has a free group."""
         self._first: dict[int, int] = {}
-        """Per size, the index into ``vocab.starts(size)`` before which every group has a busy
+        """Per size, the index into ``vocab.first_ranks(size)`` before which every group has a busy
         rank (ranks only get busier: the scan resumes there)."""
 
     def first_free(self, size: int) -> Optional[int]:
         """The first rank of the first vocabulary group of ``size`` ranks without a busy rank
         (``None``: there is none)."""
-        starts, busy = self.vocab.starts(size), self.busy
+        starts, busy = self.vocab.first_ranks(size), self.busy
         k = self._first.get(size, 0)
         while k < len(starts) and busy.find(1, starts[k], starts[k] + size) >= 0:
             k += 1

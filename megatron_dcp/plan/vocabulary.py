@@ -128,11 +128,11 @@ class Vocabulary:
         cap = max_degree or world_size
         groups: dict[int, list[int]] = {}
 
-        def add(start: int, size: int) -> None:
-            if size <= cap and start + size <= world_size:
-                starts = groups.setdefault(size, [])
-                if not starts or starts[-1] != start:
-                    starts.append(start)
+        def add(first: int, size: int) -> None:
+            if size <= cap and first + size <= world_size:
+                firsts = groups.setdefault(size, [])
+                if not firsts or firsts[-1] != first:
+                    firsts.append(first)
 
         intra = sorted({s for s in range(1, rpn + 1)
                         if (s & (s - 1)) == 0 or s == rpn or s in ODD_SIZES})
@@ -149,9 +149,9 @@ class Vocabulary:
         add(0, world_size)
         self.kept = None if sizes is None else tuple(sorted({int(k) for k in sizes}))
         """The ``sizes`` this vocabulary was restricted to (``None``: not restricted)."""
-        self._starts = {s: tuple(v) for s, v in sorted(groups.items())
+        self._first_ranks = {s: tuple(v) for s, v in sorted(groups.items())
                         if self.kept is None or s in self.kept}
-        self.sizes: tuple[int, ...] = tuple(self._starts)
+        self.sizes: tuple[int, ...] = tuple(self._first_ranks)
 
     @classmethod
     def for_cost_model(cls, cost_model: Any, max_degree: Optional[int] = None) -> "Vocabulary":
@@ -165,26 +165,26 @@ class Vocabulary:
                    attention_layout=cost_model.attention_layout,
                    ulysses_scope=getattr(cost_model, "ulysses_scope", "any"))
 
-    def starts(self, size: int) -> tuple[int, ...]:
+    def first_ranks(self, size: int) -> tuple[int, ...]:
         """First ranks of groups of ``size`` ranks, ascending (empty: the size is not in the
         vocabulary)."""
-        return self._starts.get(size, ())
+        return self._first_ranks.get(size, ())
 
     def groups(self) -> Iterator[tuple[int, ...]]:
         """Every task group as a tuple of ranks."""
-        for size, starts in self._starts.items():
-            for start in starts:
-                yield tuple(range(start, start + size))
+        for size, firsts in self._first_ranks.items():
+            for first in firsts:
+                yield tuple(range(first, first + size))
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self._starts.values())
+        return sum(len(v) for v in self._first_ranks.values())
 
     def __contains__(self, ranks: tuple[int, ...]) -> bool:
         if not ranks:
             return False
         start, size = ranks[0], len(ranks)
         return tuple(ranks) == tuple(range(start,
-                                           start + size)) and start in self._starts.get(size, ())
+                                           start + size)) and start in self._first_ranks.get(size, ())
 
     def ulysses_degrees(self, size: int) -> tuple[int, ...]:
         """Ulysses degrees a task on a group of ``size`` ranks may use (`ulysses_degrees`)."""
@@ -218,7 +218,7 @@ class Vocabulary:
 
     def describe(self) -> str:
         """One line: group count per size, communicators in all and per rank."""
-        parts = ", ".join(f"{s}x{len(v)}" for s, v in self._starts.items())
+        parts = ", ".join(f"{s}x{len(v)}" for s, v in self._first_ranks.items())
         return (f"{len(self)} groups ({parts}); at most {self.max_groups_per_rank()} per rank; "
                 f"{len(self.communicators())} communicators with sub-groups, at most "
                 f"{self.communicators_per_rank()} per rank")
