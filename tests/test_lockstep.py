@@ -13,7 +13,7 @@ import pytest
 from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.plan import (PlanError, build_cost_model, load_model, make_plan, simulate,
                                validate_plan)
-from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.plan.plan import EMPTY_STEP_TOKENS, Plan, Task
 from megatron_dcp.plan.schedule import memory_stage, schedule_for
 from megatron_dcp.plan.workload import sample_lengths
 
@@ -114,8 +114,9 @@ def test_slot_time_is_zero3_traffic_when_it_dominates():
     assert z3.time_model.slot_time(0) == pytest.approx(3 * share)
     assert z3.time_model.slot_time(32) == pytest.approx(4 * share)
     z1 = build_cost_model(LLAMA, DCPConfig(), 8, zero_stage=1)
-    one_token = z1.time_model.time_of(1, 1.0, z1.layouts(1)[0], 0)
-    assert z1.time_model.slot_time(0) == pytest.approx(one_token)
+    empty = z1.time_model.time_of(EMPTY_STEP_TOKENS, z1.attn_pairs(EMPTY_STEP_TOKENS),
+                                  z1.layouts(1)[0], 0)
+    assert z1.time_model.slot_time(0) == pytest.approx(empty)
 
 
 def _plan(tasks) -> Plan:

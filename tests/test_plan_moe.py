@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 H200 = load_hardware("h200")
 BIG = 1e13  # a memory budget no shape here exceeds (static memory is not the question)
 
-DENSE_DIGEST = "e70092515532b7a308a5f9a32ae06e15d9981b18745b28db2d65559bb669e544"
-"""sha256 of `_dense_probe` computed at d5000a5, before ModelShape had MoE fields."""
+DENSE_DIGEST = "6e0a5acdede07779b6e6eda225d4c454a1f6b16cdb3e7892220c2d827ae9179b"
+"""sha256 of `_dense_probe` computed at d5000a5, before ModelShape had MoE fields; re-recorded
+when `slot_time` came to time the empty micro-step's `EMPTY_STEP_TOKENS` (2) tokens, not 1 (the
+probe without its two slot times kept its digest)."""
 
 
 def _dense_probe() -> list:

@@ -30,6 +30,10 @@ from typing import Any, Optional
 
 PLAN_FORMAT_VERSION = 1
 
+EMPTY_STEP_TOKENS = 2
+"""Tokens of an empty micro-step (a rank with no task in a lockstep slot, or padding a pipeline
+schedule): the runtime runs that many dummy tokens, the cost model times that many."""
+
 
 class PlanError(ValueError):
     """A plan cannot be made or is invalid: the message names the sequence, task or rank."""

@@ -60,7 +60,7 @@ from typing import Iterable, NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.geometry import BF16, Geometry, Layout
 from megatron_dcp.plan.hardware import layout_kind
-from megatron_dcp.plan.plan import Plan, PlanError, Task
+from megatron_dcp.plan.plan import EMPTY_STEP_TOKENS, Plan, PlanError, Task
 
 
 LAUNCH_S_PER_LAYER = 90 * 2e-6
@@ -374,12 +374,11 @@ class TimeModel:
 
     def slot_time(self, recompute_layers: int) -> float:
         """Shortest lockstep slot whose tasks recompute ``recompute_layers``: every rank runs a
-        micro-step in every slot (an idle one an empty micro-step, timed as one token), and ZeRO
-        moves parameters and gradients over the DCP world in each: stage 3 all-gathers the bf16
-        parameters in forward, backward and for every recomputed layer, stages 2/3
-        reduce-scatter the bf16 gradients.
-        That traffic overlaps the compute (prefetch, bucketed reduction): a slot lasts the
-        longer of its longest task and this time."""
+        micro-step in every slot (an idle one an empty micro-step of `EMPTY_STEP_TOKENS`), and
+        ZeRO moves parameters and gradients over the DCP world in each: stage 3 all-gathers the
+        bf16 parameters in forward, backward and for every recomputed layer, stages 2/3
+        reduce-scatter the bf16 gradients. That traffic overlaps the compute (prefetch, bucketed
+        reduction): a slot lasts the longer of its longest task and this time."""
         g = self.geometry
         w, s = g.world_size, g.zero_stage
         comm = 0.0
@@ -388,7 +387,8 @@ class TimeModel:
             share = (w - 1) / w * BF16 * g.params / bw
             passes = 1.0 + (2.0 + recompute_layers / self.model.num_layers if s >= 3 else 0.0)
             comm = passes * share
-        one = self.time_of(1, g.attn_pairs(1), g.layouts(1)[0], recompute_layers)
+        empty = EMPTY_STEP_TOKENS
+        one = self.time_of(empty, g.attn_pairs(empty), g.layouts(1)[0], recompute_layers)
         return max(one, comm)
 
     def slot_durations(self, recompute_layers: Sequence[int],

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp.config import IGNORE_INDEX, LOSS_REDUCTIONS
-from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.plan.plan import EMPTY_STEP_TOKENS, Plan, Task
 from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.digests import check_plan, local_problems
 from megatron_dcp.runtime.groups import GroupPool
@@ -273,17 +273,18 @@ class PlanWork:
 
     def empty_step(self, recompute_layers: int = 0, last: bool = False,
                    mlp_tiles: int = 1) -> MicroStep:
-        """An empty micro-step: a two-token task on this rank alone, no target, that recomputes
+        """An empty micro-step: a task of `EMPTY_STEP_TOKENS` tokens on this rank alone, no target, that recomputes
         ``recompute_layers`` and runs its MLP over ``mlp_tiles`` tiles (its slot's: its loss is
         multiplied by zero: no gradient, the same modules and collectives as a task's
         micro-step)."""
         task = Task(id=-1, ranks=(self.rank,), seqs=(-1,), recompute_layers=recompute_layers,
                     mlp_tiles=mlp_tiles)
-        ctx = self.pool.context_for(task, self.rank, ShardLayout.build([2], 1, 1, 0))
+        n = EMPTY_STEP_TOKENS
+        ctx = self.pool.context_for(task, self.rank, ShardLayout.build([n], 1, 1, 0))
         ctx.sequence_weights = (0.0,)
-        ids = torch.zeros(2, dtype=torch.long, device=self.device)
-        positions = torch.arange(2, device=self.device)
-        labels = torch.full((2,), IGNORE_INDEX, dtype=torch.long, device=self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device)
+        labels = torch.full((n,), IGNORE_INDEX, dtype=torch.long, device=self.device)
         return MicroStep(None, Shard(ids, positions, labels, ctx), None, last)
 
     @contextmanager
