@@ -4,6 +4,10 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# pytest workers (pytest-xdist): 2 keeps both cores of a 2-core machine busy while a test waits
+# on a launch, a timeout or a sleeping rank (one worker leaves one core idle half the time)
+TEST_JOBS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_JOBS)
 
 .PHONY: demo test venv simulate clean
 
@@ -45,7 +49,7 @@ test312: venv312
 else
 venv312: $(BIN312)/.installed
 test312: venv312
-	OMP_NUM_THREADS=1 $(BIN312)/python -m pytest -q $(TESTS312)
+	OMP_NUM_THREADS=1 $(BIN312)/python -m pytest -q -n $(TEST_JOBS) $(TESTS312)
 endif
 
 demo: venv
@@ -57,13 +61,13 @@ simulate: venv
 # both legs: the suite on Python 3.10/3.11 (megatron-core 0.16.1), then the Megatron tests on
 # Python 3.12 (megatron-core 0.19.2)
 test: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	$(PYTEST) tests
 	$(MAKE) --no-print-directory test312
 
 # the edit loop: single-process tests only (no rank launches), under 3 minutes
 .PHONY: test-fast
 test-fast: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) $(VENV312) build *.egg-info
