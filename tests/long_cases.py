@@ -19,12 +19,13 @@ MLP_TILE = 64
 LOSS_TILE_TOKENS = 128
 
 
-def small_tiles() -> None:
-    """MLP tiles of 64 tokens, loss tiles of 128 tokens' logits (the planner's constants)."""
+def small_tiles(vocab: int = VOCAB) -> None:
+    """MLP tiles of 64 tokens, loss tiles of 128 tokens' logits over ``vocab`` (the planner's
+    constants)."""
     import megatron_dcp.plan.memory as memory
 
     memory.MLP_TILE_TOKENS = MLP_TILE
-    memory.LOSS_TILE_BYTES = LOSS_TILE_TOKENS * 6 * VOCAB  # bf16 logits + their fp32 gradient
+    memory.LOSS_TILE_BYTES = LOSS_TILE_TOKENS * 6 * vocab  # bf16 logits + their fp32 gradient
 
 
 def decoder_config() -> Any:

@@ -1,10 +1,12 @@
 """``--dcp-long-sequences`` under Megatron-core (issue 29): `DCPForwardBackward` plans with the
 long-sequence choices, `DCPTransformerLayer` runs a long task's MLP over its tiles and keeps the
-saved inputs of its offloaded layers in host memory through Megatron's own recompute, and the
+saved inputs of its offloaded layers in host memory through Megatron's own recompute, the hooks
+of `megatron_dcp.megatron.loss_tiles` run its output layer and loss over its loss tiles, and the
 step equals single-process training (Megatron's local spec, whole sequences): loss and every
 gradient (DDP's ``main_grad``) within 1e-5 in fp32, every backward on a fresh thread (CUDA's
 autograd worker: Megatron's reentrant recompute, the tiles' and the offloaded layers' recomputes
-run there). The loss is not tiled under Megatron (the plan says ``loss_tiles`` 1)."""
+run there). Negative control: a third step whose loss tiles take every label one token off
+misses the reference's loss."""
 
 from __future__ import annotations
 
@@ -79,12 +81,14 @@ def _run(rank, world_size):
     from executor_cases import on_fresh_thread
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.megatron.cpu import enable_cpu
+    from megatron_dcp.megatron import loss_tiles
     from megatron_dcp.megatron.engine import MegatronStepEngine
+    from megatron_dcp.megatron.loss_tiles import install_loss_tiles
     from megatron_dcp.megatron.parallel import destroy_model_parallel
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
 
     warnings.filterwarnings("ignore")
-    small_tiles()
+    small_tiles(MEGATRON_VOCAB)  # loss tiles of 128 tokens' logits
     enable_cpu()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     sequences = batch(0, MEGATRON_VOCAB)
@@ -126,9 +130,20 @@ def _run(rank, world_size):
         results.append(step(forward_step_func=forward_step,
                             data_iterator=iter([GlobalBatch(sequences)]), model=[ddp],
                             num_microbatches=1, seq_length=0, micro_batch_size=1).result)
+        tiled_calls = install_loss_tiles(ddp).calls
+        plain_per_tile = loss_tiles.per_tile
+        loss_tiles.per_tile = lambda fn, tiles, x, labels: plain_per_tile(
+            fn, tiles, x, labels.roll(1, dims=0))  # negative control: labels one token off
+        try:
+            shifted = step(forward_step_func=forward_step,
+                           data_iterator=iter([GlobalBatch(sequences)]), model=[ddp],
+                           num_microbatches=1, seq_length=0, micro_batch_size=1).result.loss
+        finally:
+            loss_tiles.per_tile = plain_per_tile
         step.close()
         return {"loss": results[0].loss, "grads": grads, "ref_loss": ref_loss,
                 "ref_grads": ref_grads, "choices": [long_choices(r.plan) for r in results],
+                "tiled_calls": tiled_calls, "shifted_loss": shifted,
                 "ahead": bool(results[1].plan.meta.get("made_ahead")),
                 "degree": max(t.degree for t in results[0].plan.tasks
                               if t.offload_layers)}
@@ -144,9 +159,12 @@ def test_long_sequence_plan_under_megatron_matches_single_process():
         assert got["ahead"], "the second step's plan was made ahead"
         for choices in got["choices"]:
             assert choices["mlp_tiles"] > 1 and choices["offload_layers"] > 0, choices
-            assert choices["loss_tiles"] == 1, choices  # Megatron's loss runs whole
+            assert choices["loss_tiles"] > 1, choices
+        assert got["tiled_calls"] >= 2, got["tiled_calls"]  # the long task's, in both steps
         assert got["degree"] == 2  # the long task's attention spans both ranks
         assert abs(got["loss"] - got["ref_loss"]) <= TOL * abs(got["ref_loss"]), got["loss"]
         for name, g in got["ref_grads"].items():
             err = float((got["grads"][name] - g).norm() / g.norm().clamp_min(1e-30))
             assert err <= TOL, f"rank {rank}: {name} rel. error {err:.2e}"
+        shifted = abs(got["shifted_loss"] - got["ref_loss"]) / abs(got["ref_loss"])
+        assert shifted > 1e-3, f"rank {rank}: labels one token off, loss rel. error {shifted:.2e}"

@@ -130,10 +130,12 @@ def test_pipelines_and_megatron_flags_refuse_what_they_cannot_run():
     parser = megatron_like_parser()
     parser.add_argument("--num-experts", type=int, default=None)
     parser.add_argument("--distribute-saved-activations", action="store_true")
+    parser.add_argument("--mtp-num-layers", type=int, default=None)
     line = "--dcp --dcp-long-sequences --calculate-per-token-loss"
     assert validate_dcp_args(parser.parse_args(line.split()), world_size=2).long_sequences
     for extra, flag in (("--pipeline-model-parallel-size 2", "--pipeline-model-parallel-size"),
                         ("--num-experts 4", "--num-experts"),
+                        ("--mtp-num-layers 1", "--mtp-num-layers"),
                         ("--distribute-saved-activations", "--distribute-saved-activations")):
         with pytest.raises(DCPArgumentError, match=f"--dcp-long-sequences with {flag}"):
             validate_dcp_args(parser.parse_args(f"{line} {extra}".split()), world_size=4)

@@ -140,8 +140,8 @@ def _recompute_and_head_problems(args: argparse.Namespace, config: DCPConfig) ->
 
 
 def long_sequence_problems(args: argparse.Namespace, config: DCPConfig) -> list[str]:
-    """What ``--dcp-long-sequences`` cannot run with (each part by its flag). The loss of a long
-    task is never tiled under Megatron (the planner counts its logits whole: docs/MEGATRON.md)."""
+    """What ``--dcp-long-sequences`` cannot run with (each part by its flag); a long task's loss
+    tiles (`megatron_dcp.megatron.loss_tiles`) cover the main loss, not multi-token prediction."""
     if not config.long_sequences:
         return []
     problems = []
@@ -152,6 +152,9 @@ def long_sequence_problems(args: argparse.Namespace, config: DCPConfig) -> list[
     if _get(args, "num_experts", None):
         problems.append("--dcp-long-sequences with --num-experts is not supported: the MLP "
                         "tiles of a long task run Megatron's dense MLP, not an MoE layer")
+    if _get(args, "mtp_num_layers", None):
+        problems.append("--dcp-long-sequences with --mtp-num-layers is not supported: a long "
+                        "task's loss tiles run the main output layer and loss only")
     if _get(args, "distribute_saved_activations", False):
         problems.append("--dcp-long-sequences with --distribute-saved-activations is not "
                         "supported: an offloaded layer keeps its whole saved input in host "

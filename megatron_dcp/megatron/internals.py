@@ -22,6 +22,7 @@ _SPEC = "megatron_dcp/megatron/spec.py"
 _STEP = "megatron_dcp/megatron/step.py"
 _MOE = "megatron_dcp/megatron/moe.py"
 _ENGINE = "megatron_dcp/megatron/engine.py"
+_LOSS_TILES = "megatron_dcp/megatron/loss_tiles.py"
 
 INTERNALS: dict[str, str] = {
     # CPU patch targets (replaced, aliases included) and what cpu.py calls
@@ -63,6 +64,15 @@ INTERNALS: dict[str, str] = {
     "megatron.core.transformer.transformer_config:TransformerConfig.recompute_granularity": _SPEC,
     "megatron.core.transformer.transformer_config:TransformerConfig.calculate_per_token_loss":
         _STEP,
+    # loss tiles: GPTModel's forward arguments read by a pre-hook, the output layer's forward
+    # and the loss they run per tile (0.19's LanguageModule._scale_logits is used where present)
+    "megatron.core.models.gpt.gpt_model:GPTModel.forward(labels, packed_seq_params)": _LOSS_TILES,
+    "megatron.core.models.common.language_module.language_module:"
+    "LanguageModule.compute_language_model_loss(labels, logits)": _LOSS_TILES,
+    "megatron.core.tensor_parallel.layers:ColumnParallelLinear.forward(weight, "
+    "runtime_gather_output)": _LOSS_TILES,
+    "megatron.core.transformer.transformer_config:TransformerConfig.mtp_num_layers": _LOSS_TILES,
+    "megatron.core.model_parallel_config:ModelParallelConfig.sequence_parallel": _LOSS_TILES,
     # the step: model config, DDP's no_sync, one finalize_model_grads
     "megatron.core.utils:get_model_config": _STEP,
     "megatron.core.model_parallel_config:ModelParallelConfig.grad_scale_func": _ENGINE,

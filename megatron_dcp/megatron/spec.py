@@ -463,7 +463,8 @@ class DCPCoreAttention(_megatron_module()):
         return attend(query, key, value, TaskContext(task=one_rank, group_rank=0, layout=layout))
 
 
-def _unwrap(model):
+def gpt_model_of(model):
+    """The GPTModel inside Megatron's wrappers (DDP, ``Float16Module``: their ``.module``)."""
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module
     return model
@@ -473,7 +474,7 @@ def check_model(model) -> None:
     """Raise unless the (DDP-wrapped) Megatron GPT model was built with `get_gpt_layer_dcp_spec`
     (Megatron's own layers and attention would silently ignore the task) and uses positions DCP
     can follow (RoPE by Megatron's ``RotaryEmbedding``, learned absolute, or none)."""
-    inner = _unwrap(model)
+    inner = gpt_model_of(model)
     modules = list(inner.modules())
     for kind in (DCPCoreAttention, DCPTransformerLayer):
         if not any(isinstance(m, kind) for m in modules):

@@ -12,7 +12,10 @@ is Megatron's side of it (micro-batches that carry the task and its recomputed l
 ``packed_seq_params``, DDP's ``no_sync``, one ``finalize_model_grads``); with pipeline
 parallelism `MegatronPipelineEngine` (`megatron_dcp.megatron.pipeline_engine`) runs them through
 Megatron's own schedule. Nothing of Megatron is patched: the layers of `get_gpt_layer_dcp_spec`
-read the task from their call.
+read the task from their call. A long task's MLP tiles and offloaded layers run in
+`megatron_dcp.megatron.spec.DCPTransformerLayer`, its loss tiles in the hooks that
+`megatron_dcp.megatron.loss_tiles.install_loss_tiles` puts on the model instance at its first
+step (the output layer and loss per tile, sequence parallelism included).
 
 The groups are Megatron's: ``pg_collection`` when the caller passes one (tp, pp, dp or dp_cp),
 else ``parallel_state`` (`MegatronParallel`). The model's ``TransformerConfig`` is left alone,
@@ -36,12 +39,6 @@ from megatron_dcp.megatron.pipeline_engine import MegatronPipelineEngine
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.runtime.groups import GroupPool
 from megatron_dcp.runtime.step import StepDriver, StepResult
-
-
-LOSS_TILING = False
-"""Megatron's output layer and loss run whole (GPTModel computes them inside its forward, with
-no per-task hook): with ``long_sequences`` the planner counts a long task's logits whole, and
-its MLP tiles and offloaded layers run in `megatron_dcp.megatron.spec.DCPTransformerLayer`."""
 
 
 class StepReports(list):
@@ -113,8 +110,7 @@ class DCPForwardBackward:
             self._driver = StepDriver(self.config.replace(enabled=True), pool=self.pool,
                                       model_shape=self.planning_shape(), hardware=self.hardware,
                                       zero_stage=self.zero_stage, device=device,
-                                      offload_optimizer=self.offload_optimizer,
-                                      loss_tiling=LOSS_TILING)
+                                      offload_optimizer=self.offload_optimizer)
             if self.model_shape is not None:  # every communicator now, none inside a step
                 report = self._driver.create_groups(self.vocabulary_lengths)
                 if dist.get_rank() == 0:
@@ -133,8 +129,7 @@ class DCPForwardBackward:
         planner = StepDriver(self.config.replace(enabled=True), pool=None,
                              model_shape=self.planning_shape(), hardware=self.hardware,
                              zero_stage=self.zero_stage,
-                             offload_optimizer=self.offload_optimizer,
-                             loss_tiling=LOSS_TILING)  # plans only: no groups
+                             offload_optimizer=self.offload_optimizer)  # plans only: no groups
         return planner.plan(lengths, self.iteration, world_size)
 
     def planning_shape(self):
@@ -196,7 +191,8 @@ class DCPForwardBackward:
             self._driver.close()
 
     def _check(self, model, forward_only: bool) -> None:
-        """Settings DCP cannot run, refused before any collective."""
+        """Settings DCP cannot run, refused before any collective; at a model's first step, the
+        hooks that tile a task's loss (`install_loss_tiles`)."""
         from megatron.core.utils import get_model_config
 
         if getattr(getattr(model, "ddp_config", None), "overlap_param_gather", False):
@@ -216,7 +212,9 @@ class DCPForwardBackward:
                              "itself (DCPTransformerLayer); with recompute_granularity='full' in "
                              "the TransformerConfig Megatron's block would recompute its own "
                              "layers on top: build the config with recompute_granularity=None")
+        from megatron_dcp.megatron.loss_tiles import install_loss_tiles
         from megatron_dcp.megatron.spec import check_model
 
         check_model(model)
+        install_loss_tiles(model)  # a task with loss_tiles > 1 tiles the last stage's loss
         self._checked.add(id(model))

@@ -111,7 +111,8 @@ class StepDriver:
     ``config.long_sequences``: every plan (made ahead too) gives a task that fits no plain choice
     MLP tiles, loss tiles and offloaded layers (`megatron_dcp.plan.make_plan`), which reach the
     model in the task's `TaskContext`; ``loss_tiling=False``: the engine cannot tile the loss
-    (the planner counts such a task's logits whole).
+    (the planner counts such a task's logits whole; DeepSpeed's objective and Megatron's
+    `GPTModel` both tile theirs).
     """
 
     def __init__(self, config: DCPConfig, *, pool: Any, model_shape: Any = None,

@@ -35,7 +35,8 @@ import torch.utils.checkpoint
 
 from megatron_dcp.runtime.context import TaskContext
 
-__all__ = ["mlp_tiles_of", "loss_tiles_of", "tile_bounds", "tiled_mlp", "tiled_logits_loss"]
+__all__ = ["mlp_tiles_of", "loss_tiles_of", "tile_bounds", "per_tile", "tiled_mlp",
+           "tiled_logits_loss"]
 
 
 def mlp_tiles_of(task: Optional[TaskContext]) -> int:
@@ -63,8 +64,8 @@ def tile_bounds(tokens: int, tiles: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _per_tile(fn: Callable[..., torch.Tensor], tiles: int, x: torch.Tensor,
-              *token_args: torch.Tensor) -> torch.Tensor:
+def per_tile(fn: Callable[..., torch.Tensor], tiles: int, x: torch.Tensor,
+             *token_args: torch.Tensor) -> torch.Tensor:
     """``fn(x_tile, *arg_tiles)`` over the tiles of dim 0, concatenated; each tile checkpointed
     (non-reentrant) when autograd records. ``tiles`` > 1 calls ``fn`` exactly ``tiles`` times,
     on empty tiles where there are fewer tokens: every task of a lockstep slot (an empty
@@ -91,7 +92,7 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles
     """``fn(x)`` for a token-wise ``fn`` (an MLP: no mixing across dim 0 of ``x [T, ...]``), run
     over ``tiles`` chunks of the tokens, each recomputed in backward. ``tiles <= 1``: ``fn(x)``.
     """
-    return _per_tile(fn, tiles, x)
+    return per_tile(fn, tiles, x)
 
 
 LossOfLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -120,4 +121,4 @@ def tiled_logits_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     if x.dim() != 2 or labels.shape != x.shape[:1]:
         raise ValueError(f"tiled_logits_loss: x [T, E] and labels [T], got {tuple(x.shape)} "
                          f"and {tuple(labels.shape)}")
-    return _per_tile(_TileLoss(weight, loss, bias), tiles, x, labels)
+    return per_tile(_TileLoss(weight, loss, bias), tiles, x, labels)
