@@ -12,7 +12,7 @@ PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_JOBS)
 .PHONY: demo test venv simulate clean
 
 $(BIN)/.installed: pyproject.toml
-	$(PY) -m venv $(VENV)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[all]"
@@ -35,7 +35,7 @@ TESTS312 := $(sort $(wildcard tests/test_megatron*.py)) tests/test_moe_megatron.
             tests/test_example_dtype.py
 
 $(BIN312)/.installed: pyproject.toml
-	$(PY312) -m venv $(VENV312)
+	test -x $(BIN312)/python || $(PY312) -m venv $(VENV312)
 	$(BIN312)/pip install -q --upgrade pip
 	$(BIN312)/pip install -q torch==2.13.0
 	DS_BUILD_OPS=0 $(BIN312)/pip install -q -e ".[megatron,deepspeed,hf,test]"
