@@ -44,7 +44,8 @@ from megatron_dcp.runtime.attention import dcp_attention
 from megatron_dcp.runtime.recompute import run_layer
 from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.offload import stash_for
-from megatron_dcp.runtime.tiling import loss_tiles_of, mlp_tiles_of, tiled_logits_loss, tiled_mlp
+from megatron_dcp.runtime.tiling import (TileableForward, loss_tiles_of, mlp_tiles_of,
+                                         tiled_logits_loss, tiled_mlp)
 
 ATTENTION = "dcp"
 """The name of DCP's attention in HF's ``AttentionInterface`` and ``AttentionMaskInterface``."""
@@ -139,18 +140,12 @@ class _TaskRecompute:
         return run_layer(self.index, forward, *args, task=task, stash=keywords.get(STASH_KWARG))
 
 
-class _TiledMLPForward:
-    """A decoder layer's ``mlp.forward``: the original one, over ``tiles`` tiles of the tokens
-    (`tiled_mlp`) while a layer call of a tiled task runs (``tiles`` is set by `_WithMLPTiles`
-    around that call only, on whichever thread runs it; 1 otherwise: untouched)."""
+class _TiledMLPForward(TileableForward):
+    """A decoder layer's ``mlp.forward`` (HF: ``hidden [1, T, h] -> [1, T, h]``) over tiles of
+    the tokens (`tiled_mlp`) while a layer call of a tiled task runs (`_WithMLPTiles`)."""
 
-    def __init__(self, forward: Any) -> None:
-        self.forward = forward
-        self.tiles = 1
-
-    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.tiles <= 1 or args or kwargs or hidden_states.dim() != 3 or \
-                hidden_states.shape[0] != 1:
+    def run_tiled(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
             return self.forward(hidden_states, *args, **kwargs)
         return tiled_mlp(self.forward, hidden_states[0], self.tiles)[None]
 
@@ -163,24 +158,14 @@ class _WithMLPTiles:
         self.layer_forward, self.mlp_forward, self.tiles = forward, mlp_forward, tiles
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        before, self.mlp_forward.tiles = self.mlp_forward.tiles, self.tiles
-        try:
+        with self.mlp_forward.tiled(self.tiles):
             return self.layer_forward(*args, **kwargs)
-        finally:
-            self.mlp_forward.tiles = before
 
 
 def _tiled_mlp_forward(layer: nn.Module) -> Optional[_TiledMLPForward]:
     """Layer's MLP forward made tileable in place (once), or ``None`` without an ``mlp``."""
     mlp = getattr(layer, "mlp", None)
-    if mlp is None:
-        return None
-    current = mlp.__dict__.get("forward")
-    if isinstance(current, _TiledMLPForward):
-        return current
-    wrapped = _TiledMLPForward(mlp.forward)
-    mlp.forward = wrapped
-    return wrapped
+    return _TiledMLPForward.install(mlp) if mlp is not None else None
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

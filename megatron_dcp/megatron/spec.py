@@ -56,7 +56,7 @@ import torch
 
 from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.offload import OffloadEntry, offload_layers_of
-from megatron_dcp.runtime.tiling import mlp_tiles_of, tiled_mlp
+from megatron_dcp.runtime.tiling import TileableForward, mlp_tiles_of, tiled_mlp
 
 
 def _packed_seq_params_class():
@@ -258,11 +258,8 @@ class DCPTransformerLayer(_transformer_layer()):
             raise ValueError(f"layer {self.block_index}: task {params.task.task.id} has "
                              f"mlp_tiles {tiles}, but this layer's MLP is not Megatron's dense "
                              "MLP (MoE layers are not tiled)")
-        before, self._mlp_tiles.tiles = self._mlp_tiles.tiles, tiles
-        try:
+        with self._mlp_tiles.tiled(tiles):
             return super().forward(*args, **kwargs)
-        finally:
-            self._mlp_tiles.tiles = before
 
     def _recomputed(self, *args, **kwargs):
         from megatron.core import tensor_parallel
@@ -296,18 +293,15 @@ class DCPTransformerLayer(_transformer_layer()):
             bind(params)
 
 
-class TiledMLPForward:
+class TiledMLPForward(TileableForward):
     """A layer's ``mlp.forward`` (Megatron's dense MLP: ``(hidden [s, b, h]) -> (out, bias)``)
-    that runs over ``tiles`` tiles of the sequence dimension (`tiled_mlp`: each tile recomputed
-    in backward) while ``tiles`` > 1, which `DCPTransformerLayer` sets around a call of a tiled
-    task. Token-wise, so exact; with sequence parallelism every tensor-parallel rank tiles its
-    own part alike (fc1 gathers the tile of every rank, fc2 scatters them back)."""
+    over the tiles of the sequence dimension (`tiled_mlp`: each tile recomputed in backward)
+    while `DCPTransformerLayer` runs a tiled task. Token-wise, so exact; with sequence
+    parallelism every tensor-parallel rank tiles its own part alike (fc1 gathers the tile of
+    every rank, fc2 scatters them back)."""
 
-    def __init__(self, forward, tileable: bool) -> None:
-        self.forward, self.tileable, self.tiles = forward, tileable, 1
-
-    def __call__(self, hidden_states, *args, **kwargs):
-        if self.tiles <= 1 or args or any(v is not None for v in kwargs.values()):
+    def run_tiled(self, hidden_states, *args, **kwargs):
+        if args or any(v is not None for v in kwargs.values()):
             return self.forward(hidden_states, *args, **kwargs)
         bias: list = [None]
 
@@ -324,14 +318,9 @@ def _tileable_mlp(layer) -> Optional[TiledMLPForward]:
     mlp = getattr(layer, "mlp", None)
     if mlp is None:
         return None
-    current = mlp.__dict__.get("forward")
-    if isinstance(current, TiledMLPForward):
-        return current
     from megatron.core.transformer.mlp import MLP
 
-    wrapped = TiledMLPForward(mlp.forward, type(mlp) is MLP)
-    mlp.forward = wrapped
-    return wrapped
+    return TiledMLPForward.install(mlp, tileable=type(mlp) is MLP)
 
 
 def offloaded_saved_input(checkpoint, hidden, stash):

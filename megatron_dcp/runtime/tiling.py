@@ -28,7 +28,8 @@ another order (fp32: relative differences ~1e-7).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.utils.checkpoint
@@ -93,6 +94,45 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles
     over ``tiles`` chunks of the tokens, each recomputed in backward. ``tiles <= 1``: ``fn(x)``.
     """
     return per_tile(fn, tiles, x)
+
+
+class TileableForward:
+    """A module's ``forward`` (an MLP's) made tileable in place: the original forward while
+    ``tiles`` is 1, `run_tiled` while a layer call of a tiled task runs (`tiled` sets ``tiles``
+    around that call only, on whichever thread runs it: a recompute sets it again). Each engine's
+    subclass says how its MLP's tensors tile (`tiled_mlp` over its token dimension).
+    ``tileable`` False: installed so that a tiled task names the module it cannot tile."""
+
+    def __init__(self, forward: Callable[..., Any], tileable: bool = True) -> None:
+        self.forward, self.tileable, self.tiles = forward, tileable, 1
+
+    @classmethod
+    def install(cls, module: torch.nn.Module, **kwargs: Any) -> "TileableForward":
+        """``module.forward`` replaced by a tileable one (once: again returns the installed)."""
+        current = module.__dict__.get("forward")
+        if isinstance(current, TileableForward):
+            return current
+        wrapped = cls(module.forward, **kwargs)
+        module.forward = wrapped
+        return wrapped
+
+    @contextmanager
+    def tiled(self, tiles: int) -> Iterator[None]:
+        """Calls inside run over ``tiles`` tiles (the previous count restored after)."""
+        before, self.tiles = self.tiles, tiles
+        try:
+            yield
+        finally:
+            self.tiles = before
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.tiles <= 1:
+            return self.forward(x, *args, **kwargs)
+        return self.run_tiled(x, *args, **kwargs)
+
+    def run_tiled(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The forward over `tiles` tiles (the subclass's tensor layout)."""
+        raise NotImplementedError
 
 
 LossOfLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
