@@ -36,7 +36,7 @@ def decoder_config() -> Any:
 
 
 def long_budget_gb(shape: Any, world: int, zero_stage: int, *, hardware: str = "h200",
-                   share: float = 0.4) -> float:
+                   share: float = 0.62) -> float:
     """A budget (GiB) below what the longest sequence needs with every layer recomputed on the
     whole world, by ``share`` of its activations: it fits only tiled and offloaded."""
     from megatron_dcp.config import DCPConfig

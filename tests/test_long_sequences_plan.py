@@ -35,7 +35,7 @@ def tiles(monkeypatch):
 SHAPE = Decoder(decoder_config(), seed=1).shape()
 
 
-def _config(stage=0, share=0.4, **kw) -> DCPConfig:
+def _config(stage=0, share=0.62, **kw) -> DCPConfig:
     return DCPConfig(enabled=True, hardware="h200", long_sequences=True,
                      memory_budget_gb=long_budget_gb(SHAPE, 2, stage, share=share), **kw)
 

@@ -68,6 +68,10 @@ MLP_TILE_TOKENS = 16384
 """Local tokens per MLP tile of a tiled task (its MLP intermediates are this many tokens')."""
 LOSS_TILE_BYTES = 2 * 2**30
 """Bytes of bf16 logits and their fp32 gradient per loss tile of a tiled task."""
+MLP_GRAD_FRACTION = 4 / 3
+"""Gradients of the MLP intermediates alive while a layer's backward runs, as a fraction of
+the intermediates (a gated MLP's three ``f``-wide tensors: four ``f``-wide gradients, measured on
+CPU)."""
 TILE_LAUNCH_S = 30e-6
 """Seconds of launches and checkpoint bookkeeping per extra tile per layer and pass."""
 
@@ -308,23 +312,32 @@ class MemoryModel:
 
     def long_memory_of(self, tokens: int, degree: int, recompute_layers: int,
                        offload_layers: int, mlp_tiles: int, loss_tiles: int) -> float:
-        """Peak bytes per rank of a task that tiles and offloads: kept layers keep ``A`` per
-        token less the MLP's intermediates when tiled; recomputed layers their input (``2h``),
-        offloaded ones nothing but the two in flight (the one recomputing and the one
-        prefetched); the recompute buffer's MLP part and the logits are one tile's."""
+        """Peak bytes per rank of a task that tiles and offloads: what backward holds throughout
+        (kept layers ``A`` per token, less the MLP's intermediates when tiled; recomputed layers
+        their input, ``2h``; offloaded ones nothing but the two in flight, the one recomputing
+        and the one prefetched) plus the larger of its two phases, which never overlap (the
+        loss's backward ends before the last layer recomputes):
+
+        - a layer recomputing: its buffer (``A`` per token, the MLP part one tile's) and the
+          gradients of that tile's MLP intermediates (`MLP_GRAD_FRACTION` of them);
+        - the loss: one loss tile's logits and their gradient, the loss's fp32 workspace, and
+          the final hidden state with its gradient (``2 x 2h`` per token).
+
+        Measured on CPU (docs/BENCHMARKS.md, "Long sequences"): within 7 % of the peak with MLP
+        tiles, loss tiles, offload and all three."""
         local = math.ceil(tokens / degree)
         n, c, o = self.num_layers, recompute_layers, min(offload_layers, recompute_layers)
         mlp = self.mlp_token_bytes
-        mlp_tile = math.ceil(local / max(1, mlp_tiles))
+        mlp_tokens = math.ceil(local / max(1, mlp_tiles)) if mlp_tiles > 1 else local
         layer = self.act_bytes - (mlp if mlp_tiles > 1 else 0.0)
         kept = local * ((n - c) * layer + (c - o) * self.recomputed_layer_bytes)
         in_flight = 2 * local * self.recomputed_layer_bytes if o else 0.0
-        buffer = local * layer + (mlp_tile * mlp if mlp_tiles > 1 else 0.0)
+        recomputing = local * layer + (mlp_tokens * mlp if mlp_tiles > 1 else 0.0) \
+            + MLP_GRAD_FRACTION * mlp_tokens * mlp
         loss_tokens = math.ceil(local / max(1, loss_tiles))
-        logits = loss_tokens * self.logit_bytes + self.loss_workspace(loss_tokens)
-        if loss_tiles > 1:
-            logits += local * self.recomputed_layer_bytes  # the final hidden state's gradient
-        return self.static_memory + self.reserve + kept + in_flight + buffer + logits
+        loss = loss_tokens * self.logit_bytes + self.loss_workspace(loss_tokens) \
+            + 2 * local * self.recomputed_layer_bytes
+        return self.static_memory + self.reserve + kept + in_flight + max(recomputing, loss)
 
     def long_tiles(self, local: int) -> tuple[int, int]:
         """(MLP tiles, loss tiles) for ``local`` tokens: `MLP_TILE_TOKENS` per MLP tile, one
