@@ -33,7 +33,7 @@ def test_cpu_mode_float32_every_section(tmp_path):
     summary, sections = report["summary"], report["sections"]
     assert code == 0, (summary, output)
     assert set(summary) == {"environment", "exactness", "ring", "throughput", "run_plan",
-                            "memory", "megatron", "hf", "deepspeed", "calibration", "profile"}
+                            "memory", "long_sequences", "megatron", "hf", "deepspeed", "calibration", "profile"}
     assert summary.pop("profile") == "SKIP"
     assert set(summary.values()) == {"PASS"}, {n: sections[n] for n, s in summary.items()
                                                if s != "PASS"}
@@ -60,6 +60,16 @@ def test_cpu_mode_float32_every_section(tmp_path):
         row = memory["cases"][case]
         assert row["predicted_activation_bytes"] > 0 and row["ratio"] is None
     assert memory["cases"]["recompute_all"]["recompute_layers"] == 2
+    long = sections["long_sequences"]["result"]
+    assert set(long["cases"]) == {"recompute", "mlp_tiles", "loss_tiles", "offload", "all"}
+    for case in ("mlp_tiles", "loss_tiles", "offload", "all"):  # exact against recompute only
+        row = long["cases"][case]
+        assert row["loss_rel_diff"] <= 1e-6 and row["max_rel_diff"] <= 1e-5, (case, row)
+    # every layer's input out and back: 2 layers x 256 tokens x hidden 32 x 4 B, each way
+    assert long["cases"]["offload"]["offload_copied_bytes"] == 2 * 2 * 256 * 32 * 4
+    assert long["cases"]["loss_tiles"]["predicted_activation_bytes"] \
+        < long["cases"]["recompute"]["predicted_activation_bytes"]
+    assert long["offload"]["host_link_bytes_per_s"] > 0 and long["offload"]["exposed_s"] >= 0
     hf = sections["hf"]["result"]
     for kind in ("llama", "qwen2"):
         assert hf[kind]["loss_rel_diff"] <= 1e-5 and hf[kind]["max_rel_diff"] <= 1e-5
@@ -96,7 +106,7 @@ def test_cpu_mode_float64_with_only_torch(tmp_path):
     for name, package in (("megatron", "megatron-core"), ("hf", "transformers"),
                           ("deepspeed", "deepspeed")):
         assert summary[name] == "SKIP" and package in sections[name]["reason"], sections[name]
-    for name in ("environment", "exactness", "ring", "run_plan", "memory"):
+    for name in ("environment", "exactness", "ring", "run_plan", "memory", "long_sequences"):
         assert summary[name] == "PASS", sections[name]
     packages = sections["environment"]["result"]["packages"]
     assert packages["deepspeed"].startswith("missing") and packages["numpy"].startswith("missing")
@@ -110,8 +120,8 @@ def test_sync_injected_inside_tasks_fails_the_checked_sections(tmp_path):
     """Negative control: a host read of a device value inside every task fails each
     sync-checked section (the step's own work outside tasks passes in the test above), and
     the section still reports the numbers of its unchecked rerun."""
-    skip = ["environment", "exactness", "ring", "throughput", "memory", "deepspeed",
-            "calibration", "profile"]
+    skip = ["environment", "exactness", "ring", "throughput", "memory", "long_sequences",
+            "deepspeed", "calibration", "profile"]
     code, report, output = run_check(tmp_path, "--inject-sync", "--skip", *skip)
     assert code == 1, output
     for name in SYNC_CHECKED:

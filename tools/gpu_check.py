@@ -32,6 +32,11 @@ Sections:
   gradients) against the planner's `MemoryModel.task_memory` for its task (less its static
   part), the planned recomputed layers and all layers; passes within 10 % (CUDA only: on the CPU the
   prediction is reported, nothing is measured).
+* ``long_sequences``: one long sequence as a one-rank task, every layer recomputed: MLP tiles,
+  loss tiles, every layer offloaded (pinned host memory, side-stream copies on CUDA) and all
+  three against recompute only: equal loss and gradients, step time (offload: exposed seconds
+  and the share of its copy time compute hides, at the measured pinned-host bandwidth), peak
+  CUDA memory against `MemoryModel.long_memory_of` (within 10 %; on the CPU predicted only).
 * ``megatron``: a megatron-core GPTModel with DCP's layer spec through ``DCPForwardBackward``,
   recompute 0 vs all.
 * ``hf``: tiny Llama (tied embeddings) and Qwen2 (q/k/v biases) from transformers configs through
@@ -94,7 +99,8 @@ from megatron_dcp.runtime.step import StepEngine  # noqa: E402
 # Sizes per device. exactness/ring: packed lengths, heads, kv heads, head dims (the first is the
 # main one), video frame; throughput: one long sequence and a pack; model_*: the reference
 # decoder of run_plan, megatron, deepspeed, calibration; mem_*: the memory section's decoder and
-# its one sequence; hf_*: the Hugging Face models.
+# its one sequence; ls_*: the long_sequences section's (tiles: MLP and loss tiles of its tiled
+# cases); hf_*: the Hugging Face models.
 SIZES = {
     "cuda": dict(lengths=(1000, 37, 513, 2048), heads=8, kv_heads=2, head_dims=(128, 64, 256),
                  frame=64, ring_lengths=(3000, 777, 8192),
@@ -102,20 +108,22 @@ SIZES = {
                  long=65536, long_heads=32, long_kv=8, pack=(64, 1024), model_hidden=1024,
                  model_layers=4, model_heads=16, model_kv=4, model_lengths=(3000, 900, 4096, 50),
                  mem_hidden=2048, mem_layers=4, mem_heads=16, mem_kv=4, mem_vocab=32000,
-                 mem_tokens=16384, hf_hidden=512, hf_heads=4, hf_kv=2, hf_ffn=1024, hf_vocab=1024),
+                 mem_tokens=16384, ls_tokens=32768, ls_hidden=1024, ls_layers=4, ls_heads=8,
+                 ls_kv=8, ls_vocab=32000, ls_tiles=8, ls_repeats=3, hf_hidden=512, hf_heads=4, hf_kv=2, hf_ffn=1024, hf_vocab=1024),
     "cpu": dict(lengths=(100, 7, 53, 200), heads=4, kv_heads=2, head_dims=(16, 8, 32), frame=8,
                 ring_lengths=(90, 31, 200), ring_layouts=((1, 2), (1, 4), (1, 8), (2, 2)),
                 long=1024, long_heads=4, long_kv=2, pack=(8, 128), model_hidden=32,
                 model_layers=2, model_heads=4, model_kv=2, model_lengths=(40, 9, 64, 3),
                 mem_hidden=32, mem_layers=2, mem_heads=4, mem_kv=2, mem_vocab=512, mem_tokens=256,
-                hf_hidden=64, hf_heads=4, hf_kv=2, hf_ffn=96, hf_vocab=64),
+                ls_tokens=256, ls_hidden=32, ls_layers=2, ls_heads=4, ls_kv=2, ls_vocab=512,
+                ls_tiles=4, ls_repeats=1, hf_hidden=64, hf_heads=4, hf_kv=2, hf_ffn=96, hf_vocab=64),
 }
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2,
              torch.float16: 1e-2}
 MEMORY_TOLERANCE = 0.10
 """Measured / predicted activation memory of a planned step must lie within 1 +- this."""
 SECTION_LIMIT_S = {"environment": 30, "exactness": 75, "ring": 30, "throughput": 45,
-                   "run_plan": 30, "memory": 45, "megatron": 45, "hf": 45, "deepspeed": 75,
+                   "run_plan": 30, "memory": 45, "long_sequences": 60, "megatron": 45, "hf": 45, "deepspeed": 75,
                    "calibration": 40, "profile": 150}
 """Seconds each section may run (an alarm ends it); the whole run is also held to ``--budget``."""
 HANG_GRACE_S = 30.0
@@ -704,6 +712,121 @@ def section_memory(ctx) -> dict:
     return result
 
 
+def section_long_sequences(ctx) -> dict:
+    """One long sequence as a one-rank task with every layer recomputed: recompute only, MLP
+    tiles, loss tiles, every layer offloaded, all three. Loss and gradients equal recompute
+    only's; step time against it (offload: the exposed seconds and the share of its copy time
+    that compute hides, copies timed at the measured pinned-host bandwidth); peak memory against
+    the planner's `MemoryModel.task_memory` (`long_memory_of` for the tiled and offloaded cases;
+    CUDA, the 10 % target theirs; on the CPU the prediction is reported)."""
+    import megatron_dcp.models.decoder as decoder_module
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.models import Decoder
+    from megatron_dcp.plan import build_cost_model
+    from megatron_dcp.plan.plan import Task
+    from megatron_dcp.runtime import offload
+    from megatron_dcp.runtime.context import TaskContext
+
+    sz, dev, dtype = ctx["size"], ctx["device"], ctx["dtype"]
+    cuda = dev.type == "cuda"
+    n, layers, tiles = sz["ls_tokens"], sz["ls_layers"], sz["ls_tiles"]
+    cfg = _decoder_config(sz, vocab_size=sz["ls_vocab"], hidden_size=sz["ls_hidden"],
+                          num_layers=layers, num_heads=sz["ls_heads"], num_kv_heads=sz["ls_kv"],
+                          max_position=n)
+    model = Decoder(cfg, seed=6).to(device=dev, dtype=dtype)
+    memory = build_cost_model(model.shape(), DCPConfig(enabled=True), 1, zero_stage=0,
+                              long_sequences=True).memory_model
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen).to(dev)
+    labels = torch.cat([ids[1:], torch.tensor([-100], device=dev)])
+    layout = ShardLayout.build([n], 1, 1, 0)
+    pos = layout.position_ids.to(dev)
+    cases = {"recompute": {}, "mlp_tiles": dict(mlp_tiles=tiles), "loss_tiles": dict(
+        loss_tiles=tiles), "offload": dict(offload_layers=layers),
+        "all": dict(mlp_tiles=tiles, loss_tiles=tiles, offload_layers=layers)}
+    stashes: list = []
+
+    def counting_stash(task, store="memory"):
+        stash = offload.stash_for(task, store)
+        if stash is not None:
+            stashes.append(stash)
+        return stash
+
+    def step(task_ctx):
+        for p in model.parameters():
+            p.grad = None if p.grad is None else p.grad.zero_()
+        loss = model.loss(ids, pos, labels, task=task_ctx)
+        loss.backward()
+        return loss.detach()
+
+    result: dict = {"tokens": n, "layers": layers, "tiles": tiles, "dtype": _dtype_name(dtype),
+                    "cases": {}}
+    misses, reference = [], None
+    decoder_module.stash_for, real_stash = counting_stash, decoder_module.stash_for
+    try:
+        for name, choices in cases.items():
+            task = Task(id=0, ranks=(0,), seqs=(0,), recompute_layers=layers, **choices)
+            task_ctx = TaskContext(task=task, group_rank=0, layout=layout, recompute_layers=layers)
+            predicted = memory.task_memory(task, [n]) - memory.static_memory - memory.reserve
+            loss = step(task_ctx)  # also the warm-up; the gradients stay (static memory)
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+            row: dict = {**choices, "loss": float(loss), "predicted_activation_bytes": predicted}
+            if reference is None:
+                reference = (loss, grads)
+            else:
+                row["loss_rel_diff"] = rel_err(loss, reference[0])
+                row.update(_grads_equal(grads, reference[1], half_tolerance(dtype)))
+            del grads
+            if cuda:
+                gc.collect()
+                torch.cuda.synchronize(dev)
+                base = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+                step(task_ctx)
+                torch.cuda.synchronize(dev)
+                row["measured_activation_bytes"] = measured = \
+                    torch.cuda.max_memory_allocated(dev) - base
+                row["ratio"] = ratio = measured / predicted
+                if name != "recompute" and abs(ratio - 1) > MEMORY_TOLERANCE:
+                    misses.append(f"{name}: measured / predicted {ratio:.3f}")
+            stashes.clear()
+            row["step_s"] = timed(lambda: step(task_ctx), dev, sz["ls_repeats"])
+            row["offload_copied_bytes"] = stashes[-1].copied_bytes if stashes else 0
+            result["cases"][name] = row
+    finally:
+        decoder_module.stash_for = real_stash
+    base_s = result["cases"]["recompute"]["step_s"]
+    for row in result["cases"].values():
+        row["vs_recompute"] = row["step_s"] / base_s
+    bandwidth = _host_link_bandwidth(dev, result["cases"]["offload"]["offload_copied_bytes"])
+    copy_s = result["cases"]["offload"]["offload_copied_bytes"] / bandwidth
+    exposed = max(0.0, result["cases"]["offload"]["step_s"] - base_s)
+    result["offload"] = {"host_link_bytes_per_s": bandwidth, "copy_s": copy_s,
+                         "exposed_s": exposed,
+                         "hidden_share": max(0.0, 1 - exposed / copy_s) if copy_s else None}
+    if not cuda:
+        result["note"] = "CPU: predictions only, no allocator peak; the 10 % target is CUDA's"
+    del model
+    if misses:
+        raise SectionFailure(f"memory outside 1 +- {MEMORY_TOLERANCE}: " + ", ".join(misses),
+                             result)
+    return result
+
+
+def _host_link_bandwidth(dev, nbytes: int) -> float:
+    """Bytes/s of one device -> pinned host copy and back (half the round trip's bytes per
+    second each way), over ``nbytes`` split in two (at least 1 MiB)."""
+    half = max(2**20, nbytes // 2)
+    x = torch.empty(half, dtype=torch.uint8, device=dev)
+    host = torch.empty(half, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+
+    def round_trip():
+        host.copy_(x, non_blocking=True)
+        x.copy_(host, non_blocking=True)
+    seconds = timed(round_trip, dev, 3)
+    return 2 * half / max(seconds, 1e-9)
+
+
 def section_megatron(ctx) -> dict:
     """A megatron-core GPTModel (DCP spec) through DCPForwardBackward, recompute 0 vs all."""
     try:
@@ -1015,7 +1138,7 @@ def install_wheels(folder: str) -> dict:
 SECTIONS = {"environment": section_environment, "exactness": section_exactness,
             "ring": section_ring, "throughput": section_throughput,
             "run_plan": section_run_plan, "memory": section_memory,
-            "megatron": section_megatron, "hf": section_hf, "deepspeed": section_deepspeed,
+            "long_sequences": section_long_sequences, "megatron": section_megatron, "hf": section_hf, "deepspeed": section_deepspeed,
             "calibration": section_calibration, "profile": section_profile}
 NEEDS_WORLD = ("run_plan", "memory", "megatron", "hf", "deepspeed", "calibration")
 
