@@ -33,7 +33,8 @@ def test_cpu_mode_float32_every_section(tmp_path):
     summary, sections = report["summary"], report["sections"]
     assert code == 0, (summary, output)
     assert set(summary) == {"environment", "exactness", "ring", "throughput", "run_plan",
-                            "memory", "long_sequences", "megatron", "hf", "deepspeed", "calibration", "profile"}
+                            "memory", "long_sequences", "megatron", "hf", "deepspeed",
+                            "calibration", "profile"}
     assert summary.pop("profile") == "SKIP"
     assert set(summary.values()) == {"PASS"}, {n: sections[n] for n, s in summary.items()
                                                if s != "PASS"}

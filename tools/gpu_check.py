@@ -109,22 +109,24 @@ SIZES = {
                  model_layers=4, model_heads=16, model_kv=4, model_lengths=(3000, 900, 4096, 50),
                  mem_hidden=2048, mem_layers=4, mem_heads=16, mem_kv=4, mem_vocab=32000,
                  mem_tokens=16384, ls_tokens=32768, ls_hidden=1024, ls_layers=4, ls_heads=8,
-                 ls_kv=8, ls_vocab=32000, ls_tiles=8, ls_repeats=3, hf_hidden=512, hf_heads=4, hf_kv=2, hf_ffn=1024, hf_vocab=1024),
+                 ls_kv=8, ls_vocab=32000, ls_tiles=8, ls_repeats=3, hf_hidden=512, hf_heads=4,
+                 hf_kv=2, hf_ffn=1024, hf_vocab=1024),
     "cpu": dict(lengths=(100, 7, 53, 200), heads=4, kv_heads=2, head_dims=(16, 8, 32), frame=8,
                 ring_lengths=(90, 31, 200), ring_layouts=((1, 2), (1, 4), (1, 8), (2, 2)),
                 long=1024, long_heads=4, long_kv=2, pack=(8, 128), model_hidden=32,
                 model_layers=2, model_heads=4, model_kv=2, model_lengths=(40, 9, 64, 3),
                 mem_hidden=32, mem_layers=2, mem_heads=4, mem_kv=2, mem_vocab=512, mem_tokens=256,
                 ls_tokens=256, ls_hidden=32, ls_layers=2, ls_heads=4, ls_kv=2, ls_vocab=512,
-                ls_tiles=4, ls_repeats=1, hf_hidden=64, hf_heads=4, hf_kv=2, hf_ffn=96, hf_vocab=64),
+                ls_tiles=4, ls_repeats=1, hf_hidden=64, hf_heads=4, hf_kv=2, hf_ffn=96,
+                hf_vocab=64),
 }
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2,
              torch.float16: 1e-2}
 MEMORY_TOLERANCE = 0.10
 """Measured / predicted activation memory of a planned step must lie within 1 +- this."""
 SECTION_LIMIT_S = {"environment": 30, "exactness": 75, "ring": 30, "throughput": 45,
-                   "run_plan": 30, "memory": 45, "long_sequences": 60, "megatron": 45, "hf": 45, "deepspeed": 75,
-                   "calibration": 40, "profile": 150}
+                   "run_plan": 30, "memory": 45, "long_sequences": 60, "megatron": 45, "hf": 45,
+                   "deepspeed": 75, "calibration": 40, "profile": 150}
 """Seconds each section may run (an alarm ends it); the whole run is also held to ``--budget``."""
 HANG_GRACE_S = 30.0
 """A section still running this long after its limit (stuck in C code the alarm cannot
@@ -1138,7 +1140,8 @@ def install_wheels(folder: str) -> dict:
 SECTIONS = {"environment": section_environment, "exactness": section_exactness,
             "ring": section_ring, "throughput": section_throughput,
             "run_plan": section_run_plan, "memory": section_memory,
-            "long_sequences": section_long_sequences, "megatron": section_megatron, "hf": section_hf, "deepspeed": section_deepspeed,
+            "long_sequences": section_long_sequences, "megatron": section_megatron,
+            "hf": section_hf, "deepspeed": section_deepspeed,
             "calibration": section_calibration, "profile": section_profile}
 NEEDS_WORLD = ("run_plan", "memory", "megatron", "hf", "deepspeed", "calibration")
 
