@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import run_distributed  # noqa: E402
-from long_cases import (LAYERS, LENGTHS, MEGATRON_VOCAB, batch, long_budget_gb,  # noqa: E402
+from long_cases import (LAYERS, MEGATRON_VOCAB, batch, long_budget_gb,  # noqa: E402
                         long_choices, megatron_shape, small_tiles)
 
 pytestmark = pytest.mark.slow  # every test here launches processes
@@ -53,32 +53,12 @@ def _model(dcp: bool):
                     position_embedding_type="rope")
 
 
-def _reference(sequences):
-    """One process, Megatron's local spec: summed token losses / T, and the gradients."""
-    model = _model(dcp=False)
-    total = sum(n - 1 for n in LENGTHS)
-    loss = 0.0
-    for seq in sequences:
-        n = seq.numel()
-        labels = torch.cat([seq[1:], seq.new_zeros(1)])
-        mask = torch.ones(n)
-        mask[-1] = 0
-        losses = model(seq[None], torch.arange(n)[None], None, labels=labels[None])
-        part = (losses.view(-1) * mask).sum() / total
-        part.backward()
-        loss += float(part)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()
-             if "_extra_state" not in k}
-    return state, loss, {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-
-
 def _run(rank, world_size):
-    from functools import partial
-
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from executor_cases import on_fresh_thread
+    from megatron_cases import forward_step, whole_sequence_reference
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.megatron.cpu import enable_cpu
     from megatron_dcp.megatron import loss_tiles
@@ -94,7 +74,7 @@ def _run(rank, world_size):
     sequences = batch(0, MEGATRON_VOCAB)
     plain_backward = MegatronStepEngine.backward
     try:
-        state, ref_loss, ref_grads = _reference(sequences)
+        state, ref_loss, ref_grads = whole_sequence_reference(_model(dcp=False), sequences)
         model = _model(dcp=True)
         model.load_state_dict(state, strict=False)
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(),
@@ -102,17 +82,6 @@ def _run(rank, world_size):
         ddp.zero_grad_buffer()
         MegatronStepEngine.backward = lambda self, loss, last: on_fresh_thread(
             lambda: plain_backward(self, loss, last))
-
-        def loss_func(loss_mask, output_tensor):
-            loss = (output_tensor.view(-1).float() * loss_mask.view(-1)).sum()
-            tokens = loss_mask.sum().to(torch.int)
-            return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
-
-        def forward_step(data_iterator, model):
-            b = next(data_iterator)
-            out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"],
-                        packed_seq_params=b["packed_seq_params"])
-            return out, partial(loss_func, b["loss_mask"])
 
         shape = megatron_shape()
         config = DCPConfig(enabled=True, hardware="h200", long_sequences=True,

@@ -63,25 +63,12 @@ def _sequences():
 def _reference(rank, world_size, loss_reduction="token"):
     """Single process: Megatron's local spec on the whole batch; returns state, loss, grads.
     ``loss_reduction="sequence"``: the mean of the per-sequence mean losses."""
-    model = _build(1, dcp=False)
-    seqs = _sequences()
-    total_targets = sum(n - 1 for n in LENGTHS)
-    loss = 0.0
-    for seq in seqs:
-        n = seq.numel()
-        labels = torch.cat([seq[1:], seq.new_zeros(1)])
-        mask = torch.ones(n)
-        mask[-1] = 0
-        token_losses = model(seq[None], torch.arange(n)[None], None, labels=labels[None])
-        divisor = total_targets if loss_reduction == "token" else len(LENGTHS) * (n - 1)
-        part = (token_losses.view(-1) * mask).sum() / divisor
-        part.backward()
-        loss += float(part)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()
-             if "_extra_state" not in k}
-    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    from megatron_cases import whole_sequence_reference
+
+    divisors = None if loss_reduction == "token" else [len(LENGTHS) * (n - 1) for n in LENGTHS]
+    result = whole_sequence_reference(_build(1, dcp=False), _sequences(), divisors)
     destroy_model_parallel()
-    return state, loss, grads
+    return result
 
 
 def _references(rank, world_size):
@@ -215,18 +202,13 @@ def _three_steps(rank, tp, plan_dict, loss_reduction, backward, ddp, problems):
     """The steps of `_dcp_step` on a built model; returns (train loss, train reports)."""
     from functools import partial
 
+    from megatron_cases import loss_func
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.megatron.spec import DCPCoreAttention
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
 
     applied = _patch_counter()
     before = _megatron_state(ddp)
-
-    def loss_func(loss_mask, output_tensor):
-        losses = output_tensor.view(-1).float()
-        loss = (losses * loss_mask.view(-1)).sum()
-        tokens = loss_mask.sum().to(torch.int)
-        return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
 
     seen = []
     hide_task = backward == "thread-no-task"

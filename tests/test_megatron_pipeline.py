@@ -88,23 +88,12 @@ def _sequences():
 
 
 def _reference(rank, world_size):
+    from megatron_cases import whole_sequence_reference
+
     (model,) = _build(1, dcp=False)
-    total = sum(n - 1 for n in LENGTHS)
-    loss = 0.0
-    for seq in _sequences():
-        n = seq.numel()
-        labels = torch.cat([seq[1:], seq.new_zeros(1)])
-        mask = torch.ones(n)
-        mask[-1] = 0
-        part = (model(seq[None], torch.arange(n)[None], None, labels=labels[None]).view(-1)
-                * mask).sum() / total
-        part.backward()
-        loss += float(part)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()
-             if "_extra_state" not in k}
-    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    result = whole_sequence_reference(model, _sequences())
     destroy_model_parallel()
-    return state, loss, grads
+    return result
 
 
 def _global_name(name: str, stage: int, chunk: int = 0, vp: int = 1) -> str:
@@ -126,11 +115,10 @@ def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False,
     ``explicit_groups``: the step is given ``pg_collection`` and ``p2p_communicator`` (as
     Megatron-LM passes them) and ``parallel_state``'s data- and pipeline-group getters fail
     during the step, so the step can only have used the groups it was given."""
-    from functools import partial
-
     import test_megatron as tm
     from executor_cases import on_fresh_thread
     from megatron.core import parallel_state
+    from megatron_cases import forward_step
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_dcp.config import DCPConfig
@@ -147,17 +135,6 @@ def _dcp(rank, world_size, state, fresh_thread, plan=None, vp=1, tp=1, sp=False,
                                     disable_bucketing=c > 0) for c, chunk in enumerate(chunks)]
     for ddp in ddps:
         ddp.zero_grad_buffer()
-
-    def loss_func(loss_mask, output_tensor):
-        loss = (output_tensor.view(-1).float() * loss_mask.view(-1)).sum()
-        tokens = loss_mask.sum().to(torch.int)
-        return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
-
-    def forward_step(data_iterator, model):
-        b = next(data_iterator)
-        out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"],
-                    packed_seq_params=b["packed_seq_params"])
-        return out, partial(loss_func, b["loss_mask"])
 
     plain_backward = torch.Tensor.backward
     plain_autograd = torch.autograd.backward

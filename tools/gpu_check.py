@@ -808,7 +808,6 @@ def section_long_sequences(ctx) -> dict:
                          "hidden_share": max(0.0, 1 - exposed / copy_s) if copy_s else None}
     if not cuda:
         result["note"] = "CPU: predictions only, no allocator peak; the 10 % target is CUDA's"
-    del model
     if misses:
         raise SectionFailure(f"memory outside 1 +- {MEMORY_TOLERANCE}: " + ", ".join(misses),
                              result)
