@@ -186,28 +186,34 @@ def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware
                 assert (got.degree, got.recompute_layers) == (first or (1, 0))
 
 
-@pytest.mark.parametrize("world,dist", [(1024, "balanced"), (256, "short"), (64, "long")])
-def test_slot_index_names_every_slot_that_accepts_an_item(world, dist, monkeypatch):
+@pytest.mark.parametrize("world,dist,moe", [(1024, "balanced", False), (256, "short", False),
+                                            (64, "long", False), (64, "long", True)])
+def test_slot_index_names_every_slot_that_accepts_an_item(world, dist, moe, monkeypatch):
     # SlotIndex.candidates's contract: at least every slot where `join` would take the item
-    # (checked on a copy of the pass's state before each join: the plain scan over all slots)
+    # (checked on a copy of the pass's state before each join: the plain scan over all slots);
+    # the MoE case packs node-floor items into two-node tasks (a wider group's idle time)
     import copy
 
     from megatron_dcp.plan import lockstep
 
     lengths = sample_lengths(dist, 65536 * world, seed=1)
-    cfg, kw = DCPConfig(hardware="h200"), dict(world_size=world, model=LLAMA, zero_stage=2)
+    model = replace(load_model("qwen3-30b-a3b"), expert_parallel=8) if moe else LLAMA
+    cfg = DCPConfig(hardware="h200", ranks_per_node=8)
+    kw = dict(world_size=world, model=model, zero_stage=2)
     seen = {"items": 0, "skipped": 0}
     first = lockstep.join_first
 
     def checked(pctx, index, item, mode):
         if seen["items"] < 300:
             seen["items"] += 1
-            named = set(index.candidates(item.degree, -float("inf"), 0))
+            named = set(index.candidates(item.degree, -float("inf"), 0, 0, 0.0, 0))
             least = min((pctx.seq_time(item.tokens, item.pairs, item.degree, c)
                          for c in index.layers if c >= item.recompute_layers), default=None)
             if least is not None:
-                named = set(index.candidates(item.degree, least - pctx.cm.time_model.task_overhead,
-                                             item.padded(pctx, item.degree)))
+                named = set(index.candidates(
+                    item.degree, least - pctx.cm.time_model.task_overhead,
+                    item.padded(pctx, item.degree), item.tokens, item.pairs,
+                    item.recompute_layers))
             for k, slot in enumerate(index.slots):
                 if k not in named and slot.recompute_layers >= item.recompute_layers:
                     seen["skipped"] += 1
