@@ -276,3 +276,27 @@ def test_pruned_passes_could_not_have_won(world, dist):
     assert all(least <= c[0] for c in every if "recompute=full" in c[1])
     assert min(every, key=lambda c: c[0])[1] == min(pruned, key=lambda c: c[0])[1]
     assert {c[1] for c in pruned} <= {c[1] for c in every}
+
+
+def test_narrowed_splits_packed_tasks_over_halves_where_that_shortens_them():
+    from megatron_dcp.plan.lockstep_narrow import narrowed
+    from megatron_dcp.plan.planners import _context
+
+    model = replace(load_model("qwen3-30b-a3b"), expert_parallel=8)
+    cfg = DCPConfig(hardware="h200", ranks_per_node=8, policy="dcp")
+    lengths = [2000] * 24 + [83000, 3000]
+    pctx = _context(lengths, 64, model, cfg, None, 1, None, None, None, None)[0]
+    packed = pctx.draft(0, 8, list(range(24)), 0)
+    # 83,000 tokens fit no half of a node without recompute: that task stays whole
+    whole = pctx.draft(8, 8, [24, 25], 0)
+    for d in (packed, whole):
+        d.slot = 0
+    out = narrowed(pctx, [packed, whole], "auto")
+    split = [d for d in out if d.start_rank < 8]
+    assert len(split) > 1 and max(d.duration for d in split) < packed.duration
+    assert sorted(s for d in split for s in d.seqs) == list(range(24))
+    ranks = sorted(r for d in split for r in range(d.start_rank, d.start_rank + d.degree))
+    assert len(ranks) == len(set(ranks)) and set(ranks) <= set(range(8))
+    assert all(tuple(range(d.start_rank, d.start_rank + d.degree)) in pctx.vocab for d in split)
+    assert [(d.start_rank, d.degree, d.seqs) for d in out if d.start_rank >= 8] == \
+        [(8, 8, [24, 25])]

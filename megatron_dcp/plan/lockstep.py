@@ -22,9 +22,9 @@ inside a slot: groups of any size side by side, short sequences packed to the sl
 2. *Short items* (one rank, the base recomputed layers) fill the ranks those slots leave free,
    worst-fit decreasing (each to the task of a slot with the most time left).
 3. The short items left over get slots of their own: as few as memory (and ``pack_tokens``)
-   allow, every rank's task balanced to the same duration; an item longer than that, which
-   would set its slot's duration while the other ranks idle, may run on more ranks instead
-   (`short_slots` builds both and keeps the shorter).
+   allow, every rank's task balanced to the same duration; where fewer items than ranks are
+   longer than that (each would set its slot's duration while the other ranks idle), those may
+   run on more ranks instead (`short_slots`).
 
 `lockstep_candidates` runs the passes of `LOCKSTEP_PASSES`; `to_slots` turns any free schedule
 (the baselines') into a lockstep one in its own order.
@@ -41,6 +41,7 @@ from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice
                                        passes_for, raised, work_floor)
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 from megatron_dcp.plan.lockstep_items import Item, lockstep_items
+from megatron_dcp.plan.lockstep_narrow import narrowed
 from megatron_dcp.plan.slots import Fit, Slot, SlotIndex, SlotTask
 
 MEMORY_SLACK = 0.9
@@ -223,10 +224,10 @@ def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode:
         tasks += [slot.open_task(r, 1) for slot in slots for r in slot.occupancy.free_ranks()]
         left = fill(pctx, tasks, short, mode, limit=True)
     if left:  # step 3: slots of short sequences only, as few as memory allows
-        found = [short_slots(pctx, left, mode, widen=False)]
-        if left[0].duration > balanced_slots(pctx, left, base)[1]:
-            found.append(short_slots(pctx, left, mode, widen=True))
-        slots += min(found, key=lambda new: sum(slot.duration for slot in new))
+        # fewer items longer than the balanced duration than ranks: the others would idle
+        duration = balanced_slots(pctx, left, base)[1]
+        slots += short_slots(pctx, left, mode,
+                             widen=sum(x.duration > duration for x in left) < world)
     drafts: list[Draft] = []
     for slot in (s for s in slots if any(t.seqs for t in s.tasks)):  # empty slots dropped
         k = drafts[-1].slot + 1 if drafts else 0
@@ -387,4 +388,8 @@ def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bo
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
                 f"{',extend' if extend_slots else ''}{f',g={grain}' if grain else ''})")
         found[k] = (makespan, name, drafts)
+    # the shortest pass's tasks on narrower groups where that shortens them (never longer)
+    best = min(sorted(found), key=lambda k: found[k][0])
+    drafts = narrowed(pctx, found[best][2], kept[best][2])
+    found[best] = (retime_slots(drafts, pctx.cm), found[best][1], drafts)
     return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it

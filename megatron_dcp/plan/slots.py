@@ -9,6 +9,7 @@ task's ``padded_tokens`` are its tokens after padding at its degree (what memory
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
@@ -120,6 +121,8 @@ class Slot:
         self.occupancy = Occupancy(vocab)
         self.tasks: list[SlotTask] = []
         self.by_size: dict[int, list[SlotTask]] = {}
+        self.sizes: list[int] = []
+        """The keys of ``by_size``, ascending."""
         self._emptiest: dict[int, SlotTask] = {}
         self._memory = [0, 1 << 62]
         """Most tokens per rank known to fit at the slot's recomputed layers, fewest known not
@@ -129,7 +132,10 @@ class Slot:
         """A new, empty task on ranks ``[start_rank, start_rank + degree)``."""
         task = SlotTask(self, start_rank, degree)
         self.tasks.append(task)
-        self.by_size.setdefault(degree, []).append(task)
+        if degree not in self.by_size:
+            self.by_size[degree] = []
+            bisect.insort(self.sizes, degree)
+        self.by_size[degree].append(task)
         self.occupancy.take(start_rank, degree)
         self.grew(task)
         return task
@@ -144,9 +150,8 @@ class Slot:
     def emptiest_wider(self, degree: int) -> Iterator[tuple[int, SlotTask]]:
         """(size, `emptiest` task) of every size of the slot's tasks above ``degree``, smallest
         first."""
-        for size in sorted(self.by_size):
-            if size > degree:
-                yield size, self.emptiest(size)
+        for size in self.sizes[bisect.bisect_right(self.sizes, degree):]:
+            yield size, self.emptiest(size)
 
     def grew(self, task: SlotTask) -> None:
         """Keep `emptiest` right after ``task`` opened or got an item (durations only grow: the
