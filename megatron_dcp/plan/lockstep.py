@@ -83,13 +83,13 @@ def join(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
 
 def _pack(pctx: PlanContext, slot: Slot, task: SlotTask, item: Item, mode: str) -> bool:
     """Pack ``item`` into ``task`` if it finishes within the slot's duration."""
-    d = task.degree
+    d, spare, overhead = task.degree, slot.duration - task.duration, \
+        pctx.cm.time_model.task_overhead
     # packing adds at least the item's time less the fixed per-task cost (checked before the
-    # task with the item is timed)
+    # task with the item is timed), on a wider task its work spread over the task's ranks
     if slot.too_big(task.padded_tokens + item.padded(pctx, d), d) or \
-            slot.duration - task.duration < pctx.seq_time(item.tokens, item.pairs, d,
-                                                          slot.recompute_layers) - \
-            pctx.cm.time_model.task_overhead:
+            spare < item.duration * item.degree / d - overhead or \
+            spare < pctx.seq_time(item.tokens, item.pairs, d, slot.recompute_layers) - overhead:
         return False
     fit = task.with_item(pctx, item, mode, slot.duration)
     if fit is None:
@@ -389,7 +389,8 @@ def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bo
                 f"{',extend' if extend_slots else ''}{f',g={grain}' if grain else ''})")
         found[k] = (makespan, name, drafts)
     # the shortest pass's tasks on narrower groups where that shortens them (never longer)
-    best = min(sorted(found), key=lambda k: found[k][0])
-    drafts = narrowed(pctx, found[best][2], kept[best][2])
-    found[best] = (retime_slots(drafts, pctx.cm), found[best][1], drafts)
+    if found:
+        best = min(sorted(found), key=lambda k: found[k][0])
+        drafts = narrowed(pctx, found[best][2], kept[best][2])
+        found[best] = (retime_slots(drafts, pctx.cm), found[best][1], drafts)
     return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it
