@@ -186,28 +186,34 @@ def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware
                 assert (got.degree, got.recompute_layers) == (first or (1, 0))
 
 
-@pytest.mark.parametrize("world,dist", [(1024, "balanced"), (256, "short"), (64, "long")])
-def test_slot_index_names_every_slot_that_accepts_an_item(world, dist, monkeypatch):
+@pytest.mark.parametrize("world,dist,moe", [(1024, "balanced", False), (256, "short", False),
+                                            (64, "long", False), (64, "long", True)])
+def test_slot_index_names_every_slot_that_accepts_an_item(world, dist, moe, monkeypatch):
     # SlotIndex.candidates's contract: at least every slot where `join` would take the item
-    # (checked on a copy of the pass's state before each join: the plain scan over all slots)
+    # (checked on a copy of the pass's state before each join: the plain scan over all slots);
+    # the MoE case packs node-floor items into two-node tasks (a wider group's idle time)
     import copy
 
     from megatron_dcp.plan import lockstep
 
     lengths = sample_lengths(dist, 65536 * world, seed=1)
-    cfg, kw = DCPConfig(hardware="h200"), dict(world_size=world, model=LLAMA, zero_stage=2)
+    model = replace(load_model("qwen3-30b-a3b"), expert_parallel=8) if moe else LLAMA
+    cfg = DCPConfig(hardware="h200", ranks_per_node=8)
+    kw = dict(world_size=world, model=model, zero_stage=2)
     seen = {"items": 0, "skipped": 0}
     first = lockstep.join_first
 
     def checked(pctx, index, item, mode):
         if seen["items"] < 300:
             seen["items"] += 1
-            named = set(index.candidates(item.degree, -float("inf"), 0))
+            named = set(index.candidates(item.degree, -float("inf"), 0, 0, 0.0, 0))
             least = min((pctx.seq_time(item.tokens, item.pairs, item.degree, c)
                          for c in index.layers if c >= item.recompute_layers), default=None)
             if least is not None:
-                named = set(index.candidates(item.degree, least - pctx.cm.time_model.task_overhead,
-                                             item.padded(pctx, item.degree)))
+                named = set(index.candidates(
+                    item.degree, least - pctx.cm.time_model.task_overhead,
+                    item.padded(pctx, item.degree), item.tokens, item.pairs,
+                    item.recompute_layers))
             for k, slot in enumerate(index.slots):
                 if k not in named and slot.recompute_layers >= item.recompute_layers:
                     seen["skipped"] += 1
@@ -270,3 +276,27 @@ def test_pruned_passes_could_not_have_won(world, dist):
     assert all(least <= c[0] for c in every if "recompute=full" in c[1])
     assert min(every, key=lambda c: c[0])[1] == min(pruned, key=lambda c: c[0])[1]
     assert {c[1] for c in pruned} <= {c[1] for c in every}
+
+
+def test_narrowed_splits_packed_tasks_over_halves_where_that_shortens_them():
+    from megatron_dcp.plan.lockstep_narrow import narrowed
+    from megatron_dcp.plan.planners import _context
+
+    model = replace(load_model("qwen3-30b-a3b"), expert_parallel=8)
+    cfg = DCPConfig(hardware="h200", ranks_per_node=8, policy="dcp")
+    lengths = [2000] * 24 + [83000, 3000]
+    pctx = _context(lengths, 64, model, cfg, None, 1, None, None, None, None)[0]
+    packed = pctx.draft(0, 8, list(range(24)), 0)
+    # 83,000 tokens fit no half of a node without recompute: that task stays whole
+    whole = pctx.draft(8, 8, [24, 25], 0)
+    for d in (packed, whole):
+        d.slot = 0
+    out = narrowed(pctx, [packed, whole], "auto")
+    split = [d for d in out if d.start_rank < 8]
+    assert len(split) > 1 and max(d.duration for d in split) < packed.duration
+    assert sorted(s for d in split for s in d.seqs) == list(range(24))
+    ranks = sorted(r for d in split for r in range(d.start_rank, d.start_rank + d.degree))
+    assert len(ranks) == len(set(ranks)) and set(ranks) <= set(range(8))
+    assert all(tuple(range(d.start_rank, d.start_rank + d.degree)) in pctx.vocab for d in split)
+    assert [(d.start_rank, d.degree, d.seqs) for d in out if d.start_rank >= 8] == \
+        [(8, 8, [24, 25])]

@@ -13,15 +13,18 @@ inside a slot: groups of any size side by side, short sequences packed to the sl
 1. *Wide or deep items* (`megatron_dcp.plan.lockstep_items`: a sequence whose degree is above 1
    or that needs more recompute than the short ones; in a floor pass, short ones of a degree
    packed into groups, which join as one): each slot is opened by the longest one left (its
-   duration and recomputed layers are the slot's); later ones join the first slot where a free
-   group of their degree (or a wider one, while work grows less than `MAX_WORK_GROWTH`)
-   finishes within the slot at its recomputed layers, or pack into the task of their degree
-   there with the most time left (with ``extend``: else lengthen the slot where that costs
-   least, if less than a slot of their own).
+   duration and recomputed layers are the slot's); later ones join the first slot where they
+   finish within the slot at its recomputed layers: packed into the task of their degree with
+   the most time left, on a free group of their degree (or a wider one, while work grows less
+   than `MAX_WORK_GROWTH`), or packed into a wider group's task, whose ranks would idle after
+   it (with ``extend``: else lengthen the slot where that costs least, if less than a slot of
+   their own).
 2. *Short items* (one rank, the base recomputed layers) fill the ranks those slots leave free,
    worst-fit decreasing (each to the task of a slot with the most time left).
 3. The short items left over get slots of their own: as few as memory (and ``pack_tokens``)
-   allow, every rank's task balanced to the same duration.
+   allow, every rank's task balanced to the same duration; where fewer items than ranks are
+   longer than that (each would set its slot's duration while the other ranks idle), those may
+   run on more ranks instead (`short_slots`).
 
 `lockstep_candidates` runs the passes of `LOCKSTEP_PASSES`; `to_slots` turns any free schedule
 (the baselines') into a lockstep one in its own order.
@@ -38,6 +41,7 @@ from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice
                                        passes_for, raised, work_floor)
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 from megatron_dcp.plan.lockstep_items import Item, lockstep_items
+from megatron_dcp.plan.lockstep_narrow import narrowed
 from megatron_dcp.plan.slots import Fit, Slot, SlotIndex, SlotTask
 
 MEMORY_SLACK = 0.9
@@ -64,24 +68,40 @@ FILL_TRIES = 4
 
 def join(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
     """Put a wide or deep item into ``slot`` if it finishes within the slot's duration at the
-    slot's recomputed layers: packed into the task of its degree with the most time left, or
-    on the first free group of its degree (or a wider one, while its work grows less than
-    `MAX_WORK_GROWTH`)."""
-    size, layers = item.degree, slot.recompute_layers
-    task = slot.emptiest(size)
+    slot's recomputed layers: packed into the task of its degree with the most time left, on
+    the first free group of its degree (or a wider one, while its work grows less than
+    `MAX_WORK_GROWTH`), or packed into the emptiest task of a wider size (smallest first: time
+    its ranks would idle)."""
+    own = slot.emptiest(item.degree)
+    if own is not None and _pack(pctx, slot, own, item, mode):
+        return True
+    if slot.occupancy.free and _open(pctx, slot, item, mode):
+        return True
+    return any(_pack(pctx, slot, task, item, mode) for _, task in
+               slot.emptiest_wider(item.degree))
+
+
+def _pack(pctx: PlanContext, slot: Slot, task: SlotTask, item: Item, mode: str) -> bool:
+    """Pack ``item`` into ``task`` if it finishes within the slot's duration."""
+    d, spare, overhead = task.degree, slot.duration - task.duration, \
+        pctx.cm.time_model.task_overhead
     # packing adds at least the item's time less the fixed per-task cost (checked before the
-    # task with the item is timed)
-    if task is not None and not slot.too_big(task.padded_tokens + item.padded(pctx, size), size) \
-            and slot.duration - task.duration >= pctx.seq_time(item.tokens, item.pairs, size,
-                                                               layers) - \
-            pctx.cm.time_model.task_overhead:
-        fit = task.with_item(pctx, item, mode, slot.duration)
-        if fit is not None:
-            task.add(item, fit)
-            return True
-    if not slot.occupancy.free:
+    # task with the item is timed), on a wider task its work spread over the task's ranks
+    if slot.too_big(task.padded_tokens + item.padded(pctx, d), d) or \
+            spare < item.duration * item.degree / d - overhead or \
+            spare < pctx.seq_time(item.tokens, item.pairs, d, slot.recompute_layers) - overhead:
         return False
-    work = None
+    fit = task.with_item(pctx, item, mode, slot.duration)
+    if fit is None:
+        return False
+    task.add(item, fit)
+    return True
+
+
+def _open(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
+    """Start a task of ``item`` on the first free group of its degree (or a wider one, while
+    its work grows less than `MAX_WORK_GROWTH`) where it finishes within the slot's duration."""
+    layers, work = slot.recompute_layers, None
     for d, c in item.options(pctx, mode):
         if c > layers:
             continue
@@ -113,7 +133,8 @@ def join_first(pctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bo
     if not deep:
         return False
     least = min(pctx.seq_time(item.tokens, item.pairs, size, c) for c in deep) - overhead
-    for k in index.candidates(size, least, item.padded(pctx, size)):
+    for k in index.candidates(size, least, item.padded(pctx, size), item.tokens, item.pairs,
+                              item.recompute_layers):
         slot = index.slots[k]
         if slot.recompute_layers >= item.recompute_layers and join(pctx, slot, item, mode):
             index.changed(k)
@@ -202,17 +223,11 @@ def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode:
         tasks = [t for slot in slots for t in slot.tasks]
         tasks += [slot.open_task(r, 1) for slot in slots for r in slot.occupancy.free_ranks()]
         left = fill(pctx, tasks, short, mode, limit=True)
-    while left:  # step 3: slots of short sequences only, as few as memory allows
-        cap = min(pctx.pack_tokens or math.inf, cm.memory_model.max_tokens(1, base)) * MEMORY_SLACK
-        count = max(1, math.ceil(sum(x.tokens for x in left) / (world * cap)))
-        work = sum(x.duration for x in left)
-        duration = cm.time_model.slot_duration(base, max(left[0].duration, work / (world * count)))
-        new = []
-        for _ in range(count):
-            slot = Slot(vocab, base, duration)
-            slots.append(slot)
-            new += [slot.open_task(r, 1) for r in range(world)]
-        left = fill(pctx, new, fill(pctx, new, left, mode, limit=True), mode, limit=False)
+    if left:  # step 3: slots of short sequences only, as few as memory allows
+        # fewer items longer than the balanced duration than ranks: the others would idle
+        duration = balanced_slots(pctx, left, base)[1]
+        slots += short_slots(pctx, left, mode,
+                             widen=sum(x.duration > duration for x in left) < world)
     drafts: list[Draft] = []
     for slot in (s for s in slots if any(t.seqs for t in s.tasks)):  # empty slots dropped
         k = drafts[-1].slot + 1 if drafts else 0
@@ -223,6 +238,65 @@ def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode:
                                     slot=k))
     retime_slots(drafts, cm)
     return drafts
+
+
+def balanced_slots(pctx: PlanContext, items: list[Item], base: int) -> tuple[int, float]:
+    """How many slots the short ``items`` need (memory, `MEMORY_SLACK` and ``pack_tokens``) and
+    the duration at which each rank of them has the same work."""
+    cm, world = pctx.cm, pctx.world
+    cap = min(pctx.pack_tokens or math.inf, cm.memory_model.max_tokens(1, base)) * MEMORY_SLACK
+    count = max(1, math.ceil(sum(x.tokens for x in items) / (world * cap)))
+    return count, cm.time_model.slot_duration(base, sum(x.duration for x in items) /
+                                              (world * count))
+
+
+def short_slots(pctx: PlanContext, items: list[Item], mode: str, widen: bool) -> list[Slot]:
+    """Step 3 of `lockstep_pass`: new slots for the short ``items`` (longest first), as few as
+    memory (and ``pack_tokens``) allow, every rank's task balanced to the same duration.
+    ``widen``: an item longer than that duration, which would set its slot's, runs on more
+    ranks where that saves time (`widened`); without any, the same as without ``widen``."""
+    cm, world, vocab = pctx.cm, pctx.world, pctx.vocab
+    base = cm.model.num_layers if mode == "full" else 0
+    slots: list[Slot] = []
+    left = items
+    while left:
+        count, duration = balanced_slots(pctx, left, base)
+        if not widen:
+            duration = max(duration, cm.time_model.slot_duration(base, left[0].duration))
+        new_slots = [Slot(vocab, base, duration) for _ in range(count)]
+        for item in (widened(pctx, x, mode, duration, base) for x in left
+                     if x.duration > duration):
+            slot = next((s for s in new_slots if s.occupancy.first_free(item.degree) is not None),
+                        None)
+            if slot is None:
+                slot = Slot(vocab, base, duration)
+                new_slots.append(slot)
+            _start_task(pctx, slot, item, slot.occupancy.first_free(item.degree), item.degree)
+            slot.duration = max(slot.duration, item.duration)
+        left = [x for x in left if x.duration <= duration]
+        slots += new_slots
+        new = [t for slot in new_slots for t in slot.tasks]
+        new += [slot.open_task(r, 1) for slot in new_slots for r in slot.occupancy.free_ranks()]
+        left = fill(pctx, new, fill(pctx, new, left, mode, limit=True), mode, limit=False)
+    return slots
+
+
+def widened(pctx: PlanContext, item: Item, mode: str, limit: float, base: int) -> Item:
+    """``item`` (one sequence, longer than ``limit``: a slot of ``limit`` seconds would last
+    its duration) on more ranks at ``base`` recomputed layers where that saves the most
+    rank-seconds: the other ranks' idle time past ``limit`` it cuts, less the work it adds (not
+    past `MAX_WORK_GROWTH`); itself where no degree saves any."""
+    best, gain, t0 = item, 0.0, item.duration
+    for d, c in item.options(pctx, mode):
+        if d <= item.degree or c > base:
+            continue
+        t = pctx.seq_time(item.tokens, item.pairs, d, base)
+        if d * t > MAX_WORK_GROWTH * item.degree * t0:
+            break
+        saved = (t0 - max(t, limit)) * (pctx.world - d) - (d * t - item.degree * t0)
+        if saved > gain:
+            best, gain = Item(item.seqs, item.tokens, item.pairs, d, c, t), saved
+    return best
 
 
 def to_slots(pctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
@@ -314,4 +388,9 @@ def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bo
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
                 f"{',extend' if extend_slots else ''}{f',g={grain}' if grain else ''})")
         found[k] = (makespan, name, drafts)
+    # the shortest pass's tasks on narrower groups where that shortens them (never longer)
+    if found:
+        best = min(sorted(found), key=lambda k: found[k][0])
+        drafts = narrowed(pctx, found[best][2], kept[best][2])
+        found[best] = (retime_slots(drafts, pctx.cm), found[best][1], drafts)
     return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it

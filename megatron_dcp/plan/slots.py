@@ -9,10 +9,12 @@ task's ``padded_tokens`` are its tokens after padding at its degree (what memory
 
 from __future__ import annotations
 
+import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
+from megatron_dcp.plan.choices import WorkFloor, work_floor
 from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import PlanContext, ceil_div
 from megatron_dcp.plan.lockstep_items import Item
@@ -119,6 +121,8 @@ class Slot:
         self.occupancy = Occupancy(vocab)
         self.tasks: list[SlotTask] = []
         self.by_size: dict[int, list[SlotTask]] = {}
+        self.sizes: list[int] = []
+        """The keys of ``by_size``, ascending."""
         self._emptiest: dict[int, SlotTask] = {}
         self._memory = [0, 1 << 62]
         """Most tokens per rank known to fit at the slot's recomputed layers, fewest known not
@@ -128,7 +132,10 @@ class Slot:
         """A new, empty task on ranks ``[start_rank, start_rank + degree)``."""
         task = SlotTask(self, start_rank, degree)
         self.tasks.append(task)
-        self.by_size.setdefault(degree, []).append(task)
+        if degree not in self.by_size:
+            self.by_size[degree] = []
+            bisect.insort(self.sizes, degree)
+        self.by_size[degree].append(task)
         self.occupancy.take(start_rank, degree)
         self.grew(task)
         return task
@@ -139,6 +146,12 @@ class Slot:
         if found is None and degree in self.by_size:
             found = self._emptiest[degree] = min(self.by_size[degree], key=_duration)
         return found
+
+    def emptiest_wider(self, degree: int) -> Iterator[tuple[int, SlotTask]]:
+        """(size, `emptiest` task) of every size of the slot's tasks above ``degree``, smallest
+        first."""
+        for size in self.sizes[bisect.bisect_right(self.sizes, degree):]:
+            yield size, self.emptiest(size)
 
     def grew(self, task: SlotTask) -> None:
         """Keep `emptiest` right after ``task`` opened or got an item (durations only grow: the
@@ -182,8 +195,10 @@ class SlotIndex:
     there (both ``inf`` while the slot has a free group of that size or a wider one: a task may
     open there; else what its emptiest task of that size has left before the slot's duration,
     its memory at the slot's recomputed layers, as far as known, and the pack budget;
-    ``-inf`` without such a task). `candidates` returns at least every slot that accepts the
-    item (tests/test_lockstep.py checks it against the plain scan)."""
+    ``-inf`` without such a task), and the most tokens the emptiest task of a wider size can
+    still take (an item may pack into a wider group's task). `candidates` returns at least
+    every slot that accepts the item (tests/test_lockstep.py checks it against the plain
+    scan)."""
 
     def __init__(self, pctx: PlanContext) -> None:
         self.pctx = pctx
@@ -191,6 +206,7 @@ class SlotIndex:
         self._room: dict[int, list[tuple[float, float]]] = {}
         self.layers: set[int] = set()
         """Recomputed layers of the slots."""
+        self._floors: dict[tuple[int, int, int], Optional[WorkFloor]] = {}
 
     def add(self, slot: Slot) -> None:
         """Append a new slot."""
@@ -205,23 +221,65 @@ class SlotIndex:
         for size, room in self._room.items():
             room[k] = self._room_of(slot, size)
 
-    def candidates(self, size: int, least: float, padded_tokens: int) -> Iterator[int]:
-        """Indices, in order, of the slots where an item of ``size`` ranks that adds at least
-        ``least`` seconds and ``padded_tokens`` tokens to a task may fit: at least every slot
-        that accepts it."""
+    def candidates(self, size: int, least: float, padded_tokens: int, tokens: int,
+                   pairs: float, layers: int) -> Iterator[int]:
+        """Indices, in order, of the slots where an item of ``size`` ranks, ``tokens`` (before
+        padding) and ``pairs`` may fit: one that adds at least ``least`` seconds and
+        ``padded_tokens`` tokens to a task of its size, or its tokens and work (`least_work` at
+        ``layers`` recomputed layers or more) to a wider one; at least every slot that accepts
+        it."""
         room = self._room.get(size)
         if room is None:
             room = self._room[size] = [self._room_of(slot, size) for slot in self.slots]
-        return (k for k, (spare, tokens) in enumerate(room)
-                if spare >= least and tokens >= padded_tokens)
+        work_needed = None
+        for k, (spare, own, work, wider) in enumerate(room):
+            if spare >= least and own >= padded_tokens:
+                yield k
+            elif wider >= tokens:
+                if work_needed is None:
+                    work_needed = self.least_work(tokens, pairs, size, layers)
+                if work >= work_needed:
+                    yield k
 
-    def _room_of(self, slot: Slot, size: int) -> tuple[float, float]:
+    def least_work(self, tokens: int, pairs: float, size: int, layers: int) -> float:
+        """A lower bound of the work (ranks x seconds) an item of ``tokens`` and ``pairs`` adds
+        to a task of ``size`` ranks or more at ``layers`` recomputed layers or more (of the
+        slots'): the `WorkFloor` of every such option, less each rank's fixed per-task cost,
+        each part the least."""
+        key = (size, layers, len(self.layers))  # slots only add recomputed-layer counts
+        floor = self._floors.get(key)
+        if floor is None:
+            overhead, floor = self.pctx.cm.time_model.task_overhead, None
+            for d in self.pctx.vocab.sizes:
+                for c in self.layers:
+                    if d >= size and c >= layers:
+                        f = work_floor(self.pctx, d, c)
+                        f = replace(f, fixed=f.fixed - d * overhead)
+                        floor = f if floor is None else floor.least(f)
+            self._floors[key] = floor
+        if floor is None:
+            return math.inf
+        # `of`'s rounding factor applies to the subtracted cost too: at most this much more
+        return floor.of(tokens, pairs) - 1e-9 * self.pctx.world * \
+            self.pctx.cm.time_model.task_overhead
+
+    def _room_of(self, slot: Slot, size: int) -> tuple[float, float, float, float]:
+        """(seconds and padded tokens the emptiest task of ``size`` ranks has left, most work
+        and tokens that of a wider size has left) in ``slot``."""
         if slot.occupancy.free and slot.occupancy.widest_free() >= size:
-            return math.inf, math.inf
+            return math.inf, math.inf, math.inf, math.inf
+        work = tokens = -math.inf
+        for d, task in slot.emptiest_wider(size):
+            work = max(work, d * (slot.duration - task.duration))
+            tokens = max(tokens, self._tokens_left(slot, task))
         task = slot.emptiest(size)
         if task is None:
-            return -math.inf, -math.inf
-        tokens = slot.most_local_tokens() * size
+            return -math.inf, -math.inf, work, tokens
+        return slot.duration - task.duration, self._tokens_left(slot, task), work, tokens
+
+    def _tokens_left(self, slot: Slot, task: SlotTask) -> float:
+        """An upper bound of the padded tokens ``task`` can still take."""
+        tokens = slot.most_local_tokens() * task.degree
         if task.seqs and self.pctx.pack_tokens:
             tokens = min(tokens, self.pctx.pack_tokens)
-        return slot.duration - task.duration, tokens - task.padded_tokens
+        return tokens - task.padded_tokens
