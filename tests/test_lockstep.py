@@ -279,7 +279,7 @@ def test_pruned_passes_could_not_have_won(world, dist):
 
 
 def test_narrowed_splits_packed_tasks_over_halves_where_that_shortens_them():
-    from megatron_dcp.plan.lockstep_narrow import narrowed
+    from megatron_dcp.plan.lockstep_regroup import narrowed
     from megatron_dcp.plan.planners import _context
 
     model = replace(load_model("qwen3-30b-a3b"), expert_parallel=8)
@@ -300,3 +300,35 @@ def test_narrowed_splits_packed_tasks_over_halves_where_that_shortens_them():
     assert all(tuple(range(d.start_rank, d.start_rank + d.degree)) in pctx.vocab for d in split)
     assert [(d.start_rank, d.degree, d.seqs) for d in out if d.start_rank >= 8] == \
         [(8, 8, [24, 25])]
+
+
+def test_merged_spreads_a_slots_longest_task_over_the_ranks_beside_it():
+    from megatron_dcp.plan.lockstep_regroup import merged
+    from megatron_dcp.plan.planners import _context
+
+    model = replace(load_model("qwen3-30b-a3b"), expert_parallel=8)
+    cfg = DCPConfig(hardware="h200", ranks_per_node=8, policy="dcp")
+    lengths = [83000] + [2000] * 40 + [64000, 60000]
+    pctx = _context(lengths, 64, model, cfg, None, 1, None, None, None, None)[0]
+    # slot 0: one long sequence alone on a node, memory-full short ones on the next node (they
+    # end early), the rest of the ranks free; slot 1: two equal full tasks (nothing to gain)
+    slot0 = [pctx.draft(0, 8, [0], 0), pctx.draft(8, 8, list(range(1, 41)), 0)]
+    slot1 = [pctx.draft(0, 8, [41], 0), pctx.draft(8, 8, [42], 0)]
+    for k, slot in enumerate((slot0, slot1)):
+        for d in slot:
+            d.slot = k
+    assert slot0[1].duration < slot0[0].duration
+    out = merged(pctx, slot0 + slot1, "auto")
+    for k, before in enumerate((slot0, slot1)):
+        after = [d for d in out if d.slot == k]
+        assert sorted(s for d in after for s in d.seqs) == sorted(s for d in before for s in d.seqs)
+        ranks = [r for d in after for r in range(d.start_rank, d.start_rank + d.degree)]
+        assert len(ranks) == len(set(ranks))
+        for d in after:
+            assert tuple(range(d.start_rank, d.start_rank + d.degree)) in pctx.vocab
+            assert pctx.recompute_for(pctx.padded_tokens(d.seqs, d.degree), d.degree,
+                                      "auto") == 0
+        assert max(d.duration for d in after) <= max(d.duration for d in before)
+    # slot 0 got shorter: the long sequence shares a wider group with the short ones
+    assert max(d.duration for d in out if d.slot == 0) < slot0[0].duration
+    assert any(0 in d.seqs and d.degree > 8 for d in out)

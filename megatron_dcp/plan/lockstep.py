@@ -26,8 +26,10 @@ inside a slot: groups of any size side by side, short sequences packed to the sl
    longer than that (each would set its slot's duration while the other ranks idle), those may
    run on more ranks instead (`short_slots`).
 
-`lockstep_candidates` runs the passes of `LOCKSTEP_PASSES`; `to_slots` turns any free schedule
-(the baselines') into a lockstep one in its own order.
+`lockstep_candidates` runs the passes of `LOCKSTEP_PASSES` and regroups the shortest one's slots
+(`megatron_dcp.plan.lockstep_regroup`: tasks split over narrower groups where that shortens them,
+each slot's longest task merged with the tasks beside it where that shortens the slot);
+`to_slots` turns any free schedule (the baselines') into a lockstep one in its own order.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice
                                        passes_for, raised, work_floor)
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
 from megatron_dcp.plan.lockstep_items import Item, lockstep_items
-from megatron_dcp.plan.lockstep_narrow import narrowed
+from megatron_dcp.plan.lockstep_regroup import merged, narrowed
 from megatron_dcp.plan.slots import Fit, Slot, SlotIndex, SlotTask
 
 MEMORY_SLACK = 0.9
@@ -388,9 +390,11 @@ def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bo
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
                 f"{',extend' if extend_slots else ''}{f',g={grain}' if grain else ''})")
         found[k] = (makespan, name, drafts)
-    # the shortest pass's tasks on narrower groups where that shortens them (never longer)
+    # the shortest pass's tasks on narrower groups where that shortens them, then each slot's
+    # longest task on a wider group where that shortens the slot (never longer)
     if found:
         best = min(sorted(found), key=lambda k: found[k][0])
-        drafts = narrowed(pctx, found[best][2], kept[best][2])
+        mode_of_best = kept[best][2]
+        drafts = merged(pctx, narrowed(pctx, found[best][2], mode_of_best), mode_of_best)
         found[best] = (retime_slots(drafts, pctx.cm), found[best][1], drafts)
     return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it
