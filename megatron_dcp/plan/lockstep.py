@@ -390,11 +390,13 @@ def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bo
         name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
                 f"{',extend' if extend_slots else ''}{f',g={grain}' if grain else ''})")
         found[k] = (makespan, name, drafts)
-    # the shortest pass's tasks on narrower groups where that shortens them, then each slot's
-    # longest task on a wider group where that shortens the slot (never longer)
+    # the shortest pass's tasks on narrower groups where that shortens them, each slot's longest
+    # task on a wider group where that shortens the slot, and a merged task split again where
+    # its halves are shorter (never longer)
     if found:
         best = min(sorted(found), key=lambda k: found[k][0])
-        mode_of_best = kept[best][2]
-        drafts = merged(pctx, narrowed(pctx, found[best][2], mode_of_best), mode_of_best)
+        recompute = kept[best][2]
+        drafts = narrowed(pctx, merged(pctx, narrowed(pctx, found[best][2], recompute),
+                                       recompute), recompute)
         found[best] = (retime_slots(drafts, pctx.cm), found[best][1], drafts)
     return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it
