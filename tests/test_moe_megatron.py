@@ -1,10 +1,11 @@
 """Megatron-core mixture of experts under --dcp (examples/pretrain_megatron.py, torchrun on gloo):
-DP 4 x EP 2 (4 ranks), 4 experts top-2 with a shared expert, the alltoall dispatcher, the
-sequence-level load-balancing loss and the z-loss: --dcp gives the loss of plain Megatron per
-iteration over 5 iterations whose plans split sequences over two ranks, recompute layers and
-leave lockstep slots empty; also with every backward on a fresh thread (as CUDA's autograd
-engine runs it); a router whose balancing loss sees only its shard of a split sequence differs
-(the comparison can fail). MoE settings that depend on the plan fail at start, by flag name.
+DP 4 x EP 2 and TP 2 x EP 2 (4 ranks), 4 experts top-2 with a shared expert, the alltoall
+dispatcher, the sequence-level load-balancing loss and the z-loss: --dcp gives the loss of plain
+Megatron per iteration over 4-5 iterations whose plans split sequences over two ranks, recompute
+layers and leave lockstep slots empty; also with every backward on a fresh thread (as CUDA's
+autograd engine runs it); a router whose balancing loss sees only its shard of a split sequence
+differs (the comparison can fail). MoE settings that depend on the plan fail at start, by flag
+name.
 
 Run as a script (torchrun), this file runs the example with a patch: ``thread`` (every backward
 on a fresh thread) or ``shard-local`` (the router's expert counts not summed over the ranks of a
@@ -38,29 +39,29 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _budget_gb(tokens: int, ranks: int) -> float:
-    """Memory per rank (GiB) of a degree-1 task of ``tokens`` tokens, in the cost model the run
-    plans with (the vocabulary of the embedded corpus's lengths): longer sequences need two ranks
-    or recompute."""
+def _budget_gb(tokens: int, ranks: int, extra: tuple[str, ...] = ()) -> float:
+    """Memory per rank (GiB) of a degree-1 task of ``tokens`` tokens, in the cost model a run of
+    ``ranks`` processes with the flags ``extra`` plans with (the vocabulary of the embedded
+    corpus's lengths): longer sequences need two ranks or recompute."""
     sys.path.insert(0, str(EXAMPLE.parent))
     import pretrain_megatron as pm
     from megatron_dcp.data import GlobalBatchSampler, open_dataset
-    from megatron_dcp.megatron.args import validate_dcp_args
+    from megatron_dcp.megatron.args import dcp_world_size, validate_dcp_args
     from megatron_dcp.plan import build_cost_model
     from megatron_dcp.plan.planners import vocabulary_for_lengths
 
-    args = pm.parse_args(MODEL + DCP)
+    args = pm.parse_args(MODEL + list(extra) + DCP)
     config = validate_dcp_args(args, world_size=ranks)
-    shape = pm.model_shape(args)
-    budget = build_cost_model(shape, config, ranks, "h200", 0).memory_model.memory_of(
+    shape, world = pm.model_shape(args), dcp_world_size(args, ranks)
+    budget = build_cost_model(shape, config, world, "h200", 0).memory_model.memory_of(
         tokens, 1, 0) / 2**30
     config = config.replace(memory_budget_gb=budget)
     dataset = open_dataset(None, pm.padded_vocab_size(args))
     lengths = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length).distinct_lengths()
-    vocabulary = vocabulary_for_lengths(build_cost_model(shape, config, ranks, "h200", 0),
+    vocabulary = vocabulary_for_lengths(build_cost_model(shape, config, world, "h200", 0),
                                         lengths, config.max_degree, recompute=config.recompute)
-    check = build_cost_model(shape, config, ranks, "h200", 0, vocabulary=vocabulary)
+    check = build_cost_model(shape, config, world, "h200", 0, vocabulary=vocabulary)
     assert abs(check.memory_model.memory_of(tokens, 1, 0) / 2**30 - budget) < 1e-6
     return budget
 
@@ -101,6 +102,26 @@ def test_dcp_moe_ep2_equals_plain_megatron(tmp_path):
     # the comparison can fail: balancing over a shard instead of the whole sequence
     local = _train(tmp_path, "local", DCP + budget, mode="shard-local")
     assert max(_rel(local, plain)) > 1e-5, (local, plain)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dcp_moe_tp2_ep2_equals_plain_megatron(tmp_path):
+    # TP 2 x EP 2 (DP 2: the DCP world) with --sequence-parallel (Megatron requires it for MoE
+    # with TP): the experts are split over TP too (expert TP = TP), so the alltoall dispatcher
+    # gathers routed tokens over TP x EP with a count per rank (on CPU through the uneven
+    # gather of `megatron_dcp.megatron.cpu`, in both modes alike)
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    budget = ["--dcp-memory-budget-gb", f"{_budget_gb(200, 4, tuple(tp)):.6f}"]
+    plain = _train(tmp_path, "plain", tp, iters=4)
+    dcp = _train(tmp_path, "dcp", tp + DCP + budget, iters=4)
+    plans = [r["plan"] for r in dcp]
+    assert all("slots" in p for p in plans), plans  # lockstep under EP
+    assert any("2" in p["degrees"] for p in plans), plans  # split over both DCP ranks
+    assert [r["tokens"] for r in dcp] == [r["tokens"] for r in plain]
+    assert max(_rel(dcp, plain)) <= 1e-5, (dcp, plain)
+    fresh = _train(tmp_path, "thread", tp + DCP + budget, mode="thread", iters=4)
+    assert max(_rel(fresh, plain)) <= 1e-5, (fresh, plain)
 
 
 PLAN_DEPENDENT = [

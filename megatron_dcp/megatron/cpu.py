@@ -16,6 +16,11 @@ exit. What and why:
   index selection on the CPU (only reached with Megatron's own cp > 1).
 * ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (tensor_parallel/random.py, used by activation
   recompute and the RNG tracker): on CPU the device generator is the CPU generator.
+* ``_gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` (tensor_parallel/mappings.py)
+  with split sizes: the MoE dispatchers gather routed tokens over the expert tensor-parallel
+  group (TP x EP) with a different count per rank, which gloo's all-gather and reduce-scatter
+  refuse; here each rank's block is padded to the largest, exchanged, and cut back (the same
+  values, only the transport differs). Equal splits go to Megatron's own function.
 * RNG tracker: `seed_rng` seeds Megatron's tracker the CPU-safe way (inference tracker, reset).
 * ``get_megatron_optimizer`` (optimizer/__init__.py): Megatron's optimizers (the distributed one
   of ``--use-distributed-optimizer`` included) allocate flags and norms with ``device='cuda'``,
@@ -166,6 +171,41 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
     torch.set_rng_state(new_state)
 
 
+def _gather_uneven(gather: Callable) -> Callable:
+    """Megatron's ``_gather_along_first_dim`` that also takes uneven ``output_split_sizes`` on
+    gloo (module doc)."""
+    @functools.wraps(gather)
+    def run(input_, group, output_split_sizes=None, *args: Any, **kwargs: Any):
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1:
+            return gather(input_, group, output_split_sizes, *args, **kwargs)
+        most = max(output_split_sizes)
+        block = input_.new_zeros((most, *input_.shape[1:]))
+        block[:input_.shape[0]] = input_
+        blocks = [torch.empty_like(block) for _ in output_split_sizes]
+        torch.distributed.all_gather(blocks, block, group=group)
+        return torch.cat([b[:n] for b, n in zip(blocks, output_split_sizes)])
+    return run
+
+
+def _reduce_scatter_uneven(reduce_scatter: Callable) -> Callable:
+    """Megatron's ``_reduce_scatter_along_first_dim`` that also takes uneven
+    ``input_split_sizes`` on gloo (module doc)."""
+    @functools.wraps(reduce_scatter)
+    def run(input_, group, input_split_sizes=None, *args: Any, **kwargs: Any):
+        if input_split_sizes is None or len(set(input_split_sizes)) <= 1:
+            return reduce_scatter(input_, group, input_split_sizes, *args, **kwargs)
+        most = max(input_split_sizes)
+        blocks = []
+        for part in torch.split(input_, input_split_sizes, dim=0):
+            block = part.new_zeros((most, *part.shape[1:]))
+            block[:part.shape[0]] = part
+            blocks.append(block)
+        out = torch.empty_like(blocks[0])
+        torch.distributed.reduce_scatter(out, blocks, group=group)
+        return out[:input_split_sizes[group.rank()]]
+    return run
+
+
 NAME = "megatron-cpu"
 """The CPU patches' name in the registry (`megatron_dcp.patching.applied`)."""
 
@@ -190,6 +230,13 @@ def _install(patches: PatchSet) -> None:
     patches.replace(random, "_set_cuda_rng_state", _set_rng_state, check=callable)
     patches.replace("megatron.core.optimizer", "get_megatron_optimizer",
                     _optimizer_on_cpu(optimizer.get_megatron_optimizer), check=callable)
+    name = "megatron.core.tensor_parallel.mappings"
+    mappings = importlib.import_module(name)
+    patches.replace(name, "_gather_along_first_dim",
+                    _gather_uneven(mappings._gather_along_first_dim), check=callable)
+    patches.replace(name, "_reduce_scatter_along_first_dim",
+                    _reduce_scatter_uneven(mappings._reduce_scatter_along_first_dim),
+                    check=callable)
 
 
 def enable_cpu() -> None:
