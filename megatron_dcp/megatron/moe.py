@@ -23,7 +23,9 @@ What changes with experts, and why (docs/MEGATRON.md, "Mixture of experts"):
     Megatron's per-token mode (aux x tokens of the sequence x its token loss weight / TP), it
     equals plain Megatron with one sequence per micro-batch for every plan.
   - the router z-loss per token (coefficient x logsumexp^2 x the token's loss weight / TP), as
-    Megatron's per-token mode computes it.
+    Megatron's per-token mode computes it. From megatron-core 0.19 on, that mode scales both
+    router losses by the TP size again (the coefficient per token, not / TP); the router follows
+    the installed version (`_losses_divided_by_tp`).
   - ``aux_loss`` (micro-batch level) and ``global_aux_loss`` (a running average over the
     micro-batches a rank has run: order and grouping dependent) are refused at start by name;
     input jitter and forced balancing (random per micro-batch) too.
@@ -39,6 +41,7 @@ What changes with experts, and why (docs/MEGATRON.md, "Mixture of experts"):
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 from typing import Any, Optional
 
 import torch
@@ -207,7 +210,9 @@ class _Tokens:
         self.weights = torch.tensor(weights, dtype=torch.float32, device=device)
         self.groups = [g for g in ((tp_group if sequence_parallel and tp > 1 else None),
                                    task.group) if g is not None]
-        self.tp = tp
+        self.tp_share = 1.0 / tp if _losses_divided_by_tp() else 1.0
+        """The share of a router loss's coefficient each TP rank attaches per token: what plain
+        Megatron's per-token mode gives (`_losses_divided_by_tp`)."""
 
     def token_weights(self) -> torch.Tensor:
         """Loss weight of each row (0 for padding)."""
@@ -227,6 +232,18 @@ class _Tokens:
         for group in self.groups:
             dist.all_reduce(counts, group=group)
         return counts
+
+
+def _losses_divided_by_tp() -> bool:
+    """Whether the installed megatron-core's per-token mode (``--calculate-per-token-loss``)
+    weights the router's z-loss and load-balancing loss by coefficient / TP a token (before
+    0.19: each TP rank scales its loss by its own tokens, and the router weight's gradients are
+    summed over TP) or by the coefficient (0.19 on: scaled by the TP x CP size as well). A
+    version not known (a source checkout) is taken as current."""
+    try:
+        return patching.package_version("megatron-core")[:2] < (0, 19)
+    except importlib.metadata.PackageNotFoundError:  # a Megatron-LM checkout on the path
+        return False
 
 
 class DCPTopKRouter(_router_class()):
@@ -285,7 +302,7 @@ class DCPTopKRouter(_router_class()):
         if coeff is None or not (self.training and torch.is_grad_enabled()):
             return logits
         lse = torch.logsumexp(logits.float(), dim=-1)
-        z_loss = (lse.square() * rows.token_weights()).sum() * (coeff / rows.tp)
+        z_loss = (lse.square() * rows.token_weights()).sum() * (coeff * rows.tp_share)
         return _AttachLoss.apply(logits, z_loss, self._scale(logits.device))
 
     def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
@@ -303,8 +320,8 @@ class DCPTopKRouter(_router_class()):
         counts = rows.whole_sequences(rows.per_sequence(routing_map.to(torch.float32)))
         prob_sums = rows.per_sequence(scores_for_aux_loss.to(torch.float32))
         # Megatron per sequence s of n tokens: coeff E / (k n^2) sum_e P_e f_e, weighted by its
-        # n tokens and their loss weight w (1/T), over TP (each TP rank attaches its part)
-        factor = coeff * experts * rows.weights / (self.topk * rows.lengths * rows.tp)
+        # n tokens and their loss weight w (1/T), each TP rank attaching its share
+        factor = coeff * experts * rows.weights * rows.tp_share / (self.topk * rows.lengths)
         aux = (factor.unsqueeze(-1) * prob_sums * counts).sum()
         return _AttachLoss.apply(probs, aux, self._scale(probs.device))
 
