@@ -41,6 +41,7 @@ What changes with experts, and why (docs/MEGATRON.md, "Mixture of experts"):
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 from typing import Any, Optional
 
@@ -234,6 +235,7 @@ class _Tokens:
         return counts
 
 
+@functools.lru_cache(maxsize=1)
 def _losses_divided_by_tp() -> bool:
     """Whether the installed megatron-core's per-token mode (``--calculate-per-token-loss``)
     weights the router's z-loss and load-balancing loss by coefficient / TP a token (before
