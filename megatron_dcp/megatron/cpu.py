@@ -171,6 +171,13 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device="cuda") -> None:
     torch.set_rng_state(new_state)
 
 
+def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` rows (first dimension)."""
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[:t.shape[0]] = t
+    return out
+
+
 def _gather_uneven(gather: Callable) -> Callable:
     """Megatron's ``_gather_along_first_dim`` that also takes uneven ``output_split_sizes`` on
     gloo (module doc)."""
@@ -178,9 +185,7 @@ def _gather_uneven(gather: Callable) -> Callable:
     def run(input_, group, output_split_sizes=None, *args: Any, **kwargs: Any):
         if output_split_sizes is None or len(set(output_split_sizes)) <= 1:
             return gather(input_, group, output_split_sizes, *args, **kwargs)
-        most = max(output_split_sizes)
-        block = input_.new_zeros((most, *input_.shape[1:]))
-        block[:input_.shape[0]] = input_
+        block = _padded_rows(input_, max(output_split_sizes))
         blocks = [torch.empty_like(block) for _ in output_split_sizes]
         torch.distributed.all_gather(blocks, block, group=group)
         return torch.cat([b[:n] for b, n in zip(blocks, output_split_sizes)])
@@ -195,11 +200,7 @@ def _reduce_scatter_uneven(reduce_scatter: Callable) -> Callable:
         if input_split_sizes is None or len(set(input_split_sizes)) <= 1:
             return reduce_scatter(input_, group, input_split_sizes, *args, **kwargs)
         most = max(input_split_sizes)
-        blocks = []
-        for part in torch.split(input_, input_split_sizes, dim=0):
-            block = part.new_zeros((most, *part.shape[1:]))
-            block[:part.shape[0]] = part
-            blocks.append(block)
+        blocks = [_padded_rows(part, most) for part in torch.split(input_, input_split_sizes)]
         out = torch.empty_like(blocks[0])
         torch.distributed.reduce_scatter(out, blocks, group=group)
         return out[:input_split_sizes[group.rank()]]
