@@ -41,7 +41,7 @@ def test_failed_build_leaves_the_previous_dataset(tmp_path, capsys):
     before = {s: (prefix.parent / (prefix.name + s)).read_bytes() for s in (".bin", ".idx")}
     # a build that fails on line 301 of its input: the 400-document dataset stays as it was
     bad = _jsonl(tmp_path / "b.jsonl", 400, bad_line=301)
-    assert build(["--input", str(bad), "--output-prefix", str(prefix)]) == 1
+    assert build(["--input", str(bad), "--output-prefix", str(prefix), "--overwrite"]) == 1
     assert "b.jsonl:301" in capsys.readouterr().err
     for suffix, data in before.items():
         assert (prefix.parent / (prefix.name + suffix)).read_bytes() == data
@@ -53,6 +53,29 @@ def test_failed_build_leaves_the_previous_dataset(tmp_path, capsys):
                str(tmp_path / "new")])
     assert "missing.jsonl" in capsys.readouterr().err
     assert not list(tmp_path.glob("new*"))
+
+
+def test_build_refuses_to_replace_a_dataset_without_overwrite(tmp_path, capsys):
+    build = _build_tool()
+    prefix = tmp_path / "corpus"
+    assert build(["--input", str(_jsonl(tmp_path / "a.jsonl", 400)),
+                  "--output-prefix", str(prefix)]) == 0
+    before = {s: (tmp_path / ("corpus" + s)).read_bytes() for s in (".bin", ".idx")}
+    small = _jsonl(tmp_path / "b.jsonl", 6)
+    with pytest.raises(SystemExit) as exit_info:
+        build(["--input", str(small), "--output-prefix", str(prefix)])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "already exist" in err and "--overwrite" in err
+    for suffix, data in before.items():
+        assert (tmp_path / ("corpus" + suffix)).read_bytes() == data
+    assert len(IndexedDataset(str(prefix))) == 400
+    assert build(["--input", str(small), "--output-prefix", str(prefix), "--overwrite"]) == 0
+    assert len(IndexedDataset(str(prefix))) == 6
+    # a prefix under a file: named as such, not "File exists"
+    with pytest.raises(SystemExit):
+        build(["--input", str(small), "--output-prefix", str(tmp_path / "a.jsonl" / "x")])
+    assert "a.jsonl' is a file" in capsys.readouterr().err
 
 
 def test_writer_that_raises_writes_nothing(tmp_path):

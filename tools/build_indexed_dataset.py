@@ -29,12 +29,22 @@ def main(argv=None) -> int:
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--json-key", default="text", help="field of each jsonl object holding the text")
     p.add_argument("--no-eod", action="store_true", help="do not append the end-of-document token")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset already at PREFIX.bin/.idx (refused without it)")
     args = p.parse_args(argv)
 
     prefix = args.output_prefix
     if not os.path.basename(prefix) or os.path.isdir(prefix):  # DIR/ would write DIR/.bin
         p.error(f"argument --output-prefix: {prefix!r} names a directory; give a path PREFIX "
                 f"for PREFIX.bin and PREFIX.idx, such as {os.path.join(prefix, 'corpus')}")
+    blocker = _file_above(prefix)
+    if blocker:
+        p.error(f"argument --output-prefix: {blocker!r} is a file, not a directory; give a "
+                f"prefix in a directory")
+    existing = [prefix + s for s in (".bin", ".idx") if os.path.exists(prefix + s)]
+    if existing and not args.overwrite:
+        p.error(f"argument --output-prefix: {' and '.join(existing)} already exist; add "
+                f"--overwrite to replace that dataset, or give another prefix")
     missing = [path for path in args.input or () if not os.path.isfile(path)]
     if missing:
         p.error(f"input file(s) not found: {', '.join(missing)}")
@@ -63,6 +73,14 @@ def main(argv=None) -> int:
     print(f"wrote {args.output_prefix}.bin/.idx: {docs} documents, {tokens} tokens "
           f"in {time.time() - start:.1f}s")
     return 0
+
+
+def _file_above(prefix: str) -> str:
+    """The first existing non-directory among ``prefix``'s parent folders, or ``""``."""
+    folder = os.path.dirname(os.path.abspath(prefix))
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return folder if folder and not os.path.isdir(folder) else ""
 
 
 if __name__ == "__main__":
