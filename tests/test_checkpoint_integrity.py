@@ -256,3 +256,49 @@ def test_megatron_example_checkpoints_load_weights_only(tmp_path):
     assert f"loading {ckpt / 'iter_1'} instead" in done.stderr
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows if r] == [2]  # resumed after iteration 1
+
+
+class _Payload:
+    """Unpickling this creates the file ``marker``: code from the file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_file_the_manifest_does_not_list_is_refused_by_name(tmp_path, capsys):
+    """A crafted shard added to a checkpoint folder after its save (a universal conversion, which
+    reads every shard of the folder, would unpickle it): the checkpoint is refused naming the
+    file, on the DeepSpeed plugin's load at another world size too, and the file never runs."""
+    from megatron_dcp.runtime.checkpoint_dir import CheckpointError
+    from megatron_dcp.runtime.checkpoint_verify import verify_checkpoint
+
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        _save(root, step)
+    marker = tmp_path / "ran"
+    crafted = root / "iter_2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": _Payload(str(marker))}, crafted)
+    with pytest.raises(CheckpointError, match="holds files its dcp_manifest.json does not list: "
+                                              "zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        verify_checkpoint(str(root), "iter_2")
+    # through ``latest``: the newest checkpoint without a stranger is loaded, saying why
+    assert verify_checkpoint(str(root))[0] == "iter_1"
+    assert "does not list" in capsys.readouterr().err
+    pytest.importorskip("deepspeed")
+    from deepspeed_plugin import checkpoint as ds_checkpoint
+
+    class Engine:  # saved at world 1 (ZeRO 1 here), loaded at world 2: a universal conversion
+        world_size, zero_stage, rank = 2, 1, 0
+
+    manifest = json.loads((root / "iter_2" / "dcp_manifest.json").read_text())
+    manifest.update(world_size=1, zero_stage=1)
+    (root / "iter_2" / "dcp_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        ds_checkpoint.load(Engine(), str(root), "iter_2")
+    assert not marker.exists()
+    assert not (root / "iter_2.universal").exists()
+    crafted.unlink()  # the check is what refused it: without the stranger, the manifest passes
+    assert verify_checkpoint(str(root), "iter_2")[0] == "iter_2"

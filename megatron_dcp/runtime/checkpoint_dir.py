@@ -180,7 +180,7 @@ def _write_file(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _listing(root: str) -> dict[str, int]:
+def files_under(root: str) -> dict[str, int]:
     """Every file under ``root`` (relative path -> size in bytes)."""
     files = {}
     for folder, _, names in os.walk(root):
@@ -338,7 +338,7 @@ def _not_saved(save_dir: str, tag: str, failed: dict[int, str]) -> str:
 def _publish(save_dir: str, tag: str, staging_path: str, meta: dict, checksums: dict[str, str],
              move_latest: bool, keep_last: Optional[int]) -> None:
     """Rank 0, after every rank wrote: manifest, rename, ``latest``, pruning."""
-    files = _listing(staging_path)
+    files = files_under(staging_path)
     for name in files:
         _fsync(os.path.join(staging_path, name))
     # a file written without `save_file` (DeepSpeed's copy of zero_to_fp32.py, a converter's

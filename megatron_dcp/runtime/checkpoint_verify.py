@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from megatron_dcp.runtime.checkpoint_dir import (LATEST, MANIFEST, CheckpointError,
                                                  complete_checkpoints, failures, file_checksum,
-                                                 gather, group_rank, group_size,
+                                                 files_under, gather, group_rank, group_size,
                                                  primary_checkpoints, read_latest, read_manifest)
 
 __all__ = ["agree", "split_load_path", "verify_checkpoint"]
@@ -52,8 +52,9 @@ def split_load_path(path: str) -> tuple[str, Optional[str]]:
 
 def _problems(load_dir: str, tag: Optional[str], rank: int,
               world: int) -> tuple[Optional[str], Optional[dict], str, list[str]]:
-    """(tag, manifest, problem, corrupt files) of one rank's view of the checkpoint: presence
-    and size of every file, the checksums of this rank's share of the files."""
+    """(tag, manifest, problem, corrupt files) of one rank's view of the checkpoint: no file
+    the manifest does not list, presence and size of every file it lists, the checksums of this
+    rank's share of the files."""
     if tag is None:
         try:
             tag = read_latest(load_dir)
@@ -73,8 +74,16 @@ def _problems(load_dir: str, tag: Optional[str], rank: int,
     if manifest is None:
         return tag, None, (f"checkpoint {path} is incomplete: it has no {MANIFEST} (its save did "
                            "not finish, or megatron-dcp did not write it)"), []
+    listed = manifest.get("files", {})
+    unlisted = sorted(set(files_under(path)) - set(listed) - {MANIFEST})
+    if unlisted:  # a loader that reads the whole folder (a universal conversion) would read it
+        return tag, manifest, (
+            f"checkpoint {path} holds files its {MANIFEST} does not list: "
+            f"{', '.join(unlisted[:10])}{' ...' if len(unlisted) > 10 else ''} (added after the "
+            "save: nothing of this checkpoint is loaded while they are there; remove them if "
+            "you trust them, or load another checkpoint)"), []
     missing, short = [], []
-    for name, size in manifest.get("files", {}).items():
+    for name, size in listed.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             missing.append(name)
