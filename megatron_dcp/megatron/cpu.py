@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
+import types
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -121,9 +123,11 @@ def _optimizer_on_cpu(get_optimizer: Callable) -> Callable:
     def build(*args: Any, **kwargs: Any) -> Any:
         optimizer = _on_cpu(get_optimizer)(*args, **kwargs)
         for name in dir(type(optimizer)):
-            method = getattr(optimizer, name, None)
-            if not name.startswith("_") and callable(method):
-                setattr(optimizer, name, _on_cpu(method))  # this object only
+            # methods only, found without calling anything: a property may assert (e.g.
+            # ChainedOptimizer.optimizer with several optimizers, as MoE's expert parameters make)
+            if not name.startswith("_") and isinstance(
+                    inspect.getattr_static(optimizer, name, None), types.FunctionType):
+                setattr(optimizer, name, _on_cpu(getattr(optimizer, name)))  # this object only
         return optimizer
 
     return build
@@ -434,5 +438,8 @@ def _lm_install(patches: PatchSet) -> None:
 def enable_lm_cpu() -> None:
     """`enable_cpu` and the patches Megatron-LM's ``megatron.training`` needs on the CPU
     (idempotent; refused on a machine with CUDA)."""
+    from megatron_dcp.megatron.moe import enable_moe_cpu
+
     enable_cpu()
+    enable_moe_cpu()  # a script's --num-experts builds MoE layers: their dispatcher's CUDA stream
     patching.apply(LM_NAME, "megatron-core", _lm_install)
