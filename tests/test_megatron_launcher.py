@@ -177,6 +177,29 @@ def test_megatron_lm_save_and_load_resume_resharded_with_the_uninterrupted_losse
         assert rows["b"][it] == pytest.approx(rows["all"][it], rel=1e-5), (it, rows)
 
 
+@pytest.mark.timeout(600)
+def test_resume_with_the_default_rng_flags_continues_the_uninterrupted_run(tmp_path):
+    """``--load`` without ``--no-load-rng`` on the CPU: the saved RNG state loads (Megatron-LM
+    exited with status 0 without training when the CPU's tracker state was empty), and the
+    resumed losses are the uninterrupted run's (DCP's rows: Megatron-LM's first line after a
+    resume averages the loaded iteration's loss in)."""
+    run = ["--dcp", "--dcp-hardware", "h200", "--dcp-pack-tokens", "128",
+           "--dcp-memory-budget-gb", f"{_budget_gb(200):.6f}", "--ckpt-format", "torch_dist",
+           "--use-distributed-optimizer"]
+    ckpt, logs = tmp_path / "ckpt", {name: tmp_path / f"{name}.jsonl" for name in ("all", "b")}
+    _lm_losses(_launch(run + ["--dcp-log-json", str(logs["all"])]))
+    _lm_losses(_launch(run + ["--save", str(ckpt), "--save-interval", "2", "--exit-interval",
+                              "2"]))
+    done = _launch(run + ["--load", str(ckpt), "--dcp-log-json", str(logs["b"])])
+    assert "Unable to load rng state" not in done.stdout + done.stderr
+    _lm_losses(done)
+    rows = {name: {r["iteration"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+            for name, path in logs.items()}
+    assert sorted(rows["b"]) == [3, 4, 5], rows
+    for it in (3, 4, 5):
+        assert rows["b"][it] == pytest.approx(rows["all"][it], rel=1e-5), (it, rows)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("extra, flag", [
     (["--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank", "256"],

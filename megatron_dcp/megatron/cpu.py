@@ -402,6 +402,28 @@ def _set_steps(optimizer: Any, step: int) -> None:
                 state["step"] = torch.tensor(float(step), dtype=state["step"].dtype)
 
 
+def _tracker_state_on_cpu(get_rng_state: Callable) -> Callable:
+    """Megatron-LM's ``get_rng_state`` (what ``--save`` stores) where the CPU's model-parallel
+    RNG tracker (Megatron's inference tracker: it tracks nothing) leaves
+    ``rng_tracker_states`` empty: the CPU generator's state is stored under the tracker's
+    name, so that a ``--load`` restores (Megatron-LM refuses an empty one and exits, status 0,
+    without training)."""
+
+    @functools.wraps(get_rng_state)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME
+
+        out = get_rng_state(*args, **kwargs)
+        states = getattr(out, "data", out)  # torch_dist wraps the list in a ShardedObject
+        for state in states if isinstance(states, list) else [states]:
+            if isinstance(state, dict) and not state.get("rng_tracker_states"):
+                state["rng_tracker_states"] = {
+                    _MODEL_PARALLEL_RNG_TRACKER_NAME: torch.get_rng_state()}
+        return out
+
+    return run
+
+
 def _cpu_arch_version() -> int:
     """The CPU as an architecture with no CUDA work-queue limit (Blackwell's 10 in Megatron-LM's
     numbering: no ``CUDA_DEVICE_MAX_CONNECTIONS`` requirement; the CPU has no such queues)."""
@@ -419,6 +441,10 @@ def _lm_install(patches: PatchSet) -> None:
     # resuming the distributed optimizer without Apex/TE needs its states before the load
     patches.replace("megatron.training.training", "load_checkpoint",
                     _with_optimizer_states(training.load_checkpoint), check=callable)
+    import megatron.training.checkpointing as checkpointing
+
+    patches.replace("megatron.training.checkpointing", "get_rng_state",
+                    _tracker_state_on_cpu(checkpointing.get_rng_state), check=callable)
     patches.replace("megatron.training.initialize", "initialize_megatron",
                     _allow_no_cuda(initialize.initialize_megatron), check=callable)
     patches.replace("megatron.training.initialize", "_compile_dependencies", _no_compile,
