@@ -70,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     deepspeed_plugin.add_dcp_arguments(p)
     args = p.parse_args(argv)
     training.check_lr(p, args)
+    training.check_save_target(p, args)
     if args.save_profile and not args.dcp:
         p.error("--save-profile writes the calibrated DCP cost model: it needs --dcp")
     return args

@@ -137,10 +137,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.save is not None:  # at start, not at the first save after hours of training
         from megatron_dcp.runtime.checkpoint_dir import CheckpointError, check_save_dir
 
+        from megatron_dcp.runtime.checkpoint_verify import takeover_problem
+
         try:
             check_save_dir(args.save)
         except CheckpointError as err:
             p.error(f"argument --save: {err}")
+        problem = takeover_problem(args.save, args.load)
+        if problem:
+            p.error(f"argument --save: {problem}")
     args.group_query_attention = args.num_query_groups is not None
     return args
 

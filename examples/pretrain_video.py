@@ -65,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     deepspeed_plugin.add_dcp_arguments(p)
     args = p.parse_args(argv)
     training.check_lr(p, args)
+    training.check_save_target(p, args)
     return args
 
 

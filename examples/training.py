@@ -69,6 +69,16 @@ def check_lr(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"argument --lr: {args.lr}: must be below {biggest:.4g} (the largest float32)")
 
 
+def check_save_target(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--save`` into a directory of another run's checkpoints (not ``--load``-ed from it, or
+    holding newer ones than the one loaded) is refused at start (`takeover_problem`)."""
+    from megatron_dcp.runtime.checkpoint_verify import takeover_problem
+
+    problem = takeover_problem(args.save, args.load)
+    if problem:
+        p.error(f"argument --save: {problem}")
+
+
 def _save_dir(path: str) -> str:
     """``--save``: a writable directory or one that can be created, checked at start."""
     from megatron_dcp.runtime.checkpoint_dir import CheckpointError, check_save_dir

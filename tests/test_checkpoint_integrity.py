@@ -302,3 +302,31 @@ def test_a_file_the_manifest_does_not_list_is_refused_by_name(tmp_path, capsys):
     assert not (root / "iter_2.universal").exists()
     crafted.unlink()  # the check is what refused it: without the stranger, the manifest passes
     assert verify_checkpoint(str(root), "iter_2")[0] == "iter_2"
+
+
+def test_a_save_never_takes_over_another_runs_checkpoints(tmp_path):
+    """Another run's ``iter_1..iter_3`` in the ``--save`` folder: refused at start unless this
+    run resumes the newest of them from that folder; and should a save land among newer
+    checkpoints anyway, ``latest`` does not move back and pruning keeps the newer ones."""
+    from megatron_dcp.runtime.checkpoint_verify import takeover_problem
+
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        _save(root, step, meta={"iteration": step})
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    problem = takeover_problem(str(root), None)
+    assert "holds another run's checkpoints (iter_1, iter_2, iter_3; latest: iter_3)" in problem
+    assert f"--load {root}" in problem
+    assert "another run's" in takeover_problem(str(root), str(tmp_path / "elsewhere"))
+    assert takeover_problem(str(root), str(root)) == ""  # resuming it: its own checkpoints
+    assert takeover_problem(str(root), str(root / "iter_3")) == ""
+    assert "holds newer checkpoints of that run (iter_3)" in takeover_problem(
+        str(root), str(root / "iter_2"))
+    assert takeover_problem(str(tmp_path / "new"), None) == ""
+    assert takeover_problem(str(tmp_path), None) == ""  # a folder of no checkpoints
+    # a save of iteration 2 that got through: latest stays on iter_3, iter_3 is not pruned
+    # (iter_1, older than the one written, is)
+    _save(root, 2, meta={"iteration": 2}, keep_last=1)
+    assert (root / "latest").read_text().strip() == "iter_3"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_2", "iter_3", "latest"]
+    assert all(p.read_bytes() == data for p, data in before.items() if "iter_3" in str(p))

@@ -101,6 +101,24 @@ def test_example_flags_are_checked(script, flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("script", ["pretrain.py", "pretrain_megatron.py", "pretrain_video.py"])
+def test_save_into_another_runs_checkpoints_is_refused_at_start(script, tmp_path, capsys):
+    """Issue 48: ``--save DIR`` without ``--load DIR``, where DIR holds another run's
+    checkpoints, is refused while parsing; with ``--load DIR`` (resuming that run) it parses."""
+    from megatron_dcp.runtime.checkpoint_dir import save_atomically
+
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        save_atomically(str(root), f"iter_{step}",
+                        lambda tag: (root / tag).mkdir() or {}, meta={"iteration": step})
+    module = _example(script)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--save", str(root)])
+    said = capsys.readouterr().err
+    assert f"--save {root} holds another run's checkpoints" in said and "--load" in said
+    module.parse_args(["--save", str(root), "--load", str(root)])
+
+
 # ------------------------------------------------------------------ issue 22: --hf-model
 @pytest.mark.parametrize("config_name, kind", [("BertConfig", "bert"), ("GPT2Config", "gpt2")])
 def test_unsupported_hf_architecture_is_refused_naming_it(tmp_path, config_name, kind):

@@ -96,7 +96,8 @@ def save_checkpoint(save_dir: str, iteration: int, model: Any, optimizer: Any,
     optimizer or Megatron's), ``iteration`` and ``extra`` (tensors and plain types) as
     ``SAVE_DIR/iter_{iteration}`` and point ``latest`` at it; returns its path."""
     _check_format(ckpt_format)
-    meta = {**parallel_layout(model, optimizer), "ckpt_format": ckpt_format}
+    meta = {**parallel_layout(model, optimizer), "ckpt_format": ckpt_format,
+            "iteration": iteration}
     rank = dist.get_rank()
     if ckpt_format == "torch":
         state = {"model": [c.state_dict() for c in _chunks(model)],

@@ -356,11 +356,27 @@ def _publish(save_dir: str, tag: str, staging_path: str, meta: dict, checksums: 
     else:
         os.rename(staging_path, final)
     _fsync(save_dir, directory=True)
-    if move_latest:
+    if move_latest and not _older(meta, _latest_manifest(save_dir)):
         _write_file(os.path.join(save_dir, LATEST), tag + "\n")
         _fsync(save_dir, directory=True)
     if keep_last is not None:
-        prune(save_dir, keep_last)
+        prune(save_dir, keep_last, newest=meta.get("iteration"))
+
+
+def _latest_manifest(save_dir: str) -> Optional[dict]:
+    """The manifest of the checkpoint ``latest`` names, or None."""
+    try:
+        tag = read_latest(save_dir)
+        return read_manifest(os.path.join(save_dir, tag)) if tag else None
+    except CheckpointError:
+        return None
+
+
+def _older(meta: dict, than: Optional[dict]) -> bool:
+    """Whether a checkpoint of manifest ``meta`` is of an earlier iteration than ``than``'s
+    (``latest`` never moves back: a run saving among a newer run's checkpoints)."""
+    mine, theirs = meta.get("iteration"), (than or {}).get("iteration")
+    return mine is not None and theirs is not None and int(mine) < int(theirs)
 
 
 def read_manifest(path: str) -> Optional[dict]:
@@ -397,14 +413,17 @@ def primary_checkpoints(checkpoints: list[tuple[str, dict]]) -> list[tuple[str, 
             if not any(t.startswith(p + ".") for p in tags if p != t)]
 
 
-def prune(save_dir: str, keep_last: int) -> list[str]:
+def prune(save_dir: str, keep_last: int, newest: Optional[int] = None) -> list[str]:
     """Delete all but the newest ``keep_last`` complete checkpoints, never the one ``latest``
-    names nor the newest one saved ``verified`` (with their derived directories ``TAG.*``),
-    and the partial directories; returns the tags deleted."""
+    names, the newest one saved ``verified``, nor one of a later iteration than ``newest``
+    (the one just written) (with their derived directories ``TAG.*``), and the partial
+    directories; returns the tags deleted."""
     primary = primary_checkpoints(complete_checkpoints(save_dir))
     keep = {t for t, _ in primary[-keep_last:]} if keep_last else set()
     keep.add(read_latest(save_dir))
     keep.update([t for t, m in primary if m.get("verified") is True][-1:])
+    if newest is not None:
+        keep.update(t for t, m in primary if _older({"iteration": newest}, m))
     doomed = [t for t, _ in primary if t not in keep]
     for tag in doomed:
         for name in os.listdir(save_dir):

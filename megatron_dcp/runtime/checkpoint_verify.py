@@ -9,6 +9,9 @@
 * `agree` (collective): an engine's own pre-checks of a load raise on every rank alike, so that
   no rank starts loading alone.
 * `split_load_path`: ``--load`` names a checkpoint directory or one checkpoint in it.
+* `takeover_problem`: at start, a ``--save`` directory holding another run's checkpoints (or
+  newer ones than the checkpoint this run resumes from) is refused, so that no save replaces,
+  prunes or re-points another run's work.
 
 The directory format (manifest, ``latest``, checksums) is `megatron_dcp.runtime.checkpoint_dir`'s.
 """
@@ -24,7 +27,7 @@ from megatron_dcp.runtime.checkpoint_dir import (LATEST, MANIFEST, CheckpointErr
                                                  files_under, gather, group_rank, group_size,
                                                  primary_checkpoints, read_latest, read_manifest)
 
-__all__ = ["agree", "split_load_path", "verify_checkpoint"]
+__all__ = ["agree", "split_load_path", "takeover_problem", "verify_checkpoint"]
 
 
 def agree(problem: str, group: Any = None) -> None:
@@ -48,6 +51,37 @@ def split_load_path(path: str) -> tuple[str, Optional[str]]:
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return os.path.dirname(path), os.path.basename(path)
     return path, None
+
+
+def takeover_problem(save_dir: Optional[str], load: Optional[str]) -> str:
+    """Why saving into ``save_dir`` would take over checkpoints this run did not come from, or
+    ``""``: ``save_dir`` holds checkpoints (or a ``latest``) and this run does not ``load``
+    from that directory, or it loads an older checkpoint there than the newest one in it. A
+    save would replace a checkpoint of the same iteration, prune the others and point
+    ``latest`` at this run's, and the next ``--load`` would resume a mix."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return ""
+    found = [tag for tag, _ in primary_checkpoints(complete_checkpoints(save_dir))]
+    try:
+        latest = read_latest(save_dir)
+    except CheckpointError as err:
+        return f"--save {save_dir}: {err}"
+    if not found and latest is None:
+        return ""
+    shown = ", ".join(found[-3:]) + (f" and {len(found) - 3} older" if len(found) > 3 else "")
+    held = f"{shown or 'no complete checkpoint'}; {LATEST}: {latest}"
+    if load is None or os.path.realpath(split_load_path(load)[0]) != \
+            os.path.realpath(save_dir):
+        return (f"--save {save_dir} holds another run's checkpoints ({held}): a save there "
+                f"would replace or prune them and move {LATEST}. Resume that run with --load "
+                f"{save_dir}, or give --save another directory")
+    tag = split_load_path(load)[1]
+    newer = found[found.index(tag) + 1:] if tag in found else []
+    if newer:
+        return (f"--load {load} resumes from {tag}, but --save {save_dir} holds newer "
+                f"checkpoints of that run ({', '.join(newer)}): this run's saves would mix "
+                f"with them. Give --save another directory")
+    return ""
 
 
 def _problems(load_dir: str, tag: Optional[str], rank: int,
