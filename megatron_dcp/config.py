@@ -242,7 +242,8 @@ class DCPConfig:
     def add_arguments(cls, parser: argparse.ArgumentParser, style: str = "deepspeed") -> argparse.ArgumentParser:
         """Add ``--dcp`` and its knobs to ``parser``.
 
-        ``style="deepspeed"``: ``--dcp_max_degree``; ``style="megatron"``: ``--dcp-max-degree``.
+        ``style="deepspeed"``: ``--dcp_max_degree``, with ``--dcp-max-degree`` accepted too
+        (DeepSpeed scripts mix both spellings); ``style="megatron"``: ``--dcp-max-degree``.
         Every flag's dest is ``dcp`` / ``dcp_<field>`` in both styles.
         """
         if style not in ("deepspeed", "megatron"):
@@ -256,16 +257,17 @@ class DCPConfig:
                 group.add_argument("--dcp", dest="dcp", action="store_true", help=help_text)
                 continue
             flag = "--dcp" + sep + f.name.replace("_", sep)
+            flags = [flag] if sep == "-" else [flag, "--dcp-" + f.name.replace("_", "-")]
             dest = "dcp_" + f.name
             kind = _field_type(f)
             kwargs: dict[str, Any] = dict(dest=dest, default=None, help=f"{help_text} (default: {f.default})")
             if kind is bool:  # a switch: given is True, absent None (the JSON or default decides)
-                group.add_argument(flag, action="store_true", **kwargs)
+                group.add_argument(*flags, action="store_true", **kwargs)
                 continue
             choices = _CHOICES.get(f.name)
             if choices:
                 kwargs["choices"] = choices
-            group.add_argument(flag, type=kind, **kwargs)
+            group.add_argument(*flags, type=kind, **kwargs)
         return parser
 
     @classmethod

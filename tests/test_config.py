@@ -22,6 +22,18 @@ def test_deepspeed_and_megatron_flags_give_the_same_config():
     assert ds.enabled and ds.max_degree == 4 and ds.attention_layout == "ring"
 
 
+def test_deepspeed_style_takes_both_spellings():
+    """The DeepSpeed example's own flags use dashes (``--train-iters``): ``--dcp-memory-budget-gb``
+    is accepted beside ``--dcp_memory_budget_gb`` (was "unrecognized arguments")."""
+    dashed = DCPConfig.from_args(_parse("deepspeed", ["--dcp", "--dcp-memory-budget-gb", "3",
+                                                      "--dcp-skip-nonfinite"]))
+    underscored = DCPConfig.from_args(_parse("deepspeed", ["--dcp", "--dcp_memory_budget_gb", "3",
+                                                           "--dcp_skip_nonfinite"]))
+    assert dashed == underscored and dashed.memory_budget_gb == 3 and dashed.skip_nonfinite
+    with pytest.raises(SystemExit):  # Megatron's style stays Megatron's: dashes only
+        _parse("megatron", ["--dcp_max_degree", "4"])
+
+
 def test_flags_override_json_section_and_defaults_stay():
     base = DCPConfig.from_dict({"max_degree": 2, "memory_budget_gb": 40})
     assert base.enabled  # a "dcp" section turns DCP on
