@@ -102,6 +102,9 @@ class DCPConfig:
     memory_fraction: float = 0.9
     """Share of device memory usable when memory_budget_gb is not given."""
 
+    max_tokens_per_rank: Optional[int] = None
+    """A budget in tokens (as Megatron's --max-seqlen-per-dp-cp-rank): the most tokens of a task one rank holds; longer sequences split over more ranks. The memory budget still applies; recompute does not raise the cap."""
+
     hardware: str = "auto"
     """Cost-model hardware: auto (the preset of the GPU the run is on, or a CPU start that calibration corrects; planning offline: h200), a preset name (h200, h100, a100) or a profile JSON (tools/profile_hardware.py)."""
 
@@ -161,6 +164,9 @@ class DCPConfig:
             raise DCPConfigError(f"dcp.max_degree={self.max_degree!r}: must be a positive integer")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise DCPConfigError(f"dcp.memory_budget_gb={self.memory_budget_gb!r}: must be > 0")
+        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
+            raise DCPConfigError(f"dcp.max_tokens_per_rank={self.max_tokens_per_rank!r}: must "
+                                 "be a positive integer")
         if not 0 < self.memory_fraction <= 1:
             raise DCPConfigError(f"dcp.memory_fraction={self.memory_fraction!r}: must be in (0, 1]")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:

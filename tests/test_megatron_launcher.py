@@ -99,6 +99,22 @@ def test_dcp_lm_loss_equals_plain_megatron_lm_at_dp2(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_a_budget_in_tokens_splits_documents_with_no_gib_figure(tmp_path):
+    """A new user's budget: ``--dcp-max-tokens-per-rank 200`` on 256-token samples, no memory
+    figure anywhere: the plans split documents over both ranks, and the losses are plain
+    Megatron-LM's."""
+    log = tmp_path / "dcp.jsonl"
+    dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log),
+                              "--dcp-max-tokens-per-rank", "200"]))
+    plain = _lm_losses(_launch(PLAIN))
+    assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
+    for it in plain:
+        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", [{"pp": 2}, {"tp": 2, "sp": True}], ids=["dp2xpp2", "dp2xtp2sp"])
 def test_dcp_lm_loss_equals_plain_megatron_lm_on_4_ranks(tmp_path, layout):
     """DP 2 x PP 2, and DP 2 x TP 2 with sequence parallelism: Megatron-LM's lm loss lines are

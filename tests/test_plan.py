@@ -1,6 +1,7 @@
 """Planning layer: presets, hardware, workloads, cost model, vocabulary, planners, validation."""
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -687,3 +688,24 @@ def test_megatron_step_plans_with_the_tensor_parallel_size(monkeypatch):
     # a shape that already names its TP size is kept
     step.model_shape = replace(LLAMA, tensor_parallel=4)
     assert step.planning_shape().tensor_parallel == 4
+
+
+@pytest.mark.parametrize("schedule", ["free", "lockstep"])
+def test_a_budget_in_tokens_splits_what_exceeds_it(schedule):
+    """``max_tokens_per_rank`` (Megatron's --max-seqlen-per-dp-cp-rank in spirit): no task holds
+    more tokens per rank, while without it the same batch packs up to 5,000 tokens a rank (the
+    H200's memory holds them: no GiB figure decides here)."""
+    lengths = [6000, 6000, 3000, 3000, 1000, 500]
+
+    def per_rank(plan):
+        return [math.ceil(sum(lengths[s] for s in t.seqs) / t.degree) for t in plan.tasks]
+
+    assert max(per_rank(plan_for(lengths, world=4, schedule=schedule))) > 3000
+    capped = plan_for(lengths, world=4, schedule=schedule, max_tokens_per_rank=3000)
+    assert max(per_rank(capped)) <= 3000, per_rank(capped)
+    assert sorted(s for t in capped.tasks for s in t.seqs) == list(range(len(lengths)))
+    with pytest.raises(PlanError, match="3000 tokens per rank .dcp.max_tokens_per_rank.*raise "
+                                        "dcp.max_tokens_per_rank"):  # 6,000 need 2 ranks
+        plan_for(lengths, world=1, schedule=schedule, max_tokens_per_rank=3000)
+    with pytest.raises(Exception, match="max_tokens_per_rank"):
+        DCPConfig(max_tokens_per_rank=0)

@@ -193,9 +193,18 @@ class MemoryModel:
         return self.static_memory + self.reserve + local * self.token_bytes(recompute_layers) \
             + self.loss_workspace(local)
 
+    max_tokens_per_rank: Optional[int] = None
+    """A cap on a task's tokens per rank (`DCPConfig.max_tokens_per_rank`), beside the budget:
+    a task above it fits no recompute depth, tiling or offload."""
+
+    def _over_token_cap(self, local: int) -> bool:
+        return self.max_tokens_per_rank is not None and local > self.max_tokens_per_rank
+
     def min_recompute_layers(self, tokens: int, degree: int) -> Optional[int]:
         """Fewest recomputed layers for which the task fits the budget; ``None``: none does."""
         local = math.ceil(tokens / degree)
+        if self._over_token_cap(local):
+            return None
         free = self._free - self.loss_workspace(local)  # the workspace does not recompute
         if local * self.token_bytes(0) <= free:
             return 0
@@ -211,15 +220,16 @@ class MemoryModel:
         """Most local tokens per rank with ``recompute_layers`` recomputed layers in ``free``
         bytes (default: the budget less static memory and reserve), the loss's workspace
         included (linear up to one chunk, then constant)."""
+        cap = self.max_tokens_per_rank if self.max_tokens_per_rank is not None else math.inf
         if self.long_sequences and free is None and recompute_layers >= self.num_layers:
-            return self._long_max_local()
+            return min(self._long_max_local(), cap)
         free = self._free if free is None else free
         per_token, chunk = self._loss_chunk
         token = self.token_bytes(recompute_layers)
         local = int(max(0.0, free) // (token + per_token))
         if local > chunk:  # past one chunk the workspace stays one chunk
             local = int(max(0.0, free - per_token * chunk) // token)
-        return local
+        return min(local, cap)
 
     def max_tokens(self, degree: int, recompute_layers: int) -> int:
         """Most tokens a task of ``degree`` ranks with ``recompute_layers`` can hold."""
@@ -249,6 +259,8 @@ class MemoryModel:
 
     def _long_fits(self, tokens: int, degree: int) -> bool:
         local = math.ceil(tokens / degree)
+        if self._over_token_cap(local):
+            return False
         mlp, loss = self.long_tiles(local)
         n = self.num_layers
         return self.long_memory_of(tokens, degree, n, n, mlp, loss) <= self.budget

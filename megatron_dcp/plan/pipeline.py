@@ -114,10 +114,12 @@ def micro_batch_cost_model(cm: CostModel, pipe: Pipeline, share: float = 1.0) ->
     mem = cm.memory_model
     free = mem.budget - mem.static_memory - mem.reserve
     budget = mem.static_memory + mem.reserve + free * share / pipe.held(0)
-    return CostModel(cm.model, cm.hw, world_size=cm.world_size, zero_stage=cm.zero_stage,
-                     ranks_per_node=cm.ranks_per_node, memory_budget=budget,
-                     attention_layout=cm.attention_layout, ulysses_scope=cm.ulysses_scope,
-                     communicators_per_rank=mem.communicators_per_rank)
+    out = CostModel(cm.model, cm.hw, world_size=cm.world_size, zero_stage=cm.zero_stage,
+                    ranks_per_node=cm.ranks_per_node, memory_budget=budget,
+                    attention_layout=cm.attention_layout, ulysses_scope=cm.ulysses_scope,
+                    communicators_per_rank=mem.communicators_per_rank)
+    out.memory_model.max_tokens_per_rank = mem.max_tokens_per_rank
+    return out
 
 
 @dataclass

@@ -92,6 +92,7 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
                      else vocabulary.communicators_per_rank())
     cm.memory_model.long_sequences = long_sequences
     cm.memory_model.loss_tiling = loss_tiling
+    cm.memory_model.max_tokens_per_rank = config.max_tokens_per_rank
     return cm
 
 
@@ -129,16 +130,21 @@ def _oversize(pctx: PlanContext, policy: str) -> list[int]:
         else:
             budget = size_text(pctx.cm.memory_model.budget)
             world = pctx.cm.world_size
+            token_cap = pctx.cm.memory_model.max_tokens_per_rank
+            within = f"{budget} per rank" + (f" and {token_cap} tokens per rank "
+                                             "(dcp.max_tokens_per_rank)" if token_cap else "")
             why = (f"exceeds the model's max_position {limit}" if too_long_model else
-                   f"fits no group of at most {top} ranks in {budget} per rank" +
+                   f"fits no group of at most {top} ranks in {within}" +
                    (f" (the DCP world has {world} rank{'s' * (world != 1)})"
                     if top >= world else ""))
             video = f" ({n // frame} frames of {frame} tokens)" if frame else ""
             more = "max_degree" if top < world else "the data-parallel size (DCP world)"
+            raise_what = ("dcp.max_tokens_per_rank, " if token_cap else "") + \
+                "the memory budget, the ZeRO stage or " + more
             raise PlanError(
                 f"sequence {i} has {n} tokens{video} and {why}; the largest length that fits is "
                 f"{max(fit_len, 0)} tokens (set dcp.oversize to truncate or skip, raise "
-                f"the memory budget, the ZeRO stage or {more})"
+                f"{raise_what})"
             )
     return skipped
 
