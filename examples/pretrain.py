@@ -26,7 +26,7 @@ import torch
 import deepspeed
 import deepspeed_plugin
 import training  # examples/training.py: the flags, config and checkpoints the examples share
-from megatron_dcp.config import float_flag, int_flag
+from megatron_dcp.config import float_flag, int_flag, output_file
 from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, embedded_dataset,
                                open_dataset, read_documents)
 from megatron_dcp.data.tokenizer import ByteTokenizer
@@ -54,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_model_size_flags(g)  # --num-layers, --hidden-size, --num-heads
     g.add_argument("--num-kv-heads", type=int_flag(1), default=None)
     g.add_argument("--lr", type=float_flag(), default=None, help="override the optimizer's lr")
-    g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--log-json", default=None, type=output_file,
+                   help="write one JSON object per iteration (rank 0)")
     g.add_argument("--save-profile", default=None, metavar="PATH",
                    help="with --dcp: write the calibrated cost-model hardware at the end as a "
                         "profile JSON (for --dcp_hardware and tools/simulate.py --hardware)")

@@ -47,7 +47,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron_dcp.config import float_flag, int_flag
+from megatron_dcp.config import float_flag, int_flag, output_file
 from megatron_dcp.data import GlobalBatchSampler, open_dataset
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
@@ -115,7 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "TP change pads the vocabulary otherwise: refused at start, naming the "
                         "--make-vocab-size-divisible-by that fits); every file is read without "
                         "running code from it")
-    g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--log-json", default=None, type=output_file,
+                   help="write one JSON object per iteration (rank 0)")
     g.add_argument("--save-profile", default=None, metavar="PATH",
                    help="with --dcp: write the calibrated cost-model hardware at the end as a "
                         "profile JSON (for --dcp-hardware and tools/simulate.py --hardware)")

@@ -27,7 +27,7 @@ import torch
 import deepspeed
 import deepspeed_plugin
 import training  # examples/training.py: the flags, config and checkpoints the examples share
-from megatron_dcp.config import float_flag, int_flag
+from megatron_dcp.config import float_flag, int_flag, output_file
 from megatron_dcp.data import GlobalBatchSampler
 from megatron_dcp.data.video import (SYNTHETIC_MIXES, LatentDirectory, SyntheticVideos, VideoBatch,
                                      mix_limits)
@@ -55,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="latent-token budget of one global batch")
     training.add_model_size_flags(g)  # --num-layers, --hidden-size, --num-heads
     g.add_argument("--lr", type=float_flag(), default=None, help="override the optimizer's lr")
-    g.add_argument("--log-json", default=None, help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--log-json", default=None, type=output_file,
+                   help="write one JSON object per iteration (rank 0)")
     # --save, --save-interval, --keep-last, --load, --distributed-timeout-s, --quiet
     training.add_checkpoint_flags(
         g, load_help="resume from the latest checkpoint in this directory, or from one "

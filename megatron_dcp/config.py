@@ -57,6 +57,22 @@ def int_flag(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def output_file(text: str) -> str:
+    """An argparse ``type``: a file path the run can write (its folder exists and is writable,
+    and it is not a folder), checked at start, not at the first row after the model is built."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(text)) if text else ""
+    if not text or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder or empty: give a file path")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text}: the folder {folder} does not exist (create it "
+                                         "first)")
+    if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text}: not writable")
+    return text
+
+
 def float_flag(minimum: float = 0.0, *, inclusive: bool = False) -> Callable[[str], float]:
     """An argparse ``type``: a finite number above ``minimum`` (or at least it, ``inclusive``)."""
 

@@ -78,6 +78,21 @@ def _example(name: str):
     return module
 
 
+@pytest.mark.parametrize("script", ["pretrain.py", "pretrain_megatron.py", "pretrain_video.py"])
+def test_an_unwritable_log_path_is_refused_at_start(script, tmp_path, capsys):
+    """Issue 48: ``--log-json`` in a missing folder (or a folder) is refused while parsing,
+    not as a bare FileNotFoundError after the model is built."""
+    module = _example(script)
+    for path, said in ((tmp_path / "missing" / "log.jsonl", "does not exist"),
+                       (tmp_path, "is a folder")):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--log-json", str(path)])
+        err = capsys.readouterr().err
+        assert "--log-json" in err and said in err, err
+    module.parse_args(["--log-json", str(tmp_path / "log.jsonl")])
+
+
+
 @pytest.mark.parametrize("script, flags, message", [
     ("pretrain.py", ["--num-kv-heads", "0"], "--num-kv-heads: 0: must be >= 1"),
     ("pretrain.py", ["--train-iters", "-2"], "--train-iters: -2: must be >= 1"),
