@@ -83,7 +83,11 @@ def _dataset(path, tokenizer, vocab_size=None):
     if path is None:
         return embedded_dataset(tokenizer)
     if path.removesuffix(".gz").endswith((".jsonl", ".json", ".txt")):
-        return InMemoryTokenDataset([tokenizer.encode(t) for t in read_documents(path)], path)
+        documents = [tokenizer.encode(t) for t in read_documents(path)]
+        if not any(len(d) >= 2 for d in documents):  # no next-token target anywhere
+            raise ValueError(f"--data-path {path}: no document of at least 2 tokens "
+                             f"({len(documents)} documents: an empty file, or blank lines only)")
+        return InMemoryTokenDataset(documents, path)
     return open_dataset(path, vocab_size)
 
 

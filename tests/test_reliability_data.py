@@ -237,3 +237,26 @@ def test_output_prefix_naming_a_directory_is_refused(tmp_path, capsys):
             _build_tool()(["--input", str(source), "--output-prefix", prefix])
         assert f"{prefix!r} names a directory" in capsys.readouterr().err
     assert not (tmp_path / ".bin").exists() and not (tmp_path / ".idx").exists()
+
+
+def test_an_empty_dataset_is_named_when_it_opens(tmp_path):
+    """Issue 48: an empty jsonl or indexed dataset fails naming the file (was a sampler's
+    "no document has at least 2 tokens" on every rank, naming nothing)."""
+    import importlib
+
+    from megatron_dcp.data import ByteTokenizer, open_dataset
+
+    prefix = str(tmp_path / "empty")
+    with IndexedDatasetWriter(prefix):
+        pass
+    with pytest.raises(ValueError, match=f"{prefix}.bin/.idx holds no tokens"):
+        open_dataset(prefix, 257)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        pretrain = importlib.import_module("pretrain")
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    with pytest.raises(ValueError, match="empty.jsonl: no document of at least 2 tokens"):
+        pretrain._dataset(str(empty), ByteTokenizer())

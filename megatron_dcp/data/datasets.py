@@ -65,6 +65,10 @@ def open_dataset(data_path: Optional[str] = None,
     if data_path.endswith((".bin", ".idx")):
         data_path = data_path[:-4]
     dataset = IndexedDataset(data_path)
+    if len(dataset) == 0 or not any(dataset.lengths):  # a sampler would find nothing to batch
+        raise ValueError(f"indexed dataset {data_path}.bin/.idx holds no tokens "
+                         f"({len(dataset)} documents): rebuild it from non-empty input "
+                         f"(--data-path {data_path})")
     if vocab_size is not None:
         dataset.check_vocabulary(vocab_size)
     return dataset
