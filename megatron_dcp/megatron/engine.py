@@ -173,14 +173,14 @@ class MegatronStepEngine(StepEngine):
         before the update), else ``None`` (not computed: Megatron's optimizer does)."""
         import torch.distributed as dist
 
+        from megatron_dcp.runtime.groups import comm_device
         from megatron_dcp.runtime.nonfinite import nonfinite_gradient_ranks
 
         grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None
                  else p.grad for c in self.chunks for p in c.parameters() if p.requires_grad]
-        device = grads[0].device if grads and grads[0] is not None \
-            and grads[0].device.type == "cuda" else None
         self.nonfinite_ranks = nonfinite_gradient_ranks(grads, dist.get_rank(),
-                                                        dist.get_world_size(), None, device)
+                                                        dist.get_world_size(), None,
+                                                        comm_device())
         self._reduce()
         return float("nan") if self.nonfinite_ranks else None
 

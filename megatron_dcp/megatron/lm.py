@@ -381,11 +381,14 @@ class LMForwardBackward:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
+        from megatron_dcp.runtime.groups import comm_device
+
         self.iteration += 1
-        summed = torch.zeros(2, dtype=torch.float64)
+        group = ps.get_data_parallel_group()
+        summed = torch.zeros(2, dtype=torch.float64, device=comm_device(group))
         for report in reports:
-            summed += report["lm loss"].detach().cpu().double().view(-1)[:2]
-        dist.all_reduce(summed, group=ps.get_data_parallel_group())  # a collective: every rank
+            summed += report["lm loss"].detach().to(summed.device, torch.float64).view(-1)[:2]
+        dist.all_reduce(summed, group=group)  # a collective: every rank
         if not self.log_path:
             return
         from megatron_dcp.runtime.report import plan_summary

@@ -214,7 +214,7 @@ class MegatronPipelineEngine(MegatronStepEngine):
                                               virtual=len(self.chunks))
             steps += [work.empty_step() for _ in range(count - len(steps))]
         call = _ScheduleCall(self, work, per_token,
-                             SlotTimers(self.mconfig.timers, cuda=work.comm_device is not None))
+                             SlotTimers(self.mconfig.timers, cuda=work.on_cuda))
         # interleaved: one iterator per chunk, each over every micro-batch
         data = [iter(steps) for _ in self.chunks] if interleaved else iter(steps)
         with schedule_settings(self.mconfig, interleaved, call.timers), \

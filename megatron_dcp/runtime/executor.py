@@ -41,7 +41,7 @@ from megatron_dcp.config import IGNORE_INDEX, LOSS_REDUCTIONS
 from megatron_dcp.plan.plan import EMPTY_STEP_TOKENS, Plan, Task
 from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.digests import check_plan, local_problems
-from megatron_dcp.runtime.groups import GroupPool
+from megatron_dcp.runtime.groups import GroupPool, comm_device
 from megatron_dcp.runtime.layout import ShardLayout
 from megatron_dcp.runtime.targets import (batch_targets, packed_inputs, sequence_weighting,
                                           target_count, weighted_loss)
@@ -226,9 +226,14 @@ class PlanWork:
         self.plan, self.sequences, self.rank = plan, sequences, rank
         self.pool, self.loss_reduction = pool, loss_reduction
         self.targets = batch_targets(sequences, targets)
-        self.device = torch.device(device) if device is not None else None
-        self.comm_device = self.device if self.device is not None \
-            and self.device.type == "cuda" else None
+        self.comm_device = comm_device(pool.world_group)
+        """Where this step's collectives take their tensors (`comm_device`: never the host on
+        NCCL, whatever ``device`` says)."""
+        self.on_cuda = self.comm_device.type == "cuda"
+        # the shards' device: the one given, else the job's on CUDA (host shards would meet a
+        # model on the GPU), else the host
+        self.device = torch.device(device) if device is not None else \
+            (self.comm_device if self.on_cuda else None)
         self.digest = check_plan(plan, pool, local_problems(plan, sequences, rank, max_position),
                                  self.comm_device, sequences=sequences, config=config)
         self.groups_created = pool.ensure(plan)
@@ -244,7 +249,7 @@ class PlanWork:
         self.task_losses: list[tuple[int, torch.Tensor]] = []
         """``(task id, weighted loss)`` of every task recorded: checked for non-finite values
         once, after the step (one host sync)."""
-        self._clock = Clock(self.comm_device is not None)
+        self._clock = Clock(self.on_cuda)
         self._timing: Optional[MicroStep] = None  # the micro-step inside `running`
         self._timed: list[MicroStep] = []  # timed by `running`, in order
         self._ran: list[tuple[MicroStep, Optional[float], Optional[float]]] = []

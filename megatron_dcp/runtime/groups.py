@@ -89,9 +89,11 @@ def groups_of_task(task: Task) -> list[tuple[int, ...]]:
     return sorted(communicators(task.ranks, task.ulysses))
 
 
-def _device_of(group: Any) -> torch.device:
-    """Where a collective on ``group`` takes its tensors: the current CUDA device when the group
-    runs NCCL (it rejects host tensors), else the host (gloo)."""
+def comm_device(group: Any = None) -> torch.device:
+    """The job's device for a collective on ``group`` (default: the default group): the current
+    CUDA device when the group runs NCCL (it refuses host tensors), else the host (gloo). Every
+    tensor the runtime and the engines hand to a collective is made here, never on the host by
+    default (gloo would take it; NCCL fails on it)."""
     if "nccl" in str(dist.get_backend(group)).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -107,7 +109,7 @@ def warm_group(group: Any, global_ranks: Sequence[int]) -> torch.Tensor:
     Returns, without reading it on the host, ``[sum of ones (n), 0 .. n-1 (what each member
     sent), the previous member's index]`` (``n + 2`` values) for the caller to check.
     """
-    device = _device_of(group)
+    device = comm_device(group)
     n, me = len(global_ranks), list(global_ranks).index(dist.get_rank())
     total = torch.ones(1, dtype=torch.float32, device=device)
     dist.all_reduce(total, group=group)
@@ -303,7 +305,7 @@ class GroupPool:
         """Raise on every rank unless every job rank passed the same ``key`` (one all-reduce);
         ``error``: the message (default: the vocabularies differ)."""
         value = int(hashlib.sha256(key.encode()).hexdigest()[:15], 16)
-        t = torch.tensor([value, -value], dtype=torch.int64, device=_device_of(None))
+        t = torch.tensor([value, -value], dtype=torch.int64, device=comm_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         low, high = t.tolist()
         if low != -high:

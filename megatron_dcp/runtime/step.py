@@ -33,6 +33,7 @@ from megatron_dcp.plan.calibration import Calibrator
 from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.runtime.executor import PlanWork, Shard, StepStats
+from megatron_dcp.runtime.groups import comm_device
 from megatron_dcp.runtime.hardware_auto import detect_hardware
 from megatron_dcp.runtime.liveness import names_unresponsive_ranks, start_responder
 from megatron_dcp.runtime.nonfinite import (check_step, describe_ranks, first_nonfinite_task,
@@ -393,7 +394,7 @@ class StepDriver:
                    predicted_s: float, outside_s: float = 0.0) -> None:
         """Fit the cost model to this step's measured times (`StepTiming.calibrate`, one small
         all-reduce over the job) and plan the next step with it."""
-        device = self.device if self.device is not None and self.device.type == "cuda" else None
+        device = comm_device(self.pool.job_group)
         self.hardware = self.timing.calibrate(
             plan, {t.task_id: t.total_s for t in stats.tasks}, wall_s, predicted_s, outside_s,
             hardware=self.hardware, world_size=self.world_size, group=self.pool.job_group,
@@ -403,7 +404,7 @@ class StepDriver:
                      bad_task: Optional[int]) -> tuple[float, dict[int, Optional[int]]]:
         """The loss of the global batch and the ranks with a non-finite one (`rank_losses`).
         Only after every rank's task loop: no collective may come between a rank's tasks."""
-        device = self.device if self.device is not None and self.device.type == "cuda" else None
+        device = comm_device(self.pool.world_group)
         return rank_losses(local_loss, bad_task, self.rank, self.world_size,
                            self.pool.world_group, device)
 

@@ -1,0 +1,69 @@
+"""The job's device for every collective the engines make (issue 46 items 1 and 12): NCCL
+refuses a host tensor where gloo, which every other test runs on, takes it. A collective double
+refuses any tensor not on the job's device (here ``meta`` stands for the GPU), and the code is
+run with `comm_device` answering that device."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+JOB = torch.device("meta")
+
+
+def _refusing_collectives(monkeypatch) -> list:
+    """``all_reduce`` that raises as NCCL would for a tensor off the job's device; records the
+    devices it was given."""
+    seen: list = []
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        seen.append(tensor.device)
+        if tensor.device != JOB:
+            raise RuntimeError(f"NCCL refuses a tensor on {tensor.device} (job device {JOB})")
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr("megatron_dcp.runtime.groups.comm_device", lambda group=None: JOB)
+    return seen
+
+
+def test_the_launchers_loss_report_is_reduced_on_the_job_device(monkeypatch):
+    """Item 1: `LMForwardBackward._log` summed the ``lm loss`` reports in a CPU tensor and
+    all-reduced it over data parallel: the first NCCL iteration of every launcher run."""
+    pytest.importorskip("megatron.core")
+    from megatron.core import parallel_state as ps
+
+    from megatron_dcp.megatron.lm import LMForwardBackward
+
+    seen = _refusing_collectives(monkeypatch)
+    monkeypatch.setattr(ps, "get_data_parallel_group", lambda *a, **k: None)
+    stub = types.SimpleNamespace(iteration=0, log_path=None)
+    reports = [{"lm loss": torch.tensor([3.0, 2.0], device=JOB)} for _ in range(2)]
+    LMForwardBackward._log(stub, reports)
+    assert seen == [JOB] and stub.iteration == 1
+
+
+def test_the_megatron_engines_nonfinite_check_runs_on_the_job_device(monkeypatch):
+    """Item 12: `MegatronStepEngine.finish` took the host when the first parameter's gradient
+    was ``None`` (a frozen or unused first parameter), and NCCL refuses its flags."""
+    from megatron_dcp.megatron import engine as engine_module
+
+    asked: list = []
+
+    def flags(grads, rank, world_size, group=None, device=None):
+        asked.append(device)
+        return {}
+
+    monkeypatch.setattr("megatron_dcp.runtime.groups.comm_device", lambda group=None: JOB)
+    monkeypatch.setattr("megatron_dcp.runtime.nonfinite.nonfinite_gradient_ranks", flags)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    first = torch.nn.Linear(2, 2)  # no gradient: the case that fell back to the host
+    second = torch.nn.Linear(2, 2)
+    second.weight.grad = torch.ones(2, 2)
+    stub = types.SimpleNamespace(chunks=[torch.nn.Sequential(first, second)],
+                                 _reduce=lambda: None)
+    assert engine_module.MegatronStepEngine.finish(stub) is None
+    assert asked == [JOB]
