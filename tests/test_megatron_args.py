@@ -24,11 +24,20 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None)
     p.add_argument("--overlap-grad-reduce", action="store_true")
     p.add_argument("--overlap-param-gather", action="store_true")
+    p.add_argument("--hidden-dropout", type=float, default=0.1)
+    p.add_argument("--fp8-format", dest="fp8", default=None)
+    p.add_argument("--fp4-format", dest="fp4", default=None)
+    p.add_argument("--tp-comm-overlap", action="store_true")
+    p.add_argument("--enable-cuda-graph", action="store_true")
+    p.add_argument("--cuda-graph-impl", default="none")
     return add_dcp_args(p)
 
 
 def parse(line: str) -> argparse.Namespace:
-    return megatron_like_parser().parse_args(line.split())
+    args = megatron_like_parser().parse_args(line.split())
+    if "--hidden-dropout" not in line:  # the tests' models: dropout off, as DCP needs
+        args.hidden_dropout = 0.0
+    return args
 
 
 def test_flags_are_generated_from_dcp_config():
@@ -58,6 +67,14 @@ def test_disabled_is_fine_but_knobs_without_dcp_fail():
     ("--dcp --calculate-per-token-loss --dcp-max-degree 8", "exceeds the DCP world size 4"),
     ("--dcp --calculate-per-token-loss --tensor-model-parallel-size 2 --dcp-attention-layout "
      "ulysses --dcp-max-degree 4 --num-attention-heads 4", "divisible by the degree"),
+    # issue 46: each would crash (or replay wrong shapes) at the first GPU micro-step
+    ("--dcp --calculate-per-token-loss --fp8-format hybrid", "--fp8-format: FP8 GEMMs need"),
+    ("--dcp --calculate-per-token-loss --fp4-format e2m1", "--fp4-format"),
+    ("--dcp --calculate-per-token-loss --tp-comm-overlap", "--tp-comm-overlap: its userbuffers"),
+    ("--dcp --calculate-per-token-loss --enable-cuda-graph", "--enable-cuda-graph: a CUDA graph"),
+    ("--dcp --calculate-per-token-loss --cuda-graph-impl local", "--cuda-graph-impl local"),
+    # issue 48: hidden dropout as attention dropout
+    ("--dcp --calculate-per-token-loss --hidden-dropout 0.1", "--hidden-dropout 0 .given 0.1"),
 ])
 def test_bad_combinations_fail_with_a_clear_message(line, message):
     with pytest.raises(DCPArgumentError, match=message):

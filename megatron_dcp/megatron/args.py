@@ -92,7 +92,13 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
                         f"{_get(args, 'attention_dropout')}; Megatron-LM's default is 0.1): "
                         "DCP splits a sequence's attention over ranks per the plan, so a random "
                         "dropout stream there would depend on the plan")
+    if (_get(args, "hidden_dropout", 0.0) or 0.0) > 0:
+        problems.append(f"--dcp needs --hidden-dropout 0 (given {_get(args, 'hidden_dropout')}; "
+                        "Megatron-LM's default is 0.1): a token's dropout mask would come from "
+                        "a random stream that depends on which rank runs it and in which "
+                        "micro-step, so the update would depend on the plan")
     problems += _recompute_and_head_problems(args, config)
+    problems += fixed_shape_problems(args)
     problems += long_sequence_problems(args, config)
     from megatron_dcp.megatron.moe import moe_problems, moe_schedule
 
@@ -114,6 +120,36 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
     except DCPConfigError as err:
         raise DCPArgumentError(f"{err} (the data-parallel size)") from None
     return config
+
+_VARIABLE_SHAPES = ("DCP's shards change their token count every micro-step (a task's tokens "
+                    "over its ranks, padded to the tensor-parallel size only)")
+FIXED_SHAPE_FEATURES = (
+    ("fp8", "--fp8-format", "FP8 GEMMs need token counts that are multiples of 16 and FP8 "
+     "recompute needs Transformer Engine's own checkpoint; " + _VARIABLE_SHAPES),
+    ("fp4", "--fp4-format", "FP4 GEMMs need token counts that are multiples of 32; "
+     + _VARIABLE_SHAPES),
+    ("tp_comm_overlap", "--tp-comm-overlap", "its userbuffers are sized to --seq-length x "
+     "--micro-batch-size at start; " + _VARIABLE_SHAPES),
+    ("enable_cuda_graph", "--enable-cuda-graph", "a CUDA graph replays the shapes it captured; "
+     + _VARIABLE_SHAPES),
+    ("external_cuda_graph", "--external-cuda-graph", "a CUDA graph replays the shapes it "
+     "captured; " + _VARIABLE_SHAPES),
+)
+"""Megatron features that need the same shapes every micro-step: ``(argument, flag, why)``."""
+
+
+def fixed_shape_problems(args: argparse.Namespace) -> list[str]:
+    """FP8/FP4, TP communication overlap and CUDA graphs, refused by name: each would crash (or
+    replay wrong shapes) at the first micro-step of a GPU run, and none runs on a CPU to show
+    it."""
+    problems = [f"--dcp does not support {flag}: {why}" for name, flag, why in FIXED_SHAPE_FEATURES
+                if _get(args, name, None) not in (None, False, "", "none")]
+    impl = _get(args, "cuda_graph_impl", "none")
+    if impl not in (None, "none"):
+        problems.append(f"--dcp does not support --cuda-graph-impl {impl}: a CUDA graph replays "
+                        f"the shapes it captured; {_VARIABLE_SHAPES}")
+    return problems
+
 
 def _recompute_and_head_problems(args: argparse.Namespace, config: DCPConfig) -> list[str]:
     """Megatron recompute flags DCP cannot drive per task, and Ulysses degrees heads refuse."""
