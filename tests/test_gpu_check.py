@@ -10,6 +10,7 @@ import time
 import zipfile
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.py")
@@ -178,3 +179,44 @@ def test_wheels_installed_without_network(tmp_path):
     info, value = json.loads(res.stdout.strip().splitlines()[-1])
     assert value == 42 and info["wheels"] == ["dcp_wheel_probe-0.1-py3-none-any.whl"]
     assert info["pip_exit"] == 0 or info.get("unpacked")
+
+
+def test_the_megatron_section_moves_ropes_inv_freq_before_the_checked_window():
+    """Issue 46 item 4: megatron-core's RoPE keeps ``inv_freq`` as a plain attribute, which
+    ``.to(device)`` leaves on the host under ``use_cpu_initialization``; read by the first
+    forward inside the sync-checked window, it failed the section on every GPU. ``meta`` stands
+    for the GPU here."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    sys.path.insert(0, ROOT)
+    try:
+        from tools import gpu_check
+    finally:
+        sys.path.remove(ROOT)
+    gpu = torch.device("meta")
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    assert gpu_check.off_device(rope.to(gpu), gpu) == ["inv_freq"]  # what .to() leaves behind
+    assert gpu_check.off_device(gpu_check.model_to(rope, gpu), gpu) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
+def test_without_a_gpu_it_says_so_and_fails_unless_the_cpu_mode_is_asked_for(tmp_path):
+    """Issue 48 item 7: without a GPU the check reported every section PASS, status 0. Now it
+    stops at once, says why on its first line, status 3; ``--device cpu`` is the CPU mode, and
+    every report lists what one GPU cannot check."""
+    out = tmp_path / "gpu_check.json"
+    res = subprocess.run([sys.executable, SCRIPT, "--out", str(out)], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert res.stdout.splitlines()[0].startswith("[gpu_check] no GPU here")
+    assert not out.exists()
+    code, report, output = run_check(tmp_path, "--skip", *[s for s in SECTIONS_ALL
+                                                           if s != "environment"])
+    assert code == 0 and report["gpu_checked"] is False
+    assert any("NCCL between ranks" in line for line in report["not_run_needs_more_gpus"])
+    assert "CPU mode: no GPU path was checked" in output
+
+
+SECTIONS_ALL = ("environment", "exactness", "ring", "throughput", "run_plan", "memory",
+                "long_sequences", "megatron", "hf", "deepspeed", "calibration", "profile")

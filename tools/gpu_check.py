@@ -828,6 +828,31 @@ def _host_link_bandwidth(dev, nbytes: int) -> float:
     return 2 * half / max(seconds, 1e-9)
 
 
+def off_device(model: torch.nn.Module, dev: torch.device) -> list[str]:
+    """Names of ``model``'s tensors not on ``dev``: parameters, buffers and plain tensor
+    attributes (megatron-core's RoPE keeps ``inv_freq`` as an attribute, which ``.to`` leaves on
+    the host under ``use_cpu_initialization``: the first forward copies it from pageable memory,
+    a host sync inside the checked window)."""
+    names = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+             if t.device != dev]
+    for prefix, module in model.named_modules():
+        names += [f"{prefix}.{k}".lstrip(".") for k, v in vars(module).items()
+                  if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)
+                  and v.device != dev]
+    return names
+
+
+def model_to(model: torch.nn.Module, dev: torch.device) -> torch.nn.Module:
+    """``model.to(dev)`` with its plain tensor attributes too (`off_device`)."""
+    model = model.to(dev)
+    for module in model.modules():
+        for k, v in list(vars(module).items()):
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter) \
+                    and v.device != dev:
+                setattr(module, k, v.to(dev))
+    return model
+
+
 def section_megatron(ctx) -> dict:
     """A megatron-core GPTModel (DCP spec) through DCPForwardBackward, recompute 0 vs all."""
     try:
@@ -867,7 +892,10 @@ def section_megatron(ctx) -> dict:
             bias_dropout_fusion=False, calculate_per_token_loss=True)
         model = GPTModel(cfg, get_gpt_layer_dcp_spec(), vocab_size=vocab,
                          max_sequence_length=max(lengths), position_embedding_type="rope")
-        model = model.to(dev)
+        model = model_to(model, dev)
+        stray = off_device(model, dev)
+        if stray:  # read inside the checked window, they would be host syncs
+            raise SectionFailure(f"model tensors not on {dev}: {', '.join(stray[:5])}", {})
         ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(), module=model)
 
         def loss_func(loss_mask, output):
@@ -1214,10 +1242,26 @@ def run_section(name: str, fn: Callable, ctx: dict, limit: float, state: dict) -
     return entry
 
 
+NEEDS_MORE_GPUS = (
+    "NCCL between ranks: Ulysses all-to-all, ring P2P and the gradient reduction over GPUs "
+    "(one GPU runs world size 1 only)",
+    "communicator memory per process group of the vocabulary, at 8+ ranks",
+    "offload copies under concurrent NCCL traffic on other streams",
+    "the Megatron-LM launcher's data path and MoE all-to-alls across GPUs",
+)
+"""What this one-GPU check cannot run: listed in every report (``not_run_needs_more_gpus``)."""
+
+NO_GPU_STATUS = 3
+"""Exit status when no GPU is there and ``--device cpu`` was not asked for."""
+
+
 def main(argv=None) -> int:
     """Run the sections, print the summary, write the JSON report."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None,
+                   help="cuda (default where a GPU is); cpu: the CPU mode, a self-test of the "
+                        "checks that checks no GPU path (asked for by name: without a GPU and "
+                        "without it, the check stops, status 3)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "float64"], default=None,
                    help="of the model sections; default: bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--kernel-dtypes", default=None,
@@ -1236,9 +1280,17 @@ def main(argv=None) -> int:
                         "sync-checked sections must fail)")
     p.add_argument("--hardware-name", default=None, help="default: h200 on CUDA, cpu otherwise")
     args = p.parse_args(argv)
+    if args.device is None and not torch.cuda.is_available():
+        print("[gpu_check] no GPU here (torch.cuda.is_available() is False): nothing was "
+              "checked. Run it on a GPU machine, or give --device cpu for the CPU mode (a "
+              "self-test of the checks, not a check of any GPU path)", flush=True)
+        return NO_GPU_STATUS
+    if args.device is not None and torch.device(args.device).type == "cpu":
+        print("[gpu_check] CPU mode: a self-test of the checks; no GPU path (CUDA kernels, "
+              "NCCL, pinned copies) is checked", flush=True)
     t_start = time.monotonic()
     wheels = install_wheels(args.wheels) if args.wheels else None
-    dev = torch.device(args.device)
+    dev = torch.device(args.device or "cuda")
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         torch.cuda.set_device(dev)
@@ -1253,7 +1305,8 @@ def main(argv=None) -> int:
            "hardware_name": args.hardware_name or ("h200" if dev.type == "cuda" else "cpu")}
     report = _Report(args.out, {
         "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])]),
-        "budget_s": args.budget, "wheels": wheels, "sections": {}})
+        "budget_s": args.budget, "wheels": wheels, "gpu_checked": dev.type == "cuda",
+        "not_run_needs_more_gpus": list(NEEDS_MORE_GPUS), "sections": {}})
     state: dict = {}
     threading.Thread(target=_watchdog, args=(report, state), daemon=True).start()
     deadline = t_start + args.budget
@@ -1282,6 +1335,10 @@ def main(argv=None) -> int:
     print(report.write())
     summary = report.data["summary"]
     print("[gpu_check] summary: " + ", ".join(f"{n} {s}" for n, s in summary.items()))
+    print("[gpu_check] not run (they need more than one GPU): "
+          + "; ".join(NEEDS_MORE_GPUS), flush=True)
+    if dev.type != "cuda":
+        print("[gpu_check] CPU mode: no GPU path was checked", flush=True)
     return 1 if "FAIL" in summary.values() else 0
 
 
