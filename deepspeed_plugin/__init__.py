@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 from datetime import timedelta
 from typing import Any, Optional, Sequence
+
+import torch
 
 from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_config_from,
                                      load_ds_config,
@@ -74,7 +77,9 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
 
     if model is None:
         raise ValueError("deepspeed_plugin.initialize requires a model")
-    use_expandable_segments()  # before CUDA initialises: shapes change every micro-step
+    said = use_expandable_segments()  # shapes change every micro-step: segments that grow
+    if said and torch.cuda.is_available() and os.environ.get("RANK", "0") == "0":
+        print(f"[dcp] {said}", flush=True)
     ds_config = load_ds_config(config if config is not None or args is None
                                else getattr(args, "deepspeed_config", None))
     dcp = dcp_config if dcp_config is not None else dcp_config_from(ds_config, args)

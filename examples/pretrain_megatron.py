@@ -181,8 +181,10 @@ def init_distributed(args) -> None:
 
     from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
 
-    use_expandable_segments()  # before CUDA initialises: shapes change every micro-step
+    said = use_expandable_segments()  # before CUDA initialises: shapes change every micro-step
     cuda = torch.cuda.is_available()
+    if said and cuda and os.environ.get("RANK", "0") == "0":
+        print(f"[dcp] {said}", flush=True)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:

@@ -141,3 +141,43 @@ def test_expandable_segments_default(monkeypatch):
     import os
 
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
+def test_expandable_segments_set_on_a_running_allocator():
+    """Issue 46 item 7: called after CUDA started (the plugin runs after the user's script
+    touched the GPU), the variable alone does nothing: the running allocator is set too."""
+    import types
+
+    settings: list = []
+    up = types.SimpleNamespace(is_initialized=lambda: True, memory=types.SimpleNamespace(
+        _set_allocator_settings=settings.append))
+    said = use_expandable_segments({}, cuda=up)
+    assert settings == ["expandable_segments:True"] and "running allocator" in said
+    down = types.SimpleNamespace(is_initialized=lambda: False, memory=up.memory)
+    assert "before CUDA started" in use_expandable_segments({}, cuda=down)
+    assert settings == ["expandable_segments:True"]
+    assert use_expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "x"}, cuda=up) == ""
+    assert settings == ["expandable_segments:True"]  # the user's own setting: left alone
+
+
+def test_the_launcher_asks_for_expandable_segments_before_the_script_runs(monkeypatch,
+                                                                          tmp_path):
+    """Issue 46 item 7: the Megatron-LM launcher never asked; on CUDA with ``--dcp`` it sets
+    them before the script's first CUDA call (here a stand-in CUDA: the script reads the
+    variable)."""
+    import os
+
+    from megatron_dcp.megatron import run
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("megatron_dcp.megatron.lm.enable_dcp", lambda: None)
+    seen = tmp_path / "seen.txt"
+    script = tmp_path / "script.py"
+    script.write_text(f"import os\nopen({str(seen)!r}, 'w').write("
+                      "os.environ.get('PYTORCH_CUDA_ALLOC_CONF', ''))\n")
+    monkeypatch.setattr("sys.argv", list(__import__("sys").argv))
+    assert run.main([str(script), "--dcp"]) == 0
+    assert seen.read_text() == "expandable_segments:True"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
