@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 from datetime import timedelta
 from typing import Any, Optional, Sequence
-
-import torch
 
 from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_config_from,
                                      load_ds_config,
@@ -32,7 +29,7 @@ from deepspeed_plugin.engine import (DCPEngine, LossFn, StepResult, check_takes_
                                      check_takes_task, token_loss)
 from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.integrations import hf
-from megatron_dcp.runtime.allocator import use_expandable_segments
+from megatron_dcp.runtime.allocator import expandable_segments_at_start
 from megatron_dcp.runtime.groups import before_init_process_group
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
@@ -77,9 +74,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
 
     if model is None:
         raise ValueError("deepspeed_plugin.initialize requires a model")
-    said = use_expandable_segments()  # shapes change every micro-step: segments that grow
-    if said and torch.cuda.is_available() and os.environ.get("RANK", "0") == "0":
-        print(f"[dcp] {said}", flush=True)
+    expandable_segments_at_start()  # shapes change every micro-step: segments that grow
     ds_config = load_ds_config(config if config is not None or args is None
                                else getattr(args, "deepspeed_config", None))
     dcp = dcp_config if dcp_config is not None else dcp_config_from(ds_config, args)

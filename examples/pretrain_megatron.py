@@ -53,7 +53,7 @@ from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
 from megatron_dcp.megatron.moe import add_moe_args
 from megatron_dcp.megatron.parallel import destroy_model_parallel
-from megatron_dcp.runtime.allocator import use_expandable_segments
+from megatron_dcp.runtime.allocator import expandable_segments_at_start
 from megatron_dcp.runtime.groups import before_init_process_group, destroy_process_groups
 from megatron_dcp.runtime.nonfinite import check_step
 from megatron_dcp.runtime.report import (TrainingLog, check_resume_point, peak_memory_mb,
@@ -181,10 +181,8 @@ def init_distributed(args) -> None:
 
     from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
 
-    said = use_expandable_segments()  # before CUDA initialises: shapes change every micro-step
+    expandable_segments_at_start()  # before CUDA initialises: shapes change every micro-step
     cuda = torch.cuda.is_available()
-    if said and cuda and os.environ.get("RANK", "0") == "0":
-        print(f"[dcp] {said}", flush=True)
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:

@@ -376,3 +376,20 @@ def test_long_module_check_counts_lines(tmp_path):
     (tmp_path / "megatron_dcp" / "sub" / "long.py").write_text("x = 1\n" * 501)
     assert long_modules(str(tmp_path), ("megatron_dcp",)) == [
         "megatron_dcp/sub/long.py (501 lines)"]
+
+
+def test_the_torch_floor_is_the_one_the_runtime_checks():
+    """Issue 46 item 11: pyproject allowed torch 2.1 while the runtime needs 2.5 (a uint64
+    flash state, the unpadded flash LSE): the floor and `MIN_TORCH` are one number, and an older
+    torch fails at import naming both versions."""
+    import re
+
+    from megatron_dcp.runtime import MIN_TORCH, check_torch
+
+    text = open(os.path.join(ROOT, "pyproject.toml")).read()
+    floor = re.search(r'"torch>=(\d+)\.(\d+)"', text)
+    assert floor and (int(floor[1]), int(floor[2])) == MIN_TORCH
+    with pytest.raises(ImportError, match=r"needs torch >= 2\.5; this is torch 2\.3\.1\+cu121"):
+        check_torch("2.3.1+cu121")
+    check_torch("2.5.0")
+    check_torch("2.13.0+cpu")

@@ -87,16 +87,7 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
                         "batch")
     if _get(args, "overlap_param_gather", False):
         problems.append(OVERLAP_PARAM_GATHER_PROBLEM)
-    if (_get(args, "attention_dropout", 0.0) or 0.0) > 0:
-        problems.append(f"--dcp needs --attention-dropout 0 (given "
-                        f"{_get(args, 'attention_dropout')}; Megatron-LM's default is 0.1): "
-                        "DCP splits a sequence's attention over ranks per the plan, so a random "
-                        "dropout stream there would depend on the plan")
-    if (_get(args, "hidden_dropout", 0.0) or 0.0) > 0:
-        problems.append(f"--dcp needs --hidden-dropout 0 (given {_get(args, 'hidden_dropout')}; "
-                        "Megatron-LM's default is 0.1): a token's dropout mask would come from "
-                        "a random stream that depends on which rank runs it and in which "
-                        "micro-step, so the update would depend on the plan")
+    problems += _dropout_problems(args)
     problems += _recompute_and_head_problems(args, config)
     problems += fixed_shape_problems(args)
     problems += long_sequence_problems(args, config)
@@ -120,6 +111,22 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
     except DCPConfigError as err:
         raise DCPArgumentError(f"{err} (the data-parallel size)") from None
     return config
+
+def _dropout_problems(args: argparse.Namespace) -> list[str]:
+    """Attention and hidden dropout (Megatron-LM's defaults: 0.1): refused above 0."""
+    problems = []
+    if (_get(args, "attention_dropout", 0.0) or 0.0) > 0:
+        problems.append(f"--dcp needs --attention-dropout 0 (given "
+                        f"{_get(args, 'attention_dropout')}; Megatron-LM's default is 0.1): "
+                        "DCP splits a sequence's attention over ranks per the plan, so a random "
+                        "dropout stream there would depend on the plan")
+    if (_get(args, "hidden_dropout", 0.0) or 0.0) > 0:
+        problems.append(f"--dcp needs --hidden-dropout 0 (given {_get(args, 'hidden_dropout')}; "
+                        "Megatron-LM's default is 0.1): a token's dropout mask would come from "
+                        "a random stream that depends on which rank runs it and in which "
+                        "micro-step, so the update would depend on the plan")
+    return problems
+
 
 _VARIABLE_SHAPES = ("DCP's shards change their token count every micro-step (a task's tokens "
                     "over its ranks, padded to the tensor-parallel size only)")

@@ -54,11 +54,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         args = cpu_arguments(args)
         enable_lm_cpu()
     elif "--dcp" in args:  # before the script's first CUDA call: shapes change every micro-step
-        from megatron_dcp.runtime.allocator import use_expandable_segments
+        from megatron_dcp.runtime.allocator import expandable_segments_at_start
 
-        said = use_expandable_segments()
-        if said and os.environ.get("RANK", "0") == "0":
-            print(f"[dcp] {said}", flush=True)
+        expandable_segments_at_start()
     if "--dcp" in args:
         from megatron_dcp.megatron.lm import enable_dcp
 

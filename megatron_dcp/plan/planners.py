@@ -25,6 +25,7 @@ from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
 from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
 from megatron_dcp.plan.memory import assign_long_choices
 from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.plan.oversize import apply_oversize
 from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, padding_cost,
                                         simulate_pipeline, slot_costs, stage_model)
 from megatron_dcp.plan.pipeline_order import order_slots, shortest_candidate
@@ -33,7 +34,6 @@ from megatron_dcp.plan.schedule import memory_stage, schedule_for
 from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
 from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary
 from megatron_dcp.plan.workload import WorkloadError, validate_lengths
-from megatron_dcp.plan.units import size_text
 
 BASELINES = {"bucket": plan_bucket, "packed": plan_packed, "static": plan_static,
              "greedy-cp": plan_greedy_cp}
@@ -100,53 +100,6 @@ def pack_budget(config: DCPConfig, cm: CostModel) -> Optional[int]:
     """Token budget of a packed task: ``config.pack_tokens``, else the measured profile's best
     pack size (``Hardware.pack_tokens``: CPUs slow down on large packs), else none (presets)."""
     return config.pack_tokens if config.pack_tokens is not None else cm.hw.pack_tokens
-
-
-def _oversize(pctx: PlanContext, policy: str) -> list[int]:
-    """Apply the oversize policy: returns the skipped sequences (truncation is done in place)."""
-    sizes = pctx.vocab.sizes
-    top = sizes[-1]
-    mode = "none" if pctx.recompute_mode == "none" else "full"
-    cap = pctx.cm.memory_model.max_tokens(top, pctx.cm.model.num_layers if mode == "full" else 0)
-    step = pctx.cm.pad_multiple(top)
-    largest = (cap // step) * step
-    limit = pctx.cm.model.max_position
-    skipped = []
-    for i, n in enumerate(pctx.lengths):
-        too_long_model = limit is not None and n > limit
-        fits = not too_long_model and pctx.recompute_for(pctx.padded(n, top), top, mode) is not None
-        if fits:
-            continue
-        fit_len = min(largest, limit) if limit is not None else largest
-        frame = pctx.frame_tokens[i] if pctx.frame_tokens is not None else None
-        if policy == "truncate" and fit_len >= 1:
-            if frame is not None:  # whole frames; less than one frame: one partial frame
-                fit_len = fit_len // frame * frame if fit_len >= frame else fit_len
-                pctx.frame_tokens[i] = frame = min(frame, fit_len)
-            pctx.lengths[i] = fit_len
-            pctx.pairs[i] = pctx.cm.pairs_of(fit_len, frame)
-        elif policy == "skip":
-            skipped.append(i)
-        else:
-            budget = size_text(pctx.cm.memory_model.budget)
-            world = pctx.cm.world_size
-            token_cap = pctx.cm.memory_model.max_tokens_per_rank
-            within = f"{budget} per rank" + (f" and {token_cap} tokens per rank "
-                                             "(dcp.max_tokens_per_rank)" if token_cap else "")
-            why = (f"exceeds the model's max_position {limit}" if too_long_model else
-                   f"fits no group of at most {top} ranks in {within}" +
-                   (f" (the DCP world has {world} rank{'s' * (world != 1)})"
-                    if top >= world else ""))
-            video = f" ({n // frame} frames of {frame} tokens)" if frame else ""
-            more = "max_degree" if top < world else "the data-parallel size (DCP world)"
-            raise_what = ("dcp.max_tokens_per_rank, " if token_cap else "") + \
-                "the memory budget, the ZeRO stage or " + more
-            raise PlanError(
-                f"sequence {i} has {n} tokens{video} and {why}; the largest length that fits is "
-                f"{max(fit_len, 0)} tokens (set dcp.oversize to truncate or skip, raise "
-                f"{raise_what})"
-            )
-    return skipped
 
 
 def _frame_tokens(lengths: list[int], frame_tokens: Optional[Sequence[int]]
@@ -294,7 +247,7 @@ def _context(lengths: Sequence[int], world_size: int, model: ModelShape, config:
                        recompute_mode=config.recompute,
                        pack_tokens=pack_budget(config, cm), baseline_degree=baseline_degree,
                        frame_tokens=frames)
-    skipped = _oversize(pctx, config.oversize)
+    skipped = apply_oversize(pctx, config.oversize)
     skip = set(skipped)
     pctx.active = [i for i in range(len(clean)) if i not in skip]
     return pctx, skipped, zero_stage, schedule

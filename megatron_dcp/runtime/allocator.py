@@ -43,3 +43,12 @@ def use_expandable_segments(environ: Optional[MutableMapping[str, str]] = None,
         cuda.memory._set_allocator_settings(EXPANDABLE)
         return f"CUDA allocator: {EXPANDABLE} (set on the running allocator: CUDA was up)"
     return f"CUDA allocator: {EXPANDABLE} (PYTORCH_CUDA_ALLOC_CONF, before CUDA started)"
+
+
+def expandable_segments_at_start() -> None:
+    """`use_expandable_segments` for a front end at start, said on rank 0 of a CUDA job."""
+    said = use_expandable_segments()
+    import torch
+
+    if said and torch.cuda.is_available() and os.environ.get("RANK", "0") == "0":
+        print(f"[dcp] {said}", flush=True)
