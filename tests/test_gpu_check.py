@@ -200,6 +200,7 @@ def test_the_megatron_section_moves_ropes_inv_freq_before_the_checked_window():
     assert gpu_check.off_device(gpu_check.model_to(rope, gpu), gpu) == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU answer")
 def test_without_a_gpu_it_says_so_and_fails_unless_the_cpu_mode_is_asked_for(tmp_path):
     """Issue 48 item 7: without a GPU the check reported every section PASS, status 0. Now it
