@@ -51,7 +51,7 @@ def test_rotary_rows_follow_the_shard_positions():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_dcp.megatron.cpu import cpu_patches
-    from megatron_dcp.megatron.spec import DCPTaskParams
+    from megatron_dcp.megatron.spec import DCPTaskParams, rope_table_length
     from megatron_dcp.plan.plan import Task
     from megatron_dcp.runtime.context import TaskContext
     from megatron_dcp.runtime.layout import ShardLayout
@@ -64,7 +64,7 @@ def test_rotary_rows_follow_the_shard_positions():
         task = Task(id=0, ranks=(0, 1), seqs=(0, 1), ring=2, recompute_layers=2)
         params = DCPTaskParams.of(TaskContext(task=task, group_rank=1, layout=layout,
                                               recompute_layers=2))
-        assert params.max_seqlen_q == int(layout.position_ids.max()) + 1
+        assert params.max_seqlen_q == rope_table_length(int(layout.position_ids.max()) + 1)
         assert params.recompute_layers == 2
         table = params.rotary_rows(inner(params.max_seqlen_q))
         positions = layout.position_ids.clamp(min=0)
@@ -81,3 +81,39 @@ def test_a_model_without_the_dcp_layers_is_refused():
     with pytest.raises(TypeError, match="no DCPCoreAttention.*get_gpt_layer_dcp_spec"):
         check_model(torch.nn.Linear(2, 2))
     assert issubclass(DCPTransformerLayer, torch.nn.Module)
+
+
+def test_rope_tables_stay_few_over_a_hundred_varied_shards():
+    """Issue 46 item 3: each shard asked Megatron's ``RotaryEmbedding`` (an ``lru_cache`` of 32
+    tables on the GPU) for a table of its own length, so up to 32 tables of different sizes
+    stayed alive, uncounted. Rounded to powers of two, 100 varied shards keep at most one table
+    per power, together less than twice the largest."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_dcp.megatron.cpu import cpu_patches
+    from megatron_dcp.megatron.spec import rope_table_length
+
+    with cpu_patches():
+        _count_tables(RotaryEmbedding, rope_table_length)
+
+
+def _count_tables(RotaryEmbedding, rope_table_length) -> None:
+    import random
+
+    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)
+    RotaryEmbedding.forward.cache_clear()
+    draw = random.Random(3)
+    lengths = [draw.randint(1, 4096) for _ in range(100)]
+    tables = {}
+    for n in lengths:
+        table = rope(rope_table_length(n))
+        assert table.shape[0] >= n
+        tables[table.shape[0]] = table.numel() * table.element_size()
+    cached = RotaryEmbedding.forward.cache_info().currsize
+    assert cached <= 7 and len(tables) == cached  # 64, 128, ..., 4096
+    assert sum(tables.values()) < 2 * max(tables.values())
+    RotaryEmbedding.forward.cache_clear()
+    for n in lengths:  # the shard's own length: a table per length, up to the cache's 32
+        rope(n)
+    assert RotaryEmbedding.forward.cache_info().currsize == 32
+    RotaryEmbedding.forward.cache_clear()

@@ -24,11 +24,17 @@ q/k *before* core attention. A DCP shard's tokens are neither contiguous nor fro
   Megatron's own CP chunk order (chunks r and 2cp-r-1 per sequence), which is not DCP's layout;
 * applying RoPE inside core attention needs ``position_embedding_type='none'`` and duplicates
   Megatron's RoPE variants (base, percent, interleaving, scaling);
-* **chosen:** `DCPTaskParams` sets ``max_seqlen_q`` to the shard's largest position + 1, so
-  Megatron's own ``RotaryEmbedding`` builds the table of every position the shard holds, and
+* **chosen:** `DCPTaskParams` sets ``max_seqlen_q`` to the shard's largest position + 1
+  rounded up to a power of two (`rope_table_length`), so Megatron's own ``RotaryEmbedding``
+  builds the table of every position the shard holds, and
   `DCPTransformerLayer` hands its attention the rows of the shard's tokens (``layout.position_ids``,
   ``[T_local, 1, 1, dim]``); Megatron's bshd rotation applies row t to token t. The model runs in
-  bshd (batch 1) under DCP; the packing lives in the layout.
+  bshd (batch 1) under DCP; the packing lives in the layout. ``RotaryEmbedding.forward`` is an
+  ``lru_cache`` of 32 tables on the GPU: with a length per shard it kept up to 32 tables of
+  different sizes alive (at 128K positions, 64 MB each), which no memory model counts; rounded
+  to powers of two, the tables it keeps are at most one per power, together less than twice
+  the largest (`rope_table_length`): 128 MB at 128K positions and head dim 128, inside the
+  memory model's fixed reserve.
 
 Recompute depth. `DCPTransformerLayer` runs itself under Megatron's reentrant checkpoint
 (``tensor_parallel.checkpoint``, as Megatron's block recompute does per layer) when its index is
@@ -97,7 +103,7 @@ class DCPTaskParams(_packed_seq_params_class()):
         # position of the shard (host positions: no device sync); no cu_seqlens: the layout
         # describes the packing.
         host = task.layout.position_ids
-        n = int(host.max()) + 1 if host.numel() else 1
+        n = rope_table_length(int(host.max()) + 1 if host.numel() else 1)
         from megatron_dcp.runtime.offload import stash_for
 
         return cls(qkv_format="sbhd", max_seqlen_q=n, max_seqlen_kv=n, task=task,
@@ -115,6 +121,17 @@ class DCPTaskParams(_packed_seq_params_class()):
         if self.sp_pad:
             rows = torch.cat([rows, table[:1].expand(self.sp_pad, *table.shape[1:])])
         return rows
+
+
+ROPE_MIN_TABLE = 64
+"""The shortest rotary table `DCPTaskParams` asks for."""
+
+
+def rope_table_length(positions: int) -> int:
+    """Rows of the rotary table a shard asks Megatron for: its ``positions`` rounded up to a
+    power of two (at least `ROPE_MIN_TABLE`), so Megatron's cached tables are a handful of sizes
+    whose sum stays below twice the largest, not one per shard length."""
+    return max(ROPE_MIN_TABLE, 1 << max(0, int(positions) - 1).bit_length())
 
 
 def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernorm: bool = False,
