@@ -131,13 +131,39 @@ def preset_for_device_name(name: str) -> Optional[Hardware]:
 
 
 def _ranks_per_node(local_ranks: Optional[int], default: int) -> int:
-    """Processes per node on CUDA: the launcher's ``LOCAL_WORLD_SIZE``, else ``local_ranks``
-    (default: the preset's), at most the GPUs this process sees."""
+    """DCP ranks per node on CUDA: ``local_ranks`` (`ranks_per_node_of`: counted from the DCP
+    world's own hosts), else the launcher's ``LOCAL_WORLD_SIZE``, else the preset's, at most
+    the GPUs this process sees."""
+    if local_ranks is not None:
+        return max(1, int(local_ranks))
     env = os.environ.get("LOCAL_WORLD_SIZE")
     if env:
         return max(1, int(env))
-    wanted = local_ranks if local_ranks is not None else default
-    return max(1, min(int(wanted), torch.cuda.device_count() or int(wanted)))
+    return max(1, min(int(default), torch.cuda.device_count() or int(default)))
+
+
+def ranks_per_node_of(group: Any = None, hostname: Optional[str] = None) -> int:
+    """DCP ranks per node, counted from the hosts of ``group``'s ranks (the DCP world; one
+    all-gather of host names, at start): the fewest consecutive ranks on one host, or 1 where a
+    host's ranks are not consecutive. ``LOCAL_WORLD_SIZE`` counts the job's processes on a host,
+    which is not this under tensor or pipeline parallelism (TP 8: one DCP rank per node) nor
+    under launchers that give each process one GPU without it."""
+    import socket
+
+    me = hostname if hostname is not None else socket.gethostname()
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    hosts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, me, group=group)
+    runs: list[list] = []
+    for host in hosts:
+        if runs and runs[-1][0] == host:
+            runs[-1][1] += 1
+        else:
+            runs.append([host, 1])
+    if len({host for host, _ in runs}) != len(runs):  # a host's ranks are not one block
+        return 1
+    return min(count for _, count in runs)
 
 
 def _agreed_rate(rate: float, device: torch.device, group: Any) -> float:

@@ -34,7 +34,7 @@ from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.runtime.executor import PlanWork, Shard, StepStats
 from megatron_dcp.runtime.groups import comm_device
-from megatron_dcp.runtime.hardware_auto import detect_hardware
+from megatron_dcp.runtime.hardware_auto import detect_hardware, ranks_per_node_of
 from megatron_dcp.runtime.liveness import names_unresponsive_ranks, start_responder
 from megatron_dcp.runtime.nonfinite import (check_step, describe_ranks, first_nonfinite_task,
                                             rank_losses)
@@ -157,9 +157,9 @@ class StepDriver:
         if self.config.hardware.lower() != AUTO:
             return load_hardware(self.config.hardware)
         group = getattr(self.pool, "job_group", None) if self.pool is not None else None
-        # processes sharing this host: the launcher's count, else (a CPU run) the DCP world
-        local = os.environ.get("LOCAL_WORLD_SIZE") or (self.world_size if self.pool else 1)
-        return detect_hardware(self.device, group=group, local_ranks=int(local))
+        # DCP ranks sharing a host, counted from the DCP world's own hosts
+        local = ranks_per_node_of(self.pool.world_group) if self.pool is not None else 1
+        return detect_hardware(self.device, group=group, local_ranks=local)
 
     @property
     def rank(self) -> int:
