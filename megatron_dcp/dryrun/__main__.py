@@ -1,0 +1,153 @@
+"""``dcp-dry-run`` / ``python -m megatron_dcp.dryrun``: every rank of a real-size DCP job, one
+after another on this CPU, on the meta device under torch's fake process group.
+
+    dcp-dry-run --gpus 64 --gpus-per-node 8 --model llama-7b --corpus --ranks all --json dry.json
+    dcp-dry-run --gpus 1024 --model llama-7b --lengths lengths.txt --ranks 0,511,1023
+
+Each rank plans the batch as training would and runs its step through DCP's runtime
+(`megatron_dcp.dryrun.runtime_rank`); its collectives are recorded and checked against every
+other rank's (`megatron_dcp.dryrun.record.check_consistency`). The exit status is 0 only when
+every group's members issued the same collectives, no host tensor reached a collective and every
+rank's step ran. Printed: a table per rank; ``--json``: the whole report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Optional
+
+from megatron_dcp.config import DCPConfig, output_file
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dcp-dry-run", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=16, help="DCP world size (default 16)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: "
+                   "the hardware preset's)")
+    p.add_argument("--model", default="llama-7b", help="model preset or ModelShape JSON")
+    p.add_argument("--layers", type=int, default=2, help="layers to run (default 2: a layer's "
+                   "collectives repeat; the planner plans the model given with this many)")
+    p.add_argument("--hardware", default="h200", help="hardware preset or profile JSON")
+    p.add_argument("--engine", default="runtime", choices=("runtime",),
+                   help="runtime: DCP's step driver with the reference decoder (Megatron-core "
+                        "and DeepSpeed: not yet, see docs/DRYRUN.md)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", help="file: one token count per line, or a Megatron .idx")
+    src.add_argument("--corpus", action="store_true",
+                     help="the embedded corpus's documents (default)")
+    p.add_argument("--global-batch-tokens", type=int, default=None,
+                   help="tokens of the batch (default: 8192 per rank)")
+    p.add_argument("--max-len", type=int, default=32768, help="longest sequence")
+    p.add_argument("--seed", type=int, default=0, help="which documents of the corpus")
+    p.add_argument("--memory-budget-gb", type=float, default=None)
+    p.add_argument("--max-tokens-per-rank", type=int, default=None)
+    p.add_argument("--ranks", default="all", help="all, or a comma list of ranks")
+    p.add_argument("--no-create-groups", action="store_true",
+                   help="skip the start-up creation and warming of the vocabulary's groups")
+    p.add_argument("--json", type=output_file, default=None, help="write the report here")
+    return p.parse_args(argv)
+
+
+def batch_lengths(args: argparse.Namespace) -> list[int]:
+    """The global batch's sequence lengths."""
+    import random
+
+    from megatron_dcp.plan.workload import read_idx_lengths, read_lengths_file
+
+    budget = args.global_batch_tokens or 8192 * args.gpus
+    if args.lengths:
+        pool = (read_idx_lengths(args.lengths) if args.lengths.endswith(".idx")
+                else read_lengths_file(args.lengths))
+    else:
+        from megatron_dcp.data.datasets import embedded_corpus_texts
+
+        pool = [len(t.encode("utf-8")) + 1 for t in embedded_corpus_texts()]
+    pool = [min(int(n), args.max_len) for n in pool if n > 1]
+    order = list(range(len(pool)))
+    random.Random(args.seed).shuffle(order)
+    out, total = [], 0
+    for i in order * (1 + budget // max(1, sum(pool))):
+        if total >= budget:
+            break
+        n = min(pool[i], budget - total)
+        if n > 1:
+            out.append(n)
+            total += n
+    return out
+
+
+def run(args: argparse.Namespace, **controls: Any) -> dict[str, Any]:
+    """The report of a dry run (see the module doc); ``controls``: `RankJob`'s negative
+    controls."""
+    from megatron_dcp.dryrun.record import check_consistency
+    from megatron_dcp.dryrun.runtime_rank import RankJob, layers_run, run_rank, sample_ranks
+    from megatron_dcp.plan import load_model
+
+    config = DCPConfig(enabled=True, hardware=args.hardware, calibration="off",
+                       memory_budget_gb=args.memory_budget_gb,
+                       max_tokens_per_rank=args.max_tokens_per_rank,
+                       ranks_per_node=args.gpus_per_node)
+    job = RankJob(shape=layers_run(load_model(args.model), args.layers),
+                  lengths=batch_lengths(args), world_size=args.gpus, config=config,
+                  hardware=args.hardware, create_groups=not args.no_create_groups, **controls)
+    ranks = list(sample_ranks(args.gpus, args.ranks))
+    results, start = [], time.perf_counter()
+    for i, rank in enumerate(ranks):
+        results.append(run_rank(job, rank))
+        _progress(i + 1, len(ranks), start)
+    mismatches = check_consistency({r["rank"]: r["calls"] for r in results})
+    report = {
+        "consistent": not mismatches, "mismatches": mismatches,
+        "world_size": args.gpus, "model": args.model, "layers": job.shape.num_layers,
+        "sequences": len(job.lengths), "tokens": sum(job.lengths),
+        "ranks": [{"rank": r["rank"], "collectives": len(r["calls"]),
+                   "predicted_bytes": r["predicted_bytes"], "peak_bytes": None,
+                   "cpu_tensors": r["cpu_tensors"], "host_syncs": r["host_syncs"],
+                   "bytes_received": r["bytes_received"], "seconds": r["seconds"],
+                   "error": r["error"]} for r in results]}
+    report["ok"] = (report["consistent"] and not any(r["cpu_tensors"] or r["error"]
+                                                     for r in report["ranks"]))
+    return report
+
+
+def _progress(done: int, total: int, start: float) -> None:
+    width = 30
+    filled = width * done // total
+    rate = (time.perf_counter() - start) / done
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] rank {done}/{total} "
+          f"({rate:.1f} s a rank)", end="" if done < total else "\n", file=sys.stderr,
+          flush=True)
+
+
+def print_table(report: dict[str, Any]) -> None:
+    print(f"dry run: {report['world_size']} ranks, {report['model']} ({report['layers']} "
+          f"layers), {report['sequences']} sequences, {report['tokens']} tokens")
+    print(f"{'rank':>5} {'calls':>6} {'predicted GiB':>14} {'host syncs':>10} "
+          f"{'object KiB':>10} {'s':>6}  error")
+    for r in report["ranks"]:
+        pred = f"{r['predicted_bytes'] / 2**30:.2f}" if r["predicted_bytes"] else "-"
+        print(f"{r['rank']:>5} {r['collectives']:>6} {pred:>14} "
+              f"{sum(r['host_syncs'].values()):>10} {r['bytes_received'] / 1024:>10.1f} "
+              f"{r['seconds']:>6.2f}  {r['error'][:60]}")
+    print(f"consistent: {report['consistent']} ({len(report['mismatches'])} mismatches); "
+          f"host tensors in collectives: {sum(r['cpu_tensors'] for r in report['ranks'])}")
+    for m in report["mismatches"][:3]:
+        print("  first mismatch:", json.dumps(m)[:400])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    print_table(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""One rank of a real-size job through DCP's runtime (`StepDriver`, `PlanWork`, the group pool,
+Ulysses and ring attention, recompute, the gradient reduction), on the meta device under the
+fake process group (`megatron_dcp.dryrun.record`).
+
+The model is the project's reference decoder (`megatron_dcp.models.decoder`) at the job's real
+width in bf16, built on meta (no memory, no compute); ``layers`` may be fewer than the model's
+(a layer's collectives and memory repeat). The planner plans the real batch as training does
+(the same `DCPConfig`, cost model and vocabulary); the rank runs its own tasks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megatron_dcp.config import DCPConfig
+from megatron_dcp.dryrun.record import JOB_DEVICE, FakeJob
+from megatron_dcp.plan.model import ModelShape
+
+
+@dataclasses.dataclass
+class RankJob:
+    """What every rank of the dry run shares."""
+
+    shape: ModelShape
+    """The model as the planner sees it (``num_layers``: the layers run)."""
+    lengths: list[int]
+    world_size: int
+    config: DCPConfig
+    hardware: str = "h200"
+    create_groups: bool = True
+    """Create and warm the vocabulary's groups at start, as the engines do."""
+    drop_call: Optional[tuple[int, int]] = None
+    """Negative control: ``(rank, index)``: that rank skips its index-th collective."""
+    cpu_tensor_at: Optional[int] = None
+    """Negative control: this rank hands a host tensor to its gradient reduction."""
+
+
+def _model(shape: ModelShape) -> torch.nn.Module:
+    from megatron_dcp.models.decoder import Decoder, DecoderConfig
+
+    cfg = DecoderConfig(vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+                        num_layers=shape.num_layers, num_heads=shape.num_heads,
+                        num_kv_heads=shape.num_kv_heads, ffn_hidden_size=shape.ffn_hidden_size,
+                        max_position=max(shape.max_position or 0, 1 << 22),
+                        tie_embeddings=shape.tied_embeddings)
+    with torch.device(JOB_DEVICE):
+        return Decoder(cfg).to(torch.bfloat16)
+
+
+def _engine(model: torch.nn.Module, pool: Any, job: RankJob, rank: int) -> Any:
+    from megatron_dcp.runtime.executor import reduce_gradients
+    from megatron_dcp.runtime.step_engine import StepEngine
+
+    class Engine(StepEngine):
+        def forward_loss(self, shard, per_token: bool) -> torch.Tensor:
+            return model.loss(shard.input_ids, shard.position_ids, shard.labels,
+                              reduction="none" if per_token else "sum", task=shard.task)
+
+        def backward(self, loss: torch.Tensor, last: bool) -> None:
+            loss.backward()
+
+        def finish(self) -> None:
+            params = list(model.parameters())
+            if job.cpu_tensor_at == rank:  # negative control: a host tensor to the reduction
+                params[0].grad = torch.zeros(params[0].shape, dtype=params[0].dtype)
+            reduce_gradients(params, pool.world_group)
+
+    return Engine()
+
+
+def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
+    """Dry-run ``rank``'s step; its calls, host reads, data movement, memory and seconds."""
+    from megatron_dcp.runtime.groups import GroupPool
+    from megatron_dcp.runtime.step import StepDriver
+
+    start = time.perf_counter()
+    out: dict[str, Any] = {"rank": rank}
+    with FakeJob(job.world_size, rank) as fake:
+        model = _model(job.shape)
+        with fake.recording():
+            pool = GroupPool()
+            driver = StepDriver(job.config, pool=pool, model_shape=job.shape,
+                                hardware=job.hardware, device=JOB_DEVICE)
+            if job.create_groups:
+                driver.create_groups(job.lengths)
+            batch = [torch.zeros(n, dtype=torch.long) for n in job.lengths]
+            error = ""
+            try:
+                driver.step(_engine(model, pool, job, rank), batch)
+            except Exception as exc:  # noqa: BLE001 - reported per rank, with the record so far
+                error = f"{type(exc).__name__}: {exc}"
+        calls = list(fake.recorder.calls)
+        if job.drop_call is not None and job.drop_call[0] == rank:
+            del calls[job.drop_call[1]]
+        out.update(calls=calls, host_syncs=dict(fake.host_reads.sites),
+                   bytes_received=fake.recorder.object_bytes,
+                   cpu_tensors=len(fake.recorder.device_errors), error=error,
+                   predicted_bytes=_predicted(job, rank))
+    out["seconds"] = round(time.perf_counter() - start, 3)
+    return out
+
+
+def _predicted(job: RankJob, rank: int) -> Optional[float]:
+    """The planner's peak bytes (static included) of this rank's largest task of the plan."""
+    from megatron_dcp.plan import build_cost_model, make_plan
+
+    cm = build_cost_model(job.shape, job.config, job.world_size, job.hardware, 1)
+    plan = make_plan(job.lengths, world_size=job.world_size, model=job.shape, config=job.config,
+                     cost_model=cm)
+    mine = [t for t in plan.tasks if rank in t.ranks]
+    return max((cm.memory_model.task_memory(t, plan.lengths) for t in mine), default=None)
+
+
+def layers_run(shape: ModelShape, layers: Optional[int]) -> ModelShape:
+    """``shape`` with ``layers`` layers (all when None)."""
+    return shape if layers is None else dataclasses.replace(shape, num_layers=int(layers))
+
+
+def sample_ranks(world_size: int, spec: str) -> Sequence[int]:
+    """``all``, or a comma list of ranks."""
+    if spec == "all":
+        return range(world_size)
+    ranks = sorted({int(r) for r in spec.split(",") if r.strip()})
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"--ranks {spec}: {bad} outside 0..{world_size - 1}")
+    return ranks
