@@ -30,8 +30,8 @@ def test_megatron_extra_picks_the_version_by_python():
     from packaging.requirements import Requirement
 
     reqs = [Requirement(r) for r in _project()["project"]["optional-dependencies"]["megatron"]]
-    chosen = {py: [str(r.specifier) for r in reqs
-                   if r.marker is None or r.marker.evaluate({"python_version": py})]
+    chosen = {py: [str(r.specifier) for r in reqs if r.name == "megatron-core"
+                   and (r.marker is None or r.marker.evaluate({"python_version": py}))]
               for py in ("3.10", "3.11", "3.12", "3.13")}
     assert chosen == {"3.10": ["==0.16.1"], "3.11": ["==0.16.1"], "3.12": ["==0.19.2"],
                       "3.13": ["==0.19.2"]}
@@ -40,7 +40,8 @@ def test_megatron_extra_picks_the_version_by_python():
 def test_console_scripts_resolve(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     scripts = _project()["project"]["scripts"]
-    assert set(scripts) == {"dcp-simulate", "dcp-profile", "dcp-gpu-check", "dcp-build-dataset"}
+    assert set(scripts) == {"dcp-simulate", "dcp-profile", "dcp-gpu-check", "dcp-build-dataset",
+                            "dcp-dry-run"}
     for target in scripts.values():
         module, func = target.split(":")
         tool = module.replace("megatron_dcp_tools", "tools")  # the installed name of tools/

@@ -105,7 +105,8 @@ def run(args: argparse.Namespace, **controls: Any) -> dict[str, Any]:
         "world_size": args.gpus, "model": args.model, "layers": job.shape.num_layers,
         "sequences": len(job.lengths), "tokens": sum(job.lengths),
         "ranks": [{"rank": r["rank"], "collectives": len(r["calls"]),
-                   "predicted_bytes": r["predicted_bytes"], "peak_bytes": None,
+                   "predicted_bytes": r["predicted_bytes"], "peak_bytes": r["peak_bytes"],
+                   "peak_by_kind": r["peak_by_kind"],
                    "cpu_tensors": r["cpu_tensors"], "host_syncs": r["host_syncs"],
                    "bytes_received": r["bytes_received"], "seconds": r["seconds"],
                    "error": r["error"]} for r in results]}
@@ -126,11 +127,11 @@ def _progress(done: int, total: int, start: float) -> None:
 def print_table(report: dict[str, Any]) -> None:
     print(f"dry run: {report['world_size']} ranks, {report['model']} ({report['layers']} "
           f"layers), {report['sequences']} sequences, {report['tokens']} tokens")
-    print(f"{'rank':>5} {'calls':>6} {'predicted GiB':>14} {'host syncs':>10} "
+    print(f"{'rank':>5} {'calls':>6} {'peak GiB':>9} {'predicted':>9} {'host syncs':>10} "
           f"{'object KiB':>10} {'s':>6}  error")
     for r in report["ranks"]:
         pred = f"{r['predicted_bytes'] / 2**30:.2f}" if r["predicted_bytes"] else "-"
-        print(f"{r['rank']:>5} {r['collectives']:>6} {pred:>14} "
+        print(f"{r['rank']:>5} {r['collectives']:>6} {r['peak_bytes'] / 2**30:>9.2f} {pred:>9} "
               f"{sum(r['host_syncs'].values()):>10} {r['bytes_received'] / 1024:>10.1f} "
               f"{r['seconds']:>6.2f}  {r['error'][:60]}")
     print(f"consistent: {report['consistent']} ({len(report['mismatches'])} mismatches); "

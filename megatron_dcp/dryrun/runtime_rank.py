@@ -15,6 +15,7 @@ import time
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.dryrun.record import JOB_DEVICE, FakeJob
@@ -36,7 +37,8 @@ class RankJob:
     drop_call: Optional[tuple[int, int]] = None
     """Negative control: ``(rank, index)``: that rank skips its index-th collective."""
     cpu_tensor_at: Optional[int] = None
-    """Negative control: this rank hands a host tensor to its gradient reduction."""
+    """Negative control: this rank all-reduces a host tensor at the end of its step (what the
+    launcher's loss report did)."""
 
 
 def _model(shape: ModelShape) -> torch.nn.Module:
@@ -64,10 +66,11 @@ def _engine(model: torch.nn.Module, pool: Any, job: RankJob, rank: int) -> Any:
             loss.backward()
 
         def finish(self) -> None:
-            params = list(model.parameters())
-            if job.cpu_tensor_at == rank:  # negative control: a host tensor to the reduction
-                params[0].grad = torch.zeros(params[0].shape, dtype=params[0].dtype)
-            reduce_gradients(params, pool.world_group)
+            if job.cpu_tensor_at == rank:  # negative control: a loss report made on the host
+                import torch.distributed as dist
+
+                dist.all_reduce(torch.zeros(2, dtype=torch.float64), group=pool.world_group)
+            reduce_gradients(list(model.parameters()), pool.world_group)
 
     return Engine()
 
@@ -89,30 +92,39 @@ def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
                 driver.create_groups(job.lengths)
             batch = [torch.zeros(n, dtype=torch.long) for n in job.lengths]
             error = ""
+            tracker = MemTracker()
+            tracker.track_external(model)
             try:
-                driver.step(_engine(model, pool, job, rank), batch)
+                with tracker:
+                    driver.step(_engine(model, pool, job, rank), batch)
             except Exception as exc:  # noqa: BLE001 - reported per rank, with the record so far
                 error = f"{type(exc).__name__}: {exc}"
+        peak = tracker.get_tracker_snapshot("peak").get(JOB_DEVICE, {})
         calls = list(fake.recorder.calls)
         if job.drop_call is not None and job.drop_call[0] == rank:
             del calls[job.drop_call[1]]
+        by_kind = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
         out.update(calls=calls, host_syncs=dict(fake.host_reads.sites),
                    bytes_received=fake.recorder.object_bytes,
                    cpu_tensors=len(fake.recorder.device_errors), error=error,
-                   predicted_bytes=_predicted(job, rank))
+                   peak_bytes=by_kind.get("ACT", 0) + by_kind.get("TEMP", 0),
+                   peak_by_kind=by_kind, predicted_bytes=_predicted(job, rank))
     out["seconds"] = round(time.perf_counter() - start, 3)
     return out
 
 
 def _predicted(job: RankJob, rank: int) -> Optional[float]:
-    """The planner's peak bytes (static included) of this rank's largest task of the plan."""
+    """The planner's activation and temporary bytes (its peak less the static memory and the
+    reserve) of this rank's largest task: the scope of the measured `peak_bytes`."""
     from megatron_dcp.plan import build_cost_model, make_plan
 
     cm = build_cost_model(job.shape, job.config, job.world_size, job.hardware, 1)
     plan = make_plan(job.lengths, world_size=job.world_size, model=job.shape, config=job.config,
                      cost_model=cm)
+    mm = cm.memory_model
     mine = [t for t in plan.tasks if rank in t.ranks]
-    return max((cm.memory_model.task_memory(t, plan.lengths) for t in mine), default=None)
+    return max((mm.task_memory(t, plan.lengths) - mm.static_memory - mm.reserve
+                for t in mine), default=None)
 
 
 def layers_run(shape: ModelShape, layers: Optional[int]) -> ModelShape:
