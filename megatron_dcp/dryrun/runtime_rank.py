@@ -53,12 +53,14 @@ def _model(shape: ModelShape) -> torch.nn.Module:
         return Decoder(cfg).to(torch.bfloat16)
 
 
-def _engine(model: torch.nn.Module, pool: Any, job: RankJob, rank: int) -> Any:
+def _engine(model: torch.nn.Module, pool: Any, job: RankJob, rank: int,
+            tracker: MemTracker) -> Any:
     from megatron_dcp.runtime.executor import reduce_gradients
     from megatron_dcp.runtime.step_engine import StepEngine
 
     class Engine(StepEngine):
         def forward_loss(self, shard, per_token: bool) -> torch.Tensor:
+            tracker.reset_mod_stats()  # a module's per-call statistics: one call at a time
             return model.loss(shard.input_ids, shard.position_ids, shard.labels,
                               reduction="none" if per_token else "sum", task=shard.task)
 
@@ -84,19 +86,18 @@ def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": rank}
     with FakeJob(job.world_size, rank) as fake:
         model = _model(job.shape)
-        with fake.recording():
+        tracker = MemTracker()  # outside the recorder: the recorder sees every call first
+        tracker.track_external(model)
+        error = ""
+        with tracker, fake.recording():
             pool = GroupPool()
             driver = StepDriver(job.config, pool=pool, model_shape=job.shape,
                                 hardware=job.hardware, device=JOB_DEVICE)
             if job.create_groups:
                 driver.create_groups(job.lengths)
             batch = [torch.zeros(n, dtype=torch.long) for n in job.lengths]
-            error = ""
-            tracker = MemTracker()
-            tracker.track_external(model)
             try:
-                with tracker:
-                    driver.step(_engine(model, pool, job, rank), batch)
+                driver.step(_engine(model, pool, job, rank, tracker), batch)
             except Exception as exc:  # noqa: BLE001 - reported per rank, with the record so far
                 error = f"{type(exc).__name__}: {exc}"
         peak = tracker.get_tracker_snapshot("peak").get(JOB_DEVICE, {})
