@@ -96,8 +96,9 @@ def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
             if job.create_groups:
                 driver.create_groups(job.lengths)
             batch = [torch.zeros(n, dtype=torch.long) for n in job.lengths]
+            plan = None
             try:
-                driver.step(_engine(model, pool, job, rank, tracker), batch)
+                plan = driver.step(_engine(model, pool, job, rank, tracker), batch).plan
             except Exception as exc:  # noqa: BLE001 - reported per rank, with the record so far
                 error = f"{type(exc).__name__}: {exc}"
         peak = tracker.get_tracker_snapshot("peak").get(JOB_DEVICE, {})
@@ -109,19 +110,21 @@ def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
                    bytes_received=fake.recorder.object_bytes,
                    cpu_tensors=len(fake.recorder.device_errors), error=error,
                    peak_bytes=by_kind.get("ACT", 0) + by_kind.get("TEMP", 0),
-                   peak_by_kind=by_kind, predicted_bytes=_predicted(job, rank))
+                   peak_by_kind=by_kind,
+                   predicted_bytes=_predicted(driver, plan, rank) if plan else None)
     out["seconds"] = round(time.perf_counter() - start, 3)
     return out
 
 
-def _predicted(job: RankJob, rank: int) -> Optional[float]:
+def _predicted(driver: Any, plan: Any, rank: int) -> Optional[float]:
     """The planner's activation and temporary bytes (its peak less the static memory and the
-    reserve) of this rank's largest task: the scope of the measured `peak_bytes`."""
-    from megatron_dcp.plan import build_cost_model, make_plan
+    reserve) of this rank's largest task of the step's ``plan``, in the driver's own cost model:
+    the scope of the measured `peak_bytes`."""
+    from megatron_dcp.plan import build_cost_model
 
-    cm = build_cost_model(job.shape, job.config, job.world_size, job.hardware, 1)
-    plan = make_plan(job.lengths, world_size=job.world_size, model=job.shape, config=job.config,
-                     cost_model=cm)
+    cm = build_cost_model(driver.model_shape, driver.config, driver.world_size,
+                          driver.hardware, driver.zero_stage, driver.vocabulary,
+                          **driver.offload, **driver.long)
     mm = cm.memory_model
     mine = [t for t in plan.tasks if rank in t.ranks]
     return max((mm.task_memory(t, plan.lengths) - mm.static_memory - mm.reserve
