@@ -187,3 +187,15 @@ def test_simulate_shows_skipped_sequences_and_no_efficiency_when_all_are(tmp_pat
     row = next(line for line in every.splitlines() if line.startswith("dcp "))
     assert "1.000" not in row and " - " in row
     assert "left out 2 of 2 sequences (7000000 tokens)" in every and "no efficiency" in every
+
+
+def test_a_dcp_flag_without_dcp_through_the_launcher_says_to_add_it(tmp_path, capsys):
+    """Issue 48 item 13: Megatron-LM's parser said "unrecognized arguments: --dcp-max-degree"
+    (DCP's flags are added with --dcp only), not how to fix it."""
+    from megatron_dcp.megatron.run import main
+
+    script = tmp_path / "pretrain.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    assert main([str(script), "--dcp-max-degree", "2", "--dcp-pack-tokens=64"]) == 2
+    err = capsys.readouterr().err
+    assert "--dcp-max-degree, --dcp-pack-tokens given without --dcp: add --dcp" in err

@@ -45,6 +45,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     script, args = argv[0], argv[1:]
+    knobs = [a.split("=")[0] for a in args if a.startswith("--dcp-")]
+    if knobs and "--dcp" not in args:  # Megatron-LM's parser would say "unrecognized arguments"
+        print(f"megatron_dcp.megatron.run: {', '.join(knobs)} given without --dcp: add --dcp "
+              "(DCP's flags exist only with it)", file=sys.stderr)
+        return 2
     if not os.path.isfile(script):
         print(f"megatron_dcp.megatron.run: no such script: {script}", file=sys.stderr)
         return 2
