@@ -68,9 +68,10 @@ def test_real_memory_and_local_world_size_override_the_preset(fake_gpu, monkeypa
 
 
 def test_ranks_per_node_without_a_launcher_count(fake_gpu):
-    """No LOCAL_WORLD_SIZE: the caller's count, at most the GPUs this process sees."""
+    """The caller's count (the DCP world's own hosts: a process may see one GPU while its host
+    runs 16 ranks); without it, at most the GPUs this process sees."""
     fake_gpu("NVIDIA H100 80GB HBM3", 80 * GB, visible=4)
-    assert detect_hardware(CUDA, local_ranks=16).ranks_per_node == 4
+    assert detect_hardware(CUDA, local_ranks=16).ranks_per_node == 16
     assert detect_hardware(CUDA).ranks_per_node == 4
     assert detect_hardware(CUDA, local_ranks=2).ranks_per_node == 2
 

@@ -24,7 +24,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None)
     p.add_argument("--overlap-grad-reduce", action="store_true")
     p.add_argument("--overlap-param-gather", action="store_true")
-    p.add_argument("--hidden-dropout", type=float, default=0.1)
+    p.add_argument("--hidden-dropout", type=float, default=0.0)  # the tests' models: off
     p.add_argument("--fp8-format", dest="fp8", default=None)
     p.add_argument("--fp4-format", dest="fp4", default=None)
     p.add_argument("--tp-comm-overlap", action="store_true")
@@ -34,10 +34,7 @@ def megatron_like_parser() -> argparse.ArgumentParser:
 
 
 def parse(line: str) -> argparse.Namespace:
-    args = megatron_like_parser().parse_args(line.split())
-    if "--hidden-dropout" not in line:  # the tests' models: dropout off, as DCP needs
-        args.hidden_dropout = 0.0
-    return args
+    return megatron_like_parser().parse_args(line.split())
 
 
 def test_flags_are_generated_from_dcp_config():

@@ -143,18 +143,29 @@ def _ranks_per_node(local_ranks: Optional[int], default: int) -> int:
 
 
 def ranks_per_node_of(group: Any = None, hostname: Optional[str] = None) -> int:
-    """DCP ranks per node, counted from the hosts of ``group``'s ranks (the DCP world; one
-    all-gather of host names, at start): the fewest consecutive ranks on one host, or 1 where a
+    """DCP ranks per node, counted from the hosts of ``group``'s ranks (the DCP world, at
+    start): the fewest consecutive ranks on one host, or 1 where a
     host's ranks are not consecutive. ``LOCAL_WORLD_SIZE`` counts the job's processes on a host,
     which is not this under tensor or pipeline parallelism (TP 8: one DCP rank per node) nor
-    under launchers that give each process one GPU without it."""
+    under launchers that give each process one GPU without it. One all-gather of an int64 a rank
+    (a digest of the host name)."""
     import socket
+
+    import hashlib
+
+    from megatron_dcp.runtime.groups import comm_device
 
     me = hostname if hostname is not None else socket.gethostname()
     if not (dist.is_available() and dist.is_initialized()):
         return 1
-    hosts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, me, group=group)
+    if dist.get_world_size(group) == 1:
+        return 1
+    # one int64 per rank (a digest of its host name): no object collective (no pickle, no numpy)
+    key = int(hashlib.sha256(me.encode()).hexdigest()[:15], 16)
+    mine = torch.tensor([key], dtype=torch.int64, device=comm_device(group))
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    hosts = torch.cat(gathered).tolist()
     runs: list[list] = []
     for host in hosts:
         if runs and runs[-1][0] == host:
