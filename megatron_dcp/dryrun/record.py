@@ -40,7 +40,7 @@ JOB_DEVICE = torch.device("meta")
 
 P2P_OPS = {"send", "recv_", "recv_any_source_"}
 OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list",
-                      "scatter_object_list", "all_gather_object")
+                      "scatter_object_list")
 
 
 class DeviceError(RuntimeError):
@@ -113,8 +113,7 @@ class Recorder(TorchDispatchMode):
         group = next((_group_ranks(a) for a in args if isinstance(a, torch.ScriptObject)),
                      tuple(range(dist.get_world_size())))
         if self.in_object_collective:
-            received = [t for t in tensors]
-            self.object_bytes += sum(t.numel() * t.element_size() for t in received
+            self.object_bytes += sum(t.numel() * t.element_size() for t in tensors
                                      if t.device.type != "meta")
         else:
             stray = [t for t in tensors if t.device != JOB_DEVICE]
@@ -190,7 +189,7 @@ def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 def _object_collectives(recorder: Recorder) -> Iterator[None]:
     """``dist.*_object`` calls marked as data movement while they run."""
     with contextlib.ExitStack() as stack:
-        for name in sorted(set(OBJECT_COLLECTIVES)):
+        for name in OBJECT_COLLECTIVES:
             own = getattr(dist, name)
 
             def marked(*args, __own=own, **kwargs):
