@@ -199,3 +199,22 @@ def test_a_dcp_flag_without_dcp_through_the_launcher_says_to_add_it(tmp_path, ca
     assert main([str(script), "--dcp-max-degree", "2", "--dcp-pack-tokens=64"]) == 2
     err = capsys.readouterr().err
     assert "--dcp-max-degree, --dcp-pack-tokens given without --dcp: add --dcp" in err
+
+
+def test_a_bad_planner_state_is_named_and_never_blocks_the_checkpoint(tmp_path, capsys):
+    """Issue 48 item 12: a truncated ``dcp_planner.json`` stopped a good checkpoint's load with a
+    bare JSONDecodeError naming no file; now the file is named and the planner starts afresh."""
+    from megatron_dcp.megatron.lm import read_planner_state
+
+    good = tmp_path / "good.json"
+    good.write_text('{"iteration": 4, "hardware": {}}')
+    assert read_planner_state(str(good)) == {"iteration": 4, "hardware": {}}
+    truncated = tmp_path / "dcp_planner.json"
+    truncated.write_text('{"iteration": 4, "hardw')
+    assert read_planner_state(str(truncated)) is None
+    err = capsys.readouterr().err
+    assert f"{truncated} is unreadable (JSONDecodeError" in err and "starts afresh" in err
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    assert read_planner_state(str(listed)) is None
+    assert "holds a list" in capsys.readouterr().err

@@ -164,11 +164,29 @@ class PlannerCheckpoint:
             if getattr(margs, "dcp", False) and where and iteration:
                 path = os.path.join(_iteration_folder(where, iteration), PLANNER_FILE)
                 if os.path.exists(path):
-                    with open(path) as f:
-                        self.loaded = json.load(f)
+                    self.loaded = read_planner_state(path)
             return out
 
         return run
+
+
+def read_planner_state(path: str) -> Optional[dict]:
+    """The planner's state in ``path`` (`PLANNER_FILE`), or None, said on stderr naming the file,
+    when it is unreadable or not a state (a truncated write): the planner then starts afresh and
+    the checkpoint itself still loads."""
+    import sys
+
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        if isinstance(state, dict):
+            return state
+        why = f"holds a {type(state).__name__}, not the planner's state"
+    except (OSError, ValueError) as err:
+        why = f"is unreadable ({type(err).__name__}: {err})"
+    print(f"[dcp] {path} {why}: the planner starts afresh (its iteration and calibrated "
+          "hardware are not restored); the checkpoint itself loads", file=sys.stderr, flush=True)
+    return None
 
 
 def _iteration_folder(root: str, iteration: int) -> str:
