@@ -41,7 +41,7 @@ def test_console_scripts_resolve(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))
     scripts = _project()["project"]["scripts"]
     assert set(scripts) == {"dcp-simulate", "dcp-profile", "dcp-gpu-check", "dcp-build-dataset",
-                            "dcp-dry-run"}
+                            "dcp-dry-run", "dcp-report"}
     for target in scripts.values():
         module, func = target.split(":")
         tool = module.replace("megatron_dcp_tools", "tools")  # the installed name of tools/

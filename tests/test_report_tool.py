@@ -1,0 +1,152 @@
+"""``dcp-report`` (tools/report.py): a PNG and an HTML page of a run from its DCP JSON log,
+every panel drawn, older and launcher rows read, a non-DCP file refused naming its line."""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+matplotlib = pytest.importorskip("matplotlib")
+
+from megatron_dcp.config import DCPConfig  # noqa: E402
+from megatron_dcp.plan import load_hardware, load_model, make_plan  # noqa: E402
+from megatron_dcp.runtime.figures import StepFigures  # noqa: E402
+from megatron_dcp.runtime.report import TrainingLog, plan_summary, trained_tokens  # noqa: E402
+
+
+def _driver(config, shape):
+    return SimpleNamespace(config=config, model_shape=shape, zero_stage=1,
+                           hardware=load_hardware("h100"),
+                           offload={"offload_optimizer": False, "offload_param": False},
+                           long={"long_sequences": False, "loss_tiling": True})
+
+
+def write_run_log(path: Path, iterations: int = 20) -> None:
+    """A --log-json file as the examples write it (TrainingLog rows with the step's figures)
+    for ``iterations`` planned steps of gpt-1b on 8 H100s, one step skipped."""
+    shape, config = load_model("gpt-1b"), DCPConfig(enabled=True, hardware="h100")
+    figures = StepFigures(_driver(config, shape))
+    log = TrainingLog("dcp", iterations, json_path=str(path), quiet=True)
+    for it in range(1, iterations + 1):
+        lengths = [64 * ((it * 37 + 11 * k) % 400 + 1) for k in range(24)]
+        plan = make_plan(lengths, world_size=8, model=shape, config=config, hardware="h100",
+                         iteration=it)
+        predicted = plan.makespan + 0.02
+        result = SimpleNamespace(plan=plan, loss=8.0 / it, grad_norm=1.0, skipped=it == 7,
+                                 wall_s=predicted * (1.3 - 0.01 * it), predicted_s=predicted,
+                                 calibration_error=0.3 / it, plan_s=0.01, plan_wait_s=0.001)
+        log.iteration(it, loss=result.loss, tokens=trained_tokens(plan, lengths)[0],
+                      step_s=result.wall_s, plan=plan_summary(plan, plan_s=0.01),
+                      predicted_s=predicted, calibration_error=result.calibration_error,
+                      skipped=result.skipped, figures=figures(result))
+    log.close()
+
+
+@pytest.fixture
+def tool(tools_on_path):
+    import report
+
+    return report
+
+
+def test_png_and_html_of_a_run(tool, tmp_path, capsys):
+    log = tmp_path / "run.jsonl"
+    write_run_log(log)
+    capsys.readouterr()  # the log's final line
+    assert tool.main([str(log), "--dpi", "50"]) == 0
+    png, page = tmp_path / "run.png", tmp_path / "run.html"
+    assert capsys.readouterr().out.split() == ["wrote", str(png), "wrote", str(page)]
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert (width, height) == (13 * 50, 10 * 50)
+    text = page.read_text()
+    assert base64.b64encode(png.read_bytes()).decode() in text  # the page holds the image
+    assert "iterations</th><td>20<" in text and "MFU (mean)" in text
+
+
+def test_every_panel_is_drawn(tool, tmp_path):
+    log = tmp_path / "run.jsonl"
+    write_run_log(log)
+    fig = tool.draw(tool.read_log(str(log)))
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert list(axes) == list(tool.PANELS)
+    for title, ax in axes.items():
+        assert ax.get_lines() or ax.collections, f"panel {title!r} is empty"
+        assert not ax.texts, f"panel {title!r} says its figures are missing"
+    twins = [ax for ax in fig.axes if not ax.get_title()]
+    assert len(twins) == 1 and twins[0].get_ylabel() == "MFU %"
+    degrees = axes["degree mix"].get_legend_handles_labels()[1]
+    assert degrees and all(label.startswith("degree ") for label in degrees)
+    matplotlib.pyplot.close(fig)
+
+
+def test_rows_of_the_megatron_launcher_and_older_logs(tool, tmp_path):
+    """The launcher's rows (loss, tokens, plan) and rows written before figures: the panels
+    they have figures for are drawn, the others say so."""
+    log = tmp_path / "launcher.jsonl"
+    rows = [{"iteration": i, "loss": 5.0 - i / 10, "tokens": 4000, "sequences": 3,
+             "plan": {"mode": "dcp", "degrees": {"1": 3, "2": 1},
+                      "micro_steps_per_rank": [3, 1], "recompute_layers": [0, 1],
+                      "predicted_s": 0.2}} for i in range(1, 6)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = tool.draw(tool.read_log(str(log)))
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert axes["loss"].get_lines() and axes["degree mix"].collections
+    assert axes["degree mix"].get_ylabel() == "tasks"
+    assert [t.get_text() for t in axes["tokens/s and MFU"].texts] == ["no tokens/s in this log"]
+    matplotlib.pyplot.close(fig)
+    assert tool.main([str(log), "--out", str(tmp_path / "out" / "r")]) == 0
+    assert (tmp_path / "out" / "r.png").exists() and (tmp_path / "out" / "r.html").exists()
+
+
+@pytest.mark.parametrize("second_line", ['{"epoch": 1, "acc": 0.5}', "not json",
+                                         '{"iteration": 2, "loss": 1.0}'])
+def test_a_non_dcp_file_is_refused_naming_the_line(tool, tmp_path, capsys, second_line):
+    log = tmp_path / "other.jsonl"
+    first = {"iteration": 1, "loss": 1.0, "plan": {"mode": "data-parallel"}}
+    log.write_text(json.dumps(first) + "\n" + second_line + "\n")
+    assert tool.main([str(log)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {log}:2: not") and err.count("\n") == 1
+    assert not (tmp_path / "other.png").exists()
+
+
+def test_without_matplotlib_it_says_how_to_install_it(tool, tmp_path, capsys, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    assert tool.main([str(tmp_path / "run.jsonl")]) == 2
+    assert "pip install 'megatron-dcp[plot]'" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # launches a browser
+def test_the_page_shows_the_figure_in_a_browser(tool, tmp_path):
+    """Headless Chromium renders the page: the screenshot holds the figure (many colours, not
+    a blank or broken-image page)."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no chromium (Debian's package; .ci/run installs it)")
+    log = tmp_path / "run.jsonl"
+    write_run_log(log, iterations=5)
+    assert tool.main([str(log), "--dpi", "50"]) == 0
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                    f"--screenshot={shot}", "--window-size=700,560",
+                    (tmp_path / "run.html").as_uri()], check=True, timeout=120,
+                   capture_output=True)
+    pixels = matplotlib.image.imread(shot)[..., :3].reshape(-1, 3)
+    colours = {tuple((p * 255).astype(int) // 16) for p in pixels[::7]}
+    assert len(colours) > 20, "the screenshot is blank: the image did not render"
+    blue = ((pixels[:, 2] > 0.6) & (pixels[:, 0] < 0.3)).mean()
+    assert blue > 0.002, "no plotted line (matplotlib's blue) in the screenshot"

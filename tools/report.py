@@ -1,0 +1,230 @@
+"""``dcp-report RUN.jsonl``: a picture of a training run from its DCP JSON log.
+
+Reads the rows of ``--log-json`` (the examples) or ``--dcp-log-json`` (the Megatron-LM
+launcher) and writes ``RUN.png`` and ``RUN.html`` (the page embeds the image and a table of the
+run's totals), then prints both paths. Panels: loss; tokens/s and MFU; predicted vs measured
+step time; the mix of sequence-parallel degrees over the iterations (tokens per degree where the
+rows carry the figures of `megatron_dcp.runtime.figures`, else tasks per degree); recomputed
+layers and micro-steps per rank; the plan's idle share and efficiency. A panel whose figures a
+log lacks (an older log, a run without ``--dcp``) says so instead of a curve.
+
+    dcp-report runs/demo.jsonl                 # runs/demo.png, runs/demo.html
+    dcp-report run.jsonl --out report/run      # report/run.png, report/run.html
+
+Needs matplotlib (``pip install 'megatron-dcp[plot]'``). Exit status 0, or 2 with a one-line
+error naming the file and line of a row that is not a DCP log row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python tools/report.py` in a checkout
+    sys.path.insert(0, str(ROOT))
+
+from megatron_dcp.runtime.figures import row_figures  # noqa: E402
+
+PANELS = ("loss", "tokens/s and MFU", "step time: predicted vs measured",
+          "degree mix", "recompute and micro-steps", "idle share and plan efficiency")
+"""The title of every panel, in drawing order."""
+
+EXTRA_HINT = "pip install 'megatron-dcp[plot]' (or: pip install matplotlib)"
+
+
+class LogError(ValueError):
+    """A file that is not a DCP JSON log: the message names the file and line."""
+
+
+def read_log(path: str) -> list[dict[str, Any]]:
+    """The rows of a DCP JSON log, each checked: a JSON object with an ``iteration`` and the
+    ``plan`` summary every DCP row carries (``{"mode": ...}``)."""
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                raise LogError(f"{path}:{number}: not JSON ({err})") from None
+            plan = row.get("plan") if isinstance(row, dict) else None
+            if not (isinstance(row, dict) and isinstance(row.get("iteration"), int)
+                    and isinstance(plan, dict) and "mode" in plan):
+                raise LogError(f"{path}:{number}: not a DCP JSON log row (one written by "
+                               "--log-json or --dcp-log-json has 'iteration' and 'plan')")
+            rows.append(row)
+    if not rows:
+        raise LogError(f"{path}: no rows")
+    return rows
+
+
+def _series(iterations: list[int], figures: list[dict[str, float]],
+            name: str) -> tuple[list[int], list[float]]:
+    pairs = [(i, f[name]) for i, f in zip(iterations, figures) if name in f]
+    return [i for i, _ in pairs], [v for _, v in pairs]
+
+
+def _degree_names(figures: list[dict[str, float]]) -> tuple[str, list[str]]:
+    """(``tokens`` or ``tasks``, the figure names of every degree in the log, by degree)."""
+    for what in ("tokens", "tasks"):
+        names = {k for f in figures for k in f if re.fullmatch(f"{what}_degree_\\d+", k)}
+        if names:
+            return what, sorted(names, key=lambda k: int(k.rsplit("_", 1)[1]))
+    return "tokens", []
+
+
+def draw(rows: Sequence[dict[str, Any]], title: str = ""):
+    """The report's figure (matplotlib ``Figure``), one axes per `PANELS` entry, titled so."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    its = [int(r["iteration"]) for r in rows]
+    figs = [row_figures(r) for r in rows]
+    fig, axes = plt.subplots(3, 2, figsize=(13, 10), constrained_layout=True)
+    fig.suptitle(title)
+    panels = dict(zip(PANELS, axes.flat))
+    for name, ax in panels.items():
+        ax.set_title(name)
+        ax.set_xlabel("iteration")
+    _lines(panels["loss"], its, figs, [("loss", "loss")])
+    _throughput(panels["tokens/s and MFU"], its, figs)
+    _lines(panels["step time: predicted vs measured"], its, figs,
+           [("step_s", "measured"), ("predicted_s", "predicted")], ylabel="seconds")
+    _degree_mix(panels["degree mix"], its, figs)
+    _lines(panels["recompute and micro-steps"], its, figs,
+           [("recompute_layers_mean", "recomputed layers (mean)"),
+            ("recompute_layers_max", "recomputed layers (max)"),
+            ("micro_steps_min", "micro-steps (min rank)"),
+            ("micro_steps_max", "micro-steps (max rank)")])
+    _lines(panels["idle share and plan efficiency"], its, figs,
+           [("idle_share", "idle share"), ("plan_efficiency", "efficiency vs lower bound")])
+    return fig
+
+
+def _missing(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} in this log", ha="center", va="center",
+            transform=ax.transAxes, color="grey")
+
+
+def _lines(ax, its, figs, named: list[tuple[str, str]], ylabel: str = "") -> bool:
+    drawn = False
+    for name, label in named:
+        x, y = _series(its, figs, name)
+        if x:
+            ax.plot(x, y, marker=".", label=label)
+            drawn = True
+    if not drawn:
+        _missing(ax, " / ".join(label for _, label in named))
+        return False
+    ax.set_ylabel(ylabel)
+    if len(named) > 1:
+        ax.legend(fontsize="small")
+    return True
+
+
+def _throughput(ax, its, figs) -> None:
+    if not _lines(ax, its, figs, [("tokens_per_s", "tokens/s")], ylabel="tokens/s"):
+        return
+    x, mfu = _series(its, figs, "mfu")
+    if x:
+        twin = ax.twinx()
+        twin.plot(x, [100 * v for v in mfu], color="tab:red", marker=".", label="MFU")
+        twin.set_ylabel("MFU %", color="tab:red")
+
+
+def _degree_mix(ax, its, figs) -> None:
+    what, names = _degree_names(figs)
+    if not names:
+        _missing(ax, "degrees")
+        return
+    x = [i for i, f in zip(its, figs) if any(n in f for n in names)]
+    stacks = [[f.get(n, 0.0) for f in figs if any(m in f for m in names)] for n in names]
+    ax.stackplot(x, stacks, labels=[f"degree {n.rsplit('_', 1)[1]}" for n in names])
+    ax.set_ylabel(what)
+    ax.legend(fontsize="small", loc="upper left")
+
+
+def totals(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """The run's totals for the page: iterations, tokens, mean tokens/s and MFU, last loss."""
+    figs = [row_figures(r) for r in rows]
+    out = {"iterations": str(len(rows))}
+    tokens = sum(f.get("tokens", 0.0) for f in figs)
+    seconds = sum(f.get("step_s", 0.0) for f in figs)
+    out["tokens trained"] = f"{tokens:.0f}"
+    if seconds:
+        out["tokens/s"] = f"{tokens / seconds:.1f}"
+    mfu = [f["mfu"] for f in figs if "mfu" in f]
+    if mfu:
+        out["MFU (mean)"] = f"{100 * sum(mfu) / len(mfu):.2f} %"
+    if "loss" in figs[-1]:
+        out["last loss"] = f"{figs[-1]['loss']:.4f}"
+    out["mode"] = str(rows[-1]["plan"]["mode"])
+    return out
+
+
+def write_html(path: str, png_path: str, title: str, summary: dict[str, str]) -> None:
+    """A page embedding the PNG (base64: the page stands alone) and a table of ``summary``."""
+    data = base64.b64encode(Path(png_path).read_bytes()).decode("ascii")
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                    for k, v in summary.items())
+    Path(path).write_text(
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+        f"<title>{html.escape(title)}</title></head>\n<body style=\"margin:0;background:#fff\">\n"
+        f"<img id=\"report\" alt=\"{html.escape(title)}\" style=\"display:block;width:100%\" "
+        f"src=\"data:image/png;base64,{data}\">\n"
+        f"<table style=\"font-family:sans-serif;margin:1em\">{cells}</table>\n</body></html>\n")
+
+
+def report(log: str, out: Optional[str] = None, dpi: int = 80) -> tuple[str, str]:
+    """Write ``OUT.png`` and ``OUT.html`` of the log (``OUT``: the log's path without its
+    extension); returns both paths."""
+    rows = read_log(log)
+    prefix = out or os.path.splitext(log)[0]
+    if os.path.dirname(prefix):
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    png, page = prefix + ".png", prefix + ".html"
+    title = f"{os.path.basename(log)}: {len(rows)} iterations"
+    fig = draw(rows, title)
+    fig.savefig(png, dpi=dpi)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    write_html(page, png, title, totals(rows))
+    return png, page
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point (``dcp-report``): exit status 0, 2 on a bad log or without matplotlib."""
+    p = argparse.ArgumentParser(prog="dcp-report", description=__doc__.split("\n\n")[0])
+    p.add_argument("log", help="a --log-json or --dcp-log-json file (one JSON row per iteration)")
+    p.add_argument("--out", default=None,
+                   help="path of the outputs without extension (default: the log's)")
+    p.add_argument("--dpi", type=int, default=80, help="resolution of the PNG")
+    args = p.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"error: dcp-report needs matplotlib: {EXTRA_HINT}", file=sys.stderr)
+        return 2
+    try:
+        png, page = report(args.log, args.out, args.dpi)
+    except (LogError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {png}\nwrote {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
