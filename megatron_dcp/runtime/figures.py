@@ -249,3 +249,20 @@ def scalars(figures: dict[str, float], step: int) -> list[tuple[str, float, int]
     """``(dcp/name, value, step)`` of every figure: DeepSpeed's ``write_events`` events and the
     arguments of a TensorBoard writer's ``add_scalar``."""
     return [(PREFIX + name, float(value), int(step)) for name, value in sorted(figures.items())]
+
+
+MONITOR_EXTRA = "pip install 'megatron-dcp[monitor]'"
+"""How to install what the dashboards need (tensorboard, wandb)."""
+
+
+def check_monitor_packages(*, tensorboard: bool = False, wandb: bool = False,
+                           asked_by: str = "") -> None:
+    """Raise ImportError, naming the extra, when a dashboard is asked for (``asked_by``: the
+    flag or setting that asks) and its package is not installed; imports nothing."""
+    import importlib.util
+
+    wanted = [name for name, on in (("tensorboard", tensorboard), ("wandb", wandb)) if on]
+    missing = [name for name in wanted if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"{asked_by or ' and '.join(missing)} needs {', '.join(missing)}, "
+                          f"which is not installed: {MONITOR_EXTRA}")

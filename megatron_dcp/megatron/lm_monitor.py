@@ -1,0 +1,65 @@
+"""DCP's figures in Megatron-LM's own TensorBoard and Weights & Biases runs.
+
+With ``--tensorboard-dir`` and/or ``--wandb-project``, Megatron-LM makes one writer of each on
+its last rank (``get_tensorboard_writer``, ``get_wandb_writer``). `LMMonitor` writes every
+figure of a step (`megatron_dcp.runtime.figures.FIGURES`) to those writers under ``dcp/``
+at Megatron-LM's ``--log-interval``, beside its own scalars and at its iteration numbers; the
+launcher's ``--dcp-log-json`` rows hold the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+from megatron_dcp.runtime.figures import PREFIX, check_monitor_packages, scalars
+
+
+def check_monitor_args(args: argparse.Namespace) -> None:
+    """At start: ``--tensorboard-dir`` / ``--wandb-project`` without their package installed
+    is an error naming the extra (Megatron-LM itself would only warn, or fail later)."""
+    check_monitor_packages(tensorboard=bool(getattr(args, "tensorboard_dir", None)),
+                           asked_by="--tensorboard-dir")
+    check_monitor_packages(wandb=bool(getattr(args, "wandb_project", None)),
+                           asked_by="--wandb-project")
+
+
+class LMMonitor:
+    """Writes the figures of every ``log_interval``-th iteration to a TensorBoard writer
+    (``add_scalar(name, value, iteration)``) and a W&B run (``log({name: value}, iteration)``),
+    each optional (``None``: not written; Megatron-LM gives writers only to its last rank)."""
+
+    def __init__(self, log_interval: int, tensorboard: Any = None, wandb: Any = None) -> None:
+        self.log_interval = max(int(log_interval), 1)
+        self.tensorboard = tensorboard
+        self.wandb = wandb
+
+    @classmethod
+    def of_megatron(cls, args: argparse.Namespace) -> "LMMonitor":
+        """The monitor of Megatron-LM's writers on this rank (none where it has none)."""
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        return cls(args.log_interval, get_tensorboard_writer(), get_wandb_writer())
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank has a writer (it then needs the step's figures)."""
+        return self.tensorboard is not None or self.wandb is not None
+
+    def due(self, iteration: int) -> bool:
+        """Whether ``iteration`` is written (Megatron-LM's rule: a multiple of the interval)."""
+        return self.active and iteration % self.log_interval == 0
+
+    def write(self, iteration: int, figures: Optional[dict[str, float]]) -> None:
+        """Write ``figures`` of ``iteration`` when it is due."""
+        if not figures or not self.due(iteration):
+            return
+        events = scalars(figures, iteration)
+        if self.tensorboard is not None:
+            for name, value, step in events:
+                self.tensorboard.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log({name: value for name, value, _ in events}, iteration)
+
+
+__all__ = ["LMMonitor", "PREFIX", "check_monitor_args"]

@@ -1,0 +1,198 @@
+"""The figures in the engines' dashboards: Megatron-LM's TensorBoard / W&B writers at its
+--log-interval (`megatron_dcp.megatron.lm_monitor`) and DeepSpeed's ``engine.monitor``
+(`deepspeed_plugin.monitor`, its real csv_monitor too), each equal to the JSON log's figures;
+a dashboard asked for without its package fails naming the extra."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+from megatron_dcp.config import DCPConfig
+from megatron_dcp.plan import load_hardware, load_model, make_plan
+from megatron_dcp.runtime.figures import MONITOR_EXTRA, StepFigures
+from megatron_dcp.runtime.report import TrainingLog, plan_summary
+
+
+class TensorBoardDouble:
+    """Records ``add_scalar(name, value, step)`` as a SummaryWriter receives it."""
+
+    def __init__(self):
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, name, value, step):
+        self.scalars.append((name, value, step))
+
+
+class WandbDouble:
+    """Records ``log(values, step)`` as a W&B run receives it."""
+
+    def __init__(self):
+        self.logged: list[tuple[dict, int]] = []
+
+    def log(self, values, step):
+        self.logged.append((dict(values), step))
+
+
+class DeepSpeedMonitorDouble:
+    """DeepSpeed's ``MonitorMaster`` as the plugin sees it: ``enabled``, ``write_events``."""
+
+    def __init__(self, enabled=True):
+        self.enabled = enabled
+        self.events: list[tuple[str, float, int]] = []
+
+    def write_events(self, events):
+        self.events.extend(events)
+
+
+def _steps(n=4):
+    """(figures of a run, ``n`` step results on 4 ranks of gpt-1b on H100s)."""
+    shape, config = load_model("gpt-1b"), DCPConfig(enabled=True, hardware="h100")
+    driver = SimpleNamespace(config=config, model_shape=shape, zero_stage=1,
+                             hardware=load_hardware("h100"),
+                             offload={"offload_optimizer": False, "offload_param": False},
+                             long={"long_sequences": False, "loss_tiling": True})
+    results = []
+    for it in range(1, n + 1):
+        lengths = [500 * it, 9000, 300, 2000 + 100 * it]
+        plan = make_plan(lengths, world_size=4, model=shape, config=config, hardware="h100")
+        results.append(SimpleNamespace(plan=plan, loss=3.0 / it, grad_norm=0.5, wall_s=0.4,
+                                       skipped=False, predicted_s=0.3, calibration_error=0.2,
+                                       plan_s=0.01, plan_wait_s=0.0))
+    return StepFigures(driver), results
+
+
+def _json_figures(tmp_path, figures, results) -> dict[int, dict[str, float]]:
+    """The rows' figures as the JSON log holds them (written and read back)."""
+    path = tmp_path / "run.jsonl"
+    log = TrainingLog("dcp", len(results), json_path=str(path), quiet=True)
+    for it, r in enumerate(results, 1):
+        log.iteration(it, loss=r.loss, tokens=1, step_s=r.wall_s, plan=plan_summary(r.plan),
+                      figures=figures(r))
+    log.close()
+    return {row["iteration"]: row["figures"] for row in map(json.loads, path.open())}
+
+
+def test_megatron_writers_get_every_figure_at_the_log_interval(tmp_path):
+    from megatron_dcp.megatron.lm_monitor import LMMonitor
+
+    figures, results = _steps(4)
+    tb, wandb = TensorBoardDouble(), WandbDouble()
+    monitor = LMMonitor(2, tb, wandb)
+    for it, r in enumerate(results, 1):
+        monitor.write(it, figures(r))
+    logged = _json_figures(tmp_path, figures, results)
+    assert sorted({step for _, _, step in tb.scalars}) == [2, 4]
+    for it in (2, 4):
+        assert {name: value for name, value, step in tb.scalars if step == it} == \
+            {"dcp/" + k: v for k, v in logged[it].items()}
+    assert [(values, step) for values, step in wandb.logged] == \
+        [({"dcp/" + k: v for k, v in logged[it].items()}, it) for it in (2, 4)]
+    names = set(wandb.logged[0][0])
+    assert {"dcp/mfu", "dcp/tokens_per_s", "dcp/plan_efficiency", "dcp/idle_share"} <= names
+    assert any(name.startswith("dcp/tokens_degree_") for name in names)
+
+
+def test_megatron_ranks_without_writers_write_nothing():
+    from megatron_dcp.megatron.lm_monitor import LMMonitor
+
+    monitor = LMMonitor(1)
+    assert not monitor.active and not monitor.due(1)
+    monitor.write(1, {"loss": 1.0})  # nothing to write to: no error
+
+
+def test_megatron_writers_are_megatron_lms_own(monkeypatch):
+    """`LMMonitor.of_megatron` takes the writers Megatron-LM's global_vars hold (stood in for
+    here: megatron-core 0.16's wheel ships no megatron.training)."""
+    from megatron_dcp.megatron.lm_monitor import LMMonitor
+
+    tb, wandb = TensorBoardDouble(), WandbDouble()
+    global_vars = ModuleType("megatron.training.global_vars")
+    global_vars.get_tensorboard_writer = lambda: tb
+    global_vars.get_wandb_writer = lambda: wandb
+    training = ModuleType("megatron.training")
+    training.global_vars = global_vars
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    monitor = LMMonitor.of_megatron(SimpleNamespace(log_interval=5))
+    assert (monitor.tensorboard, monitor.wandb, monitor.log_interval) == (tb, wandb, 5)
+
+
+def _without(monkeypatch, package):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == package else real(name, *a))
+
+
+@pytest.mark.parametrize("flag,package", [("tensorboard_dir", "tensorboard"),
+                                          ("wandb_project", "wandb")])
+def test_megatron_dashboard_without_its_package_fails_naming_the_extra(monkeypatch, flag,
+                                                                       package):
+    from megatron_dcp.megatron.lm_monitor import check_monitor_args
+
+    _without(monkeypatch, package)
+    args = SimpleNamespace(tensorboard_dir=None, wandb_project=None)
+    check_monitor_args(args)  # nothing asked: fine
+    setattr(args, flag, "x")
+    with pytest.raises(ImportError, match=f"--{flag.replace('_', '-')} needs {package}.*"
+                                          + MONITOR_EXTRA.replace("[", r"\[")):
+        check_monitor_args(args)
+
+
+def test_deepspeed_monitor_gets_every_figure_on_rank_0(tmp_path):
+    from deepspeed_plugin.monitor import DeepSpeedMonitor
+
+    figures, results = _steps(3)
+    monitor = DeepSpeedMonitorDouble()
+    written = DeepSpeedMonitor(monitor, figures, rank=0)
+    for it, r in enumerate(results, 1):
+        assert written.write(r, it) is figures(r)
+    logged = _json_figures(tmp_path, figures, results)
+    assert {(name, step): value for name, value, step in monitor.events} == \
+        {("dcp/" + k, it): v for it, f in logged.items() for k, v in f.items()}
+    for rank, enabled in ((1, True), (0, False)):  # another rank; no monitor in the JSON
+        other = DeepSpeedMonitorDouble(enabled)
+        assert DeepSpeedMonitor(other, figures, rank=rank).write(results[0], 1) is None
+        assert other.events == []
+
+
+def test_deepspeed_csv_monitor_files_hold_the_figures(tmp_path, monkeypatch):
+    """DeepSpeed's own MonitorMaster with ``csv_monitor`` enabled: one CSV per figure."""
+    import deepspeed.comm as ds_dist
+    from deepspeed.monitor.config import get_monitor_config
+    from deepspeed.monitor.monitor import MonitorMaster
+
+    from deepspeed_plugin.monitor import DeepSpeedMonitor
+
+    monkeypatch.setattr(ds_dist, "get_rank", lambda *a, **k: 0)  # rank 0 without a group
+    config = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path),
+                              "job_name": "run"}}
+    master = MonitorMaster(get_monitor_config(config))
+    figures, results = _steps(2)
+    monitor = DeepSpeedMonitor(master, figures, rank=0)
+    for it, r in enumerate(results, 1):
+        monitor.write(r, it)
+    logged = _json_figures(tmp_path, figures, results)
+    for name in ("mfu", "tokens_per_s", "loss", "micro_steps_max"):
+        with open(tmp_path / "run" / f"dcp_{name}.csv") as f:
+            rows = list(csv.reader(f))
+        assert rows[0] == ["step", name]
+        assert [(int(s), float(v)) for s, v in rows[1:]] == \
+            [(it, logged[it][name]) for it in (1, 2)]
+
+
+@pytest.mark.parametrize("section,package", [("tensorboard", "tensorboard"),
+                                             ("wandb", "wandb")])
+def test_deepspeed_dashboard_without_its_package_fails_naming_the_extra(monkeypatch, section,
+                                                                        package):
+    from deepspeed_plugin.monitor import check_monitor_config
+
+    _without(monkeypatch, package)
+    check_monitor_config({section: {"enabled": False}, "csv_monitor": {"enabled": True}})
+    with pytest.raises(ImportError, match=f'"{section}" section needs {package}'):
+        check_monitor_config({section: {"enabled": True}})
