@@ -141,19 +141,21 @@ class StepFigures:
         self.skipped_steps = 0
         self._last: tuple[Any, dict[str, float]] = (None, {})
 
-    def __call__(self, result: Any) -> dict[str, float]:
+    def __call__(self, result: Any, step_s: Optional[float] = None) -> dict[str, float]:
+        """The figures of ``result``; ``step_s``: the measured step time where more than the
+        driver's step counts (an optimizer step the engine runs after it; default
+        ``result.wall_s``)."""
         if result is self._last[0]:
             return self._last[1]
         self.skipped_steps += int(result.skipped)
-        figures = self._figures(result)
+        figures = self._figures(result, float(result.wall_s if step_s is None else step_s))
         self._last = (result, figures)
         return figures
 
-    def _figures(self, result: Any) -> dict[str, float]:
+    def _figures(self, result: Any, step_s: float) -> dict[str, float]:
         plan: Plan = result.plan
         ran = [plan.lengths[s] for t in plan.tasks for s in t.seqs]
         trained = 0 if result.skipped else len(ran)
-        step_s = float(result.wall_s)
         out: dict[str, float] = {"loss": float(result.loss)}
         if result.grad_norm is not None:
             out["grad_norm"] = float(result.grad_norm)
@@ -162,7 +164,7 @@ class StepFigures:
                    tokens_per_s=tokens / step_s if step_s > 0 else 0.0)
         out.update(self._flops(plan, ran, step_s))
         if self.driver.config.enabled:
-            out.update(self._prediction(result, plan, ran))
+            out.update(self._prediction(result, plan, ran, step_s))
         out.update(plan_shape_figures(plan))
         out.update(plan_ms=result.plan_s * 1e3, plan_wait_ms=result.plan_wait_s * 1e3,
                    skipped=float(result.skipped), skipped_steps=float(self.skipped_steps),
@@ -185,7 +187,8 @@ class StepFigures:
                 out["mfu"] = out["tflops_per_gpu"] * 1e12 / hw.peak_flops
         return out
 
-    def _prediction(self, result: Any, plan: Plan, ran: list[int]) -> dict[str, float]:
+    def _prediction(self, result: Any, plan: Plan, ran: list[int],
+                    step_s: float) -> dict[str, float]:
         """The predicted step time, its error against the measured one, the calibration's
         error and the plan's efficiency against the lower bound of its sequences
         (`megatron_dcp.plan.lower_bound`, with the driver's hardware and settings)."""
@@ -193,8 +196,8 @@ class StepFigures:
 
         driver, predicted = self.driver, float(result.predicted_s)
         out = {"predicted_s": predicted}
-        if result.wall_s > 0:
-            out["prediction_error"] = predicted / result.wall_s - 1.0
+        if step_s > 0:
+            out["prediction_error"] = predicted / step_s - 1.0
         if result.calibration_error is not None:
             out["calibration_error"] = float(result.calibration_error)
         if not ran or predicted <= 0 or driver.model_shape is None:
