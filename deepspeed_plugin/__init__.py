@@ -27,6 +27,7 @@ from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_con
                                      prepare_config)
 from deepspeed_plugin.engine import (DCPEngine, LossFn, StepResult, check_takes_labels,
                                      check_takes_task, token_loss)
+from deepspeed_plugin.monitor import check_monitor_config
 from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.integrations import hf
 from megatron_dcp.runtime.allocator import expandable_segments_at_start
@@ -78,6 +79,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
     ds_config = load_ds_config(config if config is not None or args is None
                                else getattr(args, "deepspeed_config", None))
     dcp = dcp_config if dcp_config is not None else dcp_config_from(ds_config, args)
+    check_monitor_config(ds_config)  # a dashboard without its package: named now, not later
     model = _prepared_model(model, loss_fn, dcp)
     patches.apply_all()
     patches.process_group_timeout(timeout)

@@ -18,10 +18,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from deepspeed_plugin.monitor import DeepSpeedMonitor
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.models.common import token_losses
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.schedule import schedule_for
+from megatron_dcp.runtime.figures import StepFigures
 from megatron_dcp.runtime.step import Shard, StepDriver, StepEngine, StepResult
 from megatron_dcp.runtime.tiling import loss_tiles_of
 
@@ -120,6 +122,9 @@ class DCPEngine:
                                  zero_stage=self.zero_stage, device=self.device,
                                  **host_offload(engine))
         self._steps = _DeepSpeedSteps(self, loss_fn or token_loss)
+        self.figures = StepFigures(self.driver)
+        """The figures of a step (`megatron_dcp.runtime.figures`): ``figures(result)``."""
+        self.monitor = DeepSpeedMonitor(getattr(engine, "monitor", None), self.figures, self.rank)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -146,7 +151,9 @@ class DCPEngine:
                              "dcp.schedule=free to run free plans with parameters and "
                              "gradients kept whole)")
         self.deepspeed.train()
-        return self.driver.step(self._steps, sequences, plan, next_lengths=next_lengths)
+        result = self.driver.step(self._steps, sequences, plan, next_lengths=next_lengths)
+        self.monitor.write(result, self.driver.iteration)  # DeepSpeed's monitor, if enabled
+        return result
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
