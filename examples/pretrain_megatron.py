@@ -54,6 +54,7 @@ from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
 from megatron_dcp.megatron.moe import add_moe_args
 from megatron_dcp.megatron.parallel import destroy_model_parallel
 from megatron_dcp.runtime.allocator import expandable_segments_at_start
+from megatron_dcp.runtime.figures import StepFigures
 from megatron_dcp.runtime.groups import before_init_process_group, destroy_process_groups
 from megatron_dcp.runtime.nonfinite import check_step
 from megatron_dcp.runtime.report import (TrainingLog, check_resume_point, peak_memory_mb,
@@ -553,6 +554,7 @@ def main(argv=None) -> int:
               f"dp {dp_size}), data {args.data_path or 'embedded corpus'} ({len(dataset)} "
               f"documents), model {args.num_layers}x{args.hidden_size} "
               f"{str(params_dtype(args)).removeprefix('torch.')}", flush=True)
+    figures = StepFigures(step_fn.driver) if step_fn is not None and rank == 0 else None
     reset_peak_memory(device)  # peak_mem_mb: what training holds, not the start-up
     for it in range(start, args.train_iters):
         t0 = time.perf_counter()
@@ -601,6 +603,7 @@ def main(argv=None) -> int:
                       predicted_s=result.predicted_s if result is not None else None,
                       calibration_error=result.calibration_error if result is not None else None,
                       peak_mem_mb=peak_memory_mb(device),
+                      figures=figures(result, t_end - t0) if figures else None,
                       plan=plan_summary(plan, micro_steps=micro, **timings))
         last = it + 1 == args.train_iters
         if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):

@@ -162,7 +162,8 @@ def next_lengths(sampler, args: argparse.Namespace, iteration: int):
 def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int) -> None:
     """One row of the training log for the engine's step ``result`` (``tokens``: those trained;
     the planner's predicted time only with --dcp; the plan summary; a skipped step and the
-    sequences the oversize policy skipped; peak memory so far)."""
+    sequences the oversize policy skipped; peak memory so far; the step's figures, as
+    DeepSpeed's monitor gets them: `megatron_dcp.runtime.figures`)."""
     from megatron_dcp.runtime.report import peak_memory_mb, plan_summary
 
     summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s,
@@ -173,7 +174,7 @@ def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int
                   predicted_s=result.predicted_s if engine.dcp.enabled else None,
                   calibration_error=result.calibration_error, sequences=sequences,
                   grad_norm=result.grad_norm, peak_mem_mb=peak_memory_mb(engine.device),
-                  plan=summary)
+                  figures=engine.figures(result) if log.primary else None, plan=summary)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,42 @@
+"""The figures through the engines end to end: ``examples/pretrain.py --dcp`` on 2 DeepSpeed
+ranks with ``csv_monitor`` in its DeepSpeed JSON writes every figure of every iteration to
+DeepSpeed's CSV files, equal to the ``--log-json`` rows' figures, and ``dcp-report`` draws
+the log."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from distributed import launch_deepspeed
+
+pytestmark = pytest.mark.slow  # launches DeepSpeed ranks
+
+
+@pytest.mark.timeout(240)
+def test_deepspeed_monitor_csv_equals_the_json_log(tmp_path, tools_on_path):
+    config = json.loads((tools_on_path.parent / "examples" / "ds_config.json").read_text())
+    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    log = tmp_path / "run.jsonl"
+    proc = launch_deepspeed(2, ["examples/pretrain.py", "--dcp", "--deepspeed_config",
+                                str(tmp_path / "ds.json"), "--train-iters", "3",
+                                "--global-batch-tokens", "2048", "--seq-length", "512",
+                                "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4",
+                                "--dcp_hardware", "h200", "--quiet", "--log-json", str(log)],
+                            timeout=200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in log.open()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for name in ("loss", "tokens_per_s", "mfu", "model_tflop", "plan_efficiency",
+                 "micro_steps_max", "prediction_error"):
+        with open(tmp_path / "run" / f"dcp_{name}.csv") as f:
+            written = [(int(step), float(value)) for step, value in list(csv.reader(f))[1:]]
+        assert written == [(r["iteration"], r["figures"][name]) for r in rows], name
+    assert rows[0]["figures"]["tokens"] == rows[0]["tokens"]
+    import report
+
+    assert report.main([str(log), "--dpi", "40"]) == 0
+    assert (tmp_path / "run.png").stat().st_size > 10_000
