@@ -40,3 +40,18 @@ def test_deepspeed_monitor_csv_equals_the_json_log(tmp_path, tools_on_path):
 
     assert report.main([str(log), "--dpi", "40"]) == 0
     assert (tmp_path / "run.png").stat().st_size > 10_000
+
+
+@pytest.mark.timeout(200)
+def test_megatron_example_rows_carry_the_figures(tmp_path):
+    """``examples/pretrain_megatron.py --dcp``: each row's figures, timed over the whole
+    iteration (the optimizer step after the driver's included), as the row's step_s."""
+    from test_megatron_example import _budget_gb, _train
+
+    rows = _train(tmp_path, "dcp", ["--dcp", "--dcp-hardware", "h200",
+                                    "--dcp-memory-budget-gb", f"{_budget_gb(200):.6f}"])
+    for row in rows:
+        figures = row["figures"]
+        assert figures["step_s"] == row["step_s"] and figures["tokens"] == row["tokens"]
+        assert figures["loss"] == pytest.approx(row["loss"], rel=1e-6)
+        assert {"mfu", "model_tflop", "plan_efficiency", "micro_steps_max"} <= set(figures)
