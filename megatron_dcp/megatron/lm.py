@@ -26,13 +26,16 @@ import argparse
 import functools
 import json
 import os
+import time
 from typing import Any, Callable, Optional
 
 import torch
 
 from megatron_dcp import patching
 from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
+from megatron_dcp.megatron.lm_monitor import LMMonitor, check_monitor_args
 from megatron_dcp.patching import PatchSet
+from megatron_dcp.runtime.figures import StepFigures
 
 NAME = "megatron-lm-dcp"
 SPEC = ["megatron_dcp.megatron.lm_spec", "layer_spec"]
@@ -88,6 +91,10 @@ def launcher_problems(args: argparse.Namespace) -> list[str]:
     if getattr(args, "context_parallel_size", 1) > 1 and not getattr(
             args, "hybrid_context_parallel", False):
         pass  # validate_dcp_args names --context-parallel-size
+    try:  # --tensorboard-dir / --wandb-project: DCP's figures go there too
+        check_monitor_args(args)
+    except ImportError as err:
+        problems.append(str(err))
     return problems
 
 
@@ -349,6 +356,9 @@ class LMForwardBackward:
         self.log_path = args.dcp_log_json if writer else None
         if self.log_path:
             open(self.log_path, "a" if args.load else "w").close()
+        self.monitor = LMMonitor.of_megatron(args)  # Megatron-LM's TensorBoard / W&B writers
+        self.figures: Optional[StepFigures] = None  # made at the first step (the driver's)
+        self._logged_at: Optional[float] = None
 
     def global_batch(self, data_iterator, num_microbatches: int) -> list[torch.Tensor]:
         """Every document of this step: each rank with a data iterator reads the
@@ -407,13 +417,20 @@ class LMForwardBackward:
         for report in reports:
             summed += report["lm loss"].detach().to(summed.device, torch.float64).view(-1)[:2]
         dist.all_reduce(summed, group=group)  # a collective: every rank
-        if not self.log_path:
+        now, since = time.perf_counter(), self._logged_at
+        self._logged_at = now  # the step's time: from the last step's end (Megatron-LM's own)
+        if not (self.log_path or self.monitor.due(self.iteration)):
             return
         from megatron_dcp.runtime.report import plan_summary
 
         result = reports.result
+        self.figures = self.figures or StepFigures(self.step.driver)
+        figures = self.figures(result, now - since if since is not None else None)
+        self.monitor.write(self.iteration, figures)
+        if not self.log_path:
+            return
         row = {"iteration": self.iteration, "loss": float(summed[0] / summed[1]),
-               "tokens": result.tokens, "sequences": result.sequences,
+               "tokens": result.tokens, "sequences": result.sequences, "figures": figures,
                "plan": plan_summary(result.plan)}
         with open(self.log_path, "a") as f:
             f.write(json.dumps(row) + "\n")

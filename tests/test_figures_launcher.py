@@ -1,0 +1,43 @@
+"""The figures through the Megatron-LM launcher (megatron-core 0.19's ``megatron.training``,
+the Python 3.12 leg): ``--dcp-log-json`` rows carry them, timed from step to step; a dashboard
+flag (``--tensorboard-dir``) without its package fails at start naming the extra."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+pytest.importorskip("megatron.training", reason="Megatron-LM's training package (megatron-core "
+                    "0.19, Python 3.12: the .venv312 leg of make test)")
+pytestmark = pytest.mark.slow  # every test here launches processes
+
+from test_megatron_launcher import _launch  # noqa: E402
+
+
+@pytest.mark.timeout(300)
+def test_launcher_rows_carry_the_figures(tmp_path):
+    log = tmp_path / "dcp.jsonl"
+    done = _launch(["--dcp", "--dcp-log-json", str(log), "--dcp-hardware", "h200",
+                    "--dcp-max-tokens-per-rank", "200", "--train-iters", "3"])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        figures = row["figures"]
+        assert figures["loss"] == pytest.approx(row["loss"], rel=1e-5)
+        assert {"mfu", "model_tflop", "tokens_per_s", "plan_efficiency",
+                "micro_steps_max", "step_s"} <= set(figures)
+    assert any(r["figures"].get("tokens_degree_2", 0) > 0 for r in rows)  # documents split
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_dir_without_tensorboard_fails_at_start(tmp_path):
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    done = _launch(["--dcp", "--tensorboard-dir", str(tmp_path / "tb")])
+    assert done.returncode != 0
+    out = done.stdout + done.stderr
+    assert "--tensorboard-dir needs tensorboard" in out and "megatron-dcp[monitor]" in out
+    assert "iteration        1/" not in out
