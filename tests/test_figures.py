@@ -119,6 +119,10 @@ def test_step_figures_mfu_efficiency_and_skipped_steps():
     assert fig["tflops_per_gpu"] == pytest.approx(fig["model_tflop"] / (2 * predicted) / 8)
     assert fig["mfu"] == pytest.approx(fig["tflops_per_gpu"] * 1e12 / 9.89e14)
     assert fig["prediction_error"] == pytest.approx(-0.5)
+    from megatron_dcp.plan import build_cost_model, simulate
+
+    cost = build_cost_model(shape, config, 8, "h100", 1)
+    assert fig["plan_efficiency"] == pytest.approx(simulate(plan, cost).efficiency, rel=1e-12)
     assert 0.5 < fig["plan_efficiency"] <= 1.0
     assert fig["plan_ms"] == pytest.approx(20) and fig["plan_wait_ms"] == pytest.approx(5)
     assert figures(result) is fig  # asked twice (log and dashboard): computed once

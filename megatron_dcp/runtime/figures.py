@@ -36,7 +36,7 @@ FIGURES: dict[str, str] = {
     "model_tflop": "model TFLOP of the step (all ranks), attention counted per document",
     "tflops_per_gpu": "model TFLOP/s per GPU: model_tflop / step_s / GPUs",
     "mfu": "model FLOPs utilisation: tflops_per_gpu over the hardware's peak",
-    "plan_efficiency": "(lower bound + step overhead) / predicted_s: 1 is the best any plan can do",
+    "plan_efficiency": "lower bound of the step / the plan's step, by the cost model: 1 is best",
     "idle_share": "share of the ranks' planned time spent waiting (1 - busy / (ranks x makespan))",
     "tokens_degree_D": "tokens run at sequence-parallel degree D (one figure per degree used)",
     "tasks_degree_D": "tasks at degree D (rows written before figures existed carry only these)",
@@ -177,9 +177,7 @@ class StepFigures:
         shape, hw = self.driver.model_shape, self.driver.hardware
         if shape is None:
             return {}
-        frames = plan.frame_tokens
-        ran_frames = None if frames is None else [frames[s] for t in plan.tasks for s in t.seqs]
-        tflop = document_flops(shape, ran, ran_frames, hw) / 1e12
+        tflop = document_flops(shape, ran, _ran_frames(plan), hw) / 1e12
         out = {"model_tflop": tflop}
         if step_s > 0:
             out["tflops_per_gpu"] = tflop / step_s / (plan.world_size * self.gpus_per_rank)
@@ -190,9 +188,11 @@ class StepFigures:
     def _prediction(self, result: Any, plan: Plan, ran: list[int],
                     step_s: float) -> dict[str, float]:
         """The predicted step time, its error against the measured one, the calibration's
-        error and the plan's efficiency against the lower bound of its sequences
-        (`megatron_dcp.plan.lower_bound`, with the driver's hardware and settings)."""
-        from megatron_dcp.plan import build_cost_model, lower_bound
+        error and the plan's efficiency: the lower bound of its sequences
+        (`megatron_dcp.plan.lower_bound`) over the plan's own step time, both with the driver's
+        hardware now and its settings (`megatron_dcp.plan.simulate`)."""
+        from megatron_dcp.plan import build_cost_model, lower_bound, simulate
+        from megatron_dcp.plan.pipeline import Pipeline
 
         driver, predicted = self.driver, float(result.predicted_s)
         out = {"predicted_s": predicted}
@@ -200,18 +200,26 @@ class StepFigures:
             out["prediction_error"] = predicted / step_s - 1.0
         if result.calibration_error is not None:
             out["calibration_error"] = float(result.calibration_error)
-        if not ran or predicted <= 0 or driver.model_shape is None:
+        shape = driver.model_shape
+        if not ran or shape is None:
             return out
-        cm = build_cost_model(driver.model_shape, driver.config, plan.world_size,
-                              driver.hardware, driver.zero_stage, **driver.offload,
-                              **driver.long)
+        cm = build_cost_model(shape, driver.config, plan.world_size, driver.hardware,
+                              driver.zero_stage, **driver.offload, **driver.long)
         bound = lower_bound(ran, cm, world_size=plan.world_size,
                             max_degree=driver.config.max_degree,
-                            recompute_mode=driver.config.recompute)
-        pipelined = plan.meta.get("pipeline", {}).get("makespan_s")
-        overhead = predicted - (pipelined if pipelined is not None else plan.makespan)
-        out["plan_efficiency"] = min(1.0, (bound + overhead) / predicted)
+                            recompute_mode=driver.config.recompute,
+                            frame_tokens=_ran_frames(plan))
+        pipeline = Pipeline.of(shape) if shape.pipeline_parallel > 1 else None
+        # the moldable bound is not asked for (its field goes unread): the plain one stands in
+        sim = simulate(plan, cm, bound=bound, moldable_bound=bound, pipeline=pipeline)
+        out["plan_efficiency"] = sim.efficiency
         return out
+
+
+def _ran_frames(plan: Plan) -> Optional[list[int]]:
+    """Tokens per frame of the sequences the plan runs, in task order (``None``: the model's)."""
+    frames = plan.frame_tokens
+    return None if frames is None else [frames[s] for t in plan.tasks for s in t.seqs]
 
 
 _ROW_NUMBERS = ("loss", "grad_norm", "tokens", "sequences", "tokens_per_s", "step_s",
