@@ -8,7 +8,8 @@ the planner splits those over both ranks (sequence-parallel degree 2, recomputin
 even that does not fit) while it packs the short ones, so the plan printed on each line changes
 with the batch. The cost model starts from ``--dcp_hardware auto`` (on a CPU: an uncalibrated
 start) and calibrates itself online: each line shows the predicted step time next to the
-measured one and the calibration's error, which falls within a few iterations. Works on CPU
+measured one and the calibration's error, which falls within a few iterations. It ends by drawing
+the run (``dcp-report runs/demo.jsonl``: runs/demo.png and runs/demo.html). Works on CPU
 (gloo) and GPUs. Extra arguments are passed to examples/pretrain.py (e.g. ``--train-iters 20
 --zero-stage 2``).
 """
@@ -43,7 +44,12 @@ def main() -> int:
     (ROOT / "runs").mkdir(exist_ok=True)
     print("+ deepspeed --num_gpus 2 " + " ".join(cmd[cmd.index("examples/pretrain.py"):]),
           flush=True)
-    return subprocess.call(cmd, cwd=ROOT, env=env)
+    code = subprocess.call(cmd, cwd=ROOT, env=env)
+    if code == 0 and "--log-json" not in sys.argv[1:]:  # the run's picture: dcp-report
+        from tools import report
+
+        report.main([str(ROOT / "runs" / "demo.jsonl")])  # its paths, or how to get matplotlib
+    return code
 
 
 if __name__ == "__main__":
