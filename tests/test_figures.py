@@ -161,3 +161,11 @@ def test_row_figures_of_new_and_older_rows():
 def test_scalars_carry_the_prefix_and_the_step():
     assert scalars({"mfu": 0.5, "loss": 2}, 7) == [(PREFIX + "loss", 2.0, 7),
                                                     (PREFIX + "mfu", 0.5, 7)]
+
+
+def test_every_figure_is_documented():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "MONITORING.md").read_text()
+    names = [name.replace("_D", "_") for name in FIGURES]
+    assert [n for n in names if f"`{n}" not in text] == []
