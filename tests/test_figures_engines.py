@@ -1,32 +1,44 @@
 """The figures through the engines end to end: ``examples/pretrain.py --dcp`` on 2 DeepSpeed
 ranks with ``csv_monitor`` in its DeepSpeed JSON writes every figure of every iteration to
-DeepSpeed's CSV files, equal to the ``--log-json`` rows' figures, and ``dcp-report`` draws
-the log."""
+DeepSpeed's CSV files (and TensorBoard event files, where tensorboard is installed), equal to
+the ``--log-json`` rows' figures, and ``dcp-report`` draws the log."""
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
+import os
+import subprocess
 
 import pytest
 
-from distributed import launch_deepspeed
+from distributed import JOB_ENV, deepspeed_command
 
 pytestmark = pytest.mark.slow  # launches DeepSpeed ranks
 
 
 @pytest.mark.timeout(240)
 def test_deepspeed_monitor_csv_equals_the_json_log(tmp_path, tools_on_path):
+    """DeepSpeed's csv_monitor, and its tensorboard monitor where tensorboard is installed."""
     config = json.loads((tools_on_path.parent / "examples" / "ds_config.json").read_text())
     config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    if tensorboard:
+        config["tensorboard"] = {"enabled": True, "output_path": str(tmp_path / "tb"),
+                                 "job_name": "run"}
     (tmp_path / "ds.json").write_text(json.dumps(config))
     log = tmp_path / "run.jsonl"
-    proc = launch_deepspeed(2, ["examples/pretrain.py", "--dcp", "--deepspeed_config",
-                                str(tmp_path / "ds.json"), "--train-iters", "3",
-                                "--global-batch-tokens", "2048", "--seq-length", "512",
-                                "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4",
-                                "--dcp_hardware", "h200", "--quiet", "--log-json", str(log)],
-                            timeout=200)
+    cmd = deepspeed_command(2, "examples/pretrain.py", "--dcp", "--deepspeed_config",
+                            str(tmp_path / "ds.json"), "--train-iters", "3",
+                            "--global-batch-tokens", "2048", "--seq-length", "512",
+                            "--num-layers", "2", "--hidden-size", "32", "--num-heads", "4",
+                            "--dcp_hardware", "h200", "--quiet", "--log-json", str(log))
+    env = dict(JOB_ENV)  # and where this interpreter finds tensorboard
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env["PYTHONPATH"],
+                                                      os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, cwd=tools_on_path.parent, env=env, capture_output=True,
+                          text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in log.open()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
@@ -36,6 +48,14 @@ def test_deepspeed_monitor_csv_equals_the_json_log(tmp_path, tools_on_path):
             written = [(int(step), float(value)) for step, value in list(csv.reader(f))[1:]]
         assert written == [(r["iteration"], r["figures"][name]) for r in rows], name
     assert rows[0]["figures"]["tokens"] == rows[0]["tokens"]
+    if tensorboard:
+        from test_figures_monitors import read_tensorboard
+
+        scalars = read_tensorboard(tmp_path / "tb" / "run")
+        for r in rows:
+            for name, value in r["figures"].items():
+                assert scalars[("dcp/" + name, r["iteration"])] == \
+                    pytest.approx(value, rel=1e-6, abs=1e-30), name
     import report
 
     assert report.main([str(log), "--dpi", "40"]) == 0

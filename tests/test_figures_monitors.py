@@ -196,3 +196,35 @@ def test_deepspeed_dashboard_without_its_package_fails_naming_the_extra(monkeypa
     check_monitor_config({section: {"enabled": False}, "csv_monitor": {"enabled": True}})
     with pytest.raises(ImportError, match=f'"{section}" section needs {package}'):
         check_monitor_config({section: {"enabled": True}})
+
+
+def read_tensorboard(log_dir) -> dict[tuple[str, int], float]:
+    """Every scalar of the TensorBoard event files under ``log_dir``: (tag, step) -> value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {(tag, e.step): e.value for tag in events.Tags()["scalars"]
+            for e in events.Scalars(tag)}
+
+
+def test_tensorboard_event_files_hold_the_json_figures(tmp_path):
+    """Megatron-LM's writer is torch's SummaryWriter: its event files, read back with
+    tensorboard's EventAccumulator, hold every figure of every logged iteration."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_dcp.megatron.lm_monitor import LMMonitor
+
+    figures, results = _steps(3)
+    writer = SummaryWriter(log_dir=str(tmp_path / "tb"))
+    monitor = LMMonitor(1, tensorboard=writer)
+    for it, r in enumerate(results, 1):
+        monitor.write(it, figures(r))
+    writer.close()
+    logged = _json_figures(tmp_path, figures, results)
+    scalars = read_tensorboard(tmp_path / "tb")
+    expected = {("dcp/" + k, it): v for it, f in logged.items() for k, v in f.items()}
+    assert set(scalars) == set(expected)
+    for key, value in expected.items():  # TensorBoard keeps float32
+        assert scalars[key] == pytest.approx(value, rel=1e-6, abs=1e-30), key
