@@ -136,7 +136,7 @@ def test_the_page_shows_the_figure_in_a_browser(tool, tmp_path):
     a blank or broken-image page)."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
-        pytest.skip("no chromium (Debian's package; .ci/run installs it)")
+        pytest.skip("no chromium (Debian's package chromium; not installed by .ci/run)")
     log = tmp_path / "run.jsonl"
     write_run_log(log, iterations=5)
     assert tool.main([str(log), "--dpi", "50"]) == 0
