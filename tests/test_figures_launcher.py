@@ -41,3 +41,27 @@ def test_tensorboard_dir_without_tensorboard_fails_at_start(tmp_path):
     out = done.stdout + done.stderr
     assert "--tensorboard-dir needs tensorboard" in out and "megatron-dcp[monitor]" in out
     assert "iteration        1/" not in out
+
+
+@pytest.mark.timeout(300)
+def test_launcher_figures_in_megatron_lms_tensorboard(tmp_path):
+    """``--tensorboard-dir``: Megatron-LM's own event files hold its scalars and every figure
+    under ``dcp/`` at each --log-interval iteration, equal to the --dcp-log-json rows'."""
+    pytest.importorskip("tensorboard")
+    from test_figures_monitors import read_tensorboard
+
+    log, tb = tmp_path / "dcp.jsonl", tmp_path / "tb"
+    done = _launch(["--dcp", "--dcp-log-json", str(log), "--dcp-hardware", "h200",
+                    "--dcp-max-tokens-per-rank", "200", "--train-iters", "4",
+                    "--log-interval", "2", "--tensorboard-dir", str(tb)])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = {r["iteration"]: r for r in map(json.loads, log.read_text().splitlines())}
+    scalars = read_tensorboard(tb)
+    ours = {key: value for key, value in scalars.items() if key[0].startswith("dcp/")}
+    assert {step for _, step in ours} == {2, 4}
+    for it in (2, 4):
+        figures = rows[it]["figures"]
+        assert {name for name, step in ours if step == it} == {"dcp/" + k for k in figures}
+        for name, value in figures.items():
+            assert ours[("dcp/" + name, it)] == pytest.approx(value, rel=1e-6, abs=1e-30)
+    assert any(not tag.startswith("dcp/") for tag, _ in scalars)  # beside Megatron-LM's own

@@ -101,9 +101,11 @@ def test_megatron_writers_get_every_figure_at_the_log_interval(tmp_path):
 def test_megatron_ranks_without_writers_write_nothing():
     from megatron_dcp.megatron.lm_monitor import LMMonitor
 
-    monitor = LMMonitor(1)
-    assert not monitor.active and not monitor.due(1)
-    monitor.write(1, {"loss": 1.0})  # nothing to write to: no error
+    monitor = LMMonitor(2, asked=True)  # the job has dashboards, on another rank
+    assert not monitor.active and not monitor.due(2)
+    assert monitor.due_on_some_rank(2) and not monitor.due_on_some_rank(3)
+    monitor.write(2, {"loss": 1.0})  # nothing to write to: no error
+    assert not LMMonitor(1).due_on_some_rank(1)  # no dashboards anywhere
 
 
 def test_megatron_writers_are_megatron_lms_own(monkeypatch):
