@@ -9,6 +9,7 @@ import csv
 import importlib.util
 import json
 import sys
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -230,3 +231,59 @@ def test_tensorboard_event_files_hold_the_json_figures(tmp_path):
     assert set(scalars) == set(expected)
     for key, value in expected.items():  # TensorBoard keeps float32
         assert scalars[key] == pytest.approx(value, rel=1e-6, abs=1e-30), key
+
+
+def read_wandb_offline_history(run_dir) -> dict[int, dict[str, float]]:
+    """The history rows of an offline W&B run (its ``run-*.wandb`` file: W&B's record log of
+    32 KiB blocks, each record a checksum, a length, a fragment type and a protobuf
+    ``Record``), by step."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    raw = next(run_dir.glob("run-*.wandb")).read_bytes()
+    assert raw[:4] == b":W&B", raw[:7]
+    block, pos, pending, rows = 32768, 7, b"", {}
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if kind == 0:
+            break
+        pending += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last fragment
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                         for i in record.history.item}
+                rows[int(items.pop("_step"))] = items
+    return rows
+
+
+def test_wandb_offline_history_holds_the_json_figures(tmp_path, monkeypatch):
+    """A real W&B run in offline mode (never reaching a server) through `LMMonitor`, as
+    Megatron-LM's ``get_wandb_writer`` gives it: its history holds every figure of every
+    logged iteration, equal to the JSON log's."""
+    wandb = pytest.importorskip("wandb")
+    from megatron_dcp.megatron.lm_monitor import LMMonitor
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    figures, results = _steps(4)
+    run = wandb.init(project="dcp-test", name="figures", dir=str(tmp_path),
+                     settings=wandb.Settings(mode="offline"))
+    monitor = LMMonitor(2, wandb=run)
+    for it, r in enumerate(results, 1):
+        monitor.write(it, figures(r))
+    run_dir = Path(run.dir).parent  # .../wandb/offline-run-*/files -> the run's folder
+    run.finish()
+    logged = _json_figures(tmp_path, figures, results)
+    history = read_wandb_offline_history(run_dir)
+    assert sorted(history) == [2, 4]
+    for it in (2, 4):
+        ours = {k: v for k, v in history[it].items() if k.startswith("dcp/")}
+        assert ours == {"dcp/" + k: v for k, v in logged[it].items()}
