@@ -65,3 +65,27 @@ def test_launcher_figures_in_megatron_lms_tensorboard(tmp_path):
         for name, value in figures.items():
             assert ours[("dcp/" + name, it)] == pytest.approx(value, rel=1e-6, abs=1e-30)
     assert any(not tag.startswith("dcp/") for tag, _ in scalars)  # beside Megatron-LM's own
+
+
+@pytest.mark.timeout(300)
+def test_launcher_figures_in_megatron_lms_wandb_run(tmp_path, monkeypatch):
+    """``--wandb-project`` in offline mode (never reaching a server): Megatron-LM's own W&B run
+    holds every figure under ``dcp/`` at each --log-interval iteration, as the JSON rows."""
+    pytest.importorskip("wandb")
+    from test_figures_monitors import read_wandb_offline_history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log, save = tmp_path / "dcp.jsonl", tmp_path / "wandb"
+    done = _launch(["--dcp", "--dcp-log-json", str(log), "--dcp-hardware", "h200",
+                    "--dcp-max-tokens-per-rank", "200", "--train-iters", "4",
+                    "--log-interval", "2", "--wandb-project", "dcp-test", "--wandb-exp-name",
+                    "figures", "--wandb-save-dir", str(save)])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = {r["iteration"]: r for r in map(json.loads, log.read_text().splitlines())}
+    history = read_wandb_offline_history(next((save / "wandb").glob("offline-run-*")))
+    for it in (2, 4):
+        ours = {k: v for k, v in history[it].items() if k.startswith("dcp/")}
+        assert ours == pytest.approx({"dcp/" + k: v for k, v in rows[it]["figures"].items()},
+                                     rel=1e-12)
+    assert sorted(history) == [2, 4]  # (Megatron-LM logs its own to W&B only with TensorBoard)
