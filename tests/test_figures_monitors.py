@@ -151,17 +151,18 @@ def test_deepspeed_monitor_gets_every_figure_on_rank_0(tmp_path):
     from deepspeed_plugin.monitor import DeepSpeedMonitor
 
     figures, results = _steps(3)
-    monitor = DeepSpeedMonitorDouble()
-    written = DeepSpeedMonitor(monitor, figures, rank=0)
+    engine = SimpleNamespace(monitor=DeepSpeedMonitorDouble(), global_samples=0)
+    written = DeepSpeedMonitor(engine, figures, rank=0)
     for it, r in enumerate(results, 1):
-        assert written.write(r, it) is figures(r)
+        engine.global_samples = 8 * it  # DeepSpeed's step axis
+        assert written.write(r) is figures(r)
     logged = _json_figures(tmp_path, figures, results)
-    assert {(name, step): value for name, value, step in monitor.events} == \
-        {("dcp/" + k, it): v for it, f in logged.items() for k, v in f.items()}
+    assert {(name, step): value for name, value, step in engine.monitor.events} == \
+        {("dcp/" + k, 8 * it): v for it, f in logged.items() for k, v in f.items()}
     for rank, enabled in ((1, True), (0, False)):  # another rank; no monitor in the JSON
-        other = DeepSpeedMonitorDouble(enabled)
-        assert DeepSpeedMonitor(other, figures, rank=rank).write(results[0], 1) is None
-        assert other.events == []
+        other = SimpleNamespace(monitor=DeepSpeedMonitorDouble(enabled), global_samples=8)
+        assert DeepSpeedMonitor(other, figures, rank=rank).write(results[0]) is None
+        assert other.monitor.events == []
 
 
 def test_deepspeed_csv_monitor_files_hold_the_figures(tmp_path, monkeypatch):
@@ -175,11 +176,12 @@ def test_deepspeed_csv_monitor_files_hold_the_figures(tmp_path, monkeypatch):
     monkeypatch.setattr(ds_dist, "get_rank", lambda *a, **k: 0)  # rank 0 without a group
     config = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path),
                               "job_name": "run"}}
-    master = MonitorMaster(get_monitor_config(config))
+    engine = SimpleNamespace(monitor=MonitorMaster(get_monitor_config(config)))
     figures, results = _steps(2)
-    monitor = DeepSpeedMonitor(master, figures, rank=0)
+    monitor = DeepSpeedMonitor(engine, figures, rank=0)
     for it, r in enumerate(results, 1):
-        monitor.write(r, it)
+        engine.global_samples = it
+        monitor.write(r)
     logged = _json_figures(tmp_path, figures, results)
     for name in ("mfu", "tokens_per_s", "loss", "micro_steps_max"):
         with open(tmp_path / "run" / f"dcp_{name}.csv") as f:
