@@ -169,3 +169,15 @@ def test_every_figure_is_documented():
     text = (Path(__file__).resolve().parents[1] / "docs" / "MONITORING.md").read_text()
     names = [name.replace("_D", "_") for name in FIGURES]
     assert [n for n in names if f"`{n}" not in text] == []
+
+
+def test_the_iteration_line_shows_the_mfu(capsys):
+    from megatron_dcp.runtime.report import TrainingLog
+
+    log = TrainingLog("dcp", 2)
+    log.iteration(1, loss=2.0, tokens=100, step_s=0.5, plan={"mode": "data-parallel",
+                  "micro_steps_per_rank": [1]}, figures={"mfu": 0.4132})
+    log.iteration(2, loss=2.0, tokens=100, step_s=0.5, plan={"mode": "data-parallel",
+                  "micro_steps_per_rank": [1]})
+    first, second = capsys.readouterr().out.splitlines()
+    assert "200 tok/s MFU 41.3% step 500 ms" in first and "200 tok/s step 500 ms" in second

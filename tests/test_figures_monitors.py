@@ -266,6 +266,7 @@ def read_wandb_offline_history(run_dir) -> dict[int, dict[str, float]]:
     return rows
 
 
+@pytest.mark.slow  # wandb.init starts W&B's service process
 def test_wandb_offline_history_holds_the_json_figures(tmp_path, monkeypatch):
     """A real W&B run in offline mode (never reaching a server) through `LMMonitor`, as
     Megatron-LM's ``get_wandb_writer`` gives it: its history holds every figure of every
