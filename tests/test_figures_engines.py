@@ -53,8 +53,8 @@ def test_deepspeed_monitor_csv_equals_the_json_log(tmp_path, tools_on_path):
     # DeepSpeed's own step axis (global samples), one step per iteration
     steps = [step for step, _ in csv_rows("Train_Samples_lr")]
     assert len(steps) == 3 and steps == sorted(set(steps))
-    for name in ("loss", "tokens_per_s", "mfu", "model_tflop", "plan_efficiency",
-                 "micro_steps_max", "prediction_error"):
+    for name in ("loss", "tokens_per_s", "mfu", "model_tflop", "micro_steps_max",
+                 "prediction_error"):
         assert csv_rows(f"dcp_{name}") == \
             [(step, r["figures"][name]) for step, r in zip(steps, rows)], name
     assert rows[0]["figures"]["tokens"] == rows[0]["tokens"]

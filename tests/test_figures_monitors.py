@@ -62,7 +62,7 @@ def _steps(n=4):
     for it in range(1, n + 1):
         lengths = [500 * it, 9000, 300, 2000 + 100 * it]
         plan = make_plan(lengths, world_size=4, model=shape, config=config, hardware="h100")
-        results.append(SimpleNamespace(plan=plan, loss=3.0 / it, grad_norm=0.5, wall_s=0.4,
+        results.append(SimpleNamespace(plan=plan, loss=3.0 / it, grad_norm=0.5, wall_s=40.0,
                                        skipped=False, predicted_s=0.3, calibration_error=0.2,
                                        plan_s=0.01, plan_wait_s=0.0))
     return StepFigures(driver), results
