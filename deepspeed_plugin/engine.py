@@ -124,7 +124,7 @@ class DCPEngine:
         self._steps = _DeepSpeedSteps(self, loss_fn or token_loss)
         self.figures = StepFigures(self.driver)
         """The figures of a step (`megatron_dcp.runtime.figures`): ``figures(result)``."""
-        self.monitor = DeepSpeedMonitor(getattr(engine, "monitor", None), self.figures, self.rank)
+        self.monitor = DeepSpeedMonitor(engine, self.figures, self.rank)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -152,7 +152,7 @@ class DCPEngine:
                              "gradients kept whole)")
         self.deepspeed.train()
         result = self.driver.step(self._steps, sequences, plan, next_lengths=next_lengths)
-        self.monitor.write(result, self.driver.iteration)  # DeepSpeed's monitor, if enabled
+        self.monitor.write(result)  # to DeepSpeed's monitor, where its JSON enables one
         return result
 
     # ------------------------------------------------------------------ checkpoints

@@ -169,3 +169,32 @@ def test_every_figure_is_documented():
     text = (Path(__file__).resolve().parents[1] / "docs" / "MONITORING.md").read_text()
     names = [name.replace("_D", "_") for name in FIGURES]
     assert [n for n in names if f"`{n}" not in text] == []
+
+
+def test_the_iteration_line_shows_the_mfu(capsys):
+    from megatron_dcp.runtime.report import TrainingLog
+
+    log = TrainingLog("dcp", 2)
+    log.iteration(1, loss=2.0, tokens=100, step_s=0.5, plan={"mode": "data-parallel",
+                  "micro_steps_per_rank": [1]}, figures={"mfu": 0.4132})
+    log.iteration(2, loss=2.0, tokens=100, step_s=0.5, plan={"mode": "data-parallel",
+                  "micro_steps_per_rank": [1]})
+    first, second = capsys.readouterr().out.splitlines()
+    assert "200 tok/s MFU 41.3% step 500 ms" in first and "200 tok/s step 500 ms" in second
+
+
+def test_plan_efficiency_stays_within_its_time_budget(monkeypatch):
+    """Its lower bound costs about the planner's time: with no budget left after the first
+    step, the next steps go without it (a thousand ranks would otherwise pay seconds a step)."""
+    import megatron_dcp.runtime.figures as figures_module
+
+    shape, config = load_model("llama-7b"), DCPConfig(enabled=True, hardware="h100")
+    plan = make_plan([100, 1000, 10000, 30000], world_size=8, model=shape, config=config,
+                     hardware="h100")
+    monkeypatch.setattr(figures_module, "EFFICIENCY_FREE_S", 0.0)
+    monkeypatch.setattr(figures_module, "EFFICIENCY_SHARE", 0.0)
+    figures = StepFigures(_driver(config, shape))
+    steps = [figures(_result(plan, wall_s=1.0, predicted_s=1.0)) for _ in range(3)]
+    assert ["plan_efficiency" in f for f in steps] == [True, False, False]
+    monkeypatch.setattr(figures_module, "EFFICIENCY_SHARE", 1.0)  # a budget of the whole step
+    assert "plan_efficiency" in figures(_result(plan, wall_s=1.0, predicted_s=1.0))

@@ -9,6 +9,7 @@ import csv
 import importlib.util
 import json
 import sys
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -61,7 +62,7 @@ def _steps(n=4):
     for it in range(1, n + 1):
         lengths = [500 * it, 9000, 300, 2000 + 100 * it]
         plan = make_plan(lengths, world_size=4, model=shape, config=config, hardware="h100")
-        results.append(SimpleNamespace(plan=plan, loss=3.0 / it, grad_norm=0.5, wall_s=0.4,
+        results.append(SimpleNamespace(plan=plan, loss=3.0 / it, grad_norm=0.5, wall_s=40.0,
                                        skipped=False, predicted_s=0.3, calibration_error=0.2,
                                        plan_s=0.01, plan_wait_s=0.0))
     return StepFigures(driver), results
@@ -101,9 +102,11 @@ def test_megatron_writers_get_every_figure_at_the_log_interval(tmp_path):
 def test_megatron_ranks_without_writers_write_nothing():
     from megatron_dcp.megatron.lm_monitor import LMMonitor
 
-    monitor = LMMonitor(1)
-    assert not monitor.active and not monitor.due(1)
-    monitor.write(1, {"loss": 1.0})  # nothing to write to: no error
+    monitor = LMMonitor(2, asked=True)  # the job has dashboards, on another rank
+    assert not monitor.active and not monitor.due(2)
+    assert monitor.due_on_some_rank(2) and not monitor.due_on_some_rank(3)
+    monitor.write(2, {"loss": 1.0})  # nothing to write to: no error
+    assert not LMMonitor(1).due_on_some_rank(1)  # no dashboards anywhere
 
 
 def test_megatron_writers_are_megatron_lms_own(monkeypatch):
@@ -148,17 +151,18 @@ def test_deepspeed_monitor_gets_every_figure_on_rank_0(tmp_path):
     from deepspeed_plugin.monitor import DeepSpeedMonitor
 
     figures, results = _steps(3)
-    monitor = DeepSpeedMonitorDouble()
-    written = DeepSpeedMonitor(monitor, figures, rank=0)
+    engine = SimpleNamespace(monitor=DeepSpeedMonitorDouble(), global_samples=0)
+    written = DeepSpeedMonitor(engine, figures, rank=0)
     for it, r in enumerate(results, 1):
-        assert written.write(r, it) is figures(r)
+        engine.global_samples = 8 * it  # DeepSpeed's step axis
+        assert written.write(r) is figures(r)
     logged = _json_figures(tmp_path, figures, results)
-    assert {(name, step): value for name, value, step in monitor.events} == \
-        {("dcp/" + k, it): v for it, f in logged.items() for k, v in f.items()}
+    assert {(name, step): value for name, value, step in engine.monitor.events} == \
+        {("dcp/" + k, 8 * it): v for it, f in logged.items() for k, v in f.items()}
     for rank, enabled in ((1, True), (0, False)):  # another rank; no monitor in the JSON
-        other = DeepSpeedMonitorDouble(enabled)
-        assert DeepSpeedMonitor(other, figures, rank=rank).write(results[0], 1) is None
-        assert other.events == []
+        other = SimpleNamespace(monitor=DeepSpeedMonitorDouble(enabled), global_samples=8)
+        assert DeepSpeedMonitor(other, figures, rank=rank).write(results[0]) is None
+        assert other.monitor.events == []
 
 
 def test_deepspeed_csv_monitor_files_hold_the_figures(tmp_path, monkeypatch):
@@ -172,11 +176,12 @@ def test_deepspeed_csv_monitor_files_hold_the_figures(tmp_path, monkeypatch):
     monkeypatch.setattr(ds_dist, "get_rank", lambda *a, **k: 0)  # rank 0 without a group
     config = {"csv_monitor": {"enabled": True, "output_path": str(tmp_path),
                               "job_name": "run"}}
-    master = MonitorMaster(get_monitor_config(config))
+    engine = SimpleNamespace(monitor=MonitorMaster(get_monitor_config(config)))
     figures, results = _steps(2)
-    monitor = DeepSpeedMonitor(master, figures, rank=0)
+    monitor = DeepSpeedMonitor(engine, figures, rank=0)
     for it, r in enumerate(results, 1):
-        monitor.write(r, it)
+        engine.global_samples = it
+        monitor.write(r)
     logged = _json_figures(tmp_path, figures, results)
     for name in ("mfu", "tokens_per_s", "loss", "micro_steps_max"):
         with open(tmp_path / "run" / f"dcp_{name}.csv") as f:
@@ -228,3 +233,60 @@ def test_tensorboard_event_files_hold_the_json_figures(tmp_path):
     assert set(scalars) == set(expected)
     for key, value in expected.items():  # TensorBoard keeps float32
         assert scalars[key] == pytest.approx(value, rel=1e-6, abs=1e-30), key
+
+
+def read_wandb_offline_history(run_dir) -> dict[int, dict[str, float]]:
+    """The history rows of an offline W&B run (its ``run-*.wandb`` file: W&B's record log of
+    32 KiB blocks, each record a checksum, a length, a fragment type and a protobuf
+    ``Record``), by step."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    raw = next(run_dir.glob("run-*.wandb")).read_bytes()
+    assert raw[:4] == b":W&B", raw[:7]
+    block, pos, pending, rows = 32768, 7, b"", {}
+    while pos + 7 <= len(raw):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if kind == 0:
+            break
+        pending += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last fragment
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                         for i in record.history.item}
+                rows[int(items.pop("_step"))] = items
+    return rows
+
+
+@pytest.mark.slow  # wandb.init starts W&B's service process
+def test_wandb_offline_history_holds_the_json_figures(tmp_path, monkeypatch):
+    """A real W&B run in offline mode (never reaching a server) through `LMMonitor`, as
+    Megatron-LM's ``get_wandb_writer`` gives it: its history holds every figure of every
+    logged iteration, equal to the JSON log's."""
+    wandb = pytest.importorskip("wandb")
+    from megatron_dcp.megatron.lm_monitor import LMMonitor
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    figures, results = _steps(4)
+    run = wandb.init(project="dcp-test", name="figures", dir=str(tmp_path),
+                     settings=wandb.Settings(mode="offline"))
+    monitor = LMMonitor(2, wandb=run)
+    for it, r in enumerate(results, 1):
+        monitor.write(it, figures(r))
+    run_dir = Path(run.dir).parent  # .../wandb/offline-run-*/files -> the run's folder
+    run.finish()
+    logged = _json_figures(tmp_path, figures, results)
+    history = read_wandb_offline_history(run_dir)
+    assert sorted(history) == [2, 4]
+    for it in (2, 4):
+        ours = {k: v for k, v in history[it].items() if k.startswith("dcp/")}
+        assert ours == {"dcp/" + k: v for k, v in logged[it].items()}

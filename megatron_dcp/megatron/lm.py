@@ -33,7 +33,8 @@ import torch
 
 from megatron_dcp import patching
 from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
-from megatron_dcp.megatron.lm_monitor import LMMonitor, check_monitor_args
+from megatron_dcp.megatron.lm_monitor import (LMMonitor, check_monitor_args,
+                                              slowest_rank_timings)
 from megatron_dcp.patching import PatchSet
 from megatron_dcp.runtime.figures import StepFigures
 
@@ -419,13 +420,17 @@ class LMForwardBackward:
         dist.all_reduce(summed, group=group)  # a collective: every rank
         now, since = time.perf_counter(), self._logged_at
         self._logged_at = now  # the step's time: from the last step's end (Megatron-LM's own)
+        result = reports.result
+        if not (self.args.dcp_log_json or self.monitor.due_on_some_rank(self.iteration)):
+            return
+        result, seconds = slowest_rank_timings(  # a collective: every rank
+            result, now - since if since is not None else result.wall_s)
         if not (self.log_path or self.monitor.due(self.iteration)):
             return
         from megatron_dcp.runtime.report import plan_summary
 
-        result = reports.result
         self.figures = self.figures or StepFigures(self.step.driver)
-        figures = self.figures(result, now - since if since is not None else None)
+        figures = self.figures(result, seconds)
         self.monitor.write(self.iteration, figures)
         if not self.log_path:
             return

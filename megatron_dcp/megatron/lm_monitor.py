@@ -24,27 +24,55 @@ def check_monitor_args(args: argparse.Namespace) -> None:
                            asked_by="--wandb-project")
 
 
+def slowest_rank_timings(result: Any, seconds: float) -> tuple[Any, float]:
+    """``result`` (a `StepResult`) with its planning times, and the step's ``seconds``, as the
+    slowest rank of the job saw them (one all-reduce, MAX, over the default group; collective:
+    every rank): the figures are then the same on whichever rank writes them (Megatron-LM's
+    writers live on its last rank, the JSON log's writer on the last stage's first)."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dcp.runtime.groups import comm_device
+
+    times = torch.tensor([seconds, result.plan_s, result.plan_wait_s], dtype=torch.float64,
+                         device=comm_device())
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    seconds, plan_s, plan_wait_s = times.tolist()
+    return dataclasses.replace(result, plan_s=plan_s, plan_wait_s=plan_wait_s), seconds
+
+
 class LMMonitor:
     """Writes the figures of every ``log_interval``-th iteration to a TensorBoard writer
     (``add_scalar(name, value, iteration)``) and a W&B run (``log({name: value}, iteration)``),
     each optional (``None``: not written; Megatron-LM gives writers only to its last rank)."""
 
-    def __init__(self, log_interval: int, tensorboard: Any = None, wandb: Any = None) -> None:
+    def __init__(self, log_interval: int, tensorboard: Any = None, wandb: Any = None, *,
+                 asked: Optional[bool] = None) -> None:
         self.log_interval = max(int(log_interval), 1)
         self.tensorboard = tensorboard
         self.wandb = wandb
+        self.asked = self.active if asked is None else bool(asked)
+        """Whether the job has dashboards (some rank has a writer): the same on every rank."""
 
     @classmethod
     def of_megatron(cls, args: argparse.Namespace) -> "LMMonitor":
         """The monitor of Megatron-LM's writers on this rank (none where it has none)."""
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
-        return cls(args.log_interval, get_tensorboard_writer(), get_wandb_writer())
+        asked = bool(getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project",
+                                                                       None))
+        return cls(args.log_interval, get_tensorboard_writer(), get_wandb_writer(), asked=asked)
 
     @property
     def active(self) -> bool:
         """Whether this rank has a writer (it then needs the step's figures)."""
         return self.tensorboard is not None or self.wandb is not None
+
+    def due_on_some_rank(self, iteration: int) -> bool:
+        """Whether some rank writes ``iteration`` (the same answer on every rank)."""
+        return self.asked and iteration % self.log_interval == 0
 
     def due(self, iteration: int) -> bool:
         """Whether ``iteration`` is written (Megatron-LM's rule: a multiple of the interval)."""
@@ -62,4 +90,4 @@ class LMMonitor:
             self.wandb.log({name: value for name, value, _ in events}, iteration)
 
 
-__all__ = ["LMMonitor", "PREFIX", "check_monitor_args"]
+__all__ = ["LMMonitor", "PREFIX", "check_monitor_args", "slowest_rank_timings"]

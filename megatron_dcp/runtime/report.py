@@ -126,6 +126,11 @@ def _prediction_text(predicted_s: Optional[float], error: Optional[float]) -> st
     return text + (f" (calibration error {error * 100:.0f}%)" if error is not None else "")
 
 
+def _mfu_text(figures: Optional[dict[str, float]]) -> str:
+    """`` MFU 41.3%`` from a step's figures (`megatron_dcp.runtime.figures`), where known."""
+    return f" MFU {figures['mfu'] * 100:.1f}%" if figures and "mfu" in figures else ""
+
+
 def _skip_text(step: bool, steps: int, sequences: int) -> str:
     text = f" | SKIPPED step (non-finite; {steps} so far)" if step else ""
     return text + (f" | {sequences} sequences skipped (oversize)" if sequences else "")
@@ -187,7 +192,8 @@ class TrainingLog:
         if self.primary and not self.quiet:
             print(f"{progress_bar(iteration, self.train_iters)} iter {iteration}/"
                   f"{self.train_iters} loss {loss:.4f} tokens {tokens} "
-                  f"{record['tokens_per_s']:.0f} tok/s step {step_s * 1e3:.0f} ms"
+                  f"{record['tokens_per_s']:.0f} tok/s{_mfu_text(extra.get('figures'))} "
+                  f"step {step_s * 1e3:.0f} ms"
                   f"{_prediction_text(predicted_s, calibration_error)} | {_plan_text(plan)}"
                   f"{_skip_text(skipped, self.skipped_steps, skipped_sequences)}", flush=True)
         return record
