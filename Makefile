@@ -38,7 +38,7 @@ $(BIN312)/.installed: pyproject.toml
 	test -x $(BIN312)/python || $(PY312) -m venv $(VENV312)
 	$(BIN312)/pip install -q --upgrade pip
 	$(BIN312)/pip install -q torch==2.13.0
-	DS_BUILD_OPS=0 $(BIN312)/pip install -q -e ".[megatron,deepspeed,hf,test]"
+	DS_BUILD_OPS=0 $(BIN312)/pip install -q -e ".[megatron,deepspeed,hf,test,monitor]"
 	touch $@
 
 .PHONY: venv312 test312

@@ -152,7 +152,7 @@ def test_the_page_shows_the_figure_in_a_browser(tool, tmp_path):
     fails on the page with its image broken (negative control)."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
-        pytest.skip("no chromium (Debian's package chromium; not installed by .ci/run)")
+        pytest.skip("no chromium (Debian's package; .ci/run installs it where apt-get can)")
     log = tmp_path / "run.jsonl"
     write_run_log(log, iterations=5)
     assert tool.main([str(log), "--dpi", "50"]) == 0
