@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from megatron_dcp.progress import Progress
 from megatron_dcp.data import (ByteTokenizer, IndexedDatasetWriter, best_dtype,
                                embedded_corpus_texts, read_documents)
 
@@ -58,12 +59,14 @@ def main(argv=None) -> int:
                                   best_dtype(tokenizer.vocab_size)) as writer:
             sources = [embedded_corpus_texts()] if args.embedded else [
                 read_documents(path, args.json_key) for path in args.input]
-            for texts in sources:
-                for text in texts:
-                    ids = tokenizer.encode(text, append_eod=not args.no_eod)
-                    writer.add_document(ids)
-                    docs += 1
-                    tokens += len(ids)
+            with Progress("documents") as bar:
+                for texts in sources:
+                    for text in texts:
+                        ids = tokenizer.encode(text, append_eod=not args.no_eod)
+                        writer.add_document(ids)
+                        docs += 1
+                        tokens += len(ids)
+                        bar.update(label=f"{tokens} tokens")
             if docs == 0:  # a 0-document dataset fails later, far from its cause
                 raise ValueError("no documents in " + (", ".join(args.input or ["the corpus"]))
                                  + " (empty files, or only blank lines)")

@@ -58,6 +58,7 @@ from megatron_dcp.plan.pipeline import Pipeline  # noqa: E402
 from megatron_dcp.plan.plan import Plan  # noqa: E402
 from megatron_dcp.plan.presets import ModelPresetError  # noqa: E402
 from megatron_dcp.plan.vocabulary import Vocabulary  # noqa: E402
+from megatron_dcp.progress import Progress  # noqa: E402
 from megatron_dcp.plan.workload import (DEFAULT_MAX_LEN, DISTRIBUTIONS,  # noqa: E402
                                         VIDEO_MIXES, WorkloadError, read_lengths_file,
                                         read_shapes_file, sample_lengths, sample_videos,
@@ -265,13 +266,16 @@ def run(args: argparse.Namespace) -> dict:
                           offload_optimizer=args.offload_optimizer,
                           offload_param=args.offload_param, long_sequences=args.long_sequences)
     plans: dict[str, Plan] = {}
-    for name in names:
-        t0 = time.perf_counter()
-        plans[name] = make_plan(lengths, world_size=world, model=model,
-                                config=base.replace(policy=name),
-                                zero_stage=args.zero_stage, cost_model=cm,
-                                baseline_degree=args.baseline_degree, frame_tokens=frames)
-        plans[name].meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
+    with Progress("planning", total=len(names)) as bar:
+        for name in names:
+            bar.update(0, label=name)
+            t0 = time.perf_counter()
+            plans[name] = make_plan(lengths, world_size=world, model=model,
+                                    config=base.replace(policy=name),
+                                    zero_stage=args.zero_stage, cost_model=cm,
+                                    baseline_degree=args.baseline_degree, frame_tokens=frames)
+            plans[name].meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
+            bar.update(label=name)
     if external is not None:
         validate_plan(external, model, cost_model=cm, check_times=False)
         plans["plan:" + os.path.basename(args.plan)] = external

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any, Optional
 
 from megatron_dcp.config import DCPConfig, output_file
+from megatron_dcp.progress import Progress
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -95,10 +95,11 @@ def run(args: argparse.Namespace, **controls: Any) -> dict[str, Any]:
                   lengths=batch_lengths(args), world_size=args.gpus, config=config,
                   hardware=args.hardware, create_groups=not args.no_create_groups, **controls)
     ranks = list(sample_ranks(args.gpus, args.ranks))
-    results, start = [], time.perf_counter()
-    for i, rank in enumerate(ranks):
-        results.append(run_rank(job, rank))
-        _progress(i + 1, len(ranks), start)
+    results = []
+    with Progress("dry run: ranks", total=len(ranks)) as bar:
+        for rank in ranks:
+            results.append(run_rank(job, rank))
+            bar.update(label=f"rank {rank}")
     mismatches = check_consistency({r["rank"]: r["calls"] for r in results})
     report = {
         "consistent": not mismatches, "mismatches": mismatches,
@@ -113,15 +114,6 @@ def run(args: argparse.Namespace, **controls: Any) -> dict[str, Any]:
     report["ok"] = (report["consistent"] and not any(r["cpu_tensors"] or r["error"]
                                                      for r in report["ranks"]))
     return report
-
-
-def _progress(done: int, total: int, start: float) -> None:
-    width = 30
-    filled = width * done // total
-    rate = (time.perf_counter() - start) / done
-    print(f"\r[{'#' * filled}{'.' * (width - filled)}] rank {done}/{total} "
-          f"({rate:.1f} s a rank)", end="" if done < total else "\n", file=sys.stderr,
-          flush=True)
 
 
 def print_table(report: dict[str, Any]) -> None:

@@ -1,0 +1,51 @@
+"""A progress bar on stderr for the tools' long work (simulating policies at large worlds,
+building a dataset, dry-running ranks): drawn only when stderr is a terminal, at most ten times a
+second; a log file or a CI job gets nothing. Pure Python."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional, TextIO
+
+
+class Progress:
+    """``with Progress("policies", total=5) as bar: ... bar.update(label="dcp")``."""
+
+    def __init__(self, what: str, total: Optional[int] = None,
+                 stream: Optional[TextIO] = None, enabled: Optional[bool] = None):
+        self.what, self.total, self.done = what, total, 0
+        self.stream = stream or sys.stderr
+        self.enabled = (self.stream.isatty() if hasattr(self.stream, "isatty") else False) \
+            if enabled is None else enabled
+        self.start = time.perf_counter()
+        self._drawn = 0.0
+
+    def update(self, n: int = 1, label: str = "") -> None:
+        self.done += n
+        now = time.perf_counter()
+        last = self.total is not None and self.done >= self.total
+        if self.enabled and (last or now - self._drawn >= 0.1):
+            self._drawn = now
+            self.stream.write("\r" + self.line(label))
+            self.stream.flush()
+
+    def line(self, label: str = "") -> str:
+        """The bar as it is drawn: ``what [####....] done/total  elapsed, rate``."""
+        elapsed = time.perf_counter() - self.start
+        if self.total:
+            filled = 30 * min(self.done, self.total) // self.total
+            bar = f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}"
+        else:
+            bar = f"{self.done}"
+        rate = f"{elapsed / self.done:.2f} s each" if self.done else ""
+        text = f"{self.what} {bar}  {elapsed:.0f} s {rate} {label}".rstrip()
+        return text[:120].ljust(120 if self.enabled else 0)
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled and self.done:
+            self.stream.write("\n")
+            self.stream.flush()
