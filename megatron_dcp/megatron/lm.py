@@ -33,6 +33,9 @@ import torch
 
 from megatron_dcp import patching
 from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
+from megatron_dcp.megatron.lm_checkpoint import (PLANNER_FILE, PlannerCheckpoint,  # noqa: F401
+                                                 gated_load_args, read_planner_state,
+                                                 save_takeover_problem)
 from megatron_dcp.megatron.lm_monitor import (LMMonitor, check_monitor_args,
                                               slowest_rank_timings)
 from megatron_dcp.patching import PatchSet
@@ -92,6 +95,10 @@ def launcher_problems(args: argparse.Namespace) -> list[str]:
     if getattr(args, "context_parallel_size", 1) > 1 and not getattr(
             args, "hybrid_context_parallel", False):
         pass  # validate_dcp_args names --context-parallel-size
+    takeover = save_takeover_problem(getattr(args, "save", None), getattr(args, "load", None),
+                                     getattr(args, "ckpt_step", None))
+    if takeover:
+        problems.append(takeover)
     try:  # --tensorboard-dir / --wandb-project: DCP's figures go there too
         check_monitor_args(args)
     except ImportError as err:
@@ -123,86 +130,6 @@ def _validate_args(validate_args: Callable) -> Callable:
     return run
 
 
-PLANNER_FILE = "dcp_planner.json"
-"""The planner's state (`StepDriver.state_dict`: its iteration, the calibrated hardware) in the
-folder of each checkpoint Megatron-LM's ``--save`` writes (``iter_NNNNNNN/``)."""
-
-
-class PlannerCheckpoint:
-    """The planner's state beside Megatron-LM's own checkpoints: after Megatron-LM's
-    ``save_checkpoint`` returns, rank 0 writes `PLANNER_FILE` into the iteration's folder (JSON,
-    written to a temporary name and renamed); after ``load_checkpoint``, every rank reads the
-    loaded iteration's file, and the step restores it before its first plan. A checkpoint
-    without the file (saved without ``--dcp``) starts the planner afresh."""
-
-    def __init__(self) -> None:
-        self.step: Optional["LMForwardBackward"] = None
-        self.loaded: Optional[dict] = None
-
-    def wrap_save(self, save_checkpoint: Callable) -> Callable:
-        @functools.wraps(save_checkpoint)
-        def run(iteration, *args: Any, **kwargs: Any):
-            import torch.distributed as dist
-            from megatron.training import get_args
-
-            out = save_checkpoint(iteration, *args, **kwargs)
-            margs = get_args()
-            # rank 0 alone: only a driver already built (building one is collective)
-            planned = self.step is not None and self.step.step._driver is not None
-            if planned and margs.save and dist.get_rank() == 0:
-                folder = _iteration_folder(margs.save, iteration)
-                os.makedirs(folder, exist_ok=True)
-                target = os.path.join(folder, PLANNER_FILE)
-                with open(target + ".tmp", "w") as f:
-                    json.dump(self.step.step.driver.state_dict(), f)
-                os.replace(target + ".tmp", target)
-            return out
-
-        return run
-
-    def wrap_load(self, load_checkpoint: Callable) -> Callable:
-        @functools.wraps(load_checkpoint)
-        def run(*args: Any, **kwargs: Any):
-            from megatron.training import get_args
-
-            out = load_checkpoint(*args, **kwargs)
-            margs = get_args()
-            where = getattr(margs, kwargs.get("load_arg", "load"), None)
-            iteration = out[0] if isinstance(out, tuple) else None
-            if getattr(margs, "dcp", False) and where and iteration:
-                path = os.path.join(_iteration_folder(where, iteration), PLANNER_FILE)
-                if os.path.exists(path):
-                    self.loaded = read_planner_state(path)
-            return out
-
-        return run
-
-
-def read_planner_state(path: str) -> Optional[dict]:
-    """The planner's state in ``path`` (`PLANNER_FILE`), or None, said on stderr naming the file,
-    when it is unreadable or not a state (a truncated write): the planner then starts afresh and
-    the checkpoint itself still loads."""
-    import sys
-
-    try:
-        with open(path) as f:
-            state = json.load(f)
-        if isinstance(state, dict):
-            return state
-        why = f"holds a {type(state).__name__}, not the planner's state"
-    except (OSError, ValueError) as err:
-        why = f"is unreadable ({type(err).__name__}: {err})"
-    print(f"[dcp] {path} {why}: the planner starts afresh (its iteration and calibrated "
-          "hardware are not restored); the checkpoint itself loads", file=sys.stderr, flush=True)
-    return None
-
-
-def _iteration_folder(root: str, iteration: int) -> str:
-    from megatron.training.checkpointing import get_checkpoint_name
-
-    return get_checkpoint_name(root, iteration, return_base_dir=True)
-
-
 def _forward_backward_func(get_func: Callable, saved: PlannerCheckpoint) -> Callable:
     step: list = []  # one LMForwardBackward per process, made at the first call
 
@@ -224,6 +151,7 @@ def _forward_backward_func(get_func: Callable, saved: PlannerCheckpoint) -> Call
 
 def _install(patches: PatchSet) -> None:
     import megatron.training.arguments as arguments
+    import megatron.training.checkpointing as checkpointing
     import megatron.training.training as training
 
     patches.replace("megatron.training.arguments", "parse_args",
@@ -237,6 +165,8 @@ def _install(patches: PatchSet) -> None:
                     saved.wrap_save(training.save_checkpoint), check=callable)
     patches.replace("megatron.training.training", "load_checkpoint",
                     saved.wrap_load(training.load_checkpoint), check=callable)
+    patches.replace("megatron.training.checkpointing", "load_args_from_checkpoint",
+                    gated_load_args(checkpointing.load_args_from_checkpoint), check=callable)
 
 
 def enable_dcp() -> None:

@@ -15,6 +15,11 @@ write the manifest too); unpickling an arbitrary file runs whatever callable it 
   ``pickle.load``), and whose byte items (non-tensor values inside the ``.distcp`` files, which
   torch's default planner unpickles with ``weights_only=False``) are checked with
   ``weights_only=True`` before the planner sees them.
+* `check_folder`: before a host framework's own loader reads a checkpoint folder (Megatron-LM's
+  ``load_checkpoint`` through the launcher), every pickle it would unpickle is read as above:
+  each ``.metadata`` with its own classes, its byte items and every ``.pt`` file
+  ``weights_only``, admitting only what the caller's ``admit`` grants of the globals a file
+  names.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import io
 import os
 import pickle
 import re
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -192,3 +197,62 @@ class SafeFileSystemReader(_file_reader_base()):  # type: ignore[misc]
     def read_data(self, plan: Any, planner: Any) -> Any:
         """torch's ``read_data`` with the byte items checked first."""
         return super().read_data(plan, _CheckedBytes(planner, str(self.path)))
+
+
+Admit = Callable[[list], list]
+"""The globals a file names (``module.name`` strings) -> the objects a load may admit of them."""
+
+
+def check_folder(folder: str, admit: Admit) -> list[str]:
+    """Read, running nothing, every pickle in ``folder`` (and below) that a loader would
+    unpickle: ``*.metadata`` (torch.distributed.checkpoint's, `METADATA_CLASSES`) and the byte
+    items they index in the ``.distcp`` files, and every ``*.pt`` file; a byte item or ``.pt``
+    file is loaded ``weights_only`` with ``admit(its globals)`` admitted. Raises
+    `UnsafeCheckpointError` naming the file (and item) and the global; returns the files
+    checked."""
+    checked = []
+    for where, _, names in sorted(os.walk(folder)):
+        for name in sorted(names):
+            path = os.path.join(where, name)
+            if name.endswith(".metadata"):
+                _check_byte_items(where, path, read_pickle(path), admit)
+            elif name.endswith((".pt", ".pth")):
+                _check_torch_file(path, path, admit, mmap=True)
+            else:
+                continue
+            checked.append(path)
+    return checked
+
+
+def _check_torch_file(source: Any, where: str, admit: Admit, mmap: bool = False) -> None:
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    try:  # names only: nothing is unpickled
+        asked = get_unsafe_globals_in_checkpoint(source)
+    except Exception:  # noqa: BLE001 - not torch's zip format: the load below refuses it
+        asked = []
+    if hasattr(source, "seek"):
+        source.seek(0)
+    load_weights(source, name=where, safe_globals=admit(list(asked)), mmap=mmap)
+
+
+def _check_byte_items(folder: str, path: str, metadata: Any, admit: Admit) -> None:
+    """Every byte item ``metadata`` indexes, read from its file and loaded ``weights_only``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    byte_keys = {fqn for fqn, meta in metadata.state_dict_metadata.items()
+                 if isinstance(meta, BytesStorageMetadata)}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn not in byte_keys:
+            continue
+        item = f"{os.path.join(folder, info.relative_path)} (item {index.fqn} of {path})"
+        if getattr(info, "transform_descriptors", None):
+            raise UnsafeCheckpointError(f"{item} is stored transformed "
+                                        f"({info.transform_descriptors}): not checked, refused")
+        target = os.path.realpath(os.path.join(folder, info.relative_path))
+        if os.path.dirname(target) != os.path.realpath(folder):
+            raise UnsafeCheckpointError(f"{item} points outside its folder: refused")
+        with open(target, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        _check_torch_file(io.BytesIO(data), item, lambda asked: [io.BytesIO, *admit(asked)])
