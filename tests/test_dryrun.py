@@ -60,3 +60,27 @@ def test_swapped_collectives_and_unmatched_sends_are_caught():
 def test_flags_are_checked():
     with pytest.raises(ValueError, match="outside 0..15"):
         _run("--ranks", "3,99")
+
+
+def test_megatron_path_sixteen_ranks_tp2_sequence_parallel_distributed_optimizer():
+    """Megatron-core's GPTModel (DCP's layer spec, Megatron's DDP with the distributed
+    optimizer) through DCPForwardBackward at Llama-7B width: every rank of 16 (TP 2 x DCP 8)
+    issues the same collectives as its groups' other members, no host tensor reaches one, and
+    the TP groups' sequence-parallel collectives are among them."""
+    pytest.importorskip("megatron.core")
+    report = _run("--engine", "megatron", "--tp", "2", "--sequence-parallel",
+                  "--zero-stage", "1")
+    assert report["ok"] and report["consistent"], report["mismatches"][:2]
+    for r in report["ranks"]:
+        assert r["error"] == "" and r["cpu_tensors"] == 0 and r["predicted_bytes"]
+    with_tp_peer = run(parse_args(["--engine", "megatron", "--gpus", "4", "--tp", "2",
+                                   "--sequence-parallel", "--layers", "1",
+                                   "--global-batch-tokens", "16384"]), keep_calls=True)
+    groups = {c.group for c in with_tp_peer["calls"][0]}
+    assert (0, 1) in groups and (0, 2) in groups  # a TP pair, and the DCP world {0, 2}
+
+
+def test_megatron_path_refuses_what_it_cannot_run_yet():
+    with pytest.raises(ValueError, match="pipeline"):
+        _run("--engine", "megatron", "--model", "llama-7b", "--tp", "2",
+             "--ranks", "0", "--pp", "2")

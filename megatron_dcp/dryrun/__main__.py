@@ -14,6 +14,7 @@ rank's step ran. Printed: a table per rank; ``--json``: the whole report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any, Optional
@@ -32,9 +33,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help="layers to run (default 2: a layer's "
                    "collectives repeat; the planner plans the model given with this many)")
     p.add_argument("--hardware", default="h200", help="hardware preset or profile JSON")
-    p.add_argument("--engine", default="runtime", choices=("runtime",),
-                   help="runtime: DCP's step driver with the reference decoder (Megatron-core "
-                        "and DeepSpeed: not yet, see docs/DRYRUN.md)")
+    p.add_argument("--engine", default="runtime", choices=("runtime", "megatron"),
+                   help="runtime: DCP's step driver with the reference decoder; megatron: a "
+                        "megatron-core GPTModel in Megatron's DDP through DCPForwardBackward "
+                        "(DeepSpeed: not yet, see docs/DRYRUN.md)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--engine megatron)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (not yet: refused)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism (with --tp > 1)")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
+                   help="optimizer sharding (megatron: 1 = the distributed optimizer)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", help="file: one token count per line, or a Megatron .idx")
     src.add_argument("--corpus", action="store_true",
@@ -80,9 +88,9 @@ def batch_lengths(args: argparse.Namespace) -> list[int]:
     return out
 
 
-def run(args: argparse.Namespace, **controls: Any) -> dict[str, Any]:
+def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> dict[str, Any]:
     """The report of a dry run (see the module doc); ``controls``: `RankJob`'s negative
-    controls."""
+    controls; ``keep_calls``: the report's ``calls`` holds every rank's recorded calls."""
     from megatron_dcp.dryrun.record import check_consistency
     from megatron_dcp.dryrun.runtime_rank import RankJob, layers_run, run_rank, sample_ranks
     from megatron_dcp.plan import load_model
@@ -91,9 +99,21 @@ def run(args: argparse.Namespace, **controls: Any) -> dict[str, Any]:
                        memory_budget_gb=args.memory_budget_gb,
                        max_tokens_per_rank=args.max_tokens_per_rank,
                        ranks_per_node=args.gpus_per_node)
-    job = RankJob(shape=layers_run(load_model(args.model), args.layers),
-                  lengths=batch_lengths(args), world_size=args.gpus, config=config,
-                  hardware=args.hardware, create_groups=not args.no_create_groups, **controls)
+    shape = dataclasses.replace(layers_run(load_model(args.model), args.layers),
+                                tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                                sequence_parallel=args.sequence_parallel and args.tp > 1)
+    job = RankJob(shape=shape, lengths=batch_lengths(args), world_size=args.gpus,
+                  config=config, hardware=args.hardware, zero_stage=args.zero_stage,
+                  create_groups=not args.no_create_groups, **controls)
+    if args.engine == "megatron":
+        from megatron_dcp.dryrun.megatron_rank import refused, run_megatron_rank
+
+        if refused(job):
+            raise ValueError(refused(job))
+        run_rank = run_megatron_rank  # noqa: F811
+    elif args.tp > 1 or args.pp > 1:
+        raise ValueError("--tp/--pp > 1 need --engine megatron (the reference decoder has "
+                         "neither)")
     ranks = list(sample_ranks(args.gpus, args.ranks))
     results = []
     with Progress("dry run: ranks", total=len(ranks)) as bar:
@@ -104,6 +124,7 @@ def run(args: argparse.Namespace, **controls: Any) -> dict[str, Any]:
     report = {
         "consistent": not mismatches, "mismatches": mismatches,
         "world_size": args.gpus, "model": args.model, "layers": job.shape.num_layers,
+        "engine": args.engine, "tensor_parallel": args.tp, "zero_stage": args.zero_stage,
         "sequences": len(job.lengths), "tokens": sum(job.lengths),
         "ranks": [{"rank": r["rank"], "collectives": len(r["calls"]),
                    "predicted_bytes": r["predicted_bytes"], "peak_bytes": r["peak_bytes"],
@@ -111,6 +132,8 @@ def run(args: argparse.Namespace, **controls: Any) -> dict[str, Any]:
                    "cpu_tensors": r["cpu_tensors"], "host_syncs": r["host_syncs"],
                    "bytes_received": r["bytes_received"], "seconds": r["seconds"],
                    "error": r["error"]} for r in results]}
+    if keep_calls:
+        report["calls"] = {r["rank"]: r["calls"] for r in results}
     report["ok"] = (report["consistent"] and not any(r["cpu_tensors"] or r["error"]
                                                      for r in report["ranks"]))
     return report

@@ -32,6 +32,9 @@ class RankJob:
     world_size: int
     config: DCPConfig
     hardware: str = "h200"
+    zero_stage: int = 0
+    """The optimizer's sharding (the memory model; on the Megatron path 1 is the distributed
+    optimizer)."""
     create_groups: bool = True
     """Create and warm the vocabulary's groups at start, as the engines do."""
     drop_call: Optional[tuple[int, int]] = None
@@ -92,7 +95,8 @@ def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
         with tracker, fake.recording():
             pool = GroupPool()
             driver = StepDriver(job.config, pool=pool, model_shape=job.shape,
-                                hardware=job.hardware, device=JOB_DEVICE)
+                                hardware=job.hardware, device=JOB_DEVICE,
+                                zero_stage=job.zero_stage)
             if job.create_groups:
                 driver.create_groups(job.lengths)
             batch = [torch.zeros(n, dtype=torch.long) for n in job.lengths]
@@ -101,22 +105,28 @@ def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
                 plan = driver.step(_engine(model, pool, job, rank, tracker), batch).plan
             except Exception as exc:  # noqa: BLE001 - reported per rank, with the record so far
                 error = f"{type(exc).__name__}: {exc}"
-        peak = tracker.get_tracker_snapshot("peak").get(JOB_DEVICE, {})
         calls = list(fake.recorder.calls)
         if job.drop_call is not None and job.drop_call[0] == rank:
             del calls[job.drop_call[1]]
-        by_kind = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
         out.update(calls=calls, host_syncs=dict(fake.host_reads.sites),
                    bytes_received=fake.recorder.object_bytes,
                    cpu_tensors=len(fake.recorder.device_errors), error=error,
-                   peak_bytes=by_kind.get("ACT", 0) + by_kind.get("TEMP", 0),
-                   peak_by_kind=by_kind,
-                   predicted_bytes=_predicted(driver, plan, rank) if plan else None)
+                   predicted_bytes=predicted_bytes(driver, plan, rank) if plan else None,
+                   **tracked_peak(tracker))
     out["seconds"] = round(time.perf_counter() - start, 3)
     return out
 
 
-def _predicted(driver: Any, plan: Any, rank: int) -> Optional[float]:
+def tracked_peak(tracker: MemTracker) -> dict[str, Any]:
+    """``peak_bytes`` (activations and temporaries: the planner's scope) and ``peak_by_kind``
+    of the tracker's peak on the job's device."""
+    peak = tracker.get_tracker_snapshot("peak").get(JOB_DEVICE, {})
+    by_kind = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
+    return {"peak_bytes": by_kind.get("ACT", 0) + by_kind.get("TEMP", 0),
+            "peak_by_kind": by_kind}
+
+
+def predicted_bytes(driver: Any, plan: Any, rank: int) -> Optional[float]:
     """The planner's activation and temporary bytes (its peak less the static memory and the
     reserve) of this rank's largest task of the step's ``plan``, in the driver's own cost model:
     the scope of the measured `peak_bytes`."""

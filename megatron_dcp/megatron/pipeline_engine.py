@@ -159,9 +159,11 @@ def _ordered_shapes_communicator():
     import torch.distributed as dist
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+    from megatron_dcp.runtime.groups import comm_device
+
     class OrderedShapes(P2PCommunicator):
         def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            device = comm_device(self.pp_group)
             shapes = [None, None]  # received from the previous rank, from the next
             ops = []
             for i, send, recv, to, source in (  # forward, then backward

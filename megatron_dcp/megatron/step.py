@@ -37,7 +37,7 @@ from megatron_dcp.config import DCPConfig
 from megatron_dcp.megatron.engine import MegatronParallel, MegatronStepEngine
 from megatron_dcp.megatron.pipeline_engine import MegatronPipelineEngine
 from megatron_dcp.plan.plan import Plan
-from megatron_dcp.runtime.groups import GroupPool
+from megatron_dcp.runtime.groups import GroupPool, comm_device
 from megatron_dcp.runtime.step import StepDriver, StepResult
 
 
@@ -105,8 +105,8 @@ class DCPForwardBackward:
             if self.pool is None:
                 dp_group = self._layout().data_group
                 self.pool = GroupPool(world_ranks=dist.get_process_group_ranks(dp_group))
-            device = torch.device("cuda", torch.cuda.current_device()) \
-                if torch.cuda.is_available() else None
+            device = comm_device()  # the job's device (the host: None, the driver's default)
+            device = None if device.type == "cpu" else device
             self._driver = StepDriver(self.config.replace(enabled=True), pool=self.pool,
                                       model_shape=self.planning_shape(), hardware=self.hardware,
                                       zero_stage=self.zero_stage, device=device,

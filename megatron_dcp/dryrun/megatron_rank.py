@@ -1,0 +1,236 @@
+"""One rank of a real-size job through the Megatron-core path (``--engine megatron``): Megatron's
+parallel state (TP, sequence parallel, the data-parallel DCP world), a megatron-core
+``GPTModel`` with DCP's layer spec in bf16 inside ``Float16Module`` and Megatron's DDP (the
+distributed optimizer's reduce-scatter at ZeRO-1), and the step through `DCPForwardBackward`,
+as examples/pretrain_megatron.py builds and runs them, on the meta device under the fake
+process group (`megatron_dcp.dryrun.record`).
+
+What the dry run gives Megatron beside the device and the group, for its own process only:
+"cuda" is meta (`CudaAsMeta`, and ``torch.cuda.current_device()`` answers meta, as Megatron's
+backward functions allocate with it outside any mode), CUDA streams and RNG states are the host's
+(as the CPU harness has them), every DCP world of the job is computed here (Megatron's rank
+order, `dp_worlds`) where `GroupPool` would learn it with an object all-gather, and DDP's
+coalesced gradient collectives are issued one by one (the fake group has no meta kernel for
+the coalesced ones; the same collectives, in the same order).
+
+Not covered: pipeline parallelism (the P2P shape exchange of variable-length micro-batches
+reads values the fake group does not carry) and MoE (Megatron's dispatchers read routing counts
+on the host); both are refused with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron_dcp.dryrun.record import JOB_DEVICE, FakeJob, _patched
+from megatron_dcp.dryrun.runtime_rank import RankJob, predicted_bytes, tracked_peak
+
+
+class CudaAsMeta(TorchFunctionMode):
+    """Inside: ``device='cuda'`` (or an index) allocates on meta, ``Tensor.cuda()`` moves to
+    meta, and a meta tensor's ``type()`` reads ``torch.cuda.<Type>`` (Megatron's optimizers and
+    DDP check it)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and (isinstance(device, int) or str(device).startswith("cuda")):
+            kwargs = {**kwargs, "device": JOB_DEVICE}
+        if func is torch.Tensor.cuda:
+            return args[0].to(JOB_DEVICE)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            meta = args[0].device == JOB_DEVICE and not name.startswith("torch.cuda.")
+            return name.replace("torch.", "torch.cuda.", 1) if meta else name
+        return func(*args, **kwargs)
+
+
+class _Uncoalesced:
+    def wait(self) -> None:
+        """Each collective was waited for (or is async on the fake group)."""
+
+
+@contextlib.contextmanager
+def _uncoalesced(*args: Any, **kwargs: Any) -> Iterator[_Uncoalesced]:
+    yield _Uncoalesced()
+
+
+@contextlib.contextmanager
+def megatron_on_meta() -> Iterator[None]:
+    """Megatron-core runs on the meta device in this process while inside (module doc)."""
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+    import megatron.core.tensor_parallel.random as mrandom
+
+    from megatron_dcp.megatron import cpu
+
+    with contextlib.ExitStack() as stack:
+        for name, value in (("current_device", lambda: JOB_DEVICE),
+                            ("synchronize", lambda *a, **k: None),
+                            ("Stream", cpu._CpuStream), ("stream", torch.cpu.stream),
+                            ("current_stream", cpu._cpu_current_stream),
+                            ("default_stream", cpu._cpu_current_stream),
+                            ("get_rng_state", cpu._cpu_get_rng_state),
+                            ("set_rng_state", cpu._cpu_set_rng_state)):
+            stack.enter_context(_patched(torch.cuda, name, value))
+        stack.enter_context(_patched(mrandom, "_get_cuda_rng_state", cpu._get_rng_state))
+        stack.enter_context(_patched(mrandom, "_set_cuda_rng_state", cpu._set_rng_state))
+        stack.enter_context(_patched(buffers, "_coalescing_manager", _uncoalesced))
+        stack.enter_context(CudaAsMeta())
+        yield
+
+
+def dp_worlds(world_size: int, tp: int, pp: int = 1) -> list[list[int]]:
+    """Every data-parallel group of the job, in Megatron's default rank order (tp-cp-ep-dp-pp)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    return RankGenerator(tp=tp, ep=1, dp=world_size // (tp * pp), pp=pp, cp=1,
+                         order="tp-cp-ep-dp-pp").get_ranks("dp")
+
+
+def refused(job: RankJob) -> str:
+    """Why the Megatron path cannot dry-run ``job`` yet, or ``""``."""
+    shape = job.shape
+    if shape.pipeline_parallel > 1:
+        return ("--engine megatron with --pp > 1: not yet (the pipeline's shape exchange of "
+                "variable-length micro-batches reads values a fake process group does not carry)")
+    if shape.is_moe:
+        return ("--engine megatron with MoE: not yet (Megatron's token dispatchers read the "
+                "routing counts on the host)")
+    if job.world_size % shape.tensor_parallel:
+        return f"--gpus {job.world_size} is not a multiple of --tp {shape.tensor_parallel}"
+    return ""
+
+
+def _config(shape: Any) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads, tensor_model_parallel_size=shape.tensor_parallel,
+        pipeline_model_parallel_size=1, pipeline_dtype=torch.bfloat16,
+        sequence_parallel=shape.sequence_parallel, use_cpu_initialization=True,
+        params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm", gated_linear_unit=True,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        masked_softmax_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        calculate_per_token_loss=True)
+
+
+def build_model(shape: Any, zero_stage: int) -> Any:
+    """The GPT model of ``shape`` as examples/pretrain_megatron.py builds it under ``--dcp``
+    (one pipeline stage), on meta, in Megatron's DDP."""
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_dcp.megatron.spec import get_gpt_block_dcp_spec, get_gpt_layer_dcp_spec
+
+    config = _config(shape)
+    spec = get_gpt_block_dcp_spec(config, get_gpt_layer_dcp_spec(
+        normalization="RMSNorm", use_transformer_engine=False))
+    with torch.device(JOB_DEVICE):
+        model = GPTModel(config, spec, vocab_size=shape.vocab_size,
+                         max_sequence_length=shape.max_position or 8192,
+                         position_embedding_type="rope")
+    model = Float16Module(config, model.cuda())
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=zero_stage >= 1,
+                                        grad_reduce_in_fp32=True)
+    model = DistributedDataParallel(config, ddp, module=model)
+    model.buffers = _BufferList(model.buffers, model)
+    return model
+
+
+class _BufferList(list):
+    """Megatron's DDP keeps its gradient buffers in ``self.buffers``, hiding
+    ``nn.Module.buffers()``, which the memory tracker calls on every module it sees run: the
+    list, callable as the method."""
+
+    def __init__(self, items: list, module: torch.nn.Module) -> None:
+        super().__init__(items)
+        self.module = module
+
+    def __call__(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return torch.nn.Module.buffers(self.module, recurse)
+
+
+def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
+    losses = output.view(-1).float()
+    loss = (losses * loss_mask.view(-1).float()).sum()
+    return loss, loss_mask.sum().to(torch.int), {
+        "lm loss": torch.stack([loss.detach(), loss_mask.sum().float()])}
+
+
+def forward_step(data_iterator: Any, model: Any):
+    """examples/pretrain_megatron.py's forward step (per-token losses, the task passed on)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"], packed_seq_params=batch.get("packed_seq_params"))
+    return output, functools.partial(_loss, batch["loss_mask"])
+
+
+def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
+    """Dry-run ``rank``'s step on the Megatron path; the same report as `run_rank`."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    start = time.perf_counter()
+    out: dict[str, Any] = {"rank": rank}
+    with FakeJob(job.world_size, rank) as fake, megatron_on_meta():
+        from megatron.core import parallel_state
+
+        from megatron_dcp.megatron.cpu import seed_rng
+
+        tp = job.shape.tensor_parallel
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                 create_gloo_process_groups=False)
+        seed_rng(0)
+        model = build_model(job.shape, job.zero_stage)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        error, plan, step = "", None, None
+        try:
+            with tracker, fake.recording():
+                step, plan = _step(job, model, parallel_state, tracker)
+        except Exception as exc:  # noqa: BLE001 - reported per rank, with the record so far
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            parallel_state.destroy_model_parallel()
+        driver = step.driver if step is not None and step._driver is not None else None
+        dp_rank = driver.pool.rank if driver is not None else None
+        out.update(calls=list(fake.recorder.calls), host_syncs=dict(fake.host_reads.sites),
+                   bytes_received=fake.recorder.object_bytes,
+                   cpu_tensors=len(fake.recorder.device_errors), error=error,
+                   predicted_bytes=predicted_bytes(driver, plan, dp_rank) if plan else None,
+                   **tracked_peak(tracker))
+    out["seconds"] = round(time.perf_counter() - start, 3)
+    return out
+
+
+def _step(job: RankJob, model: Any, parallel_state: Any, tracker: Any) -> tuple[Any, Any]:
+    import torch.distributed as dist
+
+    from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
+    from megatron_dcp.runtime.groups import GroupPool
+
+    mine = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    pool = GroupPool(world_ranks=mine, all_worlds=dp_worlds(job.world_size,
+                                                            job.shape.tensor_parallel))
+    step = DCPForwardBackward(job.config, model_shape=job.shape, pool=pool,
+                              zero_stage=job.zero_stage,
+                              vocabulary_lengths=sorted(set(job.lengths))
+                              if job.create_groups else None)
+    batch = GlobalBatch([torch.zeros(n, dtype=torch.long) for n in job.lengths])
+    def tracked_forward_step(data_iterator: Any, model: Any):
+        tracker.reset_mod_stats()  # a module's per-call statistics: one call at a time
+        return forward_step(data_iterator, model)
+
+    reports = step(forward_step_func=tracked_forward_step, data_iterator=iter([batch]), model=[model],
+                   num_microbatches=1, seq_length=max(job.lengths), micro_batch_size=1)
+    return step, reports.result.plan
