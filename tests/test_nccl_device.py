@@ -40,8 +40,14 @@ def test_the_launchers_loss_report_is_reduced_on_the_job_device(monkeypatch):
     seen = _refusing_collectives(monkeypatch)
     monkeypatch.setattr(ps, "get_data_parallel_group", lambda *a, **k: None)
     stub = types.SimpleNamespace(iteration=0, log_path=None, _logged_at=None,
-                                 monitor=types.SimpleNamespace(due=lambda iteration: False))
-    reports = [{"lm loss": torch.tensor([3.0, 2.0], device=JOB)} for _ in range(2)]
+                                 args=types.SimpleNamespace(dcp_log_json=None),
+                                 monitor=types.SimpleNamespace(due=lambda iteration: False,
+                                                               due_on_some_rank=lambda i: False))
+
+    class Reports(list):
+        result = None
+
+    reports = Reports({"lm loss": torch.tensor([3.0, 2.0], device=JOB)} for _ in range(2))
     LMForwardBackward._log(stub, reports)
     assert seen == [JOB] and stub.iteration == 1
 
