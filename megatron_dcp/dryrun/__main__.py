@@ -128,14 +128,17 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
         "sequences": len(job.lengths), "tokens": sum(job.lengths),
         "ranks": [{"rank": r["rank"], "collectives": len(r["calls"]),
                    "predicted_bytes": r["predicted_bytes"], "peak_bytes": r["peak_bytes"],
+                   "budget_bytes": r["budget_bytes"],
+                   "over_budget": bool(r["budget_bytes"] is not None
+                                       and r["peak_bytes"] > r["budget_bytes"]),
                    "peak_by_kind": r["peak_by_kind"],
                    "cpu_tensors": r["cpu_tensors"], "host_syncs": r["host_syncs"],
                    "bytes_received": r["bytes_received"], "seconds": r["seconds"],
                    "error": r["error"]} for r in results]}
     if keep_calls:
         report["calls"] = {r["rank"]: r["calls"] for r in results}
-    report["ok"] = (report["consistent"] and not any(r["cpu_tensors"] or r["error"]
-                                                     for r in report["ranks"]))
+    report["ok"] = (report["consistent"] and not any(
+        r["cpu_tensors"] or r["error"] or r["over_budget"] for r in report["ranks"]))
     return report
 
 
@@ -149,6 +152,10 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"{r['rank']:>5} {r['collectives']:>6} {r['peak_bytes'] / 2**30:>9.2f} {pred:>9} "
               f"{sum(r['host_syncs'].values()):>10} {r['bytes_received'] / 1024:>10.1f} "
               f"{r['seconds']:>6.2f}  {r['error'][:60]}")
+    over = [r["rank"] for r in report["ranks"] if r["over_budget"]]
+    if over:
+        print(f"over the memory budget (activations + temporaries measured above what the "
+              f"budget leaves them): ranks {over[:16]}")
     print(f"consistent: {report['consistent']} ({len(report['mismatches'])} mismatches); "
           f"host tensors in collectives: {sum(r['cpu_tensors'] for r in report['ranks'])}")
     for m in report["mismatches"][:3]:

@@ -29,7 +29,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_dcp.dryrun.record import JOB_DEVICE, FakeJob, _patched
-from megatron_dcp.dryrun.runtime_rank import RankJob, predicted_bytes, tracked_peak
+from megatron_dcp.dryrun.runtime_rank import (RankJob, budget_bytes, predicted_bytes,
+                                              tracked_peak)
 
 
 class CudaAsMeta(TorchFunctionMode):
@@ -208,7 +209,7 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
                    bytes_received=fake.recorder.object_bytes,
                    cpu_tensors=len(fake.recorder.device_errors), error=error,
                    predicted_bytes=predicted_bytes(driver, plan, dp_rank) if plan else None,
-                   **tracked_peak(tracker))
+                   budget_bytes=budget_bytes(driver), **tracked_peak(tracker))
     out["seconds"] = round(time.perf_counter() - start, 3)
     return out
 

@@ -112,7 +112,7 @@ def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
                    bytes_received=fake.recorder.object_bytes,
                    cpu_tensors=len(fake.recorder.device_errors), error=error,
                    predicted_bytes=predicted_bytes(driver, plan, rank) if plan else None,
-                   **tracked_peak(tracker))
+                   budget_bytes=budget_bytes(driver), **tracked_peak(tracker))
     out["seconds"] = round(time.perf_counter() - start, 3)
     return out
 
@@ -124,6 +124,19 @@ def tracked_peak(tracker: MemTracker) -> dict[str, Any]:
     by_kind = {str(k).rsplit(".", 1)[-1]: v for k, v in peak.items()}
     return {"peak_bytes": by_kind.get("ACT", 0) + by_kind.get("TEMP", 0),
             "peak_by_kind": by_kind}
+
+
+def budget_bytes(driver: Any) -> Optional[float]:
+    """What the rank's budget leaves activations and temporaries: the memory budget less the
+    static memory and the reserve, in the driver's own cost model (None before a driver)."""
+    if driver is None:
+        return None
+    from megatron_dcp.plan import build_cost_model
+
+    mm = build_cost_model(driver.model_shape, driver.config, driver.world_size,
+                          driver.hardware, driver.zero_stage, driver.vocabulary,
+                          **driver.offload, **driver.long).memory_model
+    return mm.budget - mm.static_memory - mm.reserve
 
 
 def predicted_bytes(driver: Any, plan: Any, rank: int) -> Optional[float]:
