@@ -218,3 +218,18 @@ def test_a_bad_planner_state_is_named_and_never_blocks_the_checkpoint(tmp_path, 
     listed.write_text("[1, 2]")
     assert read_planner_state(str(listed)) is None
     assert "holds a list" in capsys.readouterr().err
+
+
+def test_launcher_token_ids_outside_the_tokenizers_vocabulary_are_refused():
+    """Issue 48 item 4: through the launcher, ids at or above the tokenizer's vocabulary
+    trained the embedding's padding rows with status 0 (or failed inside a task past them);
+    every rank sees the same gathered batch and refuses it, naming the document and the id."""
+    import torch
+
+    from megatron_dcp.megatron.lm import check_token_ids
+
+    check_token_ids([torch.tensor([0, 5, 255]), torch.tensor([], dtype=torch.long)], 256)
+    with pytest.raises(ValueError, match="document 1 of this step holds token id 256"):
+        check_token_ids([torch.tensor([1, 2]), torch.tensor([3, 256, 4])], 256)
+    with pytest.raises(ValueError, match="token id -1"):
+        check_token_ids([torch.tensor([-1, 2])], 256)

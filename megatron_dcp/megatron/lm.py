@@ -263,6 +263,30 @@ def documents(batch: dict) -> list[torch.Tensor]:
     return out
 
 
+def _tokenizer_vocab_size(args: argparse.Namespace) -> int:
+    """The tokenizer's vocabulary (Megatron-LM's ``get_tokenizer()``), else the padded one."""
+    try:
+        from megatron.training import get_tokenizer
+
+        return int(get_tokenizer().vocab_size)
+    except Exception:  # noqa: BLE001 - no tokenizer built (a script of its own): the rows
+        return int(args.padded_vocab_size)
+
+
+def check_token_ids(sequences: list, vocab_size: int) -> None:
+    """Refuse a batch holding a token id outside ``[0, vocab_size)``: at or above the
+    tokenizer's vocabulary it would train the embedding's padding rows (or fail inside a task
+    past them), naming the document, the id and what to change."""
+    for i, seq in enumerate(sequences):
+        if seq.numel() and (int(seq.max()) >= vocab_size or int(seq.min()) < 0):
+            bad = int(seq.max()) if int(seq.max()) >= vocab_size else int(seq.min())
+            raise ValueError(
+                f"--dcp: document {i} of this step holds token id {bad}, outside the "
+                f"tokenizer's vocabulary of {vocab_size} (ids 0..{vocab_size - 1}): the data was "
+                "tokenized with another vocabulary; give the tokenizer it was made with "
+                "(--vocab-size for NullTokenizer: dcp-build-dataset's data needs 257)")
+
+
 class LMForwardBackward:
     """Megatron-LM's ``forward_backward_func`` under ``--dcp`` (see the module docstring);
     ``schedule``: Megatron-LM's own, for evaluation."""
@@ -290,6 +314,7 @@ class LMForwardBackward:
         self.monitor = LMMonitor.of_megatron(args)  # Megatron-LM's TensorBoard / W&B writers
         self.figures: Optional[StepFigures] = None  # made at the first step (the driver's)
         self._logged_at: Optional[float] = None
+        self.vocab_size = _tokenizer_vocab_size(args)  # token ids at or above it: refused
 
     def global_batch(self, data_iterator, num_microbatches: int) -> list[torch.Tensor]:
         """Every document of this step: each rank with a data iterator reads the
@@ -312,7 +337,9 @@ class LMForwardBackward:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         parts = sorted(p for p in gathered if p is not None)
-        return [torch.from_numpy(d) for _, docs in parts for d in docs]
+        sequences = [torch.from_numpy(d) for _, docs in parts for d in docs]
+        check_token_ids(sequences, self.vocab_size)  # every rank the same batch: all raise
+        return sequences
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model,
                  num_microbatches: int, forward_only: bool = False, **kwargs: Any):
