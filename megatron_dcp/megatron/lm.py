@@ -273,18 +273,25 @@ def _tokenizer_vocab_size(args: argparse.Namespace) -> int:
         return int(args.padded_vocab_size)
 
 
-def check_token_ids(sequences: list, vocab_size: int) -> None:
-    """Refuse a batch holding a token id outside ``[0, vocab_size)``: at or above the
-    tokenizer's vocabulary it would train the embedding's padding rows (or fail inside a task
-    past them), naming the document, the id and what to change."""
+def token_id_problem(sequences: list, vocab_size: int) -> str:
+    """Why a batch holding a token id outside ``[0, vocab_size)`` is refused (``""`` when it
+    holds none): at or above the tokenizer's vocabulary an id trains the embedding's padding rows
+    (or fails inside a task past them). Names the document, the id and what to change."""
     for i, seq in enumerate(sequences):
-        if seq.numel() and (int(seq.max()) >= vocab_size or int(seq.min()) < 0):
+        if len(seq) and (int(seq.max()) >= vocab_size or int(seq.min()) < 0):
             bad = int(seq.max()) if int(seq.max()) >= vocab_size else int(seq.min())
-            raise ValueError(
-                f"--dcp: document {i} of this step holds token id {bad}, outside the "
-                f"tokenizer's vocabulary of {vocab_size} (ids 0..{vocab_size - 1}): the data was "
-                "tokenized with another vocabulary; give the tokenizer it was made with "
-                "(--vocab-size for NullTokenizer: dcp-build-dataset's data needs 257)")
+            return (f"--dcp: document {i} of this step holds token id {bad}, outside the "
+                    f"tokenizer's vocabulary of {vocab_size} (ids 0..{vocab_size - 1}): the data "
+                    "was tokenized with another vocabulary; give the tokenizer it was made with "
+                    "(--vocab-size for NullTokenizer: dcp-build-dataset's data needs 257)")
+    return ""
+
+
+def check_token_ids(sequences: list, vocab_size: int) -> None:
+    """`token_id_problem`, raised."""
+    problem = token_id_problem(sequences, vocab_size)
+    if problem:
+        raise ValueError(problem)
 
 
 class LMForwardBackward:
@@ -316,30 +323,30 @@ class LMForwardBackward:
         self._logged_at: Optional[float] = None
         self.vocab_size = _tokenizer_vocab_size(args)  # token ids at or above it: refused
 
-    def global_batch(self, data_iterator, num_microbatches: int) -> list[torch.Tensor]:
-        """Every document of this step: each rank with a data iterator reads the
-        ``num_microbatches`` batches Megatron-LM would run; those of the first pipeline stage's
-        tensor-parallel rank 0 are gathered, in data-parallel rank order."""
-        import torch.distributed as dist
+    def global_batch(self, data_iterator, num_microbatches: int):
+        """This step's documents and plan (`megatron_dcp.megatron.lm_data`): each rank with a
+        data iterator reads the ``num_microbatches`` batches Megatron-LM would run; those of the
+        first pipeline stage's tensor-parallel rank 0 of each data-parallel rank are the batch,
+        in data-parallel rank order; every rank plans it from the lengths and receives the tokens
+        of its own tasks' documents only."""
         from megatron.core import parallel_state as ps
+
+        from megatron_dcp.megatron.lm_data import global_batch
+        from megatron_dcp.runtime.groups import comm_device
 
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         iterator = next((it for it in iterators if it is not None), None)
         local = [next(iterator) for _ in range(num_microbatches)] if iterator is not None else []
         source = ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_first_stage()
-        mine = None
+        mine, problem = None, ""
         if source:
             if iterator is None:
                 raise ValueError("--dcp: the first pipeline stage's tensor-parallel rank 0 has "
                                  "no data iterator")
-            mine = (ps.get_data_parallel_rank(),
-                    [d.numpy() for batch in local for d in documents(batch)])
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        parts = sorted(p for p in gathered if p is not None)
-        sequences = [torch.from_numpy(d) for _, docs in parts for d in docs]
-        check_token_ids(sequences, self.vocab_size)  # every rank the same batch: all raise
-        return sequences
+            mine = [d.numpy() for batch in local for d in documents(batch)]
+            problem = token_id_problem(mine, self.vocab_size)  # raised on every rank alike
+        return global_batch(mine, ps.get_data_parallel_rank(), problem,
+                            self.step.driver.plan, comm_device())
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model,
                  num_microbatches: int, forward_only: bool = False, **kwargs: Any):
@@ -352,12 +359,16 @@ class LMForwardBackward:
         if self.resume is not None:  # every rank, at its first step (the driver is collective)
             self.step.driver.load_state_dict(self.resume)
             self.resume = None
-        sequences = self.global_batch(data_iterator, num_microbatches)
+        t0 = time.perf_counter()
+        sequences, plan = self.global_batch(data_iterator, num_microbatches)
+        planned_s = time.perf_counter() - t0  # the lengths' gather, the plan, the tokens' move
         kwargs.pop("p2p_communicator", None)
         kwargs.pop("pg_collection", None)
         reports = self.step(forward_step_func=_adapted(forward_step_func),
-                            data_iterator=iter([GlobalBatch(sequences)]), model=model,
+                            data_iterator=iter([GlobalBatch(sequences, plan=plan)]), model=model,
                             num_microbatches=1, **kwargs)
+        if reports.result is not None:  # planned before the step (lm_data): its seconds
+            reports.result.plan_s = reports.result.plan_wait_s = planned_s
         self._log(reports)
         return reports
 

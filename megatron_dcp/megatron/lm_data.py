@@ -1,0 +1,109 @@
+"""The launcher's global batch without sending every token to every rank.
+
+Each data-parallel source (the first pipeline stage's tensor-parallel rank 0 of each
+data-parallel rank: the ranks Megatron-LM gives the batch) cuts its micro-batches into documents.
+Then, every step:
+
+1. every rank learns every document's length and whether any source refused its documents
+   (`dist.all_gather_object` of lengths only: a few bytes a document);
+2. every rank plans the batch from the lengths (the same plan everywhere: the driver checks it);
+3. each document's tokens go, in one ``all_to_all_single`` over the job, only to the ranks
+   whose data-parallel rank runs a task holding it (every tensor- and pipeline-parallel rank of
+   it), on the job's device (`comm_device`), never pickled.
+
+A rank's batch then holds its own tasks' documents and ``None`` for the rest (the step driver
+reads only its own tasks' sequences; the plan check compares digests of the plan, and a rank
+without the whole batch has no opinion on the batch's). Before this a 1,024-rank job received
+every token of the batch on every rank each step, pickled and padded to the largest part.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from megatron_dcp.plan.plan import Plan
+
+
+def gather_lengths(mine: Optional[tuple[int, list[np.ndarray], str]],
+                   dp_rank: int) -> tuple[list[int], list[tuple[int, int]], list[int], str]:
+    """Collective (the default group): every source's document lengths. ``mine``: this rank's
+    ``(dp_rank, documents, problem)`` if it is a source, else None. Returns the batch's lengths
+    in data-parallel rank order, each document's ``(source global rank, index there)``, every
+    global rank's data-parallel rank, and the first problem a source reported ("" for none)."""
+    import torch.distributed as dist
+
+    said = (dp_rank, None if mine is None else (mine[0], [len(d) for d in mine[1]], mine[2]))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, said)
+    dp_of = [g[0] for g in gathered]
+    sources = sorted((g[1][0], rank, g[1][1], g[1][2]) for rank, g in enumerate(gathered)
+                     if g[1] is not None)
+    lengths, where = [], []
+    for _, rank, sizes, _ in sources:
+        for i, n in enumerate(sizes):
+            lengths.append(int(n))
+            where.append((rank, i))
+    problem = next((p for *_, p in sources if p), "")
+    return lengths, where, dp_of, problem
+
+
+def needed_by(plan: Plan, dp_of: Sequence[int]) -> list[list[int]]:
+    """For each document of ``plan``, the global ranks that need its tokens: those whose
+    data-parallel rank is among the ranks of a task holding it."""
+    dp_ranks: list[set[int]] = [set() for _ in plan.lengths]
+    for task in plan.tasks:
+        for s in task.seqs:
+            dp_ranks[s].update(task.ranks)
+    return [[g for g, d in enumerate(dp_of) if d in wanted] for wanted in dp_ranks]
+
+
+def exchange(local: list[np.ndarray], where: Sequence[tuple[int, int]],
+             lengths: Sequence[int], needs: Sequence[Sequence[int]],
+             device: torch.device) -> list[Optional[torch.Tensor]]:
+    """Collective (the default group): one ``all_to_all_single`` that gives this rank the
+    tokens of every document it needs (host int64 tensors) and ``None`` for the others."""
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    send: list[list[int]] = [[] for _ in range(world)]  # documents this rank sends to each rank
+    receive: list[list[int]] = [[] for _ in range(world)]  # documents it gets from each rank
+    for s, ((source, _), ranks) in enumerate(zip(where, needs)):
+        for g in ranks:
+            if source == me:
+                send[g].append(s)
+            if g == me:
+                receive[source].append(s)
+    parts = [torch.from_numpy(np.asarray(local[where[s][1]], dtype=np.int64))
+             for g in range(world) for s in send[g]]
+    out_sizes = [sum(lengths[s] for s in docs) for docs in receive]
+    inputs = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    output = torch.empty(sum(out_sizes), dtype=torch.int64, device=device)
+    dist.all_to_all_single(output, inputs.to(device),
+                           output_split_sizes=out_sizes,
+                           input_split_sizes=[sum(lengths[s] for s in docs) for docs in send])
+    got = output.cpu()
+    sequences: list[Optional[torch.Tensor]] = [None] * len(lengths)
+    offset = 0
+    for docs in receive:
+        for s in docs:
+            sequences[s] = got[offset:offset + lengths[s]]
+            offset += lengths[s]
+    return sequences
+
+
+def global_batch(local: Optional[list[np.ndarray]], dp_rank: int, problem: str,
+                 plan_of: Callable[[list[int]], Plan],
+                 device: torch.device) -> tuple[list[Optional[torch.Tensor]], Plan]:
+    """This rank's view of the step's global batch and its plan (module doc). ``local``: this
+    rank's documents if it is a source (else None); ``problem``: why a source refuses its
+    documents ("" for none): raised on every rank alike, before any plan."""
+    lengths, where, dp_of, first = gather_lengths(
+        None if local is None else (dp_rank, local, problem), dp_rank)
+    if first:
+        raise ValueError(first)
+    plan = plan_of(lengths)
+    sequences = exchange(local or [], where, lengths, needed_by(plan, dp_of), device)
+    return sequences, plan
