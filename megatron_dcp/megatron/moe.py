@@ -49,6 +49,7 @@ import torch
 
 from megatron_dcp import patching
 from megatron_dcp.patching import PatchSet
+from megatron_dcp.runtime.moe import AttachLoss, task_rows
 
 AUX_LOSS_TYPES = ("seq_aux_loss",)
 """Load-balancing losses DCP computes plan-invariantly (with a coefficient > 0)."""
@@ -156,23 +157,6 @@ def transformer_config_kwargs(args: Any) -> dict:
 
 
 # ---------------------------------------------------------------------- the router
-class _AttachLoss(torch.autograd.Function):
-    """Identity on ``x`` that makes backward of ``x`` also run backward of ``loss`` with gradient
-    ``scale`` (Megatron's ``MoEAuxLossAutoScaler``, with the scale given per call instead of a
-    class-wide one a step would have to set)."""
-
-    @staticmethod
-    def forward(ctx, x, loss, scale: float):
-        ctx.save_for_backward(loss)
-        ctx.scale = scale
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.scale), None
-
-
 def _router_class():
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -188,7 +172,13 @@ class _Tokens:
                  device: torch.device) -> None:
         task = params.task
         layout = task.layout
-        seq_ids, valid = layout.seq_ids, layout.valid
+        weights = tuple(getattr(task, "sequence_weights", ()) or ())
+        if len(weights) != len(layout.seq_lengths):
+            raise ValueError("DCP router: the task carries no loss weight per sequence "
+                             "(TaskContext.sequence_weights); run it through PlanWork")
+        # on the device once per task, shared by every MoE layer and the recompute (no sync)
+        task_device = task_rows(layout, weights, device)
+        seq_ids, valid = task_device.seq_ids, task_device.valid
         pad = int(getattr(params, "sp_pad", 0) or 0)
         if pad:  # sequence-parallel padding at the shard's end: no sequence
             seq_ids = torch.cat([seq_ids, seq_ids.new_zeros(pad)])
@@ -200,15 +190,9 @@ class _Tokens:
         if seq_ids.numel() != rows:
             raise ValueError(f"DCP router: {rows} rows, but the task's shard has "
                              f"{seq_ids.numel()} (sequence parallel {sequence_parallel})")
-        weights = tuple(getattr(task, "sequence_weights", ()) or ())
-        if len(weights) != len(layout.seq_lengths):
-            raise ValueError("DCP router: the task carries no loss weight per sequence "
-                             "(TaskContext.sequence_weights); run it through PlanWork")
         self.num_seqs = len(layout.seq_lengths)
-        self.seq_ids = seq_ids.to(device)
-        self.valid = valid.to(device)
-        self.lengths = torch.tensor(layout.seq_lengths, dtype=torch.float32, device=device)
-        self.weights = torch.tensor(weights, dtype=torch.float32, device=device)
+        self.seq_ids, self.valid = seq_ids, valid
+        self.lengths, self.weights = task_device.lengths, task_device.weights
         self.groups = [g for g in ((tp_group if sequence_parallel and tp > 1 else None),
                                    task.group) if g is not None]
         self.tp_share = 1.0 / tp if _losses_divided_by_tp() else 1.0
@@ -289,12 +273,13 @@ class DCPTopKRouter(_router_class()):
         if problems:
             raise ValueError("DCPTopKRouter: " + "; ".join(problems))
 
-    def _scale(self, device) -> float:
-        """The main loss's backward scale (an fp16 loss scaler's), as the engine applies it."""
+    def _scale(self, device) -> "float | torch.Tensor":
+        """The main loss's backward scale (an fp16 loss scaler's), as the engine applies it: a
+        tensor on the device (never read on the host: no sync), or 1.0."""
         scale_func = getattr(self.config, "grad_scale_func", None)
         if scale_func is None:
             return 1.0
-        return float(scale_func(torch.ones((), device=device)))
+        return scale_func(torch.ones((), device=device)).detach()
 
     def apply_z_loss(self, logits, padding_mask: Optional[torch.Tensor] = None):
         rows = getattr(self, "_rows", None)
@@ -305,7 +290,7 @@ class DCPTopKRouter(_router_class()):
             return logits
         lse = torch.logsumexp(logits.float(), dim=-1)
         z_loss = (lse.square() * rows.token_weights()).sum() * (coeff * rows.tp_share)
-        return _AttachLoss.apply(logits, z_loss, self._scale(logits.device))
+        return AttachLoss.apply(logits, z_loss, self._scale(logits.device))
 
     def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
                             with_padding_mask: bool = False):
@@ -325,7 +310,7 @@ class DCPTopKRouter(_router_class()):
         # n tokens and their loss weight w (1/T), each TP rank attaching its share
         factor = coeff * experts * rows.weights * rows.tp_share / (self.topk * rows.lengths)
         aux = (factor.unsqueeze(-1) * prob_sums * counts).sum()
-        return _AttachLoss.apply(probs, aux, self._scale(probs.device))
+        return AttachLoss.apply(probs, aux, self._scale(probs.device))
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map,
                         with_padding_mask: bool = False):

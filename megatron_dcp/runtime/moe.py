@@ -12,14 +12,15 @@ sum of the ranks' parts is the sequence's loss, for any plan.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections import OrderedDict
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_dcp.runtime.context import TaskContext
 
-__all__ = ["AttachLoss", "sequence_balancing_loss"]
+__all__ = ["AttachLoss", "TaskRows", "sequence_balancing_loss", "task_rows"]
 
 
 class AttachLoss(torch.autograd.Function):
@@ -36,18 +37,59 @@ class AttachLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.scale), None
+        # ``scale``: a float, or a tensor on the loss's device (an fp16 loss scale, never read
+        # on the host: no sync)
+        return grad, torch.ones_like(loss) * ctx.scale, None
 
 
-def _rows(ctx: TaskContext, device: torch.device):
-    layout = ctx.layout
+class TaskRows(NamedTuple):
+    """A task's shard rows on the device, for the router losses: each row's task-local
+    sequence, whether it is a real token, each sequence's length and loss weight, and the real
+    rows' indices with their sequences (``kept``, ``kept_seq_ids``: indexing with them reads no
+    count on the host, as a boolean mask does)."""
+
+    seq_ids: torch.Tensor
+    valid: torch.Tensor
+    lengths: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor
+    kept_seq_ids: torch.Tensor
+
+
+_ROWS: "OrderedDict[tuple, tuple[Any, TaskRows]]" = OrderedDict()
+_ROWS_KEPT = 8
+"""Tasks whose rows stay on the device: a task's forward and its recompute in backward reuse
+them; every MoE layer of a task shares them."""
+
+
+def task_rows(layout: Any, weights: Sequence[float], device: torch.device) -> TaskRows:
+    """The `TaskRows` of a task's ``layout`` on ``device``, copied once per task (from pinned
+    host memory, without a sync, on a GPU) and shared by every MoE layer of the task and its
+    recompute; each layer copied them again before, with a host sync each."""
+    key = (id(layout), tuple(weights), str(device))
+    hit = _ROWS.get(key)
+    if hit is not None and hit[0] is layout:
+        _ROWS.move_to_end(key)
+        return hit[1]
+    valid = layout.valid.to(torch.bool)
+    kept = valid.nonzero().view(-1)  # on the host: the layout's tensors are host tensors
+    host = (layout.seq_ids, valid, torch.tensor(layout.seq_lengths, dtype=torch.float32),
+            torch.tensor(tuple(weights), dtype=torch.float32), kept, layout.seq_ids[kept])
+    pin = device.type == "cuda"
+    rows = TaskRows(*(t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
+                      for t in host))
+    _ROWS[key] = (layout, rows)
+    while len(_ROWS) > _ROWS_KEPT:
+        _ROWS.popitem(last=False)
+    return rows
+
+
+def _rows(ctx: TaskContext, device: torch.device) -> TaskRows:
     weights = tuple(ctx.sequence_weights or ())
-    if len(weights) != len(layout.seq_lengths):
+    if len(weights) != len(ctx.layout.seq_lengths):
         raise ValueError("router balancing loss: the task carries no loss weight per sequence "
                          "(TaskContext.sequence_weights); run it through PlanWork")
-    return (layout.seq_ids.to(device), layout.valid.to(device),
-            torch.tensor(layout.seq_lengths, dtype=torch.float32, device=device),
-            torch.tensor(weights, dtype=torch.float32, device=device))
+    return task_rows(ctx.layout, weights, device)
 
 
 def sequence_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int,
@@ -65,13 +107,14 @@ def sequence_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int,
     if not router_logits:
         raise ValueError("router balancing loss: no router logits (a model without MoE layers?)")
     device = router_logits[0].device
-    seq_ids, valid, lengths, weights = _rows(ctx, device)
-    seq_ids, keep = seq_ids[valid], valid
+    rows_ = _rows(ctx, device)
+    seq_ids, keep, lengths, weights = rows_.kept_seq_ids, rows_.kept, rows_.lengths, \
+        rows_.weights
     experts = router_logits[0].shape[-1]
     counts = torch.zeros(len(lengths), experts, device=device)
     probs = torch.zeros(len(lengths), experts, device=device)
     for logits in router_logits:
-        p = torch.softmax(logits.float(), dim=-1)[keep]
+        p = torch.softmax(logits.float(), dim=-1).index_select(0, keep)
         chosen = torch.topk(p.detach(), top_k, dim=-1).indices
         hits = torch.zeros_like(p).scatter_(1, chosen, 1.0)
         counts.index_add_(0, seq_ids, hits)
