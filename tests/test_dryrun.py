@@ -80,10 +80,29 @@ def test_megatron_path_sixteen_ranks_tp2_sequence_parallel_distributed_optimizer
     assert (0, 1) in groups and (0, 2) in groups  # a TP pair, and the DCP world {0, 2}
 
 
+def test_megatron_pipeline_tp2_pp2_sends_meet_their_receives():
+    """8 ranks = TP 2 x PP 2 x DCP 2: Megatron's 1F1B schedule under DCP (lockstep slots), its
+    P2P activations and gradients matched send to receive in order (the receive's shape comes
+    from the dry run's shape oracle, the send's from the tensor sent: a wrong oracle or a stage
+    that skips a micro-batch is a mismatch)."""
+    pytest.importorskip("megatron.core")
+    report = run(parse_args(["--engine", "megatron", "--gpus", "8", "--tp", "2", "--pp", "2",
+                             "--sequence-parallel", "--layers", "2",
+                             "--global-batch-tokens", "32768"]), keep_calls=True)
+    assert report["ok"] and report["consistent"], report["mismatches"][:2]
+    sends = [c for c in report["calls"][0] if c.op == "send" and c.peer == 4]
+    assert any(len(c.shapes[0]) == 3 for c in sends)  # activations to the next stage
+    cut = run(parse_args(["--engine", "megatron", "--gpus", "8", "--tp", "2", "--pp", "2",
+                          "--sequence-parallel", "--layers", "2",
+                          "--global-batch-tokens", "32768"]),
+              drop_call=(4, [c.op for c in report["calls"][4]].index("recv_")))
+    assert not cut["consistent"]
+
+
 def test_megatron_path_refuses_what_it_cannot_run_yet():
-    with pytest.raises(ValueError, match="pipeline"):
-        _run("--engine", "megatron", "--model", "llama-7b", "--tp", "2",
-             "--ranks", "0", "--pp", "2")
+    with pytest.raises(ValueError, match="--vpp"):
+        _run("--engine", "megatron", "--model", "llama-7b", "--tp", "2", "--layers", "4",
+             "--ranks", "0", "--pp", "2", "--vpp", "2")
 
 
 def test_a_rank_over_its_memory_budget_fails_the_run_and_is_named(capsys):

@@ -38,7 +38,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "megatron-core GPTModel in Megatron's DDP through DCPForwardBackward "
                         "(DeepSpeed: not yet, see docs/DRYRUN.md)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--engine megatron)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (not yet: refused)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (--engine megatron)")
+    p.add_argument("--vpp", type=int, default=1, help="virtual stages (not yet: refused)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism (with --tp > 1)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
@@ -101,6 +102,7 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
                        ranks_per_node=args.gpus_per_node)
     shape = dataclasses.replace(layers_run(load_model(args.model), args.layers),
                                 tensor_parallel=args.tp, pipeline_parallel=args.pp,
+                                virtual_pipeline=args.vpp,
                                 sequence_parallel=args.sequence_parallel and args.tp > 1)
     job = RankJob(shape=shape, lengths=batch_lengths(args), world_size=args.gpus,
                   config=config, hardware=args.hardware, zero_stage=args.zero_stage,
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
         if refused(job):
             raise ValueError(refused(job))
         run_rank = run_megatron_rank  # noqa: F811
-    elif args.tp > 1 or args.pp > 1:
+    elif args.tp > 1 or args.pp > 1 or args.vpp > 1:
         raise ValueError("--tp/--pp > 1 need --engine megatron (the reference decoder has "
                          "neither)")
     ranks = list(sample_ranks(args.gpus, args.ranks))

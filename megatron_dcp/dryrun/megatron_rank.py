@@ -86,6 +86,50 @@ def megatron_on_meta() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def pipeline_shapes(hidden: int, sp_tp: int) -> Iterator[None]:
+    """The pipeline's shape exchange answered from the schedule's own micro-steps (the fake
+    group carries no values): each stage's micro-batch k has the same tokens on every stage
+    (lockstep slots), so the activation received from the previous stage for the k-th forward,
+    and the gradient from the next for the k-th backward, are ``[tokens_k / sp_tp, 1, hidden]``
+    (1F1B: forwards and backwards each run in micro-batch order). The P2P calls themselves are
+    issued and recorded as in training."""
+    import megatron.core.pipeline_parallel as schedules
+
+    from megatron_dcp.megatron import pipeline_engine
+
+    exchanger = pipeline_engine._ordered_shapes_communicator()
+    own_exchange, own_get = exchanger._communicate_shapes, schedules.get_forward_backward_func
+    state: dict[str, Any] = {"shapes": [], "forward": 0, "backward": 0}
+
+    def shape_of(step: Any) -> list[int]:
+        tokens = step.shard.labels.numel()
+        return [(tokens + -tokens % sp_tp) // sp_tp, 1, hidden]
+
+    def get_func(*args: Any, **kwargs: Any):
+        schedule = own_get(*args, **kwargs)
+
+        def run(*, data_iterator: Any, **rest: Any):
+            steps = list(data_iterator)
+            state.update(shapes=[shape_of(s) for s in steps], forward=0, backward=0)
+            return schedule(data_iterator=iter(steps), **rest)
+
+        return run
+
+    def exchange(self, send_next, send_prev, recv_prev, recv_next):
+        own_exchange(self, send_next, send_prev, recv_prev, recv_next)  # recorded
+        out = [[0, 0, 0], [0, 0, 0]]
+        for i, (wanted, key) in enumerate(((recv_prev, "forward"), (recv_next, "backward"))):
+            if wanted:
+                out[i] = state["shapes"][state[key]]
+                state[key] += 1
+        return tuple(out)
+
+    with _patched(exchanger, "_communicate_shapes", exchange), \
+            _patched(schedules, "get_forward_backward_func", get_func):
+        yield
+
+
 def dp_worlds(world_size: int, tp: int, pp: int = 1) -> list[list[int]]:
     """Every data-parallel group of the job, in Megatron's default rank order (tp-cp-ep-dp-pp)."""
     from megatron.core.parallel_state import RankGenerator
@@ -97,14 +141,15 @@ def dp_worlds(world_size: int, tp: int, pp: int = 1) -> list[list[int]]:
 def refused(job: RankJob) -> str:
     """Why the Megatron path cannot dry-run ``job`` yet, or ``""``."""
     shape = job.shape
-    if shape.pipeline_parallel > 1:
-        return ("--engine megatron with --pp > 1: not yet (the pipeline's shape exchange of "
-                "variable-length micro-batches reads values a fake process group does not carry)")
+    if shape.virtual_pipeline > 1:
+        return ("--engine megatron with --vpp > 1: not yet (the shape oracle of the pipeline's "
+                "P2P follows the 1F1B order only)")
     if shape.is_moe:
         return ("--engine megatron with MoE: not yet (Megatron's token dispatchers read the "
                 "routing counts on the host)")
-    if job.world_size % shape.tensor_parallel:
-        return f"--gpus {job.world_size} is not a multiple of --tp {shape.tensor_parallel}"
+    if job.world_size % (shape.tensor_parallel * shape.pipeline_parallel):
+        return (f"--gpus {job.world_size} is not a multiple of --tp {shape.tensor_parallel} x "
+                f"--pp {shape.pipeline_parallel}")
     return ""
 
 
@@ -115,7 +160,7 @@ def _config(shape: Any) -> Any:
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads, tensor_model_parallel_size=shape.tensor_parallel,
-        pipeline_model_parallel_size=1, pipeline_dtype=torch.bfloat16,
+        pipeline_model_parallel_size=shape.pipeline_parallel, pipeline_dtype=torch.bfloat16,
         sequence_parallel=shape.sequence_parallel, use_cpu_initialization=True,
         params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm", gated_linear_unit=True,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
@@ -125,8 +170,8 @@ def _config(shape: Any) -> Any:
 
 
 def build_model(shape: Any, zero_stage: int) -> Any:
-    """The GPT model of ``shape`` as examples/pretrain_megatron.py builds it under ``--dcp``
-    (one pipeline stage), on meta, in Megatron's DDP."""
+    """This pipeline stage of the GPT model of ``shape`` as examples/pretrain_megatron.py builds
+    it under ``--dcp``, on meta, in Megatron's DDP."""
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig)
     from megatron.core.models.gpt import GPTModel
@@ -137,10 +182,14 @@ def build_model(shape: Any, zero_stage: int) -> Any:
     config = _config(shape)
     spec = get_gpt_block_dcp_spec(config, get_gpt_layer_dcp_spec(
         normalization="RMSNorm", use_transformer_engine=False))
+    from megatron.core import parallel_state
+
     with torch.device(JOB_DEVICE):
         model = GPTModel(config, spec, vocab_size=shape.vocab_size,
                          max_sequence_length=shape.max_position or 8192,
-                         position_embedding_type="rope")
+                         position_embedding_type="rope",
+                         pre_process=parallel_state.is_pipeline_first_stage(),
+                         post_process=parallel_state.is_pipeline_last_stage())
     model = Float16Module(config, model.cuda())
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=zero_stage >= 1,
                                         grad_reduce_in_fp32=True)
@@ -188,16 +237,18 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
 
         from megatron_dcp.megatron.cpu import seed_rng
 
-        tp = job.shape.tensor_parallel
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                                 create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=job.shape.tensor_parallel,
+            pipeline_model_parallel_size=job.shape.pipeline_parallel,
+            create_gloo_process_groups=False)
         seed_rng(0)
         model = build_model(job.shape, job.zero_stage)
         tracker = MemTracker()
         tracker.track_external(model)
         error, plan, step = "", None, None
+        sp_tp = job.shape.tensor_parallel if job.shape.sequence_parallel else 1
         try:
-            with tracker, fake.recording():
+            with tracker, fake.recording(), pipeline_shapes(job.shape.hidden_size, sp_tp):
                 step, plan = _step(job, model, parallel_state, tracker)
         except Exception as exc:  # noqa: BLE001 - reported per rank, with the record so far
             error = f"{type(exc).__name__}: {exc}"
@@ -205,7 +256,10 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
             parallel_state.destroy_model_parallel()
         driver = step.driver if step is not None and step._driver is not None else None
         dp_rank = driver.pool.rank if driver is not None else None
-        out.update(calls=list(fake.recorder.calls), host_syncs=dict(fake.host_reads.sites),
+        calls = list(fake.recorder.calls)
+        if job.drop_call is not None and job.drop_call[0] == rank:  # negative control
+            del calls[job.drop_call[1]]
+        out.update(calls=calls, host_syncs=dict(fake.host_reads.sites),
                    bytes_received=fake.recorder.object_bytes,
                    cpu_tensors=len(fake.recorder.device_errors), error=error,
                    predicted_bytes=predicted_bytes(driver, plan, dp_rank) if plan else None,
@@ -221,8 +275,8 @@ def _step(job: RankJob, model: Any, parallel_state: Any, tracker: Any) -> tuple[
     from megatron_dcp.runtime.groups import GroupPool
 
     mine = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
-    pool = GroupPool(world_ranks=mine, all_worlds=dp_worlds(job.world_size,
-                                                            job.shape.tensor_parallel))
+    pool = GroupPool(world_ranks=mine, all_worlds=dp_worlds(
+        job.world_size, job.shape.tensor_parallel, job.shape.pipeline_parallel))
     step = DCPForwardBackward(job.config, model_shape=job.shape, pool=pool,
                               zero_stage=job.zero_stage,
                               vocabulary_lengths=sorted(set(job.lengths))
