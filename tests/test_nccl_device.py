@@ -74,3 +74,30 @@ def test_the_megatron_engines_nonfinite_check_runs_on_the_job_device(monkeypatch
                                  _reduce=lambda: None)
     assert engine_module.MegatronStepEngine.finish(stub) is None
     assert asked == [JOB]
+
+
+def test_the_launchers_micro_batch_metadata_is_made_on_the_host_and_uploaded():
+    """Item 13: `lm_micro_batch` made ``cu_seqlens`` and ``max_seqlen`` with
+    ``torch.tensor(..., device=<the GPU>)`` every micro-step: a copy from pageable memory that
+    makes the host wait. Now they are made on the host and uploaded (pinned, non-blocking on a
+    GPU)."""
+    pytest.importorskip("megatron.core")
+    from torch.overrides import TorchFunctionMode
+
+    from megatron_dcp.megatron.lm import lm_micro_batch
+
+    made_on_device = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.tensor and str(kwargs.get("device", "cpu")) != "cpu":
+                made_on_device.append(kwargs["device"])
+            return func(*args, **kwargs)
+
+    tokens = torch.zeros(1, 6, dtype=torch.long, device=JOB)
+    batch = {"tokens": tokens, "labels": tokens, "loss_mask": tokens, "position_ids": tokens}
+    with Watch():
+        out = lm_micro_batch(batch)
+    assert made_on_device == [] and out["cu_seqlens"].device == tokens.device
+    assert out["cu_seqlens"].shape == (1, 2) and out["max_seqlen"].shape == (1,)

@@ -13,9 +13,11 @@ order, `dp_worlds`) where `GroupPool` would learn it with an object all-gather, 
 coalesced gradient collectives are issued one by one (the fake group has no meta kernel for
 the coalesced ones; the same collectives, in the same order).
 
-Not covered: pipeline parallelism (the P2P shape exchange of variable-length micro-batches
-reads values the fake group does not carry) and MoE (Megatron's dispatchers read routing counts
-on the host); both are refused with that reason.
+With pipeline stages the schedule's shape exchange is answered from its own micro-steps
+(`pipeline_shapes`: the fake group carries no values); the P2P calls are issued and recorded,
+and the check matches every send with its receive. Not covered: virtual pipeline stages (the
+oracle follows the 1F1B order) and MoE (Megatron's dispatchers read routing counts on the host);
+both are refused with that reason.
 """
 
 from __future__ import annotations

@@ -218,8 +218,18 @@ def lm_micro_batch(micro_batch: dict) -> dict:
     return {"tokens": tokens, "labels": micro_batch["labels"],
             "loss_mask": micro_batch["loss_mask"], "position_ids": micro_batch["position_ids"],
             "attention_mask": None,
-            "cu_seqlens": torch.tensor([[0, length]], dtype=torch.int32, device=tokens.device),
-            "max_seqlen": torch.tensor([length], dtype=torch.int32, device=tokens.device)}
+            "cu_seqlens": _upload([[0, length]], tokens.device),
+            "max_seqlen": _upload([length], tokens.device)}
+
+
+def _upload(values: list, device: torch.device) -> torch.Tensor:
+    """int32 ``values`` on ``device``: made on the host and copied from pinned memory without
+    making the host wait (``torch.tensor(..., device=cuda)`` copies from pageable memory, a
+    host sync per micro-step)."""
+    host = torch.tensor(values, dtype=torch.int32)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def _adapted(forward_step_func: Callable) -> Callable:
