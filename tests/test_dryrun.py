@@ -82,9 +82,9 @@ def test_megatron_path_sixteen_ranks_tp2_sequence_parallel_distributed_optimizer
 
 def test_megatron_pipeline_tp2_pp2_sends_meet_their_receives():
     """8 ranks = TP 2 x PP 2 x DCP 2: Megatron's 1F1B schedule under DCP (lockstep slots), its
-    P2P activations and gradients matched send to receive in order (the receive's shape comes
-    from the dry run's shape oracle, the send's from the tensor sent: a wrong oracle or a stage
-    that skips a micro-batch is a mismatch)."""
+    P2P activations and gradients matched send to receive in order (the receive's shape from
+    the plan, `SlotShapes`; the send's from the tensor sent: a wrong shape or a stage that
+    skips a micro-batch is a mismatch)."""
     pytest.importorskip("megatron.core")
     report = run(parse_args(["--engine", "megatron", "--gpus", "8", "--tp", "2", "--pp", "2",
                              "--sequence-parallel", "--layers", "2",
@@ -92,6 +92,9 @@ def test_megatron_pipeline_tp2_pp2_sends_meet_their_receives():
     assert report["ok"] and report["consistent"], report["mismatches"][:2]
     sends = [c for c in report["calls"][0] if c.op == "send" and c.peer == 4]
     assert any(len(c.shapes[0]) == 3 for c in sends)  # activations to the next stage
+    # the shapes a stage receives are known from the plan: no shape message, no host read
+    assert not any("pipeline_engine" in site for r in report["ranks"] for site in r["host_syncs"])
+    assert all(len(c.shapes[0]) == 3 for c in sends)
     cut = run(parse_args(["--engine", "megatron", "--gpus", "8", "--tp", "2", "--pp", "2",
                           "--sequence-parallel", "--layers", "2",
                           "--global-batch-tokens", "32768"]),

@@ -13,11 +13,10 @@ order, `dp_worlds`) where `GroupPool` would learn it with an object all-gather, 
 coalesced gradient collectives are issued one by one (the fake group has no meta kernel for
 the coalesced ones; the same collectives, in the same order).
 
-With pipeline stages the schedule's shape exchange is answered from its own micro-steps
-(`pipeline_shapes`: the fake group carries no values); the P2P calls are issued and recorded,
-and the check matches every send with its receive. Not covered: virtual pipeline stages (the
-oracle follows the 1F1B order) and MoE (Megatron's dispatchers read routing counts on the host);
-both are refused with that reason.
+With pipeline stages the 1F1B schedule's P2P calls are recorded and every send matched with
+its receive (the shapes a stage receives are known from the plan: `SlotShapes`). Not covered:
+virtual pipeline stages (their shape exchange sends values a fake group does not carry) and MoE
+(Megatron's dispatchers read routing counts on the host); both are refused with that reason.
 """
 
 from __future__ import annotations
@@ -85,50 +84,6 @@ def megatron_on_meta() -> Iterator[None]:
         stack.enter_context(_patched(mrandom, "_set_cuda_rng_state", cpu._set_rng_state))
         stack.enter_context(_patched(buffers, "_coalescing_manager", _uncoalesced))
         stack.enter_context(CudaAsMeta())
-        yield
-
-
-@contextlib.contextmanager
-def pipeline_shapes(hidden: int, sp_tp: int) -> Iterator[None]:
-    """The pipeline's shape exchange answered from the schedule's own micro-steps (the fake
-    group carries no values): each stage's micro-batch k has the same tokens on every stage
-    (lockstep slots), so the activation received from the previous stage for the k-th forward,
-    and the gradient from the next for the k-th backward, are ``[tokens_k / sp_tp, 1, hidden]``
-    (1F1B: forwards and backwards each run in micro-batch order). The P2P calls themselves are
-    issued and recorded as in training."""
-    import megatron.core.pipeline_parallel as schedules
-
-    from megatron_dcp.megatron import pipeline_engine
-
-    exchanger = pipeline_engine._ordered_shapes_communicator()
-    own_exchange, own_get = exchanger._communicate_shapes, schedules.get_forward_backward_func
-    state: dict[str, Any] = {"shapes": [], "forward": 0, "backward": 0}
-
-    def shape_of(step: Any) -> list[int]:
-        tokens = step.shard.labels.numel()
-        return [(tokens + -tokens % sp_tp) // sp_tp, 1, hidden]
-
-    def get_func(*args: Any, **kwargs: Any):
-        schedule = own_get(*args, **kwargs)
-
-        def run(*, data_iterator: Any, **rest: Any):
-            steps = list(data_iterator)
-            state.update(shapes=[shape_of(s) for s in steps], forward=0, backward=0)
-            return schedule(data_iterator=iter(steps), **rest)
-
-        return run
-
-    def exchange(self, send_next, send_prev, recv_prev, recv_next):
-        own_exchange(self, send_next, send_prev, recv_prev, recv_next)  # recorded
-        out = [[0, 0, 0], [0, 0, 0]]
-        for i, (wanted, key) in enumerate(((recv_prev, "forward"), (recv_next, "backward"))):
-            if wanted:
-                out[i] = state["shapes"][state[key]]
-                state[key] += 1
-        return tuple(out)
-
-    with _patched(exchanger, "_communicate_shapes", exchange), \
-            _patched(schedules, "get_forward_backward_func", get_func):
         yield
 
 
@@ -248,9 +203,8 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
         tracker = MemTracker()
         tracker.track_external(model)
         error, plan, step = "", None, None
-        sp_tp = job.shape.tensor_parallel if job.shape.sequence_parallel else 1
         try:
-            with tracker, fake.recording(), pipeline_shapes(job.shape.hidden_size, sp_tp):
+            with tracker, fake.recording():
                 step, plan = _step(job, model, parallel_state, tracker)
         except Exception as exc:  # noqa: BLE001 - reported per rank, with the record so far
             error = f"{type(exc).__name__}: {exc}"
