@@ -136,9 +136,22 @@ def _startup_body(rank: int, world_size: int) -> dict:
         outside = (world_size - 1, 0)
         plan = Plan(tasks=(Task(id=0, ranks=outside, seqs=(0,), ulysses=1, ring=2),),
                     lengths=(8,), world_size=world_size)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out["outside_created"] = pools["node"].ensure(plan)
+        from megatron_dcp.runtime import groups as groups_module
+
+        own_warm, warmed = groups_module.warm_group, []
+
+        def counted(group, global_ranks):
+            warmed.append(tuple(global_ranks))
+            return own_warm(group, global_ranks)
+
+        groups_module.warm_group = counted
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out["outside_created"] = pools["node"].ensure(plan)
+        finally:
+            groups_module.warm_group = own_warm
+        out["outside_warmed"] = warmed
         out["warned"] = any("outside the start-up vocabulary" in str(w.message) for w in caught)
         t = torch.tensor([float(rank)])
         if rank in outside:
@@ -179,5 +192,7 @@ def test_create_all_at_start_up(world_size):
     outside = (world_size - 1, 0)
     for rank, res in enumerate(results):
         assert res["outside_created"] == 1 and res["warned"]
+        # warmed where it is made (issue 46 item 9), by its members only
+        assert res["outside_warmed"] == ([outside] if rank in outside else [])
         assert res["report"]["outside_vocabulary"] == 1
         assert res["outside_sum"] == (float(sum(outside)) if rank in outside else float(rank))

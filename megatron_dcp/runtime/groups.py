@@ -6,7 +6,7 @@ the same order (on NCCL each is a communicator split all ranks join), so creatio
 ``create_all(vocabulary)`` at start-up creates every group a plan over that vocabulary can use, in
 the vocabulary's fixed order, and warms each communicator once; afterwards ``ensure(plan)``
 creates nothing for the planner's plans, and a group outside the vocabulary (a hand-written plan,
-a baseline) is still created collectively inside the step, counted and reported. Groups are
+a baseline) is still created collectively inside the step, warmed, counted and reported. Groups are
 cached by their rank tuple in group order (position = group-local rank).
 
 Ranks here are DCP-world ranks (``0 .. world_size - 1``, what plans use). When the DCP world is
@@ -248,6 +248,9 @@ class GroupPool:
         t0 = time.perf_counter()
         for ranks in order:
             self._groups[ranks] = self._new_group(ranks)
+        # warmed where they are made, as the start-up's are: NCCL would otherwise set each up
+        # lazily inside the first task's collective, while the task's other communicators run
+        self._warm([ranks for ranks in order if self.rank in ranks])
         self.creation_s += time.perf_counter() - t0
         if self.vocabulary is not None:
             if not self.outside_vocabulary:
