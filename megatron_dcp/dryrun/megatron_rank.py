@@ -30,8 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_dcp.dryrun.record import JOB_DEVICE, FakeJob, _patched
-from megatron_dcp.dryrun.runtime_rank import (RankJob, budget_bytes, predicted_bytes,
-                                              tracked_peak)
+from megatron_dcp.dryrun.runtime_rank import RankJob, rank_report
 
 
 class CudaAsMeta(TorchFunctionMode):
@@ -212,14 +211,7 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
             parallel_state.destroy_model_parallel()
         driver = step.driver if step is not None and step._driver is not None else None
         dp_rank = driver.pool.rank if driver is not None else None
-        calls = list(fake.recorder.calls)
-        if job.drop_call is not None and job.drop_call[0] == rank:  # negative control
-            del calls[job.drop_call[1]]
-        out.update(calls=calls, host_syncs=dict(fake.host_reads.sites),
-                   bytes_received=fake.recorder.object_bytes,
-                   cpu_tensors=len(fake.recorder.device_errors), error=error,
-                   predicted_bytes=predicted_bytes(driver, plan, dp_rank) if plan else None,
-                   budget_bytes=budget_bytes(driver), **tracked_peak(tracker))
+        out.update(rank_report(job, rank, fake, tracker, driver, plan, dp_rank, error))
     out["seconds"] = round(time.perf_counter() - start, 3)
     return out
 

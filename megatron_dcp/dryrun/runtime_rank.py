@@ -105,16 +105,24 @@ def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
                 plan = driver.step(_engine(model, pool, job, rank, tracker), batch).plan
             except Exception as exc:  # noqa: BLE001 - reported per rank, with the record so far
                 error = f"{type(exc).__name__}: {exc}"
-        calls = list(fake.recorder.calls)
-        if job.drop_call is not None and job.drop_call[0] == rank:
-            del calls[job.drop_call[1]]
-        out.update(calls=calls, host_syncs=dict(fake.host_reads.sites),
-                   bytes_received=fake.recorder.object_bytes,
-                   cpu_tensors=len(fake.recorder.device_errors), error=error,
-                   predicted_bytes=predicted_bytes(driver, plan, rank) if plan else None,
-                   budget_bytes=budget_bytes(driver), **tracked_peak(tracker))
+        out.update(rank_report(job, rank, fake, tracker, driver, plan, rank, error))
     out["seconds"] = round(time.perf_counter() - start, 3)
     return out
+
+
+def rank_report(job: RankJob, rank: int, fake: FakeJob, tracker: MemTracker, driver: Any,
+                plan: Any, plan_rank: Optional[int], error: str) -> dict[str, Any]:
+    """A rank's report (both engines): its recorded calls (less the one a ``drop_call``
+    control skips), host reads, object bytes, host tensors, error, and its memory beside the
+    planner's for the task of the step's ``plan`` it ran as ``plan_rank``."""
+    calls = list(fake.recorder.calls)
+    if job.drop_call is not None and job.drop_call[0] == rank:  # negative control
+        del calls[job.drop_call[1]]
+    return dict(calls=calls, host_syncs=dict(fake.host_reads.sites),
+                bytes_received=fake.recorder.object_bytes,
+                cpu_tensors=len(fake.recorder.device_errors), error=error,
+                predicted_bytes=predicted_bytes(driver, plan, plan_rank) if plan else None,
+                budget_bytes=budget_bytes(driver), **tracked_peak(tracker))
 
 
 def tracked_peak(tracker: MemTracker) -> dict[str, Any]:
