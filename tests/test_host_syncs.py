@@ -202,6 +202,7 @@ def test_pool_with_tensor_parallelism_runs_no_collective_when_no_group_is_missin
         assert res["created"] == 1 and res["again"] == [0, 0, 0]
         assert res["steady"] == {"collectives": 0, "reads": 0}, (rank, res["steady"])
         assert res["missing_created"] == 1
-        # one check, then the group (1, 0) of each of the two worlds (new_group x 2)
-        assert res["missing_collectives"] == 3, (rank, res["missing_collectives"])
+        # one check, then the group (1, 0) of each of the two worlds (new_group x 2), then its
+        # warm-up where it is made (issue 46 item 9; its all-reduce is the one counted here)
+        assert res["missing_collectives"] == 4, (rank, res["missing_collectives"])
         assert res["sum"] == (2.0 if rank in (0, 2) else 4.0)
