@@ -53,11 +53,14 @@ def gather_lengths(mine: Optional[tuple[int, list[np.ndarray], str]],
 def needed_by(plan: Plan, dp_of: Sequence[int]) -> list[list[int]]:
     """For each document of ``plan``, the global ranks that need its tokens: those whose
     data-parallel rank is among the ranks of a task holding it."""
+    ranks_of: dict[int, list[int]] = {}  # data-parallel rank -> its global ranks
+    for g, d in enumerate(dp_of):
+        ranks_of.setdefault(d, []).append(g)
     dp_ranks: list[set[int]] = [set() for _ in plan.lengths]
     for task in plan.tasks:
         for s in task.seqs:
             dp_ranks[s].update(task.ranks)
-    return [[g for g, d in enumerate(dp_of) if d in wanted] for wanted in dp_ranks]
+    return [sorted(g for d in wanted for g in ranks_of.get(d, ())) for wanted in dp_ranks]
 
 
 def exchange(local: list[np.ndarray], where: Sequence[tuple[int, int]],
