@@ -90,6 +90,14 @@ def test_a_crafted_file_is_refused_and_nothing_runs(tmp_path, where):
     assert (".metadata" if where != ".pt" else "model_optim_rng.pt") in str(err.value)
 
 
+def test_a_metadata_that_is_no_pickle_is_refused_like_a_crafted_one(tmp_path):
+    folder = _iteration(tmp_path / "ckpt")
+    _megatron_like(folder)
+    (folder / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match="--load .*not a readable pickle"):
+        check_load(str(tmp_path / "ckpt"))
+
+
 def test_save_into_another_runs_checkpoints_is_refused(tmp_path):
     other = tmp_path / "other"
     _iteration(other, 3)

@@ -77,14 +77,14 @@ def check_load(root: str, ckpt_step: Optional[int] = None) -> None:
     """Collective: every pickle of the folder `folder_to_load` names read without running
     anything (`check_folder` with `megatron_lm_globals`), on every rank; a refusal raises on
     every rank (`agree`) before Megatron-LM reads a byte."""
-    from megatron_dcp.runtime.safe_load import UnsafeCheckpointError
+    from megatron_dcp.runtime.checkpoint_dir import CheckpointError
 
     folder = folder_to_load(root, ckpt_step)
     problem = ""
     if folder is not None and os.path.isdir(folder):
-        try:
+        try:  # a crafted file (UnsafeCheckpointError) or one that is no pickle at all
             check_folder(folder, megatron_lm_globals)
-        except (UnsafeCheckpointError, OSError) as err:
+        except (CheckpointError, OSError) as err:
             problem = f"--load {root}: {err}"
     agree(problem)
 
