@@ -189,15 +189,15 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
     start = time.perf_counter()
     out: dict[str, Any] = {"rank": rank}
     with FakeJob(job.world_size, rank) as fake, megatron_on_meta():
-        from megatron.core import parallel_state
-
-        from megatron_dcp.megatron.cpu import seed_rng
+        from megatron.core import parallel_state, tensor_parallel
 
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=job.shape.tensor_parallel,
             pipeline_model_parallel_size=job.shape.pipeline_parallel,
             create_gloo_process_groups=False)
-        seed_rng(0)
+        # the inference tracker: no device generator to fork (values do not matter on meta)
+        tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True,
+                                                        force_reset_rng=True)
         model = build_model(job.shape, job.zero_stage)
         tracker = MemTracker()
         tracker.track_external(model)
