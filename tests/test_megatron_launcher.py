@@ -172,7 +172,7 @@ def test_megatron_lm_save_and_load_resume_resharded_with_the_uninterrupted_losse
     DP 2 x PP 2 after 2 iterations, resumed at DP 1 x PP 2 (the optimizer resharded over DP):
     iterations 3-5 have the uninterrupted run's losses; the planner's state is beside the
     checkpoint."""
-    from megatron_dcp.megatron.lm import PLANNER_FILE
+    from megatron_dcp.megatron.lm_checkpoint import PLANNER_FILE
 
     run = ["--dcp", "--dcp-hardware", "h200", "--dcp-pack-tokens", "128",
            "--dcp-memory-budget-gb", f"{_budget_gb(200):.6f}", "--pipeline-model-parallel-size",

@@ -204,7 +204,7 @@ def test_a_dcp_flag_without_dcp_through_the_launcher_says_to_add_it(tmp_path, ca
 def test_a_bad_planner_state_is_named_and_never_blocks_the_checkpoint(tmp_path, capsys):
     """Issue 48 item 12: a truncated ``dcp_planner.json`` stopped a good checkpoint's load with a
     bare JSONDecodeError naming no file; now the file is named and the planner starts afresh."""
-    from megatron_dcp.megatron.lm import read_planner_state
+    from megatron_dcp.megatron.lm_checkpoint import read_planner_state
 
     good = tmp_path / "good.json"
     good.write_text('{"iteration": 4, "hardware": {}}')

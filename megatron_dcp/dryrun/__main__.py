@@ -107,12 +107,13 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
     job = RankJob(shape=shape, lengths=batch_lengths(args), world_size=args.gpus,
                   config=config, hardware=args.hardware, zero_stage=args.zero_stage,
                   create_groups=not args.no_create_groups, **controls)
+    run_one = run_rank
     if args.engine == "megatron":
         from megatron_dcp.dryrun.megatron_rank import refused, run_megatron_rank
 
         if refused(job):
             raise ValueError(refused(job))
-        run_rank = run_megatron_rank  # noqa: F811
+        run_one = run_megatron_rank
     elif args.tp > 1 or args.pp > 1 or args.vpp > 1:
         raise ValueError("--tp/--pp > 1 need --engine megatron (the reference decoder has "
                          "neither)")
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
     results = []
     with Progress("dry run: ranks", total=len(ranks)) as bar:
         for rank in ranks:
-            results.append(run_rank(job, rank))
+            results.append(run_one(job, rank))
             bar.update(label=f"rank {rank}")
     mismatches = check_consistency({r["rank"]: r["calls"] for r in results})
     report = {

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import time
 from typing import Any, Callable, Optional
 
@@ -33,8 +32,7 @@ import torch
 
 from megatron_dcp import patching
 from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
-from megatron_dcp.megatron.lm_checkpoint import (PLANNER_FILE, PlannerCheckpoint,  # noqa: F401
-                                                 gated_load_args, read_planner_state,
+from megatron_dcp.megatron.lm_checkpoint import (PlannerCheckpoint, gated_load_args,
                                                  save_takeover_problem)
 from megatron_dcp.megatron.lm_monitor import (LMMonitor, check_monitor_args,
                                               slowest_rank_timings)

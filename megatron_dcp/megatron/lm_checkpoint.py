@@ -18,10 +18,13 @@ import functools
 import importlib
 import json
 import os
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from megatron_dcp.runtime.checkpoint_verify import agree
 from megatron_dcp.runtime.safe_load import check_folder
+
+if TYPE_CHECKING:
+    from megatron_dcp.megatron.lm import LMForwardBackward
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron-LM's file naming the newest iteration of a ``--save`` directory."""
