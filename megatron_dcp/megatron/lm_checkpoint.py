@@ -18,13 +18,10 @@ import functools
 import importlib
 import json
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from megatron_dcp.runtime.checkpoint_verify import agree
 from megatron_dcp.runtime.safe_load import check_folder
-
-if TYPE_CHECKING:
-    from megatron_dcp.megatron.lm import LMForwardBackward
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron-LM's file naming the newest iteration of a ``--save`` directory."""
@@ -146,7 +143,7 @@ class PlannerCheckpoint:
     without the file (saved without ``--dcp``) starts the planner afresh."""
 
     def __init__(self) -> None:
-        self.step: Optional["LMForwardBackward"] = None
+        self.step: Any = None  # the launcher's LMForwardBackward (lm.py imports this module)
         self.loaded: Optional[dict] = None
 
     def wrap_save(self, save_checkpoint: Callable) -> Callable:
