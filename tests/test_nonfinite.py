@@ -68,7 +68,7 @@ def test_nonfinite_loss_stops_before_the_update_naming_iteration_rank_and_task()
         run_distributed(_body, world_size=2, args=(False,), timeout_s=100)
     text = str(err.value)
     assert "NonFiniteStepError" in text and "iteration 1: loss nan is not finite" in text
-    assert "rank 0 (task 2)" in text and "--dcp_skip_nonfinite" in text
+    assert "rank 0 (task 2)" in text and "--dcp-skip-nonfinite" in text
 
 
 @pytest.mark.slow

@@ -184,10 +184,20 @@ class MegatronStepEngine(StepEngine):
         self._reduce()
         return float("nan") if self.nonfinite_ranks else None
 
+    @property
+    def scales_loss(self) -> bool:
+        """fp16: Megatron's mixed-precision optimizer (the caller's) holds a loss scaler that
+        skips an overflow step in its own ``step()`` and backs its scale off; the driver leaves
+        such steps to it (stopping would end every fp16 run at its first, overflowing, scale)."""
+        return bool(getattr(self.mconfig, "fp16", False))
+
     def update_applied(self) -> bool:
-        """False: ``finish`` applies no update (the caller steps the optimizer, and skips it on
-        ``StepResult.skipped``)."""
-        return False
+        """``finish`` applies no update: the caller steps the optimizer. Without fp16 the caller
+        skips that step on ``StepResult.skipped`` (False: still skippable); with fp16 the loss
+        scaler decides: True unless a gradient overflowed (``nonfinite_ranks``), when
+        ``StepResult.skipped`` says the scaler will skip it (the caller still calls ``step()``,
+        which backs the scale off)."""
+        return self.scales_loss and not self.nonfinite_ranks
 
     def _reduce(self) -> None:
         """Megatron's ``finalize_model_grads`` (its DDP), or a SUM over data parallel."""

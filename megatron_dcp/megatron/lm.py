@@ -147,6 +147,39 @@ def _forward_backward_func(get_func: Callable, saved: PlannerCheckpoint) -> Call
     return run
 
 
+def _train_step(train_step: Callable, saved: PlannerCheckpoint) -> Callable:
+    """Megatron-LM's ``train_step`` under ``--dcp``: when DCP skipped the step (a non-finite
+    loss or gradient with ``--dcp-skip-nonfinite``), its optimizer step answers as Megatron-LM's
+    own skipped step does (``update_successful`` False: no update, no scheduler step, counted
+    among Megatron-LM's skipped iterations) instead of applying non-finite gradients. fp16
+    overflows are left to Megatron's loss scaler, whose ``step()`` skips and backs off."""
+    @functools.wraps(train_step)
+    def run(forward_step_func, data_iterator, model, optimizer, *rest: Any, **kwargs: Any):
+        from megatron.training import get_args
+
+        if not getattr(get_args(), "dcp", False):
+            return train_step(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs)
+        own = "step" in vars(optimizer)
+        step = optimizer.step
+
+        def gated_step(*args: Any, **kw: Any):
+            if saved.step is not None and saved.step.skip_update:
+                return False, None, None
+            return step(*args, **kw)
+
+        optimizer.step = gated_step
+        try:
+            return train_step(forward_step_func, data_iterator, model, optimizer, *rest,
+                              **kwargs)
+        finally:
+            if own:
+                optimizer.step = step
+            else:
+                del optimizer.step
+
+    return run
+
+
 def _install(patches: PatchSet) -> None:
     import megatron.training.arguments as arguments
     import megatron.training.checkpointing as checkpointing
@@ -159,6 +192,8 @@ def _install(patches: PatchSet) -> None:
     saved = PlannerCheckpoint()
     patches.set(training, "get_forward_backward_func",
                 _forward_backward_func(training.get_forward_backward_func, saved))
+    patches.replace("megatron.training.training", "train_step",
+                    _train_step(training.train_step, saved), check=callable)
     patches.replace("megatron.training.training", "save_checkpoint",
                     saved.wrap_save(training.save_checkpoint), check=callable)
     patches.replace("megatron.training.training", "load_checkpoint",
@@ -330,6 +365,9 @@ class LMForwardBackward:
         self.figures: Optional[StepFigures] = None  # made at the first step (the driver's)
         self._logged_at: Optional[float] = None
         self.vocab_size = _tokenizer_vocab_size(args)  # token ids at or above it: refused
+        self.skip_update = False
+        """The last step was skipped: Megatron-LM's optimizer step must not run (`_train_step`;
+        with fp16 the loss scaler's own ``step()`` skips, so it runs)."""
 
     def global_batch(self, data_iterator, num_microbatches: int):
         """This step's documents and plan (`megatron_dcp.megatron.lm_data`): each rank with a
@@ -375,6 +413,8 @@ class LMForwardBackward:
         reports = self.step(forward_step_func=_adapted(forward_step_func),
                             data_iterator=iter([GlobalBatch(sequences, plan=plan)]), model=model,
                             num_microbatches=1, **kwargs)
+        self.skip_update = bool(reports.result is not None and reports.result.skipped
+                                and not self.args.fp16)
         if reports.result is not None:  # planned before the step (lm_data): its seconds
             reports.result.plan_s = reports.result.plan_wait_s = planned_s
         self._log(reports)
@@ -411,7 +451,8 @@ class LMForwardBackward:
         if not self.log_path:
             return
         row = {"iteration": self.iteration, "loss": float(summed[0] / summed[1]),
-               "tokens": result.tokens, "sequences": result.sequences, "figures": figures,
+               "tokens": result.tokens, "sequences": result.sequences,
+               "skipped": result.skipped, "figures": figures,
                "plan": plan_summary(result.plan)}
         with open(self.log_path, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 SKIP_HINT = ("to skip such steps instead (no update, counted in the log), pass "
-             "--dcp_skip_nonfinite (Megatron: --dcp-skip-nonfinite; DeepSpeed JSON: "
-             '"dcp": {"skip_nonfinite": true})')
+             '--dcp-skip-nonfinite (in a DeepSpeed JSON: "dcp": {"skip_nonfinite": true})')
 
 
 class NonFiniteStepError(RuntimeError):
