@@ -135,3 +135,27 @@ def test_the_launcher_refuses_a_crafted_metadata_and_another_runs_save_dir(tmp_p
     out = taken.stdout + taken.stderr
     assert taken.returncode != 0 and "holds another run's checkpoints" in out, out[-3000:]
     assert "iteration        1/" not in out
+
+
+@pytest.mark.slow  # launches Megatron-LM
+@pytest.mark.timeout(600)
+def test_the_launcher_refuses_a_padded_vocabulary_change_and_names_the_flag(tmp_path):
+    """Issue 48, item 3: a torch_dist checkpoint saved at TP 1 (a 257-token vocabulary padded
+    to 384 rows) loaded at TP 2 (512 rows): megatron-core would load 384 rows and keep the rest
+    random (status 0, another model). Refused on every rank before the load, naming the rows and
+    the --make-vocab-size-divisible-by that pads to the saved size; with that flag it loads."""
+    from test_megatron_launcher import _launch, _lm_losses
+
+    run = ["--dcp", "--ckpt-format", "torch_dist", "--vocab-size", "257"]
+    ckpt = tmp_path / "ckpt"
+    _lm_losses(_launch(run + ["--save", str(ckpt), "--save-interval", "2", "--exit-interval",
+                              "2"]))
+    tp2 = run + ["--load", str(ckpt), "--tensor-model-parallel-size", "2", "--exit-interval",
+                 "3"]
+    done = _launch(tp2)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert "the padded vocabulary differs (384 rows saved, 512 here)" in out, out[-6000:]
+    assert "resume with --make-vocab-size-divisible-by 192" in out, out[-6000:]
+    assert "iteration        3/" not in out
+    _lm_losses(_launch(tp2 + ["--make-vocab-size-divisible-by", "192"]))

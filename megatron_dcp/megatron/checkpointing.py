@@ -184,7 +184,7 @@ def _load_torch_dist(path: str, model: Any, optimizer: Any, vocab_size: Optional
         state = _read(os.path.join(path, STATE_FILE))
         if os.path.exists(os.path.join(path, COMMON_FILE)):  # megatron-core 0.16's format
             _read(os.path.join(path, COMMON_FILE))
-        problem = _shape_problem(path, sharded, _saved_shapes(path), vocab_size, divisible_by)
+        problem = shape_problem(path, sharded, saved_shapes(path), vocab_size, divisible_by)
     except CheckpointError as err:
         problem = str(err)
     except Exception as err:  # noqa: BLE001 - raised on every rank alike by agree, not alone
@@ -215,7 +215,7 @@ def _read(path: str) -> dict:
     return load_weights(path)
 
 
-def _saved_shapes(path: str) -> dict[str, tuple]:
+def saved_shapes(path: str) -> dict[str, tuple]:
     """The global shape of every tensor in the torch_dist checkpoint ``path``, from its
     ``.metadata`` (read with only its own classes admitted)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -228,7 +228,7 @@ def _saved_shapes(path: str) -> dict[str, tuple]:
 _VOCAB_KEYS = ("word_embeddings.weight", "output_layer.weight")
 
 
-def _shape_problem(path: str, sharded: dict, saved: dict[str, tuple],
+def shape_problem(path: str, sharded: dict, saved: dict[str, tuple],
                    vocab_size: Optional[int], divisible_by: Optional[int]) -> str:
     """Why this rank's tensors cannot load from the checkpoint's (a global shape differs:
     megatron-core loads the overlapping part of a tensor it marks ``allow_shape_mismatch``,

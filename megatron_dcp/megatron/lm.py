@@ -33,7 +33,7 @@ import torch
 from megatron_dcp import patching
 from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
 from megatron_dcp.megatron.lm_checkpoint import (PlannerCheckpoint, gated_load_args,
-                                                 save_takeover_problem)
+                                                 save_takeover_problem, vocab_size)
 from megatron_dcp.megatron.lm_monitor import (LMMonitor, check_monitor_args,
                                               slowest_rank_timings)
 from megatron_dcp.patching import PatchSet
@@ -306,16 +306,6 @@ def documents(batch: dict) -> list[torch.Tensor]:
     return out
 
 
-def _tokenizer_vocab_size(args: argparse.Namespace) -> int:
-    """The tokenizer's vocabulary (Megatron-LM's ``get_tokenizer()``), else the padded one."""
-    try:
-        from megatron.training import get_tokenizer
-
-        return int(get_tokenizer().vocab_size)
-    except Exception:  # noqa: BLE001 - no tokenizer built (a script of its own): the rows
-        return int(args.padded_vocab_size)
-
-
 def token_id_problem(sequences: list, vocab_size: int) -> str:
     """Why a batch holding a token id outside ``[0, vocab_size)`` is refused (``""`` when it
     holds none): at or above the tokenizer's vocabulary an id trains the embedding's padding rows
@@ -364,7 +354,7 @@ class LMForwardBackward:
         self.monitor = LMMonitor.of_megatron(args)  # Megatron-LM's TensorBoard / W&B writers
         self.figures: Optional[StepFigures] = None  # made at the first step (the driver's)
         self._logged_at: Optional[float] = None
-        self.vocab_size = _tokenizer_vocab_size(args)  # token ids at or above it: refused
+        self.vocab_size = vocab_size(args)  # token ids at or above it: refused
         self.skip_update = False
         """The last step was skipped: Megatron-LM's optimizer step must not run (`_train_step`;
         with fp16 the loss scaler's own ``step()`` skips, so it runs)."""

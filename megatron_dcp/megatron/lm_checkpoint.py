@@ -89,6 +89,34 @@ def check_load(root: str, ckpt_step: Optional[int] = None) -> None:
     agree(problem)
 
 
+def layout_problem(folder: Optional[str], model: Any, args: Any) -> str:
+    """Why this run's model cannot load the torch_dist checkpoint ``folder`` (a model tensor
+    whose global shape differs from the saved one: megatron-core would load the overlapping
+    part of one it marks ``allow_shape_mismatch``, the padded vocabulary rows after a change of
+    tensor parallelism among them, and keep the rest as initialised: another model), or
+    ``""`` (also for other formats, which refuse a layout change themselves)."""
+    from megatron.core.utils import unwrap_model
+
+    from megatron_dcp.megatron.checkpointing import saved_shapes, shape_problem
+
+    if folder is None or not os.path.isfile(os.path.join(folder, ".metadata")):
+        return ""
+    chunks = unwrap_model(model if isinstance(model, list) else [model])
+    sharded = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    return shape_problem(folder, sharded, saved_shapes(folder), vocab_size(args),
+                         getattr(args, "make_vocab_size_divisible_by", None))
+
+
+def vocab_size(args: Any) -> int:
+    """The tokenizer's vocabulary (Megatron-LM's ``get_tokenizer()``), else the padded one."""
+    try:
+        from megatron.training import get_tokenizer
+
+        return int(get_tokenizer().vocab_size)
+    except Exception:  # noqa: BLE001 - no tokenizer built (a script of its own): the rows
+        return int(args.padded_vocab_size)
+
+
 def gated_load_args(load_args_from_checkpoint: Callable) -> Callable:
     """Megatron-LM's ``load_args_from_checkpoint`` (``--use-checkpoint-args``, before
     torch.distributed starts) after `check_load` of the folder it reads, under ``--dcp``."""
@@ -176,7 +204,15 @@ class PlannerCheckpoint:
             where = getattr(margs, kwargs.get("load_arg", "load"), None)
             if getattr(margs, "dcp", False) and where:
                 step = getattr(margs, "ckpt_step", None)
-                check_load(where, step if kwargs.get("load_arg", "load") == "load" else None)
+                step = step if kwargs.get("load_arg", "load") == "load" else None
+                check_load(where, step)
+                model = args[0] if args else kwargs.get("ddp_model")
+                problem = ""
+                try:  # every rank alike (agree): a tensor of another shape than saved
+                    problem = layout_problem(folder_to_load(where, step), model, margs)
+                except Exception as err:  # noqa: BLE001 - raised on every rank by agree
+                    problem = f"--load {where}: {type(err).__name__}: {err}"
+                agree(problem)
             out = load_checkpoint(*args, **kwargs)
             iteration = out[0] if isinstance(out, tuple) else None
             if getattr(margs, "dcp", False) and where and iteration:
