@@ -159,3 +159,22 @@ def test_the_launcher_refuses_a_padded_vocabulary_change_and_names_the_flag(tmp_
     assert "resume with --make-vocab-size-divisible-by 192" in out, out[-6000:]
     assert "iteration        3/" not in out
     _lm_losses(_launch(tp2 + ["--make-vocab-size-divisible-by", "192"]))
+
+
+@pytest.mark.slow  # launches Megatron-LM
+@pytest.mark.timeout(300)
+def test_a_load_megatron_lm_gives_up_on_exits_non_zero(tmp_path):
+    """Issue 48, item 5: Megatron-LM's ``load_checkpoint`` ends with ``sys.exit()`` (status 0)
+    on a checkpoint it cannot load, here a tracker file naming no iteration; a resume script saw
+    success. Under ``--dcp`` the status is 1 and nothing trained."""
+    from test_megatron_launcher import _launch
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("not-an-iteration\n")
+    done = _launch(["--dcp", "--ckpt-format", "torch_dist", "--load", str(ckpt)], ranks=1,
+                   timeout=200)
+    out = done.stdout + done.stderr
+    assert "Invalid metadata file" in out, out[-3000:]
+    assert done.returncode != 0 and "stopped with status 1" in out, out[-3000:]
+    assert "iteration        1/" not in out

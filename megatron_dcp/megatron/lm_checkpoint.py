@@ -213,7 +213,7 @@ class PlannerCheckpoint:
                 except Exception as err:  # noqa: BLE001 - raised on every rank by agree
                     problem = f"--load {where}: {type(err).__name__}: {err}"
                 agree(problem)
-            out = load_checkpoint(*args, **kwargs)
+            out = _exit_status_kept(load_checkpoint, where, *args, **kwargs)
             iteration = out[0] if isinstance(out, tuple) else None
             if getattr(margs, "dcp", False) and where and iteration:
                 path = os.path.join(_iteration_folder(where, iteration), PLANNER_FILE)
@@ -222,6 +222,22 @@ class PlannerCheckpoint:
             return out
 
         return run
+
+
+def _exit_status_kept(load_checkpoint: Callable, where: Optional[str], *args: Any,
+                      **kwargs: Any) -> Any:
+    """Megatron-LM's ``load_checkpoint``, whose ``sys.exit()`` (status 0) on a checkpoint it
+    cannot load (a bad tracker file, an RNG state it cannot restore, a failed legacy load,
+    ``--exit-on-missing-checkpoint``) becomes status 1: a resume that did not load never
+    reads as a success to the script that started it."""
+    try:
+        return load_checkpoint(*args, **kwargs)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
+        raise SystemExit(f"[dcp] Megatron-LM's load_checkpoint of --load {where} exited "
+                         "without loading (its message is above): stopped with status 1, "
+                         "not 0") from None
 
 
 def read_planner_state(path: str) -> Optional[dict]:
