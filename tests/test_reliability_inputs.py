@@ -78,6 +78,21 @@ def _example(name: str):
     return module
 
 
+def test_the_launchers_log_path_is_checked_while_parsing(tmp_path, capsys):
+    """Issue 48, item 13: the launcher's ``--dcp-log-json`` in a missing folder is refused by
+    Megatron-LM's parser (its ``extra_args_provider``), not when the first row is written."""
+    import argparse
+
+    from megatron_dcp.megatron.lm import add_launcher_args
+
+    parser = add_launcher_args(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dcp-log-json", str(tmp_path / "missing" / "log.jsonl")])
+    err = capsys.readouterr().err
+    assert "--dcp-log-json" in err and "does not exist" in err, err
+    assert parser.parse_args(["--dcp-log-json", str(tmp_path / "a.jsonl")]).dcp_log_json
+
+
 @pytest.mark.parametrize("script", ["pretrain.py", "pretrain_megatron.py", "pretrain_video.py"])
 def test_an_unwritable_log_path_is_refused_at_start(script, tmp_path, capsys):
     """Issue 48: ``--log-json`` in a missing folder (or a folder) is refused while parsing,

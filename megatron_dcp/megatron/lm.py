@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_dcp import patching
+from megatron_dcp.config import output_file
 from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
 from megatron_dcp.megatron.lm_checkpoint import (PlannerCheckpoint, gated_load_args,
                                                  save_takeover_problem, vocab_size)
@@ -48,7 +49,7 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     """DCP's Megatron flags and the launcher's own (``--dcp-log-json``)."""
     add_dcp_args(parser)
     group = parser.add_argument_group("DCP launcher")
-    group.add_argument("--dcp-log-json", default=None, metavar="PATH",
+    group.add_argument("--dcp-log-json", default=None, metavar="PATH", type=output_file,
                        help="with --dcp: one JSON row per iteration (iteration, loss, tokens, "
                             "plan with its degrees), written by the last pipeline stage's "
                             "first rank")
