@@ -82,18 +82,12 @@ def launcher_problems(args: argparse.Namespace) -> list[str]:
         problems.append("--dcp takes the documents of every packed sample by their boundaries: "
                         "give --dataloader-inter-document-masking (the samples carry cu_seqlens) "
                         "or use --sft's packed samples")
-    if getattr(args, "eod_mask_loss", False):
-        problems.append("--dcp does not support --eod-mask-loss: DCP trains every token's "
-                        "next-token target of a document")
     if args.spec is not None and list(args.spec) != SPEC:
         problems.append(f"--dcp uses DCP's layer spec ({' '.join(SPEC)}): drop --spec "
                         f"{' '.join(args.spec)}")
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         problems.append("--dcp through the launcher does not support virtual pipeline stages "
                         "(--num-layers-per-virtual-pipeline-stage) yet")
-    if getattr(args, "context_parallel_size", 1) > 1 and not getattr(
-            args, "hybrid_context_parallel", False):
-        pass  # validate_dcp_args names --context-parallel-size
     takeover = save_takeover_problem(getattr(args, "save", None), getattr(args, "load", None),
                                      getattr(args, "ckpt_step", None))
     if takeover:
@@ -292,7 +286,10 @@ def documents(batch: dict) -> list[torch.Tensor]:
     """The documents of one Megatron-LM batch (``[mbs, S]`` tensors, ``cu_seqlens`` padded
     with ``S``): for each document, its tokens and then the target of its last token (so DCP's
     next-token targets are exactly the batch's ``labels``: across a document boundary, and at
-    the end of the sample). Refuses a loss mask that drops a token of a document."""
+    the end of the sample). Where the loss mask drops the last token's target only
+    (``--eod-mask-loss`` masks the target of each EOD token, the last of its document) the
+    document is its tokens alone: its last token has no target, as in Megatron-LM. Refuses a
+    loss mask that drops any other target of a document."""
     tokens, labels = batch["tokens"].cpu(), batch["labels"].cpu()
     mask, cu_rows = batch["loss_mask"].cpu(), batch["cu_seqlens"].cpu()
     out = []
@@ -300,10 +297,15 @@ def documents(batch: dict) -> list[torch.Tensor]:
         cu = cu_rows[row].tolist()
         bounds = [0] + [c for i, c in enumerate(cu[1:], 1) if c > cu[i - 1]]
         for a, b in zip(bounds, bounds[1:]):
-            if not bool((mask[row, a:b] > 0).all()):
-                raise ValueError(f"--dcp: sample {row} has loss-masked tokens in its document "
-                                 f"[{a}, {b}): DCP trains every next-token target")
-            out.append(torch.cat([tokens[row, a:b], labels[row, b - 1:b]]).to(torch.long))
+            kept = mask[row, a:b] > 0
+            if bool(kept.all()):
+                out.append(torch.cat([tokens[row, a:b], labels[row, b - 1:b]]).to(torch.long))
+            elif bool(kept[:-1].all()):  # its last target masked: --eod-mask-loss's EOD
+                out.append(tokens[row, a:b].to(torch.long))
+            else:
+                raise ValueError(f"--dcp: sample {row} has loss-masked tokens inside its "
+                                 f"document [{a}, {b}): DCP trains every next-token target of "
+                                 "a document but its last (--eod-mask-loss masks that one)")
     return out
 
 
