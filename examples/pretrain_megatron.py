@@ -220,21 +220,13 @@ def open_training_data(args):
 
 
 def model_shape(args):
-    """The planner's `ModelShape` of the GPT model these flags build (MoE fields:
-    `megatron_dcp.megatron.moe_shape.moe_shape_fields`)."""
-    from megatron_dcp.megatron.moe_shape import moe_shape_fields
-    from megatron_dcp.plan.model import ModelShape
+    """The planner's `ModelShape` of the GPT model these flags build
+    (`megatron_dcp.megatron.moe_shape.megatron_model_shape`: the launcher's rule): the padded
+    vocabulary, and ``--seq-length`` positions (the longest sequence this script cuts)."""
+    from megatron_dcp.megatron.moe_shape import megatron_model_shape
 
-    return ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                      num_heads=args.num_attention_heads,
-                      ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-                      vocab_size=padded_vocab_size(args),
-                      num_kv_heads=args.num_query_groups or args.num_attention_heads,
-                      max_position=args.seq_length, name="megatron-gpt",
-                      tensor_parallel=args.tensor_model_parallel_size,
-                      pipeline_parallel=args.pipeline_model_parallel_size,
-                      virtual_pipeline=args.virtual_pipeline_model_parallel_size or 1,
-                      sequence_parallel=args.sequence_parallel, **moe_shape_fields(args))
+    return megatron_model_shape(args, vocab_size=padded_vocab_size(args),
+                                max_position=args.seq_length, name="megatron-gpt")
 
 
 def params_dtype(args) -> torch.dtype:

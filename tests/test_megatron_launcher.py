@@ -166,6 +166,24 @@ def test_moe_with_expert_parallelism_through_the_launcher_equals_plain(tmp_path)
     assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
 
 
+@pytest.mark.timeout(600)
+def test_virtual_pipeline_stages_equal_plain_megatron_lm(tmp_path):
+    """DP 2 x PP 2 with 2 virtual stages a rank (4 layers, one per chunk; issue 45, item 6):
+    Megatron's interleaved schedule runs DCP's plans, and the lm loss lines are plain
+    Megatron-LM's while the plans split documents."""
+    extra = ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+             "--num-layers-per-virtual-pipeline-stage", "1"]
+    log = tmp_path / "dcp.jsonl"
+    dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log), "--dcp-max-tokens-per-rank",
+                              "200", *extra], ranks=4))
+    plain = _lm_losses(_launch(PLAIN + extra, ranks=4))
+    assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
+    for it in plain:
+        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("pp", [1, 2], ids=["dp2", "dp2xpp2"])
 def test_eod_mask_loss_equals_plain_megatron_lm(tmp_path, pp):

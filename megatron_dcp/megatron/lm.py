@@ -85,9 +85,6 @@ def launcher_problems(args: argparse.Namespace) -> list[str]:
     if args.spec is not None and list(args.spec) != SPEC:
         problems.append(f"--dcp uses DCP's layer spec ({' '.join(SPEC)}): drop --spec "
                         f"{' '.join(args.spec)}")
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        problems.append("--dcp through the launcher does not support virtual pipeline stages "
-                        "(--num-layers-per-virtual-pipeline-stage) yet")
     takeover = save_takeover_problem(getattr(args, "save", None), getattr(args, "load", None),
                                      getattr(args, "ckpt_step", None))
     if takeover:
@@ -204,22 +201,14 @@ def enable_dcp() -> None:
 
 # ---------------------------------------------------------------------- the step
 def model_shape_from_args(args: argparse.Namespace):
-    """The planner's `ModelShape` of Megatron-LM's GPT from its parsed ``args`` (MoE fields:
-    `megatron_dcp.megatron.moe_shape.moe_shape_fields`)."""
-    from megatron_dcp.megatron.moe_shape import moe_shape_fields
-    from megatron_dcp.plan.model import ModelShape
+    """The planner's `ModelShape` of Megatron-LM's GPT from its parsed ``args``
+    (`megatron_dcp.megatron.moe_shape.megatron_model_shape`): the padded vocabulary, and
+    ``--seq-length`` + 1 positions (a document of a sample carries the target of its last
+    token, the sample's extra token)."""
+    from megatron_dcp.megatron.moe_shape import megatron_model_shape
 
-    return ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                      num_heads=args.num_attention_heads,
-                      ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-                      vocab_size=args.padded_vocab_size,
-                      num_kv_heads=(args.num_query_groups if args.group_query_attention
-                                    else None) or args.num_attention_heads,
-                      max_position=args.seq_length + 1, name="megatron-lm-gpt",  # + the last target
-                      tensor_parallel=args.tensor_model_parallel_size,
-                      pipeline_parallel=args.pipeline_model_parallel_size,
-                      sequence_parallel=bool(args.sequence_parallel),
-                      **moe_shape_fields(args))
+    return megatron_model_shape(args, vocab_size=args.padded_vocab_size,
+                                max_position=args.seq_length + 1, name="megatron-lm-gpt")
 
 
 class TaskModel:

@@ -1,5 +1,6 @@
-"""The planner's MoE `ModelShape` fields from Megatron's MoE flags (one rule for
-examples/pretrain_megatron.py's ``model_shape`` and `megatron_dcp.megatron.lm.model_shape_from_args`).
+"""The planner's `ModelShape` from Megatron's flags (`megatron_model_shape`, with its MoE fields
+`moe_shape_fields`): one rule for examples/pretrain_megatron.py's ``model_shape`` and the
+Megatron-LM launcher's `megatron_dcp.megatron.lm.model_shape_from_args`.
 
 Kept apart from `megatron_dcp.megatron.moe` so that building a shape needs no megatron-core import.
 """
@@ -85,3 +86,27 @@ def moe_shape_fields(args: Any, world_size: Optional[int] = None) -> dict:
                 or _get(args, "ffn_hidden_size", 0) or 4 * args.hidden_size,
                 moe_shared_expert_ffn=_get(args, "moe_shared_expert_intermediate_size", 0),
                 moe_dense_layers=_dense_layers(freq, num_layers), expert_parallel=ep)
+
+
+def megatron_model_shape(args: Any, *, vocab_size: int, max_position: int, name: str):
+    """The planner's `ModelShape` of the GPT model Megatron's flags ``args`` build (Megatron-LM's
+    argument names). ``vocab_size``: the padded vocabulary (the embedding's rows);
+    ``max_position``: the most positions one sequence of the front end's data path holds.
+    KV heads: ``--num-query-groups`` where grouped-query attention is on (Megatron-LM ignores
+    the groups without ``--group-query-attention``; a parser without that flag takes the groups
+    as given); virtual pipeline stages: ``--virtual-pipeline-model-parallel-size`` (Megatron-LM
+    sets it from ``--num-layers-per-virtual-pipeline-stage`` too)."""
+    from megatron_dcp.plan.model import ModelShape
+
+    groups = _get(args, "num_query_groups") if _get(args, "group_query_attention", True) \
+        else None
+    return ModelShape(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      num_heads=args.num_attention_heads,
+                      ffn_hidden_size=_get(args, "ffn_hidden_size") or 4 * args.hidden_size,
+                      vocab_size=vocab_size, num_kv_heads=groups or args.num_attention_heads,
+                      max_position=max_position, name=name,
+                      tensor_parallel=_get(args, "tensor_model_parallel_size", 1),
+                      pipeline_parallel=_get(args, "pipeline_model_parallel_size", 1),
+                      virtual_pipeline=_get(args, "virtual_pipeline_model_parallel_size", 1),
+                      sequence_parallel=bool(_get(args, "sequence_parallel", False)),
+                      **moe_shape_fields(args))
