@@ -226,3 +226,17 @@ def test_megatron_lm_namespace_acceptances():
         assert config.enabled
     assert validate_dcp_args(megatron_lm_args(
         "--dcp", **base, max_seqlen_per_dp_cp_rank=4096)).pack_tokens == 4096
+
+
+def test_megatron_lm_dump_shows_the_values_in_effect():
+    """Issue 45, item 3: with ``--dcp`` every DCP flag not given reads as the value DCP uses in
+    Megatron-LM's argument dump (``dcp_policy dcp``, not ``None``); given values stay, and the
+    config validated from the filled namespace is the one from the given flags."""
+    from megatron_dcp.megatron.lm import show_values_in_effect
+
+    args = megatron_lm_args("--dcp --dcp-max-degree 4", calculate_per_token_loss=True)
+    before = validate_dcp_args(args)
+    show_values_in_effect(args)
+    assert (args.dcp_policy, args.dcp_recompute, args.dcp_max_degree) == ("dcp", "auto", 4)
+    assert args.dcp_pack_tokens is None  # "auto": its default is no value
+    assert validate_dcp_args(args) == before

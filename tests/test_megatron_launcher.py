@@ -104,8 +104,13 @@ def test_a_budget_in_tokens_splits_documents_with_no_gib_figure(tmp_path):
     figure anywhere: the plans split documents over both ranks, and the losses are plain
     Megatron-LM's."""
     log = tmp_path / "dcp.jsonl"
-    dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log),
-                              "--dcp-max-tokens-per-rank", "200"]))
+    done = _launch(["--dcp", "--dcp-log-json", str(log), "--dcp-max-tokens-per-rank", "200"])
+    dcp = _lm_losses(done)
+    out = done.stdout + done.stderr
+    # the start-up line says what DCP does; Megatron-LM's dump shows the values in effect
+    assert "[megatron-dcp] DCP: policy dcp, schedule free, DCP world 2 ranks" in out, out[-3000:]
+    assert "a degree-1 task holds 200 tokens" in out and "at most 200 tokens per rank" in out
+    assert re.search(r"dcp_policy \.+ dcp\n", out), out[:3000]
     plain = _lm_losses(_launch(PLAIN))
     assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
     for it in plain:

@@ -68,9 +68,27 @@ def _compose(extra: Optional[Callable]) -> Callable:
 def _parse_args(parse_args: Callable) -> Callable:
     @functools.wraps(parse_args)
     def run(extra_args_provider=None, *args: Any, **kwargs: Any):
-        return parse_args(_compose(extra_args_provider), *args, **kwargs)
+        parsed = parse_args(_compose(extra_args_provider), *args, **kwargs)
+        if getattr(parsed, "dcp", False):
+            show_values_in_effect(parsed)
+        return parsed
 
     return run
+
+
+def show_values_in_effect(args: argparse.Namespace) -> None:
+    """Every ``--dcp-*`` flag not given set to the value DCP uses (its `DCPConfig` default), so
+    Megatron-LM's argument dump shows ``dcp_policy dcp``, not ``None``. A bad value is left for
+    `check_args` to name."""
+    from megatron_dcp.config import DCPConfig, DCPConfigError
+
+    try:
+        config = DCPConfig.from_args(args, style="megatron")
+    except DCPConfigError:
+        return
+    for name, value in config.to_dict().items():
+        if name != "enabled" and getattr(args, f"dcp_{name}", None) is None:
+            setattr(args, f"dcp_{name}", value)
 
 
 def launcher_problems(args: argparse.Namespace) -> list[str]:

@@ -114,7 +114,8 @@ class DCPForwardBackward:
             if self.model_shape is not None:  # every communicator now, none inside a step
                 report = self._driver.create_groups(self.vocabulary_lengths)
                 if dist.get_rank() == 0:
-                    print(f"[megatron-dcp] {report}", flush=True)
+                    print(f"[megatron-dcp] {self._driver.setup_line()}\n"
+                          f"[megatron-dcp] {report}", flush=True)
         return self._driver
 
     @property

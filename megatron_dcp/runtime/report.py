@@ -209,3 +209,31 @@ class TrainingLog:
         if self._json is not None:
             self._json.close()
             self._json = None
+
+
+def setup_line(config: Any, cost_model: Any, world_size: int) -> str:
+    """What DCP will do, in one line (rank 0 prints it at start): the policy and schedule, the
+    DCP world, the hardware the cost model uses and where it comes from, the memory budget with
+    its static part and reserve and the tokens a degree-1 task may hold (no layer recomputed,
+    every layer recomputed), the token cap, recompute, the largest degree, long sequences."""
+    from megatron_dcp.plan.hardware import AUTO, PRESETS
+    from megatron_dcp.plan.schedule import schedule_for
+    from megatron_dcp.plan.units import size_text
+
+    memory, chosen = cost_model.memory_model, str(config.hardware)
+    source = ("detected" if chosen.lower() == AUTO else "preset" if chosen in PRESETS
+              else f"profile {chosen}")
+    plain, full = memory.max_tokens(1, 0), memory.max_tokens(1, memory.num_layers)
+    schedule = schedule_for(config.schedule, cost_model.zero_stage,
+                            getattr(cost_model.model, "expert_parallel", 1))
+    parts = [f"policy {config.policy}", f"schedule {schedule}",
+             f"DCP world {world_size} ranks", f"hardware {cost_model.hw.name} ({source})",
+             f"memory budget {size_text(memory.budget)} per rank (static "
+             f"{size_text(memory.static_memory)}, reserve {size_text(memory.reserve)}): a "
+             f"degree-1 task holds {plain} tokens, {full} with every layer recomputed"]
+    if config.max_tokens_per_rank is not None:
+        parts.append(f"at most {config.max_tokens_per_rank} tokens per rank")
+    parts += [f"recompute {config.recompute}",
+              f"max degree {config.max_degree or world_size}",
+              f"long sequences {'on' if config.long_sequences else 'off'}"]
+    return "DCP: " + ", ".join(parts)

@@ -204,6 +204,16 @@ class StepDriver:
             self.vocabulary = vocabulary
         return self.pool.create_all(vocabulary)
 
+    def setup_line(self) -> str:
+        """What this driver will do, in one line (`megatron_dcp.runtime.report.setup_line`)."""
+        from megatron_dcp.plan import build_cost_model
+        from megatron_dcp.runtime.report import setup_line
+
+        cost_model = build_cost_model(self.model_shape, self.config, self.world_size,
+                                      self.hardware, self.zero_stage, **self.offload,
+                                      **self.long)
+        return setup_line(self.config, cost_model, self.world_size)
+
     def plan(self, lengths: Sequence[int], iteration: Optional[int] = None,
              world_size: Optional[int] = None,
              frame_tokens: Optional[Sequence[int]] = None, hardware: Any = None) -> Plan:
