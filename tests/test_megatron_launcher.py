@@ -93,6 +93,12 @@ def test_dcp_lm_loss_equals_plain_megatron_lm_at_dp2(tmp_path):
     # the rows' loss is the iteration's own; Megatron-LM's line from the 2nd averages since
     # the last print: the first row and the last line (one iteration each) agree
     assert rows[0]["loss"] == pytest.approx(plain[1], rel=1e-5)
+    # the examples' row format (issue 45, item 5): dcp-simulate --replay reads it
+    assert all(r["step_s"] > 0 and r["predicted_s"] > 0 and "tokens_per_s" in r for r in rows)
+    replayed = subprocess.run([sys.executable, "tools/simulate.py", "--replay", str(log),
+                               "--json"], cwd=ROOT, capture_output=True, text=True)
+    assert replayed.returncode == 0, replayed.stderr
+    assert len(json.loads(replayed.stdout)["iterations"]) == 5
     # negative control: a changed learning rate changes the losses beyond the tolerance
     other = _lm_losses(_launch(PLAIN + ["--lr", "3e-3"], ranks=1))
     assert other[5] != pytest.approx(plain[5], rel=1e-5)

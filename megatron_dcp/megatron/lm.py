@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 from typing import Any, Callable, Optional
 
@@ -39,6 +38,7 @@ from megatron_dcp.megatron.lm_monitor import (LMMonitor, check_monitor_args,
                                               slowest_rank_timings)
 from megatron_dcp.patching import PatchSet
 from megatron_dcp.runtime.figures import StepFigures
+from megatron_dcp.runtime.report import TrainingLog
 
 NAME = "megatron-lm-dcp"
 SPEC = ["megatron_dcp.megatron.lm_spec", "layer_spec"]
@@ -359,8 +359,9 @@ class LMForwardBackward:
         writer = ps.is_pipeline_last_stage(ignore_virtual=True) \
             and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
         self.log_path = args.dcp_log_json if writer else None
-        if self.log_path:
-            open(self.log_path, "a" if args.load else "w").close()
+        self.log = TrainingLog("dcp", args.train_iters, json_path=self.log_path,
+                               primary=bool(self.log_path), quiet=True, append=bool(args.load))
+        """The ``--dcp-log-json`` rows, in the examples' format (`TrainingLog`)."""
         self.monitor = LMMonitor.of_megatron(args)  # Megatron-LM's TensorBoard / W&B writers
         self.figures: Optional[StepFigures] = None  # made at the first step (the driver's)
         self._logged_at: Optional[float] = None
@@ -450,9 +451,11 @@ class LMForwardBackward:
         self.monitor.write(self.iteration, figures)
         if not self.log_path:
             return
-        row = {"iteration": self.iteration, "loss": float(summed[0] / summed[1]),
-               "tokens": result.tokens, "sequences": result.sequences,
-               "skipped": result.skipped, "figures": figures,
-               "plan": plan_summary(result.plan)}
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        left_out = len(result.plan.skipped) if result.plan is not None else 0  # oversize skip
+        self.log.iteration(self.iteration, loss=float(summed[0] / summed[1]),
+                           tokens=result.tokens, step_s=seconds, plan=plan_summary(
+                               result.plan, plan_s=result.plan_s, plan_wait_s=result.plan_wait_s),
+                           predicted_s=result.predicted_s,
+                           calibration_error=result.calibration_error, skipped=result.skipped,
+                           skipped_sequences=left_out, sequences=result.sequences,
+                           figures=figures)
