@@ -129,3 +129,38 @@ def test_virtual_pipeline_with_sequence_parallelism():
     assert out["sequence_parallel"] and out["virtual_pipeline"] == 2
     static = out["policies"]["static"]
     assert static["micro_batches"] % 4 == 0, static
+
+
+def test_dataset_batches_cut_as_the_launcher_reads_them():
+    """`dataset_batch` (issue 45, item 5): batch k starts k x tokens into the documents laid end
+    to end; with a sample length the stream is cut into samples and every document piece of a
+    sample, with its last token's target, is a sequence; a budget larger than the dataset is
+    refused, not silently planned as the whole dataset."""
+    from megatron_dcp.plan.workload import WorkloadError, dataset_batch
+
+    docs = [5, 3, 10, 2]
+    assert dataset_batch(docs, 8) == [5, 3]
+    assert dataset_batch(docs, 12, seq_length=4) == [5, 2, 4, 5]  # samples [0,4) [4,8) [8,12)
+    assert dataset_batch(docs, 8, batch=1, seq_length=4) == [5, 5]
+    assert dataset_batch(docs, 8, batch=2, seq_length=4) == [3, 3, 5]  # wraps to the start
+    assert dataset_batch([100], 50, max_len=30) == [30]
+    with pytest.raises(WorkloadError, match="more than the dataset holds"):
+        dataset_batch(docs, 21)
+    with pytest.raises(WorkloadError, match="holds no sample"):
+        dataset_batch(docs, 3, seq_length=4)
+
+
+def test_idx_with_a_batch_budget_plans_a_batch_not_the_dataset(tmp_path):
+    idx = str(tmp_path / "d.idx")
+    write_lengths(idx, [100, 2000, 40000, 512, 9000])
+    whole = run_tool("--gpus", "4", "--idx", idx, "--json", "--policy", "dcp")
+    batch = run_tool("--gpus", "4", "--idx", idx, "--json", "--policy", "dcp",
+                     "--global-batch-tokens", "16384", "--seq-length", "4096")
+    for proc in (whole, batch):
+        assert proc.returncode == 0, proc.stderr
+    assert json.loads(whole.stdout)["tokens"] == 51612
+    out = json.loads(batch.stdout)
+    assert out["tokens"] == 16384 + out["sequences"]  # 4 samples; each piece + its target
+    assert out["sequences"] == 6  # samples [100, 2000, 1996 | 4096 | 4096 | 4096], + 1 each
+    refused = run_tool("--gpus", "4", "--idx", idx, "--global-batch-tokens", "99999999")
+    assert refused.returncode == 2 and "more than the dataset holds" in refused.stderr

@@ -60,7 +60,8 @@ from megatron_dcp.plan.presets import ModelPresetError  # noqa: E402
 from megatron_dcp.plan.vocabulary import Vocabulary  # noqa: E402
 from megatron_dcp.progress import Progress  # noqa: E402
 from megatron_dcp.plan.workload import (DEFAULT_MAX_LEN, DISTRIBUTIONS,  # noqa: E402
-                                        VIDEO_MIXES, WorkloadError, read_lengths_file,
+                                        VIDEO_MIXES, WorkloadError, dataset_batch,
+                                        read_lengths_file,
                                         read_shapes_file, sample_lengths, sample_videos,
                                         video_workload)
 
@@ -122,6 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens of the sampled global batch (default 65536 per GPU, 131072 per "
                         "GPU for --video-mix)")
     p.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN, help="longest sampled sequence")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="with --idx: cut the documents laid end to end into samples of this "
+                        "many tokens, as Megatron-LM's GPT dataset and the launcher do (each "
+                        "document piece of a sample, with its last token's target, is a "
+                        "sequence); with --global-batch-tokens, --idx plans global batch "
+                        "--seed of that many tokens, not the whole dataset")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--policy", default="all", help="all, or a comma list of: " + ", ".join(ORDER))
     p.add_argument("--memory-budget-gb", type=float, default=None, help="GiB per rank for the "
@@ -174,7 +181,15 @@ def load_workload(args: argparse.Namespace, world: int) -> tuple[list[int], Opti
     if args.idx:
         if not args.idx.endswith(".idx"):
             raise WorkloadError(f"--idx {args.idx!r}: expected a .idx file")
-        return read_lengths_file(args.idx), None
+        documents = read_lengths_file(args.idx)
+        if args.global_batch_tokens is None and args.seq_length is None:
+            return documents, None  # the whole dataset, its documents whole: one batch
+        tokens = args.global_batch_tokens if args.global_batch_tokens is not None \
+            else 65536 * world
+        return dataset_batch(documents, tokens, batch=args.seed, seq_length=args.seq_length,
+                             max_len=args.max_len), None
+    if args.seq_length is not None:
+        raise WorkloadError("--seq-length cuts the documents of an --idx dataset: give --idx")
     tokens = args.global_batch_tokens if args.global_batch_tokens is not None else 65536 * world
     return sample_lengths(args.dist or "short", tokens, seed=args.seed,
                           max_len=args.max_len), None

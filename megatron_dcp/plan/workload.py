@@ -20,7 +20,10 @@
 
   ``max_len`` defaults to 131,072 (128k). Sampling is deterministic given the seed.
 * files: one token count per line (``#`` comments and blank lines ignored), or a Megatron indexed
-  dataset ``.idx`` (its sequence-lengths array; see `read_idx_lengths`).
+  dataset ``.idx`` (its sequence-lengths array; see `read_idx_lengths`);
+* a dataset's documents read as a training run reads them (`dataset_batch`): one global batch
+  of a token budget, whole documents or Megatron-LM's fixed-length samples cut at their
+  documents' boundaries.
 """
 
 from __future__ import annotations
@@ -289,3 +292,44 @@ def read_idx_lengths(path: str) -> list[int]:
     except OSError as err:
         raise WorkloadError(f"cannot read index {path!r}: {err.strerror or err}") from None
     return validate_lengths(lengths, where=path)
+
+
+def dataset_batch(documents: Sequence[int], tokens: int, *, batch: int = 0,
+                  seq_length: "int | None" = None, max_len: "int | None" = None) -> list[int]:
+    """The sequence lengths of global batch ``batch`` (0, 1, ...) of ``tokens`` tokens of a
+    dataset whose documents hold ``documents`` tokens (dataset order), read without shuffling:
+    batch k starts ``k x tokens`` into the documents laid end to end (wrapping at the end).
+
+    Without ``seq_length`` every document is a sequence (at most ``max_len`` tokens; the batch's
+    last one cut to the budget). With it, as Megatron-LM's GPT dataset and the launcher's data
+    path: the stream is cut into samples of ``seq_length`` tokens (the budget rounded down to
+    whole samples), and every document piece inside a sample, with the target of its last
+    token, is a sequence (``piece + 1`` tokens). `WorkloadError` when the budget exceeds the
+    dataset or holds no sample."""
+    total = sum(documents)
+    if tokens > total:
+        raise WorkloadError(f"a global batch of {tokens} tokens is more than the dataset holds "
+                            f"({total} tokens in {len(documents)} documents)")
+    if seq_length is not None:
+        if tokens < seq_length:
+            raise WorkloadError(f"a global batch of {tokens} tokens holds no sample of "
+                                f"--seq-length {seq_length}")
+        tokens -= tokens % seq_length
+    k, offset = 0, (batch * tokens) % total
+    while offset >= documents[k]:
+        offset -= documents[k]
+        k += 1
+    out, left, room = [], tokens, seq_length or math.inf
+    while left > 0:
+        piece = min(documents[k % len(documents)] - offset, left, room)
+        offset += piece
+        left -= piece
+        if seq_length is None:
+            out.append(min(piece, max_len or piece))
+        else:
+            out.append(piece + 1)
+            room -= piece
+            room = room or seq_length
+        if offset == documents[k % len(documents)] or seq_length is None:
+            k, offset = k + 1, 0
+    return out
