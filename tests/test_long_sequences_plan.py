@@ -207,3 +207,22 @@ def test_a_lockstep_slot_with_two_mlp_tile_counts_is_refused():
                                     for t in plan.tasks))
     with pytest.raises(PlanError, match="the tasks of a slot run as many MLP tiles"):
         validate_plan(bad, SHAPE)
+
+
+def test_the_fits_no_group_error_names_long_sequences_where_they_would_fit():
+    """Issue 45, item 6: a sequence that fits no group with long sequences off, but would with
+    them on, gets an error that names the flag and what a tiled, offloaded task holds; one too
+    long for them too gets no such hint."""
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.plan import load_model, make_plan
+    from megatron_dcp.plan.plan import PlanError
+
+    config = DCPConfig(enabled=True, hardware="h200", memory_budget_gb=80)
+    with pytest.raises(PlanError, match=r"turn on dcp.long_sequences \(--dcp-long-sequences\)"):
+        make_plan([300000, 1000], world_size=2, model=load_model("llama-7b"), config=config)
+    plan = make_plan([300000, 1000], world_size=2, model=load_model("llama-7b"),
+                     config=config, long_sequences=True)
+    assert plan.tasks[0].mlp_tiles > 1
+    with pytest.raises(PlanError) as err:
+        make_plan([30_000_000], world_size=2, model=load_model("llama-7b"), config=config)
+    assert "long_sequences" not in str(err.value)

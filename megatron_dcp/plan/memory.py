@@ -281,6 +281,11 @@ class MemoryModel:
         self._long_local = (self.static_memory, lo)
         return lo
 
+    def long_max_tokens(self, degree: int) -> int:
+        """Most tokens a task of ``degree`` ranks holds with long sequences on (its MLP and loss
+        tiled, every layer recomputed, their inputs offloaded), whether or not they are on."""
+        return self._long_max_local() * degree
+
     def _plain_max_local_full(self) -> int:
         per_token, chunk = self._loss_chunk
         token = self.token_bytes(self.num_layers)

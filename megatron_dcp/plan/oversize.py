@@ -49,6 +49,18 @@ def apply_oversize(pctx: PlanContext, policy: str) -> list[int]:
             raise PlanError(
                 f"sequence {i} has {n} tokens{video} and {why}; the largest length that fits is "
                 f"{max(fit_len, 0)} tokens (set dcp.oversize to truncate or skip, raise "
-                f"{raise_what})"
+                f"{raise_what}){_long_hint(pctx, n, top, too_long_model)}"
             )
     return skipped
+
+
+def _long_hint(pctx: PlanContext, tokens: int, degree: int, too_long_model: bool) -> str:
+    """Where long sequences are off and would fit the sequence: the flag that turns them on."""
+    memory = pctx.cm.memory_model
+    if memory.long_sequences or too_long_model or pctx.recompute_mode == "none":
+        return ""
+    most = memory.long_max_tokens(degree)
+    if most < tokens:
+        return ""
+    return (f"; or turn on dcp.long_sequences (--dcp-long-sequences): a task that tiles its MLP "
+            f"and loss and offloads its recomputed layers' inputs holds {most} tokens here")
