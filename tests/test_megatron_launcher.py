@@ -305,3 +305,19 @@ def test_usage_and_missing_script():
                                       "--use-cpu-initialization"]
     assert cpu_arguments(["--distributed-backend=nccl", "--use-cpu-initialization"]) == [
         "--distributed-backend=nccl", "--use-cpu-initialization"]
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_recipe_runs(tmp_path):
+    """Issue 45, item 8: the README's Megatron-LM command, with this test's model and data as
+    its ``ARGS``, runs on 2 ranks (every flag it names is accepted, the run trains)."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- megatron-lm recipe", 1)[1].split("```")[1]
+    words = block.replace("\\\n", " ").split()
+    assert words[:2] == ["torchrun", "--nproc_per_node"] and "pretrain_gpt.py" in words
+    flags = words[words.index("ARGS") + 1:]
+    at = flags.index("--dcp-log-json") + 1
+    flags[at] = str(tmp_path / flags[at])
+    done = _launch(flags + ["--train-iters", "2"], timeout=240)
+    assert sorted(_lm_losses(done)) == [1, 2]
+    assert len((tmp_path / "dcp.jsonl").read_text().splitlines()) == 2
