@@ -61,9 +61,10 @@ def _budget_gb(tokens: int, tp: int = 1, sp: bool = False, degree: int = 1, reco
     return cost.memory_model.memory_of(tokens, degree, recompute) / 2**30
 
 
-def _launch(extra: list[str], ranks: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
+def _launch(extra: list[str], ranks: int = 2, timeout: int = 240,
+            common: tuple = tuple(COMMON)) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(ranks), "-m", "megatron_dcp.megatron.run", str(SCRIPT), *COMMON, *extra]
+           str(ranks), "-m", "megatron_dcp.megatron.run", str(SCRIPT), *common, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -321,3 +322,26 @@ def test_the_readme_recipe_runs(tmp_path):
     done = _launch(flags + ["--train-iters", "2"], timeout=240)
     assert sorted(_lm_losses(done)) == [1, 2]
     assert len((tmp_path / "dcp.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.timeout(600)
+def test_the_offline_real_data_recipe(tmp_path):
+    """Issue 45, item 8 (docs/MEGATRON.md, "Real data offline"): ``dcp-build-dataset``'s
+    indexed dataset (byte tokens, EOD 256) read by Megatron's GPT dataset with
+    ``--tokenizer-type NullTokenizer --vocab-size 257`` (megatron-core 0.19's NullTokenizer
+    takes the last id, 256, as EOD, as the data has it): --dcp trains it with plain
+    Megatron-LM's lm loss."""
+    prefix = tmp_path / "corpus"
+    built = subprocess.run([sys.executable, "tools/build_indexed_dataset.py", "--embedded",
+                            "--output-prefix", str(prefix)], cwd=ROOT, capture_output=True,
+                           text=True)
+    assert built.returncode == 0, built.stderr
+    common = [w for w in COMMON if w != "--mock-data"]
+    common[common.index("--vocab-size") + 1] = "257"
+    data = ["--data-path", str(prefix), "--split", "100,0,0", "--train-iters", "3"]
+    dcp = _lm_losses(_launch(["--dcp", "--dcp-max-tokens-per-rank", "200", *data],
+                             common=tuple(common)))
+    plain = _lm_losses(_launch(PLAIN + data, common=tuple(common)))
+    assert sorted(dcp) == sorted(plain) == [1, 2, 3]
+    for it in plain:
+        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)

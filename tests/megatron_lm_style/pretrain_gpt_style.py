@@ -19,13 +19,14 @@ from functools import partial
 import torch
 from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import flatten_batch_for_packed_sequences, get_batch_on_this_tp_rank
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
+from megatron.training.utils import get_blend_and_blend_per_split
 from megatron.training.utils import is_first_or_last_pipeline_stage
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "cu_seqlens",
@@ -82,11 +83,13 @@ def forward_step(data_iterator, model):
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Megatron's mock GPT dataset (documents of random lengths, each ending in EOD)."""
+    """Megatron's mock GPT dataset (``--mock-data``: documents of random lengths, each ending in
+    EOD), else its GPT dataset over ``--data-path`` (Megatron's indexed ``.bin``/``.idx``)."""
     args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=None,
-        blend_per_split=None, split=args.split, path_to_cache=args.data_cache_path,
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        blend_per_split=blend_per_split, split=args.split, path_to_cache=args.data_cache_path,
         tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
@@ -96,8 +99,9 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         return mpu.get_tensor_model_parallel_rank() == 0 and (
             is_first_or_last_pipeline_stage(vp_stage) or args.dataloader_inter_document_masking)
 
-    print_rank_0("> building mock GPT datasets ...")
-    return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples, built_here,
+    print_rank_0("> building GPT datasets ...")
+    kind = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples, built_here,
                                          config).build()
 
 
