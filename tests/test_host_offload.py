@@ -6,6 +6,7 @@ through `StepDriver` into every cost model it builds."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan import build_cost_model, make_plan
@@ -91,3 +92,19 @@ def test_deepspeed_offload_settings_are_read(stage, zero, want):
 
     got = host_offload(_Engine(stage, zero))
     assert (got["offload_optimizer"], got["offload_param"]) == want
+
+
+def test_every_stash_copies_on_the_one_high_priority_stream_of_its_device(monkeypatch):
+    """Issue 46, item 8: the stashes of successive micro-steps share one offload stream per
+    device, made once with high priority (a new default-priority stream per stash shared
+    NCCL's low-priority pool). ``torch.cuda.Stream`` is recorded (no GPU here)."""
+    import megatron_dcp.runtime.offload as offload
+
+    made = []
+    monkeypatch.setattr(offload, "_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", lambda **kw: made.append(kw) or object())
+    device = torch.device("cuda", 0)
+    streams = {id(offload.HostStash()._side_stream(device)) for _ in range(5)}
+    assert len(streams) == 1 and made == [{"device": 0, "priority": -1}]
+    offload.HostStash()._side_stream(torch.device("cuda", 1))
+    assert made[1] == {"device": 1, "priority": -1}

@@ -23,7 +23,8 @@ copies in an unlinked temporary file instead of the process's memory, so that th
 resident memory shows what a device would hold.
 
 One `HostStash` belongs to one forward of one task (the model makes it from the task it was
-called with): no process-wide state, and a backward on another thread (CUDA's autograd worker)
+called with): no process-wide state but the one high-priority copy stream per device
+(`offload_stream`), and a backward on another thread (CUDA's autograd worker)
 finds everything through the checkpoint's saved function and arguments. Values are copied, not
 changed: an offloaded layer trains bitwise as the same layer recomputed without offload.
 """
@@ -39,7 +40,8 @@ import torch.utils.checkpoint
 
 from megatron_dcp.runtime.context import TaskContext
 
-__all__ = ["HostStash", "OffloadEntry", "offload_layers_of", "offloaded_layer", "stash_for"]
+__all__ = ["HostStash", "OffloadEntry", "offload_layers_of", "offload_stream", "offloaded_layer",
+           "stash_for"]
 
 
 def offload_layers_of(task: Optional[TaskContext]) -> int:
@@ -53,6 +55,21 @@ def offload_layers_of(task: Optional[TaskContext]) -> int:
 def stash_for(task: Optional[TaskContext], store: str = "memory") -> Optional["HostStash"]:
     """A fresh `HostStash` for one forward of ``task``, or ``None`` when it offloads nothing."""
     return HostStash(store) if offload_layers_of(task) > 0 else None
+
+
+_STREAMS: dict = {}
+"""The offload stream of each CUDA device (`offload_stream`)."""
+
+
+def offload_stream(device: torch.device) -> Any:
+    """The one offload copy stream of ``device``, made at its first use with high priority:
+    a new ``torch.cuda.Stream()`` per stash (per micro-step) came from the low-priority pool
+    that NCCL's streams also draw from, so a gigabyte copy could queue behind a collective."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(device=index, priority=-1)
+    return _STREAMS[index]
 
 
 class _Entry:
@@ -107,7 +124,7 @@ class HostStash:
     # ------------------------------------------------------------------ streams
     def _side_stream(self, device: torch.device) -> Any:
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
+            self._stream = offload_stream(device)
         return self._stream
 
     # ------------------------------------------------------------------ forward
