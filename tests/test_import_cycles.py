@@ -104,3 +104,18 @@ def test_the_package_has_no_import_cycle():
     assert "megatron_dcp.plan.planners" in graph["megatron_dcp.plan"]  # the graph is read
     cycle = find_cycle(graph)
     assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+HARNESS = "megatron_dcp.megatron.cpu"
+HARNESS_USERS = {
+    "megatron_dcp.megatron.run": "applies the harness where CUDA is absent (the launcher on a CPU)",
+    "megatron_dcp.dryrun.megatron_rank": "borrows its stream/RNG shims; the dry run is CPU-only",
+}
+
+
+def test_no_production_module_imports_the_cpu_harness():
+    """Issue 47, item 3: the CPU harness (megatron-core on a CPU, tests and examples) is imported
+    by nothing that runs on a GPU: its changes go through the registry (`enable_cpu` patches
+    Megatron's pipeline schedules to run under `CudaAsCpu`); the pipeline engine imported it."""
+    importers = {name for name, edges in import_graph().items() if HARNESS in edges}
+    assert importers <= set(HARNESS_USERS), sorted(importers - set(HARNESS_USERS))

@@ -211,6 +211,17 @@ def _reduce_scatter_uneven(reduce_scatter: Callable) -> Callable:
     return run
 
 
+def _under_cuda_as_cpu(schedule: Callable) -> Callable:
+    """A pipeline schedule run under `CudaAsCpu`: its P2P buffers are made on "cuda" (DCP's
+    pipeline engine calls the schedule as on a GPU, with no harness of its own)."""
+    @functools.wraps(schedule)
+    def run(*args: Any, **kwargs: Any):
+        with CudaAsCpu():
+            return schedule(*args, **kwargs)
+
+    return run
+
+
 NAME = "megatron-cpu"
 """The CPU patches' name in the registry (`megatron_dcp.patching.applied`)."""
 
@@ -235,6 +246,11 @@ def _install(patches: PatchSet) -> None:
     patches.replace(random, "_set_cuda_rng_state", _set_rng_state, check=callable)
     patches.replace("megatron.core.optimizer", "get_megatron_optimizer",
                     _optimizer_on_cpu(optimizer.get_megatron_optimizer), check=callable)
+    schedules = "megatron.core.pipeline_parallel.schedules"
+    for fn in ("forward_backward_pipelining_without_interleaving",
+               "forward_backward_pipelining_with_interleaving"):
+        patches.replace(schedules, fn, _under_cuda_as_cpu(
+            getattr(importlib.import_module(schedules), fn)), check=callable)
     name = "megatron.core.tensor_parallel.mappings"
     mappings = importlib.import_module(name)
     patches.replace(name, "_gather_along_first_dim",

@@ -12,7 +12,7 @@ docs/MEGATRON.md.
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -231,8 +231,6 @@ class MegatronPipelineEngine(MegatronStepEngine):
         import torch.distributed as dist
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_dcp.megatron.cpu import CudaAsCpu, cpu_enabled
-
         if not work.plan.lockstep:
             raise ValueError("DCP with pipeline parallelism runs a lockstep plan (every pipeline "
                              "the same slots): plan with ModelShape(pipeline_parallel=P) or "
@@ -248,8 +246,7 @@ class MegatronPipelineEngine(MegatronStepEngine):
                              SlotTimers(self.mconfig.timers, cuda=work.on_cuda))
         # interleaved: one iterator per chunk, each over every micro-batch
         data = [iter(steps) for _ in self.chunks] if interleaved else iter(steps)
-        with schedule_settings(self.mconfig, interleaved, call.timers), \
-                CudaAsCpu() if cpu_enabled() else nullcontext():
+        with schedule_settings(self.mconfig, interleaved, call.timers):
             get_forward_backward_func(self.parallel.pipeline, len(self.chunks) if interleaved
                                       else None)(
                 forward_step_func=call.forward_step, data_iterator=data, model=self.chunks,
