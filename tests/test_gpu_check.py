@@ -149,8 +149,9 @@ def test_section_time_limit():
     entry = gpu_check.run_section("slow", lambda c: time.sleep(30), ctx, 1.0, state)
     assert entry["status"] == "FAIL" and "SectionTimeout" in entry["error"]
     assert 1.0 <= entry["seconds"] < 5 and time.monotonic() - t0 < 10
-    assert gpu_check.run_section("quick", lambda c: {"x": 1}, ctx, 1.0, state) \
-        == {"status": "PASS", "result": {"x": 1}, "seconds": 0.0, "limit_s": 1.0}
+    quick = gpu_check.run_section("quick", lambda c: {"x": 1}, ctx, 1.0, state)
+    assert quick.pop("seconds") < 0.5  # rounded to 0.01 s: 0.01 on a loaded machine
+    assert quick == {"status": "PASS", "result": {"x": 1}, "limit_s": 1.0}
     time.sleep(1.5)  # the alarm was cancelled: it must not fire now
     assert state["section"] is None
 
