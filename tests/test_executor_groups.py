@@ -196,3 +196,54 @@ def test_create_all_at_start_up(world_size):
         assert res["outside_warmed"] == ([outside] if rank in outside else [])
         assert res["report"]["outside_vocabulary"] == 1
         assert res["outside_sum"] == (float(sum(outside)) if rank in outside else float(rank))
+
+
+def _bound_body(rank: int, world_size: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.plan import ModelShape, Plan, Task, Vocabulary, build_cost_model
+    from megatron_dcp.runtime.groups import GroupPool
+
+    model = ModelShape(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=128,
+                       vocab_size=256, name="tiny")
+    pool = GroupPool(outside_limit=1)
+    pool.create_all(Vocabulary.for_cost_model(build_cost_model(model, DCPConfig(), world_size)))
+    last = world_size - 1
+    a, b, c = (last, 0), (last - 1, 0), (last, 1)  # reversed: never in the vocabulary
+
+    def plan_of(*groups):
+        return Plan(tasks=tuple(Task(id=i, ranks=g, seqs=(i,), ulysses=1, ring=2)
+                                for i, g in enumerate(groups)),
+                    lengths=tuple(8 for _ in groups), world_size=world_size)
+
+    alive, sums = [], []
+    for groups in ((a,), (b,), (a,), (b, c) if last > 1 else (b,)):
+        pool.ensure(plan_of(*groups))
+        alive.append(sorted(g for g in (a, b, c) if g in pool))
+        t = torch.tensor([float(rank)])
+        if rank in groups[0]:  # the group just made (or kept) works
+            dist.all_reduce(t, group=pool.get(groups[0]))
+        sums.append(float(t))
+    dist.barrier()
+    return {"alive": alive, "report": pool.report(), "sums": sums}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_groups_outside_the_vocabulary_are_bounded(world_size):
+    """Issue 46, item 9: at most ``outside_limit`` groups made inside steps stay alive; the least
+    recently used one is freed (destroyed by its members) when another is made, the same on
+    every rank, never one the current plan uses; a freed group is made again when a plan needs
+    it, and works."""
+    results = run_distributed(_bound_body, world_size, timeout_s=150)
+    last = world_size - 1
+    a, b, c = (last, 0), (last - 1, 0), (last, 1)
+    for rank, res in enumerate(results):
+        assert res["alive"] == results[0]["alive"]
+        assert res["alive"][:3] == [[a], [b], [a]]
+        assert res["alive"][3] == sorted([b, c])  # both in the plan: kept over the limit
+        assert res["report"]["outside_vocabulary"] == 5 and res["report"]["freed"] == 3
+        first = [a, b, a, b]
+        assert res["sums"] == [float(sum(g)) if rank in g else float(rank) for g in first]

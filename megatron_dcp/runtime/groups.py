@@ -44,6 +44,11 @@ DEFAULT_GROUP_TIMEOUT = timedelta(minutes=30)
 _HAS_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
+OUTSIDE_LIMIT = 8
+"""`GroupPool`'s default bound on groups made inside steps, outside the start-up vocabulary (on
+NCCL each is a communicator of about 0.5 GB that the planner's memory model does not count)."""
+
+
 def before_init_process_group() -> None:
     """Call before ``init_process_group``: imports ``torch.distributed.nn`` while no world
     group exists.
@@ -137,7 +142,8 @@ class GroupPool:
 
     def __init__(self, world_ranks: Optional[Sequence[int]] = None, *,
                  all_worlds: Optional[Sequence[Sequence[int]]] = None,
-                 timeout: timedelta = DEFAULT_GROUP_TIMEOUT, backend: Optional[str] = None) -> None:
+                 timeout: timedelta = DEFAULT_GROUP_TIMEOUT, backend: Optional[str] = None,
+                 outside_limit: int = OUTSIDE_LIMIT) -> None:
         if not dist.is_initialized():
             raise RuntimeError("GroupPool needs torch.distributed to be initialised "
                                "(call dist.init_process_group first)")
@@ -176,6 +182,12 @@ class GroupPool:
         """The vocabulary `create_all` built the pool from (``None``: groups are created lazily)."""
         self.outside_vocabulary: list[tuple[int, ...]] = []
         """Groups created inside a step after `create_all`: the vocabulary lacked them."""
+        self.outside_limit = int(outside_limit)
+        """The most such groups alive at once: beyond it the least recently used are freed."""
+        self._outside_used: dict[tuple[int, ...], int] = {}
+        self._plans = 0
+        self.freed = 0
+        """Groups outside the vocabulary freed so far (`outside_limit`)."""
         self.startup: dict[str, Any] = {}
         """What `create_all` did: communicators, created, member_of, max_per_rank, seconds."""
         everyone = tuple(range(len(world)))
@@ -253,6 +265,8 @@ class GroupPool:
         self._warm([ranks for ranks in order if self.rank in ranks])
         self.creation_s += time.perf_counter() - t0
         if self.vocabulary is not None:
+            self._outside_used.update({ranks: self._plans for ranks in order})
+            self._free_unused(keep=wanted)
             if not self.outside_vocabulary:
                 warnings.warn(f"GroupPool: {len(order)} process group(s) created inside the step, "
                               f"outside the start-up vocabulary (first: {order[0]}); on NCCL each "
@@ -266,7 +280,28 @@ class GroupPool:
         if plan.world_size != self.world_size:
             raise ValueError(f"plan is for a DCP world of {plan.world_size} ranks, this pool has "
                              f"{self.world_size}")
-        return self.ensure_groups(groups_of_plan(plan))
+        self._plans += 1
+        needed = groups_of_plan(plan)
+        for ranks in needed:
+            if ranks in self._outside_used:
+                self._outside_used[ranks] = self._plans
+        return self.ensure_groups(needed)
+
+    def _free_unused(self, keep: set) -> None:
+        """Free the least recently used groups outside the vocabulary while more than
+        `outside_limit` are alive, never one in ``keep`` (the plan's). Every rank of the job
+        frees the same ones, in the same order: they follow from the plans, which are the same
+        everywhere. A communicator is device memory the planner does not count."""
+        while len(self._outside_used) > self.outside_limit:
+            unused = [g for g in self._outside_used if g not in keep]
+            if not unused:
+                return
+            ranks = min(unused, key=lambda g: (self._outside_used[g], len(g), g))
+            del self._outside_used[ranks]
+            group = self._groups.pop(ranks)
+            if self.rank in ranks:  # a member's handle; others hold none to free
+                dist.destroy_process_group(group)
+            self.freed += 1
 
     def create_all(self, vocabulary: Vocabulary, *, warm: bool = True) -> str:
         """Start-up: create every communicator ``vocabulary`` can use (its task groups and the
@@ -376,4 +411,4 @@ class GroupPool:
         return {"groups": len(self), "by_size": dict(sorted(by_size.items())),
                 "member_of": sum(1 for g in self._groups if self.rank in g),
                 "creation_s": round(self.creation_s, 4), "startup": dict(self.startup),
-                "outside_vocabulary": len(self.outside_vocabulary)}
+                "outside_vocabulary": len(self.outside_vocabulary), "freed": self.freed}
