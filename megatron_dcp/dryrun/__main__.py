@@ -39,7 +39,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "(DeepSpeed: not yet, see docs/DRYRUN.md)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--engine megatron)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (--engine megatron)")
-    p.add_argument("--vpp", type=int, default=1, help="virtual stages (not yet: refused)")
+    p.add_argument("--vpp", type=int, default=1,
+                   help="virtual pipeline stages per pipeline rank (--engine megatron, --pp > 1: "
+                        "Megatron's interleaved schedule)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism (with --tp > 1)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),

@@ -13,10 +13,10 @@ order, `dp_worlds`) where `GroupPool` would learn it with an object all-gather, 
 coalesced gradient collectives are issued one by one (the fake group has no meta kernel for
 the coalesced ones; the same collectives, in the same order).
 
-With pipeline stages the 1F1B schedule's P2P calls are recorded and every send matched with
-its receive (the shapes a stage receives are known from the plan: `SlotShapes`). Not covered:
-virtual pipeline stages (their shape exchange sends values a fake group does not carry) and MoE
-(Megatron's dispatchers read routing counts on the host); both are refused with that reason.
+With pipeline stages the 1F1B schedule's P2P calls, or the interleaved one's with virtual
+stages, are recorded and every send matched with its receive (the shapes a stage receives are
+known from the plan: `SlotShapes`). Not covered: MoE (Megatron's dispatchers read routing
+counts on the host), refused with that reason.
 """
 
 from __future__ import annotations
@@ -97,9 +97,6 @@ def dp_worlds(world_size: int, tp: int, pp: int = 1) -> list[list[int]]:
 def refused(job: RankJob) -> str:
     """Why the Megatron path cannot dry-run ``job`` yet, or ``""``."""
     shape = job.shape
-    if shape.virtual_pipeline > 1:
-        return ("--engine megatron with --vpp > 1: not yet (the shape oracle of the pipeline's "
-                "P2P follows the 1F1B order only)")
     if shape.is_moe:
         return ("--engine megatron with MoE: not yet (Megatron's token dispatchers read the "
                 "routing counts on the host)")
@@ -117,6 +114,8 @@ def _config(shape: Any) -> Any:
         ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads, tensor_model_parallel_size=shape.tensor_parallel,
         pipeline_model_parallel_size=shape.pipeline_parallel, pipeline_dtype=torch.bfloat16,
+        virtual_pipeline_model_parallel_size=shape.virtual_pipeline
+        if shape.virtual_pipeline > 1 else None,
         sequence_parallel=shape.sequence_parallel, use_cpu_initialization=True,
         params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm", gated_linear_unit=True,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
@@ -125,9 +124,11 @@ def _config(shape: Any) -> Any:
         calculate_per_token_loss=True)
 
 
-def build_model(shape: Any, zero_stage: int) -> Any:
-    """This pipeline stage of the GPT model of ``shape`` as examples/pretrain_megatron.py builds
-    it under ``--dcp``, on meta, in Megatron's DDP."""
+def build_model(shape: Any, zero_stage: int) -> list:
+    """This pipeline rank's model chunks (one, or one per virtual stage: chunk c is virtual
+    stage c x P + this stage) of the GPT model of ``shape`` as examples/pretrain_megatron.py
+    builds them under ``--dcp``, on meta, each in Megatron's DDP."""
+    from megatron.core import parallel_state
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig)
     from megatron.core.models.gpt import GPTModel
@@ -136,22 +137,25 @@ def build_model(shape: Any, zero_stage: int) -> Any:
     from megatron_dcp.megatron.spec import get_gpt_block_dcp_spec, get_gpt_layer_dcp_spec
 
     config = _config(shape)
-    spec = get_gpt_block_dcp_spec(config, get_gpt_layer_dcp_spec(
-        normalization="RMSNorm", use_transformer_engine=False))
-    from megatron.core import parallel_state
-
-    with torch.device(JOB_DEVICE):
-        model = GPTModel(config, spec, vocab_size=shape.vocab_size,
-                         max_sequence_length=shape.max_position or 8192,
-                         position_embedding_type="rope",
-                         pre_process=parallel_state.is_pipeline_first_stage(),
-                         post_process=parallel_state.is_pipeline_last_stage())
-    model = Float16Module(config, model.cuda())
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=zero_stage >= 1,
                                         grad_reduce_in_fp32=True)
-    model = DistributedDataParallel(config, ddp, module=model)
-    model.buffers = _BufferList(model.buffers, model)
-    return model
+    chunks = []
+    for c in range(shape.virtual_pipeline):
+        vp = c if shape.virtual_pipeline > 1 else None
+        spec = get_gpt_block_dcp_spec(config, get_gpt_layer_dcp_spec(
+            normalization="RMSNorm", use_transformer_engine=False), vp_stage=vp)
+        with torch.device(JOB_DEVICE):
+            model = GPTModel(config, spec, vocab_size=shape.vocab_size,
+                             max_sequence_length=shape.max_position or 8192,
+                             position_embedding_type="rope",
+                             pre_process=parallel_state.is_pipeline_first_stage(False, vp),
+                             post_process=parallel_state.is_pipeline_last_stage(False, vp),
+                             vp_stage=vp)
+        model = DistributedDataParallel(config, ddp, module=Float16Module(config, model.cuda()),
+                                        disable_bucketing=c > 0)
+        model.buffers = _BufferList(model.buffers, model)
+        chunks.append(model)
+    return chunks
 
 
 class _BufferList(list):
@@ -191,20 +195,22 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
     with FakeJob(job.world_size, rank) as fake, megatron_on_meta():
         from megatron.core import parallel_state, tensor_parallel
 
+        virtual = job.shape.virtual_pipeline
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=job.shape.tensor_parallel,
             pipeline_model_parallel_size=job.shape.pipeline_parallel,
+            virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None,
             create_gloo_process_groups=False)
         # the inference tracker: no device generator to fork (values do not matter on meta)
         tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True,
                                                         force_reset_rng=True)
-        model = build_model(job.shape, job.zero_stage)
+        chunks = build_model(job.shape, job.zero_stage)
         tracker = MemTracker()
-        tracker.track_external(model)
+        tracker.track_external(*chunks)
         error, plan, step = "", None, None
         try:
             with tracker, fake.recording():
-                step, plan = _step(job, model, parallel_state, tracker)
+                step, plan = _step(job, chunks, parallel_state, tracker)
         except Exception as exc:  # noqa: BLE001 - reported per rank, with the record so far
             error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -216,7 +222,7 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
     return out
 
 
-def _step(job: RankJob, model: Any, parallel_state: Any, tracker: Any) -> tuple[Any, Any]:
+def _step(job: RankJob, chunks: list, parallel_state: Any, tracker: Any) -> tuple[Any, Any]:
     import torch.distributed as dist
 
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
@@ -231,9 +237,12 @@ def _step(job: RankJob, model: Any, parallel_state: Any, tracker: Any) -> tuple[
                               if job.create_groups else None)
     batch = GlobalBatch([torch.zeros(n, dtype=torch.long) for n in job.lengths])
     def tracked_forward_step(data_iterator: Any, model: Any):
-        tracker.reset_mod_stats()  # a module's per-call statistics: one call at a time
+        # a module's per-call statistics, one call at a time: this chunk's only (with virtual
+        # stages another chunk's backward may still be due, and finds its own)
+        for module in model.modules():
+            tracker.memory_tracking.pop(module, None)
         return forward_step(data_iterator, model)
 
-    reports = step(forward_step_func=tracked_forward_step, data_iterator=iter([batch]), model=[model],
+    reports = step(forward_step_func=tracked_forward_step, data_iterator=iter([batch]), model=chunks,
                    num_microbatches=1, seq_length=max(job.lengths), micro_batch_size=1)
     return step, reports.result.plan

@@ -132,16 +132,38 @@ class SlotShapes:
     (``tolist``) per received tensor: 70 a step on a middle stage of a 4-stage dry run."""
 
     def __init__(self, steps: list, hidden: int, sp_tp: int) -> None:
-        self.shapes = [[(n + -n % sp_tp) // sp_tp, 1, hidden]
-                       for n in (step.shard.labels.numel() for step in steps)]
+        shapes = [[(n + -n % sp_tp) // sp_tp, 1, hidden]
+                  for n in (step.shard.labels.numel() for step in steps)]
+        self.order = {"forward": shapes, "backward": shapes}
+        """The shapes received, in the order each direction receives them."""
         self.taken = {"forward": 0, "backward": 0}
+
+    @classmethod
+    def interleaved(cls, steps: list, hidden: int, sp_tp: int, *, chunks: int, stage: int,
+                    stages: int, group: int) -> "SlotShapes":
+        """The shapes Megatron's interleaved schedule receives on pipeline rank ``stage``:
+        virtual micro-batch ``v`` is micro-batch ``m`` of chunk ``c`` by Megatron's schedule
+        table (``group``: ``microbatch_group_size_per_vp_stage``; backward runs chunks in
+        reverse); each direction receives once per virtual micro-batch, in that order, except
+        where nothing comes: the first stage's first chunk forward, the last stage's last chunk
+        backward. Shapes depend on ``m`` only (every chunk runs micro-batch ``m``'s tokens)."""
+        from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+        out = cls(steps, hidden, sp_tp)
+        shapes = out.order["forward"]
+        table = get_schedule_table(len(steps), chunks, group)
+        out.order = {
+            "forward": [shapes[m] for m, c in table if not (stage == 0 and c == 0)],
+            "backward": [shapes[m] for m, c in table  # chunk chunks - 1 - c: the last at c 0
+                         if not (stage == stages - 1 and c == 0)]}
+        return out
 
     def received(self, recv_prev: bool, recv_next: bool) -> tuple[list[int], list[int]]:
         """The shapes of the next activation (``recv_prev``) and gradient (``recv_next``)."""
         out = [[0, 0, 0], [0, 0, 0]]
         for i, (wanted, kind) in enumerate(((recv_prev, "forward"), (recv_next, "backward"))):
             if wanted:
-                out[i] = self.shapes[self.taken[kind]]
+                out[i] = self.order[kind][self.taken[kind]]
                 self.taken[kind] += 1
         return out[0], out[1]
 
@@ -252,17 +274,28 @@ class MegatronPipelineEngine(MegatronStepEngine):
                 forward_step_func=call.forward_step, data_iterator=data, model=self.chunks,
                 num_microbatches=len(steps), seq_length=1, micro_batch_size=1,
                 forward_only=not train,
-                **pipeline_communication(
-                    self.mconfig, self.parallel, self.p2p_communicator,
-                    None if interleaved else SlotShapes(
-                        steps, self.mconfig.hidden_size,
-                        self.parallel.tensor if self.mconfig.sequence_parallel else 1)))
+                **pipeline_communication(self.mconfig, self.parallel, self.p2p_communicator,
+                                         self._slot_shapes(steps, interleaved)))
         times = {id(step): (f, b) for step, f, b in call.timers.seconds()}  # this stage's
         for step in steps:
             work.record(step, call.losses.get(id(step)), *times.get(id(step), (None, None)))
         # the loss exists on the last stage only: every stage reports its pipeline's
         group = self.parallel.pipeline_group
         dist.broadcast(work.local_loss, src=dist.get_process_group_ranks(group)[-1], group=group)
+
+
+    def _slot_shapes(self, steps: list, interleaved: bool) -> SlotShapes:
+        """The shapes this stage's schedule receives, from the plan (`SlotShapes`)."""
+        import torch.distributed as dist
+
+        sp_tp = self.parallel.tensor if self.mconfig.sequence_parallel else 1
+        if not interleaved:
+            return SlotShapes(steps, self.mconfig.hidden_size, sp_tp)
+        stages = self.parallel.pipeline
+        return SlotShapes.interleaved(
+            steps, self.mconfig.hidden_size, sp_tp, chunks=len(self.chunks),
+            stage=dist.get_rank(self.parallel.pipeline_group), stages=stages,
+            group=self.mconfig.microbatch_group_size_per_vp_stage or stages)
 
 
 class _ScheduleCall:
