@@ -50,9 +50,10 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     add_dcp_args(parser)
     group = parser.add_argument_group("DCP launcher")
     group.add_argument("--dcp-log-json", default=None, metavar="PATH", type=output_file,
-                       help="with --dcp: one JSON row per iteration (iteration, loss, tokens, "
-                            "plan with its degrees), written by the last pipeline stage's "
-                            "first rank")
+                       help="with --dcp: one JSON row per iteration in the examples' "
+                            "--log-json format (loss, tokens, step and predicted seconds, the "
+                            "plan with its degrees; dcp-simulate --replay reads it), written by "
+                            "the last pipeline stage's first rank")
     return parser
 
 
