@@ -95,6 +95,10 @@ def test_megatron_pipeline_tp2_pp2_sends_meet_their_receives():
     # the shapes a stage receives are known from the plan: no shape message, no host read
     assert not any("pipeline_engine" in site for r in report["ranks"] for site in r["host_syncs"])
     assert all(len(c.shapes[0]) == 3 for c in sends)
+    # the prediction is the stage's, through the schedule: 1F1B's first stage holds more
+    # micro-batches in flight than its last (rank 0: stage 0; rank 4: stage 1; one DCP rank)
+    predicted = {r["rank"]: r["predicted_bytes"] for r in report["ranks"]}
+    assert predicted[0] > predicted[4] > 0
     cut = run(parse_args(["--engine", "megatron", "--gpus", "8", "--tp", "2", "--pp", "2",
                           "--sequence-parallel", "--layers", "2",
                           "--global-batch-tokens", "32768"]),

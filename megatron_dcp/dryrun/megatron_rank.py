@@ -208,6 +208,7 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
         tracker = MemTracker()
         tracker.track_external(*chunks)
         error, plan, step = "", None, None
+        stage = parallel_state.get_pipeline_model_parallel_rank()
         try:
             with tracker, fake.recording():
                 step, plan = _step(job, chunks, parallel_state, tracker)
@@ -217,7 +218,7 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
             parallel_state.destroy_model_parallel()
         driver = step.driver if step is not None and step._driver is not None else None
         dp_rank = driver.pool.rank if driver is not None else None
-        out.update(rank_report(job, rank, fake, tracker, driver, plan, dp_rank, error))
+        out.update(rank_report(job, rank, fake, tracker, driver, plan, dp_rank, error, stage))
     out["seconds"] = round(time.perf_counter() - start, 3)
     return out
 

@@ -111,17 +111,20 @@ def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
 
 
 def rank_report(job: RankJob, rank: int, fake: FakeJob, tracker: MemTracker, driver: Any,
-                plan: Any, plan_rank: Optional[int], error: str) -> dict[str, Any]:
+                plan: Any, plan_rank: Optional[int], error: str,
+                stage: int = 0) -> dict[str, Any]:
     """A rank's report (both engines): its recorded calls (less the one a ``drop_call``
     control skips), host reads, object bytes, host tensors, error, and its memory beside the
-    planner's for the task of the step's ``plan`` it ran as ``plan_rank``."""
+    planner's for the task of the step's ``plan`` it ran as ``plan_rank`` (on pipeline
+    ``stage``)."""
     calls = list(fake.recorder.calls)
     if job.drop_call is not None and job.drop_call[0] == rank:  # negative control
         del calls[job.drop_call[1]]
     return dict(calls=calls, host_syncs=dict(fake.host_reads.sites),
                 bytes_received=fake.recorder.object_bytes,
                 cpu_tensors=len(fake.recorder.device_errors), error=error,
-                predicted_bytes=predicted_bytes(driver, plan, plan_rank) if plan else None,
+                predicted_bytes=predicted_bytes(driver, plan, plan_rank, stage)
+                if plan else None,
                 budget_bytes=budget_bytes(driver), **tracked_peak(tracker))
 
 
@@ -134,29 +137,42 @@ def tracked_peak(tracker: MemTracker) -> dict[str, Any]:
             "peak_by_kind": by_kind}
 
 
+def _cost_model(driver: Any) -> Any:
+    """The driver's own cost model: of one pipeline stage's layers with pipeline stages (as
+    the planner plans them), else of the model."""
+    from megatron_dcp.plan import build_cost_model
+    from megatron_dcp.plan.pipeline import stage_model
+
+    shape = driver.model_shape
+    if shape.pipeline_parallel > 1:
+        shape = stage_model(shape)
+    return build_cost_model(shape, driver.config, driver.world_size, driver.hardware,
+                            driver.zero_stage, driver.vocabulary, **driver.offload,
+                            **driver.long)
+
+
 def budget_bytes(driver: Any) -> Optional[float]:
     """What the rank's budget leaves activations and temporaries: the memory budget less the
     static memory and the reserve, in the driver's own cost model (None before a driver)."""
     if driver is None:
         return None
-    from megatron_dcp.plan import build_cost_model
-
-    mm = build_cost_model(driver.model_shape, driver.config, driver.world_size,
-                          driver.hardware, driver.zero_stage, driver.vocabulary,
-                          **driver.offload, **driver.long).memory_model
+    mm = _cost_model(driver).memory_model
     return mm.budget - mm.static_memory - mm.reserve
 
 
-def predicted_bytes(driver: Any, plan: Any, rank: int) -> Optional[float]:
+def predicted_bytes(driver: Any, plan: Any, rank: int, stage: int = 0) -> Optional[float]:
     """The planner's activation and temporary bytes (its peak less the static memory and the
-    reserve) of this rank's largest task of the step's ``plan``, in the driver's own cost model:
-    the scope of the measured `peak_bytes`."""
-    from megatron_dcp.plan import build_cost_model
+    reserve), in the driver's own cost model, the scope of the measured `peak_bytes`: of this
+    rank's largest task of the step's ``plan``; with pipeline stages, of pipeline ``stage``
+    running the plan's slots through the schedule (`simulate_pipeline`: the micro-batches it
+    holds in flight, and the one running)."""
+    from megatron_dcp.plan.pipeline import Pipeline, simulate_pipeline, slot_costs
 
-    cm = build_cost_model(driver.model_shape, driver.config, driver.world_size,
-                          driver.hardware, driver.zero_stage, driver.vocabulary,
-                          **driver.offload, **driver.long)
+    cm = _cost_model(driver)
     mm = cm.memory_model
+    if driver.model_shape.pipeline_parallel > 1:
+        result = simulate_pipeline(slot_costs(plan, cm), Pipeline.of(driver.model_shape), cm)
+        return result.peak_bytes[stage] - mm.static_memory - mm.reserve
     mine = [t for t in plan.tasks if rank in t.ranks]
     return max((mm.task_memory(t, plan.lengths) - mm.static_memory - mm.reserve
                 for t in mine), default=None)
