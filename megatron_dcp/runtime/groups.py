@@ -182,12 +182,11 @@ class GroupPool:
         """The vocabulary `create_all` built the pool from (``None``: groups are created lazily)."""
         self.outside_vocabulary: list[tuple[int, ...]] = []
         """Groups created inside a step after `create_all`: the vocabulary lacked them."""
-        self.outside_limit = int(outside_limit)
-        """The most such groups alive at once: beyond it the least recently used are freed."""
-        self._outside_used: dict[tuple[int, ...], int] = {}
+        self.outside_limit, self.freed = int(outside_limit), 0
+        """The most such groups alive at once (beyond it the least recently used are freed),
+        and how many were freed so far."""
+        self._outside_used: dict[tuple[int, ...], int] = {}  # group -> its last plan's number
         self._plans = 0
-        self.freed = 0
-        """Groups outside the vocabulary freed so far (`outside_limit`)."""
         self.startup: dict[str, Any] = {}
         """What `create_all` did: communicators, created, member_of, max_per_rank, seconds."""
         everyone = tuple(range(len(world)))
