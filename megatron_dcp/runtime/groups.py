@@ -183,8 +183,7 @@ class GroupPool:
         self.outside_vocabulary: list[tuple[int, ...]] = []
         """Groups created inside a step after `create_all`: the vocabulary lacked them."""
         self.outside_limit, self.freed = int(outside_limit), 0
-        """The most such groups alive at once (beyond it the least recently used are freed),
-        and how many were freed so far."""
+        """The most such groups alive at once (beyond: LRU freed), and how many were freed."""
         self._outside_used: dict[tuple[int, ...], int] = {}  # group -> its last plan's number
         self._plans = 0
         self.startup: dict[str, Any] = {}
