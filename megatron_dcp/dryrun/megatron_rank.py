@@ -216,7 +216,7 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
             error = f"{type(exc).__name__}: {exc}"
         finally:
             parallel_state.destroy_model_parallel()
-        driver = step.driver if step is not None and step._driver is not None else None
+        driver = step.driver if step is not None and step.started else None
         dp_rank = driver.pool.rank if driver is not None else None
         out.update(rank_report(job, rank, fake, tracker, driver, plan, dp_rank, error, stage))
     out["seconds"] = round(time.perf_counter() - start, 3)

@@ -140,8 +140,9 @@ def _validate_args(validate_args: Callable) -> Callable:
 
 
 def _forward_backward_func(get_func: Callable, saved: PlannerCheckpoint) -> Callable:
-    step: list = []  # one LMForwardBackward per process, made at the first call
-
+    """Megatron-LM's ``get_forward_backward_func`` under ``--dcp``: the one `LMForwardBackward`
+    of the process (made at the first call, kept by ``saved``, which saves and restores its
+    planner state), with Megatron-LM's own schedule for evaluation."""
     @functools.wraps(get_func)
     def run(*args: Any, **kwargs: Any):
         from megatron.training import get_args
@@ -149,11 +150,10 @@ def _forward_backward_func(get_func: Callable, saved: PlannerCheckpoint) -> Call
         schedule = get_func(*args, **kwargs)
         if not getattr(get_args(), "dcp", False):
             return schedule
-        if not step:
-            step.append(LMForwardBackward(get_args(), resume=saved.loaded))
-            saved.step = step[0]
-        step[0].schedule = schedule
-        return step[0]
+        if saved.step is None:
+            saved.step = LMForwardBackward(get_args(), resume=saved.loaded)
+        saved.step.schedule = schedule
+        return saved.step
 
     return run
 

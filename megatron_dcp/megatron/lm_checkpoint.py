@@ -183,7 +183,7 @@ class PlannerCheckpoint:
             out = save_checkpoint(iteration, *args, **kwargs)
             margs = get_args()
             # rank 0 alone: only a driver already built (building one is collective)
-            planned = self.step is not None and self.step.step._driver is not None
+            planned = self.step is not None and self.step.step.started
             if planned and margs.save and dist.get_rank() == 0:
                 folder = _iteration_folder(margs.save, iteration)
                 os.makedirs(folder, exist_ok=True)

@@ -119,6 +119,11 @@ class DCPForwardBackward:
         return self._driver
 
     @property
+    def started(self) -> bool:
+        """Whether the step driver exists (built by the first step: collective)."""
+        return self._driver is not None
+
+    @property
     def iteration(self) -> int:
         """Training steps taken (the planner's ``iteration``)."""
         return self._driver.iteration if self._driver is not None else 0
