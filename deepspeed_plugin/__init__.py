@@ -31,9 +31,9 @@ from deepspeed_plugin.monitor import check_monitor_config
 from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.integrations import hf
 from megatron_dcp.runtime.allocator import expandable_segments_at_start
-from megatron_dcp.runtime.groups import before_init_process_group
+from megatron_dcp.runtime.groups import DEFAULT_GROUP_TIMEOUT, before_init_process_group
 
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
+PROCESS_GROUP_TIMEOUT = DEFAULT_GROUP_TIMEOUT
 
 __all__ = ["DCPConfig", "DCPConfigError", "DCPEngine", "LossFn", "StepResult",
            "add_dcp_arguments", "initialize", "token_loss"]

@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.memory import BF16
 from megatron_dcp.plan.model import ModelShape
-from megatron_dcp.plan.plan import Plan, PlanError, padded_length
+from megatron_dcp.plan.plan import EMPTY_STEP_TOKENS, Plan, PlanError, padded_length
 
 def interleaved_micro_batches(count: int, stages: int, group: Optional[int] = None,
                               virtual: int = 2) -> int:
@@ -177,21 +177,18 @@ def p2p_time(tokens: int, cm: CostModel) -> float:
     return tokens * m.hidden_size * BF16 / cm.hw.inter_bandwidth + cm.hw.inter_latency
 
 
-PADDING_TOKENS = 2
-"""Tokens of the empty micro-batch the runtime pads an interleaved schedule with (per rank)."""
-
-
 def padding_cost(cm: Optional[CostModel], world: int) -> SlotCost:
     """One empty micro-batch that pads the interleaved schedule (`Pipeline.micro_batches`):
-    ``PADDING_TOKENS`` on every rank, no recompute, as long as the shortest slot
+    ``EMPTY_STEP_TOKENS`` on every rank, no recompute, as long as the shortest slot
     (`TimeModel.slot_time`); nothing at all without a cost model."""
     if cm is None:
         return SlotCost(0.0, 0.0, 0.0, [0.0] * world, [0.0] * world)
     duration = cm.time_model.slot_duration(0)
     kept, total = cm.memory_model.kept_token_bytes(0), cm.memory_model.token_bytes(0)
     forward = duration / 3.0
-    return SlotCost(forward, duration - forward, p2p_time(PADDING_TOKENS, cm),
-                    [PADDING_TOKENS * kept] * world, [PADDING_TOKENS * (total - kept)] * world)
+    return SlotCost(forward, duration - forward, p2p_time(EMPTY_STEP_TOKENS, cm),
+                    [EMPTY_STEP_TOKENS * kept] * world,
+                    [EMPTY_STEP_TOKENS * (total - kept)] * world)
 
 
 def device_ops(pipe: Pipeline, stage: int, micro_batches: int) -> list[tuple[bool, int, int]]:

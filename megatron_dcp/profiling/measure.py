@@ -10,7 +10,6 @@ import json
 import os
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
@@ -222,15 +221,15 @@ def _comm_worker(rank: int, world: int, port: int, job: dict, out_path: str) -> 
     """One rank of the communication test (see `measure_comm`)."""
     import torch.distributed as dist
 
-    from megatron_dcp.runtime.groups import (GroupPool, before_init_process_group,
-                                             destroy_process_groups)
+    from megatron_dcp.runtime.groups import (DEFAULT_GROUP_TIMEOUT, GroupPool,
+                                             before_init_process_group, destroy_process_groups)
 
     torch.set_num_threads(job["threads"])
     device = _device_of_rank(job["device"], rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     before_init_process_group()
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(minutes=30))
+                            world_size=world, timeout=DEFAULT_GROUP_TIMEOUT)
     try:
         results = []
         for nbytes in job["sizes"]:
