@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -326,8 +327,12 @@ def test_reused_cost_model_must_match():
 
 
 def test_budget_below_static_memory():
-    with pytest.raises(PlanError, match="below the static memory"):
+    """The error names the static memory and what a useful budget adds to it per token (issue
+    45, item 2: the smallest useful value was found only by calling the memory model)."""
+    with pytest.raises(PlanError, match="below the static memory") as err:
         plan_for([100], world=8, memory_budget_gb=10.0)
+    assert re.search(r"a useful budget is above [0-9.]+ GiB by what the tasks hold: "
+                     r"[0-9.]+ KiB a token .* every layer recomputed", str(err.value))
 
 
 def test_ulysses_layouts_respect_heads():

@@ -139,7 +139,10 @@ class MemoryModel:
             f"{self.communicators_per_rank} communicators per rank "
             f"({size_text(comm)}), {size_text(self.reserve)} "
             "reserve): raise the budget or the ZeRO stage, or shrink the group vocabulary "
-            "(max_degree, ulysses_scope)"
+            "(max_degree, ulysses_scope); a useful budget is above "
+            f"{size_text(self.static_memory + self.reserve)} by what the tasks hold: "
+            f"{size_text(self.token_bytes(self.num_layers))} a token a rank holds with every "
+            f"layer recomputed, {size_text(self.token_bytes(0))} with none"
         )
 
     def _static_memory(self) -> float:
