@@ -138,17 +138,12 @@ def tracked_peak(tracker: MemTracker) -> dict[str, Any]:
 
 
 def _cost_model(driver: Any) -> Any:
-    """The driver's own cost model: of one pipeline stage's layers with pipeline stages (as
-    the planner plans them), else of the model."""
+    """The driver's own cost model (with pipeline stages: one stage's, as the planner's)."""
     from megatron_dcp.plan import build_cost_model
-    from megatron_dcp.plan.pipeline import stage_model
 
-    shape = driver.model_shape
-    if shape.pipeline_parallel > 1:
-        shape = stage_model(shape)
-    return build_cost_model(shape, driver.config, driver.world_size, driver.hardware,
-                            driver.zero_stage, driver.vocabulary, **driver.offload,
-                            **driver.long)
+    return build_cost_model(driver.model_shape, driver.config, driver.world_size,
+                            driver.hardware, driver.zero_stage, driver.vocabulary,
+                            **driver.offload, **driver.long)
 
 
 def budget_bytes(driver: Any) -> Optional[float]:
