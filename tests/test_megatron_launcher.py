@@ -75,6 +75,21 @@ def _lm_losses(done: subprocess.CompletedProcess) -> dict[int, float]:
     return {int(i): float(v) for i, v in LOSS.findall(done.stdout + done.stderr)}
 
 
+def _same_losses(dcp: dict, plain: dict, iterations: tuple = (1, 2, 3, 4, 5)) -> None:
+    """DCP's ``lm loss`` lines are plain Megatron-LM's, iteration by iteration (relative
+    <= 1e-5: Megatron-LM prints 7 significant digits)."""
+    assert sorted(dcp) == sorted(plain) == list(iterations)
+    for it in plain:
+        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
+
+
+def _rows_that_split(log: Path) -> list[dict]:
+    """The ``--dcp-log-json`` rows, once some plan split a document over ranks."""
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
+    return rows
+
+
 @pytest.mark.timeout(600)
 def test_dcp_lm_loss_equals_plain_megatron_lm_at_dp2(tmp_path):
     log = tmp_path / "dcp.jsonl"
@@ -119,11 +134,8 @@ def test_a_budget_in_tokens_splits_documents_with_no_gib_figure(tmp_path):
     assert "a degree-1 task holds 200 tokens" in out and "at most 200 tokens per rank" in out
     assert re.search(r"dcp_policy \.+ dcp\n", out), out[:3000]
     plain = _lm_losses(_launch(PLAIN))
-    assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
-    for it in plain:
-        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
+    _same_losses(dcp, plain)
+    _rows_that_split(log)
 
 
 @pytest.mark.timeout(600)
@@ -140,9 +152,7 @@ def test_dcp_lm_loss_equals_plain_megatron_lm_on_4_ranks(tmp_path, layout):
                               f"{_budget_gb(200, layout.get('tp', 1), layout.get('sp', False)):.6f}",
                               *extra], ranks=4))
     plain = _lm_losses(_launch(PLAIN + extra, ranks=4))
-    assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
-    for it in plain:
-        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
+    _same_losses(dcp, plain)
     rows = [json.loads(line) for line in log.read_text().splitlines()]  # the last stage writes
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4, 5]
     assert all(r["tokens"] == 4 * SEQ for r in rows)
@@ -171,11 +181,8 @@ def test_moe_with_expert_parallelism_through_the_launcher_equals_plain(tmp_path)
                               "--dcp-pack-tokens", "128", "--dcp-memory-budget-gb",
                               f"{budget:.6f}", *MOE]))
     plain = _lm_losses(_launch(PLAIN + MOE))
-    assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
-    for it in plain:
-        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
+    _same_losses(dcp, plain)
+    _rows_that_split(log)
 
 
 @pytest.mark.timeout(600)
@@ -189,11 +196,8 @@ def test_virtual_pipeline_stages_equal_plain_megatron_lm(tmp_path):
     dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log), "--dcp-max-tokens-per-rank",
                               "200", *extra], ranks=4))
     plain = _lm_losses(_launch(PLAIN + extra, ranks=4))
-    assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
-    for it in plain:
-        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
+    _same_losses(dcp, plain)
+    _rows_that_split(log)
 
 
 @pytest.mark.timeout(900)
@@ -210,12 +214,9 @@ def test_eod_mask_loss_equals_plain_megatron_lm(tmp_path, pp):
     dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log), "--dcp-max-tokens-per-rank",
                               "200", *extra], ranks=2 * pp))
     plain = _lm_losses(_launch(PLAIN + extra, ranks=2 * pp))
-    assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
-    for it in plain:
-        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    _same_losses(dcp, plain)
+    rows = _rows_that_split(log)
     assert any(r["tokens"] < 4 * SEQ for r in rows), rows  # an EOD target was masked
-    assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
 
 
 @pytest.mark.timeout(900)
@@ -342,6 +343,4 @@ def test_the_offline_real_data_recipe(tmp_path):
     dcp = _lm_losses(_launch(["--dcp", "--dcp-max-tokens-per-rank", "200", *data],
                              common=tuple(common)))
     plain = _lm_losses(_launch(PLAIN + data, common=tuple(common)))
-    assert sorted(dcp) == sorted(plain) == [1, 2, 3]
-    for it in plain:
-        assert dcp[it] == pytest.approx(plain[it], rel=1e-5), (it, dcp, plain)
+    _same_losses(dcp, plain, iterations=(1, 2, 3))
