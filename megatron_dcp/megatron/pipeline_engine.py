@@ -183,8 +183,9 @@ def pipeline_communication(mconfig, parallel: Optional[MegatronParallel] = None,
 
     ``parallel.pg_collection`` is passed on when the caller gave one; ``p2p_communicator``: the
     caller's, whose pipeline group the communicator here uses (with its own shape exchange).
-    ``parallel`` defaults to ``parallel_state``'s layout. ``shapes``: a 1F1B schedule's
-    `SlotShapes`, which answer the shape exchange without communicating."""
+    ``parallel`` defaults to ``parallel_state``'s layout. ``shapes``: the schedule's
+    `SlotShapes` (1F1B, or `SlotShapes.interleaved`), which answer the shape exchange without
+    communicating; ``None`` (a plain data-parallel schedule): shapes are exchanged, in order."""
     parallel = parallel if parallel is not None else MegatronParallel.of()
     groups = parallel.pg_collection
     if groups is None:
