@@ -202,6 +202,7 @@ def init_distributed(args) -> None:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         # Megatron's groups default to 30 minutes: a stalled rank would block the others that long
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     seed_rng(args.seed)

@@ -186,6 +186,29 @@ def test_moe_with_expert_parallelism_through_the_launcher_equals_plain(tmp_path)
 
 
 @pytest.mark.timeout(600)
+def test_moe_with_expert_tp1_through_the_launcher_equals_plain(tmp_path):
+    """The common production MoE layout, TP 2 with ``--expert-tensor-parallel-size 1``
+    (attention TP-sharded, experts whole), EP 2, 4 ranks: each expert-parallel group is one DCP
+    rank's TP pair, so plans stay free (a step gives the DCP ranks different micro-step counts)
+    and ``--dcp`` gives plain Megatron-LM's lm loss."""
+    moe = dict(num_experts=4, expert_model_parallel_size=2, moe_router_topk=2,
+               expert_tensor_parallel_size=1)
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--expert-tensor-parallel-size", "1"]
+    budget = (_budget_gb(SEQ + 1, tp=2, sp=True, degree=2, **moe)
+              + _budget_gb(SEQ + 1, tp=2, sp=True, recompute=2, **moe)) / 2
+    log = tmp_path / "dcp.jsonl"
+    dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log), "--dcp-hardware", "h200",
+                              "--dcp-pack-tokens", "128", "--dcp-memory-budget-gb",
+                              f"{budget:.6f}", *MOE, *layout], ranks=4, timeout=400))
+    plain = _lm_losses(_launch(PLAIN + MOE + layout, ranks=4, timeout=400))
+    _same_losses(dcp, plain)
+    plans = [row["plan"] for row in _rows_that_split(log)]
+    assert not any("slots" in p for p in plans), plans
+    assert any(len(set(p["micro_steps_per_rank"])) > 1 for p in plans), plans
+
+
+@pytest.mark.timeout(600)
 def test_virtual_pipeline_stages_equal_plain_megatron_lm(tmp_path):
     """DP 2 x PP 2 with 2 virtual stages a rank (4 layers, one per chunk; issue 45, item 6):
     Megatron's interleaved schedule runs DCP's plans, and the lm loss lines are plain

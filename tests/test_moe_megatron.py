@@ -1,9 +1,9 @@
 """Megatron-core mixture of experts under --dcp (examples/pretrain_megatron.py, torchrun on gloo):
-DP 4 x EP 2 and TP 2 x EP 2 (4 ranks), 4 experts top-2 with a shared expert, the alltoall
-dispatcher, the sequence-level load-balancing loss and the z-loss: --dcp gives the loss of plain
-Megatron per iteration over 4-5 iterations whose plans split sequences over two ranks, recompute
-layers and leave lockstep slots empty; also with every backward on a fresh thread (as CUDA's
-autograd engine runs it); a router whose balancing loss sees only its shard of a split sequence
+DP 4 x EP 2, TP 2 x EP 2 and TP 2 with expert TP 1 x EP 2 or 4 (4 ranks), 4 experts top-2 with a
+shared expert, the alltoall dispatcher, the sequence-level load-balancing loss and the z-loss:
+--dcp gives the loss of plain Megatron per iteration over 4-5 iterations whose plans split
+sequences over two ranks, recompute layers and leave lockstep slots empty; also with every
+backward on a fresh thread (as CUDA's autograd engine runs it); a router whose balancing loss sees only its shard of a split sequence
 differs (the comparison can fail). MoE settings that depend on the plan fail at start, by flag
 name.
 
@@ -128,6 +128,29 @@ def test_dcp_moe_tp2_ep2_equals_plain_megatron(tmp_path):
     assert max(_rel(dcp, plain)) <= 1e-5, (dcp, plain)
     fresh = _train(tmp_path, "thread", tp + DCP + budget, mode="even,thread", iters=4)
     assert max(_rel(fresh, plain)) <= 1e-5, (fresh, plain)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("ep, lockstep", [(2, False), (4, True)])
+def test_dcp_moe_expert_tp1_equals_plain_megatron(tmp_path, ep, lockstep):
+    # --expert-tensor-parallel-size 1 with TP 2 (attention TP-sharded, experts whole: the common
+    # production MoE layout). EP 2: each expert-parallel group is one DCP rank's TP pair, so the
+    # all-to-alls meet inside a DCP rank and plans stay free (ranks run different numbers of
+    # micro-steps); EP 4: a group spans the TP pairs of both DCP ranks: lockstep. Every backward
+    # on a fresh thread; documents cut even, as in the TP 2 test above.
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+          "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", str(ep)]
+    budget = ["--dcp-memory-budget-gb", f"{_budget_gb(200, 4, tuple(tp)):.6f}"]
+    plain = _train(tmp_path, "plain", tp, mode="even", iters=4)
+    dcp = _train(tmp_path, "dcp", tp + DCP + budget, mode="even,thread", iters=4)
+    plans = [r["plan"] for r in dcp]
+    assert all(("slots" in p) == lockstep for p in plans), plans
+    assert any("2" in p["degrees"] for p in plans), plans  # split over both DCP ranks
+    if not lockstep:  # free: some step gives the two DCP ranks different micro-step counts
+        assert any(len(set(p["micro_steps_per_rank"])) > 1 for p in plans), plans
+    assert [r["tokens"] for r in dcp] == [r["tokens"] for r in plain]
+    assert max(_rel(dcp, plain)) <= 1e-5, (dcp, plain)
 
 
 PLAN_DEPENDENT = [

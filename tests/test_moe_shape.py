@@ -60,7 +60,7 @@ def test_layer_freq():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (dict(expert_tensor_parallel_size=2), "--expert-tensor-parallel-size"),
+    (dict(expert_tensor_parallel_size=2), "--expert-tensor-parallel-size dividing"),
     (dict(expert_model_parallel_size=3), "--num-experts 4"),
     (dict(world_size=3), "data-parallel size 3"),
 ])
@@ -91,3 +91,47 @@ def test_example_shape_sets_the_fields():
         "--moe-ffn-hidden-size", "48", "--moe-shared-expert-intermediate-size", "32"]))
     assert (moe.num_experts, moe.moe_topk, moe.moe_ffn_hidden_size, moe.moe_shared_expert_ffn,
             moe.expert_parallel) == (4, 2, 48, 32, 2)
+
+
+@pytest.mark.parametrize("tp, ep, etp, span, lockstep", [
+    (2, 2, 1, 1, False),  # EP group = one DCP rank's TP group: no lockstep across DCP ranks
+    (4, 2, 1, 1, False),  # two EP groups inside one TP group
+    (2, 4, 1, 2, True),   # EP group: the TP groups of two DCP ranks
+    (2, 2, 2, 2, True),   # Megatron's default ETP = TP: EP DCP ranks of one TP rank
+    (4, 4, 2, 2, True),
+])
+def test_expert_tensor_parallel_below_tp(tp, ep, etp, span, lockstep):
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.megatron.moe import moe_schedule
+    from megatron_dcp.plan.geometry import Geometry
+    from megatron_dcp.plan.hardware import load_hardware
+
+    args = _lm_args(**{**MOE, "num_experts": 8, "expert_model_parallel_size": ep},
+                    expert_tensor_parallel_size=etp, world_size=8 * tp)
+    args.tensor_model_parallel_size, args.sequence_parallel, args.num_attention_heads = \
+        tp, True, 8
+    fields = moe_shape_fields(args)
+    assert fields.get("expert_tensor_parallel", tp) == etp
+    shape = ModelShape(num_layers=4, hidden_size=64, num_heads=8, ffn_hidden_size=128,
+                       vocab_size=256, tensor_parallel=tp, sequence_parallel=True, **fields)
+    assert shape.expert_dcp_ranks == span
+    schedule = moe_schedule(args, DCPConfig(schedule="auto")).schedule
+    assert (schedule == "lockstep") == lockstep
+    # a rank holds 8 experts / (EP x ETP) whole-expert equivalents, whatever TP is
+    geometry = Geometry(shape, load_hardware("h100"), world_size=8)
+    expert = 3 * 64 * 48  # gated MLP: 3 matrices of hidden x expert width
+    assert geometry.expert_params == pytest.approx(4 * 8 * expert / (ep * etp))
+
+
+def test_expert_groups_across_parts_of_tp_groups_are_refused():
+    args = _lm_args(**{**MOE, "expert_model_parallel_size": 2},
+                    expert_tensor_parallel_size=2, world_size=16)
+    args.tensor_model_parallel_size = 8  # EP x ETP = 4 divides TP: fine
+    assert moe_shape_fields(args)["expert_tensor_parallel"] == 2
+    args.tensor_model_parallel_size, args.expert_tensor_parallel_size = 4, 3
+    with pytest.raises(DCPArgumentError, match="--expert-tensor-parallel-size dividing"):
+        moe_shape_fields(args)
+    with pytest.raises(ValueError, match="expert_tensor_parallel=3"):
+        ModelShape(num_layers=4, hidden_size=64, num_heads=8, ffn_hidden_size=128,
+                   vocab_size=256, tensor_parallel=4, num_experts=4, expert_parallel=2,
+                   expert_tensor_parallel=3)

@@ -72,6 +72,9 @@ def add_moe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="experts per MoE layer (every layer); default: a dense model")
     g.add_argument("--moe-router-topk", type=int_flag(1), default=2)
     g.add_argument("--expert-model-parallel-size", type=int_flag(1), default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int_flag(1), default=None,
+                   help="ranks each expert is split over; default --tensor-model-parallel-size "
+                        "(1: experts whole, attention still TP-sharded)")
     g.add_argument("--moe-ffn-hidden-size", type=int_flag(1), default=None,
                    help="hidden size of one expert; default: --ffn-hidden-size")
     g.add_argument("--moe-shared-expert-intermediate-size", type=int_flag(1), default=None,
@@ -122,12 +125,17 @@ def moe_problems(args: Any) -> list[str]:
 
 
 def moe_schedule(args: Any, config):
-    """The `DCPConfig` with the schedule expert parallelism needs: lockstep with EP > 1 (an
-    ``auto`` schedule becomes lockstep); raises `DCPConfigError` for ``free`` with EP > 1."""
+    """The `DCPConfig` with the schedule expert parallelism needs: lockstep where an
+    expert-parallel group spans several DCP ranks (EP x expert TP > TP: an ``auto`` schedule
+    becomes lockstep); raises `DCPConfigError` for ``free`` there. A group inside one rank's
+    tensor-parallel group (``--expert-tensor-parallel-size 1`` with EP <= TP) meets within
+    one DCP rank, whose TP ranks run the same micro-steps: any schedule."""
     from megatron_dcp.config import DCPConfigError
 
     ep = _get(args, "expert_model_parallel_size", 1)
-    if ep <= 1 or not (_get(args, "num_experts", 0) or _get(args, "num_moe_experts", 0)):
+    tp = _get(args, "tensor_model_parallel_size", 1)
+    span = ep * _get(args, "expert_tensor_parallel_size", tp) // tp
+    if span <= 1 or not (_get(args, "num_experts", 0) or _get(args, "num_moe_experts", 0)):
         return config
     if config.schedule == "free":
         raise DCPConfigError(
@@ -145,6 +153,7 @@ def transformer_config_kwargs(args: Any) -> dict:
     return dict(
         num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=_get(args, "expert_tensor_parallel_size", None),
         moe_ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size
         or 4 * args.hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,

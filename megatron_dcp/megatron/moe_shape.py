@@ -50,12 +50,15 @@ def moe_shape_fields(args: Any, world_size: Optional[int] = None) -> dict:
     ``--expert-model-parallel-size``.
 
     EP and the DCP world: the DCP world is Megatron's data-parallel group (CP is 1 under DCP).
-    With the expert tensor-parallel size equal to TP (Megatron's default), Megatron's expert
-    ranks (order tp-ep-dp-pp) put an EP group on EP consecutive data-parallel ranks of one TP
-    rank and stage: contiguous ranks of the DCP world, as `megatron_dcp.plan.geometry` assumes
-    (DP x EP, TP x EP). Any other ``--expert-tensor-parallel-size`` raises `DCPArgumentError`,
-    as do EP not dividing ``--num-experts`` or (with ``world_size`` or ``args.world_size``)
-    the data-parallel size."""
+    Megatron orders expert ranks expert-TP, EP, DP, PP and dense ranks TP, (CP), DP, PP, so an
+    expert-parallel group is EP ranks of a block of ``EP x ETP`` consecutive ranks: with the
+    expert tensor-parallel size ETP equal to TP (Megatron's default) EP consecutive DCP ranks of
+    one TP rank; with ETP < TP (``--expert-tensor-parallel-size 1``: attention TP-sharded,
+    experts whole) ``EP x ETP / TP`` DCP ranks, or inside one DCP rank's TP group when
+    ``EP x ETP <= TP`` (`ModelShape.expert_dcp_ranks`). ETP must divide TP and ``EP x ETP``
+    must divide TP or be a multiple of it; else, or where EP does not divide ``--num-experts``
+    or the groups do not tile the data-parallel size (with ``world_size`` or
+    ``args.world_size``), `DCPArgumentError`."""
     from megatron_dcp.megatron.args import DCPArgumentError, dcp_world_size
 
     experts = _get(args, "num_experts", 0)
@@ -64,28 +67,32 @@ def moe_shape_fields(args: Any, world_size: Optional[int] = None) -> dict:
     tp = _get(args, "tensor_model_parallel_size", 1)
     etp = _get(args, "expert_tensor_parallel_size", tp)
     ep = _get(args, "expert_model_parallel_size", 1)
-    if etp != tp:
+    if tp % etp or (ep * etp % tp and tp % (ep * etp)):
         raise DCPArgumentError(
-            f"--dcp plans experts with --expert-tensor-parallel-size equal to "
-            f"--tensor-model-parallel-size ({tp}); got {etp}: its expert-parallel groups would "
-            "leave the data-parallel group (the DCP world)")
+            f"--dcp plans experts with --expert-tensor-parallel-size dividing "
+            f"--tensor-model-parallel-size ({tp}) and expert-parallel x expert-tensor-parallel "
+            f"({ep} x {etp}) dividing it or a multiple of it: other layouts put an "
+            "expert-parallel group on parts of several tensor-parallel groups")
     if experts % ep:
         raise DCPArgumentError(f"--expert-model-parallel-size {ep} does not divide "
                                f"--num-experts {experts}")
+    span = max(1, ep * etp // tp)
     world = world_size if world_size is not None else _get(args, "world_size")
-    if world is not None and ep > 1:
+    if world is not None and span > 1:
         dp = dcp_world_size(args, world)
-        if dp % ep:
+        if dp % span:
             raise DCPArgumentError(
-                f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} "
-                "(the DCP world: world / (tensor x pipeline x context parallel))")
+                f"an expert-parallel group spans {span} data-parallel ranks (EP {ep} x expert "
+                f"TP {etp} / TP {tp}), which does not divide the data-parallel size {dp} (the "
+                "DCP world: world / (tensor x pipeline x context parallel))")
     num_layers = args.num_layers
     freq = _get(args, "moe_layer_freq", 1)
     return dict(num_experts=experts, moe_topk=_get(args, "moe_router_topk", 2),
                 moe_ffn_hidden_size=_get(args, "moe_ffn_hidden_size", 0)
                 or _get(args, "ffn_hidden_size", 0) or 4 * args.hidden_size,
                 moe_shared_expert_ffn=_get(args, "moe_shared_expert_intermediate_size", 0),
-                moe_dense_layers=_dense_layers(freq, num_layers), expert_parallel=ep)
+                moe_dense_layers=_dense_layers(freq, num_layers), expert_parallel=ep,
+                **({"expert_tensor_parallel": etp} if etp != tp else {}))
 
 
 def megatron_model_shape(args: Any, *, vocab_size: int, max_position: int, name: str):

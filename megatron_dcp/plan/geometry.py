@@ -67,10 +67,11 @@ class Geometry:
                  memory_budget: Optional[float] = None, memory_fraction: float = 0.9,
                  attention_layout: str = "auto", ulysses_scope: str = "any") -> None:
         _check_settings(zero_stage, world_size, memory_budget, memory_fraction)
-        if world_size % model.expert_parallel:
-            raise PlanError(f"expert_parallel={model.expert_parallel} (--ep) does not divide the "
-                            f"DCP world of {world_size} ranks (expert-parallel groups are "
-                            "contiguous ranks of it)")
+        if world_size % model.expert_dcp_ranks:
+            raise PlanError(f"an expert-parallel group (--ep {model.expert_parallel}, expert "
+                            f"TP {model.expert_tp}, TP {model.tensor_parallel}) spans "
+                            f"{model.expert_dcp_ranks} ranks of the DCP world, which does not "
+                            f"divide its {world_size} ranks (groups are contiguous ranks of it)")
         self.model = model
         self.hw = hardware
         self.world_size = int(world_size)
@@ -116,20 +117,23 @@ class Geometry:
         self.dispatch_bytes = 0.0
         """Bytes per local token of one expert-parallel all-to-all (dispatch or combine)."""
         self.expert_intra = True
-        """Whether an expert-parallel group (``expert_parallel`` contiguous ranks) is in a node."""
+        """Whether an expert-parallel group (`ModelShape.expert_dcp_ranks` contiguous ranks) is
+        in a node."""
         if m.is_moe:
             self._init_expert_sizes(full_layer)
 
     def _init_expert_sizes(self, dense_layer: float) -> None:
         """Sizes of a MoE model per tensor-parallel rank (module doc of `megatron_dcp.plan.timing`
         and `megatron_dcp.plan.memory`): a MoE layer holds the attention, the shared expert, the
-        router (``h x experts``) and ``1/EP`` of the routed experts; a token runs the attention,
-        the shared expert, the router and ``topk`` routed experts. Activations per token of a MoE
+        router (``h x experts``) and ``1/(EP x ETP)`` of the routed experts (each expert split
+        over the expert tensor-parallel size ETP); a token runs the attention, the shared
+        expert, the router and ``topk`` routed experts. Activations per token of a MoE
         layer: the routed tokens' FFN intermediates (``topk x`` the expert's) and the shared
         expert's, and the dispatch/permutation buffers (``topk x h``, twice); ``act_bytes`` is
         the mean over the layers."""
         m = self.model
         h, n, tp, ep = m.hidden_size, m.num_layers, self.tensor_parallel, m.expert_parallel
+        shards, span = ep * m.expert_tp, m.expert_dcp_ranks
         mats = 3 if m.gated_mlp else 2
         dense_ffn = mats * h * m.ffn_hidden_size
         attention = dense_layer - dense_ffn
@@ -138,16 +142,18 @@ class Geometry:
         active = replicated + m.moe_topk * mats * h * m.moe_ffn_hidden_size
         k, moe = m.moe_dense_layers, m.moe_layers
         embeddings = (1 if m.tied_embeddings else 2) * m.vocab_size * h
-        self.expert_params = moe * experts / (ep * tp)
+        self.expert_params = moe * experts / shards
         dense_part = (k * dense_layer + moe * replicated + embeddings) / tp
         self.params = dense_part + self.expert_params
-        self.zero_params = dense_part + self.expert_params * ep
-        self.layer_params = max(dense_layer if k else 0.0, replicated + experts / ep) / tp
+        # ZeRO shards an expert's states over its replicas: world / span ranks
+        self.zero_params = dense_part + self.expert_params * span
+        self.layer_params = max(dense_layer / tp if k else 0.0,
+                                replicated / tp + experts / shards)
         self.active_layer_params = (k * dense_layer + moe * active) / tp
         self.active_params = self.active_layer_params + embeddings / tp
         self.dispatch_bytes = BF16 * m.moe_topk * h
         rpn = self.ranks_per_node
-        self.expert_intra = ep <= rpn and rpn % ep == 0
+        self.expert_intra = span <= rpn and rpn % span == 0
         split = 2 * self.q_dim + 2 * self.kv_dim
         moe_split = split + mats * (m.moe_topk * m.moe_ffn_hidden_size + m.moe_shared_expert_ffn)
         kept = 3 * h + 2 * m.moe_topk * h  # layer inputs, norms, residual; dispatch buffers

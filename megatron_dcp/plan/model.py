@@ -62,9 +62,13 @@ class ModelShape:
     moe_dense_layers: int = 0
     """Leading layers with a dense FFN of ``ffn_hidden_size`` (DeepSeek-V3's first 3)."""
     expert_parallel: int = 1
-    """Expert-parallel size EP: the experts of a MoE layer are split over EP ranks of the DCP
-    world, which exchange the routed tokens by all-to-all in every MoE layer (dispatch and
-    combine); every rank of a group must then run every micro-step (lockstep plans)."""
+    """Expert-parallel size EP (Megatron's ``--expert-model-parallel-size``): the experts of a
+    MoE layer are split over EP ranks, which exchange the routed tokens by all-to-all in every
+    MoE layer (dispatch and combine). Where a group spans several ranks of the DCP world
+    (`expert_dcp_ranks` > 1), every rank must run every micro-step (lockstep plans)."""
+    expert_tensor_parallel: Optional[int] = None
+    """Expert tensor-parallel size ETP (``--expert-tensor-parallel-size``): each expert is split
+    over ETP ranks; default (``None``) ``tensor_parallel``. It divides ``tensor_parallel``."""
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"):
@@ -136,6 +140,24 @@ class ModelShape:
         if e % ep:
             raise ValueError(f"model.expert_parallel={ep} does not divide num_experts={e} "
                              "(each expert-parallel rank holds whole experts)")
+        self._check_expert_tensor_parallel()
+
+    def _check_expert_tensor_parallel(self) -> None:
+        """ETP divides TP, and an expert-parallel group (``EP x ETP`` consecutive ranks in
+        Megatron's expert order, ETP innermost) covers whole tensor-parallel groups or lies in
+        one."""
+        etp, tp, ep = self.expert_tensor_parallel, self.tensor_parallel, self.expert_parallel
+        if etp is None:
+            return
+        if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1 or tp % etp:
+            raise ValueError(f"model.expert_tensor_parallel={etp!r}: must be a positive integer "
+                             f"dividing tensor_parallel={tp}")
+        span = ep * etp
+        if span % tp and tp % span:
+            raise ValueError(f"model.expert_parallel={ep} x expert_tensor_parallel={etp} = "
+                             f"{span}: must divide or be a multiple of tensor_parallel={tp} "
+                             "(an expert-parallel group lies in one tensor-parallel group or "
+                             "spans whole ones)")
 
     @property
     def is_moe(self) -> bool:
@@ -146,6 +168,19 @@ class ModelShape:
     def moe_layers(self) -> int:
         """Layers with a MoE FFN (0 for a dense model)."""
         return self.num_layers - self.moe_dense_layers if self.num_experts else 0
+
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size: ``expert_tensor_parallel``, else ``tensor_parallel``."""
+        return self.expert_tensor_parallel or self.tensor_parallel
+
+    @property
+    def expert_dcp_ranks(self) -> int:
+        """Ranks of the DCP world one expert-parallel group spans: ``EP x ETP / TP`` (Megatron
+        orders expert ranks ETP, then EP; dense ranks TP, then DP), or 1 where the group lies
+        inside one rank's tensor-parallel group (``EP x ETP <= TP``: its all-to-all meets
+        within one DCP rank, whose TP ranks always run the same micro-step)."""
+        return max(1, self.expert_parallel * self.expert_tp // self.tensor_parallel)
 
     @property
     def kv_heads(self) -> int:

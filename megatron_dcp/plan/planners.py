@@ -82,7 +82,7 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
         raise PlanError(str(err)) from None
     budget = config.memory_budget_gb * 2**30 if config.memory_budget_gb is not None else None
     stage = memory_stage(zero_stage, schedule_for(config.schedule, zero_stage,
-                                                  model.expert_parallel))
+                                                  model.expert_dcp_ranks))
     cm = CostModel(model, hw, world_size=world_size, zero_stage=stage,
                      ranks_per_node=config.ranks_per_node, memory_budget=budget,
                      memory_fraction=config.memory_fraction,
@@ -238,7 +238,7 @@ def _context(lengths: Sequence[int], world_size: int, model: ModelShape, config:
     config.check_world(world_size)
     if zero_stage is None:
         zero_stage = cost_model.zero_stage if cost_model is not None else 1
-    schedule = schedule_for(config.schedule, zero_stage, model.expert_parallel)
+    schedule = schedule_for(config.schedule, zero_stage, model.expert_dcp_ranks)
     cm = _cost_model_for(model, config, world_size, hardware, zero_stage, schedule, cost_model,
                          vocabulary)
     vocab = _vocabulary_for(cm, config, vocabulary)
@@ -265,7 +265,7 @@ def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape
     pipe, stage = Pipeline.of(model), stage_model(model)
     if zero_stage is None:
         zero_stage = cost_model.zero_stage if cost_model is not None else 1
-    schedule_for(config.schedule, zero_stage, model.expert_parallel)  # free with EP: refused
+    schedule_for(config.schedule, zero_stage, model.expert_dcp_ranks)  # free: refused
     config = config.replace(schedule="lockstep")
     cm = cost_model or build_cost_model(stage, config, world_size, hardware, zero_stage,
                                         kwargs.get("vocabulary"))

@@ -6,16 +6,17 @@ from __future__ import annotations
 from megatron_dcp.plan.plan import PlanError
 
 
-def schedule_for(schedule: str, zero_stage: int, expert_parallel: int = 1) -> str:
+def schedule_for(schedule: str, zero_stage: int, expert_dcp_ranks: int = 1) -> str:
     """``free`` or ``lockstep``: the config's ``schedule``, where ``auto`` means lockstep for
-    ZeRO-2/3 and for expert parallelism > 1 (their per-micro-step collectives, and every MoE
-    layer's token all-to-all, must line up on every rank), else free. `PlanError` for ``free``
-    with ``expert_parallel > 1`` (the runtime refuses it too)."""
-    if expert_parallel > 1:
+    ZeRO-2/3 and for expert-parallel groups spanning several DCP ranks
+    (`ModelShape.expert_dcp_ranks` > 1: their per-micro-step collectives, and every MoE layer's
+    token all-to-all, must line up on every rank), else free. `PlanError` for ``free`` with
+    such groups (the runtime refuses it too)."""
+    if expert_dcp_ranks > 1:
         if schedule == "free":
-            raise PlanError(f"schedule free with expert_parallel={expert_parallel} (--ep): the "
-                            "expert all-to-all of every MoE layer joins all ranks of an "
-                            "expert-parallel group in every micro-step, so plans must be "
+            raise PlanError(f"schedule free with expert-parallel groups of {expert_dcp_ranks} "
+                            "DCP ranks (--ep): the expert all-to-all of every MoE layer joins "
+                            "all ranks of a group in every micro-step, so plans must be "
                             "lockstep (use schedule auto or lockstep, or --ep 1)")
         return "lockstep"
     if schedule == "auto":

@@ -44,12 +44,13 @@ latency). The runtime pads every shard to a multiple of tp (at most tp - 1 token
 Mixture of experts (``model.num_experts``): ``gemm`` counts the FLOPs a token pays, the active
 experts (``topk`` routed experts, the shared expert) and the router GEMM (``h x experts``),
 not every expert (`Geometry.active_layer_params`); weight streaming and the gradient sync count
-the parameters a rank holds (routed experts divided by EP; their gradients reduce over the w/EP
-replicas of each expert). With expert parallelism (``expert_parallel = EP > 1``) each MoE layer
-adds a dispatch and a combine all-to-all in forward, the same in backward, and both again per
-recomputed layer, each of ``T/d x topk x h x 2 B x (EP-1)/EP`` at the link the expert-parallel
-group uses (`TimeModel._expert_all_to_all`), in ``all_to_all`` (and its latency). A dense model
-takes the code path it took before these fields existed.
+the parameters a rank holds (routed experts divided by EP x ETP; their gradients reduce over the
+w/span replicas of each expert, span = `ModelShape.expert_dcp_ranks`). With expert parallelism
+(``expert_parallel = EP > 1``) each MoE layer adds a dispatch and a combine all-to-all in
+forward, the same in backward, and both again per recomputed layer, each of
+``T/d x topk x h x 2 B x (EP-1)/EP`` at the link the expert-parallel group uses
+(`TimeModel._expert_all_to_all`), in ``all_to_all`` (and its latency). A dense model takes the
+code path it took before these fields existed.
 """
 
 from __future__ import annotations
@@ -362,7 +363,7 @@ class TimeModel:
             comm = 0.0
         elif g.expert_params:  # experts reduce over their replicas: w / EP ranks
             bw = self.hw.intra_bandwidth if w <= g.ranks_per_node else self.hw.inter_bandwidth
-            replicas = w // self.model.expert_parallel
+            replicas = w // self.model.expert_dcp_ranks
             comm = 2.0 * BF16 * ((w - 1) / w * (g.params - g.expert_params)
                                  + (replicas - 1) / replicas * g.expert_params) / bw
         else:

@@ -28,17 +28,18 @@ def validate_plan(plan: Plan, model: Optional[ModelShape] = None, *,
     per slot, its tasks' slots rise in its execution order, and the tasks of a slot recompute the
     same number of layers and run as many MLP tiles (so every rank issues the same engine
     collectives slot by slot). With
-    ``model.expert_parallel > 1`` the plan must be lockstep.
+    expert-parallel groups spanning DCP ranks (``model.expert_dcp_ranks > 1``) the plan must be
+    lockstep.
     """
     model = model or (cost_model.model if cost_model else None)
     n = len(plan.lengths)
     world = plan.world_size
     if world < 1:
         raise PlanError(f"plan world_size {world} must be >= 1")
-    if model is not None and model.expert_parallel > 1 and plan.tasks and not plan.lockstep:
-        raise PlanError(f"a free plan for expert_parallel={model.expert_parallel} (--ep): every "
-                        "rank of an expert-parallel group must run every micro-step (lockstep "
-                        "slots)")
+    if model is not None and model.expert_dcp_ranks > 1 and plan.tasks and not plan.lockstep:
+        raise PlanError(f"a free plan for expert-parallel groups of {model.expert_dcp_ranks} "
+                        "DCP ranks (--ep): every rank of such a group must run every "
+                        "micro-step (lockstep slots)")
     if plan.frame_tokens is not None:
         try:
             check_frame_tokens(plan.lengths, plan.frame_tokens)

@@ -77,7 +77,7 @@ def document_flops(shape: ModelShape, lengths: Sequence[int],
     from megatron_dcp.plan.timing import TimeModel
 
     hw = hardware if hardware is not None else load_hardware("h100")
-    geometry = Geometry(shape, hw, world_size=shape.expert_parallel)
+    geometry = Geometry(shape, hw, world_size=shape.expert_dcp_ranks)
     return TimeModel(geometry).model_flops(lengths, frame_tokens) * shape.tensor_parallel
 
 

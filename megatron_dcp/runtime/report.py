@@ -225,7 +225,7 @@ def setup_line(config: Any, cost_model: Any, world_size: int) -> str:
               else f"profile {chosen}")
     plain, full = memory.max_tokens(1, 0), memory.max_tokens(1, memory.num_layers)
     schedule = schedule_for(config.schedule, cost_model.zero_stage,
-                            getattr(cost_model.model, "expert_parallel", 1))
+                            getattr(cost_model.model, "expert_dcp_ranks", 1))
     parts = [f"policy {config.policy}", f"schedule {schedule}",
              f"DCP world {world_size} ranks", f"hardware {cost_model.hw.name} ({source})",
              f"memory budget {size_text(memory.budget)} per rank (static "
