@@ -26,7 +26,7 @@ from deepspeed_plugin.config import (add_dcp_arguments, check_supported, dcp_con
                                      load_ds_config,
                                      prepare_config)
 from deepspeed_plugin.engine import (DCPEngine, LossFn, StepResult, check_takes_labels,
-                                     check_takes_task, token_loss)
+                                     check_takes_task, takes_labels, token_loss)
 from deepspeed_plugin.monitor import check_monitor_config
 from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.integrations import hf
@@ -80,7 +80,7 @@ def initialize(args: Optional[argparse.Namespace] = None, model: Any = None, opt
                                else getattr(args, "deepspeed_config", None))
     dcp = dcp_config if dcp_config is not None else dcp_config_from(ds_config, args)
     check_monitor_config(ds_config)  # a dashboard without its package: named now, not later
-    model = _prepared_model(model, loss_fn, dcp)
+    model, dcp = _prepared_model(model, loss_fn, dcp)
     patches.apply_all()
     patches.process_group_timeout(timeout)
 
@@ -124,18 +124,23 @@ def _args_without_config(args: Optional[argparse.Namespace]) -> Optional[argpars
     return ds_args
 
 
-def _prepared_model(model: Any, loss_fn: Optional[LossFn], dcp: DCPConfig) -> Any:
-    """The model DeepSpeed gets: an HF ``PreTrainedModel`` wrapped in `hf.DCPCausalLM` (the
-    runtime's forward signature, DCP's attention and recompute); without ``loss_fn`` it must take
-    the task (`token_loss` passes each micro-step's task to it), and with
-    ``dcp.long_sequences`` the labels (a long task's loss is tiled inside its forward)."""
+def _prepared_model(model: Any, loss_fn: Optional[LossFn],
+                    dcp: DCPConfig) -> tuple[Any, DCPConfig]:
+    """The model DeepSpeed gets, and the DCP settings for it: an HF ``PreTrainedModel`` wrapped
+    in `hf.DCPCausalLM` (the runtime's forward signature, DCP's attention and recompute);
+    without ``loss_fn`` it must take the task (`token_loss` passes each micro-step's task to it),
+    and with ``dcp.long_sequences="on"`` the labels (a long task's loss is tiled inside its
+    forward). ``auto`` turns off where that tiled loss cannot run: a custom ``loss_fn`` (it
+    would have to tile the loss itself), or a model whose forward takes no ``labels``."""
     if hf.is_hf_model(model):
         model = hf.DCPCausalLM(model)
     if loss_fn is None:
         check_takes_task(model)
-        if dcp.enabled and dcp.long_sequences:
+        if dcp.enabled and dcp.long_sequences_on:
             check_takes_labels(model)
-    return model
+    if dcp.long_sequences == "auto" and (loss_fn is not None or not takes_labels(model)):
+        dcp = dcp.replace(long_sequences="off")
+    return model, dcp
 
 
 def _wrap(engine: Any, dcp: DCPConfig, model: Any, model_shape: Any, hardware: Any,

@@ -56,6 +56,11 @@ def _forward_takes(model: Any, name: str) -> bool:
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
+def takes_labels(model: Any) -> bool:
+    """Whether ``model``'s forward takes ``labels`` (a long task's loss is tiled inside it)."""
+    return _forward_takes(model, "labels")
+
+
 def check_takes_labels(model: Any) -> None:
     """With ``dcp.long_sequences`` and the default `token_loss`: refuse a model whose forward
     takes no ``labels`` (a task's tiled loss is computed inside the forward), naming it."""

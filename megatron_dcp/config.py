@@ -32,6 +32,7 @@ OVERSIZE_MODES = ("error", "truncate", "skip")
 SCHEDULES = ("auto", "free", "lockstep")
 CALIBRATION_MODES = ("on", "off")
 PLAN_AHEAD_MODES = ("on", "off")
+LONG_SEQUENCE_MODES = ("auto", "on", "off")
 WITHOUT_DCP = ("skip_nonfinite",)
 """Fields every engine honours in its plain data-parallel run too (no ``--dcp`` needed)."""
 
@@ -148,14 +149,23 @@ class DCPConfig:
     liveness_interval_s: float = 60.0
     """Seconds between the liveness watch's probes (by the first and the last rank); a rank that misses two in a row (stopped, hung in a device call, dead) is named on every rank and the job ends then, not at the collective timeout; 0: no watch (a stalled rank is named when a collective times out)."""
 
-    long_sequences: bool = False
-    """Long-sequence choices per task: a task whose sequence fits no degree, layout and recomputed layers in memory recomputes every layer and gets MLP tiles, loss tiles and the fewest layer inputs offloaded to host memory that fit; tasks that fit plainly get none (docs/USAGE.md, "Long sequences"). Needs recompute auto or full."""
+    long_sequences: str = "auto"
+    """Long-sequence choices per task: a task whose sequence fits no degree, layout and recomputed layers in memory recomputes every layer and gets MLP tiles, loss tiles and the fewest layer inputs offloaded to host memory that fit (docs/USAGE.md, "Long sequences"). on: every plan may use them; auto: a batch whose longest sequence fits no group plainly is planned with them, every other batch as with off (its plan unchanged), and off where the engine cannot run them (recompute none, pipeline stages, experts, a model or loss without tiled losses); off: never (a sequence that fits no group is dcp.oversize's). A bare --dcp-long-sequences means on; JSON true/false mean on/off."""
 
     skip_nonfinite: bool = False
     """A step whose loss or gradient norm is not finite is skipped (no update, counted in the log) instead of stopping the job before it saves; honoured with and without --dcp (an fp16 loss scaler's overflow steps are skipped by the engine either way)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.long_sequences, bool):  # JSON true / false, the field's older type
+            self.long_sequences = "on" if self.long_sequences else "off"
+        if self.long_sequences == "auto" and self.recompute == "none":
+            self.long_sequences = "off"  # a long task recomputes every layer
         self.validate()
+
+    @property
+    def long_sequences_on(self) -> bool:
+        """Whether every plan may use long-sequence choices (``long_sequences="on"``)."""
+        return self.long_sequences == "on"
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -176,6 +186,7 @@ class DCPConfig:
         one_of("schedule", SCHEDULES)
         one_of("calibration", CALIBRATION_MODES)
         one_of("plan_ahead", PLAN_AHEAD_MODES)
+        one_of("long_sequences", LONG_SEQUENCE_MODES)
         if self.max_degree is not None and self.max_degree < 1:
             raise DCPConfigError(f"dcp.max_degree={self.max_degree!r}: must be a positive integer")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
@@ -192,7 +203,7 @@ class DCPConfig:
         if self.liveness_interval_s < 0:
             raise DCPConfigError(f"dcp.liveness_interval_s={self.liveness_interval_s!r}: must be "
                                  ">= 0 (0: no watch)")
-        if self.long_sequences and self.recompute == "none":
+        if self.long_sequences == "on" and self.recompute == "none":
             raise DCPConfigError("dcp.long_sequences needs dcp.recompute auto or full: a long "
                                  "task recomputes every layer (its tiles and offloaded inputs "
                                  "are recomputed in backward)")
@@ -289,6 +300,8 @@ class DCPConfig:
             choices = _CHOICES.get(f.name)
             if choices:
                 kwargs["choices"] = choices
+            if f.name in _BARE:
+                kwargs.update(nargs="?", const=_BARE[f.name])
             group.add_argument(*flags, type=kind, **kwargs)
         return parser
 
@@ -333,7 +346,10 @@ _CHOICES = {
     "schedule": SCHEDULES,
     "calibration": CALIBRATION_MODES,
     "plan_ahead": PLAN_AHEAD_MODES,
+    "long_sequences": LONG_SEQUENCE_MODES,
 }
+_BARE = {"long_sequences": "on"}
+"""Choice flags that may be given bare, and what that means (a switch's older spelling)."""
 
 
 def _field_type(f: dataclasses.Field) -> type:

@@ -226,3 +226,65 @@ def test_the_fits_no_group_error_names_long_sequences_where_they_would_fit():
     with pytest.raises(PlanError) as err:
         make_plan([30_000_000], world_size=2, model=load_model("llama-7b"), config=config)
     assert "long_sequences" not in str(err.value)
+
+
+def test_auto_plans_long_choices_only_for_a_batch_that_needs_them():
+    """``long_sequences="auto"`` (the default): a batch whose sequences fit plainly gets the plan
+    it gets with long sequences off (same digest), a batch with a sequence that fits no group
+    gets the long-sequence choices (off: the fits-no-group error)."""
+    from megatron_dcp.runtime.step import StepDriver
+
+    pool = SimpleNamespace(world_size=2, rank=0, job_group=None)
+    auto = StepDriver(_config().replace(long_sequences="auto"), pool=pool, model_shape=SHAPE)
+    off = StepDriver(_config().replace(long_sequences="off"), pool=pool, model_shape=SHAPE)
+    assert DCPConfig().long_sequences == "auto"
+    short = [150, 20, 30, 12, 90]
+    assert not auto.long_plan(short, 2)
+    assert auto.plan(short).digest() == off.plan(short).digest()
+    assert auto.long_plan(list(LENGTHS), 2)
+    assert long_choices(auto.plan(list(LENGTHS)))["mlp_tiles"] > 1
+    with pytest.raises(PlanError, match="fits no group"):
+        off.plan(list(LENGTHS))
+    # the capacity is the largest group's with every layer recomputed, less one padding step:
+    # the longest sequence below it plans without long choices
+    capacity = auto._plain_capacity[2]
+    assert not auto.long_plan([capacity], 2) and auto.long_plan([capacity + 1], 2)
+    assert long_choices(auto.plan([capacity, 20])) == long_choices(off.plan([capacity, 20]))
+
+
+def test_auto_faces_and_where_it_turns_off():
+    from test_megatron_args import megatron_like_parser
+
+    from megatron_dcp.megatron.args import validate_dcp_args
+
+    for style, flag in (("deepspeed", "--dcp_long_sequences"),
+                        ("megatron", "--dcp-long-sequences")):
+        parser = DCPConfig.add_arguments(argparse.ArgumentParser(), style=style)
+        for given, mode in (([], "auto"), ([flag], "on"), ([flag, "off"], "off"),
+                            ([flag, "auto"], "auto")):
+            config = DCPConfig.from_args(parser.parse_args(["--dcp", *given]), style=style)
+            assert config.long_sequences == mode, (style, given)
+    assert DCPConfig.from_dict({"long_sequences": False}).long_sequences == "off"
+    assert DCPConfig(recompute="none").long_sequences == "off"  # a long task recomputes
+    parser = megatron_like_parser()
+    parser.add_argument("--num-experts", type=int, default=None)
+    line = "--dcp --calculate-per-token-loss".split()
+    assert validate_dcp_args(parser.parse_args(line), world_size=2).long_sequences == "auto"
+    for extra in ("--pipeline-model-parallel-size 2", "--num-experts 4"):  # off, no error
+        args = parser.parse_args(line + extra.split())
+        assert validate_dcp_args(args, world_size=4).long_sequences == "off"
+
+
+def test_deepspeed_auto_turns_off_without_a_tiled_loss():
+    import deepspeed_plugin
+
+    class NoLabels(torch.nn.Module):
+        def forward(self, input_ids, position_ids, task=None):
+            return input_ids
+
+    config = DCPConfig(enabled=True)
+    decoder = Decoder(decoder_config(), seed=1)
+    assert deepspeed_plugin._prepared_model(decoder, None, config)[1].long_sequences == "auto"
+    assert deepspeed_plugin._prepared_model(NoLabels(), None, config)[1].long_sequences == "off"
+    custom = deepspeed_plugin._prepared_model(decoder, lambda *a: a, config)[1]
+    assert custom.long_sequences == "off"

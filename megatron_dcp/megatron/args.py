@@ -90,7 +90,11 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
     problems += _dropout_problems(args)
     problems += _recompute_and_head_problems(args, config)
     problems += fixed_shape_problems(args)
-    problems += long_sequence_problems(args, config)
+    long = long_sequence_problems(args, config)
+    if config.long_sequences == "on":
+        problems += long
+    elif long:  # auto: off where the engine cannot run a long task
+        config = config.replace(long_sequences="off")
     from megatron_dcp.megatron.moe import moe_problems, moe_schedule
 
     problems += moe_problems(args)  # token dropping, micro-batch-level auxiliary losses
@@ -183,9 +187,10 @@ def _recompute_and_head_problems(args: argparse.Namespace, config: DCPConfig) ->
 
 
 def long_sequence_problems(args: argparse.Namespace, config: DCPConfig) -> list[str]:
-    """What ``--dcp-long-sequences`` cannot run with (each part by its flag); a long task's loss
-    tiles (`megatron_dcp.megatron.loss_tiles`) cover the main loss, not multi-token prediction."""
-    if not config.long_sequences:
+    """What ``--dcp-long-sequences`` cannot run with (each part by its flag): errors with
+    ``on``, and what turns ``auto`` off; a long task's loss tiles
+    (`megatron_dcp.megatron.loss_tiles`) cover the main loss, not multi-token prediction."""
+    if config.long_sequences == "off":
         return []
     problems = []
     if _get(args, "pipeline_model_parallel_size", 1) > 1:

@@ -235,5 +235,5 @@ def setup_line(config: Any, cost_model: Any, world_size: int) -> str:
         parts.append(f"at most {config.max_tokens_per_rank} tokens per rank")
     parts += [f"recompute {config.recompute}",
               f"max degree {config.max_degree or world_size}",
-              f"long sequences {'on' if config.long_sequences else 'off'}"]
+              f"long sequences {config.long_sequences}"]
     return "DCP: " + ", ".join(parts)

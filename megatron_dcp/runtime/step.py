@@ -109,9 +109,11 @@ class StepDriver:
     ``offload_optimizer`` / ``offload_param``: the engine keeps optimizer states / ZeRO-3
     parameter partitions in host memory (DeepSpeed's ``offload_optimizer`` / ``offload_param``,
     Megatron's ``--optimizer-cpu-offload``): the planner's static memory leaves them out.
-    ``config.long_sequences``: every plan (made ahead too) gives a task that fits no plain choice
-    MLP tiles, loss tiles and offloaded layers (`megatron_dcp.plan.make_plan`), which reach the
-    model in the task's `TaskContext`; ``loss_tiling=False``: the engine cannot tile the loss
+    ``config.long_sequences``: ``on``, every plan (made ahead too) gives a task that fits no
+    plain choice MLP tiles, loss tiles and offloaded layers (`megatron_dcp.plan.make_plan`),
+    which reach the model in the task's `TaskContext`; ``auto``, only the plans of batches whose
+    longest sequence fits no group plainly (`long_plan`); the front end turns ``auto`` off
+    where its engine cannot run such tasks; ``loss_tiling=False``: the engine cannot tile the loss
     (the planner counts such a task's logits whole; DeepSpeed's objective and Megatron's
     `GPTModel` both tile theirs).
     """
@@ -129,9 +131,10 @@ class StepDriver:
         self.offload = {"offload_optimizer": bool(offload_optimizer),
                         "offload_param": bool(offload_param)}
         """The engine's host-memory offload, as `build_cost_model` and `make_plan` take it."""
-        self.long = {"long_sequences": bool(config.long_sequences),
+        self.long = {"long_sequences": config.long_sequences_on,
                      "loss_tiling": bool(loss_tiling)}
         """The long-sequence choices, as `build_cost_model` and `make_plan` take them."""
+        self._plain_capacity: dict[int, int] = {}
         self.device = torch.device(device) if device is not None else None
         self.max_position = max_position
         if max_position is None and model_shape is not None:
@@ -202,6 +205,7 @@ class StepDriver:
             vocabulary = vocabulary_for_lengths(cost_model, lengths, self.config.max_degree,
                                                 recompute=self.config.recompute)
             self.vocabulary = vocabulary
+            self._plain_capacity.clear()
         return self.pool.create_all(vocabulary)
 
     def setup_line(self) -> str:
@@ -236,12 +240,39 @@ class StepDriver:
         vocabulary = self.vocabulary  # the pool's; another world plans over its default
         if vocabulary is not None and vocabulary.world_size != world_size:
             vocabulary = None
+        long = {**self.long, "long_sequences": self.long_plan(lengths, world_size)}
         return make_plan(lengths, world_size=world_size, model=self.model_shape,
                          config=self.config,
                          iteration=self.iteration if iteration is None else iteration,
                          hardware=self.hardware if hardware is None else hardware,
                          zero_stage=self.zero_stage, vocabulary=vocabulary, **self.offload,
-                         **self.long, **extra)
+                         **long, **extra)
+
+    def long_plan(self, lengths: Sequence[int], world_size: int) -> bool:
+        """Whether the plan of a batch with these ``lengths`` may use long-sequence choices:
+        always with ``long_sequences="on"``; with ``auto`` (not for pipelined or MoE shapes)
+        when its longest sequence is above
+        what the largest group holds with every layer recomputed, less one padding step (the
+        same on every rank: the lengths, world and memory model decide)."""
+        mode, shape = self.config.long_sequences, self.model_shape
+        if mode != "auto" or shape is None or not lengths or shape.pipeline_parallel > 1 \
+                or shape.is_moe:  # auto leaves pipelines and experts alone (a long task's
+            return mode == "on"  # tiles count neither micro-batches in flight nor routing)
+        capacity = self._plain_capacity.get(world_size)
+        if capacity is None:
+            from megatron_dcp.plan import build_cost_model
+            from megatron_dcp.plan.vocabulary import Vocabulary
+
+            cost_model = build_cost_model(self.model_shape, self.config, world_size,
+                                          self.hardware, self.zero_stage, **self.offload)
+            vocabulary = self.vocabulary
+            if vocabulary is None or vocabulary.world_size != world_size:
+                vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
+            top = vocabulary.sizes[-1]
+            capacity = cost_model.memory_model.max_tokens(top, self.model_shape.num_layers) \
+                - cost_model.pad_multiple(top)
+            self._plain_capacity[world_size] = capacity
+        return max(lengths) > capacity
 
     def plan_ahead(self, lengths: Sequence[int], *, iteration: Optional[int] = None,
                    frame_tokens: Optional[Sequence[int]] = None) -> bool:
