@@ -35,7 +35,10 @@ def draw_timeline(ax: Any, tasks: Iterable[Task], colours: dict[int, Any],
         for rank in ranks:
             ax.broken_barh([(start, duration)], (rank - 0.4, 0.8), facecolors=colours[degree],
                            edgecolor="white", linewidth=0.3, hatch=hatch)
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_ylim(world_size - 0.5, -0.5)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # ranks, not fractions
     ax.set_xlabel("seconds")
     ax.set_ylabel("rank")
 
