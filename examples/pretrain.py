@@ -32,7 +32,8 @@ from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, embedde
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.integrations import hf
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
-from megatron_dcp.runtime.report import TrainingLog, reset_peak_memory, trained_tokens
+from megatron_dcp.runtime.report import (TIMELINE_INTERVAL, TrainingLog, reset_peak_memory,
+                                         trained_tokens)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,6 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lr", type=float_flag(), default=None, help="override the optimizer's lr")
     g.add_argument("--log-json", default=None, type=output_file,
                    help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--log-timeline-interval", type=int_flag(0), default=TIMELINE_INTERVAL,
+                   metavar="N", help="with --log-json and --dcp: the rows of the first iteration "
+                   "and of every N-th carry the plan's timeline (each task's predicted start, "
+                   "duration, degree, recompute and ranks; dcp-report draws it); 0: never "
+                   f"(default {TIMELINE_INTERVAL})")
     g.add_argument("--save-profile", default=None, metavar="PATH",
                    help="with --dcp: write the calibrated cost-model hardware at the end as a "
                         "profile JSON (for --dcp_hardware and tools/simulate.py --hardware)")
@@ -137,7 +143,8 @@ def train(args, engine, dataset, sampler) -> int:
 
     mode = "dcp" if engine.dcp.enabled else "data-parallel"
     log = TrainingLog(mode, args.train_iters, json_path=args.log_json, primary=rank == 0,
-                      quiet=args.quiet, append=bool(args.load))
+                      quiet=args.quiet, append=bool(args.load),
+                      timeline_interval=args.log_timeline_interval)
     if rank == 0 and not args.quiet:
         print(f"pretrain: {mode}, {world} ranks, ZeRO {engine.zero_stage}, data "
               f"{args.data_path or 'embedded corpus'} ({len(dataset)} documents), model "

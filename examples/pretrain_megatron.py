@@ -57,8 +57,9 @@ from megatron_dcp.runtime.allocator import expandable_segments_at_start
 from megatron_dcp.runtime.figures import StepFigures
 from megatron_dcp.runtime.groups import before_init_process_group, destroy_process_groups
 from megatron_dcp.runtime.nonfinite import check_step
-from megatron_dcp.runtime.report import (TrainingLog, check_resume_point, peak_memory_mb,
-                                         plan_summary, reset_peak_memory, trained_tokens)
+from megatron_dcp.runtime.report import (TIMELINE_INTERVAL, TrainingLog, check_resume_point,
+                                         peak_memory_mb, plan_summary, reset_peak_memory,
+                                         trained_tokens)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -118,6 +119,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "running code from it")
     g.add_argument("--log-json", default=None, type=output_file,
                    help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--log-timeline-interval", type=int_flag(0), default=TIMELINE_INTERVAL,
+                   metavar="N", help="with --log-json and --dcp: the rows of the first iteration "
+                   "and of every N-th carry the plan's timeline (each task's predicted start, "
+                   "duration, degree, recompute and ranks; dcp-report draws it); 0: never "
+                   f"(default {TIMELINE_INTERVAL})")
     g.add_argument("--save-profile", default=None, metavar="PATH",
                    help="with --dcp: write the calibrated cost-model hardware at the end as a "
                         "profile JSON (for --dcp-hardware and tools/simulate.py --hardware)")
@@ -540,7 +546,8 @@ def main(argv=None) -> int:
         check_resume_point(start, args.train_iters, args.load, primary=rank == 0)
     mode = "dcp" if dcp_config.enabled else "data-parallel"
     log = TrainingLog(mode, args.train_iters, json_path=args.log_json, primary=rank == 0,
-                      quiet=args.quiet, append=bool(args.load))
+                      quiet=args.quiet, append=bool(args.load),
+                      timeline_interval=args.log_timeline_interval)
     if rank == 0 and not args.quiet:
         print(f"pretrain_megatron: {mode}, {world} ranks (tp {args.tensor_model_parallel_size}, "
               f"pp {args.pipeline_model_parallel_size}, "
@@ -597,7 +604,7 @@ def main(argv=None) -> int:
                       calibration_error=result.calibration_error if result is not None else None,
                       peak_mem_mb=peak_memory_mb(device),
                       figures=figures(result, t_end - t0) if figures else None,
-                      plan=plan_summary(plan, micro_steps=micro, **timings))
+                      plan=plan_summary(plan, micro_steps=micro, **timings), step_plan=plan)
         last = it + 1 == args.train_iters
         if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
             save_checkpoint(args, it + 1, chunks, optimizer, sampler, step_fn)

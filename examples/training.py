@@ -163,7 +163,8 @@ def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int
     """One row of the training log for the engine's step ``result`` (``tokens``: those trained;
     the planner's predicted time only with --dcp; the plan summary; a skipped step and the
     sequences the oversize policy skipped; peak memory so far; the step's figures, as
-    DeepSpeed's monitor gets them: `megatron_dcp.runtime.figures`)."""
+    DeepSpeed's monitor gets them: `megatron_dcp.runtime.figures`; the plan's timeline when
+    due, ``--log-timeline-interval``)."""
     from megatron_dcp.runtime.report import peak_memory_mb, plan_summary
 
     summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s,
@@ -174,7 +175,8 @@ def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int
                   predicted_s=result.predicted_s if engine.dcp.enabled else None,
                   calibration_error=result.calibration_error, sequences=sequences,
                   grad_norm=result.grad_norm, peak_mem_mb=peak_memory_mb(engine.device),
-                  figures=engine.figures(result) if log.primary else None, plan=summary)
+                  figures=engine.figures(result) if log.primary else None, plan=summary,
+                  step_plan=result.plan)
 
 
 @contextlib.contextmanager

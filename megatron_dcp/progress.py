@@ -1,12 +1,16 @@
 """A progress bar on stderr for the tools' long work (simulating policies at large worlds,
 building a dataset, dry-running ranks): drawn only when stderr is a terminal, at most ten times a
-second; a log file or a CI job gets nothing. Pure Python."""
+second; a log file or a CI job gets nothing. A tool that prints lines while the bar is shown
+prints them with `Progress.note`, so that lines and bar do not mix. Pure Python."""
 
 from __future__ import annotations
 
 import sys
 import time
 from typing import Optional, TextIO
+
+WIDTH = 120
+"""Columns the bar's line takes (padded, so a shorter line erases a longer one)."""
 
 
 class Progress:
@@ -20,14 +24,27 @@ class Progress:
             if enabled is None else enabled
         self.start = time.perf_counter()
         self._drawn = 0.0
+        self._label: Optional[str] = None  # the label of the bar on the screen (None: none)
 
     def update(self, n: int = 1, label: str = "") -> None:
         self.done += n
         now = time.perf_counter()
         last = self.total is not None and self.done >= self.total
         if self.enabled and (last or now - self._drawn >= 0.1):
-            self._drawn = now
+            self._drawn, self._label = now, label
             self.stream.write("\r" + self.line(label))
+            self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """Print ``text`` on stdout above the bar: on a terminal the bar's line is erased
+        first and the bar drawn again after it."""
+        shown = self.enabled and self._label is not None
+        if shown:
+            self.stream.write("\r" + " " * WIDTH + "\r")
+            self.stream.flush()
+        print(text, flush=True)
+        if shown:
+            self.stream.write("\r" + self.line(self._label))
             self.stream.flush()
 
     def line(self, label: str = "") -> str:
@@ -40,7 +57,7 @@ class Progress:
             bar = f"{self.done}"
         rate = f"{elapsed / self.done:.2f} s each" if self.done else ""
         text = f"{self.what} {bar}  {elapsed:.0f} s {rate} {label}".rstrip()
-        return text[:120].ljust(120 if self.enabled else 0)
+        return text[:WIDTH].ljust(WIDTH if self.enabled else 0)
 
     def __enter__(self) -> "Progress":
         return self

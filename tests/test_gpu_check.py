@@ -2,6 +2,7 @@
 the sync check's negative control (a host read injected inside every task fails the checked
 sections, with their numbers still reported), section time limits and ``--wheels``."""
 
+import io
 import json
 import os
 import subprocess
@@ -222,3 +223,26 @@ def test_without_a_gpu_it_says_so_and_fails_unless_the_cpu_mode_is_asked_for(tmp
 
 SECTIONS_ALL = ("environment", "exactness", "ring", "throughput", "run_plan", "memory",
                 "long_sequences", "megatron", "hf", "deepspeed", "calibration", "profile")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_progress_bar_over_the_sections_on_a_terminal_only(tmp_path, monkeypatch, capsys):
+    """On a terminal stderr gets a bar counting the sections, erased for each section's line;
+    in a log stderr gets nothing. Every section skipped: nothing runs, the bar still counts."""
+    monkeypatch.syspath_prepend(ROOT)
+    from tools import gpu_check
+
+    tty, log = _Terminal(), io.StringIO()
+    for stream in (tty, log):
+        monkeypatch.setattr(sys, "stderr", stream)
+        assert gpu_check.main(["--device", "cpu", "--out", str(tmp_path / "r.json"),
+                               "--skip", *SECTIONS_ALL]) == 0
+    assert log.getvalue() == ""
+    text = tty.getvalue()
+    assert f"gpu check [{'#' * 30}] {len(SECTIONS_ALL)}/{len(SECTIONS_ALL)}" in text
+    assert "\r" + " " * 120 + "\r" in text and text.endswith("\n")  # erased for each line
+    assert capsys.readouterr().out.count("[gpu_check] profile: SKIP (0.0 s)\n") == 2

@@ -1,9 +1,11 @@
-"""The tools' progress bar: drawn on a terminal, silent in a log; the tools that do long work
-(dcp-simulate over policies, dcp-build-dataset, dcp-dry-run) draw it."""
+"""The tools' progress bar: drawn on a terminal, silent in a log, lines printed above it; the
+tools that do long work (dcp-simulate over policies, dcp-build-dataset, dcp-profile over its
+measurements, dcp-dry-run; dcp-gpu-check: tests/test_gpu_check.py) draw it."""
 
 from __future__ import annotations
 
 import io
+import sys
 
 from megatron_dcp.progress import Progress
 
@@ -55,3 +57,39 @@ def test_build_dataset_draws_documents(monkeypatch, tmp_path):
     assert build_indexed_dataset.main(["--embedded", "--output-prefix",
                                        str(tmp_path / "corpus")]) == 0
     assert "documents " in tty.getvalue() and "tokens" in tty.getvalue()
+
+
+def test_note_prints_above_the_bar_and_alone_in_a_log(capsys):
+    tty, log = _Terminal(), io.StringIO()
+    for stream in (tty, log):
+        with Progress("points", total=2, stream=stream) as bar:
+            bar.update(0, label="first")
+            bar.note("point 1: 0.5 s")
+            bar.update(2)
+    assert capsys.readouterr().out == "point 1: 0.5 s\n" * 2
+    assert log.getvalue() == ""
+    drawn = tty.getvalue().split("\r")  # bar, erased, (the line on stdout), the bar again
+    assert drawn[1].startswith("points [") and drawn[2] == " " * 120 and drawn[3] == ""
+    assert drawn[4].startswith("points [") and "first" in drawn[4]
+
+
+def test_profile_draws_the_measurements(monkeypatch, tmp_path, capsys):
+    import torch
+
+    from tools import profile_hardware
+
+    tiny = ["--quick", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+            "--ffn", "64", "--vocab", "64", "--lengths", "32,64", "--pack-sizes", "512",
+            "--repeat", "1", "--ranks", "0"]
+    threads = torch.get_num_threads()  # the profiler sets its own
+    tty = _on_a_terminal(monkeypatch)
+    try:
+        assert profile_hardware.main([*tiny, "--out", str(tmp_path / "p.json")]) == 0
+        monkeypatch.setattr("sys.stderr", io.StringIO())
+        assert profile_hardware.main([*tiny, "--out", str(tmp_path / "q.json")]) == 0
+        assert sys.stderr.getvalue() == ""  # not a terminal: no bar
+    finally:
+        torch.set_num_threads(threads)
+    text = tty.getvalue()
+    assert "profiling [" + "#" * 30 + "] 4/4" in text and "packed tasks" in text
+    assert capsys.readouterr().out.count("GEMM: ") == 2

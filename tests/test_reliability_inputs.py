@@ -107,6 +107,29 @@ def test_an_unwritable_log_path_is_refused_at_start(script, tmp_path, capsys):
     module.parse_args(["--log-json", str(tmp_path / "log.jsonl")])
 
 
+@pytest.mark.parametrize("script", ["pretrain.py", "pretrain_megatron.py", "pretrain_video.py",
+                                    "launcher"])
+def test_the_timeline_interval_flag(script, capsys):
+    """``--log-timeline-interval N`` (examples) and ``--dcp-log-timeline-interval N`` (the
+    launcher): default `TIMELINE_INTERVAL`, 0 allowed (never), a negative N refused."""
+    import argparse
+
+    from megatron_dcp.megatron.lm import add_launcher_args
+    from megatron_dcp.runtime.report import TIMELINE_INTERVAL
+
+    if script == "launcher":
+        parse, flag = add_launcher_args(argparse.ArgumentParser()).parse_args, \
+            "--dcp-log-timeline-interval"
+    else:
+        parse, flag = _example(script).parse_args, "--log-timeline-interval"
+    dest = flag.lstrip("-").replace("-", "_")
+    assert getattr(parse([]), dest) == TIMELINE_INTERVAL == 100
+    assert getattr(parse([flag, "7"]), dest) == 7 and getattr(parse([flag, "0"]), dest) == 0
+    with pytest.raises(SystemExit):
+        parse([flag, "-1"])
+    assert flag in capsys.readouterr().err
+
+
 
 @pytest.mark.parametrize("script, flags, message", [
     ("pretrain.py", ["--num-kv-heads", "0"], "--num-kv-heads: 0: must be >= 1"),

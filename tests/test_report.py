@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from megatron_dcp.plan.plan import Plan, Task
-from megatron_dcp.runtime.report import TrainingLog, plan_summary, progress_bar
+from megatron_dcp.runtime.report import (TrainingLog, plan_summary, plan_timeline, progress_bar,
+                                        timeline_tasks)
 
 
 def _plan() -> Plan:
@@ -116,3 +119,56 @@ def test_resuming_past_train_iters_exits_non_zero_saying_so(capsys):
     check_resume_point(3, 3, "ckpt", primary=True)  # complete: said, not an error
     assert "already complete" in capsys.readouterr().out
     check_resume_point(2, 3, "ckpt", primary=True)
+
+
+def _planned(iteration: int):
+    """A DCP plan of gpt-1b on 8 H100 ranks (some groups of several ranks)."""
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.plan import load_model, make_plan
+
+    lengths = [64 * ((iteration * 37 + 11 * k) % 400 + 1) for k in range(24)]
+    return make_plan(lengths, world_size=8, model=load_model("gpt-1b"),
+                     config=DCPConfig(enabled=True, hardware="h100"), hardware="h100",
+                     iteration=iteration)
+
+
+def test_rows_carry_the_timeline_at_the_first_iteration_and_every_nth(tmp_path):
+    path = tmp_path / "log.jsonl"
+    log = TrainingLog("dcp", 12, json_path=str(path), quiet=True, timeline_interval=5)
+    for it in range(3, 13):  # a resumed run: its first row is iteration 3
+        log.iteration(it, loss=1.0, tokens=1, step_s=1.0, plan=plan_summary(_plan()),
+                      step_plan=_plan())
+    log.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["iteration"] for r in rows if "timeline" in r] == [3, 5, 10]
+    never = TrainingLog("dcp", 2, quiet=True, timeline_interval=0)
+    assert "timeline" not in never.iteration(1, loss=1.0, tokens=1, step_s=1.0,
+                                             plan=plan_summary(_plan()), step_plan=_plan())
+    plain = TrainingLog("data-parallel", 2, quiet=True)  # no DCP plan: no timeline
+    assert "timeline" not in plain.iteration(1, loss=1.0, tokens=1, step_s=1.0,
+                                             plan=plan_summary(None, micro_steps=1))
+
+
+def test_the_timeline_is_the_plans_tasks_at_their_predicted_times():
+    plan = _planned(3)
+    assert any(t.degree > 1 for t in plan.tasks) and len({t.start for t in plan.tasks}) > 1
+    row = TrainingLog("dcp", 1, quiet=True).iteration(
+        1, loss=1.0, tokens=1, step_s=1.0, plan=plan_summary(plan), step_plan=plan)
+    timeline = json.loads(json.dumps(row["timeline"]))  # as the log holds it
+    assert timeline["world_size"] == 8
+    got = timeline_tasks(timeline)
+    assert [(t[2], t[3], t[4]) for t in got] == [(t.degree, t.recompute_layers, t.ranks)
+                                                 for t in plan.tasks]
+    for (start, duration, *_), task in zip(got, plan.tasks):
+        assert start == pytest.approx(task.start, abs=1e-6)
+        assert duration == pytest.approx(task.duration, abs=1e-6)
+    # the times predicted_s is made of: the plan's makespan
+    assert max(s + d for s, d, *_ in got) == pytest.approx(row["plan"]["predicted_s"], abs=2e-6)
+
+
+def test_a_group_of_ranks_out_of_order_is_written_as_a_list():
+    tasks = (Task(id=0, ranks=(2, 3), seqs=(0,), ulysses=2, duration=0.5),
+             Task(id=1, ranks=(1, 0), seqs=(1,), ulysses=2, duration=0.25))
+    plan = Plan(tasks=tasks, lengths=(8, 8), world_size=4, policy="manual")
+    assert plan_timeline(plan)["tasks"] == [[0.0, 0.5, 2, 0, 2], [0.0, 0.25, 2, 0, [1, 0]]]
+    assert [t[4] for t in timeline_tasks(plan_timeline(plan))] == [(2, 3), (1, 0)]

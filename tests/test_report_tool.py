@@ -29,12 +29,15 @@ def _driver(config, shape):
                            long={"long_sequences": False, "loss_tiling": True})
 
 
-def write_run_log(path: Path, iterations: int = 20) -> None:
-    """A --log-json file as the examples write it (TrainingLog rows with the step's figures)
-    for ``iterations`` planned steps of gpt-1b on 8 H100s, one step skipped."""
+def write_run_log(path: Path, iterations: int = 20, timeline_interval: int = 5) -> list:
+    """A --log-json file as the examples write it (TrainingLog rows with the step's figures,
+    the plan's timeline every ``timeline_interval``) for ``iterations`` planned steps of gpt-1b
+    on 8 H100s, one step skipped; returns the plans."""
     shape, config = load_model("gpt-1b"), DCPConfig(enabled=True, hardware="h100")
     figures = StepFigures(_driver(config, shape))
-    log = TrainingLog("dcp", iterations, json_path=str(path), quiet=True)
+    log = TrainingLog("dcp", iterations, json_path=str(path), quiet=True,
+                      timeline_interval=timeline_interval)
+    plans = []
     for it in range(1, iterations + 1):
         lengths = [64 * ((it * 37 + 11 * k) % 400 + 1) for k in range(24)]
         plan = make_plan(lengths, world_size=8, model=shape, config=config, hardware="h100",
@@ -46,8 +49,10 @@ def write_run_log(path: Path, iterations: int = 20) -> None:
         log.iteration(it, loss=result.loss, tokens=trained_tokens(plan, lengths)[0],
                       step_s=result.wall_s, plan=plan_summary(plan, plan_s=0.01),
                       predicted_s=predicted, calibration_error=result.calibration_error,
-                      skipped=result.skipped, figures=figures(result))
+                      skipped=result.skipped, figures=figures(result), step_plan=plan)
+        plans.append(plan)
     log.close()
+    return plans
 
 
 @pytest.fixture
@@ -65,7 +70,7 @@ def test_png_and_html_of_a_run(tool, tmp_path, capsys):
     png, page = tmp_path / "run.png", tmp_path / "run.html"
     assert capsys.readouterr().out.split() == ["wrote", str(png), "wrote", str(page)]
     height, width = matplotlib.image.imread(png).shape[:2]
-    assert (width, height) == (13 * 50, 10 * 50)
+    assert (width, height) == (13 * 50, 13 * 50)
     text = page.read_text()
     assert base64.b64encode(png.read_bytes()).decode() in text  # the page holds the image
     assert "iterations</th><td>20<" in text and "MFU (mean)" in text
@@ -75,7 +80,7 @@ def test_every_panel_is_drawn(tool, tmp_path):
     log = tmp_path / "run.jsonl"
     write_run_log(log)
     fig = tool.draw(tool.read_log(str(log)))
-    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    axes = {ax.get_title().split(" of iteration")[0]: ax for ax in fig.axes if ax.get_title()}
     assert list(axes) == list(tool.PANELS)
     for title, ax in axes.items():
         assert ax.get_lines() or ax.collections, f"panel {title!r} is empty"
@@ -85,6 +90,100 @@ def test_every_panel_is_drawn(tool, tmp_path):
     degrees = axes["degree mix"].get_legend_handles_labels()[1]
     assert degrees and all(label.startswith("degree ") for label in degrees)
     matplotlib.pyplot.close(fig)
+
+
+def _bars(ax) -> list[tuple[float, float, float]]:
+    """(rank, x start, width) of every bar `timeline_plot.draw_timeline` drew on ``ax``."""
+    out = []
+    for collection in ax.collections:
+        for path in collection.get_paths():
+            (x0, y0), (x1, y1) = path.vertices.min(axis=0), path.vertices.max(axis=0)
+            out.append(((y0 + y1) / 2, x0, x1 - x0))
+    return sorted(out)
+
+
+def _same_bars(ax, plan) -> bool:
+    """One bar per task and rank, at the task's predicted start (microseconds) for its
+    duration."""
+    want = sorted((float(r), t.start, t.duration) for t in plan.tasks for r in t.ranks)
+    got = _bars(ax)
+    return len(got) == len(want) and all(
+        g == pytest.approx(w, abs=2e-6) for g, w in zip(got, want))
+
+
+def test_the_timeline_panels_draw_every_task_on_its_ranks(tool, tmp_path):
+    """By default the first row with a timeline and the slowest: one bar per task and rank, at
+    the task's predicted start for its duration, hatched where it recomputes."""
+    log = tmp_path / "run.jsonl"
+    plans = write_run_log(log, timeline_interval=5)  # timelines at 1, 5, 10, 15, 20
+    rows = tool.read_log(str(log))
+    slowest = max((r for r in rows if "timeline" in r), key=lambda r: r["step_s"])["iteration"]
+    assert slowest not in (1,) and tool.default_timeline(rows) == [1, slowest]
+    fig = tool.draw(rows)
+    panels = [ax for ax in fig.axes if ax.get_title().startswith("timeline of iteration ")]
+    assert [ax.get_title().split(":")[0] for ax in panels] == [
+        "timeline of iteration 1", f"timeline of iteration {slowest}"]
+    for ax, it in zip(panels, (1, slowest)):
+        plan = plans[it - 1]
+        assert len(ax.collections) == sum(t.degree for t in plan.tasks)
+        assert _same_bars(ax, plan)
+        assert not _same_bars(ax, plans[it % 20])  # negative control: another step's plan
+        hatched = sum(bool(c.get_hatch()) for c in ax.collections)
+        assert hatched == sum(t.degree for t in plan.tasks if t.recompute_layers)
+        assert ax.get_ylim() == (7.5, -0.5)  # 8 ranks, rank 0 at the top
+    assert panels[-1].get_legend() is not None
+    matplotlib.pyplot.close(fig)
+
+
+def test_timeline_flag_chooses_the_iterations(tool, tmp_path):
+    log = tmp_path / "run.jsonl"
+    plans = write_run_log(log, iterations=6, timeline_interval=2)  # timelines at 1, 2, 4, 6
+    rows = tool.read_log(str(log))
+    fig = tool.draw(rows, timeline=[4, 3, 9])
+    panels = [ax for ax in fig.axes if ax.get_title().startswith("timeline of iteration ")]
+    assert [ax.get_title().split(":")[0] for ax in panels] == [
+        f"timeline of iteration {i}" for i in (4, 3, 9)]
+    assert len(panels[0].collections) == sum(t.degree for t in plans[3].tasks)
+    assert [t.get_text() for t in panels[1].texts] == ["no timeline of iteration 3 in this log"]
+    assert [t.get_text() for t in panels[2].texts] == ["no row of iteration 9 in this log"]
+    matplotlib.pyplot.close(fig)
+    assert tool.main([str(log), "--timeline", "2,4", "--dpi", "30"]) == 0
+    with pytest.raises(SystemExit):
+        tool.main([str(log), "--timeline", "two"])
+
+
+def test_simulate_plot_draws_through_the_shared_function(tmp_path, monkeypatch, capsys):
+    """``dcp-simulate --plot`` draws each plan with `timeline_plot.draw_timeline`, the function
+    dcp-report draws with, given the plan's tasks at their simulated times."""
+    from tools import report, simulate, timeline_plot
+
+    assert simulate.draw_timeline is report.draw_timeline is timeline_plot.draw_timeline
+    calls = []
+
+    def recorded(ax, tasks, colours, world_size):
+        calls.append((ax, list(tasks), world_size))
+        timeline_plot.draw_timeline(ax, calls[-1][1], colours, world_size)
+
+    monkeypatch.setattr(simulate, "draw_timeline", recorded)
+    shown = {}
+    real_plot = simulate.plot_plans
+    monkeypatch.setattr(simulate, "plot_plans",
+                        lambda s, path, cm: (shown.update({n: (p, r) for n, p, r in s}),
+                                             real_plot(s, path, cm)))
+    png = tmp_path / "t.png"
+    assert simulate.main(["--gpus", "8", "--policy", "dcp,bucket", "--global-batch-tokens",
+                          "200000", "--json", "--plot", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [len(tasks) for _, tasks, _ in calls] == [out["policies"][n]["tasks"]
+                                                     for n in ("dcp", "bucket")]
+    for (ax, tasks, world), name in zip(calls, ("dcp", "bucket")):
+        plan, result = shown[name]
+        assert world == 8 and [t[:2] for t in tasks] == list(zip(result.starts,
+                                                                  result.durations))
+        assert [(t[2], t[3], tuple(t[4])) for t in tasks] == [
+            (t.degree, t.recompute_layers, t.ranks) for t in plan.tasks]
+        assert len(ax.collections) == sum(t.degree for t in plan.tasks)
 
 
 def test_rows_of_the_megatron_launcher_and_older_logs(tool, tmp_path):
@@ -101,6 +200,9 @@ def test_rows_of_the_megatron_launcher_and_older_logs(tool, tmp_path):
     assert axes["loss"].get_lines() and axes["degree mix"].collections
     assert axes["degree mix"].get_ylabel() == "tasks"
     assert [t.get_text() for t in axes["tokens/s and MFU"].texts] == ["no tokens/s in this log"]
+    assert [t.get_text() for t in axes["timeline"].texts] == [
+        "no timeline (rows carry one every --log-timeline-interval iterations) in this log"]
+    assert not axes["timeline"].collections
     matplotlib.pyplot.close(fig)
     assert tool.main([str(log), "--out", str(tmp_path / "out" / "r")]) == 0
     assert (tmp_path / "out" / "r.png").exists() and (tmp_path / "out" / "r.html").exists()

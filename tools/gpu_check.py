@@ -11,7 +11,8 @@ or unpacked where pip is missing) on a machine without network. Every section ha
 (``SECTION_LIMIT_S``; an alarm ends it, a watchdog ends the script if a section hangs in C code)
 and records its seconds; a failing section does not stop the others; the JSON is rewritten after
 every section, so a killed run still leaves the numbers of the sections before. The summary says
-PASS / FAIL / SKIP per section; the exit status is 1 if any section failed.
+PASS / FAIL / SKIP per section; the exit status is 1 if any section failed. On a terminal a
+progress bar on stderr counts the sections and names the one running.
 
 Sections:
 
@@ -91,6 +92,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_dcp.progress import Progress  # noqa: E402
 from megatron_dcp.runtime import backends, kernels  # noqa: E402
 from megatron_dcp.runtime.layout import ShardLayout  # noqa: E402
 from megatron_dcp.runtime.ring import ring_in_one_process  # noqa: E402
@@ -1255,6 +1257,34 @@ NO_GPU_STATUS = 3
 """Exit status when no GPU is there and ``--device cpu`` was not asked for."""
 
 
+def run_sections(args: argparse.Namespace, ctx: dict, report: _Report, state: dict,
+                 t_start: float) -> None:
+    """Every section not skipped, within what is left of ``--budget``, its entry written to
+    the report and a line printed as it ends; on a terminal a progress bar on stderr counts
+    the sections and names the running one."""
+    deadline = t_start + args.budget
+    with Progress("gpu check", total=len(SECTIONS)) as bar:
+        for name, fn in SECTIONS.items():
+            bar.update(0, label=name)
+            left = deadline - time.monotonic()
+            if name in args.skip:
+                entry = {"status": "SKIP", "reason": "--skip", "seconds": 0.0}
+            elif left < 5:
+                entry = {"status": "SKIP", "reason": f"time budget ({args.budget:.0f} s) spent",
+                         "seconds": 0.0}
+            else:
+                if name in NEEDS_WORLD:  # the one-rank world, made inside the first's limit
+                    fn = functools.partial(_with_world, fn)
+                entry = run_section(name, fn, ctx, min(SECTION_LIMIT_S[name], left), state)
+            report.data["sections"][name] = entry
+            report.data["seconds_total"] = round(time.monotonic() - t_start, 2)
+            report.write()
+            bar.note(f"[gpu_check] {name}: {entry['status']} ({entry['seconds']} s)")
+            if entry["status"] == "FAIL":
+                bar.note(entry["error"])
+            bar.update(label=name)
+
+
 def main(argv=None) -> int:
     """Run the sections, print the summary, write the JSON report."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1309,24 +1339,7 @@ def main(argv=None) -> int:
         "not_run_needs_more_gpus": list(NEEDS_MORE_GPUS), "sections": {}})
     state: dict = {}
     threading.Thread(target=_watchdog, args=(report, state), daemon=True).start()
-    deadline = t_start + args.budget
-    for name, fn in SECTIONS.items():
-        left = deadline - time.monotonic()
-        if name in args.skip:
-            entry = {"status": "SKIP", "reason": "--skip", "seconds": 0.0}
-        elif left < 5:
-            entry = {"status": "SKIP", "reason": f"time budget ({args.budget:.0f} s) spent",
-                     "seconds": 0.0}
-        else:
-            if name in NEEDS_WORLD:  # the one-rank world, made inside the first section's limit
-                fn = functools.partial(_with_world, fn)
-            entry = run_section(name, fn, ctx, min(SECTION_LIMIT_S[name], left), state)
-        report.data["sections"][name] = entry
-        report.data["seconds_total"] = round(time.monotonic() - t_start, 2)
-        report.write()
-        print(f"[gpu_check] {name}: {entry['status']} ({entry['seconds']} s)", flush=True)
-        if entry["status"] == "FAIL":
-            print(entry["error"], flush=True)
+    run_sections(args, ctx, report, state, t_start)
     if ctx.get("world") is not None:
         from megatron_dcp.runtime.groups import destroy_process_groups
 

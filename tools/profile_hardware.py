@@ -5,7 +5,9 @@
     python tools/profile_hardware.py --device cuda --out gpu.json    # GPUs (bf16 by default)
     python tools/simulate.py ... --hardware runs/cpu-profile.json    # plans use measured costs
 
-What is measured and how it is fitted: `megatron_dcp.profiling.hardware`.
+What is measured and how it is fitted: `megatron_dcp.profiling.hardware`. On a terminal a
+progress bar on stderr counts the measurements (GEMM, copy, model tasks, packed tasks,
+communication); a log gets the lines of the measured points only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_dcp.profiling import ProfileSettings, profile_hardware  # noqa: E402
+from megatron_dcp.progress import Progress  # noqa: E402
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -80,8 +83,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     _check_writable(args.out)
     known = {f.name for f in fields(ProfileSettings)}
-    data = profile_hardware(ProfileSettings(**{k: v for k, v in vars(args).items()
-                                               if k in known}))
+    settings = ProfileSettings(**{k: v for k, v in vars(args).items() if k in known})
+    with Progress("profiling") as bar:  # on a terminal: the measurements done and running
+        data = profile_hardware(settings, progress=bar)
     with open(args.out, "w") as handle:
         json.dump(data, handle, indent=1)
     m = data["measured"]

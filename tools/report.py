@@ -5,11 +5,15 @@ launcher) and writes ``RUN.png`` and ``RUN.html`` (the page embeds the image and
 run's totals), then prints both paths. Panels: loss; tokens/s and MFU; predicted vs measured
 step time; the mix of sequence-parallel degrees over the iterations (tokens per degree where the
 rows carry the figures of `megatron_dcp.runtime.figures`, else tasks per degree); recomputed
-layers and micro-steps per rank; the plan's idle share and efficiency. A panel whose figures a
-log lacks (an older log, a run without ``--dcp``) says so instead of a curve.
+layers and micro-steps per rank; the plan's idle share and efficiency; and a last row with the
+timeline (ranks x time, tasks coloured by degree, recompute hatched) of chosen iterations, from
+the ``timeline`` the rows carry every ``--log-timeline-interval`` iterations, drawn as
+``dcp-simulate --plot`` draws a plan (`timeline_plot`). A panel whose figures a log lacks (an
+older log, a run without ``--dcp``) says so instead of a curve.
 
     dcp-report runs/demo.jsonl                 # runs/demo.png, runs/demo.html
     dcp-report run.jsonl --out report/run      # report/run.png, report/run.html
+    dcp-report run.jsonl --timeline 1,500      # the timelines of iterations 1 and 500
 
 Needs matplotlib (``pip install 'megatron-dcp[plot]'``). Exit status 0, or 2 with a one-line
 error naming the file and line of a row that is not a DCP log row.
@@ -32,10 +36,18 @@ if str(ROOT) not in sys.path:  # `python tools/report.py` in a checkout
     sys.path.insert(0, str(ROOT))
 
 from megatron_dcp.runtime.figures import row_figures  # noqa: E402
+from megatron_dcp.runtime.report import timeline_tasks  # noqa: E402
+
+if __package__:  # tools.report, megatron_dcp_tools.report
+    from .timeline_plot import degree_colours, draw_timeline, legend_handles  # noqa: E402
+else:  # python tools/report.py (tools/ is first on sys.path)
+    from timeline_plot import degree_colours, draw_timeline, legend_handles  # noqa: E402
 
 PANELS = ("loss", "tokens/s and MFU", "step time: predicted vs measured",
-          "degree mix", "recompute and micro-steps", "idle share and plan efficiency")
-"""The title of every panel, in drawing order."""
+          "degree mix", "recompute and micro-steps", "idle share and plan efficiency",
+          "timeline")
+"""The title of every panel, in drawing order (the last row: a timeline panel per chosen
+iteration, titled ``timeline of iteration N ...``)."""
 
 EXTRA_HINT = "pip install 'megatron-dcp[plot]' (or: pip install matplotlib)"
 
@@ -82,8 +94,10 @@ def _degree_names(figures: list[dict[str, float]]) -> tuple[str, list[str]]:
     return "tokens", []
 
 
-def draw(rows: Sequence[dict[str, Any]], title: str = ""):
-    """The report's figure (matplotlib ``Figure``), one axes per `PANELS` entry, titled so."""
+def draw(rows: Sequence[dict[str, Any]], title: str = "",
+         timeline: Optional[Sequence[int]] = None):
+    """The report's figure (matplotlib ``Figure``): one axes per `PANELS` entry, titled so, the
+    last row a timeline panel per iteration of ``timeline`` (default: `default_timeline`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,9 +105,10 @@ def draw(rows: Sequence[dict[str, Any]], title: str = ""):
 
     its = [int(r["iteration"]) for r in rows]
     figs = [row_figures(r) for r in rows]
-    fig, axes = plt.subplots(3, 2, figsize=(13, 10), constrained_layout=True)
+    fig = plt.figure(figsize=(13, 13), constrained_layout=True)
     fig.suptitle(title)
-    panels = dict(zip(PANELS, axes.flat))
+    grid = fig.add_gridspec(4, 2, height_ratios=(1, 1, 1, 1.2))
+    panels = {name: fig.add_subplot(grid[k // 2, k % 2]) for k, name in enumerate(PANELS[:-1])}
     for name, ax in panels.items():
         ax.set_title(name)
         ax.set_xlabel("iteration")
@@ -109,7 +124,56 @@ def draw(rows: Sequence[dict[str, Any]], title: str = ""):
             ("micro_steps_max", "micro-steps (max rank)")])
     _lines(panels["idle share and plan efficiency"], its, figs,
            [("idle_share", "idle share"), ("plan_efficiency", "efficiency vs lower bound")])
+    _timelines(fig, grid[3, :], rows, default_timeline(rows) if timeline is None else timeline)
     return fig
+
+
+def default_timeline(rows: Sequence[dict[str, Any]]) -> list[int]:
+    """The iterations whose timeline the report draws by default: the first row that carries
+    one and the slowest (``step_s``) of those, in iteration order; none without any."""
+    carried = [r for r in rows if isinstance(r.get("timeline"), dict)]
+    if not carried:
+        return []
+    slowest = max(carried, key=lambda r: float(r.get("step_s") or 0.0))
+    return sorted({int(carried[0]["iteration"]), int(slowest["iteration"])})
+
+
+def _timelines(fig, cell, rows: Sequence[dict[str, Any]], chosen: Sequence[int]) -> None:
+    """The last row: the timeline of every ``chosen`` iteration side by side, one colour per
+    degree over all of them; a panel says so where a row carries none."""
+    by_iteration = {int(r["iteration"]): r for r in rows}
+    axes = cell.subgridspec(1, max(1, len(chosen))).subplots(squeeze=False)[0]
+    if not chosen:
+        axes[0].set_title(PANELS[-1])
+        _missing(axes[0], "timeline (rows carry one every --log-timeline-interval iterations)")
+        return
+    drawn = {}
+    for it in chosen:
+        row = by_iteration.get(it)
+        if row is not None and isinstance(row.get("timeline"), dict):
+            drawn[it] = (row, timeline_tasks(row["timeline"]))
+    colours = degree_colours(t[2] for _, tasks in drawn.values() for t in tasks)
+    end = max([s + d for _, tasks in drawn.values() for s, d, *_ in tasks] + [1e-9])
+    for ax, it in zip(axes, chosen):
+        if it not in drawn:
+            ax.set_title(f"{PANELS[-1]} of iteration {it}")
+            what = "row" if it not in by_iteration else "timeline"
+            _missing(ax, f"{what} of iteration {it}")
+            continue
+        row, tasks = drawn[it]
+        draw_timeline(ax, tasks, colours, int(row["timeline"]["world_size"]))
+        ax.set_xlim(0, end * 1.02)
+        ax.set_title(f"{PANELS[-1]} of iteration {it}{_step_text(row)}")
+    if drawn:
+        axes[-1].legend(handles=legend_handles(colours), fontsize="small", loc="upper left",
+                        bbox_to_anchor=(1.0, 1.0))
+
+
+def _step_text(row: dict[str, Any]) -> str:
+    """``: step 0.520 s, predicted 0.400 s`` of a row (what it has of the two)."""
+    parts = [f"{name} {float(row[key]):.3f} s" for name, key in
+             (("step", "step_s"), ("predicted", "predicted_s")) if row.get(key) is not None]
+    return ": " + ", ".join(parts) if parts else ""
 
 
 def _missing(ax, what: str) -> None:
@@ -186,22 +250,35 @@ def write_html(path: str, png_path: str, title: str, summary: dict[str, str]) ->
         f"<table style=\"font-family:sans-serif;margin:1em\">{cells}</table>\n</body></html>\n")
 
 
-def report(log: str, out: Optional[str] = None, dpi: int = 80) -> tuple[str, str]:
+def report(log: str, out: Optional[str] = None, dpi: int = 80,
+           timeline: Optional[Sequence[int]] = None) -> tuple[str, str]:
     """Write ``OUT.png`` and ``OUT.html`` of the log (``OUT``: the log's path without its
-    extension); returns both paths."""
+    extension), with the timelines of the ``timeline`` iterations (default:
+    `default_timeline`); returns both paths."""
     rows = read_log(log)
     prefix = out or os.path.splitext(log)[0]
     if os.path.dirname(prefix):
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
     png, page = prefix + ".png", prefix + ".html"
     title = f"{os.path.basename(log)}: {len(rows)} iterations"
-    fig = draw(rows, title)
+    fig = draw(rows, title, timeline)
     fig.savefig(png, dpi=dpi)
     import matplotlib.pyplot as plt
 
     plt.close(fig)
     write_html(page, png, title, totals(rows))
     return png, page
+
+
+def iterations(text: str) -> list[int]:
+    """``--timeline``: a comma list of iteration numbers."""
+    try:
+        chosen = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        chosen = []
+    if not chosen or min(chosen) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: iteration numbers, e.g. 1,500")
+    return chosen
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -211,6 +288,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default=None,
                    help="path of the outputs without extension (default: the log's)")
     p.add_argument("--dpi", type=int, default=80, help="resolution of the PNG")
+    p.add_argument("--timeline", type=iterations, default=None, metavar="ITER[,ITER]",
+                   help="the iterations whose timeline the last row draws (their rows carry "
+                        "one: the first and every --log-timeline-interval); default: the "
+                        "first row with a timeline and the slowest of them")
     args = p.parse_args(argv)
     try:
         import matplotlib  # noqa: F401
@@ -218,7 +299,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: dcp-report needs matplotlib: {EXTRA_HINT}", file=sys.stderr)
         return 2
     try:
-        png, page = report(args.log, args.out, args.dpi)
+        png, page = report(args.log, args.out, args.dpi, args.timeline)
     except (LogError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

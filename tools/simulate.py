@@ -65,6 +65,11 @@ from megatron_dcp.plan.workload import (DEFAULT_MAX_LEN, DISTRIBUTIONS,  # noqa:
                                         read_shapes_file, sample_lengths, sample_videos,
                                         video_workload)
 
+if __package__:  # tools.simulate, megatron_dcp_tools.simulate
+    from .timeline_plot import degree_colours, draw_timeline, legend_handles  # noqa: E402
+else:  # python tools/simulate.py (tools/ is first on sys.path)
+    from timeline_plot import degree_colours, draw_timeline, legend_handles  # noqa: E402
+
 ORDER = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp")
 
 
@@ -354,34 +359,32 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def simulated_tasks(plan: Plan, result) -> list:
+    """The plan's tasks as `timeline_plot` draws them: (start, duration, degree, recomputed
+    layers, ranks), at the times of its simulation ``result``."""
+    return [(start, duration, t.degree, t.recompute_layers, t.ranks)
+            for t, start, duration in zip(plan.tasks, result.starts, result.durations)]
+
+
 def plot_plans(shown: list, path: str, cm) -> None:
-    """Timelines side by side: one row per rank, tasks coloured by degree, recompute hatched."""
+    """Timelines side by side (`timeline_plot.draw_timeline`): one row per rank, tasks coloured
+    by degree, recompute hatched."""
     import matplotlib  # lazy: only --plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
-    degrees = sorted({t.degree for _, plan, _ in shown for t in plan.tasks})
-    cmap = plt.get_cmap("viridis", max(2, len(degrees)))
-    colour = {d: cmap(i) for i, d in enumerate(degrees)}
+    colours = degree_colours(t.degree for _, plan, _ in shown for t in plan.tasks)
     world = shown[0][1].world_size
     fig, axes = plt.subplots(1, len(shown), figsize=(7 * len(shown), 1.5 + min(world, 128) * 0.12),
                              sharey=True, squeeze=False)
     for ax, (name, plan, result) in zip(axes[0], shown):
-        for task, start, duration in zip(plan.tasks, result.starts, result.durations):
-            hatch = "//" if task.recompute_layers else None
-            for r in task.ranks:
-                ax.broken_barh([(start, duration)], (r - 0.4, 0.8), facecolors=colour[task.degree],
-                               edgecolor="white", linewidth=0.3, hatch=hatch)
+        draw_timeline(ax, simulated_tasks(plan, result), colours, world)
         ax.set_title(f"{name}: step {result.step_time_s:.2f} s, efficiency {result.efficiency:.2f}")
-        ax.set_xlabel("seconds")
         ax.set_xlim(0, max(r.makespan_s for _, _, r in shown) * 1.02)
-    axes[0][0].set_ylabel("rank")
-    axes[0][0].invert_yaxis()
-    handles = [Patch(facecolor=colour[d], label=f"degree {d}") for d in degrees]
-    handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="recompute"))
-    fig.legend(handles=handles, loc="upper right", fontsize="small")
+    for ax in axes[0][1:]:
+        ax.set_ylabel("")
+    fig.legend(handles=legend_handles(colours), loc="upper right", fontsize="small")
     fig.tight_layout(rect=(0, 0, 0.93, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

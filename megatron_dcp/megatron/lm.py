@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_dcp import patching
-from megatron_dcp.config import output_file
+from megatron_dcp.config import int_flag, output_file
 from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
 from megatron_dcp.megatron.lm_checkpoint import (PlannerCheckpoint, gated_load_args,
                                                  save_takeover_problem, vocab_size)
@@ -38,7 +38,7 @@ from megatron_dcp.megatron.lm_monitor import (LMMonitor, check_monitor_args,
                                               slowest_rank_timings)
 from megatron_dcp.patching import PatchSet
 from megatron_dcp.runtime.figures import StepFigures
-from megatron_dcp.runtime.report import TrainingLog
+from megatron_dcp.runtime.report import TIMELINE_INTERVAL, TrainingLog
 
 NAME = "megatron-lm-dcp"
 SPEC = ["megatron_dcp.megatron.lm_spec", "layer_spec"]
@@ -54,6 +54,12 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "--log-json format (loss, tokens, step and predicted seconds, the "
                             "plan with its degrees; dcp-simulate --replay reads it), written by "
                             "the last pipeline stage's first rank")
+    group.add_argument("--dcp-log-timeline-interval", type=int_flag(0),
+                       default=TIMELINE_INTERVAL, metavar="N",
+                       help="with --dcp-log-json: the rows of the first iteration and of every "
+                            "N-th carry the plan's timeline (each task's predicted start, "
+                            "duration, degree, recompute and ranks; dcp-report draws it); 0: "
+                            f"never (default {TIMELINE_INTERVAL})")
     return parser
 
 
@@ -361,7 +367,8 @@ class LMForwardBackward:
             and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
         self.log_path = args.dcp_log_json if writer else None
         self.log = TrainingLog("dcp", args.train_iters, json_path=self.log_path,
-                               primary=bool(self.log_path), quiet=True, append=bool(args.load))
+                               primary=bool(self.log_path), quiet=True, append=bool(args.load),
+                               timeline_interval=args.dcp_log_timeline_interval)
         """The ``--dcp-log-json`` rows, in the examples' format (`TrainingLog`)."""
         self.monitor = LMMonitor.of_megatron(args)  # Megatron-LM's TensorBoard / W&B writers
         self.figures: Optional[StepFigures] = None  # made at the first step (the driver's)
@@ -459,4 +466,4 @@ class LMForwardBackward:
                            predicted_s=result.predicted_s,
                            calibration_error=result.calibration_error, skipped=result.skipped,
                            skipped_sequences=left_out, sequences=result.sequences,
-                           figures=figures)
+                           figures=figures, step_plan=result.plan)

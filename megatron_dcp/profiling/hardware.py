@@ -44,6 +44,11 @@ from megatron_dcp.plan.hardware import (AMPERE_HYBRID_SHARE, AMPERE_RING_SHARE,
                                         HOPPER_HYBRID_SHARE, HOPPER_RING_SHARE,
                                         NCCL_COMMUNICATOR_BYTES, hardware_from_dict)
 from megatron_dcp.profiling import fit, measure
+from megatron_dcp.progress import Progress
+
+MEASUREMENTS = ("GEMM", "copy", "model tasks", "packed tasks", "communication")
+"""The measurements `profile_hardware` runs, in order (communication: with more than one
+rank); a progress bar counts them."""
 
 
 @dataclass
@@ -149,8 +154,22 @@ def _multi_rank(shape: Any, comm: dict, base: dict, world: int, sp_lengths: list
     return fields, measured
 
 
+def _gemm_and_copy(s: ProfileSettings, cfg, device: torch.device, dtype: torch.dtype,
+                   bar: Progress) -> tuple[list[dict], float, float]:
+    """The GEMM timings, their best FLOP/s and the copy bandwidth."""
+    bar.update(0, label="GEMM")
+    gemm = [measure.measure_gemm(cfg, device, dtype, t, s.repeat) for t in (256, 1024)]
+    linear_flops = max(g["flop_s"] for g in gemm)
+    bar.note(f"GEMM: {linear_flops / 1e9:.2f} GFLOP/s")
+    bar.update(label="copy")
+    hbm_bandwidth = measure.measure_copy(device, 16 if s.quick else 256, s.repeat)
+    bar.note(f"copy: {hbm_bandwidth / 1e9:.2f} GB/s")
+    bar.update(label="copy")
+    return gemm, linear_flops, hbm_bandwidth
+
+
 def _task_points(s: ProfileSettings, cfg, lengths: list[int], device: torch.device,
-                 dtype_name: str) -> tuple[list[dict], list[dict]]:
+                 dtype_name: str, bar: Progress) -> tuple[list[dict], list[dict]]:
     """Timed one-sequence tasks (each length, with no and with every layer recomputed) and
     timed packed tasks."""
     dtype = getattr(torch, dtype_name)
@@ -158,19 +177,24 @@ def _task_points(s: ProfileSettings, cfg, lengths: list[int], device: torch.devi
     # a tiny task pins the fixed per-task cost (Python and kernel-launch overhead of a micro-step),
     # which longer sequences alone leave to the fit to guess
     lengths = sorted(set(lengths) | {measure.TASK_ANCHOR_TOKENS})
+    bar.update(0, label="model tasks")
     if s.concurrent and s.ranks > 1:
         points = measure.measure_model_concurrently(cfg, lengths, recompute_layers, s.ranks,
                                                     s.device, dtype_name, s.repeat, s.threads)
     else:
-        points = measure.measure_model(cfg, lengths, recompute_layers, device, dtype, s.repeat)
+        points = measure.measure_model(cfg, lengths, recompute_layers, device, dtype, s.repeat,
+                                       say=bar.note)
+    bar.update(label="packed tasks")
     sizes = list(s.pack_sizes)
     if s.quick:
         sizes = [x for x in sizes if 512 <= x <= 8192] or sizes[:3]
-    return points, measure.measure_packs(cfg, sizes, s.pack_seq, device, dtype, s.repeat)
+    packs = measure.measure_packs(cfg, sizes, s.pack_seq, device, dtype, s.repeat, say=bar.note)
+    bar.update(label="packed tasks")
+    return points, packs
 
 
 def _layout_rates(s: ProfileSettings, world: int, cfg, shape, base: dict,
-                  layout_lengths: list[int]) -> tuple[dict, Optional[dict]]:
+                  layout_lengths: list[int], bar: Progress) -> tuple[dict, Optional[dict]]:
     """The link and layout fields of the profile, and the multi-rank measurements: measured over
     ``world`` processes, or (one rank) derived from the copy bandwidth and, on CUDA, the
     device's specification."""
@@ -180,7 +204,9 @@ def _layout_rates(s: ProfileSettings, world: int, cfg, shape, base: dict,
                    repeat=s.repeat, sizes=[4096, 65536, 1 << 20] if s.quick else
                    [4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20],
                    cfg=cfg, layout_lengths=layout_lengths, sp_lengths=sp_lengths)
+        bar.update(0, label="communication")
         comm = measure.measure_comm(world, job)
+        bar.update(label="communication")
         return _multi_rank(shape, comm, base, world, sp_lengths)
     hbm_bandwidth = base["hbm_bandwidth"]
     fields = {"intra_bandwidth": hbm_bandwidth / 4, "intra_latency": 2e-5,
@@ -192,9 +218,10 @@ def _layout_rates(s: ProfileSettings, world: int, cfg, shape, base: dict,
     return fields, None
 
 
-def profile_hardware(s: ProfileSettings) -> dict:
+def profile_hardware(s: ProfileSettings, progress: Optional[Progress] = None) -> dict:
     """Run every measurement and return the profile JSON object (checked: the planner loads
-    it)."""
+    it). ``progress``: a bar counting the `MEASUREMENTS` (its total is set here), the lines
+    of each point printed through it; default: lines only."""
     device = torch.device(s.device)
     dtype_name = s.resolved_dtype()
     dtype = getattr(torch, dtype_name)
@@ -205,12 +232,11 @@ def profile_hardware(s: ProfileSettings) -> dict:
     cfg = _decoder_config(s, max(lengths + layout_lengths + [s.pack_seq]))
     shape = Decoder(cfg).shape()
     t0 = time.perf_counter()
-    gemm = [measure.measure_gemm(cfg, device, dtype, t, s.repeat) for t in (256, 1024)]
-    linear_flops = max(g["flop_s"] for g in gemm)
-    print(f"GEMM: {linear_flops / 1e9:.2f} GFLOP/s", flush=True)
-    hbm_bandwidth = measure.measure_copy(device, 16 if s.quick else 256, s.repeat)
-    print(f"copy: {hbm_bandwidth / 1e9:.2f} GB/s", flush=True)
-    points, pack_points = _task_points(s, cfg, lengths, device, dtype_name)
+    world = _comm_world(s, device)
+    bar = progress if progress is not None else Progress("profiling", enabled=False)
+    bar.total = len(MEASUREMENTS) - (world <= 1)
+    gemm, linear_flops, hbm_bandwidth = _gemm_and_copy(s, cfg, device, dtype, bar)
+    points, pack_points = _task_points(s, cfg, lengths, device, dtype_name, bar)
     # fit, derive the pack curve with the fitted attention/task terms; the pack curve is then
     # what is left of the packed tasks' times (one pass: refitting with the curve drifts, as task
     # overhead and the curve's small end trade off)
@@ -222,8 +248,7 @@ def profile_hardware(s: ProfileSettings) -> dict:
     final = fit.placeholder(**base)
     report = fit.predictions(shape, points, final)  # what the planner will predict
     pack_points = fit.predictions(shape, pack_points, final)
-    world = _comm_world(s, device)
-    layout_fields, multi = _layout_rates(s, world, cfg, shape, base, layout_lengths)
+    layout_fields, multi = _layout_rates(s, world, cfg, shape, base, layout_lengths, bar)
     ranks_per_node = max(1, world)
     data = {
         "format_version": 1,

@@ -110,9 +110,9 @@ def task_step(model: Decoder, cfg: DecoderConfig, lengths: list[int], device: to
 
 def measure_model(cfg: DecoderConfig, lengths: list[int], recompute_layers: list[int],
                   device: torch.device, dtype: torch.dtype, repeat: int,
-                  verbose: bool = True) -> list[dict]:
+                  verbose: bool = True, say: Callable[[str], None] = print) -> list[dict]:
     """Forward+backward seconds of the whole decoder on one sequence per length and per number
-    of recomputed layers."""
+    of recomputed layers; ``verbose``: ``say`` a line per point."""
     model = Decoder(cfg, seed=0).to(device=device, dtype=dtype)
     points = []
     for n in lengths:
@@ -121,15 +121,17 @@ def measure_model(cfg: DecoderConfig, lengths: list[int], recompute_layers: list
             points.append({"length": n, "recompute_layers": layers,
                            "seconds": timed(step, device, repeat)})
             if verbose:
-                print(f"  model fwd+bwd  length {n:6d}  recompute_layers {layers}: "
-                      f"{points[-1]['seconds']:.4f} s", flush=True)
+                say(f"  model fwd+bwd  length {n:6d}  recompute_layers {layers}: "
+                    f"{points[-1]['seconds']:.4f} s")
     return points
 
 
 def measure_packs(cfg: DecoderConfig, sizes: list[int], seq_len: int, device: torch.device,
-                  dtype: torch.dtype, repeat: int, verbose: bool = True) -> list[dict]:
+                  dtype: torch.dtype, repeat: int, verbose: bool = True,
+                  say: Callable[[str], None] = print) -> list[dict]:
     """Forward+backward seconds of one degree-1 task per size: ``size // seq_len`` sequences of
-    ``seq_len`` tokens packed (varlen attention within each sequence, as the executor runs it)."""
+    ``seq_len`` tokens packed (varlen attention within each sequence, as the executor runs it);
+    ``verbose``: ``say`` a line per size."""
     model = Decoder(cfg, seed=0).to(device=device, dtype=dtype)
     points = []
     for size in sizes:
@@ -138,8 +140,8 @@ def measure_packs(cfg: DecoderConfig, sizes: list[int], seq_len: int, device: to
         seconds = timed(task_step(model, cfg, lengths, device), device, repeat)
         points.append({"tokens": tokens, "seq_len": lengths[0], "seconds": seconds})
         if verbose:
-            print(f"  packed task {tokens:6d} tokens ({len(lengths)} x {lengths[0]}): "
-                  f"{seconds / tokens * 1e6:.2f} us/token", flush=True)
+            say(f"  packed task {tokens:6d} tokens ({len(lengths)} x {lengths[0]}): "
+                f"{seconds / tokens * 1e6:.2f} us/token")
     return points
 
 

@@ -1,11 +1,13 @@
 """Per-iteration output of a training run, the same for every engine adapter.
 
 `plan_summary` condenses a step's plan (degrees used, micro-steps per rank, recomputed layers,
-predicted step time) into a JSON-ready dict; `TrainingLog` prints one line per iteration with a
+predicted step time) into a JSON-ready dict, `plan_timeline` its tasks' predicted times and
+ranks (read back by `timeline_tasks`); `TrainingLog` prints one line per iteration with a
 progress bar, writes the ``--log-json`` lines (one JSON object per iteration: ``iteration``,
 ``loss``, ``tokens``, ``tokens_per_s``, ``step_s``, ``skipped`` and ``skipped_steps``, with DCP
-``predicted_s`` and ``calibration_error``, ``plan`` and whatever else the caller adds,
-e.g. `peak_memory_mb`) and the final throughput line. Tokens are the tokens trained: a sequence
+``predicted_s`` and ``calibration_error``, ``plan``, every ``timeline_interval`` iterations
+``timeline``, and whatever else the caller adds, e.g. `peak_memory_mb`) and the final
+throughput line. Tokens are the tokens trained: a sequence
 the oversize policy skipped is counted as skipped (``skipped_sequences``), not as trained
 (`trained_tokens`), and a skipped step trains none. Pure Python (torch only where a CUDA
 device is measured): the examples of both engines use it.
@@ -46,6 +48,40 @@ def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int],
     if plan_wait_s is not None:
         summary["plan_wait_ms"] = round(plan_wait_s * 1e3, 2)
     return summary
+
+
+TIMELINE_INTERVAL = 100
+"""Default of ``--log-timeline-interval`` (examples) and ``--dcp-log-timeline-interval`` (the
+launcher): a row carries the plan's timeline at the first logged iteration and every this many
+(0: never); a row of a 64-rank plan grows by a few KB with it."""
+
+TimelineTask = tuple[float, float, int, int, tuple[int, ...]]
+"""(start s, duration s, degree, recomputed layers, ranks) of one task of a timeline."""
+
+
+def plan_timeline(plan: Plan) -> dict[str, Any]:
+    """The predicted timeline of ``plan``'s tasks, compact, for a log row: ``{"world_size": W,
+    "tasks": [[start, duration, degree, recompute_layers, ranks], ...]}``, seconds rounded to
+    the microsecond, as the planner predicted them (the times ``predicted_s`` is made of: its
+    makespan plus the step's overhead); ``ranks`` is the group's first rank where the group is
+    the ``degree`` ranks from it in order, else the list of its ranks."""
+    tasks = []
+    for t in plan.tasks:
+        first = t.ranks[0]
+        ranks = first if t.ranks == tuple(range(first, first + t.degree)) else list(t.ranks)
+        tasks.append([round(t.start, 6), round(t.duration, 6), t.degree, t.recompute_layers,
+                      ranks])
+    return {"world_size": plan.world_size, "tasks": tasks}
+
+
+def timeline_tasks(timeline: dict[str, Any]) -> list[TimelineTask]:
+    """The tasks of a `plan_timeline` (a log row's ``timeline``), every group's ranks spelled
+    out."""
+    out = []
+    for start, duration, degree, recompute, ranks in timeline["tasks"]:
+        group = tuple(range(ranks, ranks + degree)) if isinstance(ranks, int) else tuple(ranks)
+        out.append((float(start), float(duration), int(degree), int(recompute), group))
+    return out
 
 
 def trained_tokens(plan: Optional[Plan], lengths: Sequence[int]) -> tuple[int, int]:
@@ -141,11 +177,15 @@ class TrainingLog:
 
     ``primary``: this process reports (rank 0); others only count. ``quiet``: no iteration lines
     (the final line is still printed). ``append``: add to an existing JSON log (a resumed run).
+    ``timeline_interval``: the rows of the first iteration logged and of every iteration
+    divisible by it carry the step plan's `plan_timeline` (0: none).
     """
 
     def __init__(self, mode: str, train_iters: int, *, json_path: Optional[str] = None,
-                 primary: bool = True, quiet: bool = False, append: bool = False) -> None:
+                 primary: bool = True, quiet: bool = False, append: bool = False,
+                 timeline_interval: int = TIMELINE_INTERVAL) -> None:
         self.mode = mode
+        self.timeline_interval = timeline_interval
         self.train_iters = train_iters
         self.primary = primary
         self.quiet = quiet
@@ -159,15 +199,18 @@ class TrainingLog:
     def iteration(self, iteration: int, *, loss: float, tokens: int, step_s: float,
                   plan: dict[str, Any], predicted_s: Optional[float] = None,
                   calibration_error: Optional[float] = None, skipped: bool = False,
-                  skipped_sequences: int = 0, **extra: Any) -> dict[str, Any]:
+                  skipped_sequences: int = 0, step_plan: Optional[Plan] = None,
+                  **extra: Any) -> dict[str, Any]:
         """Record one iteration (1-based ``iteration``); returns the JSON record.
         ``tokens``: tokens trained (`trained_tokens`); ``predicted_s``: the step time the cost
         model predicted (DCP); ``calibration_error``: the online calibration's current median
         relative error of that prediction; ``skipped``: the step applied no update (a non-finite
         loss skipped, an fp16 overflow): it trained no tokens; ``skipped_sequences``: sequences
-        of the batch the oversize policy left out. An ``extra`` ``sequences`` (the batch's
-        count) is recorded like ``tokens``: the sequences trained (without those left out; none
-        in a skipped step), the batch's count as ``batch_sequences``."""
+        of the batch the oversize policy left out; ``step_plan``: the step's DCP plan, whose
+        `plan_timeline` the row carries when due (``timeline_interval``). An ``extra``
+        ``sequences`` (the batch's count) is recorded like ``tokens``: the sequences trained
+        (without those left out; none in a skipped step), the batch's count as
+        ``batch_sequences``."""
         self.iterations += 1
         tokens = 0 if skipped else tokens
         self.tokens += tokens
@@ -186,6 +229,9 @@ class TrainingLog:
             record["batch_sequences"] = extra["sequences"]
             record["sequences"] = 0 if skipped else extra["sequences"] - skipped_sequences
         record["plan"] = plan
+        if self.primary and self._timeline_due(iteration) and step_plan is not None \
+                and step_plan.policy != "data-parallel":
+            record["timeline"] = plan_timeline(step_plan)
         if self._json is not None:
             self._json.write(json.dumps(record) + "\n")
             self._json.flush()
@@ -197,6 +243,12 @@ class TrainingLog:
                   f"{_prediction_text(predicted_s, calibration_error)} | {_plan_text(plan)}"
                   f"{_skip_text(skipped, self.skipped_steps, skipped_sequences)}", flush=True)
         return record
+
+    def _timeline_due(self, iteration: int) -> bool:
+        """Whether this row carries the timeline: the first one logged, then every
+        ``timeline_interval`` iterations."""
+        every = self.timeline_interval
+        return every > 0 and (self.iterations == 1 or iteration % every == 0)
 
     def close(self) -> None:
         """Print the final line (throughput over the iterations run) and close the JSON log."""
