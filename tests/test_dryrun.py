@@ -1,7 +1,8 @@
 """The dry run (issue 43): every rank of a 16-rank job at real width (Llama-7B layers, bf16) on
 the meta device under torch's fake process group, in this process; collectives recorded and
-checked across ranks. Negative controls: a rank that skips one collective, two swapped
-collectives, and a host tensor handed to a collective are each caught."""
+checked across ranks; the Megatron path with pipelines and with experts. Negative controls: a
+rank that skips one collective, two swapped collectives, and a host tensor handed to a
+collective are each caught."""
 
 from __future__ import annotations
 
@@ -124,9 +125,46 @@ def test_megatron_interleaved_pipeline_sends_meet_their_receives():
 
 
 def test_megatron_path_refuses_what_it_cannot_run_yet():
-    with pytest.raises(ValueError, match="MoE"):
-        _run("--engine", "megatron", "--model", "mixtral-8x7b", "--tp", "2", "--layers", "4",
-             "--ranks", "0")
+    with pytest.raises(ValueError, match="leading dense layers"):
+        _run("--engine", "megatron", "--model", "deepseek-v3", "--layers", "4", "--ranks", "0")
+    with pytest.raises(ValueError, match="MoE models need --engine megatron"):
+        _run("--model", "mixtral-8x7b", "--ranks", "0")
+    with pytest.raises(ValueError, match="dense model"):
+        _run("--engine", "megatron", "--ep", "2", "--ranks", "0")
+
+
+def test_megatron_moe_expert_parallel_all_to_alls_line_up():
+    """Qwen3-30B-A3B's MoE layer (128 experts, top-8) with EP 4 on 8 ranks: Megatron's alltoall
+    dispatcher under DCP's lockstep slots (balanced routing: `megatron_dcp.dryrun.moe_routing`),
+    every expert group's dispatch and combine all-to-alls issued by all its members in the same
+    order (their rows differ: each sends its own tokens); a rank that drops one is named."""
+    pytest.importorskip("megatron.core")
+    flags = ["--engine", "megatron", "--gpus", "8", "--model", "qwen3-30b-a3b", "--ep", "4",
+             "--layers", "1", "--global-batch-tokens", "32768"]
+    report = run(parse_args(flags), keep_calls=True)
+    assert report["ok"] and report["consistent"], report["mismatches"][:2]
+    moe = [c for c in report["calls"][1] if c.op.startswith("alltoall_base") and c.split]
+    assert moe and {c.group for c in moe} == {(0, 1, 2, 3)}
+    for r in report["ranks"]:
+        assert r["error"] == "" and r["cpu_tensors"] == 0
+        assert 0.9 < r["peak_bytes"] / r["predicted_bytes"] < 1.25, r
+    first = next(i for i, c in enumerate(report["calls"][1]) if c.split)
+    cut = run(parse_args(flags), drop_call=(1, first))
+    assert not cut["consistent"] and any(m.get("group") == [0, 1, 2, 3]
+                                         for m in cut["mismatches"])
+
+
+def test_megatron_moe_expert_tp1_groups_inside_tp_pairs_plan_free():
+    """TP 2 with expert TP 1 and EP 2: each expert group is a TP pair of one DCP rank (free
+    plans), its all-to-alls on that pair."""
+    pytest.importorskip("megatron.core")
+    report = run(parse_args(["--engine", "megatron", "--gpus", "8", "--model", "qwen3-30b-a3b",
+                             "--tp", "2", "--sequence-parallel", "--ep", "2", "--expert-tp", "1",
+                             "--layers", "1", "--global-batch-tokens", "32768"]),
+                 keep_calls=True)
+    assert report["ok"] and report["consistent"], report["mismatches"][:2]
+    moe = {c.group for c in report["calls"][2] if c.split}
+    assert moe == {(2, 3)}
 
 
 def test_a_rank_over_its_memory_budget_fails_the_run_and_is_named(capsys):

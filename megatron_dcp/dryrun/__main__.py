@@ -42,6 +42,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--vpp", type=int, default=1,
                    help="virtual pipeline stages per pipeline rank (--engine megatron, --pp > 1: "
                         "Megatron's interleaved schedule)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel size of a MoE model (--engine megatron; default: the "
+                        "model's, 1 for the presets)")
+    p.add_argument("--expert-tp", type=int, default=None,
+                   help="expert tensor-parallel size (default --tp; 1: experts whole)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism (with --tp > 1)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
@@ -61,6 +66,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="skip the start-up creation and warming of the vocabulary's groups")
     p.add_argument("--json", type=output_file, default=None, help="write the report here")
     return p.parse_args(argv)
+
+
+def _experts(args: argparse.Namespace, model: Any) -> dict:
+    """The ``ModelShape`` fields of ``--ep`` / ``--expert-tp``; an error for a dense model."""
+    if args.ep is None and args.expert_tp is None:
+        return {}
+    if not model.is_moe:
+        raise ValueError(f"--ep / --expert-tp: {args.model} is a dense model")
+    out = {"expert_parallel": args.ep} if args.ep is not None else {}
+    if args.expert_tp is not None:
+        out["expert_tensor_parallel"] = args.expert_tp
+    return out
 
 
 def batch_lengths(args: argparse.Namespace) -> list[int]:
@@ -105,7 +122,8 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
     shape = dataclasses.replace(layers_run(load_model(args.model), args.layers),
                                 tensor_parallel=args.tp, pipeline_parallel=args.pp,
                                 virtual_pipeline=args.vpp,
-                                sequence_parallel=args.sequence_parallel and args.tp > 1)
+                                sequence_parallel=args.sequence_parallel and args.tp > 1,
+                                **_experts(args, load_model(args.model)))
     job = RankJob(shape=shape, lengths=batch_lengths(args), world_size=args.gpus,
                   config=config, hardware=args.hardware, zero_stage=args.zero_stage,
                   create_groups=not args.no_create_groups, **controls)
@@ -116,9 +134,9 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
         if refused(job):
             raise ValueError(refused(job))
         run_one = run_megatron_rank
-    elif args.tp > 1 or args.pp > 1 or args.vpp > 1:
-        raise ValueError("--tp/--pp > 1 need --engine megatron (the reference decoder has "
-                         "neither)")
+    elif args.tp > 1 or args.pp > 1 or args.vpp > 1 or shape.is_moe:
+        raise ValueError("--tp/--pp > 1 and MoE models need --engine megatron (the reference "
+                         "decoder has none of them)")
     ranks = list(sample_ranks(args.gpus, args.ranks))
     results = []
     with Progress("dry run: ranks", total=len(ranks)) as bar:

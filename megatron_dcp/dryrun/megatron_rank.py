@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_dcp.dryrun.moe_routing import balanced_routing
 from megatron_dcp.dryrun.record import JOB_DEVICE, FakeJob, _patched
 from megatron_dcp.dryrun.runtime_rank import RankJob, rank_report
 
@@ -68,9 +69,14 @@ def megatron_on_meta() -> Iterator[None]:
     import megatron.core.distributed.param_and_grad_buffer as buffers
     import megatron.core.tensor_parallel.random as mrandom
 
+    from megatron_dcp import patching
     from megatron_dcp.megatron import cpu
+    from megatron_dcp.megatron.moe import MOE_CPU, enable_moe_cpu
 
     with contextlib.ExitStack() as stack:
+        # MoE: the router's Transformer Engine name, the dispatcher's copies without a stream
+        stack.enter_context(patching.scoped(MOE_CPU, enable_moe_cpu))
+        stack.enter_context(balanced_routing())
         for name, value in (("current_device", lambda: JOB_DEVICE),
                             ("synchronize", lambda *a, **k: None),
                             ("Stream", cpu._CpuStream), ("stream", torch.cpu.stream),
@@ -97,19 +103,33 @@ def dp_worlds(world_size: int, tp: int, pp: int = 1) -> list[list[int]]:
 def refused(job: RankJob) -> str:
     """Why the Megatron path cannot dry-run ``job`` yet, or ``""``."""
     shape = job.shape
-    if shape.is_moe:
-        return ("--engine megatron with MoE: not yet (Megatron's token dispatchers read the "
-                "routing counts on the host)")
+    if shape.is_moe and shape.moe_dense_layers:
+        return ("--engine megatron with leading dense layers in a MoE model: not yet (one "
+                "layer spec for every layer)")
     if job.world_size % (shape.tensor_parallel * shape.pipeline_parallel):
         return (f"--gpus {job.world_size} is not a multiple of --tp {shape.tensor_parallel} x "
                 f"--pp {shape.pipeline_parallel}")
     return ""
 
 
+def _moe_config(shape: Any) -> dict:
+    """``TransformerConfig`` keywords of ``shape``'s experts (none for a dense shape): the
+    alltoall dispatcher, dropless, the sequence-level balancing loss DCP computes per sequence."""
+    if not shape.is_moe:
+        return {}
+    return dict(num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_topk,
+                expert_model_parallel_size=shape.expert_parallel,
+                expert_tensor_parallel_size=shape.expert_tp,
+                moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+                moe_shared_expert_intermediate_size=shape.moe_shared_expert_ffn or None,
+                moe_token_dispatcher_type="alltoall",
+                moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3)
+
+
 def _config(shape: Any) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    return TransformerConfig(**_moe_config(shape),
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads, tensor_model_parallel_size=shape.tensor_parallel,
@@ -143,7 +163,8 @@ def build_model(shape: Any, zero_stage: int) -> list:
     for c in range(shape.virtual_pipeline):
         vp = c if shape.virtual_pipeline > 1 else None
         spec = get_gpt_block_dcp_spec(config, get_gpt_layer_dcp_spec(
-            normalization="RMSNorm", use_transformer_engine=False), vp_stage=vp)
+            normalization="RMSNorm", use_transformer_engine=False,
+            num_experts=shape.num_experts or None), vp_stage=vp)
         with torch.device(JOB_DEVICE):
             model = GPTModel(config, spec, vocab_size=shape.vocab_size,
                              max_sequence_length=shape.max_position or 8192,
@@ -200,6 +221,8 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
             tensor_model_parallel_size=job.shape.tensor_parallel,
             pipeline_model_parallel_size=job.shape.pipeline_parallel,
             virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None,
+            expert_model_parallel_size=job.shape.expert_parallel,
+            expert_tensor_parallel_size=job.shape.expert_tp,
             create_gloo_process_groups=False)
         # the inference tracker: no device generator to fork (values do not matter on meta)
         tensor_parallel.model_parallel_cuda_manual_seed(0, inference_rng_tracker=True,

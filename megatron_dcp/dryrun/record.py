@@ -11,7 +11,7 @@ GPU, every collective and P2P call recorded, and host reads of device values cou
   every other test runs, takes it). Object collectives (``all_gather_object`` ...) carry pickles
   through host tensors by design: they are recorded as data movement, with their bytes.
 * `HostReads` (a function mode): ``.item()``, ``.tolist()``, ``float``/``int``/``bool`` of a
-  tensor and ``nonzero`` on the job's device (host syncs on a GPU) counted by call site, each
+  tensor, ``nonzero`` and copies to the host (``.cpu()``, ``.to("cpu")``) on the job's device (host syncs on a GPU) counted by call site, each
   answered with a placeholder (zeros, ``False``, no rows) so that the rank goes on.
 * `check_consistency`: in every group, every member issued the same sequence of collectives
   (operation, shapes, dtype); every send has its receive, in order. A mismatch names the group,
@@ -60,10 +60,15 @@ class Call:
     """The other global rank of a send or a receive."""
     where: str = ""
     """What the rank was running (task and micro-step), for the report."""
+    split: bool = False
+    """An all-to-all given split sizes (MoE token dispatch): its rows are routing data."""
 
     def signature(self) -> tuple:
-        """What every member of the group must agree on."""
-        return (self.op, self.shapes, self.dtype)
+        """What every member of the group must agree on: operation, shapes and dtype; of an
+        all-to-all with split sizes the row width, not the rows (each member sends its own
+        tokens' routed copies)."""
+        shapes = tuple(s[1:] for s in self.shapes) if self.split else self.shapes
+        return (self.op, shapes, self.dtype)
 
 
 def _group_ranks(obj: Any) -> tuple[int, ...]:
@@ -130,8 +135,10 @@ class Recorder(TorchDispatchMode):
             peer = group[local] if local < len(group) else local
         shapes = tuple(tuple(t.shape) for t in tensors)
         dtype = str(tensors[0].dtype) if tensors else ""
+        split = name.startswith("alltoall_base") and any(
+            isinstance(a, (list, tuple)) and a and isinstance(a[0], int) for a in args)
         self.calls.append(Call(name + ("[object]" if self.in_object_collective else ""), group,
-                               shapes, dtype, peer, self.where))
+                               shapes, dtype, peer, self.where, split))
 
 
 def _call_site() -> str:
@@ -160,10 +167,10 @@ class HostReads(TorchFunctionMode):
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if x is not None and x.device == JOB_DEVICE and (
                 func in self.ANSWERS or func in self.LISTS or func in self.ROWS
-                or func in self.COPIES):
+                or func in self.COPIES or _to_host(func, args, kwargs)):
             name = getattr(func, "__name__", str(func))
             self.sites[f"{_call_site()} {name}"] += 1
-            if func in self.COPIES:
+            if func in self.COPIES or func is torch.Tensor.to:
                 zeros = torch.zeros(x.shape, dtype=x.dtype)
                 return zeros.numpy() if func is torch.Tensor.numpy else zeros
             if func in self.ROWS:
@@ -173,6 +180,14 @@ class HostReads(TorchFunctionMode):
             value = self.ANSWERS[func]
             return float(value) if x.is_floating_point() and func is torch.Tensor.item else value
         return func(*args, **kwargs)
+
+
+def _to_host(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(*args, **kwargs)`` is ``Tensor.to`` the host (a device-to-host copy)."""
+    if func is not torch.Tensor.to:
+        return False
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
 
 
 @contextlib.contextmanager
