@@ -9,6 +9,7 @@ import csv
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -286,6 +287,11 @@ def test_wandb_offline_history_holds_the_json_figures(tmp_path, monkeypatch):
     run.finish()
     logged = _json_figures(tmp_path, figures, results)
     history = read_wandb_offline_history(run_dir)
+    for _ in range(60):  # W&B's service may still be writing the record log (a loaded machine)
+        if sorted(history) == [2, 4]:
+            break
+        time.sleep(0.5)
+        history = read_wandb_offline_history(run_dir)
     assert sorted(history) == [2, 4]
     for it in (2, 4):
         ours = {k: v for k, v in history[it].items() if k.startswith("dcp/")}
