@@ -254,7 +254,7 @@ class FakeJob:
     def __enter__(self) -> "FakeJob":
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        from megatron_dcp.runtime import backends, groups
+        from megatron_dcp.runtime import backends, groups, offload
 
         if dist.is_initialized():
             raise RuntimeError("a dry run needs a process without torch.distributed set up")
@@ -276,6 +276,12 @@ class FakeJob:
         # checked
         stack.enter_context(_patched(groups.GroupPool, "_warm", lambda pool, mine: [
             groups.warm_group(pool._groups[r], [pool.world_ranks[i] for i in r]) for r in mine]))
+        # an offloaded layer input goes to the host, as from a GPU: a placeholder there (one
+        # element seen at its shape: no memory), so the device keeps what a GPU would
+        own_copy = offload.HostStash._host_copy
+        stack.enter_context(_patched(offload.HostStash, "_host_copy", staticmethod(
+            lambda data: torch.empty((), dtype=data.dtype).expand(data.shape)
+            if data.device == JOB_DEVICE else own_copy(data))))
         own_caps = backends.capabilities
         stack.enter_context(_patched(backends, "capabilities", lambda device: (
             backends.Capabilities(torch_flash=True) if device.type == "meta"

@@ -426,7 +426,8 @@ def plan_dcp(pctx: PlanContext, inter: bool = True, intra: bool = True,
 
 def vocabulary_for_lengths(cost_model: CostModel, lengths: Iterable[int],
                            max_degree: Optional[int] = None, *, recompute: str = "auto",
-                           sample: int = LENGTH_SAMPLE) -> Vocabulary:
+                           sample: int = LENGTH_SAMPLE,
+                           long_cost_model: Optional[CostModel] = None) -> Vocabulary:
     """The vocabulary of `Vocabulary.for_cost_model` cut to the group sizes the lengths the job
     will see need (the indexed dataset's document sizes, the corpus's, a sample of batches),
     under the memory budget ``cost_model`` charges (with the default vocabulary's communicators:
@@ -436,23 +437,28 @@ def vocabulary_for_lengths(cost_model: CostModel, lengths: Iterable[int],
     the critical path); plus size 1 (packed short sequences; it needs no communicator). A
     subset of the default, so never more communicators per rank. A length that fits no size
     is left to the planner (its oversize policy names it). Lengths beyond ``sample``
-    distinct values are thinned to ``sample`` quantiles (and the longest)."""
+    distinct values are thinned to ``sample`` quantiles (and the longest).
+    ``long_cost_model``: the same with long-sequence choices (`DCPConfig.long_sequences` auto:
+    a batch is planned with either), whose sizes are kept too."""
     full = Vocabulary.for_cost_model(cost_model, max_degree)
     distinct = sorted({int(n) for n in lengths if int(n) > 0})
     if len(distinct) > sample:
         step = (len(distinct) - 1) / (sample - 1)
         distinct = sorted({distinct[round(k * step)] for k in range(sample)})
-    pctx = PlanContext(lengths=distinct, active=[], cm=cost_model, vocab=full,
-                       recompute_mode=recompute)
     keep = {1} & set(full.sizes)
-    for n, pairs in zip(distinct, pctx.pairs):
-        fitting = pctx.fitting_options(n, recompute)
-        if not fitting:
+    for cm in (cost_model, long_cost_model):
+        if cm is None:
             continue
-        times = [(cost_model.time_model.best_time(n, pairs, d, c)[0], d) for d, c in fitting]
-        keep.add(fitting[0][0])
-        keep.add(min(times)[1])
-        keep.add(min((t * d, d) for t, d in times)[1])
+        pctx = PlanContext(lengths=distinct, active=[], cm=cm, vocab=full,
+                           recompute_mode=recompute)
+        for n, pairs in zip(distinct, pctx.pairs):
+            fitting = pctx.fitting_options(n, recompute)
+            if not fitting:
+                continue
+            times = [(cm.time_model.best_time(n, pairs, d, c)[0], d) for d, c in fitting]
+            keep.add(fitting[0][0])
+            keep.add(min(times)[1])
+            keep.add(min((t * d, d) for t, d in times)[1])
     return Vocabulary(full.world_size, full.ranks_per_node, max_degree, heads=full.heads,
                attention_layout=full.attention_layout, ulysses_scope=full.ulysses_scope,
                sizes=keep)

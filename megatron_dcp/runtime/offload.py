@@ -151,11 +151,16 @@ class HostStash:
             self._file.write(data.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
                              if data.numel() else b"")
         else:
-            entry.host = data.clone(memory_format=torch.contiguous_format)
+            entry.host = self._host_copy(data)
         self.host_bytes += entry.nbytes
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         self.copied_bytes += entry.nbytes
         return entry
+
+    @staticmethod
+    def _host_copy(data: torch.Tensor) -> torch.Tensor:
+        """The kept copy of a tensor not on CUDA (the CPU's "host" copy: a clone)."""
+        return data.clone(memory_format=torch.contiguous_format)
 
     # ------------------------------------------------------------------ backward
     def _start_load(self, entry: _Entry) -> None:

@@ -8,9 +8,8 @@ a rank has no task) and `StepEngine.run_micro_steps` runs them through the engin
 
 An engine subclasses `StepEngine` (`megatron_dcp.runtime.step_engine`: the required members
 ``forward_loss``, ``backward`` and ``finish``, the optional ones with their defaults, and what a
-lockstep plan asks of it).
-
-Plain data parallel is the same driver with a trivial plan (`data_parallel_plan`).
+lockstep plan asks of it). Plain data parallel is the same driver with a trivial plan
+(`data_parallel_plan`).
 
 Plans made ahead: ``step(..., next_lengths=...)`` plans the next global batch on a background
 thread while this step runs (`megatron_dcp.runtime.plan_ahead`: with the hardware fit this step
@@ -202,8 +201,13 @@ class StepDriver:
             vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
         else:
             self._ahead.close()  # one made ahead over another vocabulary
+            long = build_cost_model(self.model_shape, self.config, self.world_size,
+                                    self.hardware, self.zero_stage, **self.offload,
+                                    **{**self.long, "long_sequences": True}) \
+                if self._long_auto else None
             vocabulary = vocabulary_for_lengths(cost_model, lengths, self.config.max_degree,
-                                                recompute=self.config.recompute)
+                                                recompute=self.config.recompute,
+                                                long_cost_model=long)
             self.vocabulary = vocabulary
             self._plain_capacity.clear()
         return self.pool.create_all(vocabulary)
@@ -248,16 +252,21 @@ class StepDriver:
                          zero_stage=self.zero_stage, vocabulary=vocabulary, **self.offload,
                          **long, **extra)
 
+    @property
+    def _long_auto(self) -> bool:
+        """``long_sequences="auto"`` where it can apply: not with pipeline stages or experts (a
+        long task's tiles count neither micro-batches in flight nor routing)."""
+        shape = self.model_shape
+        return self.config.long_sequences == "auto" and shape is not None \
+            and shape.pipeline_parallel == 1 and not shape.is_moe
+
     def long_plan(self, lengths: Sequence[int], world_size: int) -> bool:
         """Whether the plan of a batch with these ``lengths`` may use long-sequence choices:
-        always with ``long_sequences="on"``; with ``auto`` (not for pipelined or MoE shapes)
-        when its longest sequence is above
-        what the largest group holds with every layer recomputed, less one padding step (the
-        same on every rank: the lengths, world and memory model decide)."""
-        mode, shape = self.config.long_sequences, self.model_shape
-        if mode != "auto" or shape is None or not lengths or shape.pipeline_parallel > 1 \
-                or shape.is_moe:  # auto leaves pipelines and experts alone (a long task's
-            return mode == "on"  # tiles count neither micro-batches in flight nor routing)
+        with ``on`` always; with ``auto`` (`_long_auto`) when its longest sequence is above what
+        the vocabulary's largest group holds with every layer recomputed, less one padding
+        step (the same on every rank: the lengths, world and memory model decide)."""
+        if not self._long_auto or not lengths:
+            return self.config.long_sequences == "on"
         capacity = self._plain_capacity.get(world_size)
         if capacity is None:
             from megatron_dcp.plan import build_cost_model
@@ -268,7 +277,7 @@ class StepDriver:
             vocabulary = self.vocabulary
             if vocabulary is None or vocabulary.world_size != world_size:
                 vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
-            top = vocabulary.sizes[-1]
+            top = vocabulary.sizes[-1]  # the largest group
             capacity = cost_model.memory_model.max_tokens(top, self.model_shape.num_layers) \
                 - cost_model.pad_multiple(top)
             self._plain_capacity[world_size] = capacity
