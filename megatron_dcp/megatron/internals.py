@@ -23,6 +23,7 @@ _STEP = "megatron_dcp/megatron/step.py"
 _MOE = "megatron_dcp/megatron/moe.py"
 _ENGINE = "megatron_dcp/megatron/engine.py"
 _LOSS_TILES = "megatron_dcp/megatron/loss_tiles.py"
+_DRY_MOE = "megatron_dcp/dryrun/moe_routing.py"
 
 INTERNALS: dict[str, str] = {
     # CPU patch targets (replaced, aliases included) and what cpu.py calls
@@ -53,6 +54,15 @@ INTERNALS: dict[str, str] = {
     "megatron.core.transformer.attention:SelfAttentionSubmodules.core_attention": _SPEC,
     "megatron.core.transformer.module:MegatronModule": _SPEC,
     "megatron.core.transformer.moe.moe_layer:MoESubmodules.router": _MOE,
+    # the alltoall dispatcher's host copies (MoE CPU patch) and the dry run's balanced routing
+    "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher"
+    "._maybe_dtoh_and_synchronize": _MOE,
+    "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher.cuda_dtoh_stream":
+        _MOE,
+    "megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher.preprocess":
+        _DRY_MOE,
+    "megatron.core.transformer.moe.token_dispatcher:permute": _DRY_MOE,
+    "megatron.core.transformer.moe.token_dispatcher:unpermute": _DRY_MOE,
     "megatron.core.transformer.enums:AttnMaskType.causal": _SPEC,
     "megatron.core.transformer.enums:AttnMaskType.padding_causal": _SPEC,
     "megatron.core.tensor_parallel.random:checkpoint": _SPEC,
