@@ -81,6 +81,7 @@ def test_megatron_path_sixteen_ranks_tp2_sequence_parallel_distributed_optimizer
     assert (0, 1) in groups and (0, 2) in groups  # a TP pair, and the DCP world {0, 2}
 
 
+@pytest.mark.slow  # in-process, but 10-25 s: out of the fast tier
 def test_megatron_pipeline_tp2_pp2_sends_meet_their_receives():
     """8 ranks = TP 2 x PP 2 x DCP 2: Megatron's 1F1B schedule under DCP (lockstep slots), its
     P2P activations and gradients matched send to receive in order (the receive's shape from
@@ -107,6 +108,7 @@ def test_megatron_pipeline_tp2_pp2_sends_meet_their_receives():
     assert not cut["consistent"]
 
 
+@pytest.mark.slow  # in-process, but 10-25 s: out of the fast tier
 def test_megatron_interleaved_pipeline_sends_meet_their_receives():
     """8 ranks = TP 2 x PP 2 x DCP 2 with 2 virtual stages a rank: Megatron's interleaved
     schedule, its received shapes from the plan (`SlotShapes.interleaved`: the schedule table's
@@ -133,14 +135,15 @@ def test_megatron_path_refuses_what_it_cannot_run_yet():
         _run("--engine", "megatron", "--ep", "2", "--ranks", "0")
 
 
+@pytest.mark.slow  # in-process, but 10-25 s: out of the fast tier
 def test_megatron_moe_expert_parallel_all_to_alls_line_up():
-    """Qwen3-30B-A3B's MoE layer (128 experts, top-8) with EP 4 on 8 ranks: Megatron's alltoall
+    """Qwen3-30B-A3B's MoE layer (128 experts, top-8) with EP 4 on 4 ranks: Megatron's alltoall
     dispatcher under DCP's lockstep slots (balanced routing: `megatron_dcp.dryrun.moe_routing`),
     every expert group's dispatch and combine all-to-alls issued by all its members in the same
     order (their rows differ: each sends its own tokens); a rank that drops one is named."""
     pytest.importorskip("megatron.core")
-    flags = ["--engine", "megatron", "--gpus", "8", "--model", "qwen3-30b-a3b", "--ep", "4",
-             "--layers", "1", "--global-batch-tokens", "32768"]
+    flags = ["--engine", "megatron", "--gpus", "4", "--model", "qwen3-30b-a3b", "--ep", "4",
+             "--layers", "1", "--global-batch-tokens", "16384"]
     report = run(parse_args(flags), keep_calls=True)
     assert report["ok"] and report["consistent"], report["mismatches"][:2]
     moe = [c for c in report["calls"][1] if c.op.startswith("alltoall_base") and c.split]
@@ -154,13 +157,14 @@ def test_megatron_moe_expert_parallel_all_to_alls_line_up():
                                          for m in cut["mismatches"])
 
 
+@pytest.mark.slow  # in-process, but 10-25 s: out of the fast tier
 def test_megatron_moe_expert_tp1_groups_inside_tp_pairs_plan_free():
     """TP 2 with expert TP 1 and EP 2: each expert group is a TP pair of one DCP rank (free
     plans), its all-to-alls on that pair."""
     pytest.importorskip("megatron.core")
-    report = run(parse_args(["--engine", "megatron", "--gpus", "8", "--model", "qwen3-30b-a3b",
+    report = run(parse_args(["--engine", "megatron", "--gpus", "4", "--model", "qwen3-30b-a3b",
                              "--tp", "2", "--sequence-parallel", "--ep", "2", "--expert-tp", "1",
-                             "--layers", "1", "--global-batch-tokens", "32768"]),
+                             "--layers", "1", "--global-batch-tokens", "16384"]),
                  keep_calls=True)
     assert report["ok"] and report["consistent"], report["mismatches"][:2]
     moe = {c.group for c in report["calls"][2] if c.split}

@@ -279,9 +279,9 @@ class FakeJob:
         # an offloaded layer input goes to the host, as from a GPU: a placeholder there (one
         # element seen at its shape: no memory), so the device keeps what a GPU would
         own_copy = offload.HostStash._host_copy
-        stack.enter_context(_patched(offload.HostStash, "_host_copy", staticmethod(
-            lambda data: torch.empty((), dtype=data.dtype).expand(data.shape)
-            if data.device == JOB_DEVICE else own_copy(data))))
+        stack.enter_context(_patched(offload.HostStash, "_host_copy", lambda stash, data: (
+            torch.empty((), dtype=data.dtype).expand(data.shape)
+            if data.device == JOB_DEVICE else own_copy(stash, data))))
         own_caps = backends.capabilities
         stack.enter_context(_patched(backends, "capabilities", lambda device: (
             backends.Capabilities(torch_flash=True) if device.type == "meta"

@@ -157,8 +157,7 @@ class HostStash:
         self.copied_bytes += entry.nbytes
         return entry
 
-    @staticmethod
-    def _host_copy(data: torch.Tensor) -> torch.Tensor:
+    def _host_copy(self, data: torch.Tensor) -> torch.Tensor:
         """The kept copy of a tensor not on CUDA (the CPU's "host" copy: a clone)."""
         return data.clone(memory_format=torch.contiguous_format)
 
