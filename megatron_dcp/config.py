@@ -58,6 +58,13 @@ def int_flag(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def arg_value(args: Any, name: str, default: Any = None) -> Any:
+    """``args.name`` (a parsed flag of Megatron's or the examples'), ``default`` where the
+    namespace lacks it or holds None (a flag left unset)."""
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
 def output_file(text: str) -> str:
     """An argparse ``type``: a file path the run can write (its folder exists and is writable,
     and it is not a folder), checked at start, not at the first row after the model is built."""

@@ -18,6 +18,7 @@ import argparse
 from typing import Optional
 
 from megatron_dcp.config import DCPConfig, DCPConfigError
+from megatron_dcp.config import arg_value as _get
 
 
 class DCPArgumentError(DCPConfigError):
@@ -27,11 +28,6 @@ class DCPArgumentError(DCPConfigError):
 def add_dcp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--dcp`` and its knobs (Megatron's dashed style) to ``parser``; returns ``parser``."""
     return DCPConfig.add_arguments(parser, style="megatron")
-
-
-def _get(args: argparse.Namespace, name: str, default=None):
-    value = getattr(args, name, default)
-    return default if value is None else value
 
 
 def dcp_world_size(args: argparse.Namespace, world_size: Optional[int] = None) -> int:

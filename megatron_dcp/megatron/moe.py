@@ -48,6 +48,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_dcp import patching
+from megatron_dcp.config import arg_value as _get
 from megatron_dcp.patching import PatchSet
 from megatron_dcp.runtime.moe import AttachLoss, task_rows
 
@@ -91,11 +92,6 @@ def add_moe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="grouped GEMM experts (needs Transformer Engine or CUDA grouped_gemm)")
     return parser
-
-
-def _get(args: Any, name: str, default=None):
-    value = getattr(args, name, default)
-    return default if value is None else value
 
 
 def moe_problems(args: Any) -> list[str]:

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-
-def _get(args: Any, name: str, default=None):
-    value = getattr(args, name, default)
-    return default if value is None else value
+from megatron_dcp.config import arg_value as _get
 
 
 def _dense_layers(freq: Any, num_layers: int) -> int:
