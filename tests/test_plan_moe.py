@@ -294,8 +294,20 @@ def test_simulate_ep_runs(simulate_tool, capsys):
     assert "128 experts top-8, EP 8" in capsys.readouterr().out
 
 
+def test_simulate_expert_tp1_inside_tp_groups_plans_free(simulate_tool):
+    """--expert-tp 1 with EP <= TP: every expert group lies in one DCP rank's TP group, so the
+    plan may be free; with EP 4 at TP 2 a group spans two DCP ranks: lockstep."""
+    base = SMALL + ["--model", "qwen3-30b-a3b", "--tp", "2", "--sequence-parallel",
+                    "--expert-tp", "1", "--policy", "dcp"]
+    inside = simulate_tool.run(simulate_tool.parse_args(base + ["--ep", "2"]))
+    assert inside["schedule"] == "free"
+    spans = simulate_tool.run(simulate_tool.parse_args(base + ["--ep", "4"]))
+    assert spans["schedule"] == "lockstep"
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--model", "llama-7b", "--ep", "2"], "--ep 2 needs a MoE model"),
+    (["--model", "qwen3-30b-a3b", "--tp", "4", "--expert-tp", "3"], "--expert-tp 3"),
     (["--model", "qwen3-30b-a3b", "--ep", "8", "--schedule", "free"], "(--ep)"),
     (["--model", "qwen3-30b-a3b", "--ep", "3"], "--ep 3"),
 ])

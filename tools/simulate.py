@@ -94,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="expert-parallel size of a MoE model (--model mixtral-8x7b, "
                         "qwen3-30b-a3b, deepseek-v3 or a shape with num_experts); > 1 plans "
                         "lockstep (--schedule free is refused); default: the model's")
+    p.add_argument("--expert-tp", type=int, default=None,
+                   help="expert tensor-parallel size (Megatron's --expert-tensor-parallel-size; "
+                        "default --tp; 1: experts whole, EP groups inside TP groups plan free)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
     p.add_argument("--vpp", type=int, default=1, help="virtual stages per pipeline rank "
                                                       "(interleaved schedule; default 1)")
@@ -258,15 +261,18 @@ def run(args: argparse.Namespace) -> dict:
                         sequence_parallel=args.sequence_parallel or model.sequence_parallel)
     except ValueError as err:
         raise PlanError(f"--tp/--pp/--vpp/--sequence-parallel: {err}") from None
-    if args.ep is not None:
+    given = " ".join(f"--{name} {value}" for name, value in
+                     (("ep", args.ep), ("expert-tp", args.expert_tp)) if value is not None)
+    if given:
         if not model.is_moe:
-            raise PlanError(f"--ep {args.ep} needs a MoE model (mixtral-8x7b, qwen3-30b-a3b, "
+            raise PlanError(f"{given} needs a MoE model (mixtral-8x7b, qwen3-30b-a3b, "
                             f"deepseek-v3 or a ModelShape with num_experts); {model.name} is "
                             "dense")
         try:
-            model = replace(model, expert_parallel=args.ep)
+            model = replace(model, expert_parallel=args.ep or model.expert_parallel,
+                            expert_tensor_parallel=args.expert_tp or model.expert_tensor_parallel)
         except ValueError as err:
-            raise PlanError(f"--ep {args.ep}: {err}") from None
+            raise PlanError(f"{given}: {err}") from None
     pipe = Pipeline.of(model)
     if external is not None:
         lengths = list(external.lengths)
