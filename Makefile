@@ -29,7 +29,7 @@ VENV312 := .venv312
 BIN312 := $(VENV312)/bin
 # the 3.12 leg: every Megatron test (the launcher running Megatron-LM's training loop, the example
 # with DP/TP/SP/PP/VPP, the distributed optimizer, torch_dist checkpoints, MoE with EP), about
-# 14 minutes here with two workers
+# 17 minutes here with two workers
 TESTS312 := $(sort $(wildcard tests/test_megatron*.py)) tests/test_moe_megatron.py \
             tests/test_long_sequences_megatron.py \
             tests/test_example_dtype.py
