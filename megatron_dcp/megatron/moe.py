@@ -347,11 +347,6 @@ class DCPTopKRouter(_router_class()):
         return None
 
 
-# ---------------------------------------------------------------------- CPU
-MOE_CPU = "megatron-moe-cpu"
-"""The MoE CPU patches' name in the registry."""
-
-
 def use_dcp_router(layer_spec) -> None:
     """Make `DCPTopKRouter` the router of a Megatron layer spec's MoE MLP (in place). The MLP
     entry is a ``ModuleSpec`` on megatron-core 0.16 and a ``functools.partial(MoELayer,
@@ -359,6 +354,11 @@ def use_dcp_router(layer_spec) -> None:
     from megatron_dcp.megatron.internals import module_submodules
 
     module_submodules(layer_spec.submodules.mlp).router = DCPTopKRouter
+
+
+# ---------------------------------------------------------------------- CPU
+MOE_CPU = "megatron-moe-cpu"
+"""The MoE CPU patches' name in the registry."""
 
 
 class _NoStream:

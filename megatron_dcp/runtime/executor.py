@@ -16,7 +16,7 @@ and joins the collectives a micro-step issues: ``task`` None, a two-token shard 
 alone (no target) with the recomputed layers of its slot, its loss multiplied by zero. It fills a
 lockstep plan's slots where this rank has no task, pads the rank's count up to
 ``min_micro_steps`` (an engine that needs equal counts), and pads a pipeline schedule's
-micro-batches (`megatron_dcp.megatron.pipeline`). The caller
+micro-batches (`megatron_dcp.megatron.pipeline_engine`). The caller
 (`megatron_dcp.runtime.step.StepDriver`, or `run_plan` for plain torch) runs forward, loss and
 backward of each and reports it with `PlanWork.record`; the model gets the task as an argument
 (``shard.task``), nothing is looked up.
