@@ -119,11 +119,12 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
                        memory_budget_gb=args.memory_budget_gb,
                        max_tokens_per_rank=args.max_tokens_per_rank,
                        ranks_per_node=args.gpus_per_node)
-    shape = dataclasses.replace(layers_run(load_model(args.model), args.layers),
+    model = load_model(args.model)
+    shape = dataclasses.replace(layers_run(model, args.layers),
                                 tensor_parallel=args.tp, pipeline_parallel=args.pp,
                                 virtual_pipeline=args.vpp,
                                 sequence_parallel=args.sequence_parallel and args.tp > 1,
-                                **_experts(args, load_model(args.model)))
+                                **_experts(args, model))
     job = RankJob(shape=shape, lengths=batch_lengths(args), world_size=args.gpus,
                   config=config, hardware=args.hardware, zero_stage=args.zero_stage,
                   create_groups=not args.no_create_groups, **controls)

@@ -15,8 +15,9 @@ the coalesced ones; the same collectives, in the same order).
 
 With pipeline stages the 1F1B schedule's P2P calls, or the interleaved one's with virtual
 stages, are recorded and every send matched with its receive (the shapes a stage receives are
-known from the plan: `SlotShapes`). Not covered: MoE (Megatron's dispatchers read routing
-counts on the host), refused with that reason.
+known from the plan: `SlotShapes`). MoE layers run Megatron's alltoall dispatcher with
+balanced routing (`megatron_dcp.dryrun.moe_routing`: its routing counts are data a meta run does
+not have); MoE models with leading dense layers are refused.
 """
 
 from __future__ import annotations
@@ -267,6 +268,6 @@ def _step(job: RankJob, chunks: list, parallel_state: Any, tracker: Any) -> tupl
             tracker.memory_tracking.pop(module, None)
         return forward_step(data_iterator, model)
 
-    reports = step(forward_step_func=tracked_forward_step, data_iterator=iter([batch]), model=chunks,
-                   num_microbatches=1, seq_length=max(job.lengths), micro_batch_size=1)
+    reports = step(forward_step_func=tracked_forward_step, data_iterator=iter([batch]),
+                   model=chunks, num_microbatches=1, seq_length=max(job.lengths), micro_batch_size=1)
     return step, reports.result.plan

@@ -11,8 +11,9 @@ GPU, every collective and P2P call recorded, and host reads of device values cou
   every other test runs, takes it). Object collectives (``all_gather_object`` ...) carry pickles
   through host tensors by design: they are recorded as data movement, with their bytes.
 * `HostReads` (a function mode): ``.item()``, ``.tolist()``, ``float``/``int``/``bool`` of a
-  tensor, ``nonzero`` and copies to the host (``.cpu()``, ``.to("cpu")``) on the job's device (host syncs on a GPU) counted by call site, each
-  answered with a placeholder (zeros, ``False``, no rows) so that the rank goes on.
+  tensor, ``nonzero`` and copies to the host (``.cpu()``, ``.to("cpu")``) on the job's device
+  (host syncs on a GPU) counted by call site, each answered with a placeholder (zeros,
+  ``False``, no rows) so that the rank goes on.
 * `check_consistency`: in every group, every member issued the same sequence of collectives
   (operation, shapes, dtype); every send has its receive, in order. A mismatch names the group,
   the first diverging call, the ranks and what each was running (task and micro-step).

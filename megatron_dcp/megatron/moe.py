@@ -128,10 +128,11 @@ def moe_schedule(args: Any, config):
     one DCP rank, whose TP ranks run the same micro-steps: any schedule."""
     from megatron_dcp.config import DCPConfigError
 
+    from megatron_dcp.plan.model import expert_dcp_ranks
+
     ep = _get(args, "expert_model_parallel_size", 1)
     tp = _get(args, "tensor_model_parallel_size", 1)
-    span = ep * _get(args, "expert_tensor_parallel_size", tp) // tp
-    if span <= 1 or not (_get(args, "num_experts", 0) or _get(args, "num_moe_experts", 0)):
+    if expert_dcp_ranks(ep, _get(args, "expert_tensor_parallel_size", tp), tp) <= 1 or not (_get(args, "num_experts", 0) or _get(args, "num_moe_experts", 0)):
         return config
     if config.schedule == "free":
         raise DCPConfigError(

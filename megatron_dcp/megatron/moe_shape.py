@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_dcp.config import arg_value as _get
+from megatron_dcp.plan.model import expert_dcp_ranks
 
 
 def _dense_layers(freq: Any, num_layers: int) -> int:
@@ -73,7 +74,7 @@ def moe_shape_fields(args: Any, world_size: Optional[int] = None) -> dict:
     if experts % ep:
         raise DCPArgumentError(f"--expert-model-parallel-size {ep} does not divide "
                                f"--num-experts {experts}")
-    span = max(1, ep * etp // tp)
+    span = expert_dcp_ranks(ep, etp, tp)
     world = world_size if world_size is not None else _get(args, "world_size")
     if world is not None and span > 1:
         dp = dcp_world_size(args, world)

@@ -9,6 +9,14 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 
+def expert_dcp_ranks(expert_parallel: int, expert_tp: int, tensor_parallel: int) -> int:
+    """Ranks of the DCP world one expert-parallel group spans: ``EP x ETP / TP`` (Megatron
+    orders expert ranks ETP, then EP; dense ranks TP, then DP), or 1 where the group lies
+    inside one rank's tensor-parallel group (``EP x ETP <= TP``: its all-to-all meets within
+    one DCP rank, whose TP ranks always run the same micro-step)."""
+    return max(1, expert_parallel * expert_tp // tensor_parallel)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """Shape of a decoder (or video DiT) transformer."""
@@ -176,11 +184,8 @@ class ModelShape:
 
     @property
     def expert_dcp_ranks(self) -> int:
-        """Ranks of the DCP world one expert-parallel group spans: ``EP x ETP / TP`` (Megatron
-        orders expert ranks ETP, then EP; dense ranks TP, then DP), or 1 where the group lies
-        inside one rank's tensor-parallel group (``EP x ETP <= TP``: its all-to-all meets
-        within one DCP rank, whose TP ranks always run the same micro-step)."""
-        return max(1, self.expert_parallel * self.expert_tp // self.tensor_parallel)
+        """Ranks of the DCP world one expert-parallel group spans (`expert_dcp_ranks`)."""
+        return expert_dcp_ranks(self.expert_parallel, self.expert_tp, self.tensor_parallel)
 
     @property
     def kv_heads(self) -> int:
