@@ -15,6 +15,44 @@ from megatron_dcp.plan.memory import loss_chunk_tokens
 from megatron_dcp.runtime.context import TaskContext
 
 
+NORM_CHUNK_TOKENS = 8192
+"""Tokens whose fp32 temporaries `RMSNorm`'s backward holds at a time."""
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """``x * rsqrt(mean(x^2) + eps) * weight`` that saves for backward only ``x`` (which the
+    layer keeps anyway) and the per-token ``rsqrt``, as a fused kernel does: autograd's own graph
+    of the same expression saves the normalised product too, a hidden vector a token a norm
+    (the memory model counts the fused norm: `megatron_dcp.plan.memory`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return x * rstd * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        width = x.shape[-1]
+        rows, grads, rstds = x.reshape(-1, width), grad.reshape(-1, width), rstd.reshape(-1, 1)
+        work = torch.promote_types(x.dtype, torch.float32)
+        w = weight.to(work)
+        dx = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
+        dweight = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        for start in range(0, rows.shape[0], NORM_CHUNK_TOKENS):  # fp32 temporaries: a chunk's
+            part = slice(start, start + NORM_CHUNK_TOKENS)
+            g, r = grads[part].to(work), rstds[part].to(work)
+            normed = rows[part].to(work) * r
+            if dweight is not None:
+                dweight += (g * normed).sum(0)
+            if dx is not None:
+                g = g * w
+                dx[part] = r * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return (dx.view_as(x) if dx is not None else None,
+                dweight.to(weight.dtype) if dweight is not None else None, None)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale (no bias)."""
 
@@ -25,7 +63,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dim of ``x``."""
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float,

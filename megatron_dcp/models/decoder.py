@@ -88,14 +88,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x_TE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 task: Optional[TaskContext] = None) -> torch.Tensor:
         """One block on the local tokens of ``task``."""
-        t, d = x_TE.shape[0], self.cfg.head_dim
-        h = self.attn_norm(x_TE)
-        q = apply_rope(self.wq(h).view(t, self.cfg.num_heads, d), cos, sin)
-        k = apply_rope(self.wk(h).view(t, self.cfg.num_kv_heads, d), cos, sin)
-        v = self.wv(h).view(t, self.cfg.num_kv_heads, d)
-        attn = dcp_attention(q, k, v, causal=True, task=task)
-        x_TE = x_TE + self.wo(attn.reshape(t, -1))
+        x_TE = x_TE + self.attention(self.attn_norm(x_TE), cos, sin, task)
         return x_TE + tiled_mlp(self.mlp, self.mlp_norm(x_TE), mlp_tiles_of(task))
+
+    def attention(self, h_TE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  task: Optional[TaskContext]) -> torch.Tensor:
+        """The attention block's output projection of normed tokens. A method of its own so
+        that q, k and v (which attention's backward keeps in their own layout) are freed
+        before the MLP runs, rather than held by the caller's frame."""
+        t, d = h_TE.shape[0], self.cfg.head_dim
+        q = apply_rope(self.wq(h_TE).view(t, self.cfg.num_heads, d), cos, sin)
+        k = apply_rope(self.wk(h_TE).view(t, self.cfg.num_kv_heads, d), cos, sin)
+        v = self.wv(h_TE).view(t, self.cfg.num_kv_heads, d)
+        return self.wo(dcp_attention(q, k, v, causal=True, task=task).reshape(t, -1))
 
     def mlp(self, h_TE: torch.Tensor) -> torch.Tensor:
         """The SwiGLU MLP of normed tokens (token-wise: `tiled_mlp` runs it over tiles)."""

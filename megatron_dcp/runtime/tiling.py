@@ -78,9 +78,12 @@ def per_tile(fn: Callable[..., torch.Tensor], tiles: int, x: torch.Tensor,
     n = x.shape[0]
     bounds += [(n, n)] * (int(tiles) - len(bounds))
     record = torch.is_grad_enabled()
+    # One split, not a slice per tile: the split's backward concatenates the tiles' gradients
+    # once, where each slice's would be a zero-filled tensor of all the tokens.
+    sizes = [e - s for s, e in bounds]
+    pieces = [t.split(sizes) for t in (x,) + token_args]
     outs = []
-    for s, e in bounds:
-        args = (x[s:e],) + tuple(a[s:e] for a in token_args)
+    for args in zip(*pieces):
         if record:
             outs.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False))
         else:

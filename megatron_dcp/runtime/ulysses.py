@@ -68,9 +68,12 @@ class SeqToHeadQKV(torch.autograd.Function):
         t, d = q.shape[0], q.shape[2]
         heads = (q.shape[1] // u, k.shape[1] // u, v.shape[1] // u)
         ctx.comm, ctx.heads = comm, heads
-        blocks = torch.cat([x.reshape(t, u, hx, d) for x, hx in zip((q, k, v), heads)], dim=2)
-        recv = comm.exchange(blocks.transpose(0, 1)).reshape(u * t, sum(heads), d)
-        return tuple(part.contiguous() for part in recv.split(heads, dim=1))
+        # Blocks [u, T, sum(heads), D] built in place by the cat; no reference to them is kept,
+        # so the exchange frees them (long sequences: every copy here is a hidden vector a token).
+        recv = comm.exchange(torch.cat([x.reshape(t, u, hx, d).transpose(0, 1)
+                                        for x, hx in zip((q, k, v), heads)], dim=2))
+        return tuple(part.contiguous() for part in recv.reshape(u * t, sum(heads), d)
+                     .split(heads, dim=1))
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -78,11 +81,15 @@ class SeqToHeadQKV(torch.autograd.Function):
         ref = next(g for g in (dq, dk, dv) if g is not None)
         grads = [g if g is not None else ref.new_zeros(ref.shape[0], hx, ref.shape[2])
                  for g, hx in zip((dq, dk, dv), heads)]
-        cat = torch.cat(grads, dim=1)
+        del dq, dk, dv, ref  # each copy below frees what it was made from (see forward)
         u = comm.size
-        ut, _, d = cat.shape
-        back = comm.exchange(cat.reshape(u, ut // u, sum(heads), d))  # [u, T, sum(h), D]
+        ut, d = grads[0].shape[0], grads[0].shape[2]
+        flat = torch.cat(grads, dim=1).reshape(u, ut // u, sum(heads), d)
+        grads.clear()
+        back = comm.exchange(flat)  # [u, T, sum(h), D]
+        del flat
         parts = back.split(heads, dim=2)
+        del back
         return (None, *(p.transpose(0, 1).reshape(ut // u, u * hx, d)
                         for p, hx in zip(parts, heads)))
 
