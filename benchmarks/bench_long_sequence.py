@@ -6,13 +6,13 @@ Each case runs one forward+backward of the reference `Decoder` (float32, CPU) on
 a one-rank task, in a fresh subprocess, and reports the peak RSS growth (``VmHWM`` after
 resetting it, glibc's mmap threshold at 1 MiB so freed tensors leave RSS) and the wall time.
 Offload uses the ``file`` store (host copies in an unlinked file), so RSS shows what a device
-would hold. The prediction is the cost model's terms in float32 (4 B per element instead of
-bf16's 2): for the tiled and offloaded cases `MemoryModel.long_memory_of`'s (kept layers,
-recomputed inputs, offloaded inputs in flight, and the larger of a layer's recompute, with one MLP
-tile and its gradients, and the loss, with one loss tile of logits, its workspace and the final
-hidden state), for the plain case `MemoryModel.memory_of`'s (which adds the two phases: kept as
-the planner's rule for plain tasks). The parameters' gradients exist before the measured step.
-Prints one JSON line per case and a table.
+would hold. The prediction is the cost model's own (`predict`), with 4 B per activation element
+instead of bf16's 2: for the tiled and offloaded cases `MemoryModel.long_memory_of` (kept layers,
+recomputed inputs, offloaded inputs in flight, and the largest of a layer's MLP backward, with
+one MLP tile and its gradients, its attention backward, and the loss, with one loss tile of
+logits, its workspace and the final hidden state), for the plain case `MemoryModel.memory_of`
+(which adds the two phases: kept as the planner's rule for plain tasks). The parameters'
+gradients exist before the measured step. Prints one JSON line per case and a table.
 """
 
 from __future__ import annotations
@@ -56,32 +56,27 @@ def choices(case: str, tokens: int, layers: int) -> dict:
 
 
 def predict(args, case: str) -> float:
-    """Peak activation bytes by the cost model's terms in float32 (module doc): for a tiled or
-    offloaded task `MemoryModel.long_memory_of`'s, for the plain one `MemoryModel.memory_of`'s."""
-    from megatron_dcp.plan.memory import LOSS_CHUNK_BYTES, MLP_GRAD_FRACTION
+    """Peak activation bytes by the cost model (module doc): for a tiled or offloaded task
+    `MemoryModel.long_memory_of`, for the plain one `MemoryModel.memory_of`, less the static
+    memory and the reserve; built with 4-byte activations (the model's ``BF16``, patched in
+    this child process only: the run is float32)."""
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.models import Decoder
+    from megatron_dcp.plan import geometry, memory
+    from megatron_dcp.plan.planners import build_cost_model
 
-    e, f, v, n, t = args.hidden, args.ffn, args.vocab, args.layers, args.tokens
+    geometry.BF16 = memory.BF16 = 4
+    shape = Decoder(_config(args), seed=0).shape()
+    mm = build_cost_model(shape, DCPConfig(enabled=True, hardware="h200", memory_budget_gb=1e4),
+                          1, zero_stage=0).memory_model
+    t, n = args.tokens, args.layers
     c = choices(case, t, n)
-    mlp_tiles, loss_tiles, o = c.get("mlp_tiles", 1), c.get("loss_tiles", 1), \
-        c.get("offload_layers", 0)
-    b = 4
-    act = b * (5 * e + 2 * e + 3 * f)  # Geometry.act_bytes with 4 B (kv_dim = e here)
-    mlp = b * 3 * f
-    chunk = LOSS_CHUNK_BYTES // (4 * v)  # tokens per fp32 chunk of the loss
-
-    def workspace(tokens):
-        return 4 * v * min(tokens, chunk)
-    if case == "recompute":  # memory_of: kept inputs, one layer's buffer, logits, workspace
-        return t * (n * b * e + act + v * (b + 4)) + workspace(t)
-    mlp_tokens = -(-t // mlp_tiles)
-    layer = act - (mlp if mlp_tiles > 1 else 0)
-    kept = t * (n - o) * b * e  # recomputed layers keep their input
-    in_flight = 2 * t * b * e if o else 0
-    recomputing = t * layer + (mlp_tokens * mlp if mlp_tiles > 1 else 0) \
-        + MLP_GRAD_FRACTION * mlp_tokens * mlp
-    loss_tokens = -(-t // loss_tiles)
-    loss = loss_tokens * v * (b + 4) + workspace(loss_tokens) + 2 * t * b * e
-    return kept + in_flight + max(recomputing, loss)
+    if case == "recompute":
+        peak = mm.memory_of(t, 1, n)
+    else:
+        peak = mm.long_memory_of(t, 1, n, c.get("offload_layers", 0), c.get("mlp_tiles", 1),
+                                 c.get("loss_tiles", 1))
+    return peak - mm.static_memory - mm.reserve
 
 
 def measure(args, case: str) -> dict:

@@ -9,7 +9,7 @@ tiles; every process of a test calls `small_tiles` before it plans.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 LAYERS = 6
 VOCAB = 257
@@ -36,17 +36,25 @@ def decoder_config() -> Any:
 
 
 def long_budget_gb(shape: Any, world: int, zero_stage: int, *, hardware: str = "h200",
-                   share: float = 0.62) -> float:
-    """A budget (GiB) below what the longest sequence needs with every layer recomputed on the
-    whole world, by ``share`` of its activations: it fits only tiled and offloaded."""
+                   share: Optional[float] = None) -> float:
+    """A budget (GiB) in which the longest sequence, over the whole world, fits only tiled and
+    with some of its layer inputs offloaded: halfway between what its tiled task needs with
+    none and with every input offloaded. ``share``: instead, below what it needs untiled with
+    every layer recomputed by that share of its activations."""
+    import math
+
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.plan import build_cost_model
 
     cm = build_cost_model(shape, DCPConfig(enabled=True, hardware=hardware,
                                            memory_budget_gb=64.0), world, zero_stage=zero_stage)
-    mm = cm.memory_model
-    plain = mm.memory_of(max(LENGTHS), world, shape.num_layers)
-    return (plain - share * (plain - mm.static_memory - mm.reserve)) / 2**30
+    mm, longest, n = cm.memory_model, max(LENGTHS), shape.num_layers
+    if share is not None:
+        plain = mm.memory_of(longest, world, n)
+        return (plain - share * (plain - mm.static_memory - mm.reserve)) / 2**30
+    mlp, loss = mm.long_tiles(math.ceil(longest / world))
+    none, every = (mm.long_memory_of(longest, world, n, o, mlp, loss) for o in (0, n))
+    return (none + every) / 2 / 2**30
 
 
 def megatron_shape() -> Any:

@@ -191,10 +191,11 @@ def test_a_rank_over_its_memory_budget_fails_the_run_and_is_named(capsys):
 
 def test_a_long_task_tiles_and_its_offloaded_inputs_leave_the_device(tmp_path):
     """One 300,000-token sequence on 2 ranks at Llama-7B width, 4 layers: `long_sequences`
-    auto plans it with MLP and loss tiles, and at 34 GiB a rank with 3 of its 4 recomputed
+    auto plans it with MLP and loss tiles, and at 37.5 GiB a rank with 2 of its 4 recomputed
     layers' inputs offloaded. The dry run sends an offloaded input to the host as a GPU would
-    (a placeholder there), so the device's peak is lower than at 35 GiB (no offload, the same
-    tiles) by two layer inputs; every collective consistent, no host tensor in one."""
+    (a placeholder there), so the device's peak is lower than at 39.6 GiB (no offload, the
+    same tiles) by two layer inputs, as the memory model counts; every collective consistent,
+    no host tensor in one; the measured peak within the prediction and above 90 % of it."""
     lengths = tmp_path / "long.txt"
     lengths.write_text("300000\n")
 
@@ -203,12 +204,15 @@ def test_a_long_task_tiles_and_its_offloaded_inputs_leave_the_device(tmp_path):
                                "--max-len", "300000", "--global-batch-tokens", "300000",
                                "--memory-budget-gb", budget, "--ranks", "0"]))
 
-    offloaded, kept = dry("34"), dry("35")
+    offloaded, kept = dry("37.5"), dry("39.6")
     for report in (offloaded, kept):
         assert report["consistent"] and report["ranks"][0]["error"] == "", report["ranks"]
         assert report["ranks"][0]["cpu_tensors"] == 0
     layer_input = 150_000 * 4096 * 2  # local tokens x hidden x bf16
-    # 3 inputs offloaded, one back on the device at the peak (prefetched): 2 fewer (measured
-    # exactly 2 x 1.23 GB; on the device they stay: no difference)
+    # 2 inputs offloaded: 2 fewer on the device at the peak (measured exactly 2 x 1.23 GB; on
+    # the device they stay: no difference)
     saved = kept["ranks"][0]["peak_bytes"] - offloaded["ranks"][0]["peak_bytes"]
     assert saved > 1.9 * layer_input, saved
+    for report in (offloaded, kept):  # measured 0.94x: the model counts a little more
+        rank = report["ranks"][0]
+        assert 0.9 * rank["predicted_bytes"] < rank["peak_bytes"] <= rank["predicted_bytes"]

@@ -86,7 +86,7 @@ def _run(rank, world_size):
         shape = megatron_shape()
         config = DCPConfig(enabled=True, hardware="h200", long_sequences=True,
                            liveness_interval_s=0,
-                           memory_budget_gb=long_budget_gb(shape, world_size, 0, share=0.55))
+                           memory_budget_gb=long_budget_gb(shape, world_size, 0))
         step = DCPForwardBackward(config, model_shape=shape)
         lengths = [int(s.numel()) for s in sequences]
         # the first step plans the second ahead: both plans carry the long choices

@@ -35,7 +35,7 @@ def tiles(monkeypatch):
 SHAPE = Decoder(decoder_config(), seed=1).shape()
 
 
-def _config(stage=0, share=0.62, **kw) -> DCPConfig:
+def _config(stage=0, share=None, **kw) -> DCPConfig:
     return DCPConfig(enabled=True, hardware="h200", long_sequences=True,
                      memory_budget_gb=long_budget_gb(SHAPE, 2, stage, share=share), **kw)
 
@@ -219,8 +219,8 @@ def test_the_fits_no_group_error_names_long_sequences_where_they_would_fit():
 
     config = DCPConfig(enabled=True, hardware="h200", memory_budget_gb=80)
     with pytest.raises(PlanError, match=r"turn on dcp.long_sequences \(--dcp-long-sequences\)"):
-        make_plan([300000, 1000], world_size=2, model=load_model("llama-7b"), config=config)
-    plan = make_plan([300000, 1000], world_size=2, model=load_model("llama-7b"),
+        make_plan([200000, 1000], world_size=2, model=load_model("llama-7b"), config=config)
+    plan = make_plan([200000, 1000], world_size=2, model=load_model("llama-7b"),
                      config=config, long_sequences=True)
     assert plan.tasks[0].mlp_tiles > 1
     with pytest.raises(PlanError) as err:

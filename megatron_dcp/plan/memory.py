@@ -333,31 +333,51 @@ class MemoryModel:
     def long_memory_of(self, tokens: int, degree: int, recompute_layers: int,
                        offload_layers: int, mlp_tiles: int, loss_tiles: int) -> float:
         """Peak bytes per rank of a task that tiles and offloads: what backward holds throughout
-        (kept layers ``A`` per token, less the MLP's intermediates when tiled; recomputed layers
-        their input, ``2h``; offloaded ones nothing but the two in flight, the one recomputing
-        and the one prefetched) plus the larger of its two phases, which never overlap (the
-        loss's backward ends before the last layer recomputes):
+        (kept layers their saved tensors, `long_layer_bytes`), the recomputed layers' inputs
+        (``2h``; offloaded ones none but the two in flight, the one recomputing and the one
+        prefetched, once the others are done) and the largest of its phases, which never
+        overlap (the loss's backward ends before the last layer recomputes):
 
-        - a layer recomputing: its buffer (``A`` per token, the MLP part one tile's) and the
-          gradients of that tile's MLP intermediates (`MLP_GRAD_FRACTION` of them);
+        - a layer's MLP backward: the layer's saved tensors with one MLP tile's, the gradients
+          of that tile's intermediates (`MLP_GRAD_FRACTION` of them), and the gradients of the
+          layer's output, of the MLP's input and of its tiles (``3 x 2h``);
+        - its attention backward: the first norm's output, the residual and the output's
+          gradient (``3h``), and the gradients of q, k and v three times (attention's, and the
+          Ulysses all-to-all's send and receive buffers);
         - the loss: one loss tile's logits and their gradient, the loss's fp32 workspace, and
           the final hidden state with its gradient (``2 x 2h`` per token).
 
-        Measured on CPU (docs/BENCHMARKS.md, "Long sequences"): within 7 % of the peak with MLP
-        tiles, loss tiles, offload and all three."""
+        Checked tensor by tensor by the dry run at real sizes (docs/DRYRUN.md) and on CPU
+        (docs/BENCHMARKS.md, "Long sequences")."""
         local = math.ceil(tokens / degree)
         n, c, o = self.num_layers, recompute_layers, min(offload_layers, recompute_layers)
         mlp = self.mlp_token_bytes
         mlp_tokens = math.ceil(local / max(1, mlp_tiles)) if mlp_tiles > 1 else local
-        layer = self.act_bytes - (mlp if mlp_tiles > 1 else 0.0)
-        kept = local * ((n - c) * layer + (c - o) * self.recomputed_layer_bytes)
-        in_flight = 2 * local * self.recomputed_layer_bytes if o else 0.0
-        recomputing = local * layer + (mlp_tokens * mlp if mlp_tiles > 1 else 0.0) \
+        layer = self.long_layer_bytes - (mlp if mlp_tiles > 1 else 0.0)
+        g, hidden = self.geometry, self.recomputed_layer_bytes
+        qkv = BF16 * (g.q_dim + 2 * g.kv_dim) / g.tensor_parallel  # q, k, v (or their gradients)
+        kept = local * (n - c) * layer
+        inputs = local * hidden * (c - o)  # of the recomputed layers not offloaded
+        # The offloaded layers (the first ``o``) recompute after the others, when those have
+        # freed their inputs; at most two of theirs are on the device then.
+        recomputing_inputs = local * hidden * max(c - o, 2 if o else 0)
+        mlp_phase = local * (layer + 3 * hidden) + (mlp_tokens * mlp if mlp_tiles > 1 else 0.0) \
             + MLP_GRAD_FRACTION * mlp_tokens * mlp
+        attention_phase = local * (3 * hidden + 3 * qkv)
         loss_tokens = math.ceil(local / max(1, loss_tiles))
         loss = loss_tokens * self.logit_bytes + self.loss_workspace(loss_tokens) \
-            + 2 * local * self.recomputed_layer_bytes
-        return self.static_memory + self.reserve + kept + in_flight + max(recomputing, loss)
+            + 2 * local * hidden
+        return self.static_memory + self.reserve + kept \
+            + max(inputs + loss, recomputing_inputs + max(mlp_phase, attention_phase))
+
+    @property
+    def long_layer_bytes(self) -> float:
+        """Bytes per local token a layer of a long task saves for backward: ``A``, and the
+        attention output a second time (Ulysses saves it in the head layout for attention's
+        backward and in the token layout for the output projection's). Counted at every degree,
+        as ``A`` is (the planner sizes tasks per local token): at degree 1 it is a margin."""
+        g = self.geometry
+        return self.act_bytes + BF16 * g.q_dim / g.tensor_parallel
 
     def long_tiles(self, local: int) -> tuple[int, int]:
         """(MLP tiles, loss tiles) for ``local`` tokens: `MLP_TILE_TOKENS` per MLP tile, one
