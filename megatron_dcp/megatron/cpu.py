@@ -231,7 +231,6 @@ def _install(patches: PatchSet) -> None:
     import megatron.core.fusions.fused_softmax  # noqa: F401
     import megatron.core.models.common.embeddings.rotary_pos_embedding  # noqa: F401
     import megatron.core.optimizer as optimizer
-    import megatron.core.transformer.dot_product_attention  # noqa: F401
 
     utils, random = "megatron.core.transformer.utils", "megatron.core.tensor_parallel.random"
     patches.replace("torch.cuda", "current_device", _cpu_current_device, aliases=False)

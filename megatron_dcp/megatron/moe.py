@@ -46,6 +46,7 @@ import importlib.metadata
 from typing import Any, Optional
 
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_dcp import patching
 from megatron_dcp.config import arg_value as _get
@@ -163,12 +164,6 @@ def transformer_config_kwargs(args: Any) -> dict:
 
 
 # ---------------------------------------------------------------------- the router
-def _router_class():
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    return TopKRouter
-
-
 class _Tokens:
     """The router's rows of one call as DCP sees them: task-local sequence of each row, whether
     it is a real token, the loss weight of its sequence, and the groups that hold the other
@@ -238,7 +233,7 @@ def _losses_divided_by_tp() -> bool:
         return False
 
 
-class DCPTopKRouter(_router_class()):
+class DCPTopKRouter(TopKRouter):
     """Megatron's ``TopKRouter`` whose auxiliary losses do not depend on the DCP plan (see the
     module docstring); Megatron's own router outside a task, except that a micro-batch of
     padding only (``padding_mask`` all set: a filler that lets a rank join its expert-parallel
