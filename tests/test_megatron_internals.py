@@ -296,3 +296,48 @@ def test_every_listed_internal_is_used_where_it_says():
             if path[-1] not in text and not (params and all(p in text for p in params)):
                 stale.append(f"{part}: not in {rel}")
     assert not stale, "\n".join(stale)
+
+
+OUTSIDE_THE_REGISTRY = {
+    "megatron_dcp/megatron/parallel.py": "tears Megatron's groups down at the end of a job: the "
+                                         "group globals destroy_model_parallel leaves set become "
+                                         "None (a clean-up, never undone: not a patch)",
+}
+"""Files allowed to assign Megatron attributes themselves, and why."""
+
+
+def patches_outside_the_registry(packages=PACKAGES, root: Path = ROOT) -> list[str]:
+    """Every assignment to a Megatron or DeepSpeed attribute (``megatron.x.y = ...``,
+    ``Class.attr = ...``, ``setattr(<module or class>, ...)``, any other helper given one to
+    change) that does not go through the registry's `PatchSet`."""
+    return [p for uses in walk(packages, root) if uses.rel not in OUTSIDE_THE_REGISTRY
+            for p in uses.patches]
+
+
+def test_every_patch_of_megatron_or_deepspeed_goes_through_the_registry():
+    found = patches_outside_the_registry()
+    assert not found, ("changes to Megatron/DeepSpeed attributes outside "
+                       "megatron_dcp/patching.py's registry:\n" + "\n".join(found))
+    for rel in OUTSIDE_THE_REGISTRY:  # the allowance is still needed
+        assert [u for u in walk() if u.rel == rel][0].patches, rel
+
+
+def test_the_registry_check_names_each_kind(tmp_path):
+    # negative control: the three forms the issue names, and a helper given a module
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        "import megatron.core.parallel_state\nimport deepspeed.comm as comm\n"
+        "from megatron.core.transformer import TransformerLayer\n"
+        "from megatron_dcp.dryrun.record import _patched\n"
+        "def f(patches):\n"
+        "    megatron.core.parallel_state.x = 1\n"
+        "    setattr(comm, 'y', 2)\n"
+        "    TransformerLayer.forward = None\n"
+        "    _patched(comm, 'z', 3)\n"
+        "    patches.set(TransformerLayer, 'forward', None)\n"  # the registry: allowed
+        "    patches.replace('deepspeed.comm', 'w', None)\n")
+    assert patches_outside_the_registry(("pkg",), tmp_path) == [
+        "pkg/m.py:6 megatron.core.parallel_state.x assigned",
+        "pkg/m.py:7 setattr(deepspeed.comm, ...)",
+        "pkg/m.py:8 megatron.core.transformer.TransformerLayer.forward assigned",
+        "pkg/m.py:9 _patched(deepspeed.comm, ...)"]

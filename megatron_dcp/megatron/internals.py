@@ -22,8 +22,8 @@ import inspect
 import re
 from typing import Any
 
-_CPU = "megatron_dcp/megatron/cpu.py"
-_LM_CPU = "megatron_dcp/megatron/cpu.py"
+_CPU = "megatron_dcp/megatron/cpu/core.py"
+_LM_CPU = "megatron_dcp/megatron/cpu/lm.py"
 _SPEC = "megatron_dcp/megatron/spec.py"
 _STEP = "megatron_dcp/megatron/step.py"
 _MOE = "megatron_dcp/megatron/moe.py"
@@ -60,6 +60,7 @@ INTERNALS: dict[str, str] = {
     _RANDOM + "_get_cuda_rng_state": _CPU,
     _RANDOM + "_set_cuda_rng_state": _CPU,
     _RANDOM + "_MODEL_PARALLEL_RNG_TRACKER_NAME": _LM_CPU,
+    _RANDOM + "initialize_rng_tracker(inference_rng_tracker, force_reset)": _LM_CPU,
     "megatron.core.tensor_parallel:model_parallel_cuda_manual_seed"
     "(inference_rng_tracker, force_reset_rng)": _CPU,
     "megatron.core.optimizer:get_megatron_optimizer": _CPU,
@@ -100,8 +101,8 @@ INTERNALS: dict[str, str] = {
     _ROUTER + "._apply_global_aux_loss": _MOE,
     _ROUTER + "._apply_expert_bias": _MOE,
     # the alltoall dispatcher's host copies (MoE CPU patch) and the dry run's balanced routing
-    _DISPATCHER + "._maybe_dtoh_and_synchronize": _MOE,
-    _DISPATCHER + ".cuda_dtoh_stream": _MOE,
+    _DISPATCHER + "._maybe_dtoh_and_synchronize": _CPU,
+    _DISPATCHER + ".cuda_dtoh_stream": _CPU,
     _DISPATCHER + ".preprocess": _DRY_MOE,
     "megatron.core.transformer.moe.token_dispatcher:permute": _DRY_MOE,
     "megatron.core.transformer.moe.token_dispatcher:unpermute": _DRY_MOE,
@@ -204,7 +205,7 @@ INTERNALS: dict[str, str] = {
 found when one of its alternatives is (code that takes either, by version)."""
 
 ADDED: dict[str, str] = {
-    "megatron.core.transformer.moe.moe_utils:te_general_gemm": _MOE,
+    "megatron.core.transformer.moe.moe_utils:te_general_gemm": _CPU,
 }
 """Names the code sets where the installed Megatron leaves them unset (not looked up)."""
 
