@@ -23,7 +23,7 @@ Data: the embedded corpus or ``--data-path PREFIX`` (Megatron ``.bin/.idx``), by
 global batches of up to ``--global-batch-tokens`` tokens, identical in both modes. The optimizer
 is torch AdamW on Megatron DDP's ``main_grad``, or with ``--use-distributed-optimizer``
 Megatron's own distributed optimizer (Adam states and the gradient reduce-scatter sharded over
-the data-parallel ranks; on CPU through `megatron_dcp.megatron.cpu`). Output per iteration as
+the data-parallel ranks; on CPU through `megatron_dcp.megatron.cpu.core`). Output per iteration as
 examples/pretrain.py (DeepSpeed); ``--log-json`` writes one JSON object per iteration
 (iteration, loss, tokens, tokens_per_s, peak_mem_mb, ...). ``--save``/``--load`` checkpoint the
 model, the optimizer, the data position and the planner's state, saved atomically and verified
@@ -186,7 +186,7 @@ def init_distributed(args) -> None:
     """Process group (gloo on CPU, NCCL on CUDA), Megatron parallel state, RNG, CPU patches."""
     from megatron.core import parallel_state
 
-    from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
+    from megatron_dcp.megatron.cpu.core import enable_cpu, seed_rng
 
     expandable_segments_at_start()  # before CUDA initialises: shapes change every micro-step
     cuda = torch.cuda.is_available()
@@ -195,7 +195,7 @@ def init_distributed(args) -> None:
     else:
         enable_cpu()
         if args.num_experts:  # the router's TE name, the alltoall dispatcher's CUDA stream
-            from megatron_dcp.megatron.moe import enable_moe_cpu
+            from megatron_dcp.megatron.cpu.core import enable_moe_cpu
 
             enable_moe_cpu()
     if not dist.is_initialized():
@@ -443,7 +443,7 @@ def plain_step(chunks, sequences, args, device):
     padded with empty micro-batches to a count it accepts), one sequence per micro-batch, ending in
     ``finalize_model_grads`` (DP all-reduce, scaling by 1/tokens of the batch). Returns the loss
     reports (on the last pipeline stage; empty on the others). On CPU it runs under
-    `megatron_dcp.megatron.cpu.CudaAsCpu` (the schedules allocate their token counter on
+    `megatron_dcp.megatron.cpu.core.CudaAsCpu` (the schedules allocate their token counter on
     "cuda")."""
     from contextlib import nullcontext
 
@@ -451,7 +451,7 @@ def plain_step(chunks, sequences, args, device):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_dcp.megatron.cpu import CudaAsCpu
+    from megatron_dcp.megatron.cpu.core import CudaAsCpu
     from megatron_dcp.megatron.pipeline_engine import (interleaved_micro_batches,
                                                        pipeline_communication)
 

@@ -76,7 +76,7 @@ def test_megatron_rope_indexes_by_the_layouts_device_copy(monkeypatch):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megatron_dcp.megatron import spec
-    from megatron_dcp.megatron.cpu import cpu_patches
+    from megatron_dcp.megatron.cpu.core import cpu_patches
 
     with cpu_patches():
         inner = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True,

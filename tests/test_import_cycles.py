@@ -107,15 +107,36 @@ def test_the_package_has_no_import_cycle():
 
 
 HARNESS = "megatron_dcp.megatron.cpu"
+"""The CPU harness package (megatron-core's, ``core``, and Megatron-LM's, ``lm``)."""
 HARNESS_USERS = {
     "megatron_dcp.megatron.run": "applies the harness where CUDA is absent (the launcher on a CPU)",
     "megatron_dcp.dryrun.megatron_rank": "borrows its stream/RNG shims; the dry run is CPU-only",
 }
 
 
+def harness_importers(graph: dict[str, set[str]]) -> set[str]:
+    """The modules outside the harness that import it (the package or one of its modules)."""
+    def inside(name: str) -> bool:
+        return name == HARNESS or name.startswith(HARNESS + ".")
+
+    return {name for name, edges in graph.items() if not inside(name) and any(map(inside, edges))}
+
+
 def test_no_production_module_imports_the_cpu_harness():
-    """Issue 47, item 3: the CPU harness (megatron-core on a CPU, tests and examples) is imported
-    by nothing that runs on a GPU: its changes go through the registry (`enable_cpu` patches
-    Megatron's pipeline schedules to run under `CudaAsCpu`); the pipeline engine imported it."""
-    importers = {name for name, edges in import_graph().items() if HARNESS in edges}
-    assert importers <= set(HARNESS_USERS), sorted(importers - set(HARNESS_USERS))
+    """Issue 47, item 3: the CPU harness (megatron-core and Megatron-LM on a CPU, for tests,
+    examples and the launcher's CPU branch) is imported by nothing that runs on a GPU: its
+    changes go through the registry (`enable_cpu` patches Megatron's pipeline schedules to run
+    under `CudaAsCpu`); the pipeline engine imported it, and the MoE module held its MoE part."""
+    graph = import_graph()
+    assert {f"{HARNESS}.core", f"{HARNESS}.lm"} <= set(graph)  # the harness is a package
+    importers = harness_importers(graph)
+    assert importers == set(HARNESS_USERS), sorted(importers ^ set(HARNESS_USERS))
+
+
+def test_the_harness_check_names_an_importer():
+    # negative control: a production module importing either harness module is named
+    graph = {"megatron_dcp.megatron.step": {"megatron_dcp.megatron.cpu.core"},
+             "megatron_dcp.megatron.cpu.lm": {"megatron_dcp.megatron.cpu.core"},
+             "megatron_dcp.megatron.engine": {"megatron_dcp.megatron.cpu"}}
+    assert harness_importers(graph) == {"megatron_dcp.megatron.step",
+                                        "megatron_dcp.megatron.engine"}

@@ -44,7 +44,7 @@ def _model(dcp: bool):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_dcp.megatron.cpu import seed_rng
+    from megatron_dcp.megatron.cpu.core import seed_rng
     from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
 
     seed_rng(7)
@@ -60,7 +60,7 @@ def _run(rank, world_size):
     from executor_cases import on_fresh_thread
     from megatron_cases import forward_step, whole_sequence_reference
     from megatron_dcp.config import DCPConfig
-    from megatron_dcp.megatron.cpu import enable_cpu
+    from megatron_dcp.megatron.cpu.core import enable_cpu
     from megatron_dcp.megatron import loss_tiles
     from megatron_dcp.megatron.engine import MegatronStepEngine
     from megatron_dcp.megatron.loss_tiles import install_loss_tiles

@@ -44,7 +44,7 @@ def _build(tp: int, dcp: bool, seed: int = 7):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
+    from megatron_dcp.megatron.cpu.core import enable_cpu, seed_rng
     from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
 
     enable_cpu()

@@ -109,7 +109,7 @@ def test_cpu_patches_are_reversible():
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils
 
-    from megatron_dcp.megatron.cpu import cpu_enabled, cpu_patches
+    from megatron_dcp.megatron.cpu.core import cpu_enabled, cpu_patches
 
     if torch.cuda.is_available():
         pytest.skip("CPU patches are refused on a GPU machine")
@@ -130,7 +130,7 @@ def test_patches_refuse_an_unchecked_megatron_version(monkeypatch):
     from megatron.core.transformer import utils
 
     from megatron_dcp import patching
-    from megatron_dcp.megatron import cpu
+    from megatron_dcp.megatron.cpu import core as cpu
 
     if torch.cuda.is_available():
         pytest.skip("CPU patches are refused on a GPU machine")

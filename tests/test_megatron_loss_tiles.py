@@ -32,7 +32,7 @@ def _model(tp: int, tied: bool, sequence_parallel: bool = False, mup: bool = Fal
     from megatron.core.models.gpt import GPTModel
 
     import test_megatron as tm
-    from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
+    from megatron_dcp.megatron.cpu.core import enable_cpu, seed_rng
     from megatron_dcp.megatron.spec import get_gpt_block_dcp_spec
 
     warnings.filterwarnings("ignore")

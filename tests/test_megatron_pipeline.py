@@ -64,7 +64,7 @@ def _build(pp: int, dcp: bool, vp: int = 1, tp: int = 1, sp: bool = False) -> li
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
+    from megatron_dcp.megatron.cpu.core import enable_cpu, seed_rng
     from megatron_dcp.megatron.spec import get_gpt_block_dcp_spec, get_gpt_layer_dcp_spec
 
     enable_cpu()

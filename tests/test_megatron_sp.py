@@ -22,7 +22,7 @@ def _build_sp(tp: int, dcp: bool, seed: int = 7):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
+    from megatron_dcp.megatron.cpu.core import enable_cpu, seed_rng
     from megatron_dcp.megatron.spec import get_gpt_block_dcp_spec
 
     assert dcp and tp == 2

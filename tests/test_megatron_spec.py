@@ -50,7 +50,7 @@ def test_rotary_rows_follow_the_shard_positions():
     covers every position of the shard; ``rotary_rows`` picks the row of each token."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_dcp.megatron.cpu import cpu_patches
+    from megatron_dcp.megatron.cpu.core import cpu_patches
     from megatron_dcp.megatron.spec import DCPTaskParams, rope_table_length
     from megatron_dcp.plan.plan import Task
     from megatron_dcp.runtime.context import TaskContext
@@ -90,7 +90,7 @@ def test_rope_tables_stay_few_over_a_hundred_varied_shards():
     per power, together less than twice the largest."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_dcp.megatron.cpu import cpu_patches
+    from megatron_dcp.megatron.cpu.core import cpu_patches
     from megatron_dcp.megatron.spec import rope_table_length
 
     with cpu_patches():

@@ -111,7 +111,7 @@ def test_dcp_moe_tp2_ep2_equals_plain_megatron(tmp_path):
     # TP 2 x EP 2 (DP 2: the DCP world) with --sequence-parallel (Megatron requires it for MoE
     # with TP): the experts are split over TP too (expert TP = TP), so the alltoall dispatcher
     # gathers routed tokens over TP x EP with a count per rank (on CPU through the uneven
-    # gather of `megatron_dcp.megatron.cpu`, in both modes alike)
+    # gather of `megatron_dcp.megatron.cpu.core`, in both modes alike)
     # Documents are cut to even lengths: from megatron-core 0.19 plain Megatron's per-token mode
     # weights each TP rank's part of a sequence's balancing loss by that rank's own tokens, which
     # differs from the sequence's share where sequence parallelism pads it (an odd length at

@@ -27,7 +27,8 @@ from typing import Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_dcp.megatron.internals import INTERNALS, parse  # noqa: E402
+from megatron_dcp.megatron.internals import (INTERNALS, LM_PACKAGE, alternatives,  # noqa: E402
+                                             applicable, parse)
 
 
 class Sources:
@@ -180,7 +181,12 @@ def _absent_params(sources: Sources, module: str, node, params, depth=0) -> list
 
 
 def check(sources: Sources, entry: str) -> Optional[str]:
-    """Why ``entry`` is missing from ``sources``, or None when it is found."""
+    """Why ``entry`` (no alternative of it) is found in ``sources``, or None when one is."""
+    reasons = [_check_one(sources, part) for part in alternatives(entry)]
+    return None if None in reasons else " and ".join(reasons)  # type: ignore[arg-type]
+
+
+def _check_one(sources: Sources, entry: str) -> Optional[str]:
     module, path, params = parse(entry)
     if sources.module(module) is None:
         return f"module {module} does not exist"
@@ -203,8 +209,11 @@ def check(sources: Sources, entry: str) -> Optional[str]:
 
 
 def missing(sources: Sources, entries=None) -> list[str]:
-    """The entries (default: every internal) missing from ``sources``, each with its reason."""
-    return [f"{why} (used by {INTERNALS.get(e, '?')})" for e in (entries or INTERNALS)
+    """The entries (default: every internal; those of Megatron-LM's training package only where
+    ``sources`` hold it) missing from ``sources``, each with its reason."""
+    has_lm = sources.module(LM_PACKAGE) is not None
+    return [f"{why} (used by {INTERNALS.get(e, '?')})"
+            for e in applicable(entries or INTERNALS, has_lm)
             if (why := check(sources, e)) is not None]
 
 
@@ -224,8 +233,9 @@ def main(argv=None) -> int:
         lost = missing(sources)
         for line in lost:
             print(f"  missing: {line}")
+        looked_up = len(applicable(INTERNALS, sources.module(LM_PACKAGE) is not None))
         print(f"megatron-core {sources.version} ({os.path.basename(path.rstrip('/'))}): "
-              f"{len(INTERNALS) - len(lost)}/{len(INTERNALS)} internals found")
+              f"{looked_up - len(lost)}/{looked_up} internals found")
         status |= bool(lost)
     return status
 

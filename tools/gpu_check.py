@@ -868,7 +868,7 @@ def section_megatron(ctx) -> dict:
     from functools import partial
 
     from megatron_dcp.config import DCPConfig
-    from megatron_dcp.megatron.cpu import enable_cpu, seed_rng
+    from megatron_dcp.megatron.cpu.core import enable_cpu, seed_rng
     from megatron_dcp.megatron.parallel import destroy_model_parallel
     from megatron_dcp.megatron.spec import get_gpt_layer_dcp_spec
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch

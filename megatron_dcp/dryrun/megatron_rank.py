@@ -30,9 +30,11 @@ from typing import Any, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_dcp import patching
 from megatron_dcp.dryrun.moe_routing import balanced_routing
-from megatron_dcp.dryrun.record import JOB_DEVICE, FakeJob, _patched
+from megatron_dcp.dryrun.record import JOB_DEVICE, FakeJob
 from megatron_dcp.dryrun.runtime_rank import RankJob, rank_report
+from megatron_dcp.patching import PatchSet
 
 
 class CudaAsMeta(TorchFunctionMode):
@@ -64,31 +66,32 @@ def _uncoalesced(*args: Any, **kwargs: Any) -> Iterator[_Uncoalesced]:
     yield _Uncoalesced()
 
 
+ON_META = "dryrun-megatron-on-meta"
+"""The registry name of what the dry run changes in torch.cuda and megatron-core."""
+
+
+def _install_on_meta(patches: PatchSet) -> None:
+    from megatron_dcp.megatron.cpu.core import install_rng_states, install_streams
+
+    patches.replace("torch.cuda", "current_device", lambda: JOB_DEVICE, aliases=False)
+    patches.replace("torch.cuda", "synchronize", lambda *a, **k: None, aliases=False)
+    install_streams(patches)  # CUDA streams and RNG states: the host's, as the CPU harness's
+    install_rng_states(patches, aliases=False)
+    patches.replace("megatron.core.distributed.param_and_grad_buffer", "_coalescing_manager",
+                    _uncoalesced, aliases=False)
+
+
 @contextlib.contextmanager
 def megatron_on_meta() -> Iterator[None]:
     """Megatron-core runs on the meta device in this process while inside (module doc)."""
-    import megatron.core.distributed.param_and_grad_buffer as buffers
-    import megatron.core.tensor_parallel.random as mrandom
-
-    from megatron_dcp import patching
-    from megatron_dcp.megatron import cpu
-    from megatron_dcp.megatron.moe import MOE_CPU, enable_moe_cpu
+    from megatron_dcp.megatron.cpu.core import MOE_CPU, enable_moe_cpu
 
     with contextlib.ExitStack() as stack:
         # MoE: the router's Transformer Engine name, the dispatcher's copies without a stream
         stack.enter_context(patching.scoped(MOE_CPU, enable_moe_cpu))
         stack.enter_context(balanced_routing())
-        for name, value in (("current_device", lambda: JOB_DEVICE),
-                            ("synchronize", lambda *a, **k: None),
-                            ("Stream", cpu._CpuStream), ("stream", torch.cpu.stream),
-                            ("current_stream", cpu._cpu_current_stream),
-                            ("default_stream", cpu._cpu_current_stream),
-                            ("get_rng_state", cpu._cpu_get_rng_state),
-                            ("set_rng_state", cpu._cpu_set_rng_state)):
-            stack.enter_context(_patched(torch.cuda, name, value))
-        stack.enter_context(_patched(mrandom, "_get_cuda_rng_state", cpu._get_rng_state))
-        stack.enter_context(_patched(mrandom, "_set_cuda_rng_state", cpu._set_rng_state))
-        stack.enter_context(_patched(buffers, "_coalescing_manager", _uncoalesced))
+        stack.enter_context(patching.scoped(ON_META, lambda: patching.apply(
+            ON_META, "megatron-core", _install_on_meta)))
         stack.enter_context(CudaAsMeta())
         yield
 

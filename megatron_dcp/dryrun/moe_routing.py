@@ -22,12 +22,12 @@ balanced routing.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 
-from megatron_dcp.dryrun.record import _patched
+from megatron_dcp import patching
+from megatron_dcp.patching import PatchSet
 
 
 def balanced(copies: int, experts: int) -> torch.Tensor:
@@ -84,13 +84,20 @@ def _unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
     return out.scatter_add(0, index, permuted_tokens)
 
 
-@contextlib.contextmanager
-def balanced_routing() -> Iterator[None]:
-    """Megatron's alltoall dispatcher routes balanced while inside (module doc)."""
+BALANCED = "dryrun-balanced-routing"
+"""The registry name of the balanced routing."""
+
+
+def _install(patches: PatchSet) -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
-    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
-    with _patched(dispatcher, "preprocess", _preprocess), \
-            _patched(token_dispatcher, "permute", _permute), \
-            _patched(token_dispatcher, "unpermute", _unpermute):
-        yield
+    patches.set(token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess", _preprocess)
+    patches.replace("megatron.core.transformer.moe.token_dispatcher", "permute", _permute,
+                    aliases=False)
+    patches.replace("megatron.core.transformer.moe.token_dispatcher", "unpermute", _unpermute,
+                    aliases=False)
+
+
+def balanced_routing() -> ContextManager[None]:
+    """Megatron's alltoall dispatcher routes balanced while inside (module doc)."""
+    return patching.scoped(BALANCED, lambda: patching.apply(BALANCED, "megatron-core", _install))

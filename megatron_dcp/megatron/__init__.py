@@ -13,7 +13,6 @@ _LAZY = {
     "get_gpt_layer_dcp_spec": "spec", "DCPCoreAttention": "spec", "DCPTransformerLayer": "spec",
     "DCPTaskParams": "spec", "check_model": "spec", "DCPForwardBackward": "step",
     "GlobalBatch": "step", "StepReports": "step",
-    "enable_cpu": "cpu", "disable_cpu": "cpu", "seed_rng": "cpu",
     "hybrid_cp_plan": "hybrid_cp_baseline",
 }
 

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_dcp import patching
 from megatron_dcp.megatron.engine import MegatronParallel
+from megatron_dcp.patching import PatchSet
 from megatron_dcp.runtime.checkpoint_dir import CheckpointError, save_atomically, save_file
 from megatron_dcp.runtime.checkpoint_verify import agree, split_load_path, verify_checkpoint
 from megatron_dcp.runtime.safe_load import SafeFileSystemReader, load_weights
@@ -276,29 +278,33 @@ def _divisible_by_hint(saved_rows: int, vocab_size: Optional[int]) -> Optional[i
     return None
 
 
-class _SafeReaders:
-    """While active, megatron-core's torch_dist strategies read through `SafeFileSystemReader`
-    (``.metadata`` with its own classes only; byte items checked ``weights_only``): the module
-    function they call for a reader is swapped, and restored on exit."""
-
-    def __enter__(self) -> None:
-        from megatron.core.dist_checkpointing import serialization
-        from megatron.core.dist_checkpointing.strategies import torch as strategies
-
-        # 0.19's serialization reads the common state with the same function, imported
-        self._own = [(module, module._get_filesystem_reader) for module in
-                     (strategies, serialization) if hasattr(module, "_get_filesystem_reader")]
-        for module, _ in self._own:
-            module._get_filesystem_reader = lambda path, *args, **kwargs: \
-                SafeFileSystemReader(path)
-
-    def __exit__(self, *exc: Any) -> None:
-        for module, own in self._own:
-            module._get_filesystem_reader = own
+SAFE_READS = "megatron-safe-reads"
+"""The registry name of the checked reader megatron-core's torch_dist loads read through."""
 
 
-def _safe_torch_dist_reads() -> _SafeReaders:
-    return _SafeReaders()
+def _safe_reader(path: Any, *args: Any, **kwargs: Any) -> SafeFileSystemReader:
+    return SafeFileSystemReader(path)
+
+
+def _install_safe_reads(patches: PatchSet) -> None:
+    """megatron-core's torch_dist strategies read through `SafeFileSystemReader` (``.metadata``
+    with its own classes only; byte items checked ``weights_only``): the module function they
+    call for a reader is replaced (0.19's serialization reads the common state with the same
+    function, imported)."""
+    from megatron.core.dist_checkpointing import serialization
+
+    patches.replace("megatron.core.dist_checkpointing.strategies.torch",
+                    "_get_filesystem_reader", _safe_reader, aliases=False)
+    if hasattr(serialization, "_get_filesystem_reader"):
+        patches.replace("megatron.core.dist_checkpointing.serialization",
+                        "_get_filesystem_reader", _safe_reader, aliases=False)
+
+
+def _safe_torch_dist_reads() -> ContextManager[None]:
+    """While inside, megatron-core's torch_dist loads read through the checked reader
+    (`_install_safe_reads`); undone on exit."""
+    return patching.scoped(SAFE_READS, lambda: patching.apply(SAFE_READS, "megatron-core",
+                                                              _install_safe_reads))
 
 
 def _safe_sharded_strategy() -> Any:

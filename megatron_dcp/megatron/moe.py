@@ -1,4 +1,4 @@
-"""Megatron-core mixture-of-experts under DCP: a plan-invariant router, flag checks, CPU patches.
+"""Megatron-core mixture-of-experts under DCP: a plan-invariant router, flag checks.
 
 What changes with experts, and why (docs/MEGATRON.md, "Mixture of experts"):
 
@@ -33,9 +33,8 @@ What changes with experts, and why (docs/MEGATRON.md, "Mixture of experts"):
   Outside a task (plain Megatron, evaluation without DCP) the router is Megatron's unchanged.
   The task reaches the router as the layer's call argument (`DCPTransformerLayer` binds it to
   the router before the layer runs, also inside a recompute on the autograd thread).
-* **CPU** (`enable_moe_cpu`): megatron-core 0.16.1's router reads ``te_general_gemm``, which is
-  unset without Transformer Engine (NameError), and the alltoall dispatcher creates a CUDA stream
-  for its device-to-host copies at construction; on CPU the copies are plain.
+
+On a CPU (tests) MoE layers need the harness's `megatron_dcp.megatron.cpu.core.enable_moe_cpu`.
 """
 
 from __future__ import annotations
@@ -46,10 +45,10 @@ import importlib.metadata
 from typing import Any, Optional
 
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_dcp import patching
 from megatron_dcp.config import arg_value as _get
-from megatron_dcp.patching import PatchSet
 from megatron_dcp.runtime.moe import AttachLoss, task_rows
 
 AUX_LOSS_TYPES = ("seq_aux_loss",)
@@ -163,12 +162,6 @@ def transformer_config_kwargs(args: Any) -> dict:
 
 
 # ---------------------------------------------------------------------- the router
-def _router_class():
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    return TopKRouter
-
-
 class _Tokens:
     """The router's rows of one call as DCP sees them: task-local sequence of each row, whether
     it is a real token, the loss weight of its sequence, and the groups that hold the other
@@ -238,7 +231,7 @@ def _losses_divided_by_tp() -> bool:
         return False
 
 
-class DCPTopKRouter(_router_class()):
+class DCPTopKRouter(TopKRouter):
     """Megatron's ``TopKRouter`` whose auxiliary losses do not depend on the DCP plan (see the
     module docstring); Megatron's own router outside a task, except that a micro-batch of
     padding only (``padding_mask`` all set: a filler that lets a rank join its expert-parallel
@@ -355,47 +348,3 @@ def use_dcp_router(layer_spec) -> None:
     from megatron_dcp.megatron.internals import module_submodules
 
     module_submodules(layer_spec.submodules.mlp).router = DCPTopKRouter
-
-
-# ---------------------------------------------------------------------- CPU
-MOE_CPU = "megatron-moe-cpu"
-"""The MoE CPU patches' name in the registry."""
-
-
-class _NoStream:
-    """Stands for the dispatcher's device-to-host CUDA stream on CPU (never used as one)."""
-
-
-def _dtoh_on_cpu(self, point: str, tokens_per_expert=None):
-    """The alltoall dispatcher's device-to-host copies on CPU: the split sizes as numpy arrays
-    (what the CUDA path hands the all-to-all), no stream."""
-    if not self.drop_and_pad and point == self.cuda_dtoh_point:
-        for name in ("input_splits", "output_splits", "output_splits_tp"):
-            value = getattr(self, name, None)
-            if torch.is_tensor(value):
-                setattr(self, name, value.numpy())
-    return tokens_per_expert
-
-
-def _install_moe_cpu(patches: PatchSet) -> None:
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    patches.set(moe_utils, "te_general_gemm", None)
-    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
-    patches.set(dispatcher, "cuda_dtoh_stream", _NoStream())
-    patches.set(dispatcher, "_maybe_dtoh_and_synchronize", _dtoh_on_cpu)
-
-
-def enable_moe_cpu() -> None:
-    """The CPU patches MoE layers need (idempotent; refuses on a GPU machine): the router's
-    ``te_general_gemm`` (unset without Transformer Engine) and the alltoall dispatcher's CUDA
-    stream."""
-    if torch.cuda.is_available():
-        raise RuntimeError("megatron_dcp.megatron.moe: CUDA is available; the MoE CPU patches "
-                           "are for CPU-only runs")
-    patching.apply(MOE_CPU, "megatron-core", _install_moe_cpu)
-
-
-def disable_moe_cpu() -> None:
-    """Undo `enable_moe_cpu`."""
-    patching.undo(MOE_CPU)

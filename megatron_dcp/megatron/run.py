@@ -10,7 +10,7 @@ spec through ``--spec``) and its schedule (DCP's forward-backward, fed from the 
 data iterator); see docs/MEGATRON.md.
 
 On a machine without CUDA (tests, CPU trials) the launcher first applies the CPU harness
-(`megatron_dcp.megatron.cpu.enable_lm_cpu`) and implies ``--distributed-backend gloo`` and
+(`megatron_dcp.megatron.cpu.lm.enable_lm_cpu`) and implies ``--distributed-backend gloo`` and
 ``--use-cpu-initialization``; on a machine with CUDA nothing of that is applied.
 """
 
@@ -54,7 +54,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"megatron_dcp.megatron.run: no such script: {script}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        from megatron_dcp.megatron.cpu import enable_lm_cpu
+        from megatron_dcp.megatron.cpu.lm import enable_lm_cpu
 
         args = cpu_arguments(args)
         enable_lm_cpu()

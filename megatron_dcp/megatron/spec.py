@@ -59,20 +59,17 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.offload import OffloadEntry, offload_layers_of
 from megatron_dcp.runtime.tiling import TileableForward, mlp_tiles_of, tiled_mlp
 
 
-def _packed_seq_params_class():
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    return PackedSeqParams
-
-
 @dataclass
-class DCPTaskParams(_packed_seq_params_class()):
+class DCPTaskParams(PackedSeqParams):
     """Megatron's ``PackedSeqParams`` (format ``sbhd``: one packed row per shard) carrying the
     DCP task to `DCPTransformerLayer` and `DCPCoreAttention` through the model's
     ``packed_seq_params`` argument."""
@@ -146,7 +143,6 @@ def get_gpt_layer_dcp_spec(normalization: Optional[str] = "RMSNorm", qk_layernor
     `megatron_dcp.megatron.moe.DCPTopKRouter` (auxiliary losses independent of the plan).
     """
     from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_dcp.patching import check_version
 
@@ -226,13 +222,7 @@ class SPNorm:
         return norm
 
 
-def _transformer_layer():
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    return TransformerLayer
-
-
-class DCPTransformerLayer(_transformer_layer()):
+class DCPTransformerLayer(TransformerLayer):
     """Megatron's ``TransformerLayer`` that runs a DCP task given as ``packed_seq_params``.
 
     With a `DCPTaskParams`: RoPE rows of the shard's positions, and the layer recomputed in
@@ -376,13 +366,7 @@ def _earlier_chunk_layers(config, vp_stage: Optional[int]) -> int:
     return sum(get_num_layers_to_build(config, vp_stage=c) for c in range(vp_stage))
 
 
-def _megatron_module():
-    from megatron.core.transformer.module import MegatronModule
-
-    return MegatronModule
-
-
-class DCPCoreAttention(_megatron_module()):
+class DCPCoreAttention(MegatronModule):
     """Core attention (after q/k/v projection and RoPE) running DCP's sequence-parallel attention.
 
     Same constructor and call signature as Megatron's ``DotProductAttention``. Inputs are
