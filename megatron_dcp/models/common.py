@@ -1,4 +1,4 @@
-"""Pieces shared by the reference models: RMSNorm, rotary embedding, token losses, init.
+"""Pieces shared by the reference models: RMSNorm, SwiGLU, rotary embedding, token losses, init.
 
 Tensor names: ``T`` tokens (of the local shard inside a task), ``H`` heads, ``D`` head dim.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_dcp.config import IGNORE_INDEX
@@ -64,6 +65,31 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dim of ``x``."""
         return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` that saves ``gate`` and ``up`` only, as a fused kernel does (autograd's
+    graph of the same expression saves ``silu(gate)`` too: one more FFN-wide tensor a token a
+    layer than the memory model counts). Forward and backward run the same operations as
+    autograd's, so values and gradients are bitwise the same."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        dup = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        dgate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] \
+            else None
+        return dgate, dup
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, saving for backward what a fused SwiGLU saves (`_SwiGLU`)."""
+    return _SwiGLU.apply(gate, up)
 
 
 def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_dcp.models.common import (RMSNorm, apply_rope, check_inputs, init_weights,
+from megatron_dcp.models.common import (RMSNorm, apply_rope, check_inputs, init_weights, swiglu,
                                         rope_tables, token_losses)
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.runtime.attention import dcp_attention
@@ -104,7 +104,7 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, h_TE: torch.Tensor) -> torch.Tensor:
         """The SwiGLU MLP of normed tokens (token-wise: `tiled_mlp` runs it over tiles)."""
-        return self.w_down(F.silu(self.w_gate(h_TE)) * self.w_up(h_TE))
+        return self.w_down(swiglu(self.w_gate(h_TE), self.w_up(h_TE)))
 
 
 class Decoder(nn.Module):
