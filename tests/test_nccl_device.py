@@ -33,12 +33,9 @@ def test_the_launchers_loss_report_is_reduced_on_the_job_device(monkeypatch):
     """Item 1: `LMForwardBackward._log` summed the ``lm loss`` reports in a CPU tensor and
     all-reduced it over data parallel: the first NCCL iteration of every launcher run."""
     pytest.importorskip("megatron.core")
-    from megatron.core import parallel_state as ps
-
     from megatron_dcp.megatron.lm import LMForwardBackward
 
     seen = _refusing_collectives(monkeypatch)
-    monkeypatch.setattr(ps, "get_data_parallel_group", lambda *a, **k: None)
     stub = types.SimpleNamespace(iteration=0, log_path=None, _logged_at=None,
                                  args=types.SimpleNamespace(dcp_log_json=None),
                                  monitor=types.SimpleNamespace(due=lambda iteration: False,
@@ -48,7 +45,7 @@ def test_the_launchers_loss_report_is_reduced_on_the_job_device(monkeypatch):
         result = None
 
     reports = Reports({"lm loss": torch.tensor([3.0, 2.0], device=JOB)} for _ in range(2))
-    LMForwardBackward._log(stub, reports)
+    LMForwardBackward._log(stub, reports, None)  # the data-parallel group
     assert seen == [JOB] and stub.iteration == 1
 
 

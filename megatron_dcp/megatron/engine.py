@@ -60,6 +60,21 @@ class MegatronParallel:
         return parallel_state.get_pipeline_model_parallel_group()
 
     @property
+    def tensor_group(self):
+        """This rank's tensor-parallel group."""
+        if self.pg_collection is not None:
+            return self.pg_collection.tp
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_group()
+
+    def rank_in(self, group) -> int:
+        """This rank's index in ``group`` (one of the properties' groups)."""
+        import torch.distributed as dist
+
+        return dist.get_rank(group)
+
+    @property
     def data_group(self):
         """This rank's data-parallel group (the DCP world; Megatron's CP size is 1 under DCP,
         so ``dp_cp`` is the same ranks)."""

@@ -145,7 +145,8 @@ INTERNALS: dict[str, str] = {
     _PS + "get_pipeline_model_parallel_rank": _DRY,
     _PS + "get_pipeline_model_parallel_world_size": _ENGINE,
     _PS + "get_virtual_pipeline_model_parallel_world_size": _ENGINE,
-    _PS + "is_pipeline_first_stage": _LM,
+    _PS + "get_tensor_model_parallel_group": _ENGINE,
+    _PS + "is_pipeline_first_stage": _DRY,
     _PS + "is_pipeline_last_stage(ignore_virtual)": _LM,
     _PS + "destroy_model_parallel": "megatron_dcp/megatron/parallel.py",
     # pipeline parallelism: Megatron's schedules, their table, groups and P2P shape exchange

@@ -138,7 +138,7 @@ def _validate_args(validate_args: Callable) -> Callable:
     @functools.wraps(validate_args)
     def run(args, *rest: Any, **kwargs: Any):
         out = validate_args(args, *rest, **kwargs)
-        if getattr(args, "dcp", False):
+        if args.dcp:
             check_args(args)
         return out
 
@@ -154,7 +154,7 @@ def _forward_backward_func(get_func: Callable, saved: PlannerCheckpoint) -> Call
         from megatron.training import get_args
 
         schedule = get_func(*args, **kwargs)
-        if not getattr(get_args(), "dcp", False):
+        if not get_args().dcp:
             return schedule
         if saved.step is None:
             saved.step = LMForwardBackward(get_args(), resume=saved.loaded)
@@ -174,7 +174,7 @@ def _train_step(train_step: Callable, saved: PlannerCheckpoint) -> Callable:
     def run(forward_step_func, data_iterator, model, optimizer, *rest: Any, **kwargs: Any):
         from megatron.training import get_args
 
-        if not getattr(get_args(), "dcp", False):
+        if not get_args().dcp:
             return train_step(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs)
         own = "step" in vars(optimizer)
         step = optimizer.step
@@ -378,21 +378,20 @@ class LMForwardBackward:
         """The last step was skipped: Megatron-LM's optimizer step must not run (`_train_step`;
         with fp16 the loss scaler's own ``step()`` skips, so it runs)."""
 
-    def global_batch(self, data_iterator, num_microbatches: int):
+    def global_batch(self, data_iterator, num_microbatches: int, parallel):
         """This step's documents and plan (`megatron_dcp.megatron.lm_data`): each rank with a
         data iterator reads the ``num_microbatches`` batches Megatron-LM would run; those of the
         first pipeline stage's tensor-parallel rank 0 of each data-parallel rank are the batch,
         in data-parallel rank order; every rank plans it from the lengths and receives the tokens
         of its own tasks' documents only."""
-        from megatron.core import parallel_state as ps
-
         from megatron_dcp.megatron.lm_data import global_batch
         from megatron_dcp.runtime.groups import comm_device
 
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         iterator = next((it for it in iterators if it is not None), None)
         local = [next(iterator) for _ in range(num_microbatches)] if iterator is not None else []
-        source = ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_first_stage()
+        source = parallel.rank_in(parallel.tensor_group) == 0 \
+            and parallel.rank_in(parallel.pipeline_group) == 0
         mine, problem = None, ""
         if source:
             if iterator is None:
@@ -400,7 +399,7 @@ class LMForwardBackward:
                                  "no data iterator")
             mine = [d.numpy() for batch in local for d in documents(batch)]
             problem = token_id_problem(mine, self.vocab_size)  # raised on every rank alike
-        return global_batch(mine, ps.get_data_parallel_rank(), problem,
+        return global_batch(mine, parallel.rank_in(parallel.data_group), problem,
                             self.step.driver.plan, comm_device())
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model,
@@ -409,16 +408,16 @@ class LMForwardBackward:
             return self.schedule(forward_step_func=forward_step_func, data_iterator=data_iterator,
                                  model=model, num_microbatches=num_microbatches,
                                  forward_only=True, **kwargs)
+        from megatron_dcp.megatron.engine import MegatronParallel
         from megatron_dcp.megatron.step import GlobalBatch
 
         if self.resume is not None:  # every rank, at its first step (the driver is collective)
             self.step.driver.load_state_dict(self.resume)
             self.resume = None
         t0 = time.perf_counter()
-        sequences, plan = self.global_batch(data_iterator, num_microbatches)
+        parallel = MegatronParallel.of(kwargs.get("pg_collection"))
+        sequences, plan = self.global_batch(data_iterator, num_microbatches, parallel)
         planned_s = time.perf_counter() - t0  # the lengths' gather, the plan, the tokens' move
-        kwargs.pop("p2p_communicator", None)
-        kwargs.pop("pg_collection", None)
         reports = self.step(forward_step_func=_adapted(forward_step_func),
                             data_iterator=iter([GlobalBatch(sequences, plan=plan)]), model=model,
                             num_microbatches=1, **kwargs)
@@ -426,19 +425,17 @@ class LMForwardBackward:
                                 and not self.args.fp16)
         if reports.result is not None:  # planned before the step (lm_data): its seconds
             reports.result.plan_s = reports.result.plan_wait_s = planned_s
-        self._log(reports)
+        self._log(reports, parallel.data_group)
         return reports
 
-    def _log(self, reports) -> None:
+    def _log(self, reports, group) -> None:
         """One JSON row: the loss as Megatron-LM's ``lm loss`` (the reports summed over
         micro-steps and data-parallel ranks), the tokens, the plan."""
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
         from megatron_dcp.runtime.groups import comm_device
 
         self.iteration += 1
-        group = ps.get_data_parallel_group()
         summed = torch.zeros(2, dtype=torch.float64, device=comm_device(group))
         for report in reports:
             summed += report["lm loss"].detach().to(summed.device, torch.float64).view(-1)[:2]

@@ -123,7 +123,7 @@ def gated_load_args(load_args_from_checkpoint: Callable) -> Callable:
     @functools.wraps(load_args_from_checkpoint)
     def run(args: Any, load_arg: str = "load", *rest: Any, **kwargs: Any):
         where = getattr(args, load_arg, None)
-        if getattr(args, "dcp", False) and where:
+        if args.dcp and where:
             check_load(where, getattr(args, "ckpt_step", None) if load_arg == "load" else None)
         return load_args_from_checkpoint(args, load_arg, *rest, **kwargs)
 
