@@ -216,3 +216,23 @@ def test_a_long_task_tiles_and_its_offloaded_inputs_leave_the_device(tmp_path):
     for report in (offloaded, kept):  # measured 0.94x: the model counts a little more
         rank = report["ranks"][0]
         assert 0.9 * rank["predicted_bytes"] < rank["peak_bytes"] <= rank["predicted_bytes"]
+
+
+@pytest.mark.slow  # in-process, but 10-25 s: out of the fast tier
+def test_long_sequences_and_optimizer_offload_follow_their_flags(tmp_path):
+    """``--long-sequences off`` plans as training with the flag off (a 300,000-token sequence on
+    2 ranks fits no group: the rank reports the planner's error); ``--offload-optimizer`` takes
+    the optimizer states out of the static memory, so the same budget leaves the long task more
+    (fewer layer inputs offloaded, a higher predicted peak of activations)."""
+    lengths = tmp_path / "long.txt"
+    lengths.write_text("300000\n")
+    flags = ["--gpus", "2", "--layers", "4", "--lengths", str(lengths), "--max-len", "300000",
+             "--global-batch-tokens", "300000", "--memory-budget-gb", "32", "--ranks", "0",
+             "--zero-stage", "1"]
+    off = run(parse_args(flags + ["--long-sequences", "off"]))
+    assert "fits no group" in off["ranks"][0]["error"] and not off["ok"]
+    kept = run(parse_args(flags))["ranks"][0]
+    offloaded = run(parse_args(flags + ["--offload-optimizer"]))["ranks"][0]
+    assert kept["error"] == offloaded["error"] == ""
+    assert offloaded["predicted_bytes"] > kept["predicted_bytes"]  # 19.3 vs 17.0 GiB
+    assert offloaded["peak_bytes"] > kept["peak_bytes"]  # measured: 18.3 vs 16.0

@@ -51,6 +51,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="Megatron's sequence parallelism (with --tp > 1)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="optimizer sharding (megatron: 1 = the distributed optimizer)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="optimizer states in host memory (DeepSpeed's offload_optimizer, "
+                        "Megatron's --optimizer-cpu-offload)")
+    p.add_argument("--long-sequences", default="auto", choices=("auto", "on", "off"),
+                   help="dcp.long_sequences (default auto, as training)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--lengths", help="file: one token count per line, or a Megatron .idx")
     src.add_argument("--corpus", action="store_true",
@@ -118,7 +123,7 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
     config = DCPConfig(enabled=True, hardware=args.hardware, calibration="off",
                        memory_budget_gb=args.memory_budget_gb,
                        max_tokens_per_rank=args.max_tokens_per_rank,
-                       ranks_per_node=args.gpus_per_node)
+                       ranks_per_node=args.gpus_per_node, long_sequences=args.long_sequences)
     model = load_model(args.model)
     shape = dataclasses.replace(layers_run(model, args.layers),
                                 tensor_parallel=args.tp, pipeline_parallel=args.pp,
@@ -127,6 +132,7 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
                                 **_experts(args, model))
     job = RankJob(shape=shape, lengths=batch_lengths(args), world_size=args.gpus,
                   config=config, hardware=args.hardware, zero_stage=args.zero_stage,
+                  offload_optimizer=args.offload_optimizer,
                   create_groups=not args.no_create_groups, **controls)
     run_one = run_rank
     if args.engine == "megatron":

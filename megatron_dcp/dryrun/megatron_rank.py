@@ -261,6 +261,7 @@ def _step(job: RankJob, chunks: list, parallel_state: Any, tracker: Any) -> tupl
         job.world_size, job.shape.tensor_parallel, job.shape.pipeline_parallel))
     step = DCPForwardBackward(job.config, model_shape=job.shape, pool=pool,
                               zero_stage=job.zero_stage,
+                              offload_optimizer=job.offload_optimizer,
                               vocabulary_lengths=sorted(set(job.lengths))
                               if job.create_groups else None)
     batch = GlobalBatch([torch.zeros(n, dtype=torch.long) for n in job.lengths])

@@ -35,6 +35,9 @@ class RankJob:
     zero_stage: int = 0
     """The optimizer's sharding (the memory model; on the Megatron path 1 is the distributed
     optimizer)."""
+    offload_optimizer: bool = False
+    """Optimizer states in host memory (DeepSpeed's ``offload_optimizer``, Megatron's
+    ``--optimizer-cpu-offload``): the memory model's static memory leaves them out."""
     create_groups: bool = True
     """Create and warm the vocabulary's groups at start, as the engines do."""
     drop_call: Optional[tuple[int, int]] = None
@@ -96,7 +99,8 @@ def run_rank(job: RankJob, rank: int) -> dict[str, Any]:
             pool = GroupPool()
             driver = StepDriver(job.config, pool=pool, model_shape=job.shape,
                                 hardware=job.hardware, device=JOB_DEVICE,
-                                zero_stage=job.zero_stage)
+                                zero_stage=job.zero_stage,
+                                offload_optimizer=job.offload_optimizer)
             if job.create_groups:
                 driver.create_groups(job.lengths)
             batch = [torch.zeros(n, dtype=torch.long) for n in job.lengths]
