@@ -51,7 +51,7 @@ class SeqChoice:
     pairs: float
     degree: int = 0
     recompute_layers: int = 0
-    time: float = 0.0
+    duration: float = 0.0
     fitting_options: list[tuple[int, int]] = field(default_factory=list)
     """(degree, recompute_layers) of every vocabulary size from ``degree`` on where it fits."""
 
@@ -201,18 +201,18 @@ def degree_choice(pctx: PlanContext, infos: list[SeqChoice], mode: str, floor: i
                          for f in options])
                 found = chosen[(n, pairs)] = _least_work_option(pctx, n, pairs, options, least,
                                                                 kinds)
-            info.degree, info.recompute_layers, info.time = found
+            info.degree, info.recompute_layers, info.duration = found
         else:
-            info.time = seq_time(n, pairs, info.degree, info.recompute_layers)
-        total += info.degree * max(info.time - overhead, 0.0)
+            info.duration = seq_time(n, pairs, info.degree, info.recompute_layers)
+        total += info.degree * max(info.duration - overhead, 0.0)
     per_rank = total / pctx.world
     longest = 0.0
-    for info in sorted(infos, key=lambda x: -x.time):
-        if info.time <= max(per_rank, longest):
+    for info in sorted(infos, key=lambda x: -x.duration):
+        if info.duration <= max(per_rank, longest):
             break  # its fastest time is at most its current time: cannot raise the bound
         if not info.fitting_options:
             fill_options(pctx, info, mode, info.degree)
-        fastest = info.time
+        fastest = info.duration
         for d, c in info.fitting_options:
             fastest = min(fastest, seq_time(info.length, info.pairs, d, c))
         longest = max(longest, fastest)

@@ -74,7 +74,7 @@ class PackedTask:
     """The smallest degree at which every sequence of the task fits."""
     recompute_layers: int
     """Recomputed layers at ``degree``."""
-    time: float
+    duration: float
     """Predicted seconds at ``degree`` (`TimeModel.best_time` of ``tokens``, as its draft's)."""
     layout: Layout
     """The layout of ``time``."""
@@ -102,7 +102,7 @@ def _pack(pctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
                           degree, info.recompute_layers, time, layout)
 
     for info in infos:
-        if info.time > limit:
+        if info.duration > limit:
             tasks.append(alone(info, info.degree))
         else:
             by_degree.setdefault(info.degree, []).append(info)
@@ -121,7 +121,7 @@ def _pack(pctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
                     if t <= limit:
                         cur.seqs.append(info.i)
                         cur.tokens, cur.padded_tokens, cur.pairs = tokens, padded, pairs
-                        cur.recompute_layers, cur.time, cur.layout = c, t, layout
+                        cur.recompute_layers, cur.duration, cur.layout = c, t, layout
                         continue
                 tasks.append(cur)
             cur = alone(info, degree)
@@ -134,7 +134,7 @@ def _pack(pctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
 def _options_for(pctx: PlanContext, task: PackedTask, mode: str):
     """(degree, recompute_layers, time, layout) of a packed task for every vocabulary degree
     from its minimum on."""
-    yield task.degree, task.recompute_layers, task.time, task.layout
+    yield task.degree, task.recompute_layers, task.duration, task.layout
     for d in pctx.vocab.sizes:
         if d <= task.degree:
             continue
@@ -223,7 +223,7 @@ def _build(pctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
             holes.take(hole, start_rank, d, at + draft.duration)
         drafts.append(draft)
 
-    for task in sorted(tasks, key=lambda t: (-t.time, t.seqs[0])):
+    for task in sorted(tasks, key=lambda t: (-t.duration, t.seqs[0])):
         work, tried = None, []  # its options up to where work grows too much
         for d, c, t, layout in _options_for(pctx, task, mode):
             finish, start_rank, at, hole = earliest(d, t)
@@ -238,7 +238,7 @@ def _build(pctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
             tried.append((d, c, t, layout))
         else:
             deferred.append((task, tried))
-    for task, tried in sorted(deferred, key=lambda x: (-x[0].time, x[0].seqs[0])):
+    for task, tried in sorted(deferred, key=lambda x: (-x[0].duration, x[0].seqs[0])):
         best = None
         for d, c, t, layout in tried:
             finish, start_rank, at, hole = earliest(d, t)

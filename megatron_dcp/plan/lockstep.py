@@ -363,7 +363,7 @@ def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bo
     groups: dict[tuple, list[SeqChoice]] = {}
     for info in infos:
         groups.setdefault((info.length, info.pairs, info.degree, info.recompute_layers,
-                           info.time, len(info.fitting_options)), []).append(info)
+                           info.duration, len(info.fitting_options)), []).append(info)
     same = list(groups.values())
     found: dict[int, tuple[float, str, list[Draft]]] = {}
     lifts: dict[tuple[str, int], Callable] = {}  # passes of one floor share the choices

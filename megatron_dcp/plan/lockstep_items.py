@@ -77,10 +77,10 @@ def choose(pctx: PlanContext, info: SeqChoice, mode: str, target: float, base: i
     deeper slot makes every task in it recompute), else the smallest at which it finishes within
     ``target``, else the fastest before work grows by `MAX_WORK_GROWTH`."""
     if info.degree <= 1 and info.recompute_layers <= base:
-        return False, 1, info.recompute_layers, info.time, None
+        return False, 1, info.recompute_layers, info.duration, None
     if not info.fitting_options:
-        if info.recompute_layers <= base and info.time <= target:
-            return True, info.degree, info.recompute_layers, info.time, None
+        if info.recompute_layers <= base and info.duration <= target:
+            return True, info.degree, info.recompute_layers, info.duration, None
         fill_options(pctx, info, mode, info.degree)
     options = info.fitting_options
     for d, c in options:
@@ -101,7 +101,7 @@ def choose(pctx: PlanContext, info: SeqChoice, mode: str, target: float, base: i
             break
         if best is None or t < best[2]:
             best = (d, c, t)
-    d, c, t = best or (info.degree, info.recompute_layers, info.time)
+    d, c, t = best or (info.degree, info.recompute_layers, info.duration)
     return True, d, c, t, _from(options, d)
 
 
