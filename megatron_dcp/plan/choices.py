@@ -1,13 +1,15 @@
-"""Degree choices of single sequences and the constants every DCP pass shares (a leaf of the
-planner: the free passes of `megatron_dcp.plan.dcp` and the lockstep passes of
-`megatron_dcp.plan.lockstep` both start from `degree_choice`)."""
+"""Degree choices of single sequences (`SeqChoice`), tasks being packed (`Pack`, `next_fit`) and
+the constants every DCP pass shares (a leaf of the planner: the free passes of
+`megatron_dcp.plan.dcp` and the lockstep passes of `megatron_dcp.plan.lockstep` both start from
+`degree_choice` and pack with `next_fit`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence, TypeVar
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
+from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import PlanContext
 from megatron_dcp.plan.hardware import layout_kind
 
@@ -54,6 +56,140 @@ class SeqChoice:
     duration: float = 0.0
     fitting_options: list[tuple[int, int]] = field(default_factory=list)
     """(degree, recompute_layers) of every vocabulary size from ``degree`` on where it fits."""
+
+
+@dataclass(eq=False, slots=True)
+class Pack:
+    """A task being packed: sequences that run together on ``degree`` ranks with
+    ``recompute_layers`` for ``duration`` seconds. A free pass's task before it is placed, a
+    lockstep pass's item (what joins a slot as one unit) and a slot's task while the slot fills
+    (from ``start_rank``) are each a pack; a pack grows by another (`timed_with`, `add`)."""
+
+    seqs: list[int]
+    tokens: int
+    """Tokens of ``seqs`` before padding."""
+    pairs: float
+    degree: int
+    recompute_layers: int
+    duration: float = 0.0
+    layout: Optional[Layout] = None
+    """The layout of ``duration`` (`TimeModel.best_time`), where known."""
+    padded_tokens: int = 0
+    """Tokens of ``seqs`` after padding at ``degree`` (what memory counts); kept for a pack of
+    other packs (one sequence: `padded` asks the cost model)."""
+    fitting_options: Optional[list[tuple[int, int]]] = None
+    """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where the
+    pack fits, smallest first; ``None``: not known (`options` finds them as asked)."""
+    start_rank: int = 0
+    """First rank of a slot's task."""
+    _padded: Optional[dict[int, int]] = None
+
+    def padded(self, pctx: PlanContext, degree: int) -> int:
+        """Tokens after padding on ``degree`` ranks (of several sequences: kept per degree)."""
+        if len(self.seqs) == 1:
+            return pctx.padded(self.tokens, degree)
+        if degree == self.degree:
+            return self.padded_tokens
+        if self._padded is None:
+            self._padded = {}
+        found = self._padded.get(degree)
+        if found is None:
+            found = self._padded[degree] = pctx.padded_tokens(self.seqs, degree)
+        return found
+
+    def options(self, pctx: PlanContext, mode: str) -> Iterator[tuple[int, int]]:
+        """`fitting_options`, or where they are not known, the same found as asked (a caller
+        mostly takes the first)."""
+        if self.fitting_options is not None:
+            yield from self.fitting_options
+            return
+        for d in pctx.vocab.sizes:
+            if d >= self.degree:
+                c = pctx.recompute_for(self.padded(pctx, d), d, mode)
+                if c is not None:
+                    yield d, c
+
+    def timed_with(self, pctx: PlanContext, other: "Pack", mode: str, seconds: float,
+                   tokens: float = math.inf, fits: Optional[Callable] = None
+                   ) -> Optional[tuple[float, Layout]]:
+        """`TimeModel.best_time` of the pack with ``other`` packed in, at its degree and
+        recomputed layers; ``None`` where that passes ``tokens`` padded tokens or, packed with
+        any sequence, ``pack_tokens``, does not fit memory at its recomputed layers under
+        ``mode`` (``fits(pctx, padded_tokens, degree, mode)`` where given: a slot's), or takes
+        more than ``seconds``."""
+        d, layers = self.degree, self.recompute_layers
+        padded = self.padded(pctx, d) + other.padded(pctx, d)
+        if padded > tokens or self.seqs and pctx.pack_tokens and padded > pctx.pack_tokens:
+            return None
+        if fits is not None:
+            if not fits(pctx, padded, d, mode):
+                return None
+        else:
+            c = pctx.recompute_for(padded, d, mode)
+            if c is None or c > layers:
+                return None
+        timed = pctx.cm.time_model.best_time(self.tokens + other.tokens, self.pairs + other.pairs,
+                                             d, layers)
+        return timed if timed[0] <= seconds else None
+
+    def add(self, pctx: PlanContext, other: "Pack", timed: tuple[float, Layout]) -> None:
+        """Pack ``other`` in, ``timed``: the pack's `timed_with` it."""
+        self.padded_tokens = self.padded(pctx, self.degree) + other.padded(pctx, self.degree)
+        self.seqs += other.seqs
+        self.tokens += other.tokens
+        self.pairs += other.pairs
+        self.duration, self.layout = timed
+
+
+def next_fit(pctx: PlanContext, packs: list[Pack], mode: str, limit: float, tail: float = 0.0,
+             grain_tokens: float = 0.0) -> list[Pack]:
+    """``packs`` (longest first) of at most ``limit`` seconds packed per degree (next-fit) into
+    packs of up to ``limit`` seconds that fit memory at the recomputed layers of their first and
+    ``pack_tokens``; longer ones, and packs that get no other, stay as they are (``packs`` are
+    not changed). ``tail`` > 0 (a lockstep pass's items: a slot has one number of recomputed
+    layers): per degree and recomputed layers, each pack of at most ``grain_tokens`` x the tokens
+    a task of its degree holds at those layers, and within 1 / (``tail`` x the packs of its
+    degree side by side in a slot) of the time and tokens of the ones after it (the last ones
+    stay fine enough to fill what the others leave)."""
+    out: list[Pack] = []
+    kinds: dict[tuple[int, int], list[Pack]] = {}
+    for p in packs:
+        if p.duration > limit:
+            out.append(p)
+        else:  # each kind's packs stay longest first
+            kinds.setdefault((p.degree, p.recompute_layers if tail else 0), []).append(p)
+    for same in kinds.values():
+        seconds, tokens = _pack_bounds(pctx, same, limit, tail, grain_tokens)
+        cur = same[0]
+        for k in range(1, len(same)):
+            timed = cur.timed_with(pctx, same[k], mode, seconds[k], tokens[k])
+            if timed is None:
+                out.append(cur)
+                cur = same[k]
+                continue
+            if cur is same[k - 1]:  # the first it gets: a new pack (``packs`` stay as they are)
+                cur = Pack(list(cur.seqs), cur.tokens, cur.pairs, cur.degree,
+                           cur.recompute_layers, padded_tokens=cur.padded_tokens)
+            cur.add(pctx, same[k], timed)
+        out.append(cur)
+    return out
+
+
+def _pack_bounds(pctx: PlanContext, same: list[Pack], limit: float, tail: float,
+                 grain_tokens: float) -> tuple[list[float], list[float]]:
+    """`next_fit`'s most seconds and padded tokens of a pack that takes ``same[k]``, by ``k``."""
+    if not tail:
+        return [limit] * len(same), [math.inf] * len(same)
+    d, c, overhead = same[0].degree, same[0].recompute_layers, pctx.cm.time_model.task_overhead
+    fine = tail * pctx.world / d
+    most = grain_tokens * d * pctx.cm.memory_model.max_local_tokens(c)
+    # time (less the fixed per-task cost) and tokens the packs after each one add
+    time_after, tokens_after = [0.0] * (len(same) + 1), [0] * (len(same) + 1)
+    for k in range(len(same) - 1, -1, -1):
+        time_after[k] = time_after[k + 1] + max(same[k].duration - overhead, 0.0)
+        tokens_after[k] = tokens_after[k + 1] + same[k].padded(pctx, d)
+    return ([min(limit, t / fine) for t in time_after[1:]],
+            [min(most, t / fine) for t in tokens_after[1:]])
 
 
 def fill_options(pctx: PlanContext, info: SeqChoice, mode: str, start_at: int = 0) -> None:

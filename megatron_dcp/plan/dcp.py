@@ -26,11 +26,10 @@ of ``SEARCH_PASSES`` (fewer for large inputs, to stay within the latency budget)
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, SeqChoice, floor_of,
-                                       passes_for, raised)
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, Pack, SeqChoice,
+                                       floor_of, next_fit, passes_for, raised)
 from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import BlockClock, Draft, PlanContext, retime
 
@@ -60,78 +59,21 @@ many short sequences must fill the gaps, target slack when one long sequence bou
 The shortest plan over all passes is kept."""
 
 
-@dataclass(slots=True)
-class PackedTask:
-    """Sequences packed into one task before it is placed."""
-
-    seqs: list[int]
-    tokens: int
-    """Tokens before padding."""
-    padded_tokens: int
-    """Tokens after padding at ``degree`` (what memory counts)."""
-    pairs: float
-    degree: int
-    """The smallest degree at which every sequence of the task fits."""
-    recompute_layers: int
-    """Recomputed layers at ``degree``."""
-    duration: float
-    """Predicted seconds at ``degree`` (`TimeModel.best_time` of ``tokens``, as its draft's)."""
-    layout: Layout
-    """The layout of ``time``."""
+def _pack(pctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float) -> list[Pack]:
+    """The sequences at their choices ``infos``, those of at most ``limit`` seconds packed
+    (`next_fit`, longest first) into tasks of up to ``limit`` seconds; each task is timed at its
+    best layout. The lockstep passes pack their items with `next_fit` too, but per degree and
+    recomputed layers (a slot's tasks share them), and bound by a slot's share."""
+    packs = sorted((Pack([x.i], x.length, x.pairs, x.degree, x.recompute_layers, x.duration)
+                    for x in infos), key=lambda p: (-p.tokens, p.seqs[0]))
+    packs = next_fit(pctx, packs, mode, limit)
+    for p in packs:
+        if p.layout is None:
+            p.layout = pctx.seq_best(p.tokens, p.pairs, p.degree, p.recompute_layers)[1]
+    return packs
 
 
-def _pack(pctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
-          ) -> list[PackedTask]:
-    """Sequences whose time at their minimal degree is at most ``limit`` packed (next-fit,
-    longest first) into tasks of up to ``limit`` seconds (and ``pack_tokens`` tokens when the
-    config sets it); longer sequences become tasks of their own.
-
-    The lockstep passes pack with `megatron_dcp.plan.lockstep_items.pack_wide`, which differs on
-    purpose: there a slot's tasks share its recomputed layers, so it groups per degree and
-    recomputed layers and keeps them, and bounds each group by its slot's share (``GRAIN_TOKENS``,
-    ``TAIL``); here a task is free to recompute anything up to what its longest sequence needs
-    alone, and is timed at its best layout."""
-    cm = pctx.cm
-    token_cap = pctx.pack_tokens or float("inf")
-    tasks: list[PackedTask] = []
-    by_degree: dict[int, list[SeqChoice]] = {}
-
-    def alone(info: SeqChoice, degree: int) -> PackedTask:
-        time, layout = pctx.seq_best(info.length, info.pairs, degree, info.recompute_layers)
-        return PackedTask([info.i], info.length, pctx.padded(info.length, degree), info.pairs,
-                          degree, info.recompute_layers, time, layout)
-
-    for info in infos:
-        if info.duration > limit:
-            tasks.append(alone(info, info.degree))
-        else:
-            by_degree.setdefault(info.degree, []).append(info)
-    for degree, items in by_degree.items():
-        items.sort(key=lambda x: (-x.length, x.i))
-        cur: Optional[PackedTask] = None
-        cur_recompute = 0
-        for info in items:
-            if cur is not None:
-                padded = cur.padded_tokens + pctx.padded(info.length, degree)
-                c = pctx.recompute_for(padded, degree, mode) if padded <= token_cap else None
-                # no more recompute than its longest sequence needs alone: recompute is work
-                if c is not None and c <= cur_recompute:
-                    tokens, pairs = cur.tokens + info.length, cur.pairs + info.pairs
-                    t, layout = cm.time_model.best_time(tokens, pairs, degree, c)
-                    if t <= limit:
-                        cur.seqs.append(info.i)
-                        cur.tokens, cur.padded_tokens, cur.pairs = tokens, padded, pairs
-                        cur.recompute_layers, cur.duration, cur.layout = c, t, layout
-                        continue
-                tasks.append(cur)
-            cur = alone(info, degree)
-            cur_recompute = info.recompute_layers
-        if cur is not None:
-            tasks.append(cur)
-    return tasks
-
-
-def _options_for(pctx: PlanContext, task: PackedTask, mode: str):
+def _options_for(pctx: PlanContext, task: Pack, mode: str):
     """(degree, recompute_layers, time, layout) of a packed task for every vocabulary degree
     from its minimum on."""
     yield task.degree, task.recompute_layers, task.duration, task.layout
@@ -193,7 +135,7 @@ class Holes:
                 self.holes.append([a, b, f, busy])
 
 
-def _build(pctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
+def _build(pctx: PlanContext, tasks: list[Pack], mode: str, target: float
            ) -> list[Draft]:
     """Moldable list scheduling, longest first: each task on the smallest degree whose earliest
     finish meets ``target``, on the group of that size that frees first or in an idle interval
@@ -212,7 +154,7 @@ def _build(pctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
             return found[2] + t, found[1], found[2], found[0]
         return at + t, start_rank, at, None
 
-    def put(task: PackedTask, d: int, c: int, t: float, layout: Layout, start_rank: int,
+    def put(task: Pack, d: int, c: int, t: float, layout: Layout, start_rank: int,
             at: float, hole: "int | None") -> None:
         draft = Draft(start_rank, d, list(task.seqs), c, layout, t, tokens=task.tokens,
                       pairs=task.pairs, start=at)

@@ -39,12 +39,12 @@ import math
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice, floor_of,
-                                       passes_for, raised, work_floor)
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, Pack, SeqChoice, degree_choice,
+                                       floor_of, passes_for, raised, work_floor)
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
-from megatron_dcp.plan.lockstep_items import Item, lockstep_items
+from megatron_dcp.plan.lockstep_items import lockstep_items
 from megatron_dcp.plan.lockstep_regroup import merged, narrowed
-from megatron_dcp.plan.slots import Fit, Slot, SlotIndex, SlotTask
+from megatron_dcp.plan.slots import Slot, SlotIndex
 
 MEMORY_SLACK = 0.9
 """Step 3 plans the short items' slots to fill at most this share of a rank's token capacity:
@@ -68,7 +68,7 @@ FILL_TRIES = 4
 """Step 2 and 3 try an item on this many of the emptiest tasks before giving up on it."""
 
 
-def join(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
+def join(pctx: PlanContext, slot: Slot, item: Pack, mode: str) -> bool:
     """Put a wide or deep item into ``slot`` if it finishes within the slot's duration at the
     slot's recomputed layers: packed into the task of its degree with the most time left, on
     the first free group of its degree (or a wider one, while its work grows less than
@@ -83,7 +83,7 @@ def join(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
                slot.emptiest_wider(item.degree))
 
 
-def _pack(pctx: PlanContext, slot: Slot, task: SlotTask, item: Item, mode: str) -> bool:
+def _pack(pctx: PlanContext, slot: Slot, task: Pack, item: Pack, mode: str) -> bool:
     """Pack ``item`` into ``task`` if it finishes within the slot's duration."""
     d, spare, overhead = task.degree, slot.duration - task.duration, \
         pctx.cm.time_model.task_overhead
@@ -93,14 +93,10 @@ def _pack(pctx: PlanContext, slot: Slot, task: SlotTask, item: Item, mode: str) 
             spare < item.duration * item.degree / d - overhead or \
             spare < pctx.seq_time(item.tokens, item.pairs, d, slot.recompute_layers) - overhead:
         return False
-    fit = task.with_item(pctx, item, mode, slot.duration)
-    if fit is None:
-        return False
-    task.add(item, fit)
-    return True
+    return slot.pack(pctx, task, item, mode, slot.duration)
 
 
-def _open(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
+def _open(pctx: PlanContext, slot: Slot, item: Pack, mode: str) -> bool:
     """Start a task of ``item`` on the first free group of its degree (or a wider one, while
     its work grows less than `MAX_WORK_GROWTH`) where it finishes within the slot's duration."""
     layers, work = slot.recompute_layers, None
@@ -116,18 +112,12 @@ def _open(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
             continue
         start = slot.occupancy.first_free(d)
         if start is not None:
-            _start_task(pctx, slot, item, start, d)
+            slot.start(pctx, item, start, d)
             return True
     return False
 
 
-def _start_task(pctx: PlanContext, slot: Slot, item: Item, start_rank: int, degree: int) -> None:
-    """A new task of ``item`` alone on ``[start_rank, start_rank + degree)`` of ``slot``."""
-    duration, layout = pctx.seq_best(item.tokens, item.pairs, degree, slot.recompute_layers)
-    slot.open_task(start_rank, degree).add(item, Fit(item.padded(pctx, degree), duration, layout))
-
-
-def join_first(pctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bool:
+def join_first(pctx: PlanContext, index: SlotIndex, item: Pack, mode: str) -> bool:
     """`join` the item into the first slot that takes it (of those `SlotIndex.candidates`
     names: at least every slot that does)."""
     size, overhead = item.degree, pctx.cm.time_model.task_overhead
@@ -139,59 +129,59 @@ def join_first(pctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bo
                               item.recompute_layers):
         slot = index.slots[k]
         if slot.recompute_layers >= item.recompute_layers and join(pctx, slot, item, mode):
-            index.changed(k)
             return True
     return False
 
 
-def extend(pctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bool:
+def extend(pctx: PlanContext, index: SlotIndex, item: Pack, mode: str) -> bool:
     """Pack an item that fits no slot's duration into the task of its degree where the slot
     grows least, if that growth costs less than a slot of its own (`TimeModel.slot_duration`:
     its duration, at least the slot's ZeRO traffic)."""
-    new_slot = pctx.cm.time_model.slot_duration(item.recompute_layers, item.duration)
-    size, best, growth = item.degree, None, new_slot
-    for k, slot in enumerate(index.slots):
-        task = slot.emptiest(size)
+    best, growth = None, pctx.cm.time_model.slot_duration(item.recompute_layers, item.duration)
+    for slot in index.slots:
+        task = slot.emptiest(item.degree)
         if slot.recompute_layers < item.recompute_layers or task is None:
             continue
         # only a growth below the least so far counts (the limit a hair above it: rounding)
-        fit = task.with_item(pctx, item, mode, (slot.duration + growth) * (1.0 + 1e-12))
-        if fit is not None and fit.duration - slot.duration < growth:
-            best, growth = (k, task, fit), fit.duration - slot.duration
-    if best is None:
-        return False
-    k, task, fit = best
-    task.add(item, fit)
-    index.slots[k].duration = max(index.slots[k].duration, task.duration)
-    index.changed(k)
-    return True
+        timed = slot.timed_with(pctx, task, item, mode, (slot.duration + growth) * (1.0 + 1e-12))
+        if timed is not None and timed[0] - slot.duration < growth:
+            best, growth = slot, timed[0] - slot.duration
+    return best is not None and best.pack(pctx, best.emptiest(item.degree), item, mode, math.inf)
 
 
-def fill(pctx: PlanContext, tasks: list[SlotTask], items: list[Item], mode: str, limit: bool
-         ) -> list[Item]:
-    """Worst-fit decreasing of single-rank items (longest first) into ``tasks``: each to the
-    task with the most time left in its slot of the `FILL_TRIES` emptiest where it fits (an empty
-    rank, or packed into a wider group's task: its ranks share it). ``limit``: within the slot's
-    duration; else the least busy task (by duration), the slot growing past its duration (a few
-    items left over do not justify a slot of their own). Returns the items left over."""
-    def key(t: SlotTask) -> float:
-        return t.duration - t.slot.duration if limit else t.duration
+def slot_tasks(slots: list[Slot]) -> tuple[list[Slot], list[Pack]]:
+    """The tasks of ``slots``, then a new task on each of their free ranks, and by the same index
+    each one's slot (what `fill` fills)."""
+    owner = [slot for slot in slots for _ in slot.tasks]
+    owner += [slot for slot in slots for _ in range(slot.occupancy.free)]
+    tasks = [t for slot in slots for t in slot.tasks]
+    tasks += [slot.open_task(r, 1) for slot in slots for r in slot.occupancy.free_ranks()]
+    return owner, tasks
 
-    heap = [(key(t), k) for k, t in enumerate(tasks)]
+
+def fill(pctx: PlanContext, owner: list[Slot], tasks: list[Pack], items: list[Pack], mode: str,
+         limit: bool) -> list[Pack]:
+    """Worst-fit decreasing of single-rank items (longest first) into ``tasks`` (of the slots
+    ``owner``, by index: `slot_tasks`): each to the task with the most time left in its slot of
+    the `FILL_TRIES` emptiest where it fits (an empty rank, or packed into a wider group's task:
+    its ranks share it). ``limit``: within the slot's duration; else the least busy task (by
+    duration), the slot growing past its duration (a few items left over do not justify a slot
+    of their own). Returns the items left over."""
+    def key(k: int) -> float:
+        return tasks[k].duration - owner[k].duration if limit else tasks[k].duration
+
+    heap = [(key(k), k) for k in range(len(tasks))]
     heapq.heapify(heap)
     left = []
     for item in items:
         tried, placed = [], False
         while heap and len(tried) < FILL_TRIES:
             k = heap[0][1]
-            task = tasks[k]
-            fit = task.with_item(pctx, item, mode, task.slot.duration if limit else math.inf)
-            if fit is None:
+            slot = owner[k]
+            if not slot.pack(pctx, tasks[k], item, mode, slot.duration if limit else math.inf):
                 tried.append(heapq.heappop(heap))
                 continue
-            task.add(item, fit)
-            task.slot.duration = max(task.slot.duration, task.duration)
-            heapq.heapreplace(heap, (key(task), k))
+            heapq.heapreplace(heap, (key(k), k))
             placed = True
             break
         for entry in tried:
@@ -201,7 +191,7 @@ def fill(pctx: PlanContext, tasks: list[SlotTask], items: list[Item], mode: str,
     return left
 
 
-def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode: str,
+def lockstep_pass(pctx: PlanContext, items: tuple[list[Pack], list[Pack]], mode: str,
                   extend_slots: bool = False) -> list[Draft]:
     """One lockstep schedule (see the module docstring) of the items of `lockstep_items` (read
     only: passes may share them); ``extend_slots``: a wide item that fits no slot may lengthen
@@ -217,14 +207,12 @@ def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode:
         # a slot bound by ZeRO's traffic has room for more work at no cost
         layers = item.recompute_layers
         slot = Slot(vocab, layers, cm.time_model.slot_duration(layers, item.duration))
-        _start_task(pctx, slot, item, slot.occupancy.first_free(item.degree), item.degree)
+        slot.start(pctx, item, slot.occupancy.first_free(item.degree), item.degree)
         index.add(slot)
     slots = index.slots
     left = short
     if short:  # step 2: the ranks left free and the wide tasks' spare time
-        tasks = [t for slot in slots for t in slot.tasks]
-        tasks += [slot.open_task(r, 1) for slot in slots for r in slot.occupancy.free_ranks()]
-        left = fill(pctx, tasks, short, mode, limit=True)
+        left = fill(pctx, *slot_tasks(slots), short, mode, limit=True)
     if left:  # step 3: slots of short sequences only, as few as memory allows
         # fewer items longer than the balanced duration than ranks: the others would idle
         duration = balanced_slots(pctx, left, base)[1]
@@ -242,7 +230,7 @@ def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode:
     return drafts
 
 
-def balanced_slots(pctx: PlanContext, items: list[Item], base: int) -> tuple[int, float]:
+def balanced_slots(pctx: PlanContext, items: list[Pack], base: int) -> tuple[int, float]:
     """How many slots the short ``items`` need (memory, `MEMORY_SLACK` and ``pack_tokens``) and
     the duration at which each rank of them has the same work."""
     cm, world = pctx.cm, pctx.world
@@ -252,7 +240,7 @@ def balanced_slots(pctx: PlanContext, items: list[Item], base: int) -> tuple[int
                                               (world * count))
 
 
-def short_slots(pctx: PlanContext, items: list[Item], mode: str, widen: bool) -> list[Slot]:
+def short_slots(pctx: PlanContext, items: list[Pack], mode: str, widen: bool) -> list[Slot]:
     """Step 3 of `lockstep_pass`: new slots for the short ``items`` (longest first), as few as
     memory (and ``pack_tokens``) allow, every rank's task balanced to the same duration.
     ``widen``: an item longer than that duration, which would set its slot's, runs on more
@@ -273,17 +261,16 @@ def short_slots(pctx: PlanContext, items: list[Item], mode: str, widen: bool) ->
             if slot is None:
                 slot = Slot(vocab, base, duration)
                 new_slots.append(slot)
-            _start_task(pctx, slot, item, slot.occupancy.first_free(item.degree), item.degree)
-            slot.duration = max(slot.duration, item.duration)
+            slot.start(pctx, item, slot.occupancy.first_free(item.degree), item.degree)
         left = [x for x in left if x.duration <= duration]
         slots += new_slots
-        new = [t for slot in new_slots for t in slot.tasks]
-        new += [slot.open_task(r, 1) for slot in new_slots for r in slot.occupancy.free_ranks()]
-        left = fill(pctx, new, fill(pctx, new, left, mode, limit=True), mode, limit=False)
+        owner, tasks = slot_tasks(new_slots)
+        left = fill(pctx, owner, tasks, fill(pctx, owner, tasks, left, mode, limit=True), mode,
+                    limit=False)
     return slots
 
 
-def widened(pctx: PlanContext, item: Item, mode: str, limit: float, base: int) -> Item:
+def widened(pctx: PlanContext, item: Pack, mode: str, limit: float, base: int) -> Pack:
     """``item`` (one sequence, longer than ``limit``: a slot of ``limit`` seconds would last
     its duration) on more ranks at ``base`` recomputed layers where that saves the most
     rank-seconds: the other ranks' idle time past ``limit`` it cuts, less the work it adds (not
@@ -297,7 +284,7 @@ def widened(pctx: PlanContext, item: Item, mode: str, limit: float, base: int) -
             break
         saved = (t0 - max(t, limit)) * (pctx.world - d) - (d * t - item.degree * t0)
         if saved > gain:
-            best, gain = Item(item.seqs, item.tokens, item.pairs, d, c, t), saved
+            best, gain = Pack(item.seqs, item.tokens, item.pairs, d, c, t), saved
     return best
 
 
@@ -367,7 +354,7 @@ def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bo
     same = list(groups.values())
     found: dict[int, tuple[float, str, list[Draft]]] = {}
     lifts: dict[tuple[str, int], Callable] = {}  # passes of one floor share the choices
-    made: dict[tuple, tuple[list[Item], list[Item]]] = {}  # and their items, of one target
+    made: dict[tuple, tuple[list[Pack], list[Pack]]] = {}  # and their items, of one target
     kept = passes_for(pctx, passes)
     full_floor = None
     for k in sorted(range(len(kept)), key=lambda k: kept[k][2] != mode):  # stable: mode first

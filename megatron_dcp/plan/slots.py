@@ -1,6 +1,6 @@
 """Lockstep slots while a pass fills them (`megatron_dcp.plan.lockstep`): which ranks of a slot
-have a task (`Occupancy`), a task being filled (`SlotTask`), a slot (`Slot`) and the slots in
-order with an index of the ones an item may join (`SlotIndex`).
+have a task (`Occupancy`), a slot and its tasks (`Slot`; a task being filled is a `Pack`) and
+the slots in order with an index of the ones an item may join (`SlotIndex`).
 
 Words: a slot's ``duration`` is seconds (its longest task's, or what it was opened for); a
 task's ``padded_tokens`` are its tokens after padding at its degree (what memory counts);
@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Iterator, Optional
 
-from megatron_dcp.plan.choices import WorkFloor, work_floor
+from megatron_dcp.plan.choices import Pack, WorkFloor, work_floor
 from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import PlanContext, ceil_div
-from megatron_dcp.plan.lockstep_items import Item
 from megatron_dcp.plan.vocabulary import Vocabulary
 
 
@@ -63,97 +62,80 @@ class Occupancy:
         return [r for r, b in enumerate(self.busy) if not b]
 
 
-@dataclass(slots=True)
-class Fit:
-    """A task with one more item: its padded tokens, duration and best layout."""
-
-    padded_tokens: int
-    duration: float
-    layout: Layout
-
-
-@dataclass(eq=False, slots=True)
-class SlotTask:
-    """A task of a slot being filled: ranks ``[start_rank, start_rank + degree)`` and the
-    sequences packed on them."""
-
-    slot: "Slot"
-    start_rank: int
-    degree: int
-    seqs: list[int] = field(default_factory=list)
-    padded_tokens: int = 0
-    tokens: int = 0
-    pairs: float = 0.0
-    duration: float = 0.0
-    layout: Optional[Layout] = None
-    """The layout of ``duration`` (`TimeModel.best_time` at the slot's recomputed layers)."""
-
-    def with_item(self, pctx: PlanContext, item: Item, mode: str, limit: float) -> Optional[Fit]:
-        """The task with ``item`` added, or ``None`` where that passes the pack budget (an item
-        alone may exceed it), the slot's recomputed layers under the recompute ``mode``, or
-        ``limit`` seconds."""
-        padded = self.padded_tokens + item.padded(pctx, self.degree)
-        if self.seqs and pctx.pack_tokens and padded > pctx.pack_tokens:
-            return None
-        if not self.slot.fits_memory(pctx, padded, self.degree, mode):
-            return None
-        duration, layout = pctx.cm.time_model.best_time(
-            self.tokens + item.tokens, self.pairs + item.pairs, self.degree,
-            self.slot.recompute_layers)
-        return Fit(padded, duration, layout) if duration <= limit else None
-
-    def add(self, item: Item, fit: Fit) -> None:
-        """Add ``item``, with the task's `Fit` after it (`with_item`)."""
-        self.seqs += item.seqs
-        self.tokens += item.tokens
-        self.pairs += item.pairs
-        self.padded_tokens, self.duration, self.layout = fit.padded_tokens, fit.duration, \
-            fit.layout
-        self.slot.grew(self)
-
-
 class Slot:
     """A slot being filled: its recomputed layers, its ``duration`` (seconds: the longest task's,
-    at least what it was opened for), its ranks and its tasks."""
+    at least what it was opened for; it grows as its tasks do), its ranks and its tasks. A slot
+    of a `SlotIndex` tells the index when it changes."""
 
     def __init__(self, vocab: Vocabulary, recompute_layers: int, duration: float) -> None:
         self.recompute_layers, self.duration = recompute_layers, duration
         self.occupancy = Occupancy(vocab)
-        self.tasks: list[SlotTask] = []
-        self.by_size: dict[int, list[SlotTask]] = {}
+        self.tasks: list[Pack] = []
+        self.by_size: dict[int, list[Pack]] = {}
         self.sizes: list[int] = []
         """The keys of ``by_size``, ascending."""
-        self._emptiest: dict[int, SlotTask] = {}
+        self.index: Optional[SlotIndex] = None
+        self.number = 0
+        """The slot's place in its index."""
+        self._emptiest: dict[int, Pack] = {}
         self._memory = [0, 1 << 62]
         """Most tokens per rank known to fit at the slot's recomputed layers, fewest known not
         to (memory grows with them: only tokens in between are asked of the cost model)."""
 
-    def open_task(self, start_rank: int, degree: int) -> SlotTask:
+    def open_task(self, start_rank: int, degree: int) -> Pack:
         """A new, empty task on ranks ``[start_rank, start_rank + degree)``."""
-        task = SlotTask(self, start_rank, degree)
+        task = Pack([], 0, 0.0, degree, self.recompute_layers, start_rank=start_rank)
         self.tasks.append(task)
         if degree not in self.by_size:
             self.by_size[degree] = []
             bisect.insort(self.sizes, degree)
         self.by_size[degree].append(task)
         self.occupancy.take(start_rank, degree)
-        self.grew(task)
+        self._grew(task)
         return task
 
-    def emptiest(self, degree: int) -> Optional[SlotTask]:
+    def start(self, pctx: PlanContext, item: Pack, start_rank: int, degree: int) -> None:
+        """A new task of ``item`` alone on ``[start_rank, start_rank + degree)``."""
+        self.add(pctx, self.open_task(start_rank, degree), item,
+                 pctx.seq_best(item.tokens, item.pairs, degree, self.recompute_layers))
+
+    def timed_with(self, pctx: PlanContext, task: Pack, item: Pack, mode: str, limit: float
+                   ) -> Optional[tuple[float, Layout]]:
+        """`Pack.timed_with` of ``task`` and ``item``, within the slot's memory (`fits_memory`)
+        and ``limit`` seconds."""
+        return task.timed_with(pctx, item, mode, limit, fits=self.fits_memory)
+
+    def pack(self, pctx: PlanContext, task: Pack, item: Pack, mode: str, limit: float) -> bool:
+        """Pack ``item`` into ``task`` if that fits (`timed_with`)."""
+        timed = self.timed_with(pctx, task, item, mode, limit)
+        if timed is not None:
+            self.add(pctx, task, item, timed)
+        return timed is not None
+
+    def add(self, pctx: PlanContext, task: Pack, item: Pack, timed: tuple[float, Layout]
+            ) -> None:
+        """Pack ``item`` into ``task`` (``timed``: their `timed_with`); the slot lasts at least
+        as long as the task."""
+        task.add(pctx, item, timed)
+        self._grew(task)
+        self.duration = max(self.duration, task.duration)
+        if self.index is not None:
+            self.index.changed(self)
+
+    def emptiest(self, degree: int) -> Optional[Pack]:
         """The task of ``degree`` ranks with the most time left (the first such), if any."""
         found = self._emptiest.get(degree)
         if found is None and degree in self.by_size:
             found = self._emptiest[degree] = min(self.by_size[degree], key=_duration)
         return found
 
-    def emptiest_wider(self, degree: int) -> Iterator[tuple[int, SlotTask]]:
+    def emptiest_wider(self, degree: int) -> Iterator[tuple[int, Pack]]:
         """(size, `emptiest` task) of every size of the slot's tasks above ``degree``, smallest
         first."""
         for size in self.sizes[bisect.bisect_right(self.sizes, degree):]:
             yield size, self.emptiest(size)
 
-    def grew(self, task: SlotTask) -> None:
+    def _grew(self, task: Pack) -> None:
         """Keep `emptiest` right after ``task`` opened or got an item (durations only grow: the
         emptiest task changes only where it was this one, found again when next asked for)."""
         now = self._emptiest.get(task.degree)
@@ -185,7 +167,7 @@ class Slot:
         return ceil_div(padded_tokens, degree) >= self._memory[1]
 
 
-def _duration(task: SlotTask) -> float:
+def _duration(task: Pack) -> float:
     return task.duration
 
 
@@ -207,19 +189,20 @@ class SlotIndex:
         self.layers: set[int] = set()
         """Recomputed layers of the slots."""
         self._floors: dict[tuple[int, int, int], Optional[WorkFloor]] = {}
+        self._changed: set[int] = set()
+        """Slots changed since the index last looked (it looks again when next asked)."""
 
     def add(self, slot: Slot) -> None:
         """Append a new slot."""
+        slot.index, slot.number = self, len(self.slots)
         self.slots.append(slot)
         self.layers.add(slot.recompute_layers)
         for size, room in self._room.items():
             room.append(self._room_of(slot, size))
 
-    def changed(self, k: int) -> None:
-        """Slot ``k`` got a task, an item or a longer duration."""
-        slot = self.slots[k]
-        for size, room in self._room.items():
-            room[k] = self._room_of(slot, size)
+    def changed(self, slot: Slot) -> None:
+        """``slot`` got a task, an item or a longer duration."""
+        self._changed.add(slot.number)
 
     def candidates(self, size: int, least: float, padded_tokens: int, tokens: int,
                    pairs: float, layers: int) -> Iterator[int]:
@@ -228,6 +211,10 @@ class SlotIndex:
         ``padded_tokens`` tokens to a task of its size, or its tokens and work (`least_work` at
         ``layers`` recomputed layers or more) to a wider one; at least every slot that accepts
         it."""
+        for k in self._changed:
+            for size_k, room_k in self._room.items():
+                room_k[k] = self._room_of(self.slots[k], size_k)
+        self._changed.clear()
         room = self._room.get(size)
         if room is None:
             room = self._room[size] = [self._room_of(slot, size) for slot in self.slots]
@@ -277,7 +264,7 @@ class SlotIndex:
             return -math.inf, -math.inf, work, tokens
         return slot.duration - task.duration, self._tokens_left(slot, task), work, tokens
 
-    def _tokens_left(self, slot: Slot, task: SlotTask) -> float:
+    def _tokens_left(self, slot: Slot, task: Pack) -> float:
         """An upper bound of the padded tokens ``task`` can still take."""
         tokens = slot.most_local_tokens() * task.degree
         if task.seqs and self.pctx.pack_tokens:
