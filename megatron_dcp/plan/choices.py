@@ -26,13 +26,13 @@ HUGE_INPUT, HUGE_INPUT_PASSES = 2_000_000, 2
 step and must stay within its latency budget (<= 1 s at 16,000 sequences on 1,024 ranks,
 docs/BENCHMARKS.md), and every pass re-plans the whole batch."""
 
-P = TypeVar("P", bound=tuple)
+P = TypeVar("P")
 
 
 def passes_for(pctx: PlanContext, passes: Sequence[P]) -> list[P]:
-    """The passes (tuples whose first entry is a degree floor) this input gets: those whose floor
-    is a vocabulary size, fewer for large inputs (`LARGE_INPUT`, `HUGE_INPUT`)."""
-    kept = [p for p in passes if p[0] in pctx.vocab.sizes]
+    """The passes (each with a degree ``floor``, in ranks) this input gets: those whose floor is
+    a vocabulary size, fewer for large inputs (`LARGE_INPUT`, `HUGE_INPUT`)."""
+    kept = [p for p in passes if p.floor in pctx.vocab.sizes]
     size = len(pctx.active) * pctx.world
     if size > HUGE_INPUT:
         return kept[:HUGE_INPUT_PASSES]

@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional, Union
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, Pack, SeqChoice,
                                        floor_of, next_fit, passes_for, raised)
 from megatron_dcp.plan.cost import Layout
-from megatron_dcp.plan.drafts import BlockClock, Draft, PlanContext, retime
+from megatron_dcp.plan.drafts import BlockClock, Candidate, Draft, PlanContext, retime
 
 
 class SearchPass(NamedTuple):
@@ -224,18 +224,19 @@ def _merge_runs(pctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft
 
 
 def free_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
-                    longest: float) -> list[tuple[float, str, list[Draft]]]:
-    """(makespan, name, timed drafts) of every free pass this input gets (`SEARCH_PASSES`), from
-    the sequences' degree choices ``infos``; ``bound``: the lower bound of the makespan,
-    ``longest``: the longest sequence at its fastest degree."""
+                    longest: float) -> list[Candidate]:
+    """The plan of every free pass this input gets (`SEARCH_PASSES`), from the sequences'
+    degree choices ``infos``; ``bound``: the lower bound of the makespan, ``longest``: the
+    longest sequence at its fastest degree."""
     candidates = []
-    passes = [(floor_of(pctx, p.floor), p.target, p.grain) for p in SEARCH_PASSES]
-    for floor, factor, grain in passes_for(pctx, passes):
-        target = max(bound * factor, longest)
-        use = infos if floor == 1 else [raised(pctx, info, mode, floor) for info in infos]
+    passes = [p._replace(floor=floor_of(pctx, p.floor)) for p in SEARCH_PASSES]
+    for p in passes_for(pctx, passes):
+        target = max(bound * p.target, longest)
+        use = infos if p.floor == 1 else [raised(pctx, info, mode, p.floor) for info in infos]
         # tasks of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
-        limit = max(grain * target, OVERHEAD_TASKS * pctx.cm.time_model.task_overhead)
+        limit = max(p.grain * target, OVERHEAD_TASKS * pctx.cm.time_model.task_overhead)
         drafts = _merge_runs(pctx, _build(pctx, _pack(pctx, use, mode, limit), mode, target), mode)
         makespan = retime(drafts, pctx.world, barriers=False)
-        candidates.append((makespan, f"dcp(floor={floor},M={factor},g={grain})", drafts))
+        candidates.append(Candidate(makespan, f"dcp(floor={p.floor},M={p.target},g={p.grain})",
+                                    drafts))
     return candidates

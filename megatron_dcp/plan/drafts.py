@@ -1,5 +1,6 @@
 """Drafts and their timing, shared by every planner: the planning context (`PlanContext`), draft
-tasks (`Draft`), rank availability (`BlockClock`), re-timing, DCP-intra on a finished structure
+tasks (`Draft`), a planning pass's plan (`Candidate`), rank availability (`BlockClock`),
+re-timing, a free schedule in lockstep (`to_slots`), DCP-intra on a finished structure
 (`lighten`) and the conversion to a `Plan`."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel, Layout
 from megatron_dcp.plan.plan import Plan, PlanError, Task
@@ -38,6 +39,14 @@ class Draft:
     start: float = 0.0
     slot: Optional[int] = None
     """Lockstep slot; ``None`` in a free schedule."""
+
+
+class Candidate(NamedTuple):
+    """One planning pass's plan: its predicted makespan, its name and its timed drafts."""
+
+    makespan: float
+    name: str
+    drafts: list[Draft]
 
 
 @dataclass
@@ -215,6 +224,31 @@ def retime_slots(drafts: Sequence[Draft], cm: CostModel) -> float:
     for d in drafts:
         d.start = starts[d.slot]
     return starts[-1]
+
+
+def to_slots(pctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
+    """A free schedule in lockstep: each task in the first slot after its ranks' previous tasks
+    (its own order kept), every task of a slot at the slot's deepest recompute. Timed."""
+    order = sorted(drafts, key=lambda d: (d.start, d.start_rank))
+    next_slot = [0] * pctx.world
+    placed = []
+    for d in order:
+        ranks = range(d.start_rank, d.start_rank + d.degree)
+        k = max(next_slot[r] for r in ranks)
+        for r in ranks:
+            next_slot[r] = k + 1
+        placed.append((k, d))
+    recompute_layers: dict[int, int] = {}
+    for k, d in placed:
+        recompute_layers[k] = max(recompute_layers.get(k, 0), d.recompute_layers)
+    out = []
+    for k, d in placed:
+        new = pctx.draft(d.start_rank, d.degree, d.seqs, recompute_layers[k], layout=d.layout) \
+            if d.recompute_layers != recompute_layers[k] else replace(d)
+        new.slot = k
+        out.append(new)
+    retime_slots(out, pctx.cm)
+    return out
 
 
 class BlockClock:

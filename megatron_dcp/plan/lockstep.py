@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import replace
-from typing import Callable, Sequence
+from functools import partial
+from typing import Callable, NamedTuple, Optional, Union
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, Pack, SeqChoice, degree_choice,
                                        floor_of, passes_for, raised, work_floor)
-from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
+from megatron_dcp.plan.drafts import Candidate, Draft, PlanContext, retime_slots
 from megatron_dcp.plan.lockstep_items import lockstep_items
 from megatron_dcp.plan.lockstep_regroup import merged, narrowed
 from megatron_dcp.plan.slots import Slot, SlotIndex
@@ -52,18 +52,37 @@ packing is not perfect, and a slot that overflows would need another."""
 GRAIN = 0.02
 """Packing grain of the node-floor passes: wide items of at most ``GRAIN`` x the target slot
 duration are packed into groups of that duration (`megatron_dcp.plan.lockstep_items`)."""
-LOCKSTEP_PASSES = (("node", 1.0, "auto", False, GRAIN), ("node", 1.0, "auto", True, GRAIN),
-                   ("node", 1.0, "full", True, GRAIN), (1, 0.25, "auto", False, 0.0),
-                   ("node", 1.0, "full", False, GRAIN), ("node", 0.5, "auto", True, GRAIN),
-                   (1, 0.5, "auto", False, 0.0), (1, 0.25, "full", False, 0.0))
-"""(degree floor, target factor, recompute, extend, packing grain) of the lockstep passes, most
-useful first: the target is the slot duration a wide sequence should stay within (a multiple of
-the lower bound); recompute ``full`` (every layer, where the recompute mode is ``auto``) fits
-several times the tokens into a slot: fewer slots, where each costs ZeRO-3's parameter
-all-gathers; ``extend`` lets a sequence lengthen a slot rather than open one (better where few
-sequences are left over, worse where later ones would fill a new slot); a grain above 0 packs
-short items of a floor pass into groups (a floor raises thousands of them to one node's ranks;
-each group joins slots as one item)."""
+
+
+class LockstepPass(NamedTuple):
+    """One lockstep pass."""
+
+    floor: Union[int, str]
+    """Smallest degree of every sequence (``"node"``: one node's ranks)."""
+    target: float
+    """The slot duration a wide sequence should stay within, a multiple of the lower bound."""
+    recompute: str
+    """``auto``: the recompute mode; ``full``: every layer, where the mode is ``auto`` (several
+    times the tokens fit a slot: fewer slots, where each costs ZeRO-3's all-gathers)."""
+    extend: bool
+    """A sequence may lengthen a slot rather than open one (better where few are left over,
+    worse where later ones would fill a new slot)."""
+    grain: float
+    """Above 0, short items of a floor pass are packed into groups (a floor raises thousands of
+    them to one node's ranks; each group joins slots as one item)."""
+
+    def name(self) -> str:
+        """The candidate's name."""
+        return (f"lockstep(floor={self.floor},M={self.target},recompute={self.recompute}"
+                f"{',extend' if self.extend else ''}{f',g={self.grain}' if self.grain else ''})")
+
+
+LOCKSTEP_PASSES = (
+    LockstepPass("node", 1.0, "auto", False, GRAIN), LockstepPass("node", 1.0, "auto", True, GRAIN),
+    LockstepPass("node", 1.0, "full", True, GRAIN), LockstepPass(1, 0.25, "auto", False, 0.0),
+    LockstepPass("node", 1.0, "full", False, GRAIN), LockstepPass("node", 0.5, "auto", True, GRAIN),
+    LockstepPass(1, 0.5, "auto", False, 0.0), LockstepPass(1, 0.25, "full", False, 0.0))
+"""The lockstep passes, most useful first."""
 FILL_TRIES = 4
 """Step 2 and 3 try an item on this many of the emptiest tasks before giving up on it."""
 
@@ -288,31 +307,6 @@ def widened(pctx: PlanContext, item: Pack, mode: str, limit: float, base: int) -
     return best
 
 
-def to_slots(pctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
-    """A free schedule in lockstep: each task in the first slot after its ranks' previous tasks
-    (its own order kept), every task of a slot at the slot's deepest recompute. Timed."""
-    order = sorted(drafts, key=lambda d: (d.start, d.start_rank))
-    next_slot = [0] * pctx.world
-    placed = []
-    for d in order:
-        ranks = range(d.start_rank, d.start_rank + d.degree)
-        k = max(next_slot[r] for r in ranks)
-        for r in ranks:
-            next_slot[r] = k + 1
-        placed.append((k, d))
-    recompute_layers: dict[int, int] = {}
-    for k, d in placed:
-        recompute_layers[k] = max(recompute_layers.get(k, 0), d.recompute_layers)
-    out = []
-    for k, d in placed:
-        new = pctx.draft(d.start_rank, d.degree, d.seqs, recompute_layers[k], layout=d.layout) \
-            if d.recompute_layers != recompute_layers[k] else replace(d)
-        new.slot = k
-        out.append(new)
-    retime_slots(out, pctx.cm)
-    return out
-
-
 def _full_lift(pctx: PlanContext, infos: list[SeqChoice], floor: int
                ) -> Callable[[SeqChoice], SeqChoice]:
     """A sequence's `degree_choice` under recompute ``full`` from the size ``floor`` on (one per
@@ -336,54 +330,63 @@ def least_makespan(pctx: PlanContext, infos: list[SeqChoice], recompute_layers: 
 
 
 def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
-                        longest: float, prune: bool = False
-                        ) -> list[tuple[float, str, list[Draft]]]:
-    """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
-    the ``full`` ones only where ``mode`` is ``auto``), from the sequences' degree choices
+                        longest: float, prune: bool = False) -> list[Candidate]:
+    """The plan of every lockstep pass this input gets (`LOCKSTEP_PASSES`; the ``full`` ones
+    only where ``mode`` is ``auto``), in the passes' order, from the sequences' degree choices
     ``infos`` under ``mode``; ``bound`` and ``longest`` as in `megatron_dcp.plan.dcp`.
     ``prune`` (where the shortest candidate wins): the ``full`` passes run after the others and
-    are left out where `least_makespan` shows they cannot be shorter than the shortest so far."""
-    passes = [(floor_of(pctx, floor), factor, mode if recompute == "auto" else recompute, extend,
-               grain) for floor, factor, recompute, extend, grain in LOCKSTEP_PASSES
-              if recompute == "auto" or mode == "auto"]
-    # the sequences of one length and choice get one choice per pass
+    are left out where `least_makespan` shows they cannot be shorter than the shortest so far.
+    The shortest pass's slots are regrouped (`regrouped`)."""
+    passes = passes_for(pctx, [p._replace(floor=floor_of(pctx, p.floor), recompute=mode
+                                          if p.recompute == "auto" else p.recompute)
+                               for p in LOCKSTEP_PASSES if p.recompute == "auto" or mode == "auto"])
+    items = _pass_items(pctx, infos, mode)
+    found: dict[int, Candidate] = {}
+    full_floor: Optional[float] = None
+    for k in sorted(range(len(passes)), key=lambda k: passes[k].recompute != mode):  # mode first
+        p = passes[k]
+        if prune and p.recompute != mode and found:
+            if full_floor is None:
+                full_floor = least_makespan(pctx, infos, pctx.cm.model.num_layers)
+            if full_floor > min(c.makespan for c in found.values()):
+                continue
+        drafts = lockstep_pass(pctx, items(p, max(bound * p.target, longest)), p.recompute,
+                               p.extend)
+        found[k] = Candidate(retime_slots(drafts, pctx.cm), p.name(), drafts)
+    if found:
+        best = min(sorted(found), key=lambda k: found[k].makespan)
+        found[best] = regrouped(pctx, found[best], passes[best].recompute)
+    return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it
+
+
+def _pass_items(pctx: PlanContext, infos: list[SeqChoice], mode: str
+                ) -> Callable[[LockstepPass, float], tuple[list[Pack], list[Pack]]]:
+    """The items (`lockstep_items`) of a pass for its target, made once for the passes that
+    share its recompute, floor, target and grain (their sequences lifted once for the passes of
+    one recompute and floor); the sequences of one length and choice get one choice per pass."""
     groups: dict[tuple, list[SeqChoice]] = {}
     for info in infos:
         groups.setdefault((info.length, info.pairs, info.degree, info.recompute_layers,
                            info.duration, len(info.fitting_options)), []).append(info)
     same = list(groups.values())
-    found: dict[int, tuple[float, str, list[Draft]]] = {}
-    lifts: dict[tuple[str, int], Callable] = {}  # passes of one floor share the choices
-    made: dict[tuple, tuple[list[Pack], list[Pack]]] = {}  # and their items, of one target
-    kept = passes_for(pctx, passes)
-    full_floor = None
-    for k in sorted(range(len(kept)), key=lambda k: kept[k][2] != mode):  # stable: mode first
-        floor, factor, recompute, extend_slots, grain = kept[k]
-        if prune and recompute != mode and found:
-            if full_floor is None:
-                full_floor = least_makespan(pctx, infos, pctx.cm.model.num_layers)
-            if full_floor > min(c[0] for c in found.values()):
-                continue
-        target = max(bound * factor, longest)
-        key = (recompute, floor, target, grain)
+    lifts: dict[tuple[str, int], Callable[[SeqChoice], SeqChoice]] = {}
+    made: dict[tuple, tuple[list[Pack], list[Pack]]] = {}
+
+    def items(p: LockstepPass, target: float) -> tuple[list[Pack], list[Pack]]:
+        key = (p.recompute, p.floor, target, p.grain)
         if key not in made:
-            if (recompute, floor) not in lifts:
-                lifts[(recompute, floor)] = _full_lift(pctx, infos, floor) if recompute != mode \
-                    else (lambda info, floor=floor: raised(pctx, info, mode, floor))
-            made[key] = lockstep_items(pctx, same, recompute, target, grain,
-                                       lifts[(recompute, floor)])
-        drafts = lockstep_pass(pctx, made[key], recompute, extend_slots)
-        makespan = retime_slots(drafts, pctx.cm)
-        name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
-                f"{',extend' if extend_slots else ''}{f',g={grain}' if grain else ''})")
-        found[k] = (makespan, name, drafts)
-    # the shortest pass's tasks on narrower groups where that shortens them, each slot's longest
-    # task on a wider group where that shortens the slot, and a merged task split again where
-    # its halves are shorter (never longer)
-    if found:
-        best = min(sorted(found), key=lambda k: found[k][0])
-        recompute = kept[best][2]
-        drafts = narrowed(pctx, merged(pctx, narrowed(pctx, found[best][2], recompute),
-                                       recompute), recompute)
-        found[best] = (retime_slots(drafts, pctx.cm), found[best][1], drafts)
-    return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it
+            if (p.recompute, p.floor) not in lifts:
+                lifts[(p.recompute, p.floor)] = _full_lift(pctx, infos, p.floor) \
+                    if p.recompute != mode else partial(raised, pctx, mode=mode, floor=p.floor)
+            made[key] = lockstep_items(pctx, same, p.recompute, target, p.grain,
+                                       lifts[(p.recompute, p.floor)])
+        return made[key]
+    return items
+
+
+def regrouped(pctx: PlanContext, candidate: Candidate, mode: str) -> Candidate:
+    """``candidate``'s tasks on narrower groups where that shortens them, each slot's longest
+    task on a wider group where that shortens the slot, and a merged task split again where its
+    halves are shorter (never longer; `megatron_dcp.plan.lockstep_regroup`), timed."""
+    drafts = narrowed(pctx, merged(pctx, narrowed(pctx, candidate.drafts, mode), mode), mode)
+    return Candidate(retime_slots(drafts, pctx.cm), candidate.name, drafts)

@@ -19,9 +19,9 @@ from megatron_dcp.plan.drafts import PlanContext
 GRAIN_TOKENS, TAIL = 0.02, 2.0
 """Wide items are packed (`next_fit`) into groups of up to ``GRAIN_TOKENS`` x the tokens a task
 of their degree holds at their recomputed layers (memory binds where short sequences fill a
-slot: coarser groups leave it unused), and each group within 1 / (``TAIL`` x the groups of its degree side by side in a slot)
-of the time and tokens of the items after it (the last ones stay fine enough to fill what the
-groups leave)."""
+slot: coarser groups leave it unused), and each group within 1 / (``TAIL`` x the groups of its
+degree side by side in a slot) of the time and tokens of the items after it (the last ones stay
+fine enough to fill what the groups leave)."""
 PACK_FROM = 2000
 """Wide items are packed where a pass has more of them than this (where joining them one by one
 sets the planning time; below it, packing saves little time and can cost a little balance)."""
