@@ -74,9 +74,11 @@ class Slot:
         self.by_size: dict[int, list[Pack]] = {}
         self.sizes: list[int] = []
         """The keys of ``by_size``, ascending."""
-        self.index: Optional[SlotIndex] = None
         self.number = 0
-        """The slot's place in its index."""
+        """The slot's place in its `SlotIndex`."""
+        self.changed: Optional[set[int]] = None
+        """Where the slot tells its index that it changed (the numbers of the slots changed
+        since the index last looked), where it has one."""
         self._emptiest: dict[int, Pack] = {}
         self._memory = [0, 1 << 62]
         """Most tokens per rank known to fit at the slot's recomputed layers, fewest known not
@@ -119,8 +121,8 @@ class Slot:
         task.add(pctx, item, timed)
         self._grew(task)
         self.duration = max(self.duration, task.duration)
-        if self.index is not None:
-            self.index.changed(self)
+        if self.changed is not None:
+            self.changed.add(self.number)
 
     def emptiest(self, degree: int) -> Optional[Pack]:
         """The task of ``degree`` ranks with the most time left (the first such), if any."""
@@ -190,19 +192,16 @@ class SlotIndex:
         """Recomputed layers of the slots."""
         self._floors: dict[tuple[int, int, int], Optional[WorkFloor]] = {}
         self._changed: set[int] = set()
-        """Slots changed since the index last looked (it looks again when next asked)."""
+        """Slots that got a task, an item or a longer duration since the index last looked (it
+        looks again when next asked)."""
 
     def add(self, slot: Slot) -> None:
         """Append a new slot."""
-        slot.index, slot.number = self, len(self.slots)
+        slot.number, slot.changed = len(self.slots), self._changed
         self.slots.append(slot)
         self.layers.add(slot.recompute_layers)
         for size, room in self._room.items():
             room.append(self._room_of(slot, size))
-
-    def changed(self, slot: Slot) -> None:
-        """``slot`` got a task, an item or a longer duration."""
-        self._changed.add(slot.number)
 
     def candidates(self, size: int, least: float, padded_tokens: int, tokens: int,
                    pairs: float, layers: int) -> Iterator[int]:
