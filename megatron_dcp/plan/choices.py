@@ -75,8 +75,7 @@ class Pack:
     layout: Optional[Layout] = None
     """The layout of ``duration`` (`TimeModel.best_time`), where known."""
     padded_tokens: int = 0
-    """Tokens of ``seqs`` after padding at ``degree`` (what memory counts); kept for a pack of
-    other packs (one sequence: `padded` asks the cost model)."""
+    """Tokens of ``seqs`` after padding at ``degree`` (what memory counts)."""
     fitting_options: Optional[list[tuple[int, int]]] = None
     """(degree, fewest recomputed layers) of every vocabulary size from ``degree`` on where the
     pack fits, smallest first; ``None``: not known (`options` finds them as asked)."""
@@ -86,10 +85,10 @@ class Pack:
 
     def padded(self, pctx: PlanContext, degree: int) -> int:
         """Tokens after padding on ``degree`` ranks (of several sequences: kept per degree)."""
-        if len(self.seqs) == 1:
-            return pctx.padded(self.tokens, degree)
         if degree == self.degree:
             return self.padded_tokens
+        if len(self.seqs) == 1:
+            return pctx.padded(self.tokens, degree)
         if self._padded is None:
             self._padded = {}
         found = self._padded.get(degree)
@@ -118,7 +117,7 @@ class Pack:
         ``mode`` (``fits(pctx, padded_tokens, degree, mode)`` where given: a slot's), or takes
         more than ``seconds``."""
         d, layers = self.degree, self.recompute_layers
-        padded = self.padded(pctx, d) + other.padded(pctx, d)
+        padded = self.padded_tokens + other.padded(pctx, d)
         if padded > tokens or self.seqs and pctx.pack_tokens and padded > pctx.pack_tokens:
             return None
         if fits is not None:
@@ -134,7 +133,7 @@ class Pack:
 
     def add(self, pctx: PlanContext, other: "Pack", timed: tuple[float, Layout]) -> None:
         """Pack ``other`` in, ``timed``: the pack's `timed_with` it."""
-        self.padded_tokens = self.padded(pctx, self.degree) + other.padded(pctx, self.degree)
+        self.padded_tokens += other.padded(pctx, self.degree)
         self.seqs += other.seqs
         self.tokens += other.tokens
         self.pairs += other.pairs
@@ -215,6 +214,46 @@ def raised(pctx: PlanContext, info: SeqChoice, mode: str, floor: int) -> SeqChoi
     return info
 
 
+def slot_choice(pctx: PlanContext, info: SeqChoice, mode: str, target: float, base: int
+                ) -> SeqChoice:
+    """The choice for lockstep slots of ``target`` seconds of a wide or deep sequence at its
+    pass's choice ``info`` (a degree above 1, or more recompute than ``base``): the smallest
+    degree at which it finishes within ``target`` without recompute beyond ``base`` (a deeper
+    slot makes every task in it recompute), else the smallest at which it finishes within
+    ``target``, else the fastest before work grows by `MAX_WORK_GROWTH`; with the options from
+    that degree on (where known)."""
+    if not info.fitting_options:
+        if info.recompute_layers <= base and info.duration <= target:
+            return SeqChoice(info.i, info.length, info.pairs, info.degree, info.recompute_layers,
+                             info.duration)
+        fill_options(pctx, info, mode, info.degree)
+    options = info.fitting_options
+    for d, c in options:
+        if c <= base:
+            t = pctx.seq_time(info.length, info.pairs, d, c)
+            if t <= target:
+                return SeqChoice(info.i, info.length, info.pairs, d, c, t, _from(options, d))
+            break
+    best, work = info, None
+    for d, c in options:
+        t = pctx.seq_time(info.length, info.pairs, d, c)
+        if work is None:
+            work = d * t
+        elif d * t > MAX_WORK_GROWTH * work:
+            break
+        if t <= target or best is info or t < best.duration:
+            best = SeqChoice(info.i, info.length, info.pairs, d, c, t)
+        if t <= target:
+            break
+    return SeqChoice(info.i, info.length, info.pairs, best.degree, best.recompute_layers,
+                     best.duration, _from(options, best.degree))
+
+
+def _from(options: Sequence[tuple[int, int]], degree: int) -> list[tuple[int, int]]:
+    """The ``options`` (smallest degree first) from ``degree`` on."""
+    return [f for f in options if f[0] >= degree]
+
+
 def _layout_kinds(pctx: PlanContext) -> dict[int, set[str]]:
     """Layout kinds (`layout_kind`) per vocabulary size, and under key 0 those of all sizes."""
     out = {d: {layout_kind(lay.ulysses, lay.ring) for lay in pctx.cm.layouts(d)}
@@ -273,6 +312,17 @@ def least_work(floors: Sequence[WorkFloor]) -> list[WorkFloor]:
     for k in range(len(least) - 2, -1, -1):
         least[k] = least[k].least(least[k + 1])
     return least
+
+
+def least_makespan(pctx: PlanContext, infos: list[SeqChoice], recompute_layers: int) -> float:
+    """A lower bound of the makespan of any plan of ``infos`` whose tasks all recompute
+    ``recompute_layers``: the sequences' marginal work (`WorkFloor`, at the degree where it is
+    least) over the ranks (a task's ranks x time is at least its sequences' marginal work, and no
+    rank works past the makespan)."""
+    floors = [work_floor(pctx, d, recompute_layers) for d in pctx.vocab.sizes]
+    tokens, pairs = sum(x.length for x in infos), sum(x.pairs for x in infos)
+    return (tokens * min(f.per_token for f in floors) + pairs * min(f.per_pair for f in floors)
+            ) * (1.0 - 1e-9) / pctx.world
 
 
 def _least_work_option(pctx: PlanContext, n: int, pairs: float, options, least: list[WorkFloor],

@@ -1,48 +1,36 @@
 """Lockstep schedules: every rank runs the same micro-step slots, each slot one number of
-recomputed layers.
-
-ZeRO-3 all-gathers every module's parameters over the DCP world in forward, backward and
-recompute, ZeRO-2 reduce-scatters gradients in every backward: both need every rank to run the
-same number of micro-steps, and ZeRO-3 the same modules in each (the same recomputed layers). In
-a lockstep plan a slot lasts as long as its longest task (`retime_slots`); a rank without a task
-in a slot runs an empty micro-step with the slot's recomputed layers. So DCP keeps its freedom
-inside a slot: groups of any size side by side, short sequences packed to the slot's length.
+recomputed layers (ZeRO-2 reduce-scatters gradients in every backward, ZeRO-3 all-gathers every
+module's parameters: every rank must run as many micro-steps, and under ZeRO-3 the same modules).
+A slot lasts as long as its longest task (`retime_slots`); a rank without a task in a slot runs
+an empty micro-step. Inside a slot DCP keeps its freedom: groups of any size side by side, short
+sequences packed to the slot's length.
 
 `lockstep_pass` builds slots in three steps, longest work first:
 
-1. *Wide or deep items* (`megatron_dcp.plan.lockstep_items`: a sequence whose degree is above 1
-   or that needs more recompute than the short ones; in a floor pass, short ones of a degree
-   packed into groups, which join as one): each slot is opened by the longest one left (its
-   duration and recomputed layers are the slot's); later ones join the first slot where they
-   finish within the slot at its recomputed layers: packed into the task of their degree with
-   the most time left, on a free group of their degree (or a wider one, while work grows less
-   than `MAX_WORK_GROWTH`), or packed into a wider group's task, whose ranks would idle after
-   it (with ``extend``: else lengthen the slot where that costs least, if less than a slot of
-   their own).
+1. *Wide or deep items* (`lockstep_items`: a sequence of a degree above 1 or more recompute than
+   the short ones; in a floor pass, short ones of a degree packed into groups) each open a slot
+   (its duration and recomputed layers) or join the first slot where they finish within it at
+   its recomputed layers (`join`; with ``extend``, else lengthen the slot where that costs least,
+   if less than a slot of their own).
 2. *Short items* (one rank, the base recomputed layers) fill the ranks those slots leave free,
-   worst-fit decreasing (each to the task of a slot with the most time left).
+   worst-fit decreasing (`fill`).
 3. The short items left over get slots of their own: as few as memory (and ``pack_tokens``)
-   allow, every rank's task balanced to the same duration; where fewer items than ranks are
-   longer than that (each would set its slot's duration while the other ranks idle), those may
-   run on more ranks instead (`short_slots`).
+   allow, every rank's task balanced to the same duration (`short_slots`).
 
 `lockstep_candidates` runs the passes of `LOCKSTEP_PASSES` and regroups the shortest one's slots
-(`megatron_dcp.plan.lockstep_regroup`: tasks split over narrower groups where that shortens them,
-each slot's longest task merged with the tasks beside it where that shortens the slot);
-`to_slots` turns any free schedule (the baselines') into a lockstep one in its own order.
+(`megatron_dcp.plan.lockstep_regroup`).
 """
-
 from __future__ import annotations
 
 import heapq
 import math
 from functools import partial
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, Pack, SeqChoice, degree_choice,
-                                       floor_of, passes_for, raised, work_floor)
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, Pack, SeqChoice,
+                                       degree_choice, floor_of, next_fit, passes_for, raised,
+                                       least_makespan, slot_choice)
 from megatron_dcp.plan.drafts import Candidate, Draft, PlanContext, retime_slots
-from megatron_dcp.plan.lockstep_items import lockstep_items
 from megatron_dcp.plan.lockstep_regroup import merged, narrowed
 from megatron_dcp.plan.slots import Slot, SlotIndex
 
@@ -50,8 +38,7 @@ MEMORY_SLACK = 0.9
 """Step 3 plans the short items' slots to fill at most this share of a rank's token capacity:
 packing is not perfect, and a slot that overflows would need another."""
 GRAIN = 0.02
-"""Packing grain of the node-floor passes: wide items of at most ``GRAIN`` x the target slot
-duration are packed into groups of that duration (`megatron_dcp.plan.lockstep_items`)."""
+"""Packing grain of the node-floor passes (`LockstepPass.grain`)."""
 
 
 class LockstepPass(NamedTuple):
@@ -85,6 +72,15 @@ LOCKSTEP_PASSES = (
 """The lockstep passes, most useful first."""
 FILL_TRIES = 4
 """Step 2 and 3 try an item on this many of the emptiest tasks before giving up on it."""
+GRAIN_TOKENS, TAIL = 0.02, 2.0
+"""Wide items are packed (`next_fit`) into groups of up to ``GRAIN_TOKENS`` x the tokens a task
+of their degree holds at their recomputed layers (memory binds where short sequences fill a
+slot: coarser groups leave it unused), and each group within 1 / (``TAIL`` x the groups of its
+degree side by side in a slot) of the time and tokens of the items after it (the last ones stay
+fine enough to fill what the groups leave)."""
+PACK_FROM = 2000
+"""Wide items are packed where a pass has more of them than this (where joining them one by one
+sets the planning time; below it, packing saves little time and can cost a little balance)."""
 
 
 def join(pctx: PlanContext, slot: Slot, item: Pack, mode: str) -> bool:
@@ -162,7 +158,8 @@ def extend(pctx: PlanContext, index: SlotIndex, item: Pack, mode: str) -> bool:
         if slot.recompute_layers < item.recompute_layers or task is None:
             continue
         # only a growth below the least so far counts (the limit a hair above it: rounding)
-        timed = slot.timed_with(pctx, task, item, mode, (slot.duration + growth) * (1.0 + 1e-12))
+        timed = task.timed_with(pctx, item, mode, (slot.duration + growth) * (1.0 + 1e-12),
+                                fits=slot.fits_memory)
         if timed is not None and timed[0] - slot.duration < growth:
             best, growth = slot, timed[0] - slot.duration
     return best is not None and best.pack(pctx, best.emptiest(item.degree), item, mode, math.inf)
@@ -264,7 +261,7 @@ def short_slots(pctx: PlanContext, items: list[Pack], mode: str, widen: bool) ->
     memory (and ``pack_tokens``) allow, every rank's task balanced to the same duration.
     ``widen``: an item longer than that duration, which would set its slot's, runs on more
     ranks where that saves time (`widened`); without any, the same as without ``widen``."""
-    cm, world, vocab = pctx.cm, pctx.world, pctx.vocab
+    cm, vocab = pctx.cm, pctx.vocab
     base = cm.model.num_layers if mode == "full" else 0
     slots: list[Slot] = []
     left = items
@@ -303,8 +300,45 @@ def widened(pctx: PlanContext, item: Pack, mode: str, limit: float, base: int) -
             break
         saved = (t0 - max(t, limit)) * (pctx.world - d) - (d * t - item.degree * t0)
         if saved > gain:
-            best, gain = Pack(item.seqs, item.tokens, item.pairs, d, c, t), saved
+            best, gain = Pack(item.seqs, item.tokens, item.pairs, d, c, t,
+                                   padded_tokens=item.padded(pctx, d)), saved
     return best
+
+
+def _longest_first(item: Pack) -> tuple[float, int]:
+    return -item.duration, item.seqs[0]
+
+
+def lockstep_items(pctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode: str,
+                   target: float, grain: float, lift: Callable[[SeqChoice], SeqChoice]
+                   ) -> tuple[list[Pack], list[Pack]]:
+    """The wide or deep items and the short ones of a pass, longest first: each sequence at
+    ``lift`` of its `degree_choice` (raised to the pass's floor, or its choice under recompute
+    ``full`` from the floor on), its degree chosen by `slot_choice` for slots of ``target`` seconds
+    where it is wide or deep; ``grain`` > 0: wide items of at most ``grain x target`` seconds
+    packed (`next_fit`). ``same``: the sequences' choices grouped by length and choice (one
+    `slot_choice` per group)."""
+    base = pctx.cm.model.num_layers if mode == "full" else 0
+    wide, short = [], []
+    for group in same:
+        info = lift(group[0])
+        is_short = info.degree <= 1 and info.recompute_layers <= base
+        chosen = info if is_short else slot_choice(pctx, info, mode, target, base)
+        options = None if is_short else chosen.fitting_options or None
+        d = 1 if is_short else chosen.degree
+        padded = pctx.padded(info.length, d)  # one length per group
+        for x in group:
+            (short if is_short else wide).append(Pack(
+                [x.i], x.length, x.pairs, d, chosen.recompute_layers, chosen.duration,
+                padded_tokens=padded, fitting_options=options))
+    wide.sort(key=_longest_first)
+    if grain > 0 and len(wide) > PACK_FROM:
+        # groups of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
+        limit = max(grain * target, OVERHEAD_TASKS * pctx.cm.time_model.task_overhead)
+        wide = next_fit(pctx, wide, mode, limit, TAIL, GRAIN_TOKENS)
+        wide.sort(key=_longest_first)
+    short.sort(key=_longest_first)
+    return wide, short
 
 
 def _full_lift(pctx: PlanContext, infos: list[SeqChoice], floor: int
@@ -316,17 +350,6 @@ def _full_lift(pctx: PlanContext, infos: list[SeqChoice], floor: int
         full.setdefault((x.length, x.pairs), SeqChoice(x.i, x.length, x.pairs))
     degree_choice(pctx, list(full.values()), "full", floor)
     return lambda info: full[(info.length, info.pairs)]
-
-
-def least_makespan(pctx: PlanContext, infos: list[SeqChoice], recompute_layers: int) -> float:
-    """A lower bound of the makespan of any plan of ``infos`` whose tasks all recompute
-    ``recompute_layers``: the sequences' marginal work (`WorkFloor`, at the degree where it is
-    least) over the ranks (a task's ranks x time is at least its sequences' marginal work, and no
-    rank works past the makespan)."""
-    floors = [work_floor(pctx, d, recompute_layers) for d in pctx.vocab.sizes]
-    tokens, pairs = sum(x.length for x in infos), sum(x.pairs for x in infos)
-    return (tokens * min(f.per_token for f in floors) + pairs * min(f.per_pair for f in floors)
-            ) * (1.0 - 1e-9) / pctx.world
 
 
 def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,

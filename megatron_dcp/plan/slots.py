@@ -1,6 +1,6 @@
-"""Lockstep slots while a pass fills them (`megatron_dcp.plan.lockstep`): which ranks of a slot
-have a task (`Occupancy`), a slot and its tasks (`Slot`; a task being filled is a `Pack`) and
-the slots in order with an index of the ones an item may join (`SlotIndex`).
+"""Lockstep slots while a pass fills them (`megatron_dcp.plan.lockstep`): a slot and its tasks
+(`Slot`; a task being filled is a `Pack`, the ranks that have one its `Occupancy`) and the slots
+in order with an index of the ones an item may join (`SlotIndex`).
 
 Words: a slot's ``duration`` is seconds (its longest task's, or what it was opened for); a
 task's ``padded_tokens`` are its tokens after padding at its degree (what memory counts);
@@ -16,50 +16,8 @@ from typing import Iterator, Optional
 
 from megatron_dcp.plan.choices import Pack, WorkFloor, work_floor
 from megatron_dcp.plan.cost import Layout
-from megatron_dcp.plan.drafts import PlanContext, ceil_div
+from megatron_dcp.plan.drafts import Occupancy, PlanContext, ceil_div
 from megatron_dcp.plan.vocabulary import Vocabulary
-
-
-class Occupancy:
-    """The ranks of one slot that have a task; answers "the first free vocabulary group of size
-    d" (`first_free`)."""
-
-    def __init__(self, vocab: Vocabulary) -> None:
-        self.vocab = vocab
-        self.busy = bytearray(vocab.world_size)
-        self.free = vocab.world_size
-        """Ranks without a task."""
-        self._widest = len(vocab.sizes) - 1
-        """Index into ``vocab.sizes`` above which no size has a free group."""
-        self._first: dict[int, int] = {}
-        """Per size, the index into ``vocab.first_ranks(size)`` before which every group has a busy
-        rank (ranks only get busier: the scan resumes there)."""
-
-    def first_free(self, size: int) -> Optional[int]:
-        """The first rank of the first vocabulary group of ``size`` ranks without a busy rank
-        (``None``: there is none)."""
-        starts, busy = self.vocab.first_ranks(size), self.busy
-        k = self._first.get(size, 0)
-        while k < len(starts) and busy.find(1, starts[k], starts[k] + size) >= 0:
-            k += 1
-        self._first[size] = k
-        return starts[k] if k < len(starts) else None
-
-    def widest_free(self) -> int:
-        """The widest vocabulary size of which a group is free (0: none)."""
-        sizes = self.vocab.sizes
-        while self._widest >= 0 and self.first_free(sizes[self._widest]) is None:
-            self._widest -= 1  # ranks only get busier: a size without a free group stays so
-        return sizes[self._widest] if self._widest >= 0 else 0
-
-    def take(self, start: int, size: int) -> None:
-        """Ranks ``[start, start + size)`` get a task."""
-        self.busy[start:start + size] = b"\x01" * size
-        self.free -= size
-
-    def free_ranks(self) -> list[int]:
-        """The ranks without a task."""
-        return [r for r, b in enumerate(self.busy) if not b]
 
 
 class Slot:
@@ -101,23 +59,18 @@ class Slot:
         self.add(pctx, self.open_task(start_rank, degree), item,
                  pctx.seq_best(item.tokens, item.pairs, degree, self.recompute_layers))
 
-    def timed_with(self, pctx: PlanContext, task: Pack, item: Pack, mode: str, limit: float
-                   ) -> Optional[tuple[float, Layout]]:
-        """`Pack.timed_with` of ``task`` and ``item``, within the slot's memory (`fits_memory`)
-        and ``limit`` seconds."""
-        return task.timed_with(pctx, item, mode, limit, fits=self.fits_memory)
-
     def pack(self, pctx: PlanContext, task: Pack, item: Pack, mode: str, limit: float) -> bool:
-        """Pack ``item`` into ``task`` if that fits (`timed_with`)."""
-        timed = self.timed_with(pctx, task, item, mode, limit)
+        """Pack ``item`` into ``task`` if that fits the slot's memory (`fits_memory`) and
+        ``limit`` seconds (`Pack.timed_with`)."""
+        timed = task.timed_with(pctx, item, mode, limit, fits=self.fits_memory)
         if timed is not None:
             self.add(pctx, task, item, timed)
         return timed is not None
 
     def add(self, pctx: PlanContext, task: Pack, item: Pack, timed: tuple[float, Layout]
             ) -> None:
-        """Pack ``item`` into ``task`` (``timed``: their `timed_with`); the slot lasts at least
-        as long as the task."""
+        """Pack ``item`` into ``task`` (``timed``: the task's `Pack.timed_with` it); the slot
+        lasts at least as long as the task."""
         task.add(pctx, item, timed)
         self._grew(task)
         self.duration = max(self.duration, task.duration)
