@@ -1,10 +1,6 @@
 """Lockstep slots while a pass fills them (`megatron_dcp.plan.lockstep`): a slot and its tasks
 (`Slot`; a task being filled is a `Pack`, the ranks that have one its `Occupancy`) and the slots
 in order with an index of the ones an item may join (`SlotIndex`).
-
-Words: a slot's ``duration`` is seconds (its longest task's, or what it was opened for); a
-task's ``padded_tokens`` are its tokens after padding at its degree (what memory counts);
-``tokens`` are before padding.
 """
 
 from __future__ import annotations
