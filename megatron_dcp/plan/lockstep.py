@@ -49,14 +49,13 @@ class LockstepPass(NamedTuple):
     target: float
     """The slot duration a wide sequence should stay within, a multiple of the lower bound."""
     recompute: str
-    """``auto``: the recompute mode; ``full``: every layer, where the mode is ``auto`` (several
-    times the tokens fit a slot: fewer slots, where each costs ZeRO-3's all-gathers)."""
+    """``auto``: the recompute mode; ``full``: every layer, where the mode is ``auto`` (fewer
+    slots, where each costs ZeRO-3's all-gathers)."""
     extend: bool
     """A sequence may lengthen a slot rather than open one (better where few are left over,
     worse where later ones would fill a new slot)."""
     grain: float
-    """Above 0, short items of a floor pass are packed into groups (a floor raises thousands of
-    them to one node's ranks; each group joins slots as one item)."""
+    """Above 0, wide items of a floor pass are packed into groups (`lockstep_items`)."""
 
     def name(self) -> str:
         """The candidate's name."""
@@ -73,11 +72,8 @@ LOCKSTEP_PASSES = (
 FILL_TRIES = 4
 """Step 2 and 3 try an item on this many of the emptiest tasks before giving up on it."""
 GRAIN_TOKENS, TAIL = 0.02, 2.0
-"""Wide items are packed (`next_fit`) into groups of up to ``GRAIN_TOKENS`` x the tokens a task
-of their degree holds at their recomputed layers (memory binds where short sequences fill a
-slot: coarser groups leave it unused), and each group within 1 / (``TAIL`` x the groups of its
-degree side by side in a slot) of the time and tokens of the items after it (the last ones stay
-fine enough to fill what the groups leave)."""
+"""`next_fit`'s bounds of the wide items' groups: memory binds where short sequences fill a slot
+(coarser groups leave it unused); the last groups stay fine enough to fill what others leave."""
 PACK_FROM = 2000
 """Wide items are packed where a pass has more of them than this (where joining them one by one
 sets the planning time; below it, packing saves little time and can cost a little balance)."""

@@ -20,6 +20,7 @@ spreads over ranks that would idle. Repeated while the slot's longest task short
 from __future__ import annotations
 
 import bisect
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
@@ -71,8 +72,8 @@ def _halves(pctx: PlanContext, task: Draft, mode: str) -> Optional[list[Draft]]:
             load[k] += weight[s]
             padded[k] += tokens[s]
         else:
-            return [_draft(pctx, start, half, part, task) for start, part in zip(starts, seqs)
-                    if part]
+            return [replace(pctx.draft(start, half, part, layers), slot=task.slot)
+                    for start, part in zip(starts, seqs) if part]
     return None
 
 
@@ -84,12 +85,6 @@ def _fits(pctx: PlanContext, padded_tokens: int, degree: int, layers: int, mode:
         return False
     c = pctx.recompute_for(padded_tokens, degree, mode)
     return c is not None and c <= layers
-
-
-def _draft(pctx: PlanContext, start: int, degree: int, seqs: list[int], task: Draft) -> Draft:
-    new = pctx.draft(start, degree, seqs, task.recompute_layers)
-    new.slot = task.slot
-    return new
 
 
 def merged(pctx: PlanContext, drafts: Sequence[Draft], mode: str) -> list[Draft]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import replace
-from typing import Iterator, Optional
+from typing import Iterator, NamedTuple, Optional
 
 from megatron_dcp.plan.choices import Pack, WorkFloor, work_floor
 from megatron_dcp.plan.cost import Layout
@@ -122,21 +122,34 @@ def _duration(task: Pack) -> float:
     return task.duration
 
 
+class Room(NamedTuple):
+    """Upper bounds of what an item of one size can still get in a slot (all ``inf`` while the
+    slot has a free group of that size or a wider one: a task may open there, `_ANY_ROOM`)."""
+
+    seconds: float
+    """Seconds the emptiest task of the size has left before the slot's duration (``-inf``:
+    there is none)."""
+    padded_tokens: float
+    """Padded tokens that task can still take: memory at the slot's recomputed layers, as far
+    as known, and the pack budget."""
+    wider_work: float
+    """Most work (ranks x seconds) the emptiest task of a wider size has left."""
+    wider_tokens: float
+    """Most tokens such a task can still take (an item may pack into a wider group's task)."""
+
+
+_ANY_ROOM = Room(math.inf, math.inf, math.inf, math.inf)
+
+
 class SlotIndex:
-    """The slots of a pass in order, with an index for joining: per group size and slot, an
-    upper bound of the seconds and of the padded tokens an item of that size can still get
-    there (both ``inf`` while the slot has a free group of that size or a wider one: a task may
-    open there; else what its emptiest task of that size has left before the slot's duration,
-    its memory at the slot's recomputed layers, as far as known, and the pack budget;
-    ``-inf`` without such a task), and the most tokens the emptiest task of a wider size can
-    still take (an item may pack into a wider group's task). `candidates` returns at least
-    every slot that accepts the item (tests/test_lockstep.py checks it against the plain
+    """The slots of a pass in order, with each one's `Room` per item size: `candidates` names at
+    least every slot that accepts an item (tests/test_lockstep.py checks it against the plain
     scan)."""
 
     def __init__(self, pctx: PlanContext) -> None:
         self.pctx = pctx
         self.slots: list[Slot] = []
-        self._room: dict[int, list[tuple[float, float]]] = {}
+        self._room: dict[int, list[Room]] = {}
         self.layers: set[int] = set()
         """Recomputed layers of the slots."""
         self._floors: dict[tuple[int, int, int], Optional[WorkFloor]] = {}
@@ -167,13 +180,13 @@ class SlotIndex:
         if room is None:
             room = self._room[size] = [self._room_of(slot, size) for slot in self.slots]
         work_needed = None
-        for k, (spare, own, work, wider) in enumerate(room):
-            if spare >= least and own >= padded_tokens:
+        for k, r in enumerate(room):
+            if r.seconds >= least and r.padded_tokens >= padded_tokens:
                 yield k
-            elif wider >= tokens:
+            elif r.wider_tokens >= tokens:
                 if work_needed is None:
                     work_needed = self.least_work(tokens, pairs, size, layers)
-                if work >= work_needed:
+                if r.wider_work >= work_needed:
                     yield k
 
     def least_work(self, tokens: int, pairs: float, size: int, layers: int) -> float:
@@ -198,19 +211,18 @@ class SlotIndex:
         return floor.of(tokens, pairs) - 1e-9 * self.pctx.world * \
             self.pctx.cm.time_model.task_overhead
 
-    def _room_of(self, slot: Slot, size: int) -> tuple[float, float, float, float]:
-        """(seconds and padded tokens the emptiest task of ``size`` ranks has left, most work
-        and tokens that of a wider size has left) in ``slot``."""
+    def _room_of(self, slot: Slot, size: int) -> Room:
+        """The `Room` of ``slot`` for an item of ``size`` ranks."""
         if slot.occupancy.free and slot.occupancy.widest_free() >= size:
-            return math.inf, math.inf, math.inf, math.inf
+            return _ANY_ROOM
         work = tokens = -math.inf
         for d, task in slot.emptiest_wider(size):
             work = max(work, d * (slot.duration - task.duration))
             tokens = max(tokens, self._tokens_left(slot, task))
         task = slot.emptiest(size)
         if task is None:
-            return -math.inf, -math.inf, work, tokens
-        return slot.duration - task.duration, self._tokens_left(slot, task), work, tokens
+            return Room(-math.inf, -math.inf, work, tokens)
+        return Room(slot.duration - task.duration, self._tokens_left(slot, task), work, tokens)
 
     def _tokens_left(self, slot: Slot, task: Pack) -> float:
         """An upper bound of the padded tokens ``task`` can still take."""
