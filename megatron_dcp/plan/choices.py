@@ -151,12 +151,12 @@ def next_fit(pctx: PlanContext, packs: list[Pack], mode: str, limit: float, tail
     degree side by side in a slot) of the time and tokens of the ones after it (the last ones
     stay fine enough to fill what the others leave)."""
     out: list[Pack] = []
-    kinds: dict[tuple[int, int], list[Pack]] = {}
+    kinds: dict[object, list[Pack]] = {}
     for p in packs:
         if p.duration > limit:
             out.append(p)
         else:  # each kind's packs stay longest first
-            kinds.setdefault((p.degree, p.recompute_layers if tail else 0), []).append(p)
+            kinds.setdefault((p.degree, p.recompute_layers) if tail else p.degree, []).append(p)
     for same in kinds.values():
         seconds, tokens = _pack_bounds(pctx, same, limit, tail, grain_tokens)
         cur = same[0]

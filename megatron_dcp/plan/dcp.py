@@ -64,10 +64,10 @@ def _pack(pctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float) ->
     (`next_fit`, longest first) into tasks of up to ``limit`` seconds; each task is timed at its
     best layout. The lockstep passes pack their items with `next_fit` too, but per degree and
     recomputed layers (a slot's tasks share them), and bound by a slot's share."""
-    padded = pctx.padded
-    packs = sorted((Pack([x.i], x.length, x.pairs, x.degree, x.recompute_layers, x.duration,
-                         padded_tokens=padded(x.length, x.degree)) for x in infos),
-                   key=lambda p: (-p.tokens, p.seqs[0]))
+    padded, n = pctx.padded, len(pctx.lengths)
+    packs = [Pack([x.i], x.length, x.pairs, x.degree, x.recompute_layers, x.duration,
+                  padded_tokens=padded(x.length, x.degree))
+             for x in sorted(infos, key=lambda x: x.i - x.length * n)]  # (-length, i)
     packs = next_fit(pctx, packs, mode, limit)
     for p in packs:
         if p.layout is None:
