@@ -373,24 +373,26 @@ def _drafts_of_policy(pctx: PlanContext, policy: str, lockstep: bool, meta: dict
         retime(drafts, pctx.world, barriers=True)
         return drafts
     if policy == "dcp-intra":
-        drafts, meta["candidate"], meta["candidates"] = plan_dcp(
-            pctx, inter=False, intra=True, baselines={"bucket": plan_bucket}, lockstep=lockstep,
-            choose=choose)
+        best, candidates = plan_dcp(pctx, inter=False, intra=True,
+                                    baselines={"bucket": plan_bucket}, lockstep=lockstep,
+                                    choose=choose)
     else:
-        drafts, meta["candidate"], meta["candidates"] = plan_dcp(
+        best, candidates = plan_dcp(
             pctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=baselines,
             lockstep=lockstep, choose=choose)
-    return drafts
+    meta["candidate"], meta["candidates"] = best.name, candidates
+    return best.drafts
 
 
 def plan_dcp(pctx: PlanContext, inter: bool = True, intra: bool = True,
              baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None,
              lockstep: bool = False, choose: Optional[Chooser] = None
-             ) -> tuple[list[Draft], str, dict[str, float]]:
-    """DCP drafts, the winner's name (``dcp(...)``, ``lockstep(...)``, ``<baseline>+intra``) and
-    every candidate's predicted makespan (module doc). ``inter``: DCP passes compete; ``intra``:
-    fewest recomputed layers (else the baselines' full recompute); ``lockstep``: in slots (passes
-    that cannot win skipped, without ``choose``). ``choose``: picks the winner (by a pipeline)."""
+             ) -> tuple[Candidate, dict[str, float]]:
+    """The winning candidate (named ``dcp(...)``, ``lockstep(...)``, ``<baseline>+intra``) and
+    every candidate's predicted makespan by name (module doc). ``inter``: DCP passes compete;
+    ``intra``: fewest recomputed layers (else the baselines' full recompute); ``lockstep``: in
+    slots (passes that cannot win skipped, without ``choose``). ``choose``: picks the winner (by
+    a pipeline)."""
     mode = pctx.recompute_mode if intra else pctx.baseline_mode()
     candidates: list[Candidate] = []
     if inter:
@@ -420,7 +422,7 @@ def plan_dcp(pctx: PlanContext, inter: bool = True, intra: bool = True,
         best = candidates[0]
     else:
         best = candidates[choose([c.drafts for c in candidates])]
-    return best.drafts, best.name, {c.name: round(c.makespan, 6) for c in candidates}
+    return best, {c.name: round(c.makespan, 6) for c in candidates}
 
 
 def vocabulary_for_lengths(cost_model: CostModel, lengths: Iterable[int],
