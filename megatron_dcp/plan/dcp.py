@@ -26,11 +26,10 @@ of ``SEARCH_PASSES`` (fewer for large inputs, to stay within the latency budget)
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import NamedTuple, Optional, Union
+from typing import Iterator, NamedTuple, Optional, Union
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, Pack, SeqChoice,
                                        floor_of, next_fit, passes_for, raised)
-from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import BlockClock, Candidate, Draft, PlanContext, retime
 
 
@@ -75,16 +74,26 @@ def _pack(pctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float) ->
     return packs
 
 
-def _options_for(pctx: PlanContext, task: Pack, mode: str):
-    """(degree, recompute_layers, time, layout) of a packed task for every vocabulary degree
-    from its minimum on."""
-    yield task.degree, task.recompute_layers, task.duration, task.layout
+def _options_for(pctx: PlanContext, task: Pack, mode: str) -> Iterator[Pack]:
+    """A packed task at every vocabulary degree from its minimum on where it fits, timed at its
+    best layout."""
+    yield task
     for d in pctx.vocab.sizes:
         if d <= task.degree:
             continue
         c = pctx.recompute_for(pctx.padded_tokens(task.seqs, d), d, mode)
         if c is not None:
-            yield (d, c) + pctx.cm.time_model.best_time(task.tokens, task.pairs, d, c)
+            yield Pack(task.seqs, task.tokens, task.pairs, d, c,
+                       *pctx.cm.time_model.best_time(task.tokens, task.pairs, d, c))
+
+
+class Placement(NamedTuple):
+    """Where and when a task starts earliest (`_build`)."""
+
+    start_rank: int
+    start: float
+    hole: Optional[int]
+    """The idle interval it runs in (`Holes`); ``None``: when all its group's ranks are free."""
 
 
 class Holes:
@@ -113,19 +122,19 @@ class Holes:
                 self.holes.append([r, q, free, at])
             r = q
 
-    def find(self, size: int, duration: float) -> "tuple[int, int, float] | None":
-        """(hole index, start rank, start time) of the earliest hole where a vocabulary group of
-        ``size`` ranks can run ``duration`` seconds; ``None``: no hole fits."""
+    def find(self, size: int, duration: float) -> Optional[Placement]:
+        """The earliest hole where a vocabulary group of ``size`` ranks can run ``duration``
+        seconds; ``None``: no hole fits."""
         best = None
         starts = None
         for k, (r0, r1, free, busy) in enumerate(self.holes):
-            if busy - free < duration or r1 - r0 < size or (best and free >= best[2]):
+            if busy - free < duration or r1 - r0 < size or (best and free >= best.start):
                 continue
             if starts is None:
                 starts = self.vocab.first_ranks(size)
             j = bisect_left(starts, r0)  # the first group from r0 on (starts ascend)
             if j < len(starts) and starts[j] + size <= r1:
-                best = (k, starts[j], free)
+                best = Placement(starts[j], free, k)
         return best
 
     def take(self, k: int, start: int, size: int, end: float) -> None:
@@ -148,47 +157,44 @@ def _build(pctx: PlanContext, tasks: list[Pack], mode: str, target: float
     drafts = []
     deferred = []
 
-    def earliest(d: int, t: float) -> tuple[float, int, float, "int | None"]:
-        """(finish, start rank, start time, hole index or None) of a task of ``t`` s on ``d``."""
-        start_rank, at = clock.peek(d)
-        found = holes.find(d, t) if holes.holes else None
-        if found is not None and found[2] < at:
-            return found[2] + t, found[1], found[2], found[0]
-        return at + t, start_rank, at, None
+    def earliest(option: Pack) -> Placement:
+        start_rank, at = clock.peek(option.degree)
+        found = holes.find(option.degree, option.duration) if holes.holes else None
+        return found if found is not None and found.start < at else Placement(start_rank, at, None)
 
-    def put(task: Pack, d: int, c: int, t: float, layout: Layout, start_rank: int,
-            at: float, hole: "int | None") -> None:
-        draft = Draft(start_rank, d, list(task.seqs), c, layout, t, tokens=task.tokens,
-                      pairs=task.pairs, start=at)
-        if hole is None:
-            holes.record(clock.avail, start_rank, d, at)
-            clock.occupy(start_rank, d, at + draft.duration)
+    def put(option: Pack, at: Placement) -> None:
+        draft = Draft(at.start_rank, option.degree, list(option.seqs), option.recompute_layers,
+                      option.layout, option.duration, tokens=option.tokens, pairs=option.pairs,
+                      start=at.start)
+        if at.hole is None:
+            holes.record(clock.avail, at.start_rank, option.degree, at.start)
+            clock.occupy(at.start_rank, option.degree, at.start + draft.duration)
         else:
-            holes.take(hole, start_rank, d, at + draft.duration)
+            holes.take(at.hole, at.start_rank, option.degree, at.start + draft.duration)
         drafts.append(draft)
 
     for task in sorted(tasks, key=lambda t: (-t.duration, t.seqs[0])):
         work, tried = None, []  # its options up to where work grows too much
-        for d, c, t, layout in _options_for(pctx, task, mode):
-            finish, start_rank, at, hole = earliest(d, t)
-            if finish <= target:
-                put(task, d, c, t, layout, start_rank, at, hole)
+        for option in _options_for(pctx, task, mode):
+            at = earliest(option)
+            if at.start + option.duration <= target:
+                put(option, at)
                 break
             if work is None:
-                work = d * t
-            elif d * t > MAX_WORK_GROWTH * work:
+                work = option.degree * option.duration
+            elif option.degree * option.duration > MAX_WORK_GROWTH * work:
                 deferred.append((task, tried))  # wider groups would waste more than they save
                 break
-            tried.append((d, c, t, layout))
+            tried.append(option)
         else:
             deferred.append((task, tried))
     for task, tried in sorted(deferred, key=lambda x: (-x[0].duration, x[0].seqs[0])):
-        best = None
-        for d, c, t, layout in tried:
-            finish, start_rank, at, hole = earliest(d, t)
-            if best is None or finish < best[0]:
-                best = (finish, d, c, t, layout, start_rank, at, hole)
-        put(task, *best[1:])
+        best, best_at = tried[0], earliest(tried[0])
+        for option in tried[1:]:
+            at = earliest(option)
+            if at.start + option.duration < best_at.start + best.duration:
+                best, best_at = option, at
+        put(best, best_at)
     drafts.sort(key=lambda d: (d.start, d.start_rank))
     return drafts
 
