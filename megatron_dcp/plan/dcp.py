@@ -58,16 +58,21 @@ many short sequences must fill the gaps, target slack when one long sequence bou
 The shortest plan over all passes is kept."""
 
 
-def _pack(pctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float) -> list[Pack]:
-    """The sequences at their choices ``infos``, those of at most ``limit`` seconds packed
-    (`next_fit`, longest first) into tasks of up to ``limit`` seconds; each task is timed at its
-    best layout. The lockstep passes pack their items with `next_fit` too, but per degree and
-    recomputed layers (a slot's tasks share them), and bound by a slot's share."""
+def _sequences(pctx: PlanContext, infos: list[SeqChoice]) -> list[Pack]:
+    """The sequences at their choices ``infos`` as packs of one, longest first (`next_fit`'s
+    order; the passes of one degree floor share them: `next_fit` changes no pack it is given)."""
     padded, n = pctx.padded, len(pctx.lengths)
-    packs = [Pack([x.i], x.length, x.pairs, x.degree, x.recompute_layers, x.duration,
-                  padded_tokens=padded(x.length, x.degree))
-             for x in sorted(infos, key=lambda x: x.i - x.length * n)]  # (-length, i)
-    packs = next_fit(pctx, packs, mode, limit)
+    return [Pack([x.i], x.length, x.pairs, x.degree, x.recompute_layers, x.duration,
+                 padded_tokens=padded(x.length, x.degree))
+            for x in sorted(infos, key=lambda x: x.i - x.length * n)]  # (-length, i)
+
+
+def _pack(pctx: PlanContext, seqs: list[Pack], mode: str, limit: float) -> list[Pack]:
+    """The sequences ``seqs`` (`_sequences`) of at most ``limit`` seconds packed (`next_fit`)
+    into tasks of up to ``limit`` seconds, each timed at its best layout. The lockstep passes
+    pack their items with `next_fit` too, but per degree and recomputed layers (a slot's tasks
+    share them), and bound by a slot's share."""
+    packs = next_fit(pctx, seqs, mode, limit)
     for p in packs:
         if p.layout is None:
             p.layout = pctx.seq_best(p.tokens, p.pairs, p.degree, p.recompute_layers)[1]
@@ -236,14 +241,17 @@ def free_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bound:
     """The plan of every free pass this input gets (`SEARCH_PASSES`), from the sequences'
     degree choices ``infos``; ``bound``: the lower bound of the makespan, ``longest``: the
     longest sequence at its fastest degree."""
-    candidates = []
+    candidates, seqs = [], {}  # seqs: the sequences per degree floor (`_sequences`)
     passes = [p._replace(floor=floor_of(pctx, p.floor)) for p in SEARCH_PASSES]
     for p in passes_for(pctx, passes):
         target = max(bound * p.target, longest)
-        use = infos if p.floor == 1 else [raised(pctx, info, mode, p.floor) for info in infos]
+        if p.floor not in seqs:
+            seqs[p.floor] = _sequences(pctx, infos if p.floor == 1 else
+                                       [raised(pctx, info, mode, p.floor) for info in infos])
         # tasks of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
         limit = max(p.grain * target, OVERHEAD_TASKS * pctx.cm.time_model.task_overhead)
-        drafts = _merge_runs(pctx, _build(pctx, _pack(pctx, use, mode, limit), mode, target), mode)
+        tasks = _pack(pctx, seqs[p.floor], mode, limit)
+        drafts = _merge_runs(pctx, _build(pctx, tasks, mode, target), mode)
         makespan = retime(drafts, pctx.world, barriers=False)
         candidates.append(Candidate(makespan, f"dcp(floor={p.floor},M={p.target},g={p.grain})",
                                     drafts))
