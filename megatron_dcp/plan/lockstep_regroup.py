@@ -20,7 +20,6 @@ spreads over ranks that would idle. Repeated while the slot's longest task short
 from __future__ import annotations
 
 import bisect
-from dataclasses import replace
 from typing import Optional, Sequence
 
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
@@ -72,8 +71,11 @@ def _halves(pctx: PlanContext, task: Draft, mode: str) -> Optional[list[Draft]]:
             load[k] += weight[s]
             padded[k] += tokens[s]
         else:
-            return [replace(pctx.draft(start, half, part, layers), slot=task.slot)
-                    for start, part in zip(starts, seqs) if part]
+            out = [pctx.draft(start, half, part, layers) for start, part in zip(starts, seqs)
+                   if part]
+            for d in out:
+                d.slot = task.slot
+            return out
     return None
 
 
