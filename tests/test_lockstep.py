@@ -172,8 +172,8 @@ def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware
                       lambda floors: [choices.WorkFloor(0.0, 0.0, 0.0, 0.0)] * len(floors))
             plain = [choices.SeqChoice(i, pctx.lengths[i], pctx.pairs[i]) for i in pctx.active]
             choices.degree_choice(pctx, plain, mode)
-        assert [(c.degree, c.recompute_layers, c.time) for c in pruned] == \
-            [(c.degree, c.recompute_layers, c.time) for c in plain]
+        assert [(c.degree, c.recompute_layers, c.duration) for c in pruned] == \
+            [(c.degree, c.recompute_layers, c.duration) for c in plain]
     assert len({c.degree for c in pruned}) > 1
     # raised takes the floor where the sequence fits there, else the first wider size
     for floor in (2, 4, 8, 16):

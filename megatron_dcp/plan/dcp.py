@@ -26,13 +26,11 @@ of ``SEARCH_PASSES`` (fewer for large inputs, to stay within the latency budget)
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
-from typing import NamedTuple, Optional, Union
+from typing import Iterator, NamedTuple, Optional, Union
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, SeqChoice, floor_of,
-                                       passes_for, raised)
-from megatron_dcp.plan.cost import Layout
-from megatron_dcp.plan.drafts import BlockClock, Draft, PlanContext, retime
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, Pack, SeqChoice,
+                                       floor_of, next_fit, passes_for, raised)
+from megatron_dcp.plan.drafts import BlockClock, Candidate, Draft, PlanContext, retime
 
 
 class SearchPass(NamedTuple):
@@ -60,87 +58,47 @@ many short sequences must fill the gaps, target slack when one long sequence bou
 The shortest plan over all passes is kept."""
 
 
-@dataclass(slots=True)
-class PackedTask:
-    """Sequences packed into one task before it is placed."""
-
-    seqs: list[int]
-    tokens: int
-    """Tokens before padding."""
-    padded_tokens: int
-    """Tokens after padding at ``degree`` (what memory counts)."""
-    pairs: float
-    degree: int
-    """The smallest degree at which every sequence of the task fits."""
-    recompute_layers: int
-    """Recomputed layers at ``degree``."""
-    time: float
-    """Predicted seconds at ``degree`` (`TimeModel.best_time` of ``tokens``, as its draft's)."""
-    layout: Layout
-    """The layout of ``time``."""
+def _sequences(pctx: PlanContext, infos: list[SeqChoice]) -> list[Pack]:
+    """The sequences at their choices ``infos`` as packs of one, longest first (`next_fit`'s
+    order; the passes of one degree floor share them: `next_fit` changes no pack it is given)."""
+    padded, n = pctx.padded, len(pctx.lengths)
+    return [Pack([x.i], x.length, x.pairs, x.degree, x.recompute_layers, x.duration,
+                 padded_tokens=padded(x.length, x.degree))
+            for x in sorted(infos, key=lambda x: x.i - x.length * n)]  # (-length, i)
 
 
-def _pack(pctx: PlanContext, infos: list[SeqChoice], mode: str, limit: float
-          ) -> list[PackedTask]:
-    """Sequences whose time at their minimal degree is at most ``limit`` packed (next-fit,
-    longest first) into tasks of up to ``limit`` seconds (and ``pack_tokens`` tokens when the
-    config sets it); longer sequences become tasks of their own.
-
-    The lockstep passes pack with `megatron_dcp.plan.lockstep_items.pack_wide`, which differs on
-    purpose: there a slot's tasks share its recomputed layers, so it groups per degree and
-    recomputed layers and keeps them, and bounds each group by its slot's share (``GRAIN_TOKENS``,
-    ``TAIL``); here a task is free to recompute anything up to what its longest sequence needs
-    alone, and is timed at its best layout."""
-    cm = pctx.cm
-    token_cap = pctx.pack_tokens or float("inf")
-    tasks: list[PackedTask] = []
-    by_degree: dict[int, list[SeqChoice]] = {}
-
-    def alone(info: SeqChoice, degree: int) -> PackedTask:
-        time, layout = pctx.seq_best(info.length, info.pairs, degree, info.recompute_layers)
-        return PackedTask([info.i], info.length, pctx.padded(info.length, degree), info.pairs,
-                          degree, info.recompute_layers, time, layout)
-
-    for info in infos:
-        if info.time > limit:
-            tasks.append(alone(info, info.degree))
-        else:
-            by_degree.setdefault(info.degree, []).append(info)
-    for degree, items in by_degree.items():
-        items.sort(key=lambda x: (-x.length, x.i))
-        cur: Optional[PackedTask] = None
-        cur_recompute = 0
-        for info in items:
-            if cur is not None:
-                padded = cur.padded_tokens + pctx.padded(info.length, degree)
-                c = pctx.recompute_for(padded, degree, mode) if padded <= token_cap else None
-                # no more recompute than its longest sequence needs alone: recompute is work
-                if c is not None and c <= cur_recompute:
-                    tokens, pairs = cur.tokens + info.length, cur.pairs + info.pairs
-                    t, layout = cm.time_model.best_time(tokens, pairs, degree, c)
-                    if t <= limit:
-                        cur.seqs.append(info.i)
-                        cur.tokens, cur.padded_tokens, cur.pairs = tokens, padded, pairs
-                        cur.recompute_layers, cur.time, cur.layout = c, t, layout
-                        continue
-                tasks.append(cur)
-            cur = alone(info, degree)
-            cur_recompute = info.recompute_layers
-        if cur is not None:
-            tasks.append(cur)
-    return tasks
+def _pack(pctx: PlanContext, seqs: list[Pack], mode: str, limit: float) -> list[Pack]:
+    """The sequences ``seqs`` (`_sequences`) of at most ``limit`` seconds packed (`next_fit`)
+    into tasks of up to ``limit`` seconds, each timed at its best layout. The lockstep passes
+    pack their items with `next_fit` too, but per degree and recomputed layers (a slot's tasks
+    share them), and bound by a slot's share."""
+    packs = next_fit(pctx, seqs, mode, limit)
+    for p in packs:
+        if p.layout is None:
+            p.layout = pctx.seq_best(p.tokens, p.pairs, p.degree, p.recompute_layers)[1]
+    return packs
 
 
-def _options_for(pctx: PlanContext, task: PackedTask, mode: str):
-    """(degree, recompute_layers, time, layout) of a packed task for every vocabulary degree
-    from its minimum on."""
-    yield task.degree, task.recompute_layers, task.time, task.layout
+def _options_for(pctx: PlanContext, task: Pack, mode: str) -> Iterator[Pack]:
+    """A packed task at every vocabulary degree from its minimum on where it fits, timed at its
+    best layout."""
+    yield task
     for d in pctx.vocab.sizes:
         if d <= task.degree:
             continue
         c = pctx.recompute_for(pctx.padded_tokens(task.seqs, d), d, mode)
         if c is not None:
-            yield (d, c) + pctx.cm.time_model.best_time(task.tokens, task.pairs, d, c)
+            yield Pack(task.seqs, task.tokens, task.pairs, d, c,
+                       *pctx.cm.time_model.best_time(task.tokens, task.pairs, d, c))
+
+
+class Placement(NamedTuple):
+    """Where and when a task starts earliest (`_build`)."""
+
+    start_rank: int
+    start: float
+    hole: Optional[int]
+    """The idle interval it runs in (`Holes`); ``None``: when all its group's ranks are free."""
 
 
 class Holes:
@@ -169,19 +127,19 @@ class Holes:
                 self.holes.append([r, q, free, at])
             r = q
 
-    def find(self, size: int, duration: float) -> "tuple[int, int, float] | None":
-        """(hole index, start rank, start time) of the earliest hole where a vocabulary group of
-        ``size`` ranks can run ``duration`` seconds; ``None``: no hole fits."""
+    def find(self, size: int, duration: float) -> Optional[Placement]:
+        """The earliest hole where a vocabulary group of ``size`` ranks can run ``duration``
+        seconds; ``None``: no hole fits."""
         best = None
         starts = None
         for k, (r0, r1, free, busy) in enumerate(self.holes):
-            if busy - free < duration or r1 - r0 < size or (best and free >= best[2]):
+            if busy - free < duration or r1 - r0 < size or (best and free >= best.start):
                 continue
             if starts is None:
                 starts = self.vocab.first_ranks(size)
             j = bisect_left(starts, r0)  # the first group from r0 on (starts ascend)
             if j < len(starts) and starts[j] + size <= r1:
-                best = (k, starts[j], free)
+                best = Placement(starts[j], free, k)
         return best
 
     def take(self, k: int, start: int, size: int, end: float) -> None:
@@ -193,7 +151,7 @@ class Holes:
                 self.holes.append([a, b, f, busy])
 
 
-def _build(pctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
+def _build(pctx: PlanContext, tasks: list[Pack], mode: str, target: float
            ) -> list[Draft]:
     """Moldable list scheduling, longest first: each task on the smallest degree whose earliest
     finish meets ``target``, on the group of that size that frees first or in an idle interval
@@ -204,47 +162,44 @@ def _build(pctx: PlanContext, tasks: list[PackedTask], mode: str, target: float
     drafts = []
     deferred = []
 
-    def earliest(d: int, t: float) -> tuple[float, int, float, "int | None"]:
-        """(finish, start rank, start time, hole index or None) of a task of ``t`` s on ``d``."""
-        start_rank, at = clock.peek(d)
-        found = holes.find(d, t) if holes.holes else None
-        if found is not None and found[2] < at:
-            return found[2] + t, found[1], found[2], found[0]
-        return at + t, start_rank, at, None
+    def earliest(option: Pack) -> Placement:
+        start_rank, at = clock.peek(option.degree)
+        found = holes.find(option.degree, option.duration) if holes.holes else None
+        return found if found is not None and found.start < at else Placement(start_rank, at, None)
 
-    def put(task: PackedTask, d: int, c: int, t: float, layout: Layout, start_rank: int,
-            at: float, hole: "int | None") -> None:
-        draft = Draft(start_rank, d, list(task.seqs), c, layout, t, tokens=task.tokens,
-                      pairs=task.pairs, start=at)
-        if hole is None:
-            holes.record(clock.avail, start_rank, d, at)
-            clock.occupy(start_rank, d, at + draft.duration)
+    def put(option: Pack, at: Placement) -> None:
+        draft = Draft(at.start_rank, option.degree, list(option.seqs), option.recompute_layers,
+                      option.layout, option.duration, tokens=option.tokens, pairs=option.pairs,
+                      start=at.start)
+        if at.hole is None:
+            holes.record(clock.avail, at.start_rank, option.degree, at.start)
+            clock.occupy(at.start_rank, option.degree, at.start + draft.duration)
         else:
-            holes.take(hole, start_rank, d, at + draft.duration)
+            holes.take(at.hole, at.start_rank, option.degree, at.start + draft.duration)
         drafts.append(draft)
 
-    for task in sorted(tasks, key=lambda t: (-t.time, t.seqs[0])):
+    for task in sorted(tasks, key=lambda t: (-t.duration, t.seqs[0])):
         work, tried = None, []  # its options up to where work grows too much
-        for d, c, t, layout in _options_for(pctx, task, mode):
-            finish, start_rank, at, hole = earliest(d, t)
-            if finish <= target:
-                put(task, d, c, t, layout, start_rank, at, hole)
+        for option in _options_for(pctx, task, mode):
+            at = earliest(option)
+            if at.start + option.duration <= target:
+                put(option, at)
                 break
             if work is None:
-                work = d * t
-            elif d * t > MAX_WORK_GROWTH * work:
+                work = option.degree * option.duration
+            elif option.degree * option.duration > MAX_WORK_GROWTH * work:
                 deferred.append((task, tried))  # wider groups would waste more than they save
                 break
-            tried.append((d, c, t, layout))
+            tried.append(option)
         else:
             deferred.append((task, tried))
-    for task, tried in sorted(deferred, key=lambda x: (-x[0].time, x[0].seqs[0])):
-        best = None
-        for d, c, t, layout in tried:
-            finish, start_rank, at, hole = earliest(d, t)
-            if best is None or finish < best[0]:
-                best = (finish, d, c, t, layout, start_rank, at, hole)
-        put(task, *best[1:])
+    for task, tried in sorted(deferred, key=lambda x: (-x[0].duration, x[0].seqs[0])):
+        best, best_at = tried[0], earliest(tried[0])
+        for option in tried[1:]:
+            at = earliest(option)
+            if at.start + option.duration < best_at.start + best.duration:
+                best, best_at = option, at
+        put(best, best_at)
     drafts.sort(key=lambda d: (d.start, d.start_rank))
     return drafts
 
@@ -282,18 +237,22 @@ def _merge_runs(pctx: PlanContext, drafts: list[Draft], mode: str) -> list[Draft
 
 
 def free_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
-                    longest: float) -> list[tuple[float, str, list[Draft]]]:
-    """(makespan, name, timed drafts) of every free pass this input gets (`SEARCH_PASSES`), from
-    the sequences' degree choices ``infos``; ``bound``: the lower bound of the makespan,
-    ``longest``: the longest sequence at its fastest degree."""
-    candidates = []
-    passes = [(floor_of(pctx, p.floor), p.target, p.grain) for p in SEARCH_PASSES]
-    for floor, factor, grain in passes_for(pctx, passes):
-        target = max(bound * factor, longest)
-        use = infos if floor == 1 else [raised(pctx, info, mode, floor) for info in infos]
+                    longest: float) -> list[Candidate]:
+    """The plan of every free pass this input gets (`SEARCH_PASSES`), from the sequences'
+    degree choices ``infos``; ``bound``: the lower bound of the makespan, ``longest``: the
+    longest sequence at its fastest degree."""
+    candidates, seqs = [], {}  # seqs: the sequences per degree floor (`_sequences`)
+    passes = [p._replace(floor=floor_of(pctx, p.floor)) for p in SEARCH_PASSES]
+    for p in passes_for(pctx, passes):
+        target = max(bound * p.target, longest)
+        if p.floor not in seqs:
+            seqs[p.floor] = _sequences(pctx, infos if p.floor == 1 else
+                                       [raised(pctx, info, mode, p.floor) for info in infos])
         # tasks of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
-        limit = max(grain * target, OVERHEAD_TASKS * pctx.cm.time_model.task_overhead)
-        drafts = _merge_runs(pctx, _build(pctx, _pack(pctx, use, mode, limit), mode, target), mode)
+        limit = max(p.grain * target, OVERHEAD_TASKS * pctx.cm.time_model.task_overhead)
+        tasks = _pack(pctx, seqs[p.floor], mode, limit)
+        drafts = _merge_runs(pctx, _build(pctx, tasks, mode, target), mode)
         makespan = retime(drafts, pctx.world, barriers=False)
-        candidates.append((makespan, f"dcp(floor={floor},M={factor},g={grain})", drafts))
+        candidates.append(Candidate(makespan, f"dcp(floor={p.floor},M={p.target},g={p.grain})",
+                                    drafts))
     return candidates

@@ -1,13 +1,14 @@
 """Drafts and their timing, shared by every planner: the planning context (`PlanContext`), draft
-tasks (`Draft`), rank availability (`BlockClock`), re-timing, DCP-intra on a finished structure
-(`lighten`) and the conversion to a `Plan`."""
+tasks (`Draft`), a planning pass's plan (`Candidate`), rank availability (`BlockClock`; in a
+lockstep slot `Occupancy`), re-timing, a free schedule in lockstep (`to_slots`), DCP-intra on a
+finished structure (`lighten`) and the conversion to a `Plan`."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel, Layout
 from megatron_dcp.plan.plan import Plan, PlanError, Task
@@ -38,6 +39,14 @@ class Draft:
     start: float = 0.0
     slot: Optional[int] = None
     """Lockstep slot; ``None`` in a free schedule."""
+
+
+class Candidate(NamedTuple):
+    """One planning pass's plan: its predicted makespan, its name and its timed drafts."""
+
+    makespan: float
+    name: str
+    drafts: list[Draft]
 
 
 @dataclass
@@ -215,6 +224,73 @@ def retime_slots(drafts: Sequence[Draft], cm: CostModel) -> float:
     for d in drafts:
         d.start = starts[d.slot]
     return starts[-1]
+
+
+def to_slots(pctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
+    """A free schedule in lockstep: each task in the first slot after its ranks' previous tasks
+    (its own order kept), every task of a slot at the slot's deepest recompute. Timed."""
+    order = sorted(drafts, key=lambda d: (d.start, d.start_rank))
+    next_slot = [0] * pctx.world
+    placed = []
+    for d in order:
+        ranks = range(d.start_rank, d.start_rank + d.degree)
+        k = max(next_slot[r] for r in ranks)
+        for r in ranks:
+            next_slot[r] = k + 1
+        placed.append((k, d))
+    recompute_layers: dict[int, int] = {}
+    for k, d in placed:
+        recompute_layers[k] = max(recompute_layers.get(k, 0), d.recompute_layers)
+    out = []
+    for k, d in placed:
+        new = pctx.draft(d.start_rank, d.degree, d.seqs, recompute_layers[k], layout=d.layout) \
+            if d.recompute_layers != recompute_layers[k] else replace(d)
+        new.slot = k
+        out.append(new)
+    retime_slots(out, pctx.cm)
+    return out
+
+
+class Occupancy:
+    """The ranks of one slot that have a task; answers "the first free vocabulary group of size
+    d" (`first_free`)."""
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        self.vocab = vocab
+        self.busy = bytearray(vocab.world_size)
+        self.free = vocab.world_size
+        """Ranks without a task."""
+        self._widest = len(vocab.sizes) - 1
+        """Index into ``vocab.sizes`` above which no size has a free group."""
+        self._first: dict[int, int] = {}
+        """Per size, the index into ``vocab.first_ranks(size)`` before which every group has a busy
+        rank (ranks only get busier: the scan resumes there)."""
+
+    def first_free(self, size: int) -> Optional[int]:
+        """The first rank of the first vocabulary group of ``size`` ranks without a busy rank
+        (``None``: there is none)."""
+        starts, busy = self.vocab.first_ranks(size), self.busy
+        k = self._first.get(size, 0)
+        while k < len(starts) and busy.find(1, starts[k], starts[k] + size) >= 0:
+            k += 1
+        self._first[size] = k
+        return starts[k] if k < len(starts) else None
+
+    def widest_free(self) -> int:
+        """The widest vocabulary size of which a group is free (0: none)."""
+        sizes = self.vocab.sizes
+        while self._widest >= 0 and self.first_free(sizes[self._widest]) is None:
+            self._widest -= 1  # ranks only get busier: a size without a free group stays so
+        return sizes[self._widest] if self._widest >= 0 else 0
+
+    def take(self, start: int, size: int) -> None:
+        """Ranks ``[start, start + size)`` get a task."""
+        self.busy[start:start + size] = b"\x01" * size
+        self.free -= size
+
+    def free_ranks(self) -> list[int]:
+        """The ranks without a task."""
+        return [r for r, b in enumerate(self.busy) if not b]
 
 
 class BlockClock:

@@ -1,74 +1,85 @@
 """Lockstep schedules: every rank runs the same micro-step slots, each slot one number of
-recomputed layers.
-
-ZeRO-3 all-gathers every module's parameters over the DCP world in forward, backward and
-recompute, ZeRO-2 reduce-scatters gradients in every backward: both need every rank to run the
-same number of micro-steps, and ZeRO-3 the same modules in each (the same recomputed layers). In
-a lockstep plan a slot lasts as long as its longest task (`retime_slots`); a rank without a task
-in a slot runs an empty micro-step with the slot's recomputed layers. So DCP keeps its freedom
-inside a slot: groups of any size side by side, short sequences packed to the slot's length.
+recomputed layers (ZeRO-2 reduce-scatters gradients in every backward, ZeRO-3 all-gathers every
+module's parameters: every rank must run as many micro-steps, and under ZeRO-3 the same modules).
+A slot lasts as long as its longest task (`retime_slots`); a rank without a task in a slot runs
+an empty micro-step. Inside a slot DCP keeps its freedom: groups of any size side by side, short
+sequences packed to the slot's length.
 
 `lockstep_pass` builds slots in three steps, longest work first:
 
-1. *Wide or deep items* (`megatron_dcp.plan.lockstep_items`: a sequence whose degree is above 1
-   or that needs more recompute than the short ones; in a floor pass, short ones of a degree
-   packed into groups, which join as one): each slot is opened by the longest one left (its
-   duration and recomputed layers are the slot's); later ones join the first slot where they
-   finish within the slot at its recomputed layers: packed into the task of their degree with
-   the most time left, on a free group of their degree (or a wider one, while work grows less
-   than `MAX_WORK_GROWTH`), or packed into a wider group's task, whose ranks would idle after
-   it (with ``extend``: else lengthen the slot where that costs least, if less than a slot of
-   their own).
+1. *Wide or deep items* (`lockstep_items`: a sequence of a degree above 1 or more recompute than
+   the short ones; in a floor pass, short ones of a degree packed into groups) each open a slot
+   (its duration and recomputed layers) or join the first slot where they finish within it at
+   its recomputed layers (`join`; with ``extend``, else lengthen the slot where that costs least,
+   if less than a slot of their own).
 2. *Short items* (one rank, the base recomputed layers) fill the ranks those slots leave free,
-   worst-fit decreasing (each to the task of a slot with the most time left).
+   worst-fit decreasing (`fill`).
 3. The short items left over get slots of their own: as few as memory (and ``pack_tokens``)
-   allow, every rank's task balanced to the same duration; where fewer items than ranks are
-   longer than that (each would set its slot's duration while the other ranks idle), those may
-   run on more ranks instead (`short_slots`).
+   allow, every rank's task balanced to the same duration (`short_slots`).
 
 `lockstep_candidates` runs the passes of `LOCKSTEP_PASSES` and regroups the shortest one's slots
-(`megatron_dcp.plan.lockstep_regroup`: tasks split over narrower groups where that shortens them,
-each slot's longest task merged with the tasks beside it where that shortens the slot);
-`to_slots` turns any free schedule (the baselines') into a lockstep one in its own order.
+(`megatron_dcp.plan.lockstep_regroup`).
 """
-
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import replace
-from typing import Callable, Sequence
+from functools import partial
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
-from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, SeqChoice, degree_choice, floor_of,
-                                       passes_for, raised, work_floor)
-from megatron_dcp.plan.drafts import Draft, PlanContext, retime_slots
-from megatron_dcp.plan.lockstep_items import Item, lockstep_items
+from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, Pack, SeqChoice,
+                                       degree_choice, floor_of, next_fit, passes_for, raised,
+                                       least_makespan, slot_choice)
+from megatron_dcp.plan.drafts import Candidate, Draft, PlanContext, retime_slots
 from megatron_dcp.plan.lockstep_regroup import merged, narrowed
-from megatron_dcp.plan.slots import Fit, Slot, SlotIndex, SlotTask
+from megatron_dcp.plan.slots import Slot, SlotIndex
 
 MEMORY_SLACK = 0.9
 """Step 3 plans the short items' slots to fill at most this share of a rank's token capacity:
 packing is not perfect, and a slot that overflows would need another."""
 GRAIN = 0.02
-"""Packing grain of the node-floor passes: wide items of at most ``GRAIN`` x the target slot
-duration are packed into groups of that duration (`megatron_dcp.plan.lockstep_items`)."""
-LOCKSTEP_PASSES = (("node", 1.0, "auto", False, GRAIN), ("node", 1.0, "auto", True, GRAIN),
-                   ("node", 1.0, "full", True, GRAIN), (1, 0.25, "auto", False, 0.0),
-                   ("node", 1.0, "full", False, GRAIN), ("node", 0.5, "auto", True, GRAIN),
-                   (1, 0.5, "auto", False, 0.0), (1, 0.25, "full", False, 0.0))
-"""(degree floor, target factor, recompute, extend, packing grain) of the lockstep passes, most
-useful first: the target is the slot duration a wide sequence should stay within (a multiple of
-the lower bound); recompute ``full`` (every layer, where the recompute mode is ``auto``) fits
-several times the tokens into a slot: fewer slots, where each costs ZeRO-3's parameter
-all-gathers; ``extend`` lets a sequence lengthen a slot rather than open one (better where few
-sequences are left over, worse where later ones would fill a new slot); a grain above 0 packs
-short items of a floor pass into groups (a floor raises thousands of them to one node's ranks;
-each group joins slots as one item)."""
+"""Packing grain of the node-floor passes (`LockstepPass.grain`)."""
+
+
+class LockstepPass(NamedTuple):
+    """One lockstep pass."""
+
+    floor: Union[int, str]
+    """Smallest degree of every sequence (``"node"``: one node's ranks)."""
+    target: float
+    """The slot duration a wide sequence should stay within, a multiple of the lower bound."""
+    recompute: str
+    """``auto``: the recompute mode; ``full``: every layer, where the mode is ``auto`` (fewer
+    slots, where each costs ZeRO-3's all-gathers)."""
+    extend: bool
+    """A sequence may lengthen a slot rather than open one (better where few are left over,
+    worse where later ones would fill a new slot)."""
+    grain: float
+    """Above 0, wide items of a floor pass are packed into groups (`lockstep_items`)."""
+
+    def name(self) -> str:
+        """The candidate's name."""
+        return (f"lockstep(floor={self.floor},M={self.target},recompute={self.recompute}"
+                f"{',extend' if self.extend else ''}{f',g={self.grain}' if self.grain else ''})")
+
+
+LOCKSTEP_PASSES = (
+    LockstepPass("node", 1.0, "auto", False, GRAIN), LockstepPass("node", 1.0, "auto", True, GRAIN),
+    LockstepPass("node", 1.0, "full", True, GRAIN), LockstepPass(1, 0.25, "auto", False, 0.0),
+    LockstepPass("node", 1.0, "full", False, GRAIN), LockstepPass("node", 0.5, "auto", True, GRAIN),
+    LockstepPass(1, 0.5, "auto", False, 0.0), LockstepPass(1, 0.25, "full", False, 0.0))
+"""The lockstep passes, most useful first."""
 FILL_TRIES = 4
 """Step 2 and 3 try an item on this many of the emptiest tasks before giving up on it."""
+GRAIN_TOKENS, TAIL = 0.02, 2.0
+"""`next_fit`'s bounds of the wide items' groups: memory binds where short sequences fill a slot
+(coarser groups leave it unused); the last groups stay fine enough to fill what others leave."""
+PACK_FROM = 2000
+"""Wide items are packed where a pass has more of them than this (where joining them one by one
+sets the planning time; below it, packing saves little time and can cost a little balance)."""
 
 
-def join(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
+def join(pctx: PlanContext, slot: Slot, item: Pack, mode: str) -> bool:
     """Put a wide or deep item into ``slot`` if it finishes within the slot's duration at the
     slot's recomputed layers: packed into the task of its degree with the most time left, on
     the first free group of its degree (or a wider one, while its work grows less than
@@ -83,7 +94,7 @@ def join(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
                slot.emptiest_wider(item.degree))
 
 
-def _pack(pctx: PlanContext, slot: Slot, task: SlotTask, item: Item, mode: str) -> bool:
+def _pack(pctx: PlanContext, slot: Slot, task: Pack, item: Pack, mode: str) -> bool:
     """Pack ``item`` into ``task`` if it finishes within the slot's duration."""
     d, spare, overhead = task.degree, slot.duration - task.duration, \
         pctx.cm.time_model.task_overhead
@@ -93,14 +104,10 @@ def _pack(pctx: PlanContext, slot: Slot, task: SlotTask, item: Item, mode: str) 
             spare < item.duration * item.degree / d - overhead or \
             spare < pctx.seq_time(item.tokens, item.pairs, d, slot.recompute_layers) - overhead:
         return False
-    fit = task.with_item(pctx, item, mode, slot.duration)
-    if fit is None:
-        return False
-    task.add(item, fit)
-    return True
+    return slot.pack(pctx, task, item, mode, slot.duration)
 
 
-def _open(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
+def _open(pctx: PlanContext, slot: Slot, item: Pack, mode: str) -> bool:
     """Start a task of ``item`` on the first free group of its degree (or a wider one, while
     its work grows less than `MAX_WORK_GROWTH`) where it finishes within the slot's duration."""
     layers, work = slot.recompute_layers, None
@@ -116,18 +123,12 @@ def _open(pctx: PlanContext, slot: Slot, item: Item, mode: str) -> bool:
             continue
         start = slot.occupancy.first_free(d)
         if start is not None:
-            _start_task(pctx, slot, item, start, d)
+            slot.start(pctx, item, start, d)
             return True
     return False
 
 
-def _start_task(pctx: PlanContext, slot: Slot, item: Item, start_rank: int, degree: int) -> None:
-    """A new task of ``item`` alone on ``[start_rank, start_rank + degree)`` of ``slot``."""
-    duration, layout = pctx.seq_best(item.tokens, item.pairs, degree, slot.recompute_layers)
-    slot.open_task(start_rank, degree).add(item, Fit(item.padded(pctx, degree), duration, layout))
-
-
-def join_first(pctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bool:
+def join_first(pctx: PlanContext, index: SlotIndex, item: Pack, mode: str) -> bool:
     """`join` the item into the first slot that takes it (of those `SlotIndex.candidates`
     names: at least every slot that does)."""
     size, overhead = item.degree, pctx.cm.time_model.task_overhead
@@ -139,59 +140,60 @@ def join_first(pctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bo
                               item.recompute_layers):
         slot = index.slots[k]
         if slot.recompute_layers >= item.recompute_layers and join(pctx, slot, item, mode):
-            index.changed(k)
             return True
     return False
 
 
-def extend(pctx: PlanContext, index: SlotIndex, item: Item, mode: str) -> bool:
+def extend(pctx: PlanContext, index: SlotIndex, item: Pack, mode: str) -> bool:
     """Pack an item that fits no slot's duration into the task of its degree where the slot
     grows least, if that growth costs less than a slot of its own (`TimeModel.slot_duration`:
     its duration, at least the slot's ZeRO traffic)."""
-    new_slot = pctx.cm.time_model.slot_duration(item.recompute_layers, item.duration)
-    size, best, growth = item.degree, None, new_slot
-    for k, slot in enumerate(index.slots):
-        task = slot.emptiest(size)
+    best, growth = None, pctx.cm.time_model.slot_duration(item.recompute_layers, item.duration)
+    for slot in index.slots:
+        task = slot.emptiest(item.degree)
         if slot.recompute_layers < item.recompute_layers or task is None:
             continue
         # only a growth below the least so far counts (the limit a hair above it: rounding)
-        fit = task.with_item(pctx, item, mode, (slot.duration + growth) * (1.0 + 1e-12))
-        if fit is not None and fit.duration - slot.duration < growth:
-            best, growth = (k, task, fit), fit.duration - slot.duration
-    if best is None:
-        return False
-    k, task, fit = best
-    task.add(item, fit)
-    index.slots[k].duration = max(index.slots[k].duration, task.duration)
-    index.changed(k)
-    return True
+        timed = task.timed_with(pctx, item, mode, (slot.duration + growth) * (1.0 + 1e-12),
+                                fits=slot.fits_memory)
+        if timed is not None and timed[0] - slot.duration < growth:
+            best, growth = slot, timed[0] - slot.duration
+    return best is not None and best.pack(pctx, best.emptiest(item.degree), item, mode, math.inf)
 
 
-def fill(pctx: PlanContext, tasks: list[SlotTask], items: list[Item], mode: str, limit: bool
-         ) -> list[Item]:
-    """Worst-fit decreasing of single-rank items (longest first) into ``tasks``: each to the
-    task with the most time left in its slot of the `FILL_TRIES` emptiest where it fits (an empty
-    rank, or packed into a wider group's task: its ranks share it). ``limit``: within the slot's
-    duration; else the least busy task (by duration), the slot growing past its duration (a few
-    items left over do not justify a slot of their own). Returns the items left over."""
-    def key(t: SlotTask) -> float:
-        return t.duration - t.slot.duration if limit else t.duration
+def slot_tasks(slots: list[Slot]) -> tuple[list[Slot], list[Pack]]:
+    """The tasks of ``slots``, then a new task on each of their free ranks, and by the same index
+    each one's slot (what `fill` fills)."""
+    owner = [slot for slot in slots for _ in slot.tasks]
+    owner += [slot for slot in slots for _ in range(slot.occupancy.free)]
+    tasks = [t for slot in slots for t in slot.tasks]
+    tasks += [slot.open_task(r, 1) for slot in slots for r in slot.occupancy.free_ranks()]
+    return owner, tasks
 
-    heap = [(key(t), k) for k, t in enumerate(tasks)]
+
+def fill(pctx: PlanContext, owner: list[Slot], tasks: list[Pack], items: list[Pack], mode: str,
+         limit: bool) -> list[Pack]:
+    """Worst-fit decreasing of single-rank items (longest first) into ``tasks`` (of the slots
+    ``owner``, by index: `slot_tasks`): each to the task with the most time left in its slot of
+    the `FILL_TRIES` emptiest where it fits (an empty rank, or packed into a wider group's task:
+    its ranks share it). ``limit``: within the slot's duration; else the least busy task (by
+    duration), the slot growing past its duration (a few items left over do not justify a slot
+    of their own). Returns the items left over."""
+    def key(k: int) -> float:
+        return tasks[k].duration - owner[k].duration if limit else tasks[k].duration
+
+    heap = [(key(k), k) for k in range(len(tasks))]
     heapq.heapify(heap)
     left = []
     for item in items:
         tried, placed = [], False
         while heap and len(tried) < FILL_TRIES:
             k = heap[0][1]
-            task = tasks[k]
-            fit = task.with_item(pctx, item, mode, task.slot.duration if limit else math.inf)
-            if fit is None:
+            slot = owner[k]
+            if not slot.pack(pctx, tasks[k], item, mode, slot.duration if limit else math.inf):
                 tried.append(heapq.heappop(heap))
                 continue
-            task.add(item, fit)
-            task.slot.duration = max(task.slot.duration, task.duration)
-            heapq.heapreplace(heap, (key(task), k))
+            heapq.heapreplace(heap, (key(k), k))
             placed = True
             break
         for entry in tried:
@@ -201,7 +203,7 @@ def fill(pctx: PlanContext, tasks: list[SlotTask], items: list[Item], mode: str,
     return left
 
 
-def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode: str,
+def lockstep_pass(pctx: PlanContext, items: tuple[list[Pack], list[Pack]], mode: str,
                   extend_slots: bool = False) -> list[Draft]:
     """One lockstep schedule (see the module docstring) of the items of `lockstep_items` (read
     only: passes may share them); ``extend_slots``: a wide item that fits no slot may lengthen
@@ -217,14 +219,12 @@ def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode:
         # a slot bound by ZeRO's traffic has room for more work at no cost
         layers = item.recompute_layers
         slot = Slot(vocab, layers, cm.time_model.slot_duration(layers, item.duration))
-        _start_task(pctx, slot, item, slot.occupancy.first_free(item.degree), item.degree)
+        slot.start(pctx, item, slot.occupancy.first_free(item.degree), item.degree)
         index.add(slot)
     slots = index.slots
     left = short
     if short:  # step 2: the ranks left free and the wide tasks' spare time
-        tasks = [t for slot in slots for t in slot.tasks]
-        tasks += [slot.open_task(r, 1) for slot in slots for r in slot.occupancy.free_ranks()]
-        left = fill(pctx, tasks, short, mode, limit=True)
+        left = fill(pctx, *slot_tasks(slots), short, mode, limit=True)
     if left:  # step 3: slots of short sequences only, as few as memory allows
         # fewer items longer than the balanced duration than ranks: the others would idle
         duration = balanced_slots(pctx, left, base)[1]
@@ -242,7 +242,7 @@ def lockstep_pass(pctx: PlanContext, items: tuple[list[Item], list[Item]], mode:
     return drafts
 
 
-def balanced_slots(pctx: PlanContext, items: list[Item], base: int) -> tuple[int, float]:
+def balanced_slots(pctx: PlanContext, items: list[Pack], base: int) -> tuple[int, float]:
     """How many slots the short ``items`` need (memory, `MEMORY_SLACK` and ``pack_tokens``) and
     the duration at which each rank of them has the same work."""
     cm, world = pctx.cm, pctx.world
@@ -252,12 +252,12 @@ def balanced_slots(pctx: PlanContext, items: list[Item], base: int) -> tuple[int
                                               (world * count))
 
 
-def short_slots(pctx: PlanContext, items: list[Item], mode: str, widen: bool) -> list[Slot]:
+def short_slots(pctx: PlanContext, items: list[Pack], mode: str, widen: bool) -> list[Slot]:
     """Step 3 of `lockstep_pass`: new slots for the short ``items`` (longest first), as few as
     memory (and ``pack_tokens``) allow, every rank's task balanced to the same duration.
     ``widen``: an item longer than that duration, which would set its slot's, runs on more
     ranks where that saves time (`widened`); without any, the same as without ``widen``."""
-    cm, world, vocab = pctx.cm, pctx.world, pctx.vocab
+    cm, vocab = pctx.cm, pctx.vocab
     base = cm.model.num_layers if mode == "full" else 0
     slots: list[Slot] = []
     left = items
@@ -273,17 +273,16 @@ def short_slots(pctx: PlanContext, items: list[Item], mode: str, widen: bool) ->
             if slot is None:
                 slot = Slot(vocab, base, duration)
                 new_slots.append(slot)
-            _start_task(pctx, slot, item, slot.occupancy.first_free(item.degree), item.degree)
-            slot.duration = max(slot.duration, item.duration)
+            slot.start(pctx, item, slot.occupancy.first_free(item.degree), item.degree)
         left = [x for x in left if x.duration <= duration]
         slots += new_slots
-        new = [t for slot in new_slots for t in slot.tasks]
-        new += [slot.open_task(r, 1) for slot in new_slots for r in slot.occupancy.free_ranks()]
-        left = fill(pctx, new, fill(pctx, new, left, mode, limit=True), mode, limit=False)
+        owner, tasks = slot_tasks(new_slots)
+        left = fill(pctx, owner, tasks, fill(pctx, owner, tasks, left, mode, limit=True), mode,
+                    limit=False)
     return slots
 
 
-def widened(pctx: PlanContext, item: Item, mode: str, limit: float, base: int) -> Item:
+def widened(pctx: PlanContext, item: Pack, mode: str, limit: float, base: int) -> Pack:
     """``item`` (one sequence, longer than ``limit``: a slot of ``limit`` seconds would last
     its duration) on more ranks at ``base`` recomputed layers where that saves the most
     rank-seconds: the other ranks' idle time past ``limit`` it cuts, less the work it adds (not
@@ -297,33 +296,45 @@ def widened(pctx: PlanContext, item: Item, mode: str, limit: float, base: int) -
             break
         saved = (t0 - max(t, limit)) * (pctx.world - d) - (d * t - item.degree * t0)
         if saved > gain:
-            best, gain = Item(item.seqs, item.tokens, item.pairs, d, c, t), saved
+            best, gain = Pack(item.seqs, item.tokens, item.pairs, d, c, t,
+                                   padded_tokens=item.padded(pctx, d)), saved
     return best
 
 
-def to_slots(pctx: PlanContext, drafts: Sequence[Draft]) -> list[Draft]:
-    """A free schedule in lockstep: each task in the first slot after its ranks' previous tasks
-    (its own order kept), every task of a slot at the slot's deepest recompute. Timed."""
-    order = sorted(drafts, key=lambda d: (d.start, d.start_rank))
-    next_slot = [0] * pctx.world
-    placed = []
-    for d in order:
-        ranks = range(d.start_rank, d.start_rank + d.degree)
-        k = max(next_slot[r] for r in ranks)
-        for r in ranks:
-            next_slot[r] = k + 1
-        placed.append((k, d))
-    recompute_layers: dict[int, int] = {}
-    for k, d in placed:
-        recompute_layers[k] = max(recompute_layers.get(k, 0), d.recompute_layers)
-    out = []
-    for k, d in placed:
-        new = pctx.draft(d.start_rank, d.degree, d.seqs, recompute_layers[k], layout=d.layout) \
-            if d.recompute_layers != recompute_layers[k] else replace(d)
-        new.slot = k
-        out.append(new)
-    retime_slots(out, pctx.cm)
-    return out
+def _longest_first(item: Pack) -> tuple[float, int]:
+    return -item.duration, item.seqs[0]
+
+
+def lockstep_items(pctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode: str,
+                   target: float, grain: float, lift: Callable[[SeqChoice], SeqChoice]
+                   ) -> tuple[list[Pack], list[Pack]]:
+    """The wide or deep items and the short ones of a pass, longest first: each sequence at
+    ``lift`` of its `degree_choice` (raised to the pass's floor, or its choice under recompute
+    ``full`` from the floor on), its degree chosen by `slot_choice` for slots of ``target`` seconds
+    where it is wide or deep; ``grain`` > 0: wide items of at most ``grain x target`` seconds
+    packed (`next_fit`). ``same``: the sequences' choices grouped by length and choice (one
+    `slot_choice` per group)."""
+    base = pctx.cm.model.num_layers if mode == "full" else 0
+    wide, short = [], []
+    for group in same:
+        info = lift(group[0])
+        is_short = info.degree <= 1 and info.recompute_layers <= base
+        chosen = info if is_short else slot_choice(pctx, info, mode, target, base)
+        options = None if is_short else chosen.fitting_options or None
+        d = 1 if is_short else chosen.degree
+        padded = pctx.padded(info.length, d)  # one length per group
+        for x in group:
+            (short if is_short else wide).append(Pack(
+                [x.i], x.length, x.pairs, d, chosen.recompute_layers, chosen.duration,
+                padded_tokens=padded, fitting_options=options))
+    wide.sort(key=_longest_first)
+    if grain > 0 and len(wide) > PACK_FROM:
+        # groups of at least OVERHEAD_TASKS x the fixed per-task cost keep that cost small
+        limit = max(grain * target, OVERHEAD_TASKS * pctx.cm.time_model.task_overhead)
+        wide = next_fit(pctx, wide, mode, limit, TAIL, GRAIN_TOKENS)
+        wide.sort(key=_longest_first)
+    short.sort(key=_longest_first)
+    return wide, short
 
 
 def _full_lift(pctx: PlanContext, infos: list[SeqChoice], floor: int
@@ -337,66 +348,64 @@ def _full_lift(pctx: PlanContext, infos: list[SeqChoice], floor: int
     return lambda info: full[(info.length, info.pairs)]
 
 
-def least_makespan(pctx: PlanContext, infos: list[SeqChoice], recompute_layers: int) -> float:
-    """A lower bound of the makespan of any plan of ``infos`` whose tasks all recompute
-    ``recompute_layers``: the sequences' marginal work (`WorkFloor`, at the degree where it is
-    least) over the ranks (a task's ranks x time is at least its sequences' marginal work, and no
-    rank works past the makespan)."""
-    floors = [work_floor(pctx, d, recompute_layers) for d in pctx.vocab.sizes]
-    tokens, pairs = sum(x.length for x in infos), sum(x.pairs for x in infos)
-    return (tokens * min(f.per_token for f in floors) + pairs * min(f.per_pair for f in floors)
-            ) * (1.0 - 1e-9) / pctx.world
-
-
 def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
-                        longest: float, prune: bool = False
-                        ) -> list[tuple[float, str, list[Draft]]]:
-    """(makespan, name, timed drafts) of every lockstep pass this input gets (`LOCKSTEP_PASSES`;
-    the ``full`` ones only where ``mode`` is ``auto``), from the sequences' degree choices
+                        longest: float, prune: bool = False) -> list[Candidate]:
+    """The plan of every lockstep pass this input gets (`LOCKSTEP_PASSES`; the ``full`` ones
+    only where ``mode`` is ``auto``), in the passes' order, from the sequences' degree choices
     ``infos`` under ``mode``; ``bound`` and ``longest`` as in `megatron_dcp.plan.dcp`.
     ``prune`` (where the shortest candidate wins): the ``full`` passes run after the others and
-    are left out where `least_makespan` shows they cannot be shorter than the shortest so far."""
-    passes = [(floor_of(pctx, floor), factor, mode if recompute == "auto" else recompute, extend,
-               grain) for floor, factor, recompute, extend, grain in LOCKSTEP_PASSES
-              if recompute == "auto" or mode == "auto"]
-    # the sequences of one length and choice get one choice per pass
+    are left out where `least_makespan` shows they cannot be shorter than the shortest so far.
+    The shortest pass's slots are regrouped (`regrouped`)."""
+    passes = passes_for(pctx, [p._replace(floor=floor_of(pctx, p.floor), recompute=mode
+                                          if p.recompute == "auto" else p.recompute)
+                               for p in LOCKSTEP_PASSES if p.recompute == "auto" or mode == "auto"])
+    items = _pass_items(pctx, infos, mode)
+    found: dict[int, Candidate] = {}
+    full_floor: Optional[float] = None
+    for k in sorted(range(len(passes)), key=lambda k: passes[k].recompute != mode):  # mode first
+        p = passes[k]
+        if prune and p.recompute != mode and found:
+            if full_floor is None:
+                full_floor = least_makespan(pctx, infos, pctx.cm.model.num_layers)
+            if full_floor > min(c.makespan for c in found.values()):
+                continue
+        drafts = lockstep_pass(pctx, items(p, max(bound * p.target, longest)), p.recompute,
+                               p.extend)
+        found[k] = Candidate(retime_slots(drafts, pctx.cm), p.name(), drafts)
+    if found:
+        best = min(sorted(found), key=lambda k: found[k].makespan)
+        found[best] = regrouped(pctx, found[best], passes[best].recompute)
+    return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it
+
+
+def _pass_items(pctx: PlanContext, infos: list[SeqChoice], mode: str
+                ) -> Callable[[LockstepPass, float], tuple[list[Pack], list[Pack]]]:
+    """The items (`lockstep_items`) of a pass for its target, made once for the passes that
+    share its recompute, floor, target and grain (their sequences lifted once for the passes of
+    one recompute and floor); the sequences of one length and choice get one choice per pass."""
     groups: dict[tuple, list[SeqChoice]] = {}
     for info in infos:
         groups.setdefault((info.length, info.pairs, info.degree, info.recompute_layers,
-                           info.time, len(info.fitting_options)), []).append(info)
+                           info.duration, len(info.fitting_options)), []).append(info)
     same = list(groups.values())
-    found: dict[int, tuple[float, str, list[Draft]]] = {}
-    lifts: dict[tuple[str, int], Callable] = {}  # passes of one floor share the choices
-    made: dict[tuple, tuple[list[Item], list[Item]]] = {}  # and their items, of one target
-    kept = passes_for(pctx, passes)
-    full_floor = None
-    for k in sorted(range(len(kept)), key=lambda k: kept[k][2] != mode):  # stable: mode first
-        floor, factor, recompute, extend_slots, grain = kept[k]
-        if prune and recompute != mode and found:
-            if full_floor is None:
-                full_floor = least_makespan(pctx, infos, pctx.cm.model.num_layers)
-            if full_floor > min(c[0] for c in found.values()):
-                continue
-        target = max(bound * factor, longest)
-        key = (recompute, floor, target, grain)
+    lifts: dict[tuple[str, int], Callable[[SeqChoice], SeqChoice]] = {}
+    made: dict[tuple, tuple[list[Pack], list[Pack]]] = {}
+
+    def items(p: LockstepPass, target: float) -> tuple[list[Pack], list[Pack]]:
+        key = (p.recompute, p.floor, target, p.grain)
         if key not in made:
-            if (recompute, floor) not in lifts:
-                lifts[(recompute, floor)] = _full_lift(pctx, infos, floor) if recompute != mode \
-                    else (lambda info, floor=floor: raised(pctx, info, mode, floor))
-            made[key] = lockstep_items(pctx, same, recompute, target, grain,
-                                       lifts[(recompute, floor)])
-        drafts = lockstep_pass(pctx, made[key], recompute, extend_slots)
-        makespan = retime_slots(drafts, pctx.cm)
-        name = (f"lockstep(floor={floor},M={factor},recompute={recompute}"
-                f"{',extend' if extend_slots else ''}{f',g={grain}' if grain else ''})")
-        found[k] = (makespan, name, drafts)
-    # the shortest pass's tasks on narrower groups where that shortens them, each slot's longest
-    # task on a wider group where that shortens the slot, and a merged task split again where
-    # its halves are shorter (never longer)
-    if found:
-        best = min(sorted(found), key=lambda k: found[k][0])
-        recompute = kept[best][2]
-        drafts = narrowed(pctx, merged(pctx, narrowed(pctx, found[best][2], recompute),
-                                       recompute), recompute)
-        found[best] = (retime_slots(drafts, pctx.cm), found[best][1], drafts)
-    return [found[k] for k in sorted(found)]  # in the passes' order: ties keep it
+            if (p.recompute, p.floor) not in lifts:
+                lifts[(p.recompute, p.floor)] = _full_lift(pctx, infos, p.floor) \
+                    if p.recompute != mode else partial(raised, pctx, mode=mode, floor=p.floor)
+            made[key] = lockstep_items(pctx, same, p.recompute, target, p.grain,
+                                       lifts[(p.recompute, p.floor)])
+        return made[key]
+    return items
+
+
+def regrouped(pctx: PlanContext, candidate: Candidate, mode: str) -> Candidate:
+    """``candidate``'s tasks on narrower groups where that shortens them, each slot's longest
+    task on a wider group where that shortens the slot, and a merged task split again where its
+    halves are shorter (never longer; `megatron_dcp.plan.lockstep_regroup`), timed."""
+    drafts = narrowed(pctx, merged(pctx, narrowed(pctx, candidate.drafts, mode), mode), mode)
+    return Candidate(retime_slots(drafts, pctx.cm), candidate.name, drafts)

@@ -71,8 +71,11 @@ def _halves(pctx: PlanContext, task: Draft, mode: str) -> Optional[list[Draft]]:
             load[k] += weight[s]
             padded[k] += tokens[s]
         else:
-            return [_draft(pctx, start, half, part, task) for start, part in zip(starts, seqs)
-                    if part]
+            out = [pctx.draft(start, half, part, layers) for start, part in zip(starts, seqs)
+                   if part]
+            for d in out:
+                d.slot = task.slot
+            return out
     return None
 
 
@@ -84,12 +87,6 @@ def _fits(pctx: PlanContext, padded_tokens: int, degree: int, layers: int, mode:
         return False
     c = pctx.recompute_for(padded_tokens, degree, mode)
     return c is not None and c <= layers
-
-
-def _draft(pctx: PlanContext, start: int, degree: int, seqs: list[int], task: Draft) -> Draft:
-    new = pctx.draft(start, degree, seqs, task.recompute_layers)
-    new.slot = task.slot
-    return new
 
 
 def merged(pctx: PlanContext, drafts: Sequence[Draft], mode: str) -> list[Draft]:

@@ -22,7 +22,7 @@ from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.choices import SeqChoice, degree_choice
 from megatron_dcp.plan.dcp import free_candidates
 from megatron_dcp.plan.hardware import Hardware, HardwareError, load_hardware
-from megatron_dcp.plan.lockstep import lockstep_candidates, to_slots
+from megatron_dcp.plan.lockstep import lockstep_candidates
 from megatron_dcp.plan.memory import assign_long_choices
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.oversize import apply_oversize
@@ -31,7 +31,8 @@ from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, paddin
 from megatron_dcp.plan.pipeline_order import order_slots, shortest_candidate
 from megatron_dcp.plan.plan import Plan, PlanError, check_frame_tokens
 from megatron_dcp.plan.schedule import memory_stage, schedule_for
-from megatron_dcp.plan.drafts import Draft, PlanContext, lighten, retime, retime_slots, to_plan
+from megatron_dcp.plan.drafts import (Candidate, Draft, PlanContext, lighten, retime, retime_slots,
+                                      to_plan, to_slots)
 from megatron_dcp.plan.vocabulary import LENGTH_SAMPLE, Vocabulary
 from megatron_dcp.plan.workload import WorkloadError, validate_lengths
 
@@ -39,8 +40,6 @@ BASELINES = {"bucket": plan_bucket, "packed": plan_packed, "static": plan_static
              "greedy-cp": plan_greedy_cp}
 BASELINE_CANDIDATE_LIMIT = 20_000
 """Sequences x ranks up to which the baselines' plans join DCP's candidates."""
-Candidate = tuple[float, str, list[Draft]]
-"""(makespan, name, timed drafts) of one candidate plan."""
 Chooser = Callable[[list[list[Draft]]], int]
 """Picks the DCP contest's winner among the candidates' drafts (its index), instead of the
 shortest makespan (a pipeline's simulated makespan: `_pipeline_chooser`)."""
@@ -374,24 +373,26 @@ def _drafts_of_policy(pctx: PlanContext, policy: str, lockstep: bool, meta: dict
         retime(drafts, pctx.world, barriers=True)
         return drafts
     if policy == "dcp-intra":
-        drafts, meta["candidate"], meta["candidates"] = plan_dcp(
-            pctx, inter=False, intra=True, baselines={"bucket": plan_bucket}, lockstep=lockstep,
-            choose=choose)
+        best, candidates = plan_dcp(pctx, inter=False, intra=True,
+                                    baselines={"bucket": plan_bucket}, lockstep=lockstep,
+                                    choose=choose)
     else:
-        drafts, meta["candidate"], meta["candidates"] = plan_dcp(
+        best, candidates = plan_dcp(
             pctx, inter=policy in ("dcp", "dcp-inter"), intra=policy == "dcp", baselines=baselines,
             lockstep=lockstep, choose=choose)
-    return drafts
+    meta["candidate"], meta["candidates"] = best.name, candidates
+    return best.drafts
 
 
 def plan_dcp(pctx: PlanContext, inter: bool = True, intra: bool = True,
              baselines: Optional[dict[str, Callable[[PlanContext], list[Draft]]]] = None,
              lockstep: bool = False, choose: Optional[Chooser] = None
-             ) -> tuple[list[Draft], str, dict[str, float]]:
-    """DCP drafts, the winner's name (``dcp(...)``, ``lockstep(...)``, ``<baseline>+intra``) and
-    every candidate's predicted makespan (module doc). ``inter``: DCP passes compete; ``intra``:
-    fewest recomputed layers (else the baselines' full recompute); ``lockstep``: in slots (passes
-    that cannot win skipped, without ``choose``). ``choose``: picks the winner (by a pipeline)."""
+             ) -> tuple[Candidate, dict[str, float]]:
+    """The winning candidate (named ``dcp(...)``, ``lockstep(...)``, ``<baseline>+intra``) and
+    every candidate's predicted makespan by name (module doc). ``inter``: DCP passes compete;
+    ``intra``: fewest recomputed layers (else the baselines' full recompute); ``lockstep``: in
+    slots (passes that cannot win skipped, without ``choose``). ``choose``: picks the winner (by
+    a pipeline)."""
     mode = pctx.recompute_mode if intra else pctx.baseline_mode()
     candidates: list[Candidate] = []
     if inter:
@@ -415,13 +416,13 @@ def plan_dcp(pctx: PlanContext, inter: bool = True, intra: bool = True,
             makespan = retime_slots(drafts, pctx.cm)
         else:
             makespan = retime(drafts, pctx.world, barriers=False if inter else "rounds")
-        candidates.append((makespan, f"{name}+intra" if intra else name, drafts))
+        candidates.append(Candidate(makespan, f"{name}+intra" if intra else name, drafts))
     if choose is None:
-        candidates.sort(key=lambda c: c[0])  # stable: ties keep the pass order
-        _, name, drafts = candidates[0]
+        candidates.sort(key=lambda c: c.makespan)  # stable: ties keep the pass order
+        best = candidates[0]
     else:
-        _, name, drafts = candidates[choose([c[2] for c in candidates])]
-    return drafts, name, {c[1]: round(c[0], 6) for c in candidates}
+        best = candidates[choose([c.drafts for c in candidates])]
+    return best, {c.name: round(c.makespan, 6) for c in candidates}
 
 
 def vocabulary_for_lengths(cost_model: CostModel, lengths: Iterable[int],
