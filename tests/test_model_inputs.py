@@ -70,3 +70,26 @@ def test_hf_wrapper_uses_the_checker():
         assert torch.equal(model(ids), model(ids, torch.arange(4)))
         # RoPE sees relative positions: other gaps, other logits
     assert not torch.allclose(model(ids), model(ids, torch.tensor([0, 2, 5, 9])))
+
+
+def test_a_ring_layouts_padding_past_max_position_passes_the_check():
+    """A sequence of exactly ``max_position`` tokens in a ring task is padded past its length
+    (positions 512.. on the last ring rank's chunk): those tokens are neither attended to nor
+    scored, so the check must not refuse them (a long task's ring layout did, on one rank only,
+    and its group hung); a real token past the limit is still refused."""
+    import types
+
+    from megatron_dcp.models.common import check_positions
+
+    padded = refused = 0
+    for rank in range(4):
+        layout = ShardLayout.build([510], 1, 4, rank)
+        ctx = types.SimpleNamespace(layout=layout, task=types.SimpleNamespace(seqs=(0,), id=0))
+        padded += int(layout.position_ids.max()) >= 510
+        check_positions(layout.position_ids, 510, "M", ctx)
+        try:
+            check_positions(layout.position_ids, 509, "M", ctx)
+        except ValueError as err:
+            assert "position 509 in sequence 0 (length 510) of task 0" in str(err)
+            refused += 1
+    assert padded >= 1 and refused == 1

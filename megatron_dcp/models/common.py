@@ -177,10 +177,12 @@ def check_positions(position_ids: torch.Tensor, max_position: Optional[int], mod
     """Raise a clear error when a position is beyond what the model supports.
 
     Inside a task (``ctx``) the positions are read from the task's layout, which lives on the
-    host (no device sync); the error names the task and the sequence (global batch index).
+    host (no device sync), its padding left out (a ring layout pads a sequence past its length:
+    those positions are never attended to nor scored); the error names the task and the sequence
+    (global batch index).
     """
     if ctx is not None and ctx.layout is not None:
-        position_ids = ctx.layout.position_ids
+        position_ids = torch.where(ctx.layout.valid, ctx.layout.position_ids, 0)
     if max_position is None or position_ids.numel() == 0:
         return
     top = int(position_ids.max())
