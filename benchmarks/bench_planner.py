@@ -75,7 +75,7 @@ def efficiency(lengths: list[int], world: int, hardware: str, **config) -> tuple
     ran = [lengths[s] for t in plan.tasks for s in t.seqs]
     bound = lower_bound(ran, cm, world_size=world)
     r = simulate(plan, cm, bound=bound)
-    return r.efficiency, r.imbalance, cm.memory_model.communicators_per_rank
+    return r.efficiency, r.imbalance, cm.memory_model.communicators.per_rank
 
 
 LONGTAIL_SEQS = 12_374

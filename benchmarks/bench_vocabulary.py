@@ -64,7 +64,7 @@ def main() -> None:
                     ran = [lengths[s] for t in plan.tasks for s in t.seqs]
                     bound = lower_bound(ran, cm, world_size=world)
                 r = simulate(plan, vcm, bound=bound)
-                row += f"  {r.efficiency:.3f} ({vcm.memory_model.communicators_per_rank} comm)"
+                row += f"  {r.efficiency:.3f} ({vcm.memory_model.communicators.per_rank} comm)"
             print(row, flush=True)
 
 

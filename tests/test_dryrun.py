@@ -29,7 +29,7 @@ def test_sixteen_ranks_at_real_width_issue_the_same_collectives():
 
 
 def test_a_rank_that_skips_one_collective_is_named():
-    report = _run("--ranks", "0,1,2,3", drop_call=(2, 3))
+    report = _run("--ranks", "0,1,2,3", drop_call=(2, 1))  # its all-to-all warming (2, 3)
     assert not report["ok"] and not report["consistent"]
     named = [m for m in report["mismatches"]
              if 2 in m.get("group", [m.get("send"), m.get("recv")])]

@@ -104,7 +104,7 @@ def _startup_body(rank: int, world_size: int) -> dict:
     # one rank per node: the "node" scope allows no Ulysses across ranks at all
     model = ModelShape(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=128,
                        vocab_size=256, name="tiny")
-    cm = build_cost_model(model, DCPConfig(), world_size)
+    cm = build_cost_model(model, DCPConfig(ranks_per_node=1), world_size)  # the most groups
     # memory for about 3,000 local tokens: long sequences need several ranks
     budget = (cm.memory_model.static_memory + 4e9 + 3000 * cm.memory_model.token_bytes(0)) / 2**30
     lengths = [9000, 5000, 2500, 700, 300, 200, 90]
@@ -140,9 +140,9 @@ def _startup_body(rank: int, world_size: int) -> dict:
 
         own_warm, warmed = groups_module.warm_group, []
 
-        def counted(group, global_ranks):
+        def counted(group, global_ranks, kinds):
             warmed.append(tuple(global_ranks))
-            return own_warm(group, global_ranks)
+            return own_warm(group, global_ranks, kinds)
 
         groups_module.warm_group = counted
         try:

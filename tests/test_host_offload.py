@@ -108,3 +108,59 @@ def test_every_stash_copies_on_the_one_high_priority_stream_of_its_device(monkey
     assert len(streams) == 1 and made == [{"device": 0, "priority": -1}]
     offload.HostStash()._side_stream(torch.device("cuda", 1))
     assert made[1] == {"device": 1, "priority": -1}
+
+
+def test_host_buffers_are_sized_to_a_grain_and_reused():
+    """Issue 46 item 8: offloaded inputs go into buffers of a pool: sized to a 2 MiB grain (the
+    caching host allocator rounds pinned blocks to a power of two), reused when they fit, and
+    never more held than the most in use at once."""
+    from megatron_dcp.runtime.offload import POOL_GRAIN, HostPool
+
+    pool = HostPool(pinned=False)
+    a = pool.take(5 << 20)
+    assert a.numel() == 6 << 20 == 3 * POOL_GRAIN  # a power of two would be 8 MiB
+    pool.give(a)
+    b = pool.take((5 << 20) + 1)
+    assert b.data_ptr() == a.data_ptr() and pool.allocations == 1
+    c = pool.take(1 << 20)  # 6 MiB is too large for 1 MiB: a buffer of its own
+    assert c.data_ptr() != b.data_ptr() and c.numel() == POOL_GRAIN
+    assert pool.in_use_bytes == pool.peak_bytes == 8 << 20
+    pool.give(b)
+    pool.give(c)
+    big = pool.take(20 << 20)  # the free 6 + 2 MiB do not fit: held would exceed the peak
+    pool.give(big)
+    assert pool.peak_bytes == 20 << 20 and pool.held_bytes <= pool.peak_bytes
+    assert pool.take(20 << 20).data_ptr() == big.data_ptr()
+
+
+def test_offloaded_steps_reuse_the_pool_and_train_the_same(monkeypatch):
+    """Two steps of offloaded layers (backward on a fresh thread, as CUDA's autograd worker
+    runs it): the second allocates no host buffer, and the gradients equal those of the same
+    layers recomputed without offload."""
+    import threading
+
+    import megatron_dcp.runtime.offload as offload
+
+    monkeypatch.setattr(offload, "_POOLS", {})
+    torch.manual_seed(0)
+    w = torch.randn(64, 64, requires_grad=True)
+    layer = lambda x: torch.tanh(x @ w)  # noqa: E731
+
+    def step(offloaded: bool) -> torch.Tensor:
+        w.grad = None
+        x = torch.randn(3000, 64, generator=torch.Generator().manual_seed(1))
+        stash = offload.HostStash()
+        for _ in range(3):
+            x = offload.offloaded_layer(layer, x, stash=stash) if offloaded else \
+                torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        worker = threading.Thread(target=lambda: x.square().sum().backward())
+        worker.start()
+        worker.join()
+        return w.grad.clone()
+
+    first = step(True)
+    pool = offload.host_pool(torch.device("cpu"))
+    made = pool.allocations
+    assert made == 3 and pool.in_use_bytes == 0
+    assert torch.equal(step(True), first) and pool.allocations == made
+    assert torch.equal(step(False), first)

@@ -92,8 +92,8 @@ def test_sharded_memory_lets_llama_70b_plan_where_free_schedules_cannot():
                   zero_stage=3)
     cm = build_cost_model(model, DCPConfig(), 256, zero_stage=3)
     free = build_cost_model(model, DCPConfig(memory_budget_gb=1e4), 256, zero_stage=1)
-    comm = cm.memory_model.communicators_per_rank * cm.hw.communicator_bytes  # the same in both
-    assert comm == free.memory_model.communicators_per_rank * free.hw.communicator_bytes
+    comm = cm.memory_model.communicators.bytes  # the same in both
+    assert comm == free.memory_model.communicators.bytes
     assert cm.memory_model.static_memory - comm < (free.memory_model.static_memory - comm) / 20
     # parameters, gradients and states sharded, plus the layers gathered at a time and a bucket
     assert cm.memory_model.static_memory - comm > 16 * cm.params / 256 + 2 * 2 * cm.layer_params

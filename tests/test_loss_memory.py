@@ -127,6 +127,54 @@ def test_groups_warmed_with_every_collective():
                          "batch_isend_irecv": member_of}
 
 
+def _vocabulary_warm_body(rank, world_size, task_all_reduce):
+    from megatron_dcp.plan.vocabulary import Vocabulary
+    from megatron_dcp.runtime import groups
+
+    seen = []
+
+    def counted(name):
+        real = getattr(dist, name)
+
+        def wrapper(*args, **kwargs):
+            if name == "batch_isend_irecv":
+                seen.append((name, tuple(dist.get_process_group_ranks(args[0][0].group))))
+            elif kwargs.get("group") is not None:  # not the pool's own check over the world
+                seen.append((name, tuple(dist.get_process_group_ranks(kwargs["group"]))))
+            return real(*args, **kwargs)
+        return wrapper
+
+    names = ("all_reduce", "all_to_all_single", "batch_isend_irecv")
+    for name in names:
+        setattr(groups.dist, name, counted(name))
+    try:
+        vocab = Vocabulary(world_size, world_size, heads=4, task_all_reduce=task_all_reduce)
+        groups.GroupPool().create_all(vocab)
+    finally:
+        for name in names:
+            setattr(groups.dist, name, getattr(dist, name))
+    return seen, {g: sorted(k) for g, k in vocab.operations().items() if rank in g}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task_all_reduce", [False, True])
+def test_the_vocabulary_warms_each_group_with_what_its_tasks_run(task_all_reduce):
+    """Issue 46 item 10: each communicator is warmed with the collectives its tasks run (NCCL
+    sets up only those connections), not with every kind: at 4 ranks, the hybrid layout's whole
+    group runs none (without MoE), its Ulysses halves all-to-all, its strided halves the ring."""
+    name_of = {"all_reduce": "all_reduce", "all_to_all": "all_to_all_single",
+               "send_recv": "batch_isend_irecv"}
+    for seen, kinds in run_distributed(_vocabulary_warm_body, world_size=4,
+                                       args=(task_all_reduce,)):
+        want = sorted((name_of[k], g) for g, ks in kinds.items() for k in ks)
+        assert sorted(seen) == want
+        whole = kinds[(0, 1, 2, 3)]
+        assert ("all_to_all" in whole and "send_recv" in whole) \
+            and ("all_reduce" in whole) == task_all_reduce
+        assert kinds.get((0, 2)) in (None, ["send_recv"])  # a ring half: never all-to-all
+        assert sum(len(ks) for ks in kinds.values()) < 3 * len(kinds)
+
+
 def test_expandable_segments_default(monkeypatch):
     env: dict = {}
     assert use_expandable_segments(env)

@@ -13,7 +13,7 @@ from megatron_dcp.plan import (CostModel, Hardware, PlanError, build_cost_model,
 from megatron_dcp.plan.hardware import HardwareError
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.plan.presets import ModelPresetError
-from megatron_dcp.plan.vocabulary import Vocabulary
+from megatron_dcp.plan.vocabulary import Communicators, Vocabulary
 from megatron_dcp.plan.idx_format import write_lengths
 from megatron_dcp.plan.workload import (WorkloadError, read_idx_lengths, read_lengths_file,
                                         sample_lengths, validate_lengths, video_lengths)
@@ -291,24 +291,29 @@ def test_padding_is_the_runtimes_rule():
 
 def test_communicator_memory_is_static_memory():
     hw = load_hardware("h200")
-    count = Vocabulary.for_cost_model(CostModel(LLAMA, hw, world_size=64)).communicators_per_rank()
+    vocab = Vocabulary.for_cost_model(CostModel(LLAMA, hw, world_size=64))
+    count = vocab.communicators_per_rank()
+    charge = vocab.charge(hw.communicator_bytes, hw.connection_bytes)
     mem = CostModel(LLAMA, hw, world_size=64).memory_model
-    none = CostModel(LLAMA, hw, world_size=64, communicators_per_rank=0).memory_model
-    assert mem.communicators_per_rank == count > 10
-    assert mem.static_memory - none.static_memory == pytest.approx(count * hw.communicator_bytes)
-    # the caller may give its own count; a smaller vocabulary costs less
-    assert CostModel(LLAMA, hw, world_size=64,
-                     communicators_per_rank=3).memory_model.static_memory < mem.static_memory
+    none = CostModel(LLAMA, hw, world_size=64, communicators=Communicators(0, 0.0)).memory_model
+    assert mem.communicators == charge and charge.per_rank == count > 10
+    assert charge.bytes > 8 * hw.connection_bytes  # a dense model: send/receive only
+    assert mem.static_memory - none.static_memory == pytest.approx(charge.bytes)
+    # the caller may give its own; a smaller vocabulary costs less
+    assert CostModel(LLAMA, hw, world_size=64, communicators=Communicators(3, 1e9)
+                     ).memory_model.static_memory < mem.static_memory
     node = build_cost_model(LLAMA, DCPConfig(ulysses_scope="node"), 64).memory_model
     capped = build_cost_model(LLAMA, DCPConfig(max_degree=8), 64).memory_model
-    assert node.communicators_per_rank < count and capped.communicators_per_rank < count
+    assert node.communicators.per_rank < count and capped.communicators.per_rank < count
     assert capped.static_memory < mem.static_memory
     # gloo profiles: free
-    cpu = CostModel(LLAMA, replace(hw, communicator_bytes=0.0), world_size=64).memory_model
-    assert cpu.communicators_per_rank == 0 and cpu.static_memory == none.static_memory
+    cpu = CostModel(LLAMA, replace(hw, communicator_bytes=0.0, connection_bytes=None),
+                    world_size=64).memory_model
+    assert cpu.communicators.per_rank == 0 and cpu.static_memory == none.static_memory
     # the memory a task records includes it, and a budget it eats up is a clear error
     plan = make_plan([1000], world_size=64, model=LLAMA, config=DCPConfig())
     assert plan.meta["communicators_per_rank"] == count
+    assert plan.meta["communicator_bytes"] == charge.bytes
     assert plan.tasks[0].memory > mem.static_memory > none.static_memory
     with pytest.raises(PlanError, match=f"{count} communicators per rank"):
         CostModel(LLAMA, hw, world_size=64, memory_budget=none.static_memory + 4.5e9)

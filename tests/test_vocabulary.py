@@ -74,10 +74,11 @@ def test_plans_use_only_vocabulary_communicators(scope):
     lengths = sample_lengths("long", 32 * 200_000, seed=3)
     used_outside_node = set()
     for policy in POLICIES:
-        # a 40 GB budget makes the long sequences need groups spanning nodes, and "ulysses"
-        # takes the whole group as Ulysses degree there wherever the heads and the scope allow
+        # a 49 GB budget (a few GB above the static memory) makes the long sequences need
+        # groups spanning nodes, and "ulysses" takes the whole group as Ulysses degree there
+        # wherever the heads and the scope allow
         config = DCPConfig(policy=policy, ulysses_scope=scope, attention_layout="ulysses",
-                           memory_budget_gb=40)
+                           memory_budget_gb=49)
         vocab = Vocabulary.for_cost_model(build_cost_model(model, config, 32), config.max_degree)
         allowed = set(vocab.communicators())
         for task in make_plan(lengths, world_size=32, model=model, config=config).tasks:
@@ -131,7 +132,7 @@ def test_plans_over_a_data_vocabulary_are_valid_and_charge_its_communicators():
         assert plan.meta["communicators_per_rank"] == vocab.communicators_per_rank()
     default = make_plan(lengths, world_size=32, model=model, config=config)
     assert "vocabulary_sizes" not in default.meta
-    assert default.meta["communicators_per_rank"] == cm.memory_model.communicators_per_rank
+    assert default.meta["communicators_per_rank"] == cm.memory_model.communicators.per_rank
     with pytest.raises(PlanError, match="vocabulary="):
         make_plan(lengths, world_size=32, model=model, config=config.replace(max_degree=8),
                   vocabulary=vocab)
@@ -146,3 +147,40 @@ def test_starts_ascend(world, rpn, max_degree, sizes):
     for size in vocab.sizes:
         starts = vocab.first_ranks(size)
         assert list(starts) == sorted(set(starts)) and starts
+
+
+def test_communicators_are_charged_by_the_collectives_run_on_them():
+    """Issue 46 item 10: a communicator's memory follows what runs on it (NCCL connects lazily):
+    an all-reduce's channels, and a connection per peer and direction for send/receive (all
+    its members for Ulysses' all-to-all, two for the ring)."""
+    from megatron_dcp.plan.hardware import NCCL_CONNECTION_BYTES
+    from megatron_dcp.plan.vocabulary import (ALL_REDUCE, ALL_TO_ALL, SEND_RECV, Communicators,
+                                              operations)
+
+    a2a, ring = frozenset({ALL_TO_ALL}), frozenset({SEND_RECV})
+    assert operations((0, 1, 2, 3), 2) == {(0, 1, 2, 3): frozenset(), (0, 1): a2a,
+                                           (2, 3): a2a, (0, 2): ring, (1, 3): ring}
+    assert operations((0, 1, 2, 3), 2, all_reduce=True)[(0, 1, 2, 3)] == {ALL_REDUCE}
+    assert operations((4, 5), 2) == {(4, 5): a2a} and operations((4, 5), 1) == {(4, 5): ring}
+    # by hand, 4 ranks, heads 4: rank 0 holds (0,1) a2a+ring: 2 connections, (0,1,2) ring: 2,
+    # (0,1,2,3) a2a+ring: 6, (0,2) ring: 2
+    vocab = Vocabulary(4, 4, heads=4)
+    assert vocab.charge(0.0, 1.0) == Communicators(4, 12.0)
+    assert Vocabulary(4, 4, heads=4, task_all_reduce=True).charge(5.0, 1.0).bytes == 12 + 3 * 5
+    # a profile with one figure per communicator: charged that, whatever runs
+    assert vocab.charge(5.0, None) == Communicators(4, 20.0)
+    # Ulysses over 8 H100s: NCCL issue #1685's 3.28 GB, where the old charge said 0.5 GB
+    from megatron_dcp.plan import load_hardware
+
+    h100 = load_hardware("h100")
+    only8 = Vocabulary(8, 8, heads=8, attention_layout="ulysses", sizes=(8,))
+    assert only8.operations() == {tuple(range(8)): a2a}
+    got = only8.charge(h100.communicator_bytes, h100.connection_bytes).bytes
+    assert got == pytest.approx(3.28e9) == 14 * NCCL_CONNECTION_BYTES
+    # MoE models all-reduce over their task groups: the cost model's vocabulary says so
+    roomy = DCPConfig(memory_budget_gb=1e4)
+    moe = build_cost_model(load_model("mixtral-8x7b"), roomy, 8)
+    assert Vocabulary.for_cost_model(moe).task_all_reduce
+    dense = build_cost_model(load_model("llama-7b"), roomy, 8)
+    assert not Vocabulary.for_cost_model(dense).task_all_reduce
+    assert moe.memory_model.communicators.bytes > dense.memory_model.communicators.bytes

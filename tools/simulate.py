@@ -331,8 +331,7 @@ def run(args: argparse.Namespace) -> dict:
         "expert_parallel": model.expert_parallel,
         "pipeline_parallel": pipe.stages, "virtual_pipeline": pipe.virtual,
         "vocabulary_groups": len(vocab), "vocabulary": vocab.describe(),
-        "communicator_memory_gib":
-            cm.memory_model.communicators_per_rank * cm.hw.communicator_bytes / 2**30,
+        "communicator_memory_gib": cm.memory_model.communicators.bytes / 2**30,
         "policies": {},
     }
     for name, r in results.items():

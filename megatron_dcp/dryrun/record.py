@@ -275,14 +275,15 @@ class FakeJob:
                                                          else device_type, *rest)))
         # the warm-up's collectives run and are recorded; their values (no data moves) are not
         # checked
-        stack.enter_context(_patched(groups.GroupPool, "_warm", lambda pool, mine: [
-            groups.warm_group(pool._groups[r], [pool.world_ranks[i] for i in r]) for r in mine]))
+        stack.enter_context(_patched(groups.GroupPool, "_warm", lambda pool, mine, kinds=None: [
+            groups.warm_group(pool._groups[r], [pool.world_ranks[i] for i in r],
+                              (kinds or {}).get(r, groups.EVERY_KIND)) for r in mine]))
         # an offloaded layer input goes to the host, as from a GPU: a placeholder there (one
         # element seen at its shape: no memory), so the device keeps what a GPU would
         own_copy = offload.HostStash._host_copy
-        stack.enter_context(_patched(offload.HostStash, "_host_copy", lambda stash, data: (
+        stack.enter_context(_patched(offload.HostStash, "_host_copy", lambda stash, entry, data: (
             torch.empty((), dtype=data.dtype).expand(data.shape)
-            if data.device == JOB_DEVICE else own_copy(stash, data))))
+            if data.device == JOB_DEVICE else own_copy(stash, entry, data))))
         own_caps = backends.capabilities
         stack.enter_context(_patched(backends, "capabilities", lambda device: (
             backends.Capabilities(torch_flash=True) if device.type == "meta"

@@ -308,7 +308,7 @@ class Calibrator:
                        world_size=base.world_size, zero_stage=base.zero_stage,
                        ranks_per_node=base.ranks_per_node,
                        attention_layout=base.attention_layout, ulysses_scope=base.ulysses_scope,
-                       communicators_per_rank=base.memory_model.communicators_per_rank)
+                       communicators=base.memory_model.communicators)
         pipe = Pipeline(int(meta["stages"]), int(meta.get("virtual", 1)))
         return simulate_pipeline(slot_costs(step.pipelined, cm), pipe).makespan_s
 

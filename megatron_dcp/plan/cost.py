@@ -19,7 +19,7 @@ from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.memory import MemoryModel
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.timing import TimeModel
-from megatron_dcp.plan.vocabulary import Vocabulary
+from megatron_dcp.plan.vocabulary import Communicators, Vocabulary
 
 __all__ = ["CostModel", "Layout"]
 
@@ -29,10 +29,10 @@ class CostModel(Geometry):
     geometry, with the two parts ``memory_model`` (`MemoryModel`) and ``time_model``
     (`TimeModel`).
 
-    ``communicators_per_rank``: process groups of the planner's group vocabulary a rank belongs
-    to, charged at ``Hardware.communicator_bytes`` each to static memory; ``None``: counted from
-    the vocabulary `megatron_dcp.plan.make_plan` plans over with these settings and
-    ``max_degree`` (`Vocabulary.for_cost_model`).
+    ``communicators``: the communicators a rank holds and their device memory (static memory);
+    ``None``: those of the vocabulary `megatron_dcp.plan.make_plan` plans over with these
+    settings and ``max_degree`` (`Vocabulary.for_cost_model`), charged by the collectives run
+    on each (`Vocabulary.charge`).
     """
 
     def __init__(self, model: ModelShape, hardware: Hardware, *, world_size: int,
@@ -40,19 +40,20 @@ class CostModel(Geometry):
                  ranks_per_node: Optional[int] = None, memory_budget: Optional[float] = None,
                  memory_fraction: float = 0.9, attention_layout: str = "auto",
                  ulysses_scope: str = "any", max_degree: Optional[int] = None,
-                 communicators_per_rank: Optional[int] = None) -> None:
+                 communicators: Optional[Communicators] = None) -> None:
         super().__init__(model, hardware, world_size=world_size, zero_stage=zero_stage,
                          ranks_per_node=ranks_per_node, memory_budget=memory_budget,
                          memory_fraction=memory_fraction, attention_layout=attention_layout,
                          ulysses_scope=ulysses_scope)
-        if communicators_per_rank is None:
-            communicators_per_rank = self._vocabulary_communicators(max_degree)
-        self.memory_model = MemoryModel(self, communicators_per_rank, memory_budget,
-                                        memory_fraction)
+        if communicators is None:
+            communicators = self._vocabulary_communicators(max_degree)
+        self.memory_model = MemoryModel(self, communicators, memory_budget, memory_fraction)
         self.time_model = TimeModel(self)
 
-    def _vocabulary_communicators(self, max_degree: Optional[int]) -> int:
-        """Communicators per rank of the planner's vocabulary (0 when they cost nothing)."""
-        if self.hw.communicator_bytes <= 0:
-            return 0
-        return Vocabulary.for_cost_model(self, max_degree).communicators_per_rank()
+    def _vocabulary_communicators(self, max_degree: Optional[int]) -> Communicators:
+        """The planner's vocabulary's communicators on a rank (none when they cost nothing)."""
+        hw = self.hw
+        if hw.communicator_bytes <= 0 and not hw.connection_bytes:
+            return Communicators(0, 0.0)
+        vocabulary = Vocabulary.for_cost_model(self, max_degree)
+        return vocabulary.charge(hw.communicator_bytes, hw.connection_bytes)

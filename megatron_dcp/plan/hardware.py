@@ -26,7 +26,10 @@ from ``"base"``, a preset name, when given, else an error names the missing fiel
       "inter_bandwidth": 4.0e10,       # achievable per-rank bandwidth between nodes, bytes/s
       "inter_latency": 1.5e-5,         # per-collective latency between nodes, s
       "ranks_per_node": 8,
-      "communicator_bytes": 0,         # device memory of one communicator (process group), bytes
+      "communicator_bytes": 0,         # device memory of a communicator's all-reduce, bytes
+      "connection_bytes": null,        # device memory of one send/receive connection (a peer
+                                       # in one direction, all channels); null: every
+                                       # communicator charged communicator_bytes
       "token_overhead_s": null,        # measured seconds per token per layer of non-GEMM work
                                        # (norms, rotary, activation, loss), fwd+bwd; null: analytic
       "task_overhead_s": null,         # measured fixed seconds per task (micro-step) besides
@@ -109,9 +112,15 @@ class Hardware:
     hybrid_attention_flops: Optional[float] = None
     """Achievable attention FLOP/s inside Ulysses x ring tasks; ``None``: ``attention_flops``."""
     communicator_bytes: float = 0.0
-    """Device memory one communicator (process group) holds for its buffers, bytes: the planner
-    charges every rank for the communicators of the group vocabulary it belongs to. 0 for gloo
-    (host memory, small)."""
+    """Device memory the buffers of a communicator's all-reduce (ring and tree channels) take,
+    bytes: the planner charges every rank for the communicators of the group vocabulary it
+    belongs to by the collectives run on them (`megatron_dcp.plan.vocabulary.Vocabulary.charge`).
+    0 for gloo (host memory, small)."""
+    connection_bytes: Optional[float] = None
+    """Device memory of one NCCL send/receive connection (one peer, one direction, all its
+    channels), bytes: Ulysses' all-to-all sets up two for every other member of its group, the
+    ring two. ``None`` (a profile with one figure per communicator): every communicator is
+    charged ``communicator_bytes``, whatever it runs."""
     token_overhead_s: Optional[float] = None
     """Measured non-GEMM seconds per token per layer (fwd+bwd); ``None``: analytic estimate."""
     task_overhead_s: Optional[float] = None
@@ -213,9 +222,10 @@ _POSITIVE = ("peak_flops", "linear_flops", "attention_flops", "hbm_bytes", "hbm_
 """Fields that must be finite numbers > 0."""
 _POSITIVE_OR_NULL = ("ring_attention_flops", "hybrid_attention_flops")
 _NON_NEGATIVE_OR_NULL = ("token_overhead_s", "task_overhead_s", "step_overhead_s",
-                         "reserve_bytes")
+                         "reserve_bytes", "connection_bytes")
 _OPTIONAL = ("name", "measured", "ranks_per_node", "ring_attention_flops",
-             "hybrid_attention_flops", "communicator_bytes", "token_overhead_s",
+             "hybrid_attention_flops", "communicator_bytes", "connection_bytes",
+             "token_overhead_s",
              "task_overhead_s", "pack_curve", "pack_tokens", "comm_overlap", "calibration",
              "step_overhead_s", "reserve_bytes", "host_link_bandwidth")
 """Fields a profile without a ``base`` may leave out."""
@@ -295,11 +305,15 @@ def _curve(points: Any, name: str) -> tuple:
 HOPPER_RING_SHARE, HOPPER_HYBRID_SHARE = 0.76, 0.88
 AMPERE_RING_SHARE, AMPERE_HYBRID_SHARE = 0.80, 0.90
 # NCCL allocates per communicator, per channel and per connected peer a FIFO for each protocol
-# (4 MiB for Simple by default, plus LL and LL128), so its memory grows with the channel count,
-# the algorithms used (NVLS on NVSwitch systems takes more) and the peers a rank sends to (NCCL
-# issue #864). Measured with PyTorch on 4 x A100 NVLink after one all-reduce: 544 MB for a group
-# of 2 GPUs, 688 MB for larger groups (NCCL issue #964). Hopper runs more channels, while lazy
-# connection set-up (NCCL >= 2.22) skips algorithms a group never runs: 0.5 GB is the estimate.
+# (4 MiB for Simple by default, plus LL and LL128), and sets connections up lazily (NCCL >= 2.22):
+# only for the collectives a communicator runs. An all-reduce connects a ring (two peers) and a
+# tree per channel: measured with PyTorch on 4 x A100 NVLink after one all-reduce, 544 MB for a
+# group of 2 GPUs, 688 MB for larger groups (NCCL issue #964); Hopper runs more channels: 0.5 GB.
+# Send/receive (Ulysses' all-to-all, the ring's exchange) connects each peer on up to 32 channels
+# inside an NVLink node: one all_to_all_single over 8 x H100 took 3.28 GB a GPU (1.06 -> 4.34 GB,
+# NCCL issue #1685), 14 connections (7 peers, both ways): 0.234 GB a connection. Across nodes NCCL
+# uses 2 channels a network peer (NCCL_NCHANNELS_PER_NET_PEER): the NVLink figure bounds it.
+NCCL_CONNECTION_BYTES = 3.28e9 / 14
 NCCL_COMMUNICATOR_BYTES = 0.5e9
 
 _H_PEAK, _A_PEAK = 989e12, 312e12
@@ -319,7 +333,7 @@ PRESETS: dict[str, Hardware] = {
         inter_bandwidth=40e9,  # 8x ConnectX-7 400 Gb/s per node = 50 GB/s per GPU, ~80 % achieved
         inter_latency=15e-6,  # InfiniBand NDR + NCCL protocol latency
         ranks_per_node=8,  # HGX H200: 8 GPUs per node
-        communicator_bytes=NCCL_COMMUNICATOR_BYTES,
+        communicator_bytes=NCCL_COMMUNICATOR_BYTES, connection_bytes=NCCL_CONNECTION_BYTES,
         host_link_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s per direction, ~80 % achieved
     ),
     "h100": Hardware(
@@ -336,7 +350,7 @@ PRESETS: dict[str, Hardware] = {
         inter_bandwidth=40e9,  # 8x 400 Gb/s per node (DGX H100) = 50 GB/s per GPU
         inter_latency=15e-6,
         ranks_per_node=8,
-        communicator_bytes=NCCL_COMMUNICATOR_BYTES,
+        communicator_bytes=NCCL_COMMUNICATOR_BYTES, connection_bytes=NCCL_CONNECTION_BYTES,
         host_link_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s per direction, ~80 % achieved
     ),
     "a100": Hardware(
@@ -354,7 +368,7 @@ PRESETS: dict[str, Hardware] = {
         inter_bandwidth=20e9,  # DGX A100: 8x HDR 200 Gb/s = 25 GB/s per GPU, ~80 % achieved
         inter_latency=15e-6,
         ranks_per_node=8,
-        communicator_bytes=NCCL_COMMUNICATOR_BYTES,
+        communicator_bytes=NCCL_COMMUNICATOR_BYTES, connection_bytes=NCCL_CONNECTION_BYTES,
         host_link_bandwidth=25e9,  # PCIe Gen4 x16: 32 GB/s per direction, ~80 % achieved
     ),
 }

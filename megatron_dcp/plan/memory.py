@@ -5,9 +5,8 @@ stage 1/2/3 shard states / +grads / +params over the DCP world, the ZeRO paper's
 stage 2/3 add the gradient bucket a rank fills before each reduce-scatter (DeepSpeed's
 ``reduce_bucket_size``, 5e8 elements, or the model if smaller), stage 3 the parameters gathered
 at a time: two layers (the running one and the prefetched one) and the largest single weight, the
-embedding or head), plus ``communicators_per_rank x Hardware.communicator_bytes`` (the group
-vocabulary's process groups this rank belongs to; warmed with every collective they run, so
-their per-peer buffers are in the measured ``communicator_bytes``), plus a fixed reserve (CUDA
+embedding or head), plus the NCCL buffers of the group vocabulary's communicators this rank
+belongs to, by the collectives run on each (`Vocabulary.charge`), plus a fixed reserve (CUDA
 context, the engine's own communicators, fragmentation), plus the loss's workspace
 (`LOSS_CHUNK_COPIES` fp32 tensor of ``min(local tokens, loss_chunk_tokens)`` tokens: at most
 128 MiB; `MemoryModel.loss_workspace`), plus per local token:
@@ -47,6 +46,7 @@ from typing import Optional, Sequence
 from megatron_dcp.plan.geometry import BF16, Geometry
 from megatron_dcp.plan.plan import PlanError, Task, padded_length
 from megatron_dcp.plan.units import count_text, size_text
+from megatron_dcp.plan.vocabulary import Communicators
 
 
 ZERO_BUCKET_ELEMENTS = 5e8
@@ -97,13 +97,13 @@ class MemoryModel:
 
     ``geometry``: the cost model whose model, hardware, DCP world, ZeRO stage and sizes per
     tensor-parallel rank (``params``, ``layer_params``, ``act_bytes``) this part reads.
-    ``communicators_per_rank``: process groups of the group vocabulary a rank belongs to.
+    ``communicators``: what the group vocabulary's communicators hold on a rank (`Communicators`).
     ``memory_budget``: bytes per rank (``None``: ``memory_fraction`` of the hardware's HBM).
     `PlanError` when the budget leaves nothing for activations, naming what the static memory is
     made of.
     """
 
-    def __init__(self, geometry: Geometry, communicators_per_rank: int,
+    def __init__(self, geometry: Geometry, communicators: Communicators,
                  memory_budget: Optional[float], memory_fraction: float) -> None:
         self.geometry = geometry
         m, hardware, tp = geometry.model, geometry.hw, geometry.tensor_parallel
@@ -117,7 +117,7 @@ class MemoryModel:
         """Bytes per local token of the bf16 logits and their gradient (`loss_bytes`)."""
         self._loss_chunk = (LOSS_CHUNK_COPIES * 4 * v, loss_chunk_tokens(v))
         """The chunked loss's fp32 tensor of one chunk: bytes per token and tokens per chunk."""
-        self.communicators_per_rank = int(communicators_per_rank)
+        self.communicators = communicators
         hbm = hardware.hbm_bytes * memory_fraction
         self.budget = float(memory_budget) if memory_budget is not None else hbm
         self.reserve = hardware.reserve_bytes if hardware.reserve_bytes is not None \
@@ -130,13 +130,13 @@ class MemoryModel:
     def _static_message(self) -> str:
         """What the static memory is made of, for the error of a budget below it."""
         g = self.geometry
-        comm = self.communicators_per_rank * g.hw.communicator_bytes
+        comm = self.communicators.bytes
         return (
             f"memory budget {size_text(self.budget)} per rank is below the static memory "
             f"{size_text(self.static_memory + self.reserve)} of {g.model.name} "
             f"({count_text(g.params)} parameters per TP rank (tp {g.tensor_parallel}), "
             f"ZeRO stage {g.zero_stage}, DCP world {g.world_size}, "
-            f"{self.communicators_per_rank} communicators per rank "
+            f"{self.communicators.per_rank} communicators per rank "
             f"({size_text(comm)}), {size_text(self.reserve)} "
             "reserve): raise the budget or the ZeRO stage, or shrink the group vocabulary "
             "(max_degree, ulysses_scope); a useful budget is above "
@@ -161,8 +161,7 @@ class MemoryModel:
             m = g.model
             head = m.vocab_size * m.hidden_size / m.tensor_parallel
             params = 2.0 * z / w + BF16 * min(p, 2 * g.layer_params + head)
-        comms = self.communicators_per_rank * g.hw.communicator_bytes
-        return params + grads + states + comms
+        return params + grads + states + self.communicators.bytes
 
     def token_bytes(self, recompute_layers: int) -> float:
         """Activation bytes per local token with ``recompute_layers`` layers."""

@@ -117,7 +117,7 @@ def micro_batch_cost_model(cm: CostModel, pipe: Pipeline, share: float = 1.0) ->
     out = CostModel(cm.model, cm.hw, world_size=cm.world_size, zero_stage=cm.zero_stage,
                     ranks_per_node=cm.ranks_per_node, memory_budget=budget,
                     attention_layout=cm.attention_layout, ulysses_scope=cm.ulysses_scope,
-                    communicators_per_rank=mem.communicators_per_rank)
+                    communicators=mem.communicators)
     out.memory_model.max_tokens_per_rank = mem.max_tokens_per_rank
     return out
 

@@ -87,8 +87,8 @@ def build_cost_model(model: ModelShape, config: DCPConfig, world_size: int,
                      memory_fraction=config.memory_fraction,
                      attention_layout=config.attention_layout,
                      ulysses_scope=config.ulysses_scope, max_degree=config.max_degree,
-                     communicators_per_rank=None if vocabulary is None
-                     else vocabulary.communicators_per_rank())
+                     communicators=None if vocabulary is None
+                     else vocabulary.charge(hw.communicator_bytes, hw.connection_bytes))
     cm.memory_model.long_sequences = long_sequences
     cm.memory_model.loss_tiling = loss_tiling
     cm.memory_model.max_tokens_per_rank = config.max_tokens_per_rank
@@ -204,7 +204,8 @@ def _plan_flat(lengths: Sequence[int], *, world_size: int, model: ModelShape, co
     meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
             "zero_stage": zero_stage, "schedule": schedule,
             "vocabulary_groups": len(vocab),
-            "communicators_per_rank": cm.memory_model.communicators_per_rank}
+            "communicators_per_rank": cm.memory_model.communicators.per_rank,
+            "communicator_bytes": cm.memory_model.communicators.bytes}
     if vocabulary is not None:
         meta["vocabulary_sizes"] = list(vocab.sizes)
     if not pctx.active:
@@ -462,4 +463,4 @@ def vocabulary_for_lengths(cost_model: CostModel, lengths: Iterable[int],
             keep.add(min((t * d, d) for t, d in times)[1])
     return Vocabulary(full.world_size, full.ranks_per_node, max_degree, heads=full.heads,
                attention_layout=full.attention_layout, ulysses_scope=full.ulysses_scope,
-               sizes=keep)
+               sizes=keep, task_all_reduce=full.task_all_reduce)

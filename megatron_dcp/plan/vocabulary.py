@@ -22,6 +22,7 @@ rank holds (`communicators_per_rank`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Iterable, Iterator, Optional, Sequence
@@ -66,20 +67,73 @@ def ulysses_degrees(size: int, ranks_per_node: int, *, heads: Optional[int] = No
     return tuple(ok)
 
 
+ALL_REDUCE, ALL_TO_ALL, SEND_RECV = "all_reduce", "all_to_all", "send_recv"
+"""The kinds of collective a task runs on its communicators: an all-reduce over the whole task
+group (MoE's sequence-level balancing loss sums expert counts there), Ulysses' all-to-all, and
+the ring's send to the next member with a receive from the previous one."""
+
+
+def operations(ranks: Sequence[int], ulysses: int,
+               all_reduce: bool = False) -> dict[tuple[int, ...], frozenset[str]]:
+    """The collectives a task on ``ranks`` with Ulysses degree ``ulysses`` runs on each of its
+    communicators (`communicators`, in that order): the whole group runs all-to-all at degree
+    ``len(ranks)`` and send/receive at degree 1 (and the all-reduce where ``all_reduce``); its
+    Ulysses sub-groups run all-to-all, its ring sub-groups send/receive."""
+    ranks = tuple(int(r) for r in ranks)
+    d = len(ranks)
+    if ulysses < 1 or d % ulysses:
+        raise ValueError(f"Ulysses degree {ulysses} does not divide the group {ranks}")
+    out: dict[tuple[int, ...], frozenset[str]] = {}
+    if d > 1:
+        whole = {ALL_TO_ALL} if ulysses == d else {SEND_RECV} if ulysses == 1 else set()
+        out[ranks] = frozenset(whole | ({ALL_REDUCE} if all_reduce else set()))
+    if 1 < ulysses < d:  # at 1 or d one sub-group kind is the group itself, the other single ranks
+        out.update((ranks[j:j + ulysses], frozenset({ALL_TO_ALL})) for j in range(0, d, ulysses))
+        out.update((ranks[i::ulysses], frozenset({SEND_RECV})) for i in range(ulysses))
+    return out
+
+
 def communicators(ranks: Sequence[int], ulysses: int) -> list[tuple[int, ...]]:
     """Every multi-rank process group a task on ``ranks`` with Ulysses degree ``ulysses`` uses:
     the group, its Ulysses sub-groups (contiguous slices of ``ranks``) and its ring sub-groups
     (strided: ``ranks[i::ulysses]``), following the layout convention of `megatron_dcp.plan.plan`.
     """
-    ranks = tuple(int(r) for r in ranks)
-    d = len(ranks)
-    if ulysses < 1 or d % ulysses:
-        raise ValueError(f"Ulysses degree {ulysses} does not divide the group {ranks}")
-    out = [ranks] if d > 1 else []
-    if 1 < ulysses < d:  # at 1 or d one sub-group kind is the group itself, the other single ranks
-        out += [ranks[j:j + ulysses] for j in range(0, d, ulysses)]
-        out += [ranks[i::ulysses] for i in range(ulysses)]
-    return out
+    return list(operations(ranks, ulysses))
+
+
+NET_CONNECTION_SHARE = 2 / 32
+"""The memory of a send/receive connection to a peer on another node, as a share of one inside
+a node: NCCL gives a network peer 2 channels (``NCCL_NCHANNELS_PER_NET_PEER``), an NVLink peer
+up to 32 (NCCL issue #1685)."""
+
+
+def member_connections(group: Sequence[int], kinds: Iterable[str],
+                       ranks_per_node: int) -> Iterator[tuple[int, float]]:
+    """``(rank, connections)`` for each member of ``group``: the NCCL send/receive connections
+    (a peer in one direction) the collective ``kinds`` set up there, one to a peer on another
+    node counted as `NET_CONNECTION_SHARE`. All-to-all connects every other member both ways;
+    the ring sends to the next member and receives from the previous one (a subset of those)."""
+    kinds, n = set(kinds), len(group)
+    node = [r // ranks_per_node for r in group]
+    for i, r in enumerate(group):
+        if ALL_TO_ALL in kinds:
+            peers = [j for j in range(n) if j != i]
+            per_peer = 2
+        elif SEND_RECV in kinds:
+            peers, per_peer = [(i + 1) % n, (i - 1) % n], 1
+        else:
+            peers, per_peer = [], 0
+        yield r, per_peer * sum(1.0 if node[j] == node[i] else NET_CONNECTION_SHARE
+                                for j in peers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Communicators:
+    """The communicators of a group vocabulary one rank holds at most, and the device memory the
+    planner charges a rank for them (the most over ranks; `Vocabulary.charge`)."""
+
+    per_rank: int
+    bytes: float
 
 
 def _most_per_rank(groups: Iterable[Sequence[int]], world_size: int) -> int:
@@ -92,17 +146,37 @@ def _most_per_rank(groups: Iterable[Sequence[int]], world_size: int) -> int:
 
 
 @functools.lru_cache(maxsize=16)
-def _communicators_of(settings: tuple) -> tuple[tuple[tuple[int, ...], ...], int]:
-    """`Vocabulary.communicators` and `Vocabulary.communicators_per_rank` of ``settings``."""
+def _communicators_of(settings: tuple, all_reduce: bool = False
+                      ) -> dict[tuple[int, ...], frozenset[str]]:
+    """Every communicator of the vocabulary of ``settings`` (`Vocabulary._settings`), in
+    `Vocabulary.communicators`' order, with the collectives its tasks run on it (`operations`;
+    ``all_reduce``: tasks all-reduce over their whole group)."""
     world_size, ranks_per_node, max_degree, heads, layout, scope, sizes = settings
     vocab = Vocabulary(world_size, ranks_per_node, max_degree, heads=heads,
                        attention_layout=layout, ulysses_scope=scope, sizes=sizes)
-    found: set[tuple[int, ...]] = set()
+    found: dict[tuple[int, ...], frozenset[str]] = {}
     for ranks in vocab.groups():
         for u in vocab.ulysses_degrees(len(ranks)):
-            found.update(communicators(ranks, u))
-    ordered = tuple(sorted(found, key=lambda g: (len(g), g)))
-    return ordered, _most_per_rank(ordered, world_size)
+            for group, kinds in operations(ranks, u, all_reduce).items():
+                found[group] = found.get(group, frozenset()) | kinds
+    return {g: found[g] for g in sorted(found, key=lambda g: (len(g), g))}
+
+
+@functools.lru_cache(maxsize=16)
+def _charge_of(settings: tuple, all_reduce: bool, communicator_bytes: float,
+               connection_bytes: Optional[float]) -> Communicators:
+    """`Vocabulary.charge` (cached: the planner builds a cost model on every call)."""
+    found = _communicators_of(settings, all_reduce)
+    world, ranks_per_node = settings[0], min(settings[1], settings[0])
+    held, charged = [0] * world, [0.0] * world
+    for group, kinds in found.items():
+        for r in group:
+            held[r] += 1
+            charged[r] += communicator_bytes * (connection_bytes is None or ALL_REDUCE in kinds)
+        if connection_bytes is not None:  # what the collectives it runs set up
+            for r, count in member_connections(group, kinds, ranks_per_node):
+                charged[r] += connection_bytes * count
+    return Communicators(max(held), max(charged))
 
 
 class Vocabulary:
@@ -113,7 +187,8 @@ class Vocabulary:
 
     def __init__(self, world_size: int, ranks_per_node: int, max_degree: Optional[int] = None,
                  *, heads: Optional[int] = None, attention_layout: str = "auto",
-                 ulysses_scope: str = "any", sizes: Optional[Iterable[int]] = None) -> None:
+                 ulysses_scope: str = "any", sizes: Optional[Iterable[int]] = None,
+                 task_all_reduce: bool = False) -> None:
         if world_size < 1 or ranks_per_node < 1:
             raise ValueError(f"world_size={world_size} and ranks_per_node={ranks_per_node} must "
                              "be >= 1")
@@ -125,6 +200,9 @@ class Vocabulary:
         self.attention_layout = attention_layout
         self.ulysses_scope = ulysses_scope
         self.max_degree = max_degree
+        self.task_all_reduce = bool(task_all_reduce)
+        """Tasks all-reduce over their whole group (MoE's sequence-level balancing loss): those
+        groups are warmed and charged for it (`operations`, `charge`)."""
         cap = max_degree or world_size
         groups: dict[int, list[int]] = {}
 
@@ -163,7 +241,8 @@ class Vocabulary:
         heads = math.gcd(m.heads_per_rank, m.kv_heads_per_rank)
         return cls(cost_model.world_size, cost_model.ranks_per_node, max_degree, heads=heads,
                    attention_layout=cost_model.attention_layout,
-                   ulysses_scope=getattr(cost_model, "ulysses_scope", "any"))
+                   ulysses_scope=getattr(cost_model, "ulysses_scope", "any"),
+                   task_all_reduce=bool(m.num_experts))
 
     def first_ranks(self, size: int) -> tuple[int, ...]:
         """First ranks of groups of ``size`` ranks, ascending (empty: the size is not in the
@@ -195,11 +274,26 @@ class Vocabulary:
     def communicators(self) -> tuple[tuple[int, ...], ...]:
         """Every multi-rank process group a plan over this vocabulary can use (task groups and
         the sub-groups of every allowed Ulysses degree), in one fixed order: size, then ranks."""
-        return _communicators_of(self._settings())[0]
+        return tuple(_communicators_of(self._settings()))
+
+    def operations(self) -> dict[tuple[int, ...], frozenset[str]]:
+        """`communicators` with the collectives tasks run on each (`operations`): what the pool
+        warms each with at start-up."""
+        return dict(_communicators_of(self._settings(), self.task_all_reduce))
 
     def communicators_per_rank(self) -> int:
         """Most communicators (process groups of two or more ranks) any one rank belongs to."""
-        return _communicators_of(self._settings())[1]
+        return self.charge(0.0).per_rank
+
+    def charge(self, communicator_bytes: float,
+               connection_bytes: Optional[float] = None) -> Communicators:
+        """The communicators a rank holds at most and their device memory: each charged
+        ``communicator_bytes`` where its tasks all-reduce over it and ``connection_bytes`` per
+        send/receive connection its collectives set up (`member_connections`); with
+        ``connection_bytes`` ``None``, ``communicator_bytes`` each whatever it runs. The most
+        over ranks (`megatron_dcp.plan.hardware.Hardware.connection_bytes`)."""
+        return _charge_of(self._settings(), self.task_all_reduce, float(communicator_bytes),
+                          None if connection_bytes is None else float(connection_bytes))
 
     def _settings(self) -> tuple:
         """Everything the communicators depend on (the cache key: the planner builds a cost model,

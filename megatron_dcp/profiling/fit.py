@@ -19,6 +19,7 @@ import numpy as np
 from megatron_dcp.plan.cost import CostModel, Layout
 from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.model import ModelShape
+from megatron_dcp.plan.vocabulary import Communicators
 
 PACK_TOLERANCE = 0.10
 """``pack_tokens`` is the largest measured task size whose time per token is within this fraction
@@ -40,7 +41,7 @@ def placeholder(linear_flops: float, hbm_bandwidth: float, **known) -> Hardware:
 def _cost_model(shape: ModelShape, hw: Hardware, world: int = 1) -> CostModel:
     """A cost model of one node of ``world`` ranks without a memory limit."""
     return CostModel(shape, replace(hw, ranks_per_node=max(world, 1)), world_size=world,
-                     memory_budget=1e18, communicators_per_rank=0)
+                     memory_budget=1e18, communicators=Communicators(0, 0.0))
 
 
 def _point_shape(cm: CostModel, p: dict) -> tuple[float, float, Layout, int]:

@@ -19,8 +19,8 @@ What is measured (the cost model's terms, `megatron_dcp.plan.cost`):
   Ulysses task pays beyond its compute; ``ring_attention_flops`` from ring tasks of one sequence
   (every other number fixed: the rate at which the cost model predicts them), and
   ``hybrid_attention_flops`` from Ulysses-2 x ring tasks (4 ranks or more; with fewer, the ring
-  rate: the same block kernels); ``communicator_bytes`` (NCCL: device memory of one more
-  communicator; gloo: 0);
+  rate: the same block kernels); ``communicator_bytes`` and ``connection_bytes`` (NCCL: device
+  memory of a communicator's all-reduce and of one send/receive connection; gloo: 0);
 * with a single GPU (NCCL cannot put two ranks on one device) the ring and hybrid rates are the
   documented shares of the measured local rate (`megatron_dcp.plan.hardware`), and a CPU without
   the communication test leaves them out (they follow ``attention_flops``);
@@ -42,7 +42,8 @@ import torch
 from megatron_dcp.models import Decoder, DecoderConfig
 from megatron_dcp.plan.hardware import (AMPERE_HYBRID_SHARE, AMPERE_RING_SHARE,
                                         HOPPER_HYBRID_SHARE, HOPPER_RING_SHARE,
-                                        NCCL_COMMUNICATOR_BYTES, hardware_from_dict)
+                                        NCCL_COMMUNICATOR_BYTES, NCCL_CONNECTION_BYTES,
+                                        hardware_from_dict)
 from megatron_dcp.profiling import fit, measure
 from megatron_dcp.progress import Progress
 
@@ -135,7 +136,8 @@ def _multi_rank(shape: Any, comm: dict, base: dict, world: int, sp_lengths: list
         bandwidth = min(bandwidth, ulysses_bw)
     fields = {"intra_bandwidth": bandwidth, "intra_latency": latency,
               "inter_bandwidth": bandwidth, "inter_latency": latency,
-              "communicator_bytes": comm.get("communicator_bytes", 0.0)}
+              "communicator_bytes": comm.get("communicator_bytes", 0.0),
+              "connection_bytes": comm.get("connection_bytes", 0.0)}
     hw = fit.placeholder(**{**base, **fields, "ranks_per_node": world})
     points = {}
     for kind, key in (("ring", "ring_attention_flops"), ("hybrid", "hybrid_attention_flops")):
@@ -214,7 +216,8 @@ def _layout_rates(s: ProfileSettings, world: int, cfg, shape, base: dict,
     device = torch.device(s.device)
     if device.type == "cuda":
         fields.update(_analytic_layout_rates(device, base["attention_flops"]),
-                      communicator_bytes=NCCL_COMMUNICATOR_BYTES)
+                      communicator_bytes=NCCL_COMMUNICATOR_BYTES,
+                      connection_bytes=NCCL_CONNECTION_BYTES)
     return fields, None
 
 

@@ -201,22 +201,27 @@ def _layout_tasks(cfg: DecoderConfig, world: int, job: dict) -> list[dict]:
     return tasks
 
 
-def _communicator_bytes(world: int, device: torch.device) -> float:
-    """Device memory one more NCCL communicator over every rank takes once it has run every
-    collective the runtime runs on a group (`megatron_dcp.runtime.groups.warm_group`: all-reduce,
-    all-to-all, ring send/receive, so the per-peer buffers NCCL connects lazily are counted);
-    the free memory the driver reports before and after two of them."""
+def _communicator_bytes(world: int, device: torch.device) -> tuple[float, float]:
+    """The device memory NCCL's lazily set-up buffers take, as the planner charges them
+    (`megatron_dcp.plan.vocabulary.Vocabulary.charge`): ``(communicator_bytes,
+    connection_bytes)``: one more communicator over every rank that has run an all-reduce, and
+    one send/receive connection (an all-to-all over a fresh communicator connects every other
+    rank both ways: its memory over ``2 (world - 1)``). The free memory the driver reports
+    before and after two of each."""
     import torch.distributed as dist
 
+    from megatron_dcp.plan.vocabulary import ALL_REDUCE, ALL_TO_ALL
     from megatron_dcp.runtime.groups import warm_group
 
-    torch.cuda.synchronize(device)
-    before = torch.cuda.mem_get_info(device)[0]
-    for _ in range(2):
-        group = dist.new_group(list(range(world)))
-        warm_group(group, list(range(world)))
-    torch.cuda.synchronize(device)
-    return max(0.0, (before - torch.cuda.mem_get_info(device)[0]) / 2)
+    taken = []
+    for kind in (ALL_REDUCE, ALL_TO_ALL):
+        torch.cuda.synchronize(device)
+        before = torch.cuda.mem_get_info(device)[0]
+        for _ in range(2):
+            warm_group(dist.new_group(list(range(world))), list(range(world)), {kind})
+        torch.cuda.synchronize(device)
+        taken.append(max(0.0, (before - torch.cuda.mem_get_info(device)[0]) / 2))
+    return taken[0], taken[1] / max(1, 2 * (world - 1))
 
 
 def _comm_worker(rank: int, world: int, port: int, job: dict, out_path: str) -> None:
@@ -253,9 +258,9 @@ def _comm_worker(rank: int, world: int, port: int, job: dict, out_path: str) -> 
                              ring=task["ring"], rank=0 if alone else rank, pool=pool)
             dist.barrier()
             task["seconds"] = timed(step, device, job["repeat"], 0.0)
-        comm_bytes = _communicator_bytes(world, device) if backend == "nccl" else 0.0
+        comm_bytes = _communicator_bytes(world, device) if backend == "nccl" else (0.0, 0.0)
         times = torch.tensor([r["seconds"] for r in results] + [t["seconds"] for t in tasks]
-                             + [comm_bytes], dtype=torch.float64, device=device)
+                             + list(comm_bytes), dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank decides
         if rank == 0:
             values = times.tolist()
@@ -263,15 +268,17 @@ def _comm_worker(rank: int, world: int, port: int, job: dict, out_path: str) -> 
                 r["seconds"] = t
             with open(out_path, "w") as handle:
                 json.dump({"all_to_all": results, "tasks": tasks,
-                           "communicator_bytes": values[-1]}, handle)
+                           "communicator_bytes": values[-2], "connection_bytes": values[-1]},
+                          handle)
     finally:
         destroy_process_groups()
 
 
 def measure_comm(world: int, job: dict) -> dict:
     """All-to-all times over ``world`` local processes for ``job["sizes"]`` bytes, the times of
-    `_layout_tasks`, and (NCCL) the memory of one communicator. ``job``: device, dtype (names),
-    threads, repeat, sizes, cfg (`DecoderConfig`), layout_lengths, sp_lengths."""
+    `_layout_tasks`, and (NCCL) the memory of a communicator's all-reduce and of a send/receive
+    connection. ``job``: device, dtype (names), threads, repeat, sizes, cfg (`DecoderConfig`),
+    layout_lengths, sp_lengths."""
     import torch.multiprocessing as mp
 
     port = free_port()

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp.plan.plan import Plan, Task
-from megatron_dcp.plan.vocabulary import Vocabulary, communicators
+from megatron_dcp.plan.vocabulary import (ALL_REDUCE, ALL_TO_ALL, SEND_RECV, Vocabulary,
+                                          communicators)
 from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.liveness import stop_responder, wait_for_responders
 
@@ -104,29 +105,46 @@ def comm_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def warm_group(group: Any, global_ranks: Sequence[int]) -> torch.Tensor:
-    """Run every kind of collective the runtime runs on a group once on ``group`` (members
-    ``global_ranks`` in group order, this rank among them): an all-reduce, an all-to-all
-    (Ulysses) and a batched send to the next member and receive from the previous one (the
-    ring's order and ops). NCCL sets up the per-peer buffers of all-to-all and P2P lazily, at
-    their first use; after this their memory is taken, so memory measured next counts it.
+EVERY_KIND = frozenset({ALL_REDUCE, ALL_TO_ALL, SEND_RECV})
+"""What a group made outside the vocabulary is warmed with (its tasks are not known there)."""
 
-    Returns, without reading it on the host, ``[sum of ones (n), 0 .. n-1 (what each member
-    sent), the previous member's index]`` (``n + 2`` values) for the caller to check.
+
+def warm_group(group: Any, global_ranks: Sequence[int],
+               kinds: Iterable[str] = EVERY_KIND) -> torch.Tensor:
+    """Run once on ``group`` (members ``global_ranks`` in group order, this rank among them)
+    each kind of collective its tasks run (`megatron_dcp.plan.vocabulary.operations`): an
+    all-reduce, an all-to-all (Ulysses), a batched send to the next member and receive from the
+    previous one (the ring's order and ops). NCCL sets connections up lazily, at their first
+    use, for the collective that uses them; after this their memory is taken, so memory
+    measured next counts it, and nothing is set up that no task uses.
+
+    Returns, without reading it on the host, the values `warm_values` expects: the sum of ones
+    (all-reduce), what each member sent (all-to-all), the previous member's index (ring).
     """
     device = comm_device(group)
     n, me = len(global_ranks), list(global_ranks).index(dist.get_rank())
-    total = torch.ones(1, dtype=torch.float32, device=device)
-    dist.all_reduce(total, group=group)
+    out = [torch.zeros(0, device=device)]
+    if ALL_REDUCE in kinds:
+        out.append(torch.ones(1, dtype=torch.float32, device=device))
+        dist.all_reduce(out[-1], group=group)
     sent = torch.full((n,), float(me), dtype=torch.float32, device=device)
-    got = torch.empty_like(sent)
-    dist.all_to_all_single(got, sent, group=group)
-    prev = torch.empty(1, dtype=torch.float32, device=device)
-    ops = [dist.P2POp(dist.isend, sent[:1].clone(), global_ranks[(me + 1) % n], group),
-           dist.P2POp(dist.irecv, prev, global_ranks[(me - 1) % n], group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return torch.cat([total, got, prev])
+    if ALL_TO_ALL in kinds:
+        out.append(torch.empty_like(sent))
+        dist.all_to_all_single(out[-1], sent, group=group)
+    if SEND_RECV in kinds:
+        out.append(torch.empty(1, dtype=torch.float32, device=device))
+        ops = [dist.P2POp(dist.isend, sent[:1].clone(), global_ranks[(me + 1) % n], group),
+               dist.P2POp(dist.irecv, out[-1], global_ranks[(me - 1) % n], group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return torch.cat(out)
+
+
+def warm_values(size: int, me: int, kinds: Iterable[str] = EVERY_KIND) -> list[float]:
+    """What `warm_group` returns on member ``me`` of a group of ``size`` for ``kinds``."""
+    return ([float(size)] if ALL_REDUCE in kinds else []) \
+        + ([float(i) for i in range(size)] if ALL_TO_ALL in kinds else []) \
+        + ([float((me - 1) % size)] if SEND_RECV in kinds else [])
 
 
 def groups_of_plan(plan: Plan) -> list[tuple[int, ...]]:
@@ -304,14 +322,13 @@ class GroupPool:
     def create_all(self, vocabulary: Vocabulary, *, warm: bool = True) -> str:
         """Start-up: create every communicator ``vocabulary`` can use (its task groups and the
         sub-groups of their allowed layouts, `Vocabulary.communicators`) in its fixed order, then
-        warm each with every collective it will run (`warm_group`), so the first step pays
-        neither the creation nor the lazy set-up of per-peer buffers, and memory measured after
-        start-up counts them. Collective over the job: every job rank calls it with the same
-        vocabulary (checked first: a mismatch raises on every rank instead of hanging). Returns
-        a one-line report; the numbers are in ``self.startup``. Plans of
-        `megatron_dcp.plan.make_plan` with the same settings (`Vocabulary.for_cost_model`) then
-        create no group inside the step.
-        """
+        warm each with the collectives its tasks run (`warm_group`, `Vocabulary.operations`), so
+        the first step pays neither the creation nor the lazy set-up of per-peer buffers, memory
+        measured after start-up counts them, and no buffers are set up that no task uses.
+        Collective over the job: every job rank calls it with the same vocabulary (checked
+        first: a mismatch raises on every rank instead of hanging). Returns a one-line report;
+        the numbers are in ``self.startup``. Plans of `megatron_dcp.plan.make_plan` with the
+        same settings (`Vocabulary.for_cost_model`) then create no group inside the step."""
         if vocabulary.world_size != self.world_size:
             raise ValueError(f"vocabulary is for a DCP world of {vocabulary.world_size} ranks, "
                              f"this pool has {self.world_size}")
@@ -327,7 +344,7 @@ class GroupPool:
         self.creation_s += t1 - t0
         mine = [g for g in wanted if self.rank in g]
         if warm:
-            self._warm(mine)
+            self._warm(mine, vocabulary.operations())
         t2 = time.perf_counter()
         self.vocabulary = vocabulary
         self.startup = {"communicators": len(wanted), "created": created,
@@ -350,19 +367,22 @@ class GroupPool:
                 "per node, heads, attention layout, Ulysses scope and max degree must be equal "
                 "on every rank)"))
 
-    def _warm(self, mine: Sequence[tuple[int, ...]]) -> None:
+    def _warm(self, mine: Sequence[tuple[int, ...]], kinds: Optional[dict] = None) -> None:
         """`warm_group` on each group in ``mine`` (same order on every member, so no two ranks
-        wait on each other in opposite orders); checks the results once at the end."""
-        results = [warm_group(self._groups[ranks], [self.world_ranks[r] for r in ranks])
-                   for ranks in mine]
+        wait on each other in opposite orders) with the collectives ``kinds`` gives it (a dict
+        of group -> kinds, `Vocabulary.operations`; ``None``: every kind); checks the results
+        once at the end."""
+        kinds = kinds or {}
+        kinds_of = [kinds.get(ranks, EVERY_KIND) for ranks in mine]
+        results = [warm_group(self._groups[ranks], [self.world_ranks[r] for r in ranks], k)
+                   for ranks, k in zip(mine, kinds_of)]
         got = torch.cat([t.cpu() for t in results]).tolist() if results else []
         bad = []
-        for ranks in mine:
-            n, me = len(ranks), ranks.index(self.rank)
-            want = [float(n), *range(n), float((me - 1) % n)]
-            if got[:n + 2] != want:
-                bad.append((ranks, got[:n + 2]))
-            got = got[n + 2:]
+        for ranks, k in zip(mine, kinds_of):
+            want = warm_values(len(ranks), ranks.index(self.rank), k)
+            if got[:len(want)] != want:
+                bad.append((ranks, got[:len(want)]))
+            got = got[len(want):]
         if bad:
             raise RuntimeError(f"GroupPool: warm-up collectives gave wrong results (group; "
                                f"all-reduce sum, all-to-all, ring receive): {bad[:4]}")

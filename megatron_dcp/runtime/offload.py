@@ -24,7 +24,8 @@ resident memory shows what a device would hold.
 
 One `HostStash` belongs to one forward of one task (the model makes it from the task it was
 called with): no process-wide state but the one high-priority copy stream per device
-(`offload_stream`), and a backward on another thread (CUDA's autograd worker)
+(`offload_stream`) and its pool of host buffers (`HostPool`), and a backward on another thread
+(CUDA's autograd worker)
 finds everything through the checkpoint's saved function and arguments. Values are copied, not
 changed: an offloaded layer trains bitwise as the same layer recomputed without offload.
 """
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,8 +42,8 @@ import torch.utils.checkpoint
 
 from megatron_dcp.runtime.context import TaskContext
 
-__all__ = ["HostStash", "OffloadEntry", "offload_layers_of", "offload_stream", "offloaded_layer",
-           "stash_for"]
+__all__ = ["HostPool", "HostStash", "OffloadEntry", "host_pool", "offload_layers_of",
+           "offload_stream", "offloaded_layer", "stash_for"]
 
 
 def offload_layers_of(task: Optional[TaskContext]) -> int:
@@ -72,17 +74,85 @@ def offload_stream(device: torch.device) -> Any:
     return _STREAMS[index]
 
 
+POOL_GRAIN = 2 << 20
+"""Host buffers are sized to a multiple of this many bytes (torch's caching host allocator
+rounds pinned blocks up to a power of two: up to twice the bytes)."""
+
+
+class HostPool:
+    """Host buffers for the offloaded layer inputs of one device, reused from step to step:
+    pinned on CUDA (allocated once, not on every forward's path: pinning is slow), ordinary
+    memory elsewhere. A buffer comes back when its entry has been loaded; a later copy into it
+    is issued on the same offload stream as that load (`offload_stream`), so it runs after it:
+    no event is needed. The pool holds at most the most bytes its stashes had in use at once
+    (``peak_bytes``: with pipeline parallelism several micro-steps' stashes): a new buffer that
+    would take it past that first frees free buffers that did not fit, the smallest first."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._lock = threading.RLock()  # a stash dropped by the garbage collector gives back
+        self._free: list[torch.Tensor] = []
+        self.held_bytes = 0
+        """Bytes of every buffer the pool owns, in use or free."""
+        self.in_use_bytes = 0
+        self.peak_bytes = 0
+        self.allocations = 0
+        """Buffers allocated so far (a step that reuses the pool's buffers adds none)."""
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A ``uint8`` buffer of at least ``nbytes``: the smallest free one that is not much
+        larger (a quarter or one grain), else a new one of ``nbytes`` rounded up to a grain."""
+        slack = max(POOL_GRAIN, nbytes // 4)
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if nbytes <= b.numel() <= nbytes + slack]
+            if fits:
+                buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            else:
+                size = -(-max(nbytes, 1) // POOL_GRAIN) * POOL_GRAIN
+                limit = max(self.peak_bytes, self.in_use_bytes + size)
+                while self._free and self.held_bytes + size > limit:  # the smallest go first
+                    smallest = min(range(len(self._free)), key=lambda i: self._free[i].numel())
+                    self.held_bytes -= self._free.pop(smallest).numel()
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+                self.held_bytes += size
+                self.allocations += 1
+            self.in_use_bytes += buf.numel()
+            self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        """``buf`` (from `take`) is free again."""
+        with self._lock:
+            self.in_use_bytes -= buf.numel()
+            self._free.append(buf)
+
+
+_POOLS: dict = {}
+"""The host pool of each device (`host_pool`)."""
+
+
+def host_pool(device: torch.device) -> HostPool:
+    """The one `HostPool` of ``device`` (pinned for a CUDA device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _POOLS:
+        _POOLS[device] = HostPool(pinned=device.type == "cuda")
+    return _POOLS[device]
+
+
 class _Entry:
     """One offloaded tensor: its host copy and, while in flight or loaded, its device copy."""
 
     __slots__ = ("stash", "index", "device", "dtype", "shape", "requires_grad", "host", "offset",
-                 "event", "loaded", "original")
+                 "event", "loaded", "original", "buffer")
 
     def __init__(self, stash: "HostStash", index: int, x: torch.Tensor) -> None:
         self.stash, self.index = stash, index
         self.device, self.dtype, self.shape = x.device, x.dtype, tuple(x.shape)
         self.requires_grad = x.requires_grad
         self.host: Any = None
+        self.buffer: Optional[torch.Tensor] = None  # the pool's buffer ``host`` is a view of
         self.offset = -1
         self.event: Any = None
         self.loaded: Optional[torch.Tensor] = None
@@ -121,6 +191,14 @@ class HostStash:
         self._stream: Any = None
         self._file: Any = None
 
+    def __del__(self) -> None:
+        # entries never loaded (a forward without backward) give their buffers back; a copy
+        # still in flight into one is on the offload stream, before any later copy into it
+        for entry in getattr(self, "entries", ()):
+            if entry.buffer is not None:
+                host_pool(entry.device).give(entry.buffer)
+                entry.buffer = None
+
     # ------------------------------------------------------------------ streams
     def _side_stream(self, device: torch.device) -> Any:
         if self._stream is None:
@@ -138,7 +216,7 @@ class HostStash:
             stream = self._side_stream(x.device)
             stream.wait_stream(torch.cuda.current_stream(x.device))
             with torch.cuda.stream(stream):
-                entry.host = torch.empty(entry.shape, dtype=entry.dtype, pin_memory=True)
+                entry.host = self._pooled(entry)
                 entry.host.copy_(data, non_blocking=True)
                 entry.event = torch.cuda.Event()
                 entry.event.record(stream)
@@ -151,15 +229,20 @@ class HostStash:
             self._file.write(data.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
                              if data.numel() else b"")
         else:
-            entry.host = self._host_copy(data)
+            entry.host = self._host_copy(entry, data)
         self.host_bytes += entry.nbytes
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         self.copied_bytes += entry.nbytes
         return entry
 
-    def _host_copy(self, data: torch.Tensor) -> torch.Tensor:
-        """The kept copy of a tensor not on CUDA (the CPU's "host" copy: a clone)."""
-        return data.clone(memory_format=torch.contiguous_format)
+    def _pooled(self, entry: _Entry) -> torch.Tensor:
+        """A host tensor of ``entry``'s shape and dtype in a buffer of its device's pool."""
+        entry.buffer = host_pool(entry.device).take(entry.nbytes)
+        return entry.buffer[:entry.nbytes].view(entry.dtype).view(entry.shape)
+
+    def _host_copy(self, entry: _Entry, data: torch.Tensor) -> torch.Tensor:
+        """The kept copy of a tensor not on CUDA (the CPU's "host" copy, in the pool)."""
+        return self._pooled(entry).copy_(data)
 
     # ------------------------------------------------------------------ backward
     def _start_load(self, entry: _Entry) -> None:
@@ -210,6 +293,9 @@ class HostStash:
             entry.host = None
             entry.offset = -1
             self.host_bytes -= entry.nbytes
+        if entry.buffer is not None:  # its load is issued: a later copy into it runs after
+            host_pool(entry.device).give(entry.buffer)
+            entry.buffer = None
 
 
 class _FromHost:
