@@ -367,8 +367,8 @@ def _vocabulary_for(cm: CostModel, config: DCPConfig,
     if vocabulary is None:
         return default
     if vocabulary.rules() != default.rules():
-        raise PlanError(f"vocabulary= is for the settings {vocabulary.rules()}, the plan for "
-                        f"{default.rules()} (world, ranks per node, max_degree, "
+        raise PlanError(f"vocabulary= is for the settings {tuple(vocabulary.rules())}, the plan "
+                        f"for {tuple(default.rules())} (world, ranks per node, max_degree, "
                         "heads, attention layout, Ulysses scope)")
     return vocabulary
 

@@ -127,7 +127,8 @@ class _DegreeOptions:
     it fits memory under the recompute mode, each with the time of its best layout and the work
     (ranks x `TimeModel.marginal_time`, ring traffic ``hidden``) of its least-work layout."""
 
-    def __init__(self, cm: CostModel, vocab: Vocabulary, recompute_mode: str, hidden: float) -> None:
+    def __init__(self, cm: CostModel, vocab: Vocabulary, recompute_mode: str, hidden: float
+                 ) -> None:
         self.cm, self.vocab, self.recompute_mode, self.hidden = cm, vocab, recompute_mode, hidden
         self.kinds = {layout_kind(lay.ulysses, lay.ring) for d in vocab.sizes
                       for lay in cm.layouts(d)}
