@@ -163,7 +163,7 @@ def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware
 
     cfg = DCPConfig(hardware=hardware, schedule="lockstep")
     lengths = sample_lengths(dist, world * 262144, seed=3, max_len=262144)
-    pctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
+    pctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None).pctx
     for mode in ("full", "auto"):
         pruned = [choices.SeqChoice(i, pctx.lengths[i], pctx.pairs[i]) for i in pctx.active]
         choices.degree_choice(pctx, pruned, mode)
@@ -244,7 +244,7 @@ def test_work_floors_never_exceed_a_sequences_work(hardware, curve):
         hw = replace(hw, name="curved", pack_curve=curve)
     cfg, moe = DCPConfig(hardware=hardware), load_model("qwen3-30b-a3b")
     for model in (LLAMA, moe):
-        pctx = _context([4096] * 64, 64, model, cfg, None, 3, None, None, None, None)[0]
+        pctx = _context([4096] * 64, 64, model, cfg, None, 3, None, None, None, None).pctx
         pctx = replace(pctx, cm=build_cost_model(model, cfg, 64, hardware=hw, zero_stage=3))
         tm, rng = pctx.cm.time_model, random.Random(0)
         for _ in range(400):
@@ -260,22 +260,21 @@ def test_work_floors_never_exceed_a_sequences_work(hardware, curve):
 def test_pruned_passes_could_not_have_won(world, dist):
     # lockstep_candidates(prune=True) skips a recompute-full pass only where least_makespan
     # (a lower bound of every full plan) is above the shortest so far: the same winner
-    from megatron_dcp.plan import lockstep
-    from megatron_dcp.plan.choices import SeqChoice, degree_choice
+    from megatron_dcp.plan.choices import SeqChoice, degree_choice, least_makespan
+    from megatron_dcp.plan.lockstep import lockstep_candidates
     from megatron_dcp.plan.planners import _context
 
     cfg = DCPConfig(hardware="h200", schedule="lockstep")
     lengths = sample_lengths(dist, 65536 * world, seed=2)[:4000]
-    pctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None)[0]
+    pctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None).pctx
     infos = [SeqChoice(i, pctx.lengths[i], pctx.pairs[i]) for i in pctx.active]
     per_rank, longest = degree_choice(pctx, infos, "auto")
     args = (pctx, infos, "auto", max(per_rank, longest), longest)
-    every, pruned = lockstep.lockstep_candidates(*args), lockstep.lockstep_candidates(*args,
-                                                                                      prune=True)
-    least = lockstep.least_makespan(pctx, infos, LLAMA.num_layers)
-    assert all(least <= c[0] for c in every if "recompute=full" in c[1])
-    assert min(every, key=lambda c: c[0])[1] == min(pruned, key=lambda c: c[0])[1]
-    assert {c[1] for c in pruned} <= {c[1] for c in every}
+    every, pruned = lockstep_candidates(*args), lockstep_candidates(*args, prune=True)
+    least = least_makespan(pctx, infos, LLAMA.num_layers)
+    assert all(least <= c.makespan for c in every if "recompute=full" in c.name)
+    assert min(every, key=lambda c: c.makespan).name == min(pruned, key=lambda c: c.makespan).name
+    assert {c.name for c in pruned} <= {c.name for c in every}
 
 
 def test_narrowed_splits_packed_tasks_over_halves_where_that_shortens_them():
@@ -285,7 +284,7 @@ def test_narrowed_splits_packed_tasks_over_halves_where_that_shortens_them():
     model = replace(load_model("qwen3-30b-a3b"), expert_parallel=8)
     cfg = DCPConfig(hardware="h200", ranks_per_node=8, policy="dcp")
     lengths = [2000] * 24 + [83000, 3000]
-    pctx = _context(lengths, 64, model, cfg, None, 1, None, None, None, None)[0]
+    pctx = _context(lengths, 64, model, cfg, None, 1, None, None, None, None).pctx
     packed = pctx.draft(0, 8, list(range(24)), 0)
     # 83,000 tokens fit no half of a node without recompute: that task stays whole
     whole = pctx.draft(8, 8, [24, 25], 0)
@@ -309,7 +308,7 @@ def test_merged_spreads_a_slots_longest_task_over_the_ranks_beside_it():
     model = replace(load_model("qwen3-30b-a3b"), expert_parallel=8)
     cfg = DCPConfig(hardware="h200", ranks_per_node=8, policy="dcp")
     lengths = [83000] + [2000] * 40 + [64000, 60000]
-    pctx = _context(lengths, 64, model, cfg, None, 1, None, None, None, None)[0]
+    pctx = _context(lengths, 64, model, cfg, None, 1, None, None, None, None).pctx
     # slot 0: one long sequence alone on a node, memory-full short ones on the next node (they
     # end early), the rest of the ranks free; slot 1: two equal full tasks (nothing to gain)
     slot0 = [pctx.draft(0, 8, [0], 0), pctx.draft(8, 8, list(range(1, 41)), 0)]

@@ -10,8 +10,9 @@ import pytest
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan import PlanError, build_cost_model, load_model, make_plan, simulate
-from megatron_dcp.plan.pipeline import (Pipeline, SlotCost, device_ops, interleaved_micro_batches,
-                                        padding_cost, simulate_pipeline, slot_costs)
+from megatron_dcp.plan.pipeline import (Op, Pipeline, SlotCost, device_ops,
+                                        interleaved_micro_batches, padding_cost, simulate_pipeline,
+                                        slot_costs)
 from megatron_dcp.plan.pipeline_order import best_order, pipeline_lower_bound
 
 
@@ -34,7 +35,7 @@ def test_unequal_micro_batches_by_hand():
     # s0 B1 [14,20]
     result = simulate_pipeline([slot(1, 2, 0.5), slot(3, 6, 0.5)], Pipeline(2))
     assert result.makespan_s == pytest.approx(20.0)
-    s0 = [(f, k, start, end) for f, k, _, start, end in result.ops[0]]
+    s0 = [(run.op.forward, run.op.micro_batch, run.start, run.end) for run in result.ops[0]]
     assert s0 == [(True, 0, 0, 1), (True, 1, 1, 4), (False, 0, 5, 7), (False, 1, 14, 20)]
     # P = 4, (1, 2) then (2, 4), no hop: every stage runs F0 F1 B0 B1 (stage 3: F0 B0 F1 B1).
     # Forwards: F1 ends at 3, 5, 7 on stages 0-2, 9 on stage 3; stage 3: B0 [4,6], B1 [9,13];
@@ -54,13 +55,13 @@ def test_interleaved_equal_micro_batches(stages, micro_batches):
 
 
 def test_op_order_is_megatrons():
-    assert device_ops(Pipeline(4), 1, 4) == [(True, 0, 0), (True, 1, 0), (True, 2, 0),
-                                             (False, 0, 0), (True, 3, 0), (False, 1, 0),
-                                             (False, 2, 0), (False, 3, 0)]
+    assert device_ops(Pipeline(4), 1, 4) == [Op(True, 0, 0), Op(True, 1, 0), Op(True, 2, 0),
+                                             Op(False, 0, 0), Op(True, 3, 0), Op(False, 1, 0),
+                                             Op(False, 2, 0), Op(False, 3, 0)]
     ops = device_ops(Pipeline(2, 2), 0, 4)
     # warm-up (P - 1) * 2 + (V - 1) * P = 4 chunk forwards in Megatron's table order
-    assert ops[:4] == [(True, 0, 0), (True, 1, 0), (True, 0, 1), (True, 1, 1)]
-    assert ops[5] == (False, 0, 1)  # the first backward runs the last chunk
+    assert ops[:4] == [Op(True, 0, 0), Op(True, 1, 0), Op(True, 0, 1), Op(True, 1, 1)]
+    assert ops[5] == Op(False, 0, 1)  # the first backward runs the last chunk
 
 
 @pytest.mark.parametrize("stages,virtual", [(2, 1), (4, 1), (4, 2)])
@@ -185,7 +186,7 @@ def test_interleaved_runs_a_count_megatron_accepts():
     pipe = Pipeline(2, 2)
     result = simulate_pipeline(costs, pipe, padding=pad)
     assert result.micro_batches == 4
-    assert {k for _, k, *_ in result.ops[0]} == {0, 1, 2, 3}
+    assert {run.op.micro_batch for run in result.ops[0]} == {0, 1, 2, 3}
     explicit = simulate_pipeline(costs + [pad], pipe)
     assert result.makespan_s == pytest.approx(explicit.makespan_s)
     assert result.peak_bytes == pytest.approx(explicit.peak_bytes)

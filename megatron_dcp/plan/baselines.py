@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from megatron_dcp.plan.cost import Layout
@@ -324,15 +325,26 @@ def _greedy_cp_sizes(pctx: PlanContext, cap: int) -> dict[int, int]:
     return size_of
 
 
+@dataclass(order=True, slots=True)
+class _Block:
+    """An open block of a greedy-cp round, ordered by its work and then its first rank."""
+
+    load: float
+    start: int
+    seqs: list[int] = field(compare=False)
+    tokens: int = field(compare=False)
+    """Padded tokens of ``seqs``."""
+
+
 def _greedy_cp_round(pctx: PlanContext, remaining: list[int], size_of: dict[int, int],
-                     work: dict[int, float], cap: int) -> tuple[dict[int, list[list]], list[int]]:
+                     work: dict[int, float], cap: int) -> tuple[dict[int, list[_Block]], list[int]]:
     """Fill one round: each sequence joins the least-loaded open block of its CP size while the
     block stays within the round's work limit (the first sequence's work) and ``cap`` tokens per
     rank, else opens a block on the next free aligned group of that size. Returns the blocks by
-    size (heaps of ``[load, start rank, sequences, tokens]``) and the sequences left over."""
+    size (heaps of `_Block`) and the sequences left over."""
     busy = [False] * pctx.world
     pointer: dict[int, int] = {}
-    open_blocks: dict[int, list[list]] = {}  # size -> heap of [load, start, seqs, tokens]
+    open_blocks: dict[int, list[_Block]] = {}  # size -> heap of blocks
     limit = work[remaining[0]]
     left = []
     for i in remaining:
@@ -340,8 +352,8 @@ def _greedy_cp_round(pctx: PlanContext, remaining: list[int], size_of: dict[int,
         need = pctx.padded(pctx.lengths[i], size)
         heap = open_blocks.setdefault(size, [])
         best = heap[0] if heap else None
-        if best is not None and not (best[0] + work[i] <= limit * 1.0000001
-                                     and best[3] + need <= cap * size):
+        if best is not None and not (best.load + work[i] <= limit * 1.0000001
+                                     and best.tokens + need <= cap * size):
             best = None
         if best is None:
             starts = pctx.vocab.first_ranks(size)
@@ -352,31 +364,32 @@ def _greedy_cp_round(pctx: PlanContext, remaining: list[int], size_of: dict[int,
             if p < len(starts):
                 for r in range(starts[p], starts[p] + size):
                     busy[r] = True
-                fresh = [work[i], starts[p], [i], need]
+                fresh = _Block(work[i], starts[p], [i], need)
                 heapq.heappush(heap, fresh)
                 continue
         if best is None:
             left.append(i)
             continue
-        best[0] += work[i]
-        best[2].append(i)
-        best[3] += need
+        best.load += work[i]
+        best.seqs.append(i)
+        best.tokens += need
         heapq.heapreplace(heap, best)
     return open_blocks, left
 
 
-def _greedy_cp_drafts(pctx: PlanContext, open_blocks: dict[int, list[list]], recompute_layers: int,
-                      clock: float, drafts: list[Draft]) -> float:
+def _greedy_cp_drafts(pctx: PlanContext, open_blocks: dict[int, list[_Block]],
+                      recompute_layers: int, clock: float, drafts: list[Draft]) -> float:
     """Append one draft per block of a round starting at ``clock`` (the run's ``recompute_layers``
     where it fits, else the fewest layers that fit, else every layer); returns the round's end."""
     cm = pctx.cm
     round_end = clock
     for size, blocks in sorted(open_blocks.items()):
-        for _, start, seqs, tokens in blocks:
+        for block in blocks:
+            tokens = block.tokens
             c = recompute_layers if pctx.recompute_for(tokens, size, "auto") is not None else None
             if c is None or cm.memory_model.memory_of(tokens, size, c) > cm.memory_model.budget:
                 c = pctx.recompute_for(tokens, size, "auto") or cm.model.num_layers
-            d = pctx.draft(start, size, seqs, c, release=clock)
+            d = pctx.draft(block.start, size, block.seqs, c, release=clock)
             d.start = clock
             drafts.append(d)
             round_end = max(round_end, clock + d.duration)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence, TypeVar
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence, TypeVar
 
 from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import PlanContext
@@ -325,15 +325,23 @@ def least_makespan(pctx: PlanContext, infos: list[SeqChoice], recompute_layers: 
             ) * (1.0 - 1e-9) / pctx.world
 
 
+class TimedOption(NamedTuple):
+    """An option (degree, recomputed layers) of one sequence with its time."""
+
+    degree: int
+    recompute_layers: int
+    duration: float
+
+
 def _least_work_option(pctx: PlanContext, n: int, pairs: float, options, least: list[WorkFloor],
-                       kinds) -> tuple[int, int, float]:
-    """The (degree, recomputed layers, time) of the option with the least work, among those
-    cutting the first option's work by at least MIN_WORK_SAVING (else the first)."""
+                       kinds) -> TimedOption:
+    """The option with the least work, among those cutting the first option's work by at least
+    MIN_WORK_SAVING (else the first)."""
     seq_time = pctx.seq_time
     d0, c0 = options[0]
     t0 = seq_time(n, pairs, d0, c0)
     work = d0 * t0
-    found = (d0, c0, t0)
+    found = TimedOption(d0, c0, t0)
     seen: set[str] = set()
     for k in range(1, len(options)):
         if least[k].of(n, pairs) >= work * (1.0 - MIN_WORK_SAVING):
@@ -341,7 +349,7 @@ def _least_work_option(pctx: PlanContext, n: int, pairs: float, options, least: 
         d, c = options[k]
         t = seq_time(n, pairs, d, c)
         if d * t < work * (1.0 - MIN_WORK_SAVING):
-            found, work = (d, c, t), d * t
+            found, work = TimedOption(d, c, t), d * t
         if c == 0:
             # no recompute left to save: wider groups of a layout kind already seen
             # only add communication, but a kind not yet seen may need less work
@@ -360,7 +368,7 @@ def degree_choice(pctx: PlanContext, infos: list[SeqChoice], mode: str, floor: i
     overhead = pctx.cm.time_model.task_overhead
     seq_time, padded, recompute_for = pctx.seq_time, pctx.padded, pctx.recompute_for
     smallest = max(pctx.vocab.sizes[0], floor)
-    chosen: dict[tuple[int, float], tuple[int, int, float]] = {}
+    chosen: dict[tuple[int, float], TimedOption] = {}
     kinds = _layout_kinds(pctx)
     floors: dict[tuple[int, int], WorkFloor] = {}
     bounds: dict[tuple[tuple[int, int], ...], list[WorkFloor]] = {}
@@ -387,7 +395,8 @@ def degree_choice(pctx: PlanContext, infos: list[SeqChoice], mode: str, floor: i
                          for f in options])
                 found = chosen[(n, pairs)] = _least_work_option(pctx, n, pairs, options, least,
                                                                 kinds)
-            info.degree, info.recompute_layers, info.duration = found
+            info.degree, info.recompute_layers = found.degree, found.recompute_layers
+            info.duration = found.duration
         else:
             info.duration = seq_time(n, pairs, info.degree, info.recompute_layers)
         total += info.degree * max(info.duration - overhead, 0.0)

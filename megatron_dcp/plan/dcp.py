@@ -101,18 +101,26 @@ class Placement(NamedTuple):
     """The idle interval it runs in (`Holes`); ``None``: when all its group's ranks are free."""
 
 
+class Hole(NamedTuple):
+    """Ranks ``[first, end)`` idle from ``free`` until ``busy`` (seconds; `Holes`)."""
+
+    first: int
+    end: int
+    free: float
+    busy: float
+
+
 class Holes:
     """Idle intervals the list scheduler leaves: a task placed on a group waits until all its
     ranks are free, and ranks that freed earlier idle until it starts. A later (shorter) task of
     a vocabulary group inside such an interval can run there without delaying anything
-    (backfilling). Each hole is ``(first rank, end rank, free from, busy from)``; ranks whose
-    free times differ form separate holes."""
+    (backfilling). Each hole is a `Hole`; ranks whose free times differ form separate holes."""
 
     def __init__(self, vocab, min_length: float) -> None:
         self.vocab = vocab
         self.min_length = min_length
         """Shorter holes are not kept (nothing worth placing fits them)."""
-        self.holes: list[list[float]] = []
+        self.holes: list[Hole] = []
 
     def record(self, avail: list[float], start: int, size: int, at: float) -> None:
         """Ranks ``[start, start + size)`` (free times ``avail``) get a task at ``at``."""
@@ -124,7 +132,7 @@ class Holes:
             while q < end and avail[q] == free:
                 q += 1
             if at - free > self.min_length:
-                self.holes.append([r, q, free, at])
+                self.holes.append(Hole(r, q, free, at))
             r = q
 
     def find(self, size: int, duration: float) -> Optional[Placement]:
@@ -132,23 +140,28 @@ class Holes:
         seconds; ``None``: no hole fits."""
         best = None
         starts = None
-        for k, (r0, r1, free, busy) in enumerate(self.holes):
-            if busy - free < duration or r1 - r0 < size or (best and free >= best.start):
+        for k, hole in enumerate(self.holes):
+            free = hole.free
+            if hole.busy - free < duration or hole.end - hole.first < size \
+                    or (best and free >= best.start):
                 continue
             if starts is None:
                 starts = self.vocab.first_ranks(size)
-            j = bisect_left(starts, r0)  # the first group from r0 on (starts ascend)
-            if j < len(starts) and starts[j] + size <= r1:
+            j = bisect_left(starts, hole.first)  # the first group from it on (starts ascend)
+            if j < len(starts) and starts[j] + size <= hole.end:
                 best = Placement(starts[j], free, k)
         return best
 
     def take(self, k: int, start: int, size: int, end: float) -> None:
         """Hole ``k`` runs a task on ``[start, start + size)`` until ``end``: what is left of it
         stays a hole (the ranks beside the task, and the task's ranks after it)."""
-        r0, r1, free, busy = self.holes.pop(k)
-        for a, b, f in ((r0, start, free), (start + size, r1, free), (start, start + size, end)):
-            if b > a and busy - f > self.min_length:
-                self.holes.append([a, b, f, busy])
+        hole = self.holes.pop(k)
+        busy = hole.busy
+        for left in (Hole(hole.first, start, hole.free, busy),
+                     Hole(start + size, hole.end, hole.free, busy),
+                     Hole(start, start + size, end, busy)):
+            if left.end > left.first and busy - left.free > self.min_length:
+                self.holes.append(left)
 
 
 def _build(pctx: PlanContext, tasks: list[Pack], mode: str, target: float

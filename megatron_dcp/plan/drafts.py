@@ -87,11 +87,12 @@ class PlanContext:
         """(size, padding multiple) of every vocabulary size (`fitting_options`' inner loop)."""
         # the longest sequence that fits every size without recompute / with every layer
         # recomputed (padded to m on d ranks: ceil(n / m) * m <= d * local), and those fits
+        fits = {"auto": (self._local0, 0), "none": (self._local0, 0),
+                "full": (self._local_full, self._layers)}  # mode -> (local tokens, layers)
         self._short = {
             mode: (min(((d * local // m) * m for d, m in self._pads), default=0),
                    tuple((d, layers) for d, _ in self._pads))
-            for mode, local, layers in (("auto", self._local0, 0), ("none", self._local0, 0),
-                                        ("full", self._local_full, self._layers))}
+            for mode, (local, layers) in fits.items()}
 
     @property
     def world(self) -> int:

@@ -339,13 +339,19 @@ def lockstep_items(pctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode:
 
 def _full_lift(pctx: PlanContext, infos: list[SeqChoice], floor: int
                ) -> Callable[[SeqChoice], SeqChoice]:
-    """A sequence's `degree_choice` under recompute ``full`` from the size ``floor`` on (one per
-    length: the same for each sequence of a length)."""
+    """A sequence's `degree_choice` under recompute ``full`` from the size ``floor`` on, as a
+    function of the sequence (`_of_length`: one choice per length, the same for each sequence
+    of a length)."""
     full: dict[tuple[int, float], SeqChoice] = {}
     for x in infos:
         full.setdefault((x.length, x.pairs), SeqChoice(x.i, x.length, x.pairs))
     degree_choice(pctx, list(full.values()), "full", floor)
-    return lambda info: full[(info.length, info.pairs)]
+    return partial(_of_length, full)
+
+
+def _of_length(choices: dict[tuple[int, float], SeqChoice], info: SeqChoice) -> SeqChoice:
+    """The choice among ``choices`` (by length and pairs) for ``info``'s length and pairs."""
+    return choices[(info.length, info.pairs)]
 
 
 def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,

@@ -41,13 +41,13 @@ the dispatch/permutation buffers (``2 x topk x h``); ``A`` is the mean over the 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from dataclasses import replace
+from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.geometry import BF16, Geometry
-from megatron_dcp.plan.plan import PlanError, Task, padded_length
+from megatron_dcp.plan.plan import Plan, PlanError, Task, padded_length
 from megatron_dcp.plan.units import count_text, size_text
 from megatron_dcp.plan.vocabulary import Communicators
-
 
 ZERO_BUCKET_ELEMENTS = 5e8
 """DeepSpeed's default ``reduce_bucket_size`` (elements): the gradient bucket of ZeRO-2/3."""
@@ -60,8 +60,6 @@ takes `loss_chunk_tokens` tokens per chunk."""
 LOSS_CHUNK_COPIES = 1
 """fp32 tensors of one chunk alive at once in the chunked loss (logits minus their max in
 forward, the softmax gradient in backward)."""
-
-
 HOST_LINK_BANDWIDTH = 25e9
 """Device <-> pinned host bytes/s per GPU and direction when the hardware gives none."""
 MLP_TILE_TOKENS = 16384
@@ -74,6 +72,20 @@ the intermediates (a gated MLP's three ``f``-wide tensors: four ``f``-wide gradi
 CPU)."""
 TILE_LAUNCH_S = 30e-6
 """Seconds of launches and checkpoint bookkeeping per extra tile per layer and pass."""
+
+
+class LongChoice(NamedTuple):
+    """A task's recomputed and offloaded layers and MLP and loss tiles (`long_choices`)."""
+
+    recompute_layers: int
+    offload_layers: int = 0
+    mlp_tiles: int = 1
+    loss_tiles: int = 1
+
+    @property
+    def plain(self) -> bool:
+        """Nothing offloaded or tiled: what a task that fits plainly gets."""
+        return self == LongChoice(self.recompute_layers)
 
 
 def loss_chunk_tokens(vocab: int, chunk_bytes: float = LOSS_CHUNK_BYTES) -> int:
@@ -153,10 +165,8 @@ class MemoryModel:
         params, grads, states = 2.0 * p, 2.0 * p, 12.0 * p
         if s >= 1:
             states = 12.0 * z / w
-        if s >= 2:
-            grads = 2.0 * z / w
-        if s >= 2:
-            grads += BF16 * min(ZERO_BUCKET_ELEMENTS, p)
+        if s >= 2:  # the shard and the bucket being filled
+            grads = 2.0 * z / w + BF16 * min(ZERO_BUCKET_ELEMENTS, p)
         if s >= 3:
             m = g.model
             head = m.vocab_size * m.hidden_size / m.tensor_parallel
@@ -190,8 +200,8 @@ class MemoryModel:
         local = math.ceil(tokens / degree)
         if self.long_sequences and recompute_layers >= self.num_layers:
             choice = self.long_choices(tokens, degree)
-            if choice is not None and choice[1:] != (0, 1, 1):
-                return self.long_memory_of(tokens, degree, *choice)
+            if choice is not None and not choice.plain:
+                return self.long_memory_of(tokens, degree, **choice._asdict())
         return self.static_memory + self.reserve + local * self.token_bytes(recompute_layers) \
             + self.loss_workspace(local)
 
@@ -385,24 +395,22 @@ class MemoryModel:
         loss = max(1, math.ceil(local * self.logit_bytes / LOSS_TILE_BYTES))
         return mlp, loss if self.loss_tiling else 1
 
-    def long_choices(self, tokens: int, degree: int) -> Optional[tuple[int, int, int, int]]:
-        """``(recompute_layers, offload_layers, mlp_tiles, loss_tiles)`` for a task of
-        ``tokens`` over ``degree`` ranks: the plain fewest recomputed layers where that fits
-        (``(c, 0, 1, 1)``: a short task pays nothing), else all layers recomputed, tiles, and
-        the fewest offloaded layers that fit; ``None``: nothing fits."""
+    def long_choices(self, tokens: int, degree: int) -> Optional[LongChoice]:
+        """The `LongChoice` of a task of ``tokens`` over ``degree`` ranks: the fewest recomputed
+        layers where that fits (`LongChoice.plain`: a short task pays nothing), else all layers
+        recomputed, tiles, and the fewest offloaded layers that fit; ``None``: nothing fits."""
         long, self.long_sequences = self.long_sequences, False
         try:
             c = self.min_recompute_layers(tokens, degree)  # the plain rule
         finally:
             self.long_sequences = long
         if c is not None:
-            return c, 0, 1, 1
-        local = math.ceil(tokens / degree)
-        mlp, loss = self.long_tiles(local)
+            return LongChoice(c)
+        mlp, loss = self.long_tiles(math.ceil(tokens / degree))
         n = self.num_layers
         for o in range(0, n + 1):
             if self.long_memory_of(tokens, degree, n, o, mlp, loss) <= self.budget:
-                return n, o, mlp, loss
+                return LongChoice(n, o, mlp, loss)
         return None
 
     def offload_seconds(self, tokens: int, degree: int, offload_layers: int,
@@ -420,7 +428,7 @@ class MemoryModel:
                                 + 2 * max(0, loss_tiles - 1))
 
 
-def assign_long_choices(plan: "Plan", memory_model: MemoryModel) -> "Plan":
+def assign_long_choices(plan: Plan, memory_model: MemoryModel) -> Plan:
     """``plan`` with every task that fits only tiled and offloaded given its MLP tiles, loss
     tiles and offloaded layers (`MemoryModel.long_choices`), its memory, and its duration
     lengthened by the offload traffic its compute does not hide and tiling's launches (later
@@ -432,10 +440,6 @@ def assign_long_choices(plan: "Plan", memory_model: MemoryModel) -> "Plan":
     never need more memory): the runtime calls the MLP's modules once per tile, and every rank
     must call the same modules in a slot (ZeRO-3 gathers parameters per module call; the
     executor's empty micro-steps run the slot's tiles too, `Plan.slot_mlp_tiles`)."""
-    from dataclasses import replace
-
-    from megatron_dcp.plan.plan import Plan  # noqa: F401 (type only)
-
     mm = memory_model
     if not mm.long_sequences:
         return plan
@@ -447,15 +451,13 @@ def assign_long_choices(plan: "Plan", memory_model: MemoryModel) -> "Plan":
             tasks.append(t)
             continue
         choice = mm.long_choices(tokens, t.degree)
-        if choice is None or choice[1:] == (0, 1, 1):
+        if choice is None or choice.plain:
             tasks.append(t)
             continue
-        c, o, mlp, loss = choice
-        extra = mm.offload_seconds(tokens, t.degree, o, t.duration) \
-            + mm.tiling_seconds(mlp, loss)
-        tasks.append(replace(t, recompute_layers=c, offload_layers=o, mlp_tiles=mlp,
-                             loss_tiles=loss, duration=t.duration + extra,
-                             memory=mm.long_memory_of(tokens, t.degree, c, o, mlp, loss)))
+        extra = mm.offload_seconds(tokens, t.degree, choice.offload_layers, t.duration) \
+            + mm.tiling_seconds(choice.mlp_tiles, choice.loss_tiles)
+        tasks.append(replace(t, **choice._asdict(), duration=t.duration + extra,
+                             memory=mm.long_memory_of(tokens, t.degree, **choice._asdict())))
     slot_tiles: dict[int, int] = {}
     for t in tasks:
         if t.slot is not None:
@@ -471,8 +473,6 @@ def _retimed(tasks: list, lockstep: bool) -> list:
     would overlap the next one on a rank; the order of the tasks a rank shares is kept. A
     lockstep plan's slot ``k`` starts when slot ``k - 1``'s longest task ends (or as planned,
     when later)."""
-    from dataclasses import replace
-
     if lockstep:
         old = sorted({t.slot: t.start for t in tasks}.items())
         longest: dict[int, float] = {}

@@ -34,7 +34,7 @@ import functools
 import math
 import operator
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.memory import BF16
@@ -191,11 +191,27 @@ def padding_cost(cm: Optional[CostModel], world: int) -> SlotCost:
                     [EMPTY_STEP_TOKENS * (total - kept)] * world)
 
 
-def device_ops(pipe: Pipeline, stage: int, micro_batches: int) -> list[tuple[bool, int, int]]:
-    """Megatron's op order on pipeline rank ``stage``: ``(forward?, micro-batch, model chunk)``.
-    Warm-up forwards (`Pipeline.warmup`), then one forward one backward, then the cool-down
-    backwards; chunks in Megatron's schedule table (groups of ``P`` micro-batches, every chunk of
-    a group before the next group; backward chunks in reverse)."""
+class Op(NamedTuple):
+    """One op of a pipeline rank: the forward or backward of a micro-batch's model chunk."""
+
+    forward: bool
+    micro_batch: int
+    chunk: int
+
+
+class Run(NamedTuple):
+    """An op as `simulate_pipeline` ran it: its start and end (seconds)."""
+
+    op: Op
+    start: float
+    end: float
+
+
+def device_ops(pipe: Pipeline, stage: int, micro_batches: int) -> list[Op]:
+    """Megatron's op order on pipeline rank ``stage``: warm-up forwards (`Pipeline.warmup`),
+    then one forward one backward, then the cool-down backwards; chunks in Megatron's schedule
+    table (groups of ``P`` micro-batches, every chunk of a group before the next group; backward
+    chunks in reverse)."""
     p, v, m = pipe.stages, pipe.virtual, micro_batches
     table = []
     for first in range(0, m, p):
@@ -203,10 +219,10 @@ def device_ops(pipe: Pipeline, stage: int, micro_batches: int) -> list[tuple[boo
         table += [(k, chunk) for chunk in range(v) for k in group]
     backward = [(k, v - 1 - chunk) for k, chunk in table]
     total, warm = m * v, pipe.warmup(stage, m)
-    ops = [(True, *table[i]) for i in range(warm)]
+    ops = [Op(True, *table[i]) for i in range(warm)]
     for i in range(total - warm):
-        ops += [(True, *table[warm + i]), (False, *backward[i])]
-    ops += [(False, *backward[i]) for i in range(total - warm, total)]
+        ops += [Op(True, *table[warm + i]), Op(False, *backward[i])]
+    ops += [Op(False, *backward[i]) for i in range(total - warm, total)]
     return ops
 
 
@@ -227,8 +243,8 @@ class PipelineResult:
     """Every rank's peak on every stage is within the budget."""
     micro_batches: int = 0
     """Micro-batches run: the slots and any padding (`Pipeline.micro_batches`)."""
-    ops: list[list[tuple[bool, int, int, float, float]]] = field(default_factory=list)
-    """Per stage: (forward?, micro-batch, chunk, start, end) in run order."""
+    ops: list[list[Run]] = field(default_factory=list)
+    """Per stage: its ops' runs in run order."""
 
 
 def simulate_pipeline(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel] = None,
@@ -256,9 +272,8 @@ def simulate_pipeline(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[Co
     return PipelineResult(makespan, busy, bubble, peaks, held, fits, m, runs)
 
 
-def _run_ops(ops: list[tuple[tuple[bool, int, int], ...]], seq: Sequence[SlotCost],
-             pipe: Pipeline, record: bool
-             ) -> tuple[list[float], list[list[tuple[bool, int, int, float, float]]]]:
+def _run_ops(ops: list[tuple[Op, ...]], seq: Sequence[SlotCost], pipe: Pipeline, record: bool
+             ) -> tuple[list[float], list[list[Run]]]:
     """`simulate_pipeline`'s event loop: each stage's ops in order, each as soon as its stage is
     free and its input has arrived; every stage's end and (``record``) its ops' runs."""
     p, v, m = pipe.stages, pipe.virtual, len(seq)
@@ -270,15 +285,16 @@ def _run_ops(ops: list[tuple[tuple[bool, int, int], ...]], seq: Sequence[SlotCos
     fwd_end: list[list[Optional[float]]] = [[None] * m for _ in range(last + 1)]
     bwd_end: list[list[Optional[float]]] = [[None] * m for _ in range(last + 1)]
     ptr, free = [0] * p, [0.0] * p
-    runs: list[list[tuple[bool, int, int, float, float]]] = [[] for _ in range(p)]
+    runs: list[list[Run]] = [[] for _ in range(p)]
     left = sum(len(o) for o in ops)
     while left:
         progressed = False
         for s in range(p):
             device, at, clock = ops[s], ptr[s], free[s]
             while at < len(device):
-                forward, k, chunk = device[at]
-                g = chunk * p + s  # virtual stage
+                op = device[at]
+                forward, k = op.forward, op.micro_batch
+                g = op.chunk * p + s  # virtual stage
                 if forward:
                     if g == 0:
                         ready = 0.0
@@ -303,7 +319,7 @@ def _run_ops(ops: list[tuple[tuple[bool, int, int], ...]], seq: Sequence[SlotCos
                 clock = end = start + duration
                 (fwd_end if forward else bwd_end)[g][k] = end
                 if record:
-                    runs[s].append((forward, k, chunk, start, end))
+                    runs[s].append(Run(op, start, end))
                 at += 1
             if at > ptr[s]:
                 left -= at - ptr[s]
@@ -316,8 +332,7 @@ def _run_ops(ops: list[tuple[tuple[bool, int, int], ...]], seq: Sequence[SlotCos
 
 
 @functools.lru_cache(maxsize=64)
-def _device_ops(pipe: Pipeline, stage: int, micro_batches: int) -> tuple[tuple[bool, int, int],
-                                                                         ...]:
+def _device_ops(pipe: Pipeline, stage: int, micro_batches: int) -> tuple[Op, ...]:
     """`device_ops`, cached (plans try many orders of the same count)."""
     return tuple(device_ops(pipe, stage, micro_batches))
 
@@ -331,7 +346,7 @@ def with_padding(seq: list[SlotCost], pipe: Pipeline, cm: Optional[CostModel],
     return seq
 
 
-def _memory(ops: Sequence[Sequence[tuple[bool, int, int]]], seq: Sequence[SlotCost],
+def _memory(ops: Sequence[Sequence[Op]], seq: Sequence[SlotCost],
             pipe: Pipeline, cm: Optional[CostModel]) -> tuple[list[float], list[float]]:
     """Per stage: the highest memory of any rank in its op order (a chunk's forward adds its
     share of the micro-batch's kept bytes, its backward frees it; the running op's extra bytes on
@@ -345,17 +360,18 @@ def _memory(ops: Sequence[Sequence[tuple[bool, int, int]]], seq: Sequence[SlotCo
         hold = [0.0] * world
         peak = [0.0] * world
         count = most = 0
-        for forward, k, _ in device:
+        for op in device:
+            k = op.micro_batch
             share = shares.get(k)
             if share is None:
                 share = shares[k] = [x / v for x in seq[k].kept]
-            if forward:
+            if op.forward:
                 count += 1
                 hold = list(map(operator.add, hold, share))
                 if count > most:
                     most = count
             peak = list(map(max, peak, map(operator.add, hold, seq[k].running)))
-            if not forward:
+            if not op.forward:
                 count -= 1
                 hold = list(map(operator.sub, hold, share))
         peaks.append(base + max(peak))

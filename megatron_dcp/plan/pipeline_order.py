@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.pipeline import (Pipeline, PipelineResult, SlotCost, simulate_pipeline,
@@ -142,6 +142,14 @@ def _stage0_idle_interleaved(costs: Sequence[SlotCost], p: int, v: int) -> float
     return idle
 
 
+class _Seats(NamedTuple):
+    """Seats of `_largest_cover`'s windows taken: backwards, forwards, slots that give both."""
+
+    backwards: int
+    forwards: int
+    both: int
+
+
 def _largest_cover(costs: Sequence[SlotCost], chosen: set[int], q: int, p: int,
                    ranked: list[list[int]]) -> float:
     """The most work the slots outside ``chosen`` can run inside ``q`` windows (see
@@ -153,15 +161,16 @@ def _largest_cover(costs: Sequence[SlotCost], chosen: set[int], q: int, p: int,
     keep: set[int] = set()
     for order in ranked:
         keep.update(_largest_of(order, k, chosen))
-    best = {(0, 0, 0): 0.0}  # (backwards, forwards, both) used -> largest cover
+    best = {_Seats(0, 0, 0): 0.0}  # seats taken -> largest cover
     for i in sorted(keep):
         f, b = costs[i].forward, costs[i].backward
         step = dict(best)
-        for (nb, nf, nboth), value in best.items():
-            for db, df, dboth, gain in ((1, 0, 0, b), (0, 1, 0, f), (1, 1, 1, f + b)):
-                key = (nb + db, nf + df, nboth + dboth)
-                if key[0] <= seats and key[1] <= seats and key[2] <= (q - 1) * (p - 1) \
-                        and step.get(key, -1.0) < value + gain:
+        for used, value in best.items():
+            nb, nf, both = used.backwards, used.forwards, used.both
+            for key, gain in ((_Seats(nb + 1, nf, both), b), (_Seats(nb, nf + 1, both), f),
+                              (_Seats(nb + 1, nf + 1, both + 1), f + b)):
+                if key.backwards <= seats and key.forwards <= seats \
+                        and key.both <= (q - 1) * (p - 1) and step.get(key, -1.0) < value + gain:
                     step[key] = value + gain
         best = step
     return max(best.values())
@@ -200,7 +209,7 @@ def best_order(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel
     by_bytes = sorted(range(m), key=lambda i: (-max(costs[i].kept), i))
     fixed = [list(range(m)), by_time, by_time[::-1], _organ(by_time), _alternate(by_bytes),
              _organ(_alternate(by_bytes))]
-    best: Optional[tuple[float, list[int], PipelineResult]] = None
+    best: Optional[tuple[list[int], PipelineResult]] = None
     seen: set[tuple[int, ...]] = set()
     used = 0
 
@@ -212,8 +221,8 @@ def best_order(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel
         seen.add(key)
         used += 1
         result = simulate_pipeline(costs, pipe, cm, order, padding, memory)
-        if result.fits and (best is None or result.makespan_s < best[0] * (1 - 1e-12)):
-            best = (result.makespan_s, list(order), result)
+        if result.fits and (best is None or result.makespan_s < best[1].makespan_s * (1 - 1e-12)):
+            best = (list(order), result)
             return True
         return False
 
@@ -225,7 +234,7 @@ def best_order(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel
     improved = True
     while improved and used < evaluations:
         improved = False
-        current = best[1]
+        current = best[0]
         # the ends of the order decide the fill and the drain: try the shortest slots there
         for a, b in [(0, j) for j in range(1, m)] + [(m - 1, j) for j in range(m - 1)]:
             swapped = list(current)
@@ -233,7 +242,7 @@ def best_order(costs: Sequence[SlotCost], pipe: Pipeline, cm: Optional[CostModel
             if consider(swapped):
                 improved = True
                 break
-    return best[1], best[2]
+    return best
 
 
 BOUND_SLACK = 1e-9

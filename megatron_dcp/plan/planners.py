@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -26,8 +27,8 @@ from megatron_dcp.plan.lockstep import lockstep_candidates
 from megatron_dcp.plan.memory import assign_long_choices
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.oversize import apply_oversize
-from megatron_dcp.plan.pipeline import (Pipeline, micro_batch_cost_model, padding_cost,
-                                        simulate_pipeline, slot_costs, stage_model)
+from megatron_dcp.plan.pipeline import (Pipeline, PipelineResult, micro_batch_cost_model,
+                                        padding_cost, simulate_pipeline, slot_costs, stage_model)
 from megatron_dcp.plan.pipeline_order import order_slots, shortest_candidate
 from megatron_dcp.plan.plan import Plan, PlanError, check_frame_tokens
 from megatron_dcp.plan.schedule import memory_stage, schedule_for
@@ -197,12 +198,12 @@ def _plan_flat(lengths: Sequence[int], *, world_size: int, model: ModelShape, co
     winner by the function it returns (`plan_dcp`'s ``choose``); ``baselines``: the
     contest's baseline candidates (default `BASELINES`)."""
     t0 = time.perf_counter()
-    pctx, skipped, zero_stage, schedule = _context(
-        lengths, world_size, model, config, hardware, zero_stage, cost_model, baseline_degree,
-        frame_tokens, vocabulary)
+    setup = _context(lengths, world_size, model, config, hardware, zero_stage, cost_model,
+                     baseline_degree, frame_tokens, vocabulary)
+    pctx, skipped = setup.pctx, setup.skipped
     cm, vocab = pctx.cm, pctx.vocab
     meta = {"iteration": iteration, "hardware": cm.hw.name, "model": model.name,
-            "zero_stage": zero_stage, "schedule": schedule,
+            "zero_stage": setup.zero_stage, "schedule": setup.schedule,
             "vocabulary_groups": len(vocab),
             "communicators_per_rank": cm.memory_model.communicators.per_rank,
             "communicator_bytes": cm.memory_model.communicators.bytes}
@@ -214,7 +215,7 @@ def _plan_flat(lengths: Sequence[int], *, world_size: int, model: ModelShape, co
                     policy=config.policy, skipped=tuple(skipped), meta=meta,
                     frame_tokens=tuple(frames) if frames is not None else None)
     else:
-        drafts = _drafts_of_policy(pctx, config.policy, schedule == "lockstep", meta,
+        drafts = _drafts_of_policy(pctx, config.policy, setup.schedule == "lockstep", meta,
                                    chooser(pctx, skipped) if chooser is not None else None,
                                    BASELINES if baselines is None else baselines)
         plan = to_plan(pctx, drafts, config.policy, skipped, meta)
@@ -222,14 +223,26 @@ def _plan_flat(lengths: Sequence[int], *, world_size: int, model: ModelShape, co
     return plan
 
 
+@dataclass(frozen=True)
+class PlanSetup:
+    """`make_plan`'s arguments checked: what `_plan_flat` plans with (`_context`)."""
+
+    pctx: PlanContext
+    """The planning context, its active sequences set."""
+    skipped: list[int]
+    """The sequences ``config.oversize`` leaves out."""
+    zero_stage: int
+    """The engine's ZeRO stage (the argument's, else the cost model's, else 1)."""
+    schedule: str
+    """The schedule kind: free or lockstep (`schedule_for`)."""
+
+
 def _context(lengths: Sequence[int], world_size: int, model: ModelShape, config: DCPConfig,
              hardware: "Hardware | str | None", zero_stage: Optional[int],
              cost_model: Optional[CostModel], baseline_degree: "str | int | None",
              frame_tokens: Optional[Sequence[int]], vocabulary: Optional[Vocabulary]
-             ) -> tuple[PlanContext, list[int], int, str]:
-    """`make_plan`'s arguments checked and turned into its planning context: the context (its
-    active sequences set), the skipped sequences (``config.oversize``), the ZeRO stage and the
-    schedule kind (free or lockstep)."""
+             ) -> PlanSetup:
+    """`make_plan`'s arguments checked and turned into its planning context (`PlanSetup`)."""
     clean, frames = _checked_batch(lengths, frame_tokens)
     if baseline_degree is None:
         baseline_degree = "min" if frames is not None else "tuned"
@@ -250,7 +263,7 @@ def _context(lengths: Sequence[int], world_size: int, model: ModelShape, config:
     skipped = apply_oversize(pctx, config.oversize)
     skip = set(skipped)
     pctx.active = [i for i in range(len(clean)) if i not in skip]
-    return pctx, skipped, zero_stage, schedule
+    return PlanSetup(pctx, skipped, zero_stage, schedule)
 
 
 def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape,
@@ -277,7 +290,7 @@ def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape
                              config.pack_tokens or math.inf)) for k in PIPELINE_MICRO_BATCHES]
     dcp = config.policy.startswith("dcp")
     chooser = _pipeline_chooser(cm, pipe, config.policy) if dcp else None
-    best = None
+    best: Optional[tuple[Plan, PipelineResult]] = None
     for pack in dict.fromkeys(packs):
         plan = _plan_flat(lengths, world_size=world_size, model=stage,
                           config=config.replace(pack_tokens=pack), zero_stage=zero_stage,
@@ -291,13 +304,13 @@ def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape
             plan, result = order_slots(plan, cm, pipe)
         else:
             result = simulate_pipeline(slot_costs(plan, cm), pipe, cm)
+        plan.meta["pipeline"] = {"stages": pipe.stages, "virtual": pipe.virtual,
+                                 "micro_batches": result.micro_batches, "pack_tokens": pack,
+                                 "makespan_s": result.makespan_s,
+                                 "bubble_share": result.bubble_share, "fits": result.fits}
         if best is None or (result.fits, -result.makespan_s) > (best[1].fits, -best[1].makespan_s):
-            best = (plan, result, pack)
-    plan, result, pack = best
-    plan.meta["pipeline"] = {"stages": pipe.stages, "virtual": pipe.virtual,
-                             "micro_batches": result.micro_batches, "pack_tokens": pack,
-                             "makespan_s": result.makespan_s, "bubble_share": result.bubble_share,
-                             "fits": result.fits}
+            best = (plan, result)
+    plan = best[0]
     plan.meta["plan_ms"] = (time.perf_counter() - t0) * 1e3
     return plan
 
@@ -338,12 +351,12 @@ def _cost_model_for(model: ModelShape, config: DCPConfig, world_size: int,
     assumes (`memory_stage`)."""
     if cost_model is None:
         return build_cost_model(model, config, world_size, hardware, zero_stage, vocabulary)
-    given = (model, world_size, memory_stage(zero_stage, schedule))
+    stage = memory_stage(zero_stage, schedule)
     cm = cost_model
-    if (cm.model, cm.world_size, cm.zero_stage) != given:
+    if (cm.model, cm.world_size, cm.zero_stage) != (model, world_size, stage):
         raise PlanError(f"cost_model is for {cm.model.name}, DCP world {cm.world_size}, ZeRO "
                         f"stage {cm.zero_stage}; the call asks for {model.name}, world "
-                        f"{world_size}, ZeRO stage {given[2]}")
+                        f"{world_size}, ZeRO stage {stage}")
     return cm
 
 
@@ -355,8 +368,8 @@ def _vocabulary_for(cm: CostModel, config: DCPConfig,
     if vocabulary is None:
         return default
     if vocabulary.rules() != default.rules():
-        raise PlanError(f"vocabulary= is for the settings {vocabulary.rules()}, the plan for "
-                        f"{default.rules()} (world, ranks per node, max_degree, "
+        raise PlanError(f"vocabulary= is for the settings {tuple(vocabulary.rules())}, the plan "
+                        f"for {tuple(default.rules())} (world, ranks per node, max_degree, "
                         "heads, attention layout, Ulysses scope)")
     return vocabulary
 

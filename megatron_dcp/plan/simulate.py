@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel
 from megatron_dcp.plan.hardware import layout_kind
@@ -105,13 +105,30 @@ def _bound(lengths: Sequence[int], pairs_of: Sequence[float], cm: CostModel,
     return _moldable_bound(bound, work, seqs, options, world)
 
 
-class _DegreeOptions:
-    """The (degree, time, work) choices of one sequence for `_bound`: every degree of the
-    vocabulary where it fits memory under the recompute mode, each with the time of its best
-    layout and the work (ranks x `TimeModel.marginal_time`, ring traffic ``hidden``) of its
-    least-work layout."""
+class _DegreeOption(NamedTuple):
+    """A degree where a sequence fits (`_DegreeOptions`): its best time and its least work."""
 
-    def __init__(self, cm: CostModel, vocab: Vocabulary, recompute_mode: str, hidden: float) -> None:
+    degree: int
+    time: float
+    work: float
+
+
+class _SeqWork(NamedTuple):
+    """A sequence that fits somewhere (`_least_work`): its least work and the time there."""
+
+    length: int
+    pairs: float
+    work: float
+    time: float
+
+
+class _DegreeOptions:
+    """The `_DegreeOption`s of one sequence for `_bound`: every degree of the vocabulary where
+    it fits memory under the recompute mode, each with the time of its best layout and the work
+    (ranks x `TimeModel.marginal_time`, ring traffic ``hidden``) of its least-work layout."""
+
+    def __init__(self, cm: CostModel, vocab: Vocabulary, recompute_mode: str, hidden: float
+                 ) -> None:
         self.cm, self.vocab, self.recompute_mode, self.hidden = cm, vocab, recompute_mode, hidden
         self.kinds = {layout_kind(lay.ulysses, lay.ring) for d in vocab.sizes
                       for lay in cm.layouts(d)}
@@ -127,8 +144,8 @@ class _DegreeOptions:
             return n_layers if mem.memory_of(tokens, d, n_layers) <= mem.budget else None
         return mem.min_recompute_layers(tokens, d)
 
-    def __call__(self, n: int, pairs: float, least_work_only: bool):
-        """(degree, time, work) per fitting degree, exact best layout. ``least_work_only``: stop
+    def __call__(self, n: int, pairs: float, least_work_only: bool) -> Iterator[_DegreeOption]:
+        """A `_DegreeOption` per fitting degree, exact best layout. ``least_work_only``: stop
         once no wider degree can need less work. Past the first degree without recompute, work
         only grows with the degree within one layout kind (more communication, slower links), so
         the search ends when every kind has been seen without recompute."""
@@ -139,8 +156,9 @@ class _DegreeOptions:
             if c is None:
                 continue
             layouts = cm.layouts(d)
-            yield d, min(cm.time_model.time_of(n, pairs, lay, c) for lay in layouts), \
-                d * min(cm.time_model.marginal_time(n, pairs, lay, c, hidden) for lay in layouts)
+            yield _DegreeOption(
+                d, min(cm.time_model.time_of(n, pairs, lay, c) for lay in layouts),
+                d * min(cm.time_model.marginal_time(n, pairs, lay, c, hidden) for lay in layouts))
             if least_work_only and c == 0:
                 seen.update(layout_kind(lay.ulysses, lay.ring) for lay in layouts)
                 if seen >= self.kinds:
@@ -148,44 +166,44 @@ class _DegreeOptions:
 
 
 def _least_work(lengths: Sequence[int], pairs_of: Sequence[float], options: _DegreeOptions
-                ) -> tuple[float, list[tuple[int, float, float, float]]]:
-    """Total least work of the sequences that fit somewhere, and per such sequence
-    ``(length, pairs, least work, time at the least-work degree)``."""
+                ) -> tuple[float, list[_SeqWork]]:
+    """Total least work of the sequences that fit somewhere, and each such sequence's
+    `_SeqWork`."""
     work = 0.0
-    seqs: list[tuple[int, float, float, float]] = []
+    seqs: list[_SeqWork] = []
     for n, pairs in zip(lengths, pairs_of):
         best = None
-        for d, t, w in options(n, pairs, True):
-            if best is None or w < best[0]:
-                best = (w, t)
+        for option in options(n, pairs, True):
+            if best is None or option.work < best.work:
+                best = option
         if best is None:
             continue
-        work += best[0]
-        seqs.append((n, pairs, best[0], best[1]))
+        work += best.work
+        seqs.append(_SeqWork(n, pairs, best.work, best.time))
     return work, seqs
 
 
-def _longest_fastest(seqs: Sequence[tuple[int, float, float, float]], per_rank: float,
-                     options: _DegreeOptions) -> float:
+def _longest_fastest(seqs: Sequence[_SeqWork], per_rank: float, options: _DegreeOptions
+                     ) -> float:
     """The longest of the sequences' fastest times over all degrees, visiting them by their
     least-work time and stopping where none left can raise ``max(per_rank, longest)``."""
     longest = 0.0
-    for n, pairs, w, t in sorted(seqs, key=lambda x: -x[3]):
-        if t <= max(per_rank, longest):
-            break  # its fastest time is at most t: cannot raise the bound
-        longest = max(longest, min(t for _, t, _ in options(n, pairs, False)))
+    for x in sorted(seqs, key=lambda x: -x.time):
+        if x.time <= max(per_rank, longest):
+            break  # its fastest time is at most its time: cannot raise the bound
+        longest = max(longest, min(o.time for o in options(x.length, x.pairs, False)))
     return longest
 
 
-def _moldable_bound(bound: float, work: float, seqs: Sequence[tuple[int, float, float, float]],
+def _moldable_bound(bound: float, work: float, seqs: Sequence[_SeqWork],
                     options: _DegreeOptions, world: int) -> float:
     """The moldable tightening of ``bound`` (see `_bound`): sequences whose least-work time
     exceeds it trade work for time; bisection for the smallest feasible step length."""
     frontier, fixed = [], work
-    for n, pairs, w, t in seqs:
-        if t > bound:
-            fixed -= w
-            frontier.append(sorted((t_d, w_d) for _, t_d, w_d in options(n, pairs, False)))
+    for x in seqs:
+        if x.time > bound:
+            fixed -= x.work
+            frontier.append(sorted((o.time, o.work) for o in options(x.length, x.pairs, False)))
 
     def feasible(limit: float) -> bool:
         total = fixed

@@ -16,8 +16,8 @@ by the cost model when it chooses a layout and by the pool when it creates commu
 or the largest Ulysses degree inside a node with ring across nodes, which cuts the communicators a
 rank holds (`communicators_per_rank`).
 
-`megatron_dcp.plan.planners.vocabulary_for_lengths` keeps only the group sizes the job's length distribution needs
-(``sizes=``): fewer communicators, the same placements for the sizes kept.
+`megatron_dcp.plan.planners.vocabulary_for_lengths` keeps only the group sizes the job's length
+distribution needs (``sizes=``): fewer communicators, the same placements for the sizes kept.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 from megatron_dcp.config import ULYSSES_SCOPES
 
 ODD_SIZES = (3, 6)
 LENGTH_SAMPLE = 2048
-"""Distinct lengths `vocabulary_for_lengths` (planners.py) looks at (more are thinned to quantiles)."""
+"""Distinct lengths `vocabulary_for_lengths` (planners.py) looks at (more are thinned to
+quantiles)."""
 
 
 def _nice(k: int) -> bool:
@@ -145,15 +146,26 @@ def _most_per_rank(groups: Iterable[Sequence[int]], world_size: int) -> int:
     return max(count)
 
 
+class VocabularyRules(NamedTuple):
+    """What decides a vocabulary's groups and layouts, its kept sizes aside (`Vocabulary.rules`)."""
+
+    world_size: int
+    ranks_per_node: int
+    max_degree: Optional[int]
+    heads: Optional[int]
+    attention_layout: str
+    ulysses_scope: str
+
+
 @functools.lru_cache(maxsize=16)
-def _communicators_of(settings: tuple, all_reduce: bool = False
-                      ) -> dict[tuple[int, ...], frozenset[str]]:
-    """Every communicator of the vocabulary of ``settings`` (`Vocabulary._settings`), in
+def _communicators_of(rules: VocabularyRules, kept: Optional[tuple[int, ...]],
+                      all_reduce: bool = False) -> dict[tuple[int, ...], frozenset[str]]:
+    """Every communicator of a vocabulary of these rules and kept sizes, in
     `Vocabulary.communicators`' order, with the collectives its tasks run on it (`operations`;
     ``all_reduce``: tasks all-reduce over their whole group)."""
-    world_size, ranks_per_node, max_degree, heads, layout, scope, sizes = settings
-    vocab = Vocabulary(world_size, ranks_per_node, max_degree, heads=heads,
-                       attention_layout=layout, ulysses_scope=scope, sizes=sizes)
+    vocab = Vocabulary(rules.world_size, rules.ranks_per_node, rules.max_degree,
+                       heads=rules.heads, attention_layout=rules.attention_layout,
+                       ulysses_scope=rules.ulysses_scope, sizes=kept)
     found: dict[tuple[int, ...], frozenset[str]] = {}
     for ranks in vocab.groups():
         for u in vocab.ulysses_degrees(len(ranks)):
@@ -163,11 +175,12 @@ def _communicators_of(settings: tuple, all_reduce: bool = False
 
 
 @functools.lru_cache(maxsize=16)
-def _charge_of(settings: tuple, all_reduce: bool, communicator_bytes: float,
-               connection_bytes: Optional[float]) -> Communicators:
-    """`Vocabulary.charge` (cached: the planner builds a cost model on every call)."""
-    found = _communicators_of(settings, all_reduce)
-    world, ranks_per_node = settings[0], min(settings[1], settings[0])
+def _charge_of(rules: VocabularyRules, kept: Optional[tuple[int, ...]], all_reduce: bool,
+               communicator_bytes: float, connection_bytes: Optional[float]) -> Communicators:
+    """`Vocabulary.charge` (cached: the planner builds a cost model, hence asks for it, on
+    every call; at 1,024 ranks it takes tens of ms)."""
+    found = _communicators_of(rules, kept, all_reduce)
+    world, ranks_per_node = rules.world_size, min(rules.ranks_per_node, rules.world_size)
     held, charged = [0] * world, [0.0] * world
     for group, kinds in found.items():
         for r in group:
@@ -183,7 +196,8 @@ class Vocabulary:
     """Allowed groups of a DCP world of ``world_size`` ranks, ``ranks_per_node`` per node, and the
     Ulysses degrees (hence sub-groups) each group size may use (see `ulysses_degrees` for
     ``heads``, ``attention_layout`` and ``ulysses_scope``). ``sizes``: keep only groups of these
-    sizes (`megatron_dcp.plan.planners.vocabulary_for_lengths`); ``None``: every size of the rule above."""
+    sizes (`megatron_dcp.plan.planners.vocabulary_for_lengths`); ``None``: every size of the rule
+    above."""
 
     def __init__(self, world_size: int, ranks_per_node: int, max_degree: Optional[int] = None,
                  *, heads: Optional[int] = None, attention_layout: str = "auto",
@@ -262,8 +276,8 @@ class Vocabulary:
         if not ranks:
             return False
         start, size = ranks[0], len(ranks)
-        return tuple(ranks) == tuple(range(start,
-                                           start + size)) and start in self._first_ranks.get(size, ())
+        return tuple(ranks) == tuple(range(start, start + size)) \
+            and start in self._first_ranks.get(size, ())
 
     def ulysses_degrees(self, size: int) -> tuple[int, ...]:
         """Ulysses degrees a task on a group of ``size`` ranks may use (`ulysses_degrees`)."""
@@ -274,12 +288,12 @@ class Vocabulary:
     def communicators(self) -> tuple[tuple[int, ...], ...]:
         """Every multi-rank process group a plan over this vocabulary can use (task groups and
         the sub-groups of every allowed Ulysses degree), in one fixed order: size, then ranks."""
-        return tuple(_communicators_of(self._settings()))
+        return tuple(_communicators_of(self.rules(), self.kept))
 
     def operations(self) -> dict[tuple[int, ...], frozenset[str]]:
         """`communicators` with the collectives tasks run on each (`operations`): what the pool
         warms each with at start-up."""
-        return dict(_communicators_of(self._settings(), self.task_all_reduce))
+        return dict(_communicators_of(self.rules(), self.kept, self.task_all_reduce))
 
     def communicators_per_rank(self) -> int:
         """Most communicators (process groups of two or more ranks) any one rank belongs to."""
@@ -292,19 +306,14 @@ class Vocabulary:
         send/receive connection its collectives set up (`member_connections`); with
         ``connection_bytes`` ``None``, ``communicator_bytes`` each whatever it runs. The most
         over ranks (`megatron_dcp.plan.hardware.Hardware.connection_bytes`)."""
-        return _charge_of(self._settings(), self.task_all_reduce, float(communicator_bytes),
+        return _charge_of(self.rules(), self.kept, self.task_all_reduce,
+                          float(communicator_bytes),
                           None if connection_bytes is None else float(connection_bytes))
 
-    def _settings(self) -> tuple:
-        """Everything the communicators depend on (the cache key: the planner builds a cost model,
-        hence asks for the count, on every call; at 1,024 ranks a count takes tens of ms)."""
-        return (self.world_size, self.ranks_per_node, self.max_degree, self.heads,
-                self.attention_layout, self.ulysses_scope, self.kept)
-
-    def rules(self) -> tuple:
-        """(world, ranks per node, max_degree, heads, attention layout, Ulysses scope): what
-        decides the groups and layouts, the kept sizes aside."""
-        return self._settings()[:-1]
+    def rules(self) -> VocabularyRules:
+        """What decides the groups and layouts, the kept sizes aside."""
+        return VocabularyRules(self.world_size, self.ranks_per_node, self.max_degree, self.heads,
+                               self.attention_layout, self.ulysses_scope)
 
     def max_groups_per_rank(self) -> int:
         """Most task groups any one rank belongs to (sub-groups not counted)."""
