@@ -257,7 +257,7 @@ class MemoryModel:
         return self.memory_of(tokens, task.degree, task.recompute_layers)
 
     # ------------------------------------------------------------------ long sequences
-    # (issue 29): optimizer/parameter offload in the static memory; per task, MLP tiles, loss
+    # optimizer/parameter offload in the static memory; per task, MLP tiles, loss
     # tiles and offloaded layers (megatron_dcp.runtime.tiling / offload). Off by default: a cost
     # model without them plans bit-identically.
     offload_optimizer = False

@@ -64,9 +64,9 @@ _STREAMS: dict = {}
 
 
 def offload_stream(device: torch.device) -> Any:
-    """The one offload copy stream of ``device``, made at its first use with high priority:
-    a new ``torch.cuda.Stream()`` per stash (per micro-step) came from the low-priority pool
-    that NCCL's streams also draw from, so a gigabyte copy could queue behind a collective."""
+    """The one offload copy stream of ``device``, made at its first use with high priority
+    (torch's default-priority streams come from the pool NCCL's streams also draw from, where a
+    gigabyte copy could queue behind a collective)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     if index not in _STREAMS:
