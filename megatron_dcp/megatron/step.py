@@ -20,11 +20,10 @@ step (the output layer and loss per tile, sequence parallelism included).
 The groups are Megatron's, read once per job into its `MegatronParallel` (`job_parallel`):
 ``pg_collection`` when the caller passes one (tp, pp, dp or dp_cp), else ``parallel_state``'s;
 the step hands that layout to its engine, the pipeline schedule and the launcher (``parallel``).
-The model's ``TransformerConfig`` is left alone,
-except during a pipeline schedule call: Megatron's schedules read their settings from the model's
-config and take no other, so for that call `schedule_settings` sets five fields (six when
-interleaved) and restores them after (which, and why, is listed there). What differs from
-Megatron's schedules, and why: docs/MEGATRON.md.
+The model's ``TransformerConfig`` is left alone, except during a pipeline schedule call:
+Megatron's schedules read their settings from the model's config and take no other, so for that
+call `schedule_settings` sets five fields (six when interleaved) and restores them after (which,
+and why, is listed there). What differs from Megatron's schedules, and why: docs/MEGATRON.md.
 """
 
 from __future__ import annotations
