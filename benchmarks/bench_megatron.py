@@ -49,11 +49,10 @@ def _inside(args) -> None:
 
     sys.path.insert(0, str(ROOT / "examples"))
     import pretrain_megatron as ex
-    from megatron.core import parallel_state
 
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.data import GlobalBatchSampler, open_dataset
-    from megatron_dcp.megatron.parallel import destroy_model_parallel
+    from megatron_dcp.megatron.parallel import destroy_model_parallel, job_parallel
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
     from megatron_dcp.runtime.groups import destroy_process_groups
 
@@ -66,6 +65,7 @@ def _inside(args) -> None:
                            str(args.heads), "--num-query-groups", str(args.kv_heads),
                            "--seq-length", str(args.seq_length), "--seed", "1", *moe])
     ex.init_distributed(targs)
+    parallel = job_parallel()  # Megatron's layout of the job, shared by every mode's step
     rank = dist.get_rank()
     device = torch.device("cpu")
     runs = {}
@@ -81,7 +81,7 @@ def _inside(args) -> None:
                 from megatron_dcp.megatron.moe import moe_schedule
 
                 config = moe_schedule(targs, config)
-            step = DCPForwardBackward(config, model_shape=shape)
+            step = DCPForwardBackward(config, model_shape=shape, parallel=parallel)
         runs[mode] = dict(chunks=chunks, params=params, step=step,
                           opt=torch.optim.AdamW(params, lr=1e-3), seconds=0.0, losses=[])
     # identical initial weights in every mode
@@ -108,14 +108,14 @@ def _inside(args) -> None:
                 chunk.zero_grad_buffer()
             run["opt"].zero_grad(set_to_none=True)
             if run["step"] is None:
-                reports = ex.plain_step(run["chunks"], seqs, targs, device)
+                reports = ex.plain_step(run["chunks"], seqs, targs, device, parallel)
             else:
                 reports = run["step"](forward_step_func=ex.forward_step,
                                       data_iterator=iter([GlobalBatch(seqs)]),
                                       model=run["chunks"], num_microbatches=1,
                                       seq_length=args.seq_length, micro_batch_size=1)
             summed = torch.stack([r["lm loss"] for r in reports]).sum(0).double()
-            dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+            dist.all_reduce(summed, group=parallel.data_group)
             for p in run["params"]:
                 p.grad = p.main_grad
             run["opt"].step()

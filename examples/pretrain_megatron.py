@@ -355,19 +355,20 @@ def build_optimizer(args, chunks):
     return get_megatron_optimizer(config, chunks)
 
 
-def save_checkpoint(args, iteration: int, chunks, optimizer, sampler, step_fn) -> None:
+def save_checkpoint(args, iteration: int, chunks, optimizer, sampler, step_fn,
+                    parallel) -> None:
     """Collective: `megatron_dcp.megatron.checkpointing.save_checkpoint` of the model ``chunks``
     (one per virtual stage) in ``--ckpt-format``, with the data position and the planner's state
-    beside model and optimizer."""
+    beside model and optimizer; ``parallel``: Megatron's layout of the job."""
     from megatron_dcp.megatron import checkpointing
 
     extra = {"sampler": sampler.state_dict(),
              "planner": step_fn.driver.state_dict() if step_fn is not None else None}
     checkpointing.save_checkpoint(args.save, iteration, chunks, optimizer, extra,
-                                  ckpt_format=args.ckpt_format)
+                                  ckpt_format=args.ckpt_format, parallel=parallel)
 
 
-def load_checkpoint(args, chunks, optimizer, sampler, step_fn) -> int:
+def load_checkpoint(args, chunks, optimizer, sampler, step_fn, parallel) -> int:
     """Collective: restore every rank from ``--load`` (verified first; see
     `megatron_dcp.megatron.checkpointing.load_checkpoint`); returns the iteration to continue
     from."""
@@ -375,7 +376,8 @@ def load_checkpoint(args, chunks, optimizer, sampler, step_fn) -> int:
 
     iteration, extra = checkpointing.load_checkpoint(
         args.load, chunks, optimizer, ckpt_format=args.ckpt_format,
-        vocab_size=ByteTokenizer.vocab_size, vocab_divisible_by=args.make_vocab_size_divisible_by)
+        vocab_size=ByteTokenizer.vocab_size, vocab_divisible_by=args.make_vocab_size_divisible_by,
+        parallel=parallel)
     sampler.load_state_dict(extra["sampler"])
     if step_fn is not None and extra["planner"] is not None:
         step_fn.driver.load_state_dict(extra["planner"])
@@ -436,18 +438,18 @@ def moe_filled_micro_batches(micro_batches, count: int, busiest: int, multiple: 
     return iter(list(micro_batches) + [filler] * fill), busiest
 
 
-def plain_step(chunks, sequences, args, device):
+def plain_step(chunks, sequences, args, device, parallel):
     """One step of Megatron plain data parallel over this rank's share of the global batch:
     Megatron's own schedule (``get_forward_backward_func()``: ``forward_backward_no_pipelining``,
     or 1F1B with pipeline parallelism, interleaved over the model ``chunks`` of virtual stages:
     padded with empty micro-batches to a count it accepts), one sequence per micro-batch, ending in
     ``finalize_model_grads`` (DP all-reduce, scaling by 1/tokens of the batch). Returns the loss
-    reports (on the last pipeline stage; empty on the others). On CPU it runs under
+    reports (on the last pipeline stage; empty on the others); ``parallel``: Megatron's layout
+    of the job. On CPU it runs under
     `megatron_dcp.megatron.cpu.core.CudaAsCpu` (the schedules allocate their token counter on
     "cuda")."""
     from contextlib import nullcontext
 
-    from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -455,8 +457,8 @@ def plain_step(chunks, sequences, args, device):
     from megatron_dcp.megatron.pipeline_engine import (interleaved_micro_batches,
                                                        pipeline_communication)
 
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel.rank_in(parallel.data_group)
+    dp_size = dist.get_world_size(parallel.data_group)
     count = len(sequences[dp_rank::dp_size])
     if count == 0:
         raise ValueError(f"global batch of {len(sequences)} sequences leaves data-parallel rank "
@@ -485,25 +487,24 @@ def plain_step(chunks, sequences, args, device):
         count, micro_batches = len(micro_batches), [iter(micro_batches) for _ in chunks]
         config.batch_p2p_comm = False  # see pipeline_communication
     if args.pipeline_model_parallel_size > 1:
-        extra = pipeline_communication(config)
+        extra = pipeline_communication(config, parallel)
     with nullcontext() if torch.cuda.is_available() else CudaAsCpu():
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=micro_batches, model=chunks,
             num_microbatches=count, seq_length=args.seq_length, micro_batch_size=1, **extra)
 
 
-def iteration_loss(reports, device) -> float:
+def iteration_loss(reports, device, parallel) -> float:
     """Megatron's loss reduction: (loss, tokens) summed over micro-steps and data-parallel ranks
-    on the last pipeline stage, broadcast over the pipeline (every rank returns it)."""
-    from megatron.core import parallel_state
-
+    on the last pipeline stage, broadcast over the pipeline (every rank returns it);
+    ``parallel``: Megatron's layout of the job."""
     summed = torch.zeros(2, dtype=torch.float64, device=device)
     for r in reports:
         summed += r["lm loss"].to(device).double()
-    dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(summed, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
+    dist.all_reduce(summed, group=parallel.data_group)
+    if parallel.pipeline > 1:
+        group = parallel.pipeline_group
+        dist.broadcast(summed, src=dist.get_process_group_ranks(group)[-1], group=group)
     return float(summed[0] / summed[1])
 
 
@@ -513,14 +514,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dcp_config = validate_dcp_args(args, world_size=world)  # bad flags fail here, before anything
-    from megatron.core import parallel_state
-
+    from megatron_dcp.megatron.parallel import job_parallel
     from megatron_dcp.megatron.step import DCPForwardBackward, GlobalBatch
 
     torch.manual_seed(args.seed)
     init_distributed(args)
+    parallel = job_parallel()  # Megatron's layout of the job, built once and passed on
     rank = dist.get_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_size = dist.get_world_size(parallel.data_group)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     chunks, shape = build_model(args, dcp_config.enabled)
@@ -535,13 +536,14 @@ def main(argv=None) -> int:
         from megatron_dcp.runtime.groups import GroupPool
 
         # DCP's groups over the data-parallel ranks, with the job's timeout like Megatron's own
-        pool = GroupPool(world_ranks=dist.get_process_group_ranks(
-            parallel_state.get_data_parallel_group()),
-            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        pool = GroupPool(world_ranks=dist.get_process_group_ranks(parallel.data_group),
+                         timeout=timedelta(minutes=args.distributed_timeout_minutes))
         step_fn = DCPForwardBackward(dcp_config, model_shape=shape, pool=pool,
                                      zero_stage=1 if args.use_distributed_optimizer else 0,
-                                     vocabulary_lengths=sampler.distinct_lengths())
-    start = load_checkpoint(args, chunks, optimizer, sampler, step_fn) if args.load else 0
+                                     vocabulary_lengths=sampler.distinct_lengths(),
+                                     parallel=parallel)
+    start = load_checkpoint(args, chunks, optimizer, sampler, step_fn, parallel) \
+        if args.load else 0
     if args.load:
         check_resume_point(start, args.train_iters, args.load, primary=rank == 0)
     mode = "dcp" if dcp_config.enabled else "data-parallel"
@@ -574,8 +576,8 @@ def main(argv=None) -> int:
                               num_microbatches=1, seq_length=args.seq_length, micro_batch_size=1)
             t_out = time.perf_counter()
         else:
-            reports = plain_step(chunks, sequences, args, device)
-        loss = iteration_loss(reports, device)
+            reports = plain_step(chunks, sequences, args, device, parallel)
+        loss = iteration_loss(reports, device, parallel)
         result = reports.result if step_fn is not None else None
         if result is not None and dcp_config.loss_reduction == "sequence":
             loss = result.loss  # the loss optimised: the mean of per-sequence means
@@ -607,7 +609,7 @@ def main(argv=None) -> int:
                       plan=plan_summary(plan, micro_steps=micro, **timings), step_plan=plan)
         last = it + 1 == args.train_iters
         if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
-            save_checkpoint(args, it + 1, chunks, optimizer, sampler, step_fn)
+            save_checkpoint(args, it + 1, chunks, optimizer, sampler, step_fn, parallel)
     if step_fn is not None:
         step_fn.close()  # the planning thread joined
     if args.save_profile and step_fn is not None and dist.get_rank() == 0:

@@ -684,13 +684,13 @@ def test_tensor_parallel_fits_a_sequence_tp1_cannot():
     assert sum(len(t.seqs) for t in plan.tasks) == 1
 
 
-def test_megatron_step_plans_with_the_tensor_parallel_size(monkeypatch):
+def test_megatron_step_plans_with_the_tensor_parallel_size():
     step_module = pytest.importorskip("megatron_dcp.megatron.step")
-    step = step_module.DCPForwardBackward(DCPConfig(enabled=True, hardware="h200"),
-                                          model_shape=LLAMA)  # a GPU model: not "auto" on CPU
+    config = DCPConfig(enabled=True, hardware="h200")  # a GPU model: not "auto" on CPU
+    step = step_module.DCPForwardBackward(config, model_shape=LLAMA)
     assert step.planning_shape() is LLAMA  # Megatron's parallel state not set up: TP 1
-    monkeypatch.setattr(step_module.MegatronParallel, "of",
-                        classmethod(lambda cls, pg_collection=None: cls(tensor=2)))
+    step = step_module.DCPForwardBackward(config, model_shape=LLAMA,
+                                          parallel=step_module.MegatronParallel(tensor=2))
     assert step.planning_shape() == replace(LLAMA, tensor_parallel=2)
     expected = make_plan([1000, 5000], world_size=2, model=replace(LLAMA, tensor_parallel=2),
                          config=step.config, zero_stage=step.zero_stage)

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dcp import patching
-from megatron_dcp.megatron.engine import MegatronParallel
+from megatron_dcp.megatron.parallel import MegatronParallel, job_parallel
 from megatron_dcp.patching import PatchSet
 from megatron_dcp.runtime.checkpoint_dir import CheckpointError, save_atomically, save_file
 from megatron_dcp.runtime.checkpoint_verify import agree, split_load_path, verify_checkpoint
@@ -61,11 +61,13 @@ COMMON_FILE = "common.pt"  # torch_dist: megatron-core's non-sharded state
 SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def parallel_layout(model: Any, optimizer: Any) -> dict[str, Any]:
-    """The layout a checkpoint records: world, tensor-, pipeline- and data-parallel sizes, the
-    model chunks per rank (``virtual_pipeline``: 1 without virtual stages) and whether the
-    optimizer is Megatron's distributed one."""
-    parallel = MegatronParallel.of()
+def parallel_layout(model: Any, optimizer: Any,
+                    parallel: Optional[MegatronParallel] = None) -> dict[str, Any]:
+    """The layout a checkpoint records: world, tensor-, pipeline- and data-parallel sizes (of
+    ``parallel``, Megatron's layout of the job; ``None``: the job's, `job_parallel`), the model
+    chunks per rank (``virtual_pipeline``: 1 without virtual stages) and whether the optimizer
+    is Megatron's distributed one."""
+    parallel = parallel if parallel is not None else job_parallel()
     return {"world_size": dist.get_world_size(),
             "tensor_parallel": parallel.tensor,
             "pipeline_parallel": parallel.pipeline,
@@ -93,12 +95,14 @@ def _model_key(i: int, n: int) -> str:
 
 
 def save_checkpoint(save_dir: str, iteration: int, model: Any, optimizer: Any,
-                    extra: Optional[dict] = None, *, ckpt_format: str = "torch") -> str:
+                    extra: Optional[dict] = None, *, ckpt_format: str = "torch",
+                    parallel: Optional[MegatronParallel] = None) -> str:
     """Collective: save model chunk(s) (Megatron DDP or their modules), ``optimizer`` (a torch
     optimizer or Megatron's), ``iteration`` and ``extra`` (tensors and plain types) as
-    ``SAVE_DIR/iter_{iteration}`` and point ``latest`` at it; returns its path."""
+    ``SAVE_DIR/iter_{iteration}`` and point ``latest`` at it; returns its path. ``parallel``:
+    Megatron's layout of the job (``None``: the job's, `job_parallel`)."""
     _check_format(ckpt_format)
-    meta = {**parallel_layout(model, optimizer), "ckpt_format": ckpt_format,
+    meta = {**parallel_layout(model, optimizer, parallel), "ckpt_format": ckpt_format,
             "iteration": iteration}
     rank = dist.get_rank()
     if ckpt_format == "torch":
@@ -126,7 +130,8 @@ def save_checkpoint(save_dir: str, iteration: int, model: Any, optimizer: Any,
 
 def load_checkpoint(load: str, model: Any, optimizer: Any, *, ckpt_format: str = "torch",
                     vocab_size: Optional[int] = None,
-                    vocab_divisible_by: Optional[int] = None) -> tuple[int, Optional[dict]]:
+                    vocab_divisible_by: Optional[int] = None,
+                    parallel: Optional[MegatronParallel] = None) -> tuple[int, Optional[dict]]:
     """Collective: restore model chunk(s) and ``optimizer`` from ``load`` (a save directory, its
     ``latest`` loaded, or one checkpoint in it), verified first; returns ``(iteration, extra)``.
     Raises `CheckpointError` naming what differs when the checkpoint cannot load here: another
@@ -134,8 +139,10 @@ def load_checkpoint(load: str, model: Any, optimizer: Any, *, ckpt_format: str =
     (the padded vocabulary: ``vocab_size``, the real one, and ``vocab_divisible_by``, Megatron's
     ``--make-vocab-size-divisible-by``, give the value that would fit); a file that asks for
     anything its format does not hold is refused (`megatron_dcp.runtime.safe_load`), on every
-    rank alike, before anything is loaded."""
+    rank alike, before anything is loaded. ``parallel``: Megatron's layout of the job
+    (``None``: the job's, `job_parallel`)."""
     _check_format(ckpt_format)
+    parallel = parallel if parallel is not None else job_parallel()
     load_dir, tag = split_load_path(load)
     tag, manifest = verify_checkpoint(load_dir, tag)
     path = os.path.join(load_dir, tag)
@@ -143,7 +150,7 @@ def load_checkpoint(load: str, model: Any, optimizer: Any, *, ckpt_format: str =
     if saved_format != ckpt_format:
         raise CheckpointError(f"checkpoint {path} is in format {saved_format!r}: load it with "
                               f"--ckpt-format {saved_format} (this run: {ckpt_format})")
-    want = parallel_layout(model, optimizer)
+    want = parallel_layout(model, optimizer, parallel)
     if ckpt_format == "torch":
         keys = ["world_size", "tensor_parallel", "pipeline_parallel", "virtual_pipeline",
                 "distributed_optimizer"]
@@ -168,15 +175,17 @@ def load_checkpoint(load: str, model: Any, optimizer: Any, *, ckpt_format: str =
             chunk.load_state_dict(saved)
         _load_optimizer_state(optimizer, state["optimizer"])
     else:
-        state = _load_torch_dist(path, model, optimizer, vocab_size, vocab_divisible_by)
+        state = _load_torch_dist(path, model, optimizer, vocab_size, vocab_divisible_by,
+                                 parallel.tensor)
     return int(state["iteration"]), state["extra"]
 
 
 def _load_torch_dist(path: str, model: Any, optimizer: Any, vocab_size: Optional[int],
-                     divisible_by: Optional[int]) -> dict:
+                     divisible_by: Optional[int], tensor_parallel: int) -> dict:
     """Collective: every file of the torch_dist checkpoint ``path`` that unpickles checked on
-    every rank (and the tensors' global shapes against this run's) before megatron-core reads
-    any, then its load through the safe reader; returns ``state.pt``'s content."""
+    every rank (and the tensors' global shapes against this run's, at ``tensor_parallel``)
+    before megatron-core reads any, then its load through the safe reader; returns
+    ``state.pt``'s content."""
     from megatron.core import dist_checkpointing
 
     create_optimizer_states(optimizer)
@@ -186,7 +195,8 @@ def _load_torch_dist(path: str, model: Any, optimizer: Any, vocab_size: Optional
         state = _read(os.path.join(path, STATE_FILE))
         if os.path.exists(os.path.join(path, COMMON_FILE)):  # megatron-core 0.16's format
             _read(os.path.join(path, COMMON_FILE))
-        problem = shape_problem(path, sharded, saved_shapes(path), vocab_size, divisible_by)
+        problem = shape_problem(path, sharded, saved_shapes(path), vocab_size, divisible_by,
+                                tensor_parallel)
     except CheckpointError as err:
         problem = str(err)
     except Exception as err:  # noqa: BLE001 - raised on every rank alike by agree, not alone
@@ -231,10 +241,13 @@ _VOCAB_KEYS = ("word_embeddings.weight", "output_layer.weight")
 
 
 def shape_problem(path: str, sharded: dict, saved: dict[str, tuple],
-                   vocab_size: Optional[int], divisible_by: Optional[int]) -> str:
+                  vocab_size: Optional[int], divisible_by: Optional[int],
+                  tensor_parallel: int) -> str:
     """Why this rank's tensors cannot load from the checkpoint's (a global shape differs:
     megatron-core loads the overlapping part of a tensor it marks ``allow_shape_mismatch``,
-    the padded vocabulary rows among them, and leaves the rest as initialised), or ``""``."""
+    the padded vocabulary rows among them, and leaves the rest as initialised), or ``""``.
+    ``tensor_parallel``: this run's size, for the ``--make-vocab-size-divisible-by`` that
+    fits."""
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
@@ -255,7 +268,7 @@ def shape_problem(path: str, sharded: dict, saved: dict[str, tuple],
                  "Megatron pads it to a multiple of --make-vocab-size-divisible-by x "
                  "tensor-parallel size, so a change of tensor parallelism changes it, and "
                  "loading would keep the extra rows random (a different model)")
-        hint = _divisible_by_hint(saved_rows, vocab_size)
+        hint = _divisible_by_hint(saved_rows, vocab_size, tensor_parallel)
         if hint:
             text += f"; resume with --make-vocab-size-divisible-by {hint}, which pads to " \
                     f"{saved_rows} here"
@@ -265,12 +278,11 @@ def shape_problem(path: str, sharded: dict, saved: dict[str, tuple],
     return text
 
 
-def _divisible_by_hint(saved_rows: int, vocab_size: Optional[int]) -> Optional[int]:
+def _divisible_by_hint(saved_rows: int, vocab_size: Optional[int], tp: int) -> Optional[int]:
     """The largest ``--make-vocab-size-divisible-by`` that pads ``vocab_size`` to
-    ``saved_rows`` at this run's tensor-parallel size, or None."""
+    ``saved_rows`` at tensor-parallel size ``tp``, or None."""
     if vocab_size is None:
         return None
-    tp = MegatronParallel.of().tensor
     for d in range(saved_rows // tp, 0, -1):
         m = d * tp
         if -(-vocab_size // m) * m == saved_rows:

@@ -1,6 +1,6 @@
 """`MegatronStepEngine`: Megatron's `StepEngine` (`megatron_dcp.runtime.step_engine`) for one
-call of `DCPForwardBackward` without pipeline parallelism, and `MegatronParallel`, Megatron's
-parallel layout as the step reads it.
+call of `DCPForwardBackward` without pipeline parallelism, over the job's Megatron layout
+(`megatron_dcp.megatron.parallel.MegatronParallel`, which the step passes it).
 
 Each micro-step is one call of Megatron's ``forward_step_func`` on a one-micro-batch iterator that
 carries the task and its recomputed layers as ``packed_seq_params``; the micro-steps run in DDP's
@@ -12,86 +12,13 @@ micro-steps through Megatron's schedule.
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from megatron_dcp.config import IGNORE_INDEX
+from megatron_dcp.megatron.parallel import MegatronParallel
 from megatron_dcp.runtime.step import Shard, StepEngine
-
-
-@dataclass(frozen=True)
-class MegatronParallel:
-    """Megatron's parallel layout as a DCP step sees it: the groups of ``pg_collection`` when
-    given (a `megatron.core.process_groups_config.ProcessGroupCollection`), else
-    ``parallel_state``'s; sizes 1 where Megatron's model parallelism is not set up. The one
-    place this package reads Megatron's tensor-, pipeline- and data-parallel layout."""
-
-    tensor: int = 1
-    pipeline: int = 1
-    virtual: int = 1
-    """Virtual pipeline stages per pipeline rank (1 without interleaving)."""
-    pg_collection: object = None
-    """The caller's collection, passed on to Megatron's schedule (``None``: built from
-    ``parallel_state`` there)."""
-
-    @classmethod
-    def of(cls, pg_collection=None) -> "MegatronParallel":
-        try:
-            from megatron.core import parallel_state
-        except ImportError:
-            return cls(pg_collection=pg_collection)
-        virtual = int(parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
-        if pg_collection is not None:
-            return cls(pg_collection.tp.size(), pg_collection.pp.size(), virtual, pg_collection)
-        if not parallel_state.model_parallel_is_initialized():
-            return cls(virtual=virtual)
-        return cls(int(parallel_state.get_tensor_model_parallel_world_size()),
-                   int(parallel_state.get_pipeline_model_parallel_world_size()), virtual)
-
-    @property
-    def pipeline_group(self):
-        """This rank's pipeline-parallel group."""
-        if self.pg_collection is not None:
-            return self.pg_collection.pp
-        from megatron.core import parallel_state
-
-        return parallel_state.get_pipeline_model_parallel_group()
-
-    @property
-    def tensor_group(self):
-        """This rank's tensor-parallel group."""
-        if self.pg_collection is not None:
-            return self.pg_collection.tp
-        from megatron.core import parallel_state
-
-        return parallel_state.get_tensor_model_parallel_group()
-
-    def rank_in(self, group) -> int:
-        """This rank's index in ``group`` (one of the properties' groups)."""
-        import torch.distributed as dist
-
-        return dist.get_rank(group)
-
-    @property
-    def data_group(self):
-        """This rank's data-parallel group (the DCP world; Megatron's CP size is 1 under DCP,
-        so ``dp_cp`` is the same ranks)."""
-        if self.pg_collection is not None:
-            groups = vars(self.pg_collection)  # a collection holds only the groups it was given
-            return groups["dp"] if "dp" in groups else groups["dp_cp"]
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_group()
-
-    def model_chunks(self, model) -> list:
-        """The model as a list of chunks: one, or one per virtual pipeline stage."""
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-        if len(chunks) != self.virtual:
-            raise ValueError(f"expected {self.virtual} model chunk(s) (the virtual pipeline "
-                             f"size), got {len(chunks)}")
-        return chunks
 
 
 def token_losses(output_tensor, loss_mask, shard: Shard) -> torch.Tensor:

@@ -28,6 +28,7 @@ _SPEC = "megatron_dcp/megatron/spec.py"
 _STEP = "megatron_dcp/megatron/step.py"
 _MOE = "megatron_dcp/megatron/moe.py"
 _ENGINE = "megatron_dcp/megatron/engine.py"
+_PARALLEL = "megatron_dcp/megatron/parallel.py"
 _PIPE = "megatron_dcp/megatron/pipeline_engine.py"
 _LOSS_TILES = "megatron_dcp/megatron/loss_tiles.py"
 _CKPT = "megatron_dcp/megatron/checkpointing.py"
@@ -125,7 +126,7 @@ INTERNALS: dict[str, str] = {
     "runtime_gather_output)": _LOSS_TILES,
     _CONFIG + "mtp_num_layers": _LOSS_TILES,
     "megatron.core.model_parallel_config:ModelParallelConfig.sequence_parallel": _LOSS_TILES,
-    # the step: model config, DDP's no_sync, one finalize_model_grads, the parallel layout
+    # the step: model config, DDP's no_sync, one finalize_model_grads
     "megatron.core.utils:get_model_config": _STEP,
     "megatron.core.utils:unwrap_model": _LM_CKPT,
     "megatron.core.model_parallel_config:ModelParallelConfig.grad_scale_func": _ENGINE,
@@ -136,23 +137,23 @@ INTERNALS: dict[str, str] = {
         _ENGINE,
     "megatron.core.distributed.distributed_data_parallel_config:"
     "DistributedDataParallelConfig.overlap_param_gather": _STEP,
-    _PS + "get_data_parallel_group": _ENGINE,
-    _PS + "get_data_parallel_rank": _LM,
-    _PS + "model_parallel_is_initialized": _ENGINE,
-    _PS + "get_tensor_model_parallel_world_size": _ENGINE,
-    _PS + "get_tensor_model_parallel_rank": _LM,
-    _PS + "get_pipeline_model_parallel_group": _ENGINE,
+    # the job's parallel layout (MegatronParallel), built once, and the groups' teardown
+    _PS + "get_data_parallel_group": _PARALLEL,
+    _PS + "model_parallel_is_initialized": _PARALLEL,
+    _PS + "get_tensor_model_parallel_world_size": _PARALLEL,
+    _PS + "get_pipeline_model_parallel_group": _PARALLEL,
+    _PS + "get_pipeline_model_parallel_world_size": _PARALLEL,
+    _PS + "get_virtual_pipeline_model_parallel_world_size": _PARALLEL,
+    _PS + "get_tensor_model_parallel_group(check_initialized)": _PARALLEL,
+    _PS + "destroy_model_parallel": _PARALLEL,
+    "megatron.core.process_groups_config:ProcessGroupCollection.use_mpu_process_groups":
+        _PARALLEL,
     _PS + "get_pipeline_model_parallel_rank": _DRY,
-    _PS + "get_pipeline_model_parallel_world_size": _ENGINE,
-    _PS + "get_virtual_pipeline_model_parallel_world_size": _ENGINE,
-    _PS + "get_tensor_model_parallel_group": _ENGINE,
     _PS + "is_pipeline_first_stage": _DRY,
-    _PS + "is_pipeline_last_stage(ignore_virtual)": _LM,
-    _PS + "destroy_model_parallel": "megatron_dcp/megatron/parallel.py",
-    # pipeline parallelism: Megatron's schedules, their table, groups and P2P shape exchange
+    _PS + "is_pipeline_last_stage": _DRY,
+    # pipeline parallelism: Megatron's schedules, their table and P2P shape exchange
     "megatron.core.pipeline_parallel:get_forward_backward_func": _PIPE,
     "megatron.core.pipeline_parallel.schedules:get_schedule_table": _PIPE,
-    "megatron.core.process_groups_config:ProcessGroupCollection.use_mpu_process_groups": _PIPE,
     "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate_shapes":
         _PIPE,
     "megatron.core.pipeline_parallel.hybrid_cp_schedule:BalancedCPScheduler":

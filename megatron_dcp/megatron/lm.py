@@ -349,8 +349,6 @@ class LMForwardBackward:
     ``schedule``: Megatron-LM's own, for evaluation."""
 
     def __init__(self, args: argparse.Namespace, resume: Optional[dict] = None) -> None:
-        from megatron.core import parallel_state as ps
-
         from megatron_dcp.megatron.step import DCPForwardBackward
 
         self.args = args
@@ -362,14 +360,10 @@ class LMForwardBackward:
         self.schedule: Optional[Callable] = None
         self.resume = resume  # the planner state of a --load, restored before the first plan
         self.iteration = int(args.iteration)  # steps taken (after a --load: its iteration)
-        # the writer: the last pipeline stage's first rank (the stage that has the losses)
-        writer = ps.is_pipeline_last_stage(ignore_virtual=True) \
-            and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
-        self.log_path = args.dcp_log_json if writer else None
-        self.log = TrainingLog("dcp", args.train_iters, json_path=self.log_path,
-                               primary=bool(self.log_path), quiet=True, append=bool(args.load),
-                               timeline_interval=args.dcp_log_timeline_interval)
-        """The ``--dcp-log-json`` rows, in the examples' format (`TrainingLog`)."""
+        self.log_path: Optional[str] = None
+        self.log: Optional[TrainingLog] = None
+        """The ``--dcp-log-json`` rows, in the examples' format (`TrainingLog`): opened at the
+        first step (`_open_log`)."""
         self.monitor = LMMonitor.of_megatron(args)  # Megatron-LM's TensorBoard / W&B writers
         self.figures: Optional[StepFigures] = None  # made at the first step (the driver's)
         self._logged_at: Optional[float] = None
@@ -408,14 +402,16 @@ class LMForwardBackward:
             return self.schedule(forward_step_func=forward_step_func, data_iterator=data_iterator,
                                  model=model, num_microbatches=num_microbatches,
                                  forward_only=True, **kwargs)
-        from megatron_dcp.megatron.engine import MegatronParallel
         from megatron_dcp.megatron.step import GlobalBatch
 
+        # the job's layout: built once, by the step, with Megatron-LM's pg_collection if given
+        parallel = self.step.parallel_for(kwargs.get("pg_collection"))
+        if self.log is None:
+            self._open_log(parallel)
         if self.resume is not None:  # every rank, at its first step (the driver is collective)
             self.step.driver.load_state_dict(self.resume)
             self.resume = None
         t0 = time.perf_counter()
-        parallel = MegatronParallel.of(kwargs.get("pg_collection"))
         sequences, plan = self.global_batch(data_iterator, num_microbatches, parallel)
         planned_s = time.perf_counter() - t0  # the lengths' gather, the plan, the tokens' move
         reports = self.step(forward_step_func=_adapted(forward_step_func),
@@ -427,6 +423,18 @@ class LMForwardBackward:
             reports.result.plan_s = reports.result.plan_wait_s = planned_s
         self._log(reports, parallel.data_group)
         return reports
+
+    def _open_log(self, parallel) -> None:
+        """The ``--dcp-log-json`` writer: the last pipeline stage's first rank (the stage that
+        has the losses) of Megatron's layout ``parallel``; the other ranks only count."""
+        writer = parallel.rank_in(parallel.pipeline_group) == parallel.pipeline - 1 \
+            and parallel.rank_in(parallel.data_group) == 0 \
+            and parallel.rank_in(parallel.tensor_group) == 0
+        self.log_path = self.args.dcp_log_json if writer else None
+        self.log = TrainingLog("dcp", self.args.train_iters, json_path=self.log_path,
+                               primary=bool(self.log_path), quiet=True,
+                               append=bool(self.args.load),
+                               timeline_interval=self.args.dcp_log_timeline_interval)
 
     def _log(self, reports, group) -> None:
         """One JSON row: the loss as Megatron-LM's ``lm loss`` (the reports summed over

@@ -104,7 +104,8 @@ def layout_problem(folder: Optional[str], model: Any, args: Any) -> str:
     chunks = unwrap_model(model if isinstance(model, list) else [model])
     sharded = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     return shape_problem(folder, sharded, saved_shapes(folder), vocab_size(args),
-                         getattr(args, "make_vocab_size_divisible_by", None))
+                         getattr(args, "make_vocab_size_divisible_by", None),
+                         int(args.tensor_model_parallel_size))
 
 
 def vocab_size(args: Any) -> int:

@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from megatron_dcp.megatron.engine import MegatronParallel, MegatronStepEngine, token_losses
+from megatron_dcp.megatron.engine import MegatronStepEngine, token_losses
+from megatron_dcp.megatron.parallel import MegatronParallel
 from megatron_dcp.plan.pipeline import interleaved_micro_batches
 from megatron_dcp.runtime.executor import Clock, MicroStep, PlanWork
 
@@ -168,8 +169,8 @@ class SlotShapes:
         return out[0], out[1]
 
 
-def pipeline_communication(mconfig, parallel: Optional[MegatronParallel] = None,
-                           p2p_communicator=None, shapes: Optional[SlotShapes] = None) -> dict:
+def pipeline_communication(mconfig, parallel: MegatronParallel, p2p_communicator=None,
+                           shapes: Optional[SlotShapes] = None) -> dict:
     """``p2p_communicator`` and ``pg_collection`` for Megatron's pipeline schedules with micro-
     batches of different lengths (``variable_seq_lengths``), correct with two stages interleaved.
 
@@ -181,23 +182,17 @@ def pipeline_communication(mconfig, parallel: Optional[MegatronParallel] = None,
     themselves go without ``batch_isend_irecv`` (`schedule_settings`), whose per-rank path
     sends each direction over its own group with two stages.
 
-    ``parallel.pg_collection`` is passed on when the caller gave one; ``p2p_communicator``: the
+    ``parallel``: the job's layout; its `MegatronParallel.schedule_groups` are the schedule's
+    ``pg_collection`` (the caller's collection when it gave one). ``p2p_communicator``: the
     caller's, whose pipeline group the communicator here uses (with its own shape exchange).
-    ``parallel`` defaults to ``parallel_state``'s layout. ``shapes``: the schedule's
-    `SlotShapes` (1F1B, or `SlotShapes.interleaved`), which answer the shape exchange without
-    communicating; ``None`` (a plain data-parallel schedule): shapes are exchanged, in order."""
-    parallel = parallel if parallel is not None else MegatronParallel.of()
-    groups = parallel.pg_collection
-    if groups is None:
-        from megatron.core.process_groups_config import ProcessGroupCollection
-
-        groups = ProcessGroupCollection.use_mpu_process_groups(
-            ["tp", "cp", "embd", "pos_embd", "pp", "dp_cp"])
+    ``shapes``: the schedule's `SlotShapes` (1F1B, or `SlotShapes.interleaved`), which answer
+    the shape exchange without communicating; ``None`` (a plain data-parallel schedule): shapes
+    are exchanged, in order."""
     pp_group = p2p_communicator.pp_group if p2p_communicator is not None \
         else parallel.pipeline_group
     communicator = _ordered_shapes_communicator()(pp_group, mconfig)
     communicator.slot_shapes = shapes
-    return {"p2p_communicator": communicator, "pg_collection": groups}
+    return {"p2p_communicator": communicator, "pg_collection": parallel.schedule_groups}
 
 
 @functools.cache

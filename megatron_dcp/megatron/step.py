@@ -17,12 +17,13 @@ read the task from their call. A long task's MLP tiles and offloaded layers run 
 `megatron_dcp.megatron.loss_tiles.install_loss_tiles` puts on the model instance at its first
 step (the output layer and loss per tile, sequence parallelism included).
 
-The groups are Megatron's: ``pg_collection`` when the caller passes one (tp, pp, dp or dp_cp),
-else ``parallel_state`` (`MegatronParallel`). The model's ``TransformerConfig`` is left alone,
-except during a pipeline schedule call: Megatron's schedules read their settings from the model's
-config and take no other, so for that call `schedule_settings` sets five fields (six when
-interleaved) and restores them after (which, and why, is listed there). What differs from
-Megatron's schedules, and why: docs/MEGATRON.md.
+The groups are Megatron's, read once per job into its `MegatronParallel` (`job_parallel`):
+``pg_collection`` when the caller passes one (tp, pp, dp or dp_cp), else ``parallel_state``'s;
+the step hands that layout to its engine, the pipeline schedule and the launcher (``parallel``).
+The model's ``TransformerConfig`` is left alone, except during a pipeline schedule call:
+Megatron's schedules read their settings from the model's config and take no other, so for that
+call `schedule_settings` sets five fields (six when interleaved) and restores them after (which,
+and why, is listed there). What differs from Megatron's schedules, and why: docs/MEGATRON.md.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megatron_dcp.config import DCPConfig
-from megatron_dcp.megatron.engine import MegatronParallel, MegatronStepEngine
+from megatron_dcp.megatron.engine import MegatronStepEngine
+from megatron_dcp.megatron.parallel import MegatronParallel, job_parallel
 from megatron_dcp.megatron.pipeline_engine import MegatronPipelineEngine
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.runtime.groups import GroupPool, comm_device
@@ -76,11 +78,15 @@ class DCPForwardBackward:
     and every plan is made over them (a batch that would want a missing group gets the best
     plan within them); ``None``: the default vocabulary. ``offload_optimizer``: Megatron's
     ``--optimizer-cpu-offload`` (the planner leaves the optimizer states out of device memory).
+    ``parallel``: Megatron's layout of the job (`MegatronParallel`); ``None``: the job's
+    (`job_parallel`), taken at the first call with its ``pg_collection`` (or at a first use
+    before it) and kept for the step's life.
     """
 
     def __init__(self, config: DCPConfig, *, model_shape=None, pool=None, hardware=None,
                  zero_stage: int = 0, vocabulary_lengths: Optional[Sequence[int]] = None,
-                 offload_optimizer: bool = False) -> None:
+                 offload_optimizer: bool = False,
+                 parallel: Optional[MegatronParallel] = None) -> None:
         self.config = config
         self.offload_optimizer = offload_optimizer  # Megatron's --optimizer-cpu-offload
         self.vocabulary_lengths = vocabulary_lengths
@@ -92,7 +98,7 @@ class DCPForwardBackward:
         self.pool = pool
         self.hardware = hardware
         self._driver: Optional[StepDriver] = None
-        self._parallel: Optional[MegatronParallel] = None  # the last call's (its pg_collection)
+        self._parallel = parallel
         self._checked: set[int] = set()  # ids of the models checked (once, at their first step)
         self._report_keys: tuple[str, ...] = ("lm loss",)
 
@@ -103,7 +109,7 @@ class DCPForwardBackward:
             import torch.distributed as dist
 
             if self.pool is None:
-                dp_group = self._layout().data_group
+                dp_group = self.parallel.data_group
                 self.pool = GroupPool(world_ranks=dist.get_process_group_ranks(dp_group))
             device = comm_device()  # the job's device (the host: None, the driver's default)
             device = None if device.type == "cpu" else device
@@ -142,17 +148,29 @@ class DCPForwardBackward:
         """The `ModelShape` the planner sees: the given one, with Megatron's tensor- and
         pipeline-parallel sizes filled in where the shape leaves them at 1 (memory and time are
         those of one TP rank; P > 1 plans lockstep slots for the pipeline)."""
-        shape, parallel = self.model_shape, self._layout()
+        shape, parallel = self.model_shape, self.parallel
         if shape is not None and shape.tensor_parallel == 1 and parallel.tensor > 1:
             shape = dataclasses.replace(shape, tensor_parallel=parallel.tensor)
         if shape is not None and shape.pipeline_parallel == 1 and parallel.pipeline > 1:
             shape = dataclasses.replace(shape, pipeline_parallel=parallel.pipeline)
         return shape
 
-    def _layout(self) -> MegatronParallel:
-        """Megatron's layout: the last call's (with its ``pg_collection``), else
-        ``parallel_state``'s."""
-        return self._parallel if self._parallel is not None else MegatronParallel.of()
+    @property
+    def parallel(self) -> MegatronParallel:
+        """Megatron's layout of the job: the one given, else the job's (`parallel_for`)."""
+        return self.parallel_for(None)
+
+    def parallel_for(self, pg_collection) -> MegatronParallel:
+        """The job's layout, taken at the first use (`job_parallel`: with ``pg_collection``,
+        the first call's) and kept; a later call's collection must be the layout's (a job
+        has one)."""
+        if self._parallel is None:
+            self._parallel = job_parallel(pg_collection)
+        elif pg_collection is not None and pg_collection is not self._parallel.pg_collection:
+            raise ValueError("DCPForwardBackward: this call's pg_collection is not the one the "
+                             "step's layout was built with; a job has one: give it from the "
+                             "first call on (or build the step with parallel=)")
+        return self._parallel
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model,
                  num_microbatches: Optional[int] = None, seq_length: Optional[int] = None,
@@ -168,7 +186,7 @@ class DCPForwardBackward:
         pipeline group is the schedule's (`pipeline_communication`)."""
         if collect_non_loss_data:
             raise ValueError("DCPForwardBackward: collect_non_loss_data is not supported")
-        self._parallel = parallel = MegatronParallel.of(pg_collection)
+        parallel = self.parallel_for(pg_collection)
         chunks = parallel.model_chunks(model)
         for chunk in chunks:
             self._check(chunk, forward_only)
