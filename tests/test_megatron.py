@@ -220,7 +220,7 @@ def _three_steps(rank, tp, plan_dict, loss_reduction, backward, ddp, problems):
         out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"],
                     packed_seq_params=None if hide_task else params)
         if hide_task and fooled:
-            params.reached = True
+            params.run.reached = True
         return out, partial(loss_func, b["loss_mask"])
 
     step = DCPForwardBackward(DCPConfig(enabled=True, loss_reduction=loss_reduction))

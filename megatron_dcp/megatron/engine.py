@@ -57,8 +57,9 @@ class MegatronStepEngine(StepEngine):
         """``forward_step_func`` on the shard's micro-batch through ``model`` (default: the one
         chunk): (output, loss_func, loss mask).
         Under sequence parallelism the micro-batch is padded at its end to a multiple of the TP
-        size (padding: token 0, position 0, loss mask 0; attention skips it)."""
-        from megatron_dcp.megatron.spec import DCPTaskParams
+        size (padding: token 0, position 0, loss mask 0; attention skips it). The engine keeps
+        the run's `TaskRun` (its offload stash; whether a DCP layer ran)."""
+        from megatron_dcp.megatron.spec import DCPTaskParams, TaskRun
 
         tp = self.parallel.tensor if self.mconfig.sequence_parallel else 1
         pad = -shard.labels.numel() % tp
@@ -66,7 +67,8 @@ class MegatronStepEngine(StepEngine):
         def pad_end(x, value=0):
             return torch.nn.functional.pad(x, (0, pad), value=value).view(1, -1)
 
-        params = DCPTaskParams.of(shard.task, train=not self.forward_only, sp_pad=pad)
+        run = TaskRun.of(shard.task, train=not self.forward_only)
+        params = DCPTaskParams.of(shard.task, train=not self.forward_only, sp_pad=pad, run=run)
         loss_mask = pad_end((shard.labels != IGNORE_INDEX).to(torch.float32))
         micro_batch = {
             "tokens": pad_end(shard.input_ids),
@@ -78,9 +80,9 @@ class MegatronStepEngine(StepEngine):
         }
         output_tensor, loss_func = self.forward_step_func(iter([micro_batch]),
                                                           model or self.model)
-        if params is not None and not params.reached:
+        if params is not None and not run.reached:
             raise ValueError(
-                f"task {shard.task.task.id}: no DCP layer ran with the micro-batch's "
+                f"task {shard.task.id}: no DCP layer ran with the micro-batch's "
                 "packed_seq_params; the forward_step_func must pass "
                 "packed_seq_params=micro_batch['packed_seq_params'] to the model (else the shard "
                 "runs as one ordinary sequence: wrong attention and positions)")

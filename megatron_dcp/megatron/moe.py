@@ -31,8 +31,12 @@ What changes with experts, and why (docs/MEGATRON.md, "Mixture of experts"):
     input jitter and forced balancing (random per micro-batch) too.
 
   Outside a task (plain Megatron, evaluation without DCP) the router is Megatron's unchanged.
-  The task reaches the router as the layer's call argument (`DCPTransformerLayer` binds it to
-  the router before the layer runs, also inside a recompute on the autograd thread).
+  The task reaches the router from the layer's call argument: Megatron calls the MoE layer and
+  its router with the hidden states and padding mask only, so `DCPTransformerLayer` sets the
+  task on its router for the duration of its call (`DCPTopKRouter.routing_task`), also inside
+  a recompute on the autograd thread; each `routing` call then keeps what it routes (the
+  task's rows, a filler, or Megatron's micro-batch) in one record for the loss methods
+  Megatron's routing calls.
 
 On a CPU (tests) MoE layers need the harness's `megatron_dcp.megatron.cpu.core.enable_moe_cpu`.
 """
@@ -42,7 +46,8 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.metadata
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
@@ -231,6 +236,23 @@ def _losses_divided_by_tp() -> bool:
         return False
 
 
+class _Routing:
+    """What one `DCPTopKRouter.routing` call routes: a DCP task's rows (``tokens``, a
+    `_Tokens`), or Megatron's micro-batch (``tokens`` None) with its balancing loss
+    (``balancing``) or, for a micro-batch of padding only, without."""
+
+    __slots__ = ("tokens", "balancing")
+
+    def __init__(self, tokens: Optional[_Tokens] = None, balancing: bool = True) -> None:
+        self.tokens, self.balancing = tokens, balancing
+
+
+_MEGATRON = _Routing()
+"""A routing call outside a task: Megatron's router unchanged."""
+_FILLER = _Routing(balancing=False)
+"""A routing call outside a task on padding only: Megatron's router without balancing loss."""
+
+
 class DCPTopKRouter(TopKRouter):
     """Megatron's ``TopKRouter`` whose auxiliary losses do not depend on the DCP plan (see the
     module docstring); Megatron's own router outside a task, except that a micro-batch of
@@ -239,33 +261,48 @@ class DCPTopKRouter(TopKRouter):
     ``mlp.submodules.router`` (`use_dcp_router`; `get_gpt_layer_dcp_spec` does with
     ``num_experts``)."""
 
-    _dcp_params = None
+    # Megatron's layer calls its MLP, and the MoE layer its router, with the hidden states and
+    # padding mask only: the task has no argument to travel in down to `routing`, so the layer
+    # hands it over for the duration of its call (`routing_task`).
+    _task = None
+    """The `DCPTaskParams` of the layer call running (`routing_task`); None: no task."""
+    _routing: _Routing = _MEGATRON
+    """What the `routing` call running routes (set by `routing` for its duration); the loss
+    methods Megatron's routing calls read it."""
 
-    def bind_task(self, params) -> None:
-        """The DCP task parameters of the layer's current call (``None``: not a task)."""
-        self._dcp_params = params if getattr(params, "task", None) is not None else None
+    @contextmanager
+    def routing_task(self, params) -> Iterator[None]:
+        """Route a DCP task's tokens inside (``params``: the layer call's `DCPTaskParams`; None
+        or no task: Megatron's router), on whichever thread runs the call; the task before is
+        restored after."""
+        before = self._task
+        self._task = params if getattr(params, "task", None) is not None else None
+        try:
+            yield
+        finally:
+            self._task = before
 
     # -------------------------------------------------------------- routing
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        params = self._dcp_params
-        if params is None:
-            if padding_mask is not None and bool(padding_mask.all()):
-                # only padding (a filler micro-batch): Megatron's balancing loss would be
-                # 0 / 0 = nan; there is nothing to balance
-                self._no_balancing = True
-                try:
-                    return super().routing(logits, padding_mask)
-                finally:
-                    self._no_balancing = False
-            return super().routing(logits, padding_mask)
-        self._check_supported()
-        rows = logits.shape[0] * logits.shape[1] if logits.dim() == 3 else logits.shape[0]
-        self._rows = _Tokens(params, rows, self.tp_cp_group, self.config.sequence_parallel,
-                             logits.device)
+        before, self._routing = self._routing, self._routing_of(logits, padding_mask)
         try:
             return super().routing(logits, padding_mask)
         finally:
-            self._rows = None
+            self._routing = before
+
+    def _routing_of(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor]
+                    ) -> _Routing:
+        """What this call routes: the bound task's rows, a filler, or Megatron's micro-batch."""
+        params = self._task
+        if params is None:
+            # only padding (a filler micro-batch): Megatron's balancing loss would be
+            # 0 / 0 = nan; there is nothing to balance
+            filler = padding_mask is not None and bool(padding_mask.all())
+            return _FILLER if filler else _MEGATRON
+        self._check_supported()
+        rows = logits.shape[0] * logits.shape[1] if logits.dim() == 3 else logits.shape[0]
+        return _Routing(_Tokens(params, rows, self.tp_cp_group, self.config.sequence_parallel,
+                                logits.device))
 
     def _check_supported(self) -> None:
         problems = moe_problems(self.config)
@@ -281,7 +318,7 @@ class DCPTopKRouter(TopKRouter):
         return scale_func(torch.ones((), device=device)).detach()
 
     def apply_z_loss(self, logits, padding_mask: Optional[torch.Tensor] = None):
-        rows = getattr(self, "_rows", None)
+        rows = self._routing.tokens
         if rows is None:
             return super().apply_z_loss(logits, padding_mask)
         coeff = self.config.moe_z_loss_coeff
@@ -293,8 +330,8 @@ class DCPTopKRouter(TopKRouter):
 
     def _apply_seq_aux_loss(self, probs, scores_for_aux_loss, routing_map, seq_length, bsz,
                             with_padding_mask: bool = False):
-        rows = getattr(self, "_rows", None)
-        if getattr(self, "_no_balancing", False):
+        rows = self._routing.tokens
+        if not self._routing.balancing:
             return probs
         if rows is None:
             return super()._apply_seq_aux_loss(probs, scores_for_aux_loss, routing_map,
@@ -313,25 +350,24 @@ class DCPTopKRouter(TopKRouter):
 
     def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map,
                         with_padding_mask: bool = False):
-        if getattr(self, "_rows", None) is not None and self.get_aux_loss_coeff("aux_loss"):
+        if self._routing.tokens is not None and self.get_aux_loss_coeff("aux_loss"):
             raise ValueError("DCPTopKRouter: " + REFUSED_AUX_LOSS_TYPES["aux_loss"])
-        if getattr(self, "_no_balancing", False):
+        if not self._routing.balancing:
             return probs
         return super()._apply_aux_loss(probs, scores_for_aux_loss, routing_map,
                                        with_padding_mask)
 
     def _apply_global_aux_loss(self, probs, scores_for_aux_loss, routing_map,
                                with_padding_mask: bool = False):
-        if getattr(self, "_rows", None) is not None \
-                and self.get_aux_loss_coeff("global_aux_loss"):
+        if self._routing.tokens is not None and self.get_aux_loss_coeff("global_aux_loss"):
             raise ValueError("DCPTopKRouter: " + REFUSED_AUX_LOSS_TYPES["global_aux_loss"])
-        if getattr(self, "_no_balancing", False):
+        if not self._routing.balancing:
             return probs
         return super()._apply_global_aux_loss(probs, scores_for_aux_loss, routing_map,
                                               with_padding_mask)
 
     def _apply_expert_bias(self, routing_map, padding_mask=None):
-        rows = getattr(self, "_rows", None)
+        rows = self._routing.tokens
         if rows is None or not self.enable_expert_bias:
             return super()._apply_expert_bias(routing_map, padding_mask)
         if torch.is_grad_enabled():  # counted once (not in a checkpoint's first, no-grad pass)
@@ -339,6 +375,12 @@ class DCPTopKRouter(TopKRouter):
                 real = rows.valid & (rows.weights[rows.seq_ids] > 0)  # not padding or empty slot
                 self.local_tokens_per_expert += (routing_map & real.unsqueeze(-1)).sum(dim=0)
         return None
+
+
+def dcp_router_of(layer) -> Optional[DCPTopKRouter]:
+    """A Megatron layer's MoE router when it is a `DCPTopKRouter`, else ``None``."""
+    router = getattr(getattr(layer, "mlp", None), "router", None)
+    return router if isinstance(router, DCPTopKRouter) else None
 
 
 def use_dcp_router(layer_spec) -> None:

@@ -55,7 +55,8 @@ which refuses SP, in the local spec; `get_gpt_block_dcp_spec` also puts it in th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -64,15 +65,37 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_dcp.runtime.context import TaskContext
-from megatron_dcp.runtime.offload import OffloadEntry, offload_layers_of
+from megatron_dcp.runtime.offload import OffloadEntry, offload_layers_of, stash_for
 from megatron_dcp.runtime.tiling import TileableForward, mlp_tiles_of, tiled_mlp
+
+
+class TaskRun:
+    """One run of a shard's micro-batch through the model (one model chunk under virtual
+    pipeline stages), which the engine that starts it (`MegatronStepEngine`) owns and reads
+    back; the layers get it from the run's `DCPTaskParams`, which they only read."""
+
+    __slots__ = ("stash", "reached")
+
+    def __init__(self, stash: Any = None) -> None:
+        self.stash = stash
+        """The `megatron_dcp.runtime.offload.HostStash` of this forward (the task's
+        ``offload_layers`` > 0 in training), where offloaded layers keep their saved input."""
+        self.reached = False
+        """Set by the first `DCPTransformerLayer` that runs the micro-batch: the engine checks
+        it to name a ``forward_step_func`` that did not pass ``packed_seq_params`` on."""
+
+    @classmethod
+    def of(cls, task: Optional[TaskContext], train: bool = True) -> "TaskRun":
+        """A run of ``task``'s micro-batch, with a stash where ``train`` and it offloads."""
+        return cls(stash_for(task) if train else None)
 
 
 @dataclass
 class DCPTaskParams(PackedSeqParams):
     """Megatron's ``PackedSeqParams`` (format ``sbhd``: one packed row per shard) carrying the
     DCP task to `DCPTransformerLayer` and `DCPCoreAttention` through the model's
-    ``packed_seq_params`` argument."""
+    ``packed_seq_params`` argument. Input only, as Megatron's: what a run leaves (the layers
+    reached, the offload stash) is in its `TaskRun`."""
 
     task: Any = None
     """The `TaskContext` of the shard."""
@@ -82,18 +105,15 @@ class DCPTaskParams(PackedSeqParams):
     sp_pad: int = 0
     """Padding tokens at the end of the shard's micro-batch that make its length a multiple of
     the TP size under sequence parallelism (outside DCP's layout: attention skips them)."""
-    reached: bool = False
-    """Set by the first `DCPTransformerLayer` that runs with these parameters: the step checks it
-    to name a ``forward_step_func`` that did not pass them to the model."""
-    stash: Any = None
-    """The `megatron_dcp.runtime.offload.HostStash` of this micro-step's forward (the task's
-    ``offload_layers`` > 0 in training), where offloaded layers keep their saved input."""
+    run: TaskRun = field(default_factory=TaskRun)
+    """The run of the micro-batch these parameters belong to (the engine's `TaskRun`)."""
 
     @classmethod
-    def of(cls, task: Optional[TaskContext], train: bool = True,
-           sp_pad: int = 0) -> Optional["DCPTaskParams"]:
+    def of(cls, task: Optional[TaskContext], train: bool = True, sp_pad: int = 0,
+           run: Optional[TaskRun] = None) -> Optional["DCPTaskParams"]:
         """Parameters for ``task`` (``None`` outside a task); ``train=False``: no recompute;
-        ``sp_pad``: see the field."""
+        ``sp_pad``: see the field; ``run``: the engine's record of the run (default: a new
+        `TaskRun.of` the task)."""
         if task is None or task.layout is None:
             return None
         # GPTModel asks its RotaryEmbedding for the table of positions 0..max_seqlen-1: every
@@ -101,11 +121,9 @@ class DCPTaskParams(PackedSeqParams):
         # describes the packing.
         host = task.layout.position_ids
         n = rope_table_length(int(host.max()) + 1 if host.numel() else 1)
-        from megatron_dcp.runtime.offload import stash_for
-
         return cls(qkv_format="sbhd", max_seqlen_q=n, max_seqlen_kv=n, task=task,
                    recompute_layers=task.recompute_layers if train else 0, sp_pad=sp_pad,
-                   stash=stash_for(task) if train else None)
+                   run=run if run is not None else TaskRun.of(task, train))
 
     def rotary_rows(self, table):
         """The rows of Megatron's rotary table ``[max_seqlen_q, 1, 1, dim]`` (or of each of a
@@ -239,14 +257,17 @@ class DCPTransformerLayer(TransformerLayer):
         """Index of the layer in this pipeline stage (its chunks in order), from 0."""
         self._mlp_tiles = _tileable_mlp(self)
         """The MLP's tileable forward (`TiledMLPForward`; ``None``: MoE, not tiled)."""
+        from megatron_dcp.megatron.moe import dcp_router_of
+
+        self._router = dcp_router_of(self)
+        """The MoE MLP's `DCPTopKRouter` (``None``: a dense MLP, or another router)."""
 
     def forward(self, *args, **kwargs):
         """Megatron's layer forward (``hidden_states, ..., packed_seq_params=...``)."""
         params = kwargs.get("packed_seq_params")
-        self._bind_task(params)
         if getattr(params, "task", None) is None:
             return super().forward(*args, **kwargs)
-        params.reached = True
+        params.run.reached = True
         rope = kwargs.get("rotary_pos_emb")
         if rope is not None:
             kwargs["rotary_pos_emb"] = params.rotary_rows(rope)
@@ -256,16 +277,19 @@ class DCPTransformerLayer(TransformerLayer):
         return self._recomputed(*args, **kwargs)
 
     def _run(self, params, *args, **kwargs):
-        """Megatron's layer forward with the MLP over the task's ``mlp_tiles`` tiles (set for
-        this call only, on whichever thread runs it: a recompute sets it again)."""
-        tiles = mlp_tiles_of(getattr(params, "task", None))
-        if tiles <= 1 or self._mlp_tiles is None:
-            return super().forward(*args, **kwargs)
-        if not self._mlp_tiles.tileable:
-            raise ValueError(f"layer {self.block_index}: task {params.task.task.id} has "
+        """Megatron's layer forward running the task of ``params``: an MoE router routes the
+        task's tokens (`DCPTopKRouter.routing_task`) and a dense MLP runs over the task's
+        ``mlp_tiles`` tiles, both set for this call only, on whichever thread runs it (a
+        recompute runs it again)."""
+        tiles = mlp_tiles_of(params.task)
+        tiled = tiles > 1 and self._mlp_tiles is not None
+        if tiled and not self._mlp_tiles.tileable:
+            raise ValueError(f"layer {self.block_index}: task {params.task.id} has "
                              f"mlp_tiles {tiles}, but this layer's MLP is not Megatron's dense "
                              "MLP (MoE layers are not tiled)")
-        with self._mlp_tiles.tiled(tiles):
+        routing = nullcontext() if self._router is None else self._router.routing_task(params)
+        tiling = self._mlp_tiles.tiled(tiles) if tiled else nullcontext()
+        with routing, tiling:
             return super().forward(*args, **kwargs)
 
     def _recomputed(self, *args, **kwargs):
@@ -279,10 +303,9 @@ class DCPTransformerLayer(TransformerLayer):
         params = kwargs.get("packed_seq_params")
 
         def run(*values):
-            self._bind_task(params)  # a recompute: this call's task
             return self._run(params, *args, **dict(zip(names, values)), **kwargs)
 
-        stash = getattr(params, "stash", None)
+        stash = params.run.stash
         if stash is None or self.block_index >= offload_layers_of(params.task):
             return tensor_parallel.checkpoint(run, self.config.distribute_saved_activations,
                                               *tensors)
@@ -290,14 +313,6 @@ class DCPTransformerLayer(TransformerLayer):
         return offloaded_saved_input(
             lambda: tensor_parallel.checkpoint(run, self.config.distribute_saved_activations,
                                                *tensors), tensors[0], stash)
-
-    def _bind_task(self, params) -> None:
-        """Hand the call's task parameters to an MoE router that takes them
-        (`megatron_dcp.megatron.moe.DCPTopKRouter`: its auxiliary losses are per sequence)."""
-        router = getattr(getattr(self, "mlp", None), "router", None)
-        bind = getattr(router, "bind_task", None)
-        if bind is not None:
-            bind(params)
 
 
 class TiledMLPForward(TileableForward):

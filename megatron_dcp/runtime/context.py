@@ -54,5 +54,10 @@ class TaskContext:
                                                 else 1)))
 
     @property
+    def id(self) -> int:
+        """The plan task's id."""
+        return self.task.id
+
+    @property
     def degree(self) -> int:
         return self.task.degree

@@ -102,9 +102,12 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles
 class TileableForward:
     """A module's ``forward`` (an MLP's) made tileable in place: the original forward while
     ``tiles`` is 1, `run_tiled` while a layer call of a tiled task runs (`tiled` sets ``tiles``
-    around that call only, on whichever thread runs it: a recompute sets it again). Each engine's
-    subclass says how its MLP's tensors tile (`tiled_mlp` over its token dimension).
-    ``tileable`` False: installed so that a tiled task names the module it cannot tile."""
+    around that call only, on whichever thread runs it: a recompute sets it again). The layers
+    that call the MLP (Megatron's, HF's) pass it the hidden states only, so the count has no
+    argument to travel in; it is the module's for the duration of the layer call, as a
+    `megatron_dcp.megatron.moe.DCPTopKRouter`'s task is. Each engine's subclass says how its
+    MLP's tensors tile (`tiled_mlp` over its token dimension). ``tileable`` False: installed so
+    that a tiled task names the module it cannot tile."""
 
     def __init__(self, forward: Callable[..., Any], tileable: bool = True) -> None:
         self.forward, self.tileable, self.tiles = forward, tileable, 1
