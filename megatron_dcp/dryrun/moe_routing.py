@@ -22,6 +22,7 @@ balanced routing.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ContextManager, Optional
 
 import torch
@@ -74,10 +75,22 @@ def _permute(tokens: torch.Tensor, routing_map: torch.Tensor,
     return tokens.index_select(0, indices), permuted_probs, indices
 
 
+def _permute_with_padding(tokens: torch.Tensor, routing_map: torch.Tensor,
+                          probs: Optional[torch.Tensor] = None,
+                          num_out_tokens: Optional[int] = None, fused: bool = False,
+                          drop_and_pad: bool = False,
+                          tokens_per_expert: Optional[torch.Tensor] = None, align_size: int = 0):
+    """`_permute` for megatron-core 0.19 on, whose ``permute`` also returns the padding offsets
+    of aligned experts (none here) and the tokens per expert."""
+    out, permuted_probs, indices = _permute(tokens, routing_map, probs, num_out_tokens)
+    return out, permuted_probs, indices, None, tokens_per_expert
+
+
 def _unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
                restore_shape: torch.Size, probs: Optional[torch.Tensor] = None,
                routing_map: Optional[torch.Tensor] = None, fused: bool = False,
-               drop_and_pad: bool = False) -> torch.Tensor:
+               drop_and_pad: bool = False, pad_offsets: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
     """Megatron's ``unpermute`` shapes: the rows summed back into the tokens' positions."""
     out = permuted_tokens.new_zeros(restore_shape)
     index = sorted_indices.unsqueeze(1).expand(-1, restore_shape[-1])
@@ -92,8 +105,9 @@ def _install(patches: PatchSet) -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
     patches.set(token_dispatcher.MoEAlltoAllTokenDispatcher, "preprocess", _preprocess)
-    patches.replace("megatron.core.transformer.moe.token_dispatcher", "permute", _permute,
-                    aliases=False)
+    padded = "tokens_per_expert" in inspect.signature(token_dispatcher.permute).parameters
+    patches.replace("megatron.core.transformer.moe.token_dispatcher", "permute",
+                    _permute_with_padding if padded else _permute, aliases=False)
     patches.replace("megatron.core.transformer.moe.token_dispatcher", "unpermute", _unpermute,
                     aliases=False)
 
