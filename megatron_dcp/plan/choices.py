@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence, TypeVar
 
 from megatron_dcp.plan.cost import Layout
@@ -412,3 +413,20 @@ def degree_choice(pctx: PlanContext, infos: list[SeqChoice], mode: str, floor: i
             fastest = min(fastest, seq_time(info.length, info.pairs, d, c))
         longest = max(longest, fastest)
     return per_rank, longest
+
+
+def full_lift(pctx: PlanContext, infos: list[SeqChoice], floor: int
+              ) -> Callable[[SeqChoice], SeqChoice]:
+    """A sequence's `degree_choice` under recompute ``full`` from the size ``floor`` on, as a
+    function of the sequence (`_of_length`: one choice per length, the same for each sequence
+    of a length)."""
+    full: dict[tuple[int, float], SeqChoice] = {}
+    for x in infos:
+        full.setdefault((x.length, x.pairs), SeqChoice(x.i, x.length, x.pairs))
+    degree_choice(pctx, list(full.values()), "full", floor)
+    return partial(_of_length, full)
+
+
+def _of_length(choices: dict[tuple[int, float], SeqChoice], info: SeqChoice) -> SeqChoice:
+    """The choice among ``choices`` (by length and pairs) for ``info``'s length and pairs."""
+    return choices[(info.length, info.pairs)]

@@ -28,7 +28,7 @@ from functools import partial
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 from megatron_dcp.plan.choices import (MAX_WORK_GROWTH, OVERHEAD_TASKS, Pack, SeqChoice,
-                                       degree_choice, floor_of, next_fit, passes_for, raised,
+                                       floor_of, full_lift, next_fit, passes_for, raised,
                                        least_makespan, slot_choice)
 from megatron_dcp.plan.drafts import Candidate, Draft, PlanContext, retime_slots
 from megatron_dcp.plan.lockstep_regroup import merged, narrowed
@@ -337,23 +337,6 @@ def lockstep_items(pctx: PlanContext, same: Sequence[Sequence[SeqChoice]], mode:
     return wide, short
 
 
-def _full_lift(pctx: PlanContext, infos: list[SeqChoice], floor: int
-               ) -> Callable[[SeqChoice], SeqChoice]:
-    """A sequence's `degree_choice` under recompute ``full`` from the size ``floor`` on, as a
-    function of the sequence (`_of_length`: one choice per length, the same for each sequence
-    of a length)."""
-    full: dict[tuple[int, float], SeqChoice] = {}
-    for x in infos:
-        full.setdefault((x.length, x.pairs), SeqChoice(x.i, x.length, x.pairs))
-    degree_choice(pctx, list(full.values()), "full", floor)
-    return partial(_of_length, full)
-
-
-def _of_length(choices: dict[tuple[int, float], SeqChoice], info: SeqChoice) -> SeqChoice:
-    """The choice among ``choices`` (by length and pairs) for ``info``'s length and pairs."""
-    return choices[(info.length, info.pairs)]
-
-
 def lockstep_candidates(pctx: PlanContext, infos: list[SeqChoice], mode: str, bound: float,
                         longest: float, prune: bool = False) -> list[Candidate]:
     """The plan of every lockstep pass this input gets (`LOCKSTEP_PASSES`; the ``full`` ones
@@ -401,7 +384,7 @@ def _pass_items(pctx: PlanContext, infos: list[SeqChoice], mode: str
         key = (p.recompute, p.floor, target, p.grain)
         if key not in made:
             if (p.recompute, p.floor) not in lifts:
-                lifts[(p.recompute, p.floor)] = _full_lift(pctx, infos, p.floor) \
+                lifts[(p.recompute, p.floor)] = full_lift(pctx, infos, p.floor) \
                     if p.recompute != mode else partial(raised, pctx, mode=mode, floor=p.floor)
             made[key] = lockstep_items(pctx, same, p.recompute, target, p.grain,
                                        lifts[(p.recompute, p.floor)])
