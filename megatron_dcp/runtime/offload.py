@@ -75,14 +75,14 @@ def offload_stream(device: torch.device) -> Any:
 
 
 POOL_GRAIN = 2 << 20
-"""Host buffers are sized to a multiple of this many bytes (torch's caching host allocator
-rounds pinned blocks up to a power of two: up to twice the bytes)."""
+"""Host buffers are sized to a multiple of this many bytes. (Pinned ones come from torch's
+caching host allocator, which still rounds each block up to a power of two.)"""
 
 
 class HostPool:
     """Host buffers for the offloaded layer inputs of one device, reused from step to step:
-    pinned on CUDA (allocated once, not on every forward's path: pinning is slow), ordinary
-    memory elsewhere. A buffer comes back when its entry has been loaded; a later copy into it
+    pinned on CUDA (allocated in the first steps, then reused, not asked of the allocator on
+    every forward's path), ordinary memory elsewhere. A buffer comes back when its entry has been loaded; a later copy into it
     is issued on the same offload stream as that load (`offload_stream`), so it runs after it:
     no event is needed. The pool holds at most the most bytes its stashes had in use at once
     (``peak_bytes``: with pipeline parallelism several micro-steps' stashes): a new buffer that
