@@ -116,16 +116,16 @@ def member_connections(group: Sequence[int], kinds: Iterable[str],
     the ring sends to the next member and receives from the previous one (a subset of those)."""
     kinds, n = set(kinds), len(group)
     node = [r // ranks_per_node for r in group]
+    on_node = {k: node.count(k) for k in set(node)}
     for i, r in enumerate(group):
-        if ALL_TO_ALL in kinds:
-            peers = [j for j in range(n) if j != i]
-            per_peer = 2
-        elif SEND_RECV in kinds:
-            peers, per_peer = [(i + 1) % n, (i - 1) % n], 1
+        if ALL_TO_ALL in kinds:  # every other member, both ways
+            near = on_node[node[i]] - 1
+            yield r, 2 * (near + (n - 1 - near) * NET_CONNECTION_SHARE)
+        elif SEND_RECV in kinds:  # a send to the next member, a receive from the previous one
+            yield r, sum(1.0 if node[j] == node[i] else NET_CONNECTION_SHARE
+                         for j in ((i + 1) % n, (i - 1) % n))
         else:
-            peers, per_peer = [], 0
-        yield r, per_peer * sum(1.0 if node[j] == node[i] else NET_CONNECTION_SHARE
-                                for j in peers)
+            yield r, 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +288,7 @@ class Vocabulary:
     def communicators(self) -> tuple[tuple[int, ...], ...]:
         """Every multi-rank process group a plan over this vocabulary can use (task groups and
         the sub-groups of every allowed Ulysses degree), in one fixed order: size, then ranks."""
-        return tuple(_communicators_of(self.rules(), self.kept))
+        return tuple(_communicators_of(self.rules(), self.kept, False))
 
     def operations(self) -> dict[tuple[int, ...], frozenset[str]]:
         """`communicators` with the collectives tasks run on each (`operations`): what the pool
