@@ -38,7 +38,7 @@ $(BIN312)/.installed: pyproject.toml
 	test -x $(BIN312)/python || $(PY312) -m venv $(VENV312)
 	$(BIN312)/pip install -q --upgrade pip
 	$(BIN312)/pip install -q torch==2.13.0
-	DS_BUILD_OPS=0 $(BIN312)/pip install -q -e ".[megatron,deepspeed,hf,test,monitor]"
+	DS_BUILD_OPS=0 $(BIN312)/pip install -q -e ".[all]"
 	touch $@
 
 .PHONY: venv312 test312
@@ -52,8 +52,23 @@ test312: venv312
 	OMP_NUM_THREADS=1 $(BIN312)/python -m pytest -q -n $(TEST_JOBS) $(TESTS312)
 endif
 
+# The demo runs where the README's Megatron-LM recipe runs too: .venv312 (Python 3.12,
+# megatron-core 0.19.2 with Megatron-LM's megatron/training) when a Python 3.12 is found, else
+# .venv (megatron-core 0.16.1: the DeepSpeed demo and the Megatron-core example, not the recipe).
+# PORT=N sets the rendezvous port (default: a free one).
+PORT ?=
+DEMO_ARGS := $(if $(strip $(PORT)),--master_port $(PORT))
+ifeq ($(strip $(PY312)),)
 demo: venv
-	$(BIN)/python tools/demo.py
+	@echo "demo: no Python 3.12 found (pyenv prefix 3.12.1, python3.12): running in .venv;" \
+	      "the README's Megatron-LM recipe needs megatron-core 0.19 (Python 3.12): make venv312"
+	$(BIN)/python tools/demo.py $(DEMO_ARGS)
+else
+demo: venv312
+	@echo "demo: environment $(VENV312) (Python 3.12, megatron-core 0.19.2); the README's" \
+	      "Megatron-LM recipe runs there too: . $(BIN312)/activate"
+	$(BIN312)/python tools/demo.py $(DEMO_ARGS)
+endif
 
 simulate: venv
 	$(BIN)/python tools/simulate.py --gpus 32 --gpus-per-node 8 --model llama-7b --hardware h200 --dist short --policy all

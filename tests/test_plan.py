@@ -40,6 +40,18 @@ def test_model_presets():
         load_model("llama-8b")
 
 
+@pytest.mark.parametrize("name,billions", [("llama3-8b", 8.03), ("llama3-70b", 70.55),
+                                           ("qwen2.5-7b", 7.62), ("qwen3-8b", 8.19)])
+def test_model_presets_match_published_parameter_counts(name, billions):
+    """The shipped presets hold the parameters their model cards give (norms left out: under
+    0.01 B): a wrong width, head count or vocabulary moves the count by far more than 0.5 %."""
+    from megatron_dcp.plan.geometry import Geometry
+
+    geometry = Geometry(load_model(name), load_hardware("h100"), world_size=8)
+    assert geometry.params / 1e9 == pytest.approx(billions, rel=5e-3)
+    assert load_model(name).name == name
+
+
 def test_model_json(tmp_path):
     path = tmp_path / "m.json"
     path.write_text(json.dumps({"base": "llama-7b", "num_layers": 4}))

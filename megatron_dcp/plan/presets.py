@@ -32,6 +32,20 @@ MODEL_PRESETS: dict[str, ModelShape] = {
     # Llama-2-70B: GQA with 8 key/value heads.
     "llama-70b": ModelShape(num_layers=80, hidden_size=8192, num_heads=64, ffn_hidden_size=28672,
                             vocab_size=32000, num_kv_heads=8, name="llama-70b"),
+    # Llama 3 (Meta, 2024; config.json of Meta-Llama-3-8B / -70B): GQA with 8 key/value heads, a
+    # 128,256-token vocabulary (the shape of Megatron-LM's examples/llama recipes).
+    "llama3-8b": ModelShape(num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                            ffn_hidden_size=14336, vocab_size=128256, name="llama3-8b"),
+    "llama3-70b": ModelShape(num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+                             ffn_hidden_size=28672, vocab_size=128256, name="llama3-70b"),
+    # Qwen2.5-7B (config.json): 28 heads of 128 with 4 key/value heads, biases on q/k/v.
+    "qwen2.5-7b": ModelShape(num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4,
+                             ffn_hidden_size=18944, vocab_size=152064, qkv_bias=True,
+                             name="qwen2.5-7b"),
+    # Qwen3-8B (config.json): 32 heads of 128, 8 key/value heads, no q/k/v biases.
+    "qwen3-8b": ModelShape(num_layers=36, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                           head_dim=128, ffn_hidden_size=12288, vocab_size=151936,
+                           name="qwen3-8b"),
     # Open-Sora STDiT-XL-like video DiT: 28 blocks alternating spatial / temporal attention,
     # bidirectional; a 512x512 video through an 8x VAE and 2x2 patches gives 32x32 = 1024 tokens
     # per latent frame. "vocab" is the per-token output width (latent channels x patch area).
@@ -62,8 +76,9 @@ MODEL_PRESETS: dict[str, ModelShape] = {
 
 
 def load_model(name_or_path: "str | ModelShape | dict[str, Any]") -> ModelShape:
-    """A preset name (``gpt-1b``, ``llama-7b``, ``llama-13b``, ``llama-70b``, ``video-dit``,
-    ``mixtral-8x7b``, ``qwen3-30b-a3b``, ``deepseek-v3``), a JSON
+    """A preset name (``gpt-1b``, ``llama-7b``, ``llama-13b``, ``llama-70b``, ``llama3-8b``,
+    ``llama3-70b``, ``qwen2.5-7b``, ``qwen3-8b``, ``video-dit``, ``mixtral-8x7b``,
+    ``qwen3-30b-a3b``, ``deepseek-v3``), a JSON
     file with ModelShape fields, a dict of them, or a ModelShape (returned as is)."""
     if isinstance(name_or_path, ModelShape):
         return name_or_path
