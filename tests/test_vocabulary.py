@@ -184,3 +184,23 @@ def test_communicators_are_charged_by_the_collectives_run_on_them():
     dense = build_cost_model(load_model("llama-7b"), roomy, 8)
     assert not Vocabulary.for_cost_model(dense).task_all_reduce
     assert moe.memory_model.communicators.bytes > dense.memory_model.communicators.bytes
+
+
+def test_a_communicator_across_nodes_gives_every_peer_the_network_channels():
+    """Issue 55: NCCL gives every peer of a communicator the least channel count over its peers
+    (``ncclTopoComputeP2pChannels``), so an all-to-all group of two 8-GPU nodes sets up 2
+    channels to each of its 15 peers, the 7 on its own node too; before, those 7 were charged
+    32 channels each (7 of the 7.5 connections charged), ~3 GB a rank over-charged."""
+    from megatron_dcp.plan.vocabulary import (ALL_TO_ALL, NET_CONNECTION_SHARE, SEND_RECV,
+                                              member_connections)
+
+    both_nodes = tuple(range(16))
+    got = dict(member_connections(both_nodes, {ALL_TO_ALL}, 8))
+    assert got == {r: pytest.approx(30 * NET_CONNECTION_SHARE) for r in both_nodes}
+    assert dict(member_connections(tuple(range(8)), {ALL_TO_ALL}, 8)) == {r: 14.0
+                                                                         for r in range(8)}
+    # a ring across nodes: every member's two connections at the network's channels, also
+    # the members whose neighbours share their node
+    ring = dict(member_connections((0, 1, 8, 9), {SEND_RECV}, 8))
+    assert ring == {r: pytest.approx(2 * NET_CONNECTION_SHARE) for r in (0, 1, 8, 9)}
+    assert dict(member_connections((0, 1), {SEND_RECV}, 8)) == {0: 2.0, 1: 2.0}

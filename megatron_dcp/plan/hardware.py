@@ -312,7 +312,9 @@ AMPERE_RING_SHARE, AMPERE_HYBRID_SHARE = 0.80, 0.90
 # Send/receive (Ulysses' all-to-all, the ring's exchange) connects each peer on up to 32 channels
 # inside an NVLink node: one all_to_all_single over 8 x H100 took 3.28 GB a GPU (1.06 -> 4.34 GB,
 # NCCL issue #1685), 14 connections (7 peers, both ways): 0.234 GB a connection. Across nodes NCCL
-# uses 2 channels a network peer (NCCL_NCHANNELS_PER_NET_PEER): the NVLink figure bounds it.
+# uses 2 channels a network peer (NCCL_NCHANNELS_PER_NET_PEER), and gives every peer of a
+# communicator the least count over its peers: in one that spans nodes, NVLink peers get 2 too
+# (megatron_dcp.plan.vocabulary.NET_CONNECTION_SHARE).
 NCCL_CONNECTION_BYTES = 3.28e9 / 14
 NCCL_COMMUNICATOR_BYTES = 0.5e9
 

@@ -103,27 +103,29 @@ def communicators(ranks: Sequence[int], ulysses: int) -> list[tuple[int, ...]]:
 
 
 NET_CONNECTION_SHARE = 2 / 32
-"""The memory of a send/receive connection to a peer on another node, as a share of one inside
-a node: NCCL gives a network peer 2 channels (``NCCL_NCHANNELS_PER_NET_PEER``), an NVLink peer
-up to 32 (NCCL issue #1685)."""
+"""The memory of a send/receive connection in a communicator that spans nodes, as a share of one
+in a communicator inside a node: NCCL gives a network peer 2 channels
+(``NCCL_NCHANNELS_PER_NET_PEER``), an NVLink peer up to 32 (NCCL issue #1685), and every peer of
+one communicator the same count, the least over its peers (``ncclTopoComputeP2pChannels``,
+src/graph/paths.cc: ``p2pnChannelsPerPeer`` is the minimum of ``ncclTopoGetNchannels`` over the
+communicator's ranks). So in a communicator with a member on another node, a peer on the same
+node costs what a network peer does."""
 
 
 def member_connections(group: Sequence[int], kinds: Iterable[str],
                        ranks_per_node: int) -> Iterator[tuple[int, float]]:
     """``(rank, connections)`` for each member of ``group``: the NCCL send/receive connections
-    (a peer in one direction) the collective ``kinds`` set up there, one to a peer on another
-    node counted as `NET_CONNECTION_SHARE`. All-to-all connects every other member both ways;
-    the ring sends to the next member and receives from the previous one (a subset of those)."""
+    (a peer in one direction) the collective ``kinds`` set up there, each counted as
+    `NET_CONNECTION_SHARE` of one inside a node when ``group`` spans nodes (every peer then gets
+    the network peer's channels). All-to-all connects every other member both ways; the ring
+    sends to the next member and receives from the previous one (a subset of those)."""
     kinds, n = set(kinds), len(group)
-    node = [r // ranks_per_node for r in group]
-    on_node = {k: node.count(k) for k in set(node)}
-    for i, r in enumerate(group):
+    share = 1.0 if len({r // ranks_per_node for r in group}) == 1 else NET_CONNECTION_SHARE
+    for r in group:
         if ALL_TO_ALL in kinds:  # every other member, both ways
-            near = on_node[node[i]] - 1
-            yield r, 2 * (near + (n - 1 - near) * NET_CONNECTION_SHARE)
+            yield r, 2 * (n - 1) * share
         elif SEND_RECV in kinds:  # a send to the next member, a receive from the previous one
-            yield r, sum(1.0 if node[j] == node[i] else NET_CONNECTION_SHARE
-                         for j in ((i + 1) % n, (i - 1) % n))
+            yield r, 2 * share if n > 1 else 0.0
         else:
             yield r, 0.0
 
