@@ -39,3 +39,53 @@ def test_detect_hardware_takes_the_counted_ranks_over_local_world_size(monkeypat
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert hardware_auto._ranks_per_node(1, 8) == 1
     assert hardware_auto._ranks_per_node(None, 8) == 8
+
+
+class _Pool:
+    world_group = "dcp-world"
+    job_group = None
+
+
+def _driver(monkeypatch, hardware: str, *, device=None, backend: str = "nccl",
+            ranks_per_node=None):
+    """A StepDriver built as on an NCCL job whose DCP world has 2 ranks a host (the count and
+    the backend stood in: no GPU here)."""
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.runtime import step
+
+    monkeypatch.setattr(step, "ranks_per_node_of", lambda group: 2)
+    monkeypatch.setattr(step.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(step, "comm_device", lambda group: __import__("torch").device(
+        "cuda" if backend == "nccl" else "cpu"))
+    seen = {}
+    monkeypatch.setattr(step, "detect_hardware",
+                        lambda device, **kw: seen.setdefault("device", device))
+    config = DCPConfig(enabled=True, hardware=hardware, ranks_per_node=ranks_per_node)
+    driver = step.StepDriver(config, pool=_Pool(), device=device)
+    return driver, seen
+
+
+def test_a_preset_or_profile_on_cuda_counts_the_dcp_ranks_a_node(monkeypatch, tmp_path):
+    """Issue 55: under TP 2 on 8-GPU nodes the DCP world has 4 ranks a node, but a preset said
+    8 (and a dcp-profile file the 1-2 ranks it was measured on): the ranks per node are now
+    counted from the DCP world's hosts on CUDA whatever names the hardware, unless
+    dcp.ranks_per_node sets them; on the host (gloo) the preset's value stays."""
+    import json
+
+    from megatron_dcp.plan.hardware import load_hardware
+
+    driver, _ = _driver(monkeypatch, "h100")
+    assert load_hardware("h100").ranks_per_node == 8 and driver.hardware.ranks_per_node == 2
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({**load_hardware("h100").to_dict(), "ranks_per_node": 1}))
+    assert _driver(monkeypatch, str(profile))[0].hardware.ranks_per_node == 2
+    assert _driver(monkeypatch, "h100", ranks_per_node=8)[0].hardware.ranks_per_node == 8
+    assert _driver(monkeypatch, "h100", backend="gloo")[0].hardware.ranks_per_node == 8
+
+
+def test_an_nccl_job_without_a_device_starts_from_its_gpu(monkeypatch):
+    """Issue 55: StepDriver(device=None) on an NCCL job started from the host's figures."""
+    _, seen = _driver(monkeypatch, "auto")
+    assert str(seen["device"]) == "cuda"
+    _, seen = _driver(monkeypatch, "auto", backend="gloo")
+    assert str(seen["device"]) == "cpu"

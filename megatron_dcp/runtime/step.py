@@ -22,10 +22,11 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan.calibration import Calibrator
@@ -153,15 +154,28 @@ class StepDriver:
                 else self._starting_hardware()
 
     def _starting_hardware(self) -> Hardware:
-        """``config.hardware`` resolved: ``auto`` by the device (`detect_hardware`)."""
+        """``config.hardware`` resolved on the job's device (``device``, else the device the DCP
+        world's collectives run on: an NCCL job without ``device=`` starts from its GPU, not
+        from host memory). ``auto``: by the device (`detect_hardware`). A preset or a profile
+        on CUDA: with the DCP ranks per node counted from the DCP world's own hosts (a preset
+        says 8 GPUs a node whatever tensor or pipeline parallelism takes of them; a profile, the
+        ranks it was measured with), unless ``dcp.ranks_per_node`` sets them."""
         from megatron_dcp.plan.hardware import AUTO, load_hardware
 
+        device = self.device
+        if device is None and self.pool is not None and dist.is_initialized():
+            device = comm_device(self.pool.world_group)
+        on_cuda = device is not None and torch.device(device).type == "cuda"
         if self.config.hardware.lower() != AUTO:
-            return load_hardware(self.config.hardware)
+            hardware = load_hardware(self.config.hardware)
+            if on_cuda and self.pool is not None and self.config.ranks_per_node is None:
+                hardware = replace(hardware,
+                                   ranks_per_node=ranks_per_node_of(self.pool.world_group))
+            return hardware
         group = getattr(self.pool, "job_group", None) if self.pool is not None else None
         # DCP ranks sharing a host, counted from the DCP world's own hosts
         local = ranks_per_node_of(self.pool.world_group) if self.pool is not None else 1
-        return detect_hardware(self.device, group=group, local_ranks=local)
+        return detect_hardware(device, group=group, local_ranks=local)
 
     @property
     def rank(self) -> int:
