@@ -368,6 +368,9 @@ class LMForwardBackward:
         self.figures: Optional[StepFigures] = None  # made at the first step (the driver's)
         self._logged_at: Optional[float] = None
         self.vocab_size = vocab_size(args)  # token ids at or above it: refused
+        self._host_group: Any = False
+        """The gloo group the batch's lengths and tokens travel on (`lm_data.host_group`;
+        ``None``: the default group), made at the first step."""
         self.skip_update = False
         """The last step was skipped: Megatron-LM's optimizer step must not run (`_train_step`;
         with fp16 the loss scaler's own ``step()`` skips, so it runs)."""
@@ -378,8 +381,7 @@ class LMForwardBackward:
         first pipeline stage's tensor-parallel rank 0 of each data-parallel rank are the batch,
         in data-parallel rank order; every rank plans it from the lengths and receives the tokens
         of its own tasks' documents only."""
-        from megatron_dcp.megatron.lm_data import global_batch
-        from megatron_dcp.runtime.groups import comm_device
+        from megatron_dcp.megatron.lm_data import global_batch, host_group
 
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         iterator = next((it for it in iterators if it is not None), None)
@@ -393,8 +395,10 @@ class LMForwardBackward:
                                  "no data iterator")
             mine = [d.numpy() for batch in local for d in documents(batch)]
             problem = token_id_problem(mine, self.vocab_size)  # raised on every rank alike
+        if self._host_group is False:  # every rank, at its first step: collective
+            self._host_group = host_group()
         return global_batch(mine, parallel.rank_in(parallel.data_group), problem,
-                            self.step.driver.plan, comm_device())
+                            self.step.driver.plan, self._host_group)
 
     def __call__(self, *, forward_step_func: Callable, data_iterator, model,
                  num_microbatches: int, forward_only: bool = False, **kwargs: Any):

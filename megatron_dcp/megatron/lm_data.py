@@ -9,7 +9,13 @@ Then, every step:
 2. every rank plans the batch from the lengths (the same plan everywhere: the driver checks it);
 3. each document's tokens go, in one ``all_to_all_single`` over the job, only to the ranks
    whose data-parallel rank runs a task holding it (every tensor- and pipeline-parallel rank of
-   it), on the job's device (`comm_device`), never pickled.
+   it), never pickled.
+
+Both collectives run on a host (gloo) group over the job (`host_group`): the tokens are host data
+at both ends (a source's documents, the step driver's sequences), and the pairs of ranks that
+exchange change every step. On the job's NCCL communicator each new pair would make NCCL set up
+a connection (about 0.23 GB of device memory on an HGX node) at an unpredictable step, beside
+two copies through the device and their host syncs.
 
 A rank's batch then holds its own tasks' documents and ``None`` for the rest (the step driver
 reads only its own tasks' sequences; the plan check compares digests of the plan, and a rank
@@ -27,17 +33,29 @@ import torch
 from megatron_dcp.plan.plan import Plan
 
 
+def host_group() -> Any:
+    """Collective (every rank of the job, once): the group the batch's lengths and tokens travel
+    on: the default group where it is gloo, else a new gloo group over the job (module doc)."""
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend()).lower():
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def gather_lengths(mine: Optional[tuple[int, list[np.ndarray], str]],
-                   dp_rank: int) -> tuple[list[int], list[tuple[int, int]], list[int], str]:
-    """Collective (the default group): every source's document lengths. ``mine``: this rank's
+                   dp_rank: int, group: Any = None
+                   ) -> tuple[list[int], list[tuple[int, int]], list[int], str]:
+    """Collective (``group``: a host group over the job, `host_group`): every source's document
+    lengths. ``mine``: this rank's
     ``(dp_rank, documents, problem)`` if it is a source, else None. Returns the batch's lengths
     in data-parallel rank order, each document's ``(source global rank, index there)``, every
     global rank's data-parallel rank, and the first problem a source reported ("" for none)."""
     import torch.distributed as dist
 
     said = (dp_rank, None if mine is None else (mine[0], [len(d) for d in mine[1]], mine[2]))
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, said)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, said, group=group)
     dp_of = [g[0] for g in gathered]
     sources = sorted((g[1][0], rank, g[1][1], g[1][2]) for rank, g in enumerate(gathered)
                      if g[1] is not None)
@@ -65,12 +83,13 @@ def needed_by(plan: Plan, dp_of: Sequence[int]) -> list[list[int]]:
 
 def exchange(local: list[np.ndarray], where: Sequence[tuple[int, int]],
              lengths: Sequence[int], needs: Sequence[Sequence[int]],
-             device: torch.device) -> list[Optional[torch.Tensor]]:
-    """Collective (the default group): one ``all_to_all_single`` that gives this rank the
-    tokens of every document it needs (host int64 tensors) and ``None`` for the others."""
+             group: Any = None) -> list[Optional[torch.Tensor]]:
+    """Collective (``group``: a host group over the job, `host_group`, whose ranks are the
+    job's): one ``all_to_all_single`` that gives this rank the tokens of every document it
+    needs (host int64 tensors) and ``None`` for the others."""
     import torch.distributed as dist
 
-    world, me = dist.get_world_size(), dist.get_rank()
+    world, me = dist.get_world_size(group), dist.get_rank(group)
     send: list[list[int]] = [[] for _ in range(world)]  # documents this rank sends to each rank
     receive: list[list[int]] = [[] for _ in range(world)]  # documents it gets from each rank
     for s, ((source, _), ranks) in enumerate(zip(where, needs)):
@@ -83,11 +102,10 @@ def exchange(local: list[np.ndarray], where: Sequence[tuple[int, int]],
              for g in range(world) for s in send[g]]
     out_sizes = [sum(lengths[s] for s in docs) for docs in receive]
     inputs = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-    output = torch.empty(sum(out_sizes), dtype=torch.int64, device=device)
-    dist.all_to_all_single(output, inputs.to(device),
-                           output_split_sizes=out_sizes,
-                           input_split_sizes=[sum(lengths[s] for s in docs) for docs in send])
-    got = output.cpu()
+    got = torch.empty(sum(out_sizes), dtype=torch.int64)
+    dist.all_to_all_single(got, inputs, output_split_sizes=out_sizes,
+                           input_split_sizes=[sum(lengths[s] for s in docs) for docs in send],
+                           group=group)
     sequences: list[Optional[torch.Tensor]] = [None] * len(lengths)
     offset = 0
     for docs in receive:
@@ -99,14 +117,15 @@ def exchange(local: list[np.ndarray], where: Sequence[tuple[int, int]],
 
 def global_batch(local: Optional[list[np.ndarray]], dp_rank: int, problem: str,
                  plan_of: Callable[[list[int]], Plan],
-                 device: torch.device) -> tuple[list[Optional[torch.Tensor]], Plan]:
+                 group: Any = None) -> tuple[list[Optional[torch.Tensor]], Plan]:
     """This rank's view of the step's global batch and its plan (module doc). ``local``: this
     rank's documents if it is a source (else None); ``problem``: why a source refuses its
-    documents ("" for none): raised on every rank alike, before any plan."""
+    documents ("" for none): raised on every rank alike, before any plan; ``group``: the host
+    group over the job (`host_group`)."""
     lengths, where, dp_of, first = gather_lengths(
-        None if local is None else (dp_rank, local, problem), dp_rank)
+        None if local is None else (dp_rank, local, problem), dp_rank, group)
     if first:
         raise ValueError(first)
     plan = plan_of(lengths)
-    sequences = exchange(local or [], where, lengths, needed_by(plan, dp_of), device)
+    sequences = exchange(local or [], where, lengths, needed_by(plan, dp_of), group)
     return sequences, plan
