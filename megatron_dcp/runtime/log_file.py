@@ -85,7 +85,8 @@ def log_problem(path: Optional[str], *, flag: str, overwrite_flag: str,
                 f"({type(err).__name__}: {err}): this run would replace it; {choices}")
     if last is None:  # only blank lines or a cut first line: nothing to lose
         return ""
-    held = f"{count} row{'s' if count != 1 else ''}, iterations {first['iteration']}..{last['iteration']}"
+    held = (f"{count} row{'s' if count != 1 else ''}, iterations {first['iteration']}.."
+            f"{last['iteration']}")
     if load_dir is None:
         return (f"{flag} {path} already holds a training log ({held}): this run (no --load) "
                 f"would replace it; resume the run that wrote it with --load (its log then "
