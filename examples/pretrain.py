@@ -32,8 +32,7 @@ from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, embedde
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.integrations import hf
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
-from megatron_dcp.runtime.report import (TIMELINE_INTERVAL, TrainingLog, reset_peak_memory,
-                                         trained_tokens)
+from megatron_dcp.runtime.report import TIMELINE_INTERVAL, reset_peak_memory, trained_tokens
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lr", type=float_flag(), default=None, help="override the optimizer's lr")
     g.add_argument("--log-json", default=None, type=output_file,
                    help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--overwrite-log", action="store_true", help=training.OVERWRITE_LOG_HELP)
     g.add_argument("--log-timeline-interval", type=int_flag(0), default=TIMELINE_INTERVAL,
                    metavar="N", help="with --log-json and --dcp: the rows of the first iteration "
                    "and of every N-th carry the plan's timeline (each task's predicted start, "
@@ -78,6 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     training.check_lr(p, args)
     training.check_save_target(p, args)
+    training.check_log_target(p, args)
     if args.save_profile and not args.dcp:
         p.error("--save-profile writes the calibrated DCP cost model: it needs --dcp")
     return args
@@ -142,9 +143,7 @@ def train(args, engine, dataset, sampler) -> int:
     start = training.resume(engine, sampler, args)  # 0 without --load
 
     mode = "dcp" if engine.dcp.enabled else "data-parallel"
-    log = TrainingLog(mode, args.train_iters, json_path=args.log_json, primary=rank == 0,
-                      quiet=args.quiet, append=bool(args.load),
-                      timeline_interval=args.log_timeline_interval)
+    log = training.training_log(args, mode, start, primary=rank == 0)
     if rank == 0 and not args.quiet:
         print(f"pretrain: {mode}, {world} ranks, ZeRO {engine.zero_stage}, data "
               f"{args.data_path or 'embedded corpus'} ({len(dataset)} documents), model "

@@ -54,8 +54,10 @@ from megatron_dcp.megatron.args import add_dcp_args, validate_dcp_args
 from megatron_dcp.megatron.moe import add_moe_args
 from megatron_dcp.megatron.parallel import destroy_model_parallel
 from megatron_dcp.runtime.allocator import expandable_segments_at_start
+from megatron_dcp.runtime.checkpoint_verify import split_load_path
 from megatron_dcp.runtime.figures import StepFigures
 from megatron_dcp.runtime.groups import before_init_process_group, destroy_process_groups
+from megatron_dcp.runtime.log_file import checkpoint_dir, log_problem
 from megatron_dcp.runtime.nonfinite import check_step
 from megatron_dcp.runtime.report import (TIMELINE_INTERVAL, TrainingLog, check_resume_point,
                                          peak_memory_mb, plan_summary, reset_peak_memory,
@@ -119,6 +121,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "running code from it")
     g.add_argument("--log-json", default=None, type=output_file,
                    help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--overwrite-log", action="store_true",
+                   help="with --log-json: replace that file if it holds another run's log "
+                        "(without it, an existing log is refused unless --load resumes the run "
+                        "that wrote it: the log then keeps its rows up to the loaded iteration "
+                        "and continues)")
     g.add_argument("--log-timeline-interval", type=int_flag(0), default=TIMELINE_INTERVAL,
                    metavar="N", help="with --log-json and --dcp: the rows of the first iteration "
                    "and of every N-th carry the plan's timeline (each task's predicted start, "
@@ -148,12 +155,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         from megatron_dcp.runtime.checkpoint_verify import takeover_problem
 
         try:
-            check_save_dir(args.save)
+            check_save_dir(args.save)  # also: not inside another checkpoint
         except CheckpointError as err:
             p.error(f"argument --save: {err}")
         problem = takeover_problem(args.save, args.load)
         if problem:
             p.error(f"argument --save: {problem}")
+    if not args.overwrite_log:  # another run's log (megatron_dcp.runtime.log_file)
+        problem = log_problem(args.log_json, flag="--log-json", overwrite_flag="--overwrite-log",
+                              load_dir=split_load_path(args.load)[0] if args.load else None)
+        if problem:
+            p.error(f"argument --log-json: {problem}")
     args.group_query_attention = args.num_query_groups is not None
     return args
 
@@ -547,8 +559,11 @@ def main(argv=None) -> int:
     if args.load:
         check_resume_point(start, args.train_iters, args.load, primary=rank == 0)
     mode = "dcp" if dcp_config.enabled else "data-parallel"
+    load_dir = split_load_path(args.load)[0] if args.load else None
     log = TrainingLog(mode, args.train_iters, json_path=args.log_json, primary=rank == 0,
-                      quiet=args.quiet, append=bool(args.load),
+                      quiet=args.quiet,
+                      resume_at=start if args.load and not args.overwrite_log else None,
+                      checkpoint_dir=checkpoint_dir(args.save, load_dir),
                       timeline_interval=args.log_timeline_interval)
     if rank == 0 and not args.quiet:
         print(f"pretrain_megatron: {mode}, {world} ranks (tp {args.tensor_model_parallel_size}, "

@@ -32,7 +32,7 @@ from megatron_dcp.data import GlobalBatchSampler
 from megatron_dcp.data.video import (SYNTHETIC_MIXES, LatentDirectory, SyntheticVideos, VideoBatch,
                                      mix_limits)
 from megatron_dcp.models.dit import DiTConfig, VideoDiT
-from megatron_dcp.runtime.report import TIMELINE_INTERVAL, TrainingLog, reset_peak_memory
+from megatron_dcp.runtime.report import TIMELINE_INTERVAL, reset_peak_memory
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--lr", type=float_flag(), default=None, help="override the optimizer's lr")
     g.add_argument("--log-json", default=None, type=output_file,
                    help="write one JSON object per iteration (rank 0)")
+    g.add_argument("--overwrite-log", action="store_true", help=training.OVERWRITE_LOG_HELP)
     g.add_argument("--log-timeline-interval", type=int_flag(0), default=TIMELINE_INTERVAL,
                    metavar="N", help="with --log-json and --dcp: the rows of the first iteration "
                    "and of every N-th carry the plan's timeline (each task's predicted start, "
@@ -72,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     training.check_lr(p, args)
     training.check_save_target(p, args)
+    training.check_log_target(p, args)
     return args
 
 
@@ -142,9 +144,7 @@ def train(args, engine, videos, loss: FlowMatchingLoss) -> int:
 
     mode = ("dcp" if engine.dcp.policy == "dcp" else engine.dcp.policy) \
         if engine.dcp.enabled else "data-parallel"
-    log = TrainingLog(mode, args.train_iters, json_path=args.log_json, primary=rank == 0,
-                      quiet=args.quiet, append=bool(args.load),
-                      timeline_interval=args.log_timeline_interval)
+    log = training.training_log(args, mode, start, primary=rank == 0)
     if rank == 0 and not args.quiet:
         c = model.config
         print(f"pretrain_video: {mode}, {world} ranks, ZeRO {engine.zero_stage}, data "

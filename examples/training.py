@@ -79,6 +79,44 @@ def check_save_target(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error(f"argument --save: {problem}")
 
 
+OVERWRITE_LOG_HELP = ("with --log-json: replace that file if it holds another run's log (without "
+                     "it, an existing log is refused unless --load resumes the run that wrote "
+                     "it: the log then keeps its rows up to the loaded iteration and continues)")
+"""--overwrite-log's --help, the same in every example."""
+
+
+def check_log_target(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--log-json`` holding another run's log (or any file but a log) is refused at start,
+    unless ``--overwrite-log`` (`megatron_dcp.runtime.log_file.log_problem`): a log is this
+    run's own when ``--load`` resumes the run whose checkpoints its rows name."""
+    from megatron_dcp.runtime.checkpoint_verify import split_load_path
+    from megatron_dcp.runtime.log_file import log_problem
+
+    if args.overwrite_log:
+        return
+    load_dir = split_load_path(args.load)[0] if args.load else None
+    problem = log_problem(args.log_json, flag="--log-json", overwrite_flag="--overwrite-log",
+                          load_dir=load_dir)
+    if problem:
+        p.error(f"argument --log-json: {problem}")
+
+
+def training_log(args: argparse.Namespace, mode: str, start: int, *, primary: bool):
+    """The run's `TrainingLog`: its ``--log-json`` replaced (a new run, ``--overwrite-log``) or
+    continued after iteration ``start`` (a ``--load``), every row naming the run's checkpoint
+    directory (`megatron_dcp.runtime.log_file`)."""
+    from megatron_dcp.runtime.checkpoint_verify import split_load_path
+    from megatron_dcp.runtime.log_file import checkpoint_dir
+    from megatron_dcp.runtime.report import TrainingLog
+
+    load_dir = split_load_path(args.load)[0] if args.load else None
+    return TrainingLog(mode, args.train_iters, json_path=args.log_json, primary=primary,
+                       quiet=args.quiet,
+                       resume_at=start if args.load and not args.overwrite_log else None,
+                       checkpoint_dir=checkpoint_dir(args.save, load_dir),
+                       timeline_interval=args.log_timeline_interval)
+
+
 def _save_dir(path: str) -> str:
     """``--save``: a writable directory or one that can be created, checked at start."""
     from megatron_dcp.runtime.checkpoint_dir import CheckpointError, check_save_dir

@@ -67,8 +67,10 @@ def arg_value(args: Any, name: str, default: Any = None) -> Any:
 
 def output_file(text: str) -> str:
     """An argparse ``type``: a file path the run can write (its folder exists and is writable,
-    and it is not a folder), checked at start, not at the first row after the model is built."""
+    and it is not a folder; an existing file opens for writing: not a file of /proc, which root's
+    `os.access` passes), checked at start, not at the first row after the model is built."""
     import os
+    import stat
 
     folder = os.path.dirname(os.path.abspath(text)) if text else ""
     if not text or os.path.isdir(text):
@@ -78,6 +80,17 @@ def output_file(text: str) -> str:
                                          "first)")
     if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text}: not writable")
+    if os.path.exists(text):  # root passes os.access; a file of /proc or /sys refuses the write
+        try:
+            fd = os.open(text, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)  # nothing written
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):  # what opening to append does
+                    os.lseek(fd, 0, os.SEEK_END)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise argparse.ArgumentTypeError(f"{text}: cannot be written ({err.strerror or err}):"
+                                             " give a file path") from None
     return text
 
 

@@ -49,7 +49,7 @@ def test_training_log_lines_json_and_final_line(tmp_path, capsys):
     assert out[1].endswith("| micro-steps/rank 1")
     assert out[2] == "done: dcp, 2 iterations, 400 tokens trained, 400 tokens/s"
     # a resumed run appends; a non-primary rank writes and prints nothing
-    TrainingLog("dcp", 3, json_path=str(path), append=True).iteration(
+    TrainingLog("dcp", 3, json_path=str(path), resume_at=2).iteration(
         3, loss=1.0, tokens=1, step_s=1.0, plan={"mode": "data-parallel",
                                                  "micro_steps_per_rank": 1})
     quiet = TrainingLog("dcp", 3, json_path=str(tmp_path / "other.jsonl"), primary=False)

@@ -38,6 +38,7 @@ from megatron_dcp.megatron.lm_monitor import (LMMonitor, check_monitor_args,
                                               slowest_rank_timings)
 from megatron_dcp.patching import PatchSet
 from megatron_dcp.runtime.figures import StepFigures
+from megatron_dcp.runtime.log_file import checkpoint_dir, log_problem
 from megatron_dcp.runtime.report import TIMELINE_INTERVAL, TrainingLog
 
 NAME = "megatron-lm-dcp"
@@ -54,6 +55,11 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "--log-json format (loss, tokens, step and predicted seconds, the "
                             "plan with its degrees; dcp-simulate --replay reads it), written by "
                             "the last pipeline stage's first rank")
+    group.add_argument("--dcp-overwrite-log", action="store_true",
+                       help="with --dcp-log-json: replace that file if it holds another run's "
+                            "log (without it, an existing log is refused unless --load resumes "
+                            "the run that wrote it: the log then keeps its rows up to the loaded "
+                            "iteration and continues)")
     group.add_argument("--dcp-log-timeline-interval", type=int_flag(0),
                        default=TIMELINE_INTERVAL, metavar="N",
                        help="with --dcp-log-json: the rows of the first iteration and of every "
@@ -114,11 +120,23 @@ def launcher_problems(args: argparse.Namespace) -> list[str]:
                                      getattr(args, "ckpt_step", None))
     if takeover:
         problems.append(takeover)
+    if not getattr(args, "dcp_overwrite_log", False):  # another run's log: log_file
+        problem = log_problem(getattr(args, "dcp_log_json", None), flag="--dcp-log-json",
+                              overwrite_flag="--dcp-overwrite-log", load_dir=resumed_dir(args))
+        if problem:
+            problems.append(problem)
     try:  # --tensorboard-dir / --wandb-project: DCP's figures go there too
         check_monitor_args(args)
-    except ImportError as err:
+    except (ImportError, ValueError) as err:
         problems.append(str(err))
     return problems
+
+
+def resumed_dir(args: argparse.Namespace) -> Optional[str]:
+    """The ``--load`` directory whose run this one continues (its iterations, its log), or
+    None: no ``--load``, or ``--finetune`` (which starts again at iteration 0)."""
+    load = getattr(args, "load", None)
+    return load if load and not getattr(args, "finetune", False) else None
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -435,9 +453,13 @@ class LMForwardBackward:
             and parallel.rank_in(parallel.data_group) == 0 \
             and parallel.rank_in(parallel.tensor_group) == 0
         self.log_path = self.args.dcp_log_json if writer else None
+        resumed = resumed_dir(self.args)  # continued after the loaded iteration, else replaced
         self.log = TrainingLog("dcp", self.args.train_iters, json_path=self.log_path,
                                primary=bool(self.log_path), quiet=True,
-                               append=bool(self.args.load),
+                               resume_at=self.iteration if resumed and not getattr(
+                                   self.args, "dcp_overwrite_log", False) else None,
+                               checkpoint_dir=checkpoint_dir(self.args.save, resumed),
+                               log_flag="--dcp-log-json",
                                timeline_interval=self.args.dcp_log_timeline_interval)
 
     def _log(self, reports, group) -> None:

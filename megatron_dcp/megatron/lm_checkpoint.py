@@ -137,7 +137,15 @@ def save_takeover_problem(save: Optional[str], load: Optional[str],
     ``save`` holds Megatron-LM checkpoints (its tracker file or ``iter_*`` folders) and this run
     does not ``--load`` that directory, or loads an older ``--ckpt-step`` than its newest. A
     save there would replace a checkpoint of the same iteration and move the tracker back, and
-    the next ``--load`` would resume a mix of two runs."""
+    the next ``--load`` would resume a mix of two runs. A ``save`` that is, or lies inside,
+    a checkpoint folder (an ``iter_*`` folder beside a tracker file, one holding ``.metadata``,
+    a manifest or the planner's state: `inside_checkpoint_problem`) is refused too: its saves
+    would land inside that checkpoint."""
+    from megatron_dcp.runtime.checkpoint_dir import inside_checkpoint_problem
+
+    inside = inside_checkpoint_problem(save, trackers=(TRACKER,)) if save else ""
+    if inside:
+        return inside
     if not save or not os.path.isdir(save):
         return ""
     iterations = sorted(int(n[5:]) for n in os.listdir(save)

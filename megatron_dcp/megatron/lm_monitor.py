@@ -17,7 +17,21 @@ from megatron_dcp.runtime.figures import PREFIX, check_monitor_packages, scalars
 
 def check_monitor_args(args: argparse.Namespace) -> None:
     """At start: ``--tensorboard-dir`` / ``--wandb-project`` without their package installed
-    is an error naming the extra (Megatron-LM itself would only warn, or fail later)."""
+    is an error naming the extra (Megatron-LM itself would only warn, or fail later);
+    ``--tensorboard-dir`` naming a file, or a path under one, a `ValueError` naming the flag
+    (TensorBoard's writer failed with a traceback when Megatron-LM made it)."""
+    import os
+
+    folder = getattr(args, "tensorboard_dir", None)
+    if folder:
+        blocker = os.path.abspath(folder)
+        while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
+            blocker = os.path.dirname(blocker)
+        if os.path.exists(blocker) and not os.path.isdir(blocker):
+            where = "is a file" if blocker == os.path.abspath(folder) else \
+                f"lies under {blocker}, which is a file"
+            raise ValueError(f"--tensorboard-dir {folder} {where}: give a folder (TensorBoard "
+                             "writes its event files into it)")
     check_monitor_packages(tensorboard=bool(getattr(args, "tensorboard_dir", None)),
                            asked_by="--tensorboard-dir")
     check_monitor_packages(wandb=bool(getattr(args, "wandb_project", None)),

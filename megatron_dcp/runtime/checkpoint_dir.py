@@ -15,7 +15,8 @@ state, and what the engine records: world size, ZeRO stage ...) and the pointer 
 * `megatron_dcp.runtime.checkpoint_verify`: the load side (every file's presence, size and
   checksum checked before the engine's loader reads anything; ``latest`` falls back to the
   newest checkpoint that verifies).
-* `check_save_dir`: the ``--save`` directory is creatable and writable, checked at start.
+* `check_save_dir`: the ``--save`` directory is creatable and writable, and not inside another
+  checkpoint (`inside_checkpoint_problem`), checked at start.
 * `read_manifest`, `read_latest`, `complete_checkpoints`, `primary_checkpoints`, `prune`: reading
   and pruning the directory; `gather`, `group_rank`, `group_size`, `failures`: the collective
   helpers both sides use (without torch.distributed: one rank).
@@ -209,13 +210,78 @@ def _describe(err: BaseException, save_dir: str) -> str:
     return text
 
 
+CHECKPOINT_FILES = (MANIFEST, ".metadata", "metadata.json", "dcp_planner.json",
+                    "mp_rank_00_model_states.pt")
+"""Files that make a folder a checkpoint: megatron-dcp's manifest, torch.distributed's (and
+megatron-core's) metadata, the launcher's planner state, DeepSpeed's model states."""
+
+
+def _checkpoint_sign(folder: str, trackers: tuple[str, ...]) -> str:
+    """Why ``folder`` is a checkpoint (``""`` when it is none): it holds one of
+    `CHECKPOINT_FILES`, or its parent's ``latest`` (or one of ``trackers``, files naming an
+    iteration's folder ``iter_N...``) names it."""
+    for name in CHECKPOINT_FILES:
+        if os.path.isfile(os.path.join(folder, name)):
+            return f"it holds {name}"
+    parent, name = os.path.split(folder)
+    try:
+        if read_latest(parent) == name:
+            return f"{os.path.join(parent, LATEST)} names it"
+    except (CheckpointError, OSError, UnicodeDecodeError):
+        pass
+    digits = name[len("iter_"):]
+    for tracker in trackers:
+        if name.startswith("iter_") and digits.isdigit() and \
+                os.path.isfile(os.path.join(parent, tracker)):
+            return f"an iteration folder beside {os.path.join(parent, tracker)}"
+    return ""
+
+
+def enclosing_checkpoint(path: str, trackers: tuple[str, ...] = ()) -> Optional[tuple[str, str]]:
+    """(checkpoint folder, why) when ``path`` is a checkpoint folder or lies inside one (the
+    nearest such folder among ``path`` and its existing parents: `_checkpoint_sign`), else
+    None. A ``--save`` there would write checkpoints and ``latest`` into another run's
+    checkpoint, whose next load then refuses it for files its manifest does not list."""
+    folder = os.path.abspath(path)
+    while True:
+        if os.path.isdir(folder):
+            why = _checkpoint_sign(folder, trackers)
+            if why:
+                return folder, why
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
+def inside_checkpoint_problem(save_dir: str, flag: str = "--save",
+                              trackers: tuple[str, ...] = ()) -> str:
+    """Why ``save_dir`` may not take checkpoints because it is, or lies inside, another
+    checkpoint (`enclosing_checkpoint`), naming that checkpoint and ``flag``; ``""`` if not."""
+    found = enclosing_checkpoint(save_dir, trackers)
+    if found is None:
+        return ""
+    folder, why = found
+    where = "is the checkpoint" if folder == os.path.abspath(save_dir) else \
+        "lies inside the checkpoint"
+    parent = os.path.dirname(folder)
+    return (f"{flag} {save_dir} {where} {folder} ({why}): a save there would write this run's "
+            f"checkpoints into that one, which its run would then refuse to load. Give {flag} a "
+            f"directory outside every checkpoint (to continue that run: --load {parent} "
+            f"{flag} {parent})")
+
+
 def check_save_dir(save_dir: str) -> None:
     """At start: ``save_dir`` is a writable directory, or can be created (it is created now,
-    with a probe file written and removed). Raises `CheckpointError` saying why not (a path
-    that is a file has its own message)."""
+    with a probe file written and removed), and is not inside another checkpoint
+    (`inside_checkpoint_problem`, checked before anything is created). Raises `CheckpointError`
+    saying why not (a path that is a file has its own message)."""
     if not save_dir.strip():
         raise CheckpointError(f"checkpoint directory {save_dir!r} is an empty name: give a "
                               "directory")
+    inside = inside_checkpoint_problem(save_dir)
+    if inside:
+        raise CheckpointError("checkpoint directory " + inside.removeprefix("--save "))
     blocker = os.path.abspath(save_dir)
     while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
         blocker = os.path.dirname(blocker)

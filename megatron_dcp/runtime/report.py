@@ -6,7 +6,8 @@ ranks (read back by `timeline_tasks`); `TrainingLog` prints one line per iterati
 progress bar, writes the ``--log-json`` lines (one JSON object per iteration: ``iteration``,
 ``loss``, ``tokens``, ``tokens_per_s``, ``step_s``, ``skipped`` and ``skipped_steps``, with DCP
 ``predicted_s`` and ``calibration_error``, ``plan``, every ``timeline_interval`` iterations
-``timeline``, and whatever else the caller adds, e.g. `peak_memory_mb`) and the final
+``timeline``, ``checkpoint_dir`` (whose resume continues this log: `log_file`), and whatever
+else the caller adds, e.g. `peak_memory_mb`) and the final
 throughput line. Tokens are the tokens trained: a sequence
 the oversize policy skipped is counted as skipped (``skipped_sequences``), not as trained
 (`trained_tokens`), and a skipped step trains none. Pure Python (torch only where a CUDA
@@ -20,6 +21,7 @@ from collections import Counter
 from typing import Any, Optional, Sequence, Union
 
 from megatron_dcp.plan.plan import Plan
+from megatron_dcp.runtime.log_file import CHECKPOINT_DIR_KEY, open_log
 
 
 def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int], None] = None,
@@ -176,13 +178,18 @@ class TrainingLog:
     """Iteration lines, ``--log-json`` records and the final line of one training run.
 
     ``primary``: this process reports (rank 0); others only count. ``quiet``: no iteration lines
-    (the final line is still printed). ``append``: add to an existing JSON log (a resumed run).
+    (the final line is still printed). ``resume_at``: the run resumed at this iteration: its JSON
+    log keeps its rows up to it and continues (`megatron_dcp.runtime.log_file.open_log`; None:
+    the log is replaced, which the front end allowed while parsing: `log_problem`).
+    ``checkpoint_dir``: every row names it (`log_file.checkpoint_dir`: how a resume recognises
+    its own log); ``log_flag``: the flag naming the JSON log, for messages.
     ``timeline_interval``: the rows of the first iteration logged and of every iteration
     divisible by it carry the step plan's `plan_timeline` (0: none).
     """
 
     def __init__(self, mode: str, train_iters: int, *, json_path: Optional[str] = None,
-                 primary: bool = True, quiet: bool = False, append: bool = False,
+                 primary: bool = True, quiet: bool = False, resume_at: Optional[int] = None,
+                 checkpoint_dir: Optional[str] = None, log_flag: str = "--log-json",
                  timeline_interval: int = TIMELINE_INTERVAL) -> None:
         self.mode = mode
         self.timeline_interval = timeline_interval
@@ -194,7 +201,9 @@ class TrainingLog:
         self.seconds = 0.0
         self.skipped_steps = 0
         self.skipped_sequences = 0
-        self._json = open(json_path, "a" if append else "w") if (json_path and primary) else None
+        self.checkpoint_dir = checkpoint_dir
+        self._json = open_log(json_path, resume_at, flag=log_flag) \
+            if (json_path and primary) else None
 
     def iteration(self, iteration: int, *, loss: float, tokens: int, step_s: float,
                   plan: dict[str, Any], predicted_s: Optional[float] = None,
@@ -229,6 +238,8 @@ class TrainingLog:
             record["batch_sequences"] = extra["sequences"]
             record["sequences"] = 0 if skipped else extra["sequences"] - skipped_sequences
         record["plan"] = plan
+        if self.checkpoint_dir is not None:
+            record[CHECKPOINT_DIR_KEY] = self.checkpoint_dir
         if self.primary and self._timeline_due(iteration) and step_plan is not None \
                 and step_plan.policy != "data-parallel":
             record["timeline"] = plan_timeline(step_plan)
