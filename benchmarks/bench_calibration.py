@@ -55,7 +55,8 @@ def run(mode: str, args, log: Path, profile: str) -> list[dict]:
     extra = {"dp": [], "auto": ["--dcp"], "wrong": ["--dcp", "--dcp_hardware", profile],
              "off": ["--dcp", "--dcp_calibration", "off"]}[mode]
     launch(2, "examples/pretrain.py", ["--train-iters", str(args.iters), "--seed",
-                                       str(args.seed), "--log-json", str(log), "--quiet", *extra],
+                                       str(args.seed), "--log-json", str(log), "--overwrite-log",
+                                       "--quiet", *extra],
            f"the {mode} run")
     return [json.loads(line) for line in log.read_text().splitlines()]
 

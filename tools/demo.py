@@ -46,6 +46,7 @@ def main() -> int:
            "--deepspeed_config", "examples/ds_config.json", "--train-iters", "8",
            "--seq-length", "2048", "--global-batch-tokens", "8192", "--num-layers", "2",
            "--hidden-size", "64", "--num-heads", "4", "--log-json", "runs/demo.jsonl",
+           "--overwrite-log",
            "--save-profile", "runs/demo_hardware.json"]
     import torch
 
