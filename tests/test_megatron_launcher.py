@@ -305,6 +305,10 @@ def test_a_bad_combination_fails_at_start_naming_the_flag(extra, flag):
     assert done.returncode != 0
     assert "invalid DCP arguments" in out and flag in out, out[-3000:]
     assert "iteration        1/" not in out  # refused before training
+    # the message only: no traceback from the rank (torchrun still prints its own)
+    assert "megatron_dcp.megatron.run: error: invalid DCP arguments" in out, out[-3000:]
+    assert not [line for line in out.splitlines()
+                if line.strip().startswith("File ") and "megatron_dcp" in line], out[-3000:]
 
 
 @pytest.mark.timeout(300)

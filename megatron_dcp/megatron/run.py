@@ -68,8 +68,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         enable_dcp()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    from megatron_dcp.megatron.args import DCPArgumentError
+
     try:
         runpy.run_path(script, run_name="__main__")
+    except DCPArgumentError as err:  # bad flags: the message, not a traceback (status 2)
+        if os.environ.get("RANK", "0") == "0":  # every rank finds the same problems
+            print(f"megatron_dcp.megatron.run: error: {err}", file=sys.stderr, flush=True)
+        return 2
     finally:
         _close()
     return 0
