@@ -67,7 +67,9 @@ def exchange(local: list[np.ndarray], where: Sequence[tuple[int, int]],
              lengths: Sequence[int], needs: Sequence[Sequence[int]],
              device: torch.device) -> list[Optional[torch.Tensor]]:
     """Collective (the default group): one ``all_to_all_single`` that gives this rank the
-    tokens of every document it needs (host int64 tensors) and ``None`` for the others."""
+    tokens of every document it needs (host int64 tensors) and ``None`` for the others.
+    ``lengths``: the plan's (a document the oversize policy truncated travels as its first
+    ``lengths[s]`` tokens, the prefix the step trains: `megatron_dcp.runtime.truncate`)."""
     import torch.distributed as dist
 
     world, me = dist.get_world_size(), dist.get_rank()
@@ -79,7 +81,7 @@ def exchange(local: list[np.ndarray], where: Sequence[tuple[int, int]],
                 send[g].append(s)
             if g == me:
                 receive[source].append(s)
-    parts = [torch.from_numpy(np.asarray(local[where[s][1]], dtype=np.int64))
+    parts = [torch.from_numpy(np.asarray(local[where[s][1]][:lengths[s]], dtype=np.int64))
              for g in range(world) for s in send[g]]
     out_sizes = [sum(lengths[s] for s in docs) for docs in receive]
     inputs = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
@@ -108,5 +110,5 @@ def global_batch(local: Optional[list[np.ndarray]], dp_rank: int, problem: str,
     if first:
         raise ValueError(first)
     plan = plan_of(lengths)
-    sequences = exchange(local or [], where, lengths, needed_by(plan, dp_of), device)
+    sequences = exchange(local or [], where, plan.lengths, needed_by(plan, dp_of), device)
     return sequences, plan
