@@ -126,7 +126,8 @@ def check_trained(steps: int, trained_steps: int, left_out: int = 0) -> None:
     if left_out:
         why = (f"every sequence was skipped by --dcp-oversize skip ({left_out} sequences in "
                f"{steps} steps fit no group of ranks): raise the memory budget "
-               "(--dcp-memory-budget-gb), the ZeRO stage or the data-parallel size, lower "
+               "(--dcp-memory-budget-gb) or the token cap (--dcp-max-tokens-per-rank), the ZeRO "
+               "stage or the data-parallel size, lower "
                "--seq-length, or use --dcp-oversize truncate (--dcp_oversize in the DeepSpeed "
                'example; "oversize" in a DeepSpeed JSON\'s "dcp" section)')
     else:
