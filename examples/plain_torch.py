@@ -72,9 +72,13 @@ def main() -> None:
         result = driver.step(engine, batch)
         if dist.get_rank() == 0:
             print(f"iteration {it + 1}: loss {result.loss:.4f}, "
-                  f"micro-steps {result.micro_steps}, {result.wall_s:.2f} s", flush=True)
-    del engine, driver, pool  # they hold the groups: freed below, before the interpreter exits
-    destroy_process_groups()
+                  f"micro-steps {result.micro_steps}, {result.wall_s:.2f} s"
+                  + (" | SKIPPED step (no trained token)" if result.empty else ""), flush=True)
+    try:
+        driver.check_trained()  # every step empty (all sequences skipped): status 1
+    finally:
+        del engine, driver, pool  # they hold the groups: freed below, before the exit
+        destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -93,3 +93,33 @@ def test_fp16_overflow_steps_are_the_loss_scalers_and_fp16_losses_equal_plain(tm
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert not any(r["skipped"] for r in rows)
     assert any(int(d) > 1 for r in rows for d in r["plan"]["degrees"]), rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("oversize", ["truncate", "skip"])
+def test_oversize_truncate_trains_and_an_all_skipped_run_says_so(tmp_path, oversize):
+    """Issue 59 through the launcher, ``--dcp-max-tokens-per-rank`` below the documents at
+    degree 1: ``truncate`` trains the kept prefixes (it stopped at the first step with a
+    ``BatchError``: the plan truncated, the batch did not), its rows count the cut tokens;
+    ``skip`` with a cap below every document skips every step before the optimizer and the run
+    ends with status 1 saying so (it trained nothing with status 0 and ``loss NaN``)."""
+    log = tmp_path / "dcp.jsonl"
+    cap = "100" if oversize == "truncate" else "1"
+    done = _launch(["--dcp", "--dcp-log-json", str(log), "--dcp-max-degree", "1",
+                    "--dcp-max-tokens-per-rank", cap, "--dcp-oversize", oversize,
+                    "--train-iters", "2"])
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    text = done.stdout + done.stderr
+    if oversize == "truncate":
+        losses = _lm_losses(done)
+        assert sorted(losses) == [1, 2] and all(v == v for v in losses.values())
+        assert any(r["truncated_tokens"] > 0 for r in rows), rows
+        assert all(not r["skipped"] and r["tokens"] > 0 for r in rows), rows
+    else:
+        assert done.returncode != 0, text[-3000:]
+        assert "no step trained a token: every sequence was skipped by --dcp-oversize skip" \
+            in text, text[-3000:]
+        # no traceback of the ranks (torchrun's own agent prints one for any failed child)
+        assert "megatron_dcp/" not in text.split("torch/distributed/elastic")[0], text[-3000:]
+        assert [(r["skipped"], r["tokens"]) for r in rows] == [(True, 0), (True, 0)], rows

@@ -171,3 +171,77 @@ def test_megatron_nonfinite_gradient_norm_stops_or_skips_before_the_update(skip)
         else:
             assert kind == "stopped" and "iteration 1: gradient norm nan" in detail \
                 and "rank 1" in detail and "rank 0" not in detail, detail
+
+
+# ---------------------------------------------------------------------- steps that train nothing
+def _empty_body(rank, world_size):
+    """Issue 59: a batch whose every sequence the oversize policy ``skip`` leaves out (longer
+    than the model's 64 positions), then an ordinary one, under AdamW with weight decay and a
+    learning-rate schedule: (per step: skipped, empty, weights unchanged, optimizer steps and
+    scheduler epoch after it; the run check's message after the empty step, after both)."""
+    from plain_torch import TorchEngine
+
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.runtime.groups import GroupPool
+    from megatron_dcp.runtime.nonfinite import NothingTrainedError
+    from megatron_dcp.runtime.step import StepDriver
+
+    class Engine(TorchEngine):
+        def finish(self):
+            super().finish()
+            self.scheduler.step()
+
+    model = build_model("decoder")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    engine = Engine(model, optimizer)
+    engine.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (k + 1))
+    pool = GroupPool()
+    engine.group = pool.world_group
+    driver = StepDriver(DCPConfig(enabled=True, oversize="skip", calibration="off"), pool=pool,
+                        model_shape=model.shape())
+    gen = torch.Generator().manual_seed(5)
+    out = []
+
+    def run_check():
+        try:
+            driver.check_trained()
+            return None
+        except NothingTrainedError as exc:
+            return str(exc)
+
+    checks = []
+    for lengths in ((70, 80, 90), (29, 13, 70)):
+        before = [p.detach().clone() for p in model.parameters()]
+        batch = [torch.randint(0, DECODER["vocab_size"], (n,), generator=gen) for n in lengths]
+        result = driver.step(engine, batch)
+        steps = [int(s["step"]) for s in optimizer.state.values()]
+        out.append((result.skipped, result.empty,
+                    all(torch.equal(p, b) for p, b in zip(model.parameters(), before)),
+                    max(steps, default=0), engine.scheduler.last_epoch))
+        checks.append(run_check())
+    return out, checks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_step_with_no_trained_token_is_skipped_before_the_optimizer():
+    """Every sequence skipped: the step is reported skipped (``empty``), the weights stay
+    bit-identical under weight decay, AdamW's step count and the schedule do not advance; a
+    run of only such steps ends with a message; a later step trains as usual."""
+    for (empty, trained), checks in run_distributed(_empty_body, world_size=2, timeout_s=100):
+        assert empty == (True, True, True, 0, 0), empty
+        assert trained[:3] == (False, False, False) and trained[3:] == (1, 1), trained
+        assert checks[1] is None
+        assert checks[0].startswith("error: no step trained a token: every sequence was "
+                                    "skipped by --dcp-oversize skip (3 sequences in 1 steps")
+
+
+def test_check_trained_names_the_cause():
+    from megatron_dcp.runtime.nonfinite import NothingTrainedError, check_trained, trains_nothing
+
+    check_trained(0, 0)  # no step ran: nothing to say
+    check_trained(3, 1, left_out=5)
+    with pytest.raises(NothingTrainedError, match="had a next-token target") as err:
+        check_trained(2, 0)
+    assert err.value.code.startswith("error: no step trained a token")  # exit status 1
+    assert trains_nothing(0) and not trains_nothing(1)

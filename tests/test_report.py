@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -104,6 +105,36 @@ def test_skipped_steps_and_sequences_are_counted_and_train_no_tokens(tmp_path, c
     assert "1 sequences skipped (oversize)" in out[0] and "SKIPPED step" in out[1]
     assert out[2] == ("done: dcp, 2 iterations, 100 tokens trained, 50 tokens/s, 1 steps "
                       "skipped, 1 sequences skipped")
+
+
+def test_truncated_tokens_and_empty_steps_are_counted_in_the_rows(tmp_path, capsys):
+    """Issue 59: the plan of ``oversize="truncate"`` records the sequence it cut; the rows count
+    the truncated sequences and tokens; a step with no trained token says so."""
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.plan import make_plan
+    from megatron_dcp.plan.plan import Plan
+    from megatron_dcp.plan import load_model
+
+    shape = dataclasses.replace(load_model("llama-7b"), max_position=64)
+    plan = make_plan([70, 20], world_size=2, model=shape,
+                     config=DCPConfig(enabled=True, oversize="truncate"))
+    assert plan.lengths == (64, 20) and plan.truncated == {0: 70} and plan.truncated_tokens == 6
+    assert Plan.from_dict(plan.to_dict()).truncated == {0: 70}  # kept in the JSON's meta
+    empty = Plan(tasks=(), lengths=(70,), world_size=1, skipped=(0,))
+    path = tmp_path / "log.jsonl"
+    log = TrainingLog("dcp", 2, json_path=str(path))
+    log.iteration(1, loss=2.0, tokens=84, step_s=1.0, plan=plan_summary(plan), step_plan=plan)
+    log.iteration(2, loss=float("nan"), tokens=0, step_s=1.0, skipped=True,
+                  plan=plan_summary(empty),
+                  skipped_sequences=1, step_plan=empty)
+    log.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["truncated_sequences"], r["truncated_tokens"]) for r in records] == \
+        [(1, 6), (0, 0)]
+    out = capsys.readouterr().out.splitlines()
+    assert "1 sequences truncated (6 tokens cut, oversize)" in out[0]
+    assert "SKIPPED step (no trained token; 1 so far)" in out[1]
+    assert out[2].endswith("1 steps skipped, 1 sequences skipped, 6 tokens truncated")
 
 
 def test_resuming_past_train_iters_exits_non_zero_saying_so(capsys):

@@ -158,3 +158,48 @@ def test_plain_data_parallel_is_the_driver_with_a_trivial_plan(ref, world_size):
     counts = [r[2] for r in results]
     expected = [max(len(LENGTHS[r::world_size]), 1) for r in range(world_size)]
     assert counts == expected
+
+
+# ---------------------------------------------------------------------- oversize truncate
+TRUNC_LENGTHS = (70, 29, 13, 18)  # the first is longer than the decoder's 64 positions
+
+
+def _truncate_body(rank, world_size):
+    """Issue 59: the driver plans a batch with ``oversize="truncate"`` (sequence 0 is cut to
+    the model's 64 positions) and runs it: (loss, reduced gradients, truncated sequences and
+    tokens)."""
+    from plain_torch import TorchEngine
+
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.runtime.groups import GroupPool
+    from megatron_dcp.runtime.step import StepDriver
+
+    model = build_model("decoder")
+    engine = TorchEngine(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    pool = GroupPool()
+    engine.group = pool.world_group
+    driver = StepDriver(DCPConfig(enabled=True, oversize="truncate", calibration="off"),
+                        pool=pool, model_shape=model.shape())
+    result = driver.step(engine, make_batch(TRUNC_LENGTHS, DECODER["vocab_size"]))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return (result.loss, grads, result.truncated_sequences, result.truncated_tokens,
+            result.plan.lengths)
+
+
+def test_oversize_truncate_trains_the_kept_prefix_exactly():
+    """The batch is cut as the plan says (a prefix of 64 tokens: its own next-token targets,
+    the last token without one) and the step equals one process training on the truncated
+    sequences; the cut tokens are counted."""
+    model = build_model("decoder")
+    batch = make_batch(TRUNC_LENGTHS, DECODER["vocab_size"])
+    batch[0] = batch[0][:64]
+    total = sum(int(s.numel()) - 1 for s in batch)
+    loss = sum(model.loss(s, None, torch.cat([s[1:], torch.tensor([-100])])) / total
+               for s in batch)
+    loss.backward()
+    ref_grads = {n: p.grad for n, p in model.named_parameters()}
+    for got_loss, grads, cut_seqs, cut_tokens, lengths in run_distributed(
+            _truncate_body, world_size=2, timeout_s=100):
+        assert lengths == (64, 29, 13, 18) and (cut_seqs, cut_tokens) == (1, 6)
+        assert abs(got_loss - float(loss)) <= TOL * abs(float(loss))
+        assert max(rel_err(grads[n], g) for n, g in ref_grads.items()) <= TOL

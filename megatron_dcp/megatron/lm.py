@@ -439,11 +439,16 @@ class LMForwardBackward:
         reports = self.step(forward_step_func=_adapted(forward_step_func),
                             data_iterator=iter([GlobalBatch(sequences, plan=plan)]), model=model,
                             num_microbatches=1, **kwargs)
-        self.skip_update = bool(reports.result is not None and reports.result.skipped
-                                and not self.args.fp16)
-        if reports.result is not None:  # planned before the step (lm_data): its seconds
-            reports.result.plan_s = reports.result.plan_wait_s = planned_s
+        result = reports.result
+        # an empty step (no trained token) is skipped also under fp16: the loss scaler would
+        # find its zero gradients finite and apply weight decay
+        self.skip_update = bool(result is not None and result.skipped
+                                and (not self.args.fp16 or result.empty))
+        if result is not None:  # planned before the step (lm_data): its seconds
+            result.plan_s = result.plan_wait_s = planned_s
         self._log(reports, parallel.data_group)
+        if self.iteration >= self.args.train_iters:  # the run's last step: did any train?
+            self.step.driver.check_trained()
         return reports
 
     def _open_log(self, parallel) -> None:

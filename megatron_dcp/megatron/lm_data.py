@@ -86,7 +86,9 @@ def exchange(local: list[np.ndarray], where: Sequence[tuple[int, int]],
              group: Any = None) -> list[Optional[torch.Tensor]]:
     """Collective (``group``: a host group over the job, `host_group`, whose ranks are the
     job's): one ``all_to_all_single`` that gives this rank the tokens of every document it
-    needs (host int64 tensors) and ``None`` for the others."""
+    needs (host int64 tensors) and ``None`` for the others. ``lengths``: the plan's (a
+    document the oversize policy truncated travels as its first ``lengths[s]`` tokens, the
+    prefix the step trains: `megatron_dcp.runtime.truncate`)."""
     import torch.distributed as dist
 
     world, me = dist.get_world_size(group), dist.get_rank(group)
@@ -98,7 +100,7 @@ def exchange(local: list[np.ndarray], where: Sequence[tuple[int, int]],
                 send[g].append(s)
             if g == me:
                 receive[source].append(s)
-    parts = [torch.from_numpy(np.asarray(local[where[s][1]], dtype=np.int64))
+    parts = [torch.from_numpy(np.asarray(local[where[s][1]][:lengths[s]], dtype=np.int64))
              for g in range(world) for s in send[g]]
     out_sizes = [sum(lengths[s] for s in docs) for docs in receive]
     inputs = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
@@ -127,5 +129,5 @@ def global_batch(local: Optional[list[np.ndarray]], dp_rank: int, problem: str,
     if first:
         raise ValueError(first)
     plan = plan_of(lengths)
-    sequences = exchange(local or [], where, lengths, needed_by(plan, dp_of), group)
+    sequences = exchange(local or [], where, plan.lengths, needed_by(plan, dp_of), group)
     return sequences, plan

@@ -255,6 +255,25 @@ class Plan:
         """
         return sum(self.lengths[s] - 1 for t in self.tasks for s in t.seqs)
 
+    @property
+    def truncated(self) -> dict[int, int]:
+        """Sequences the oversize policy ``truncate`` shortened, each with its length before
+        (``lengths`` holds the planned one): the runtime cuts the batch to the plan
+        (`megatron_dcp.runtime.truncate`). Kept in ``meta["truncated"]`` as ``[[i, n], ...]``,
+        so the digest and the plan format of every other plan are unchanged."""
+        pairs = self.meta.get("truncated") or ()
+        try:
+            return {int(i): int(n) for i, n in pairs}
+        except (TypeError, ValueError):
+            raise PlanError(f"plan meta truncated={pairs!r}: must be [[sequence, length], ...]") \
+                from None
+
+    @property
+    def truncated_tokens(self) -> int:
+        """Tokens the oversize policy ``truncate`` cut from the batch (not trained)."""
+        return sum(max(0, n - self.lengths[i]) for i, n in self.truncated.items()
+                   if 0 <= i < len(self.lengths))
+
     def tasks_for_rank(self, rank: int) -> list[Task]:
         """This rank's tasks in execution order ``(start, id)``."""
         return [t for t in self.tasks if rank in t.ranks]

@@ -209,6 +209,8 @@ def _plan_flat(lengths: Sequence[int], *, world_size: int, model: ModelShape, co
             "communicator_bytes": cm.memory_model.communicators.bytes}
     if vocabulary is not None:
         meta["vocabulary_sizes"] = list(vocab.sizes)
+    if setup.truncated:  # the runtime cuts these sequences of the batch (`Plan.truncated`)
+        meta["truncated"] = [list(pair) for pair in setup.truncated]
     if not pctx.active:
         frames = pctx.frame_tokens
         plan = Plan(tasks=(), lengths=tuple(pctx.lengths), world_size=world_size,
@@ -231,6 +233,8 @@ class PlanSetup:
     """The planning context, its active sequences set."""
     skipped: list[int]
     """The sequences ``config.oversize`` leaves out."""
+    truncated: list[tuple[int, int]]
+    """``(sequence, its length before)`` of the sequences ``config.oversize`` truncated."""
     zero_stage: int
     """The engine's ZeRO stage (the argument's, else the cost model's, else 1)."""
     schedule: str
@@ -260,10 +264,12 @@ def _context(lengths: Sequence[int], world_size: int, model: ModelShape, config:
                        recompute_mode=config.recompute,
                        pack_tokens=pack_budget(config, cm), baseline_degree=baseline_degree,
                        frame_tokens=frames)
-    skipped = apply_oversize(pctx, config.oversize)
+    before = list(clean)
+    skipped = apply_oversize(pctx, config.oversize)  # truncates pctx.lengths in place
+    truncated = [(i, n) for i, (n, now) in enumerate(zip(before, pctx.lengths)) if now != n]
     skip = set(skipped)
     pctx.active = [i for i in range(len(clean)) if i not in skip]
-    return PlanSetup(pctx, skipped, zero_stage, schedule)
+    return PlanSetup(pctx, skipped, truncated, zero_stage, schedule)
 
 
 def _plan_pipeline(lengths: Sequence[int], *, world_size: int, model: ModelShape,

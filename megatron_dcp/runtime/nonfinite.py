@@ -99,3 +99,38 @@ def check_step(iteration: int, loss: float, grad_norm: Optional[float] = None, *
         + (f" ({where})" if where else "")
         + ": stopped before the optimizer step and before saving (the last checkpoint is of a "
         f"finite step); {SKIP_HINT}")
+
+
+# ---------------------------------------------------------------------- steps that train nothing
+class NothingTrainedError(SystemExit):
+    """Every step of the run trained no token: the run ends with status 1 and this message (a
+    `SystemExit`: no traceback; every rank decides alike, from its plans)."""
+
+
+def trains_nothing(target_tokens: int) -> bool:
+    """The rule for a step with no trained token (every sequence skipped by the oversize policy,
+    or none with a target): it is skipped before the optimizer on every engine, like a skipped
+    non-finite step, and counted as skipped. Its forward and backward are not run either (the
+    plan, the same on every rank, says so before any task), so no engine sees a micro-step, a
+    gradient or an optimizer step: the weights, the optimizer's step count and the learning-rate
+    schedule stay as they were (weight decay included)."""
+    return int(target_tokens) == 0
+
+
+def check_trained(steps: int, trained_steps: int, left_out: int = 0) -> None:
+    """At the end of a run of ``steps`` training steps: `NothingTrainedError` when none of them
+    trained a token (``trained_steps`` 0), saying why (``left_out``: sequences the oversize policy
+    skipped over the run) and what to change; nothing when one did, or none ran."""
+    if steps <= 0 or trained_steps > 0:
+        return
+    if left_out:
+        why = (f"every sequence was skipped by --dcp-oversize skip ({left_out} sequences in "
+               f"{steps} steps fit no group of ranks): raise the memory budget "
+               "(--dcp-memory-budget-gb) or the token cap (--dcp-max-tokens-per-rank), the ZeRO "
+               "stage or the data-parallel size, lower "
+               "--seq-length, or use --dcp-oversize truncate (--dcp_oversize in the DeepSpeed "
+               'example; "oversize" in a DeepSpeed JSON\'s "dcp" section)')
+    else:
+        why = f"no sequence of the {steps} steps had a next-token target (each holds 1 token)"
+    raise NothingTrainedError(f"error: no step trained a token: {why}; the weights are unchanged "
+                              "(each step was skipped before the optimizer)")

@@ -169,9 +169,13 @@ def _mfu_text(figures: Optional[dict[str, float]]) -> str:
     return f" MFU {figures['mfu'] * 100:.1f}%" if figures and "mfu" in figures else ""
 
 
-def _skip_text(step: bool, steps: int, sequences: int) -> str:
-    text = f" | SKIPPED step (non-finite; {steps} so far)" if step else ""
-    return text + (f" | {sequences} sequences skipped (oversize)" if sequences else "")
+def _skip_text(step: bool, steps: int, sequences: int, empty: bool = False,
+               cut: tuple[int, int] = (0, 0)) -> str:
+    why = "no trained token" if empty else "non-finite"
+    text = f" | SKIPPED step ({why}; {steps} so far)" if step else ""
+    text += f" | {sequences} sequences skipped (oversize)" if sequences else ""
+    return text + (f" | {cut[0]} sequences truncated ({cut[1]} tokens cut, oversize)"
+                   if cut[0] else "")
 
 
 class TrainingLog:
@@ -201,6 +205,7 @@ class TrainingLog:
         self.seconds = 0.0
         self.skipped_steps = 0
         self.skipped_sequences = 0
+        self.truncated_tokens = 0
         self.checkpoint_dir = checkpoint_dir
         self._json = open_log(json_path, resume_at, flag=log_flag) \
             if (json_path and primary) else None
@@ -219,7 +224,14 @@ class TrainingLog:
         `plan_timeline` the row carries when due (``timeline_interval``). An ``extra``
         ``sequences`` (the batch's count) is recorded like ``tokens``: the sequences trained
         (without those left out; none in a skipped step), the batch's count as
-        ``batch_sequences``."""
+        ``batch_sequences``. The sequences the oversize policy truncated and the tokens cut from
+        them are read from ``step_plan`` (`Plan.truncated`): ``truncated_sequences`` and
+        ``truncated_tokens``; a step of ``step_plan`` with no target token is a skipped step
+        for that reason (``SKIPPED step (no trained token ...)``)."""
+        cut = (len(step_plan.truncated), step_plan.truncated_tokens) \
+            if step_plan is not None else (0, 0)
+        empty = skipped and step_plan is not None and step_plan.target_tokens == 0
+        self.truncated_tokens += cut[1]
         self.iterations += 1
         tokens = 0 if skipped else tokens
         self.tokens += tokens
@@ -229,7 +241,8 @@ class TrainingLog:
         record = {"iteration": iteration, "loss": loss, "tokens": tokens,
                   "tokens_per_s": tokens / step_s if step_s > 0 else 0.0, "step_s": step_s,
                   "skipped": skipped, "skipped_steps": self.skipped_steps,
-                  "skipped_sequences": skipped_sequences}
+                  "skipped_sequences": skipped_sequences, "truncated_sequences": cut[0],
+                  "truncated_tokens": cut[1]}
         if predicted_s is not None:
             record["predicted_s"] = predicted_s
             record["calibration_error"] = calibration_error
@@ -252,7 +265,8 @@ class TrainingLog:
                   f"{record['tokens_per_s']:.0f} tok/s{_mfu_text(extra.get('figures'))} "
                   f"step {step_s * 1e3:.0f} ms"
                   f"{_prediction_text(predicted_s, calibration_error)} | {_plan_text(plan)}"
-                  f"{_skip_text(skipped, self.skipped_steps, skipped_sequences)}", flush=True)
+                  f"{_skip_text(skipped, self.skipped_steps, skipped_sequences, empty, cut)}",
+                  flush=True)
         return record
 
     def _timeline_due(self, iteration: int) -> bool:
@@ -267,6 +281,8 @@ class TrainingLog:
             rate = self.tokens / self.seconds if self.seconds else 0.0
             skips = [f"{n} {what} skipped" for n, what in
                      ((self.skipped_steps, "steps"), (self.skipped_sequences, "sequences")) if n]
+            if self.truncated_tokens:
+                skips.append(f"{self.truncated_tokens} tokens truncated")
             print(f"done: {self.mode}, {self.iterations} iterations, {self.tokens} tokens "
                   f"trained, {rate:.0f} tokens/s" + "".join(f", {t}" for t in skips), flush=True)
         if self._json is not None:

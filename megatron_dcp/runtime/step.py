@@ -36,11 +36,12 @@ from megatron_dcp.runtime.executor import PlanWork, Shard, StepStats
 from megatron_dcp.runtime.groups import comm_device
 from megatron_dcp.runtime.hardware_auto import detect_hardware, ranks_per_node_of
 from megatron_dcp.runtime.liveness import names_unresponsive_ranks, start_responder
-from megatron_dcp.runtime.nonfinite import (check_step, describe_ranks, first_nonfinite_task,
-                                            rank_losses)
+from megatron_dcp.runtime.nonfinite import (check_step, check_trained, describe_ranks,
+                                            first_nonfinite_task, rank_losses, trains_nothing)
 from megatron_dcp.runtime.plan_ahead import PlanAhead
 from megatron_dcp.runtime.step_engine import StepEngine
 from megatron_dcp.runtime.step_timing import StepTiming
+from megatron_dcp.runtime.truncate import cut_to_plan, truncated_tokens
 
 __all__ = ["Shard", "StepDriver", "StepEngine", "StepResult", "data_parallel_plan"]
 
@@ -78,7 +79,15 @@ class StepResult:
     this step (``None``: calibration off)."""
     skipped: bool = False
     """No update was applied: a non-finite loss or gradient norm with
-    ``DCPConfig.skip_nonfinite``, or an overflow step the engine's loss scaler skipped."""
+    ``DCPConfig.skip_nonfinite``, an overflow step the engine's loss scaler skipped, or a step
+    with no trained token (``empty``)."""
+    empty: bool = False
+    """The step had no trained token (every sequence skipped by the oversize policy, or none with
+    a target, `trains_nothing`): skipped before its forward, backward and optimizer step."""
+    truncated_sequences: int = 0
+    """Sequences of the batch the oversize policy ``truncate`` cut (`Plan.truncated`)."""
+    truncated_tokens: int = 0
+    """Tokens cut from them (not trained)."""
 
 
 def data_parallel_plan(lengths: Sequence[int], world_size: int) -> Plan:
@@ -141,6 +150,9 @@ class StepDriver:
             self.max_position = getattr(model_shape, "max_position", None)
         self.iteration = 0
         """Training steps taken (the planner's ``iteration``); save it with checkpoints."""
+        self.tally = {"steps": 0, "trained": 0, "left_out": 0}
+        """This process's training steps, those that trained a token and the sequences the
+        oversize policy left out (`check_trained`)."""
         self.timing = StepTiming(config, model_shape, zero_stage, self.offload)
         """Predicted step times and the online calibration (`StepTiming`)."""
         self._ahead = PlanAhead()
@@ -340,22 +352,33 @@ class StepDriver:
         t0 = time.perf_counter()
         outside_s = self.timing.take_outside_s()  # of the previous step
         plan, plan_s, plan_wait_s = self._plan_of(sequences, plan)
+        sequences = cut_to_plan(plan, sequences)  # oversize truncate: the batch as planned
         if next_lengths is not None:  # the thread starts once this step's plan is taken
             self.plan_ahead(next_lengths, iteration=self.iteration + int(train),
                             frame_tokens=next_frame_tokens)
-        work = self._micro_steps(engine, plan, sequences, train)
+        work, empty = self._micro_steps(engine, plan, sequences, train)
         stats = work.stats()
-        # Every backward has run on every rank (ZeRO 0/1 reduce inside a rank's last one, an
-        # idle rank's comes after the task loop): the loss collective may come now, before the
-        # update, so a non-finite step is stopped or skipped before it changes the model.
-        loss, bad = self._global_loss(stats.local_loss, first_nonfinite_task(work.task_losses))
         grad_norm, skipped = None, False
+        if empty:  # no micro-step ran on any rank (the same plan): no loss, no update
+            loss, skipped = float("nan"), True
+        else:
+            # Every backward has run on every rank (ZeRO 0/1 reduce inside a rank's last one,
+            # an idle rank's comes after the task loop): the loss collective may come now,
+            # before the update, so a non-finite step is stopped or skipped before it changes
+            # the model.
+            loss, bad = self._global_loss(stats.local_loss,
+                                          first_nonfinite_task(work.task_losses))
+            if train:
+                grad_norm, skipped = self._update(engine, loss, bad)
         if train:
-            grad_norm, skipped = self._update(engine, loss, bad)
             self.iteration += 1
+            self.tally["steps"] += 1
+            self.tally["trained"] += int(not empty)
+            self.tally["left_out"] += len(plan.skipped)
+        cut_sequences, cut_tokens = truncated_tokens(plan)
         wall_s = time.perf_counter() - t0
         predicted_s = self.predicted_step_s(plan)
-        if train and self.timing.calibrating(plan, self.world_size):
+        if train and not empty and self.timing.calibrating(plan, self.world_size):
             self._calibrate(plan, stats, wall_s, predicted_s, outside_s)
         else:
             self.timing.forget_last_step()
@@ -365,7 +388,14 @@ class StepDriver:
                           plan_s=plan_s, plan_wait_s=plan_wait_s, predicted_s=predicted_s,
                           grad_norm=grad_norm,
                           stats=stats, calibration_error=self.calibration_error,
-                          skipped=skipped)
+                          skipped=skipped, empty=empty, truncated_sequences=cut_sequences,
+                          truncated_tokens=cut_tokens)
+
+    def check_trained(self) -> None:
+        """Call once training ends, on every rank: `NothingTrainedError` (status 1, a message
+        that says why) when this process ran training steps and none trained a token
+        (`megatron_dcp.runtime.nonfinite.check_trained`)."""
+        check_trained(self.tally["steps"], self.tally["trained"], self.tally["left_out"])
 
     def _plan_of(self, sequences: Sequence[torch.Tensor],
                  plan: Optional[Plan]) -> tuple[Plan, float, float]:
@@ -386,26 +416,30 @@ class StepDriver:
         return plan, plan_s, plan_s
 
     def _micro_steps(self, engine: StepEngine, plan: Plan, sequences: Sequence[torch.Tensor],
-                     train: bool) -> PlanWork:
+                     train: bool) -> tuple[PlanWork, bool]:
         """This rank's micro-steps of ``plan`` (`PlanWork`: its tasks, a lockstep plan's empty
         slots, and with ``engine.equal_micro_steps`` empty micro-steps up to the busiest rank's
         count), run by the engine (`StepEngine.run_micro_steps`). Returns the work, which holds
-        every task's loss, checked once after the loop (one sync)."""
+        every task's loss, checked once after the loop (one sync), and whether the step trains
+        nothing (`trains_nothing`: then, after the plan check, no micro-step runs and the
+        engine's reduction scope is not entered: the engine is left untouched)."""
         if not isinstance(engine, StepEngine):
             raise TypeError(f"{type(engine).__name__} is not a StepEngine: subclass "
                             "megatron_dcp.runtime.step_engine.StepEngine (its optional members get "
                             "their defaults there)")
         per_token = self.config.loss_reduction == "sequence"
         counts = _micro_step_counts(plan)  # a plan for another world fails in the plan check
+        work = PlanWork(plan, sequences, self.rank, pool=self.pool, config=self.config,
+                        loss_reduction=self.config.loss_reduction,
+                        max_position=self.max_position, device=self.device,
+                        min_micro_steps=max(max(counts, default=0)
+                                            if engine.equal_micro_steps else 0, 1))
+        if train and trains_nothing(work.total):
+            return work, True
         scope = engine.reduction_scope() if train else nullcontext()
         with scope, nullcontext() if train else torch.no_grad():
-            work = PlanWork(plan, sequences, self.rank, pool=self.pool, config=self.config,
-                            loss_reduction=self.config.loss_reduction,
-                            max_position=self.max_position, device=self.device,
-                            min_micro_steps=max(max(counts, default=0)
-                                                if engine.equal_micro_steps else 0, 1))
             engine.run_micro_steps(work, per_token, train)
-        return work
+        return work, False
 
     def _update(self, engine: StepEngine, loss: float,
                 bad: dict[int, Optional[int]]) -> tuple[Optional[float], bool]:
