@@ -16,6 +16,8 @@ files import the helpers here and in `distributed.py` by module name.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,8 @@ MARKERS = {
 def pytest_configure(config: pytest.Config) -> None:
     for name, meaning in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {meaning}")
+    # datasets' token-id ranges are cached here, not in the user's ~/.cache (subprocesses too)
+    os.environ.setdefault("DCP_CACHE_DIR", tempfile.mkdtemp(prefix="dcp-test-cache-"))
 
 
 @pytest.fixture

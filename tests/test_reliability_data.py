@@ -260,3 +260,242 @@ def test_an_empty_dataset_is_named_when_it_opens(tmp_path):
         sys.path.remove(str(ROOT / "examples"))
     with pytest.raises(ValueError, match="empty.jsonl: no document of at least 2 tokens"):
         pretrain._dataset(str(empty), ByteTokenizer())
+
+
+# ------------------------------------------------- issue 59, item 5: readers as strict as any
+def _examples():
+    """The two examples' dataset openers (DeepSpeed's ``_dataset``, Megatron's
+    ``open_training_data``), each as ``open(prefix)``."""
+    import importlib
+
+    from megatron_dcp.data import ByteTokenizer
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        pretrain = importlib.import_module("pretrain")
+        pretrain_megatron = importlib.import_module("pretrain_megatron")
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return {"deepspeed": lambda p: pretrain._dataset(p, ByteTokenizer(), 257),
+            "megatron": lambda p: pretrain_megatron.open_training_data(
+                pretrain_megatron.parse_args(["--data-path", p]))}
+
+
+def _float_dataset(prefix: str) -> None:
+    """A float32 ``.bin/.idx`` as an older writer (or another tool) made it: ids 1.7, 2.2, ..."""
+    with IndexedDatasetWriter(prefix, np.int32) as w:  # 4 bytes a token, as float32
+        w.add_document([0, 0, 0])
+        w.add_document([0, 0])
+    np.array([1.7, 2.2, 200.9, 4.0, 5.5], np.float32).tofile(prefix + ".bin")
+    with open(prefix + ".idx", "r+b") as f:
+        f.seek(HEADER_BYTES - 17)  # the dtype code: after the magic and the version
+        f.write(bytes([7]))
+
+
+def test_a_float_dataset_is_refused_by_the_writer_and_every_reader(tmp_path):
+    """Issue 59: a float32 dataset trained with its ids truncated (1.7 as 1) in both examples;
+    the project's own writer wrote it."""
+    for dtype in (np.float32, np.float64):
+        with pytest.raises(ValueError, match=f"dtype {np.dtype(dtype)} is not an integer type"):
+            IndexedDatasetWriter(str(tmp_path / "w"), dtype)
+    with IndexedDatasetWriter(str(tmp_path / "w"), np.uint16) as w:
+        with pytest.raises(ValueError, match="token ids must be integers, got float64"):
+            w.add_document([1.5, 2.0])
+        with pytest.raises(ValueError, match="do not fit dtype uint16 .ids run from 0"):
+            w.add_document([3, -1])
+        w.add_document([1, 2])
+    prefix = str(tmp_path / "f32")
+    _float_dataset(prefix)
+    message = (r"f32.idx: dtype code 7 \(float32\) is not an integer type; a token dataset holds "
+               r"integer ids")
+    with pytest.raises(ValueError, match=message):
+        IndexedDataset(prefix)
+    for name, open_ in _examples().items():
+        with pytest.raises(ValueError, match=message):
+            open_(prefix)
+
+
+def _negative_dataset(prefix: str) -> None:
+    """int16 ids with a -3 at document 1, position 2 (the writer refuses it: bytes patched)."""
+    with IndexedDatasetWriter(prefix, np.int16) as w:
+        w.add_document([1, 3, 4])
+        w.add_document([4, 5, 6, 7])
+    tokens = np.memmap(prefix + ".bin", dtype=np.int16, mode="r+")
+    tokens[5] = -3
+    tokens.flush()
+    del tokens
+
+
+def test_a_negative_token_id_is_refused_when_the_dataset_opens(tmp_path):
+    """Issue 59: a negative id passed the open (ids were checked against the vocabulary's top
+    only) and failed inside the step."""
+    prefix = str(tmp_path / "neg")
+    _negative_dataset(prefix)
+    message = (r"neg.bin: document 1 has token id -3 at position 2, outside the model's "
+               r"vocabulary of 257 \(ids 0..256; no tokenizer makes a negative id")
+    for name, open_ in _examples().items():
+        with pytest.raises(ValueError, match=message):
+            open_(prefix)
+
+
+def test_the_token_id_scan_is_cached_by_the_index_checksum(tmp_path, monkeypatch, capsys):
+    """The scan's id range is kept in a small JSON file under DCP_CACHE_DIR, keyed by the .idx's
+    checksum and the .bin's size and mtime: a second open reads no token, a changed .bin is
+    scanned again, an unwritable cache folder costs a scan, never a failure."""
+    from megatron_dcp.data import indexed, open_dataset
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DCP_CACHE_DIR", str(cache))
+    prefix = str(tmp_path / "ids")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for doc in ([1, 2, 3], [4, 5], [6, 250, 7, 8]):
+            w.add_document(doc)
+    scans = []
+    real_tokens = IndexedDataset._tokens
+    monkeypatch.setattr(IndexedDataset, "_tokens",
+                        lambda self: scans.append(self.prefix) or real_tokens(self))
+    open_dataset(prefix, 257)
+    entries = list(cache.glob("*.json"))
+    assert len(scans) == 1 and len(entries) == 1
+    assert json.loads(entries[0].read_text())["min"] == 1
+    assert json.loads(entries[0].read_text())["max"] == 250
+    open_dataset(prefix, 257)
+    open_dataset(prefix, 300)  # another vocabulary: the same range answers
+    assert len(scans) == 1
+    # a narrower vocabulary is refused from the cached range, naming the document (a scan)
+    with pytest.raises(ValueError, match="document 2 has token id 250 at position 1"):
+        open_dataset(prefix, 200)
+    # the .bin rewritten in place (same size, later mtime) with an id past the vocabulary
+    tokens = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
+    tokens[0] = 280
+    tokens.flush()
+    del tokens
+    os.utime(prefix + ".bin", ns=(1, os.stat(prefix + ".idx").st_mtime_ns + 10**9))
+    with pytest.raises(ValueError, match="document 0 has token id 280 at position 0"):
+        open_dataset(prefix, 257)
+    # a cache entry that is not one (truncated, wrong types) is ignored, then rewritten
+    scans.clear()
+    for entry in cache.glob("*.json"):
+        entry.write_text('{"min": "x"')
+    open_dataset(prefix, 300)
+    assert len(scans) == 1
+    # an unwritable cache folder (a file in its place): a scan each time, no failure
+    monkeypatch.setenv("DCP_CACHE_DIR", str(tmp_path / "ids.bin" / "cache"))
+    open_dataset(prefix, 300)
+    open_dataset(prefix, 300)
+    assert len(scans) == 3
+    # a slow scan says how far it is (here: every chunk, of 2 tokens)
+    monkeypatch.setenv("DCP_CACHE_DIR", str(tmp_path / "other"))
+    monkeypatch.setattr(indexed, "_PROGRESS_S", 0.0)
+    monkeypatch.setattr(indexed, "_CHECK_CHUNK", 2)
+    capsys.readouterr()
+    open_dataset(prefix, 300)
+    err = capsys.readouterr().err
+    assert f"checking the token ids of {prefix}.bin: 22% (0.0 of 0.0 GB" in err
+    assert "100%" in err
+
+
+def _launcher_args(**flags):
+    """The data flags of Megatron-LM's parsed arguments, as `check_data_args` reads them."""
+    import argparse
+
+    names = ("data_path", "data_args_path", "train_data_path", "valid_data_path",
+             "test_data_path", "per_split_data_args_path")
+    return argparse.Namespace(mock_data=False, sft=False, **{n: flags.get(n) for n in names})
+
+
+def test_the_launcher_checks_every_data_flag_as_the_examples_do(tmp_path):
+    """Issue 59: the launcher handed its prefixes to Megatron-LM's IndexedDataset, which trusts
+    them: a wrong dtype code trained on misread bytes, a truncated .bin failed without the file's
+    name, ids outside the vocabulary showed only when their batch came. Every prefix of every
+    data flag (blends: weights interleaved) now goes through the examples' opener."""
+    pytest.importorskip("megatron.training", reason="Megatron-LM's training package (.venv312)")
+    from megatron_dcp.megatron.lm_datasets import check_data_args
+
+    good = str(tmp_path / "good")
+    with IndexedDatasetWriter(good, np.uint16) as w:
+        for doc in ([1, 2, 3], [4, 5, 6, 7]):
+            w.add_document(doc)
+    # a wrong dtype code: uint16 data announced as int32
+    wrong = str(tmp_path / "wrong")
+    for suffix in (".bin", ".idx"):
+        (tmp_path / ("wrong" + suffix)).write_bytes((tmp_path / ("good" + suffix)).read_bytes())
+    with open(wrong + ".idx", "r+b") as f:
+        f.seek(HEADER_BYTES - 17)
+        f.write(bytes([4]))
+    # a truncated .bin
+    cut = str(tmp_path / "cut")
+    (tmp_path / "cut.idx").write_bytes((tmp_path / "good.idx").read_bytes())
+    (tmp_path / "cut.bin").write_bytes((tmp_path / "good.bin").read_bytes()[:8])
+    f32, neg = str(tmp_path / "f32"), str(tmp_path / "neg")
+    _float_dataset(f32)
+    _negative_dataset(neg)
+    big = str(tmp_path / "big")
+    with IndexedDatasetWriter(big, np.uint16) as w:
+        w.add_document([1, 2, 300])
+    faults = {wrong: r"wrong.idx: sequence 1 starts at byte 6, expected 12 .* or its dtype code "
+                     r"\(4 bytes a token\) is not the .bin's",
+              cut: r"cut.bin has 8 bytes, its index .*cut.idx describes 14",
+              f32: r"f32.idx: dtype code 7 \(float32\) is not an integer type",
+              neg: r"neg.bin: document 1 has token id -3 at position 2",
+              big: r"big.bin: document 0 has token id 300 at position 2, outside the model's "
+                   r"vocabulary of 257"}
+    assert check_data_args(_launcher_args(data_path=[good]), 257) == [good]
+    assert check_data_args(_launcher_args(data_path=["0.3", good]), 257) == [good]
+    data_args = tmp_path / "blend.txt"
+    per_split = tmp_path / "splits.json"
+    for bad, message in faults.items():
+        data_args.write_text(f"0.5 {good}\n0.5 {bad}\n")
+        per_split.write_text(json.dumps({"train": [good], "valid": f"1 {bad}", "test": None}))
+        for flags in ({"data_path": [bad]}, {"data_path": ["0.3", good, "0.7", bad]},
+                      {"data_args_path": str(data_args)},
+                      {"train_data_path": [good], "valid_data_path": [bad]},
+                      {"test_data_path": [bad]}, {"per_split_data_args_path": str(per_split)}):
+            with pytest.raises(ValueError, match=message):
+                check_data_args(_launcher_args(**flags), 257)
+    # the hook: Megatron-LM's set_global_variables, then one line and status 1 (no traceback)
+    import argparse
+
+    from megatron_dcp.megatron.lm_datasets import _checked
+
+    args = _launcher_args(data_path=["1", neg])
+    args.padded_vocab_size = 384  # no tokenizer built here: the padded vocabulary bounds the ids
+    with pytest.raises(SystemExit) as stop:
+        _checked(lambda a: None)(args)
+    assert str(stop.value.code).startswith(f"megatron_dcp.megatron.run: {neg}.bin: document 1 "
+                                           "has token id -3 at position 2")
+    assert check_data_args(argparse.Namespace(mock_data=True), 257) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_launcher_refuses_a_bad_dataset_before_training(tmp_path):
+    """One real launcher run (plain Megatron-LM, 1 rank): a wrong dtype code in the .idx
+    (formerly: training on misread bytes) stops before any dataset is built, naming the file."""
+    pytest.importorskip("megatron.training", reason="Megatron-LM's training package (.venv312)")
+    import subprocess
+
+    from test_megatron_launcher import COMMON, SCRIPT
+
+    prefix = str(tmp_path / "wrong")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for i in range(40):
+            w.add_document(np.arange(300) % 250)
+    with open(prefix + ".idx", "r+b") as f:
+        f.seek(HEADER_BYTES - 17)
+        f.write(bytes([4]))  # int32: every pointer but the first lands elsewhere
+    common = [w for w in COMMON if w != "--mock-data"]
+    common[common.index("--vocab-size") + 1] = "257"
+    cmd = [sys.executable, "-m", "megatron_dcp.megatron.run",
+           str(ROOT / "tests" / "megatron_lm_style" / "pretrain_gpt_style.py"), *common,
+           "--data-path", prefix, "--split", "100,0,0", "--train-iters", "2",
+           "--spec", "megatron_dcp.megatron.lm_spec", "layer_spec"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29547"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    assert f"megatron_dcp.megatron.run: {prefix}.idx: sequence 1 starts at byte 600, expected " \
+           "1200" in out, out[-3000:]
+    assert "Traceback" not in out and "iteration        1/" not in out

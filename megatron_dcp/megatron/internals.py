@@ -34,6 +34,7 @@ _LOSS_TILES = "megatron_dcp/megatron/loss_tiles.py"
 _CKPT = "megatron_dcp/megatron/checkpointing.py"
 _LM = "megatron_dcp/megatron/lm.py"
 _LM_CKPT = "megatron_dcp/megatron/lm_checkpoint.py"
+_LM_DATA = "megatron_dcp/megatron/lm_datasets.py"
 _DRY = "megatron_dcp/dryrun/megatron_rank.py"
 _DRY_MOE = "megatron_dcp/dryrun/moe_routing.py"
 _PS = "megatron.core.parallel_state:"
@@ -197,6 +198,8 @@ INTERNALS: dict[str, str] = {
     _INITIALIZE + "_set_random_seed(inference_rng_tracker)": _LM_CPU,
     _INITIALIZE + "_initialize_distributed": _LM_CPU,
     "megatron.training:get_args": _LM,
+    "megatron.training.global_vars:set_global_variables": _LM_DATA,
+    "megatron.training.utils:get_blend_and_blend_per_split": _LM_DATA,
     "megatron.training:get_tokenizer": _LM_CKPT,
     "megatron.training.global_vars:get_tensorboard_writer": "megatron_dcp/megatron/lm_monitor.py",
     "megatron.training.global_vars:get_wandb_writer": "megatron_dcp/megatron/lm_monitor.py",

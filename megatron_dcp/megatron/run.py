@@ -7,7 +7,8 @@ runs ``SCRIPT`` as ``python SCRIPT ARGS`` would (as ``__main__``, its folder fir
 ``--dcp`` in ARGS it is plain Megatron-LM. With ``--dcp``, `megatron_dcp.megatron.lm` hooks
 Megatron-LM's argument parsing (DCP's flags, checked at start), its model building (DCP's layer
 spec through ``--spec``) and its schedule (DCP's forward-backward, fed from the script's own
-data iterator); see docs/MEGATRON.md.
+data iterator); see docs/MEGATRON.md. With or without ``--dcp``, the indexed datasets the data
+flags name are checked before Megatron-LM reads them (`megatron_dcp.megatron.lm_datasets`).
 
 On a machine without CUDA (tests, CPU trials) the launcher first applies the CPU harness
 (`megatron_dcp.megatron.cpu.lm.enable_lm_cpu`) and implies ``--distributed-backend gloo`` and
@@ -62,6 +63,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         from megatron_dcp.runtime.allocator import expandable_segments_at_start
 
         expandable_segments_at_start()
+    from megatron_dcp.megatron.lm_datasets import enable_data_checks
+
+    enable_data_checks()  # with and without --dcp: Megatron-LM's reader trusts its files
     if "--dcp" in args:
         from megatron_dcp.megatron.lm import enable_dcp
 
