@@ -75,7 +75,7 @@ def main() -> None:
                   f"micro-steps {result.micro_steps}, {result.wall_s:.2f} s"
                   + (" | SKIPPED step (no trained token)" if result.empty else ""), flush=True)
     try:
-        driver.check_trained()  # every step empty (all sequences skipped): status 1
+        driver.tally.check()  # every step empty (all sequences skipped): status 1
     finally:
         del engine, driver, pool  # they hold the groups: freed below, before the exit
         destroy_process_groups()

@@ -1,4 +1,4 @@
-"""The launcher's documents of a Megatron-LM batch (`megatron_dcp.megatron.lm.documents`): each
+"""The launcher's documents of a Megatron-LM batch (`megatron_dcp.megatron.lm_data.documents`): each
 document is its tokens and its last token's target (the sample's label there); where the loss
 mask drops the last target only (``--eod-mask-loss``: the EOD token's) the document has no last
 target, as in Megatron-LM's loss; any other masked target is refused, naming the document."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dcp.megatron.lm import documents
+from megatron_dcp.megatron.lm_data import documents
 
 EOD = 9
 

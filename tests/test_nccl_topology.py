@@ -50,15 +50,17 @@ def _driver(monkeypatch, hardware: str, *, device=None, backend: str = "nccl",
             ranks_per_node=None):
     """A StepDriver built as on an NCCL job whose DCP world has 2 ranks a host (the count and
     the backend stood in: no GPU here)."""
-    from megatron_dcp.config import DCPConfig
-    from megatron_dcp.runtime import step
+    import torch
 
-    monkeypatch.setattr(step, "ranks_per_node_of", lambda group: 2)
-    monkeypatch.setattr(step.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(step, "comm_device", lambda group: __import__("torch").device(
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.runtime import groups, hardware_auto, step
+
+    monkeypatch.setattr(hardware_auto, "ranks_per_node_of", lambda group: 2)
+    monkeypatch.setattr(hardware_auto.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(groups, "comm_device", lambda group: torch.device(
         "cuda" if backend == "nccl" else "cpu"))
     seen = {}
-    monkeypatch.setattr(step, "detect_hardware",
+    monkeypatch.setattr(hardware_auto, "detect_hardware",
                         lambda device, **kw: seen.setdefault("device", device))
     config = DCPConfig(enabled=True, hardware=hardware, ranks_per_node=ranks_per_node)
     driver = step.StepDriver(config, pool=_Pool(), device=device)

@@ -204,7 +204,7 @@ def _empty_body(rank, world_size):
 
     def run_check():
         try:
-            driver.check_trained()
+            driver.tally.check()
             return None
         except NothingTrainedError as exc:
             return str(exc)

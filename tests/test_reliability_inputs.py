@@ -264,7 +264,7 @@ def test_launcher_token_ids_outside_the_tokenizers_vocabulary_are_refused():
     every rank sees the same gathered batch and refuses it, naming the document and the id."""
     import torch
 
-    from megatron_dcp.megatron.lm import check_token_ids
+    from megatron_dcp.megatron.lm_data import check_token_ids
 
     check_token_ids([torch.tensor([0, 5, 255]), torch.tensor([], dtype=torch.long)], 256)
     with pytest.raises(ValueError, match="document 1 of this step holds token id 256"):

@@ -131,3 +131,51 @@ def global_batch(local: Optional[list[np.ndarray]], dp_rank: int, problem: str,
     plan = plan_of(lengths)
     sequences = exchange(local or [], where, plan.lengths, needed_by(plan, dp_of), group)
     return sequences, plan
+
+
+def documents(batch: dict) -> list[torch.Tensor]:
+    """The documents of one Megatron-LM batch (``[mbs, S]`` tensors, ``cu_seqlens`` padded
+    with ``S``): for each document, its tokens and then the target of its last token (so DCP's
+    next-token targets are exactly the batch's ``labels``: across a document boundary, and at
+    the end of the sample). Where the loss mask drops the last token's target only
+    (``--eod-mask-loss`` masks the target of each EOD token, the last of its document) the
+    document is its tokens alone: its last token has no target, as in Megatron-LM. Refuses a
+    loss mask that drops any other target of a document."""
+    tokens, labels = batch["tokens"].cpu(), batch["labels"].cpu()
+    mask, cu_rows = batch["loss_mask"].cpu(), batch["cu_seqlens"].cpu()
+    out = []
+    for row in range(tokens.shape[0]):
+        cu = cu_rows[row].tolist()
+        bounds = [0] + [c for i, c in enumerate(cu[1:], 1) if c > cu[i - 1]]
+        for a, b in zip(bounds, bounds[1:]):
+            kept = mask[row, a:b] > 0
+            if bool(kept.all()):
+                out.append(torch.cat([tokens[row, a:b], labels[row, b - 1:b]]).to(torch.long))
+            elif bool(kept[:-1].all()):  # its last target masked: --eod-mask-loss's EOD
+                out.append(tokens[row, a:b].to(torch.long))
+            else:
+                raise ValueError(f"--dcp: sample {row} has loss-masked tokens inside its "
+                                 f"document [{a}, {b}): DCP trains every next-token target of "
+                                 "a document but its last (--eod-mask-loss masks that one)")
+    return out
+
+
+def token_id_problem(sequences: list, vocab_size: int) -> str:
+    """Why a batch holding a token id outside ``[0, vocab_size)`` is refused (``""`` when it
+    holds none): at or above the tokenizer's vocabulary an id trains the embedding's padding rows
+    (or fails inside a task past them). Names the document, the id and what to change."""
+    for i, seq in enumerate(sequences):
+        if len(seq) and (int(seq.max()) >= vocab_size or int(seq.min()) < 0):
+            bad = int(seq.max()) if int(seq.max()) >= vocab_size else int(seq.min())
+            return (f"--dcp: document {i} of this step holds token id {bad}, outside the "
+                    f"tokenizer's vocabulary of {vocab_size} (ids 0..{vocab_size - 1}): the data "
+                    "was tokenized with another vocabulary; give the tokenizer it was made with "
+                    "(--vocab-size for NullTokenizer: dcp-build-dataset's data needs 257)")
+    return ""
+
+
+def check_token_ids(sequences: list, vocab_size: int) -> None:
+    """`token_id_problem`, raised."""
+    problem = token_id_problem(sequences, vocab_size)
+    if problem:
+        raise ValueError(problem)

@@ -19,11 +19,11 @@ import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from megatron_dcp.plan.cost import Layout
 from megatron_dcp.plan.drafts import Draft, PlanContext, retime
-from megatron_dcp.plan.plan import PlanError
+from megatron_dcp.plan.plan import Plan, PlanError, Task
 
 
 def candidate_degrees(pctx: PlanContext, mode: str) -> list[int]:
@@ -394,3 +394,12 @@ def _greedy_cp_drafts(pctx: PlanContext, open_blocks: dict[int, list[_Block]],
             drafts.append(d)
             round_end = max(round_end, clock + d.duration)
     return round_end
+
+
+def data_parallel_plan(lengths: Sequence[int], world_size: int) -> Plan:
+    """Plain data parallel as a plan: sequence ``i`` alone on rank ``i % world_size``, as the
+    ``i // world_size``-th micro-step of that rank (degree 1, no packing, no recompute)."""
+    tasks = [Task(id=i, ranks=(i % world_size,), seqs=(i,), start=float(i // world_size))
+             for i in range(len(lengths))]
+    return Plan(tasks=tuple(tasks), lengths=tuple(lengths), world_size=world_size,
+                policy="data-parallel")

@@ -278,6 +278,14 @@ class Plan:
         """This rank's tasks in execution order ``(start, id)``."""
         return [t for t in self.tasks if rank in t.ranks]
 
+    def micro_steps_per_rank(self) -> list[int]:
+        """How many tasks (micro-steps) each rank of the world runs."""
+        counts = [0] * self.world_size
+        for task in self.tasks:
+            for r in task.ranks:
+                counts[r] += 1
+        return counts
+
     @property
     def makespan(self) -> float:
         """Predicted end of the last task, seconds."""

@@ -229,10 +229,8 @@ def _checkpoint_sign(folder: str, trackers: tuple[str, ...]) -> str:
             return f"{os.path.join(parent, LATEST)} names it"
     except (CheckpointError, OSError, UnicodeDecodeError):
         pass
-    digits = name[len("iter_"):]
-    for tracker in trackers:
-        if name.startswith("iter_") and digits.isdigit() and \
-                os.path.isfile(os.path.join(parent, tracker)):
+    for tracker in trackers if name.startswith("iter_") and name[5:].isdigit() else ():
+        if os.path.isfile(os.path.join(parent, tracker)):
             return f"an iteration folder beside {os.path.join(parent, tracker)}"
     return ""
 

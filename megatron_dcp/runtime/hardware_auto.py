@@ -210,3 +210,29 @@ def detect_hardware(device: Optional[torch.device] = None, *, group: Any = None,
                          hybrid_attention_flops=base.hybrid_attention_flops * factor)
     return replace(preset, hbm_bytes=float(props.total_memory),
                    ranks_per_node=_ranks_per_node(local_ranks, preset.ranks_per_node))
+
+
+def starting_hardware(config: Any, device: Optional[torch.device] = None,
+                      pool: Any = None) -> Hardware:
+    """``config.hardware`` (a `DCPConfig`'s) resolved on the job's device: ``device``, else the
+    device the DCP world's collectives run on (``pool``'s world group: an NCCL job without a
+    device starts from its GPU, not from host memory). ``auto``: by the device
+    (`detect_hardware`). A preset or a profile on CUDA: with the DCP ranks per node counted
+    from the DCP world's own hosts (`ranks_per_node_of`: a preset says 8 GPUs a node whatever
+    tensor or pipeline parallelism takes of them; a profile, the ranks it was measured with),
+    unless ``config.ranks_per_node`` sets them. Collective over the DCP world where it counts."""
+    from megatron_dcp.plan.hardware import AUTO, load_hardware
+    from megatron_dcp.runtime.groups import comm_device
+
+    if device is None and pool is not None and dist.is_initialized():
+        device = comm_device(pool.world_group)
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if config.hardware.lower() != AUTO:
+        hardware = load_hardware(config.hardware)
+        if on_cuda and pool is not None and config.ranks_per_node is None:
+            hardware = replace(hardware, ranks_per_node=ranks_per_node_of(pool.world_group))
+        return hardware
+    group = getattr(pool, "job_group", None) if pool is not None else None
+    # DCP ranks sharing a host, counted from the DCP world's own hosts
+    local = ranks_per_node_of(pool.world_group) if pool is not None else 1
+    return detect_hardware(device, group=group, local_ranks=local)

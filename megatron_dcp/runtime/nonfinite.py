@@ -134,3 +134,19 @@ def check_trained(steps: int, trained_steps: int, left_out: int = 0) -> None:
         why = f"no sequence of the {steps} steps had a next-token target (each holds 1 token)"
     raise NothingTrainedError(f"error: no step trained a token: {why}; the weights are unchanged "
                               "(each step was skipped before the optimizer)")
+
+
+class TrainedTally:
+    """A process's training steps, those that trained a token, and the sequences the oversize
+    policy left out over the run (`count` each step, `check` once training ends)."""
+
+    def __init__(self) -> None:
+        self.steps = self.trained = self.left_out = 0
+
+    def count(self, empty: bool, left_out: int) -> None:
+        self.steps, self.trained = self.steps + 1, self.trained + int(not empty)
+        self.left_out += left_out
+
+    def check(self) -> None:
+        """`check_trained` over the steps counted."""
+        check_trained(self.steps, self.trained, self.left_out)

@@ -34,13 +34,12 @@ def plan_summary(plan: Optional[Plan], *, micro_steps: Union[int, Sequence[int],
     ``micro_steps`` given by the caller)."""
     if plan is None or plan.policy == "data-parallel":
         if plan is not None:  # plain data parallel as a plan: its micro-steps per rank
-            micro_steps = [len(plan.tasks_for_rank(r)) for r in range(plan.world_size)]
+            micro_steps = plan.micro_steps_per_rank()
         steps = list(micro_steps) if isinstance(micro_steps, (list, tuple)) else micro_steps
         return {"mode": "data-parallel", "micro_steps_per_rank": steps}
     degrees = Counter(t.degree for t in plan.tasks)
     summary = {"mode": "dcp", "degrees": {str(k): v for k, v in sorted(degrees.items())},
-               "micro_steps_per_rank": [len(plan.tasks_for_rank(r))
-                                        for r in range(plan.world_size)],
+               "micro_steps_per_rank": plan.micro_steps_per_rank(),
                "recompute_layers": sorted({t.recompute_layers for t in plan.tasks}),
                "predicted_s": round(plan.makespan, 6)}
     if plan.lockstep:  # every rank runs every slot: its tasks and empty micro-steps

@@ -19,24 +19,22 @@ off: every step plans in place). `close` joins the thread.
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan.calibration import Calibrator
-from megatron_dcp.plan.hardware import Hardware
-from megatron_dcp.plan.plan import Plan, Task
+from megatron_dcp.plan.baselines import data_parallel_plan
+from megatron_dcp.plan.plan import Plan
 from megatron_dcp.runtime.executor import PlanWork, Shard, StepStats
 from megatron_dcp.runtime.groups import comm_device
-from megatron_dcp.runtime.hardware_auto import detect_hardware, ranks_per_node_of
+from megatron_dcp.runtime.hardware_auto import starting_hardware
 from megatron_dcp.runtime.liveness import names_unresponsive_ranks, start_responder
-from megatron_dcp.runtime.nonfinite import (check_step, check_trained, describe_ranks,
+from megatron_dcp.runtime.nonfinite import (TrainedTally, check_step, describe_ranks,
                                             first_nonfinite_task, rank_losses, trains_nothing)
 from megatron_dcp.runtime.plan_ahead import PlanAhead
 from megatron_dcp.runtime.step_engine import StepEngine
@@ -90,23 +88,6 @@ class StepResult:
     """Tokens cut from them (not trained)."""
 
 
-def data_parallel_plan(lengths: Sequence[int], world_size: int) -> Plan:
-    """Plain data parallel as a plan: sequence ``i`` alone on rank ``i % world_size``, as the
-    ``i // world_size``-th micro-step of that rank (degree 1, no packing, no recompute)."""
-    tasks = [Task(id=i, ranks=(i % world_size,), seqs=(i,), start=float(i // world_size))
-             for i in range(len(lengths))]
-    return Plan(tasks=tuple(tasks), lengths=tuple(lengths), world_size=world_size,
-                policy="data-parallel")
-
-
-def _micro_step_counts(plan: Plan) -> list[int]:
-    counts = [0] * plan.world_size
-    for task in plan.tasks:
-        for r in task.ranks:
-            counts[r] += 1
-    return counts
-
-
 class StepDriver:
     """Runs one DCP (or plain data-parallel) step per call on this rank of the DCP world.
 
@@ -150,9 +131,9 @@ class StepDriver:
             self.max_position = getattr(model_shape, "max_position", None)
         self.iteration = 0
         """Training steps taken (the planner's ``iteration``); save it with checkpoints."""
-        self.tally = {"steps": 0, "trained": 0, "left_out": 0}
-        """This process's training steps, those that trained a token and the sequences the
-        oversize policy left out (`check_trained`)."""
+        self.tally = TrainedTally()
+        """This process's training steps and those that trained a token: ``tally.check()`` once
+        training ends, on every rank (status 1 when none did, saying why)."""
         self.timing = StepTiming(config, model_shape, zero_stage, self.offload)
         """Predicted step times and the online calibration (`StepTiming`)."""
         self._ahead = PlanAhead()
@@ -163,31 +144,7 @@ class StepDriver:
             from megatron_dcp.plan.hardware import load_hardware
 
             self.hardware = load_hardware(hardware) if hardware is not None \
-                else self._starting_hardware()
-
-    def _starting_hardware(self) -> Hardware:
-        """``config.hardware`` resolved on the job's device (``device``, else the device the DCP
-        world's collectives run on: an NCCL job without ``device=`` starts from its GPU, not
-        from host memory). ``auto``: by the device (`detect_hardware`). A preset or a profile
-        on CUDA: with the DCP ranks per node counted from the DCP world's own hosts (a preset
-        says 8 GPUs a node whatever tensor or pipeline parallelism takes of them; a profile, the
-        ranks it was measured with), unless ``dcp.ranks_per_node`` sets them."""
-        from megatron_dcp.plan.hardware import AUTO, load_hardware
-
-        device = self.device
-        if device is None and self.pool is not None and dist.is_initialized():
-            device = comm_device(self.pool.world_group)
-        on_cuda = device is not None and torch.device(device).type == "cuda"
-        if self.config.hardware.lower() != AUTO:
-            hardware = load_hardware(self.config.hardware)
-            if on_cuda and self.pool is not None and self.config.ranks_per_node is None:
-                hardware = replace(hardware,
-                                   ranks_per_node=ranks_per_node_of(self.pool.world_group))
-            return hardware
-        group = getattr(self.pool, "job_group", None) if self.pool is not None else None
-        # DCP ranks sharing a host, counted from the DCP world's own hosts
-        local = ranks_per_node_of(self.pool.world_group) if self.pool is not None else 1
-        return detect_hardware(device, group=group, local_ranks=local)
+                else starting_hardware(config, self.device, pool)
 
     @property
     def rank(self) -> int:
@@ -372,9 +329,7 @@ class StepDriver:
                 grad_norm, skipped = self._update(engine, loss, bad)
         if train:
             self.iteration += 1
-            self.tally["steps"] += 1
-            self.tally["trained"] += int(not empty)
-            self.tally["left_out"] += len(plan.skipped)
+            self.tally.count(empty, len(plan.skipped))
         cut_sequences, cut_tokens = truncated_tokens(plan)
         wall_s = time.perf_counter() - t0
         predicted_s = self.predicted_step_s(plan)
@@ -390,12 +345,6 @@ class StepDriver:
                           stats=stats, calibration_error=self.calibration_error,
                           skipped=skipped, empty=empty, truncated_sequences=cut_sequences,
                           truncated_tokens=cut_tokens)
-
-    def check_trained(self) -> None:
-        """Call once training ends, on every rank: `NothingTrainedError` (status 1, a message
-        that says why) when this process ran training steps and none trained a token
-        (`megatron_dcp.runtime.nonfinite.check_trained`)."""
-        check_trained(self.tally["steps"], self.tally["trained"], self.tally["left_out"])
 
     def _plan_of(self, sequences: Sequence[torch.Tensor],
                  plan: Optional[Plan]) -> tuple[Plan, float, float]:
@@ -428,7 +377,7 @@ class StepDriver:
                             "megatron_dcp.runtime.step_engine.StepEngine (its optional members get "
                             "their defaults there)")
         per_token = self.config.loss_reduction == "sequence"
-        counts = _micro_step_counts(plan)  # a plan for another world fails in the plan check
+        counts = plan.micro_steps_per_rank()  # a plan for another world fails in the plan check
         work = PlanWork(plan, sequences, self.rank, pool=self.pool, config=self.config,
                         loss_reduction=self.config.loss_reduction,
                         max_position=self.max_position, device=self.device,
