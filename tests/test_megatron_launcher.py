@@ -95,9 +95,14 @@ def test_dcp_lm_loss_equals_plain_megatron_lm_at_dp2(tmp_path):
     log = tmp_path / "dcp.jsonl"
     # a memory budget that holds 200 tokens at degree 1 and a small pack budget: the planner
     # splits the long documents over both ranks (degree 2) and packs the short ones
-    dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log), "--dcp-hardware", "h200",
-                              "--dcp-pack-tokens", "128",
-                              "--dcp-memory-budget-gb", f"{_budget_gb(200):.6f}"]))
+    launched = _launch(["--dcp", "--dcp-log-json", str(log), "--dcp-hardware", "h200",
+                        "--dcp-pack-tokens", "128",
+                        "--dcp-memory-budget-gb", f"{_budget_gb(200):.6f}"])
+    dcp = _lm_losses(launched)
+    # beside Megatron-LM's line at each --log-interval (1 here): the plan in words
+    lines = re.findall(r"\[dcp\] iteration (\d+): step \d+ ms, predicted \d+ ms.*\| tasks .* at "
+                       r"SP \d.*\| micro-steps/rank [\d/]+ \|", launched.stdout + launched.stderr)
+    assert lines == ["1", "2", "3", "4", "5"], (launched.stdout + launched.stderr)[-3000:]
     plain = _lm_losses(_launch(PLAIN))
     assert sorted(dcp) == sorted(plain) == [1, 2, 3, 4, 5]
     for it in plain:  # Megatron-LM's own lm loss lines, 7 significant digits

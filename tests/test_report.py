@@ -46,7 +46,8 @@ def test_training_log_lines_json_and_final_line(tmp_path, capsys):
     assert {"iteration", "loss", "tokens", "tokens_per_s", "step_s", "plan"} <= set(records[0])
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(progress_bar(1, 2) + " iter 1/2 loss 2.5000 tokens 100 200 tok/s")
-    assert "degrees {'1': 2, '2': 1} micro-steps/rank [3, 1, 0]" in out[0]
+    assert "| tasks 2 at SP 1, 1 at SP 2 | micro-steps/rank 3/1/0 | recompute 0-2 layers" \
+        in out[0]
     assert out[1].endswith("| micro-steps/rank 1")
     assert out[2] == "done: dcp, 2 iterations, 400 tokens trained, 400 tokens/s"
     # a resumed run appends; a non-primary rank writes and prints nothing
@@ -203,3 +204,24 @@ def test_a_group_of_ranks_out_of_order_is_written_as_a_list():
     plan = Plan(tasks=tasks, lengths=(8, 8), world_size=4, policy="manual")
     assert plan_timeline(plan)["tasks"] == [[0.0, 0.5, 2, 0, 2], [0.0, 0.25, 2, 0, [1, 0]]]
     assert [t[4] for t in timeline_tasks(plan_timeline(plan))] == [(2, 3), (1, 0)]
+
+
+def test_plan_text_says_the_plan_in_words():
+    """Issue 60 item 5: a raw dict of degrees and a list of recompute depths were unexplained;
+    a 64-rank list of micro-steps filled the line."""
+    from types import SimpleNamespace
+
+    from megatron_dcp.runtime.report import plan_line, plan_text
+
+    many = {"mode": "dcp", "degrees": {"1": 60, "4": 2}, "micro_steps_per_rank": [3] * 60 + [5],
+            "recompute_layers": [0]}
+    assert plan_text(many) == "tasks 60 at SP 1, 2 at SP 4 | micro-steps/rank 3-5 | no recompute"
+    one = dict(many, recompute_layers=[2], micro_steps_per_rank=[1, 2])
+    assert plan_text(one).endswith("micro-steps/rank 1/2 | recompute 2 layers")
+    assert plan_text({"mode": "data-parallel", "micro_steps_per_rank": 4}) == \
+        "micro-steps/rank 4"
+    result = SimpleNamespace(plan=_plan(), micro_steps=3, skipped=False, predicted_s=0.315,
+                             calibration_error=0.08)
+    assert plan_line(3, result, 0.506) == (
+        "[dcp] iteration 3: step 506 ms, predicted 315 ms (median error 8%) | tasks 2 at SP 1, "
+        "1 at SP 2 | micro-steps/rank 3/1/0 | recompute 0-2 layers")

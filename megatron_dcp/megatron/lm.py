@@ -331,6 +331,7 @@ class LMForwardBackward:
         self.resume = resume  # the planner state of a --load, restored before the first plan
         self.iteration = int(args.iteration)  # steps taken (after a --load: its iteration)
         self.log_path: Optional[str] = None
+        self.writer = False  # this rank writes the rows and the plan lines (`_open_log`)
         self.log: Optional[TrainingLog] = None
         """The ``--dcp-log-json`` rows, in the examples' format (`TrainingLog`): opened at the
         first step (`_open_log`)."""
@@ -410,6 +411,7 @@ class LMForwardBackward:
         writer = parallel.rank_in(parallel.pipeline_group) == parallel.pipeline - 1 \
             and parallel.rank_in(parallel.data_group) == 0 \
             and parallel.rank_in(parallel.tensor_group) == 0
+        self.writer = writer
         self.log_path = self.args.dcp_log_json if writer else None
         resumed = resumed_dir(self.args)  # continued after the loaded iteration, else replaced
         self.log = TrainingLog("dcp", self.args.train_iters, json_path=self.log_path,
@@ -435,13 +437,19 @@ class LMForwardBackward:
         now, since = time.perf_counter(), self._logged_at
         self._logged_at = now  # the step's time: from the last step's end (Megatron-LM's own)
         result = reports.result
-        if not (self.args.dcp_log_json or self.monitor.due_on_some_rank(self.iteration)):
+        interval = int(getattr(self.args, "log_interval", 0) or 0)
+        line_due = interval > 0 and self.iteration % interval == 0  # beside Megatron-LM's line
+        if not (self.args.dcp_log_json or line_due
+                or self.monitor.due_on_some_rank(self.iteration)):
             return
         result, seconds = slowest_rank_timings(  # a collective: every rank
             result, now - since if since is not None else result.wall_s)
+        from megatron_dcp.runtime.report import plan_line, plan_summary
+
+        if line_due and self.writer:
+            print(plan_line(self.iteration, result, seconds), flush=True)
         if not (self.log_path or self.monitor.due(self.iteration)):
             return
-        from megatron_dcp.runtime.report import plan_summary
 
         self.figures = self.figures or StepFigures(self.step.driver)
         figures = self.figures(result, seconds)

@@ -149,18 +149,49 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
-def _plan_text(summary: dict[str, Any]) -> str:
+def _per_rank(steps: Any) -> str:
+    """Micro-steps per rank: each rank's (``4/6``) up to 8 ranks, else the range (``3-7``)."""
+    if not isinstance(steps, (list, tuple)):
+        return str(steps)
+    if len(steps) <= 8:
+        return "/".join(map(str, steps))
+    return f"{min(steps)}-{max(steps)}" if steps else "0"
+
+
+def plan_text(summary: dict[str, Any]) -> str:
+    """A step's plan (`plan_summary`) in words: its tasks by sequence-parallel degree, the
+    micro-steps each rank runs, the layers its tasks recompute, e.g. ``tasks 6 at SP 1, 2 at SP
+    2 | micro-steps/rank 4/6 | recompute 0-2 layers``."""
+    steps = f"micro-steps/rank {_per_rank(summary['micro_steps_per_rank'])}"
     if summary["mode"] != "dcp":
-        return f"micro-steps/rank {summary['micro_steps_per_rank']}"
-    return (f"degrees {summary['degrees']} micro-steps/rank {summary['micro_steps_per_rank']} "
-            f"recompute {summary['recompute_layers']}")
+        return steps
+    tasks = ", ".join(f"{n} at SP {d}" for d, n in summary["degrees"].items()) or "none"
+    layers = summary["recompute_layers"]
+    recompute = "no recompute" if not any(layers) else \
+        f"recompute {min(layers)}-{max(layers)} layers" if len(layers) > 1 else \
+        f"recompute {layers[0]} layers"
+    return f"tasks {tasks} | {steps} | {recompute}"
+
+
+def plan_line(iteration: int, result: Any, step_s: float) -> str:
+    """The launcher's line beside Megatron-LM's own at each ``--log-interval``: the step's plan
+    in words (`plan_text`), its measured and predicted time, the cost model's median error:
+    ``[dcp] iteration 3: step 506 ms, predicted 315 ms (median error 8%) | tasks ...``."""
+    plan = plan_summary(result.plan) if result.plan is not None else \
+        plan_summary(None, micro_steps=result.micro_steps)
+    skipped = " | SKIPPED step" if result.skipped else ""
+    return (f"[dcp] iteration {iteration}: step {step_s * 1e3:.0f} ms,"
+            f"{_prediction_text(result.predicted_s, result.calibration_error)} | "
+            f"{plan_text(plan)}{skipped}")
 
 
 def _prediction_text(predicted_s: Optional[float], error: Optional[float]) -> str:
+    """`` predicted 701 ms (median error 12%)``: the cost model's step time, and its median
+    relative error over the calibration window of recent steps (not this step's own)."""
     if not predicted_s:
         return ""
     text = f" predicted {predicted_s * 1e3:.0f} ms"
-    return text + (f" (calibration error {error * 100:.0f}%)" if error is not None else "")
+    return text + (f" (median error {error * 100:.0f}%)" if error is not None else "")
 
 
 def _mfu_text(figures: Optional[dict[str, float]]) -> str:
@@ -263,7 +294,7 @@ class TrainingLog:
                   f"{self.train_iters} loss {loss:.4f} tokens {tokens} "
                   f"{record['tokens_per_s']:.0f} tok/s{_mfu_text(extra.get('figures'))} "
                   f"step {step_s * 1e3:.0f} ms"
-                  f"{_prediction_text(predicted_s, calibration_error)} | {_plan_text(plan)}"
+                  f"{_prediction_text(predicted_s, calibration_error)} | {plan_text(plan)}"
                   f"{_skip_text(skipped, self.skipped_steps, skipped_sequences, empty, cut)}",
                   flush=True)
         return record
