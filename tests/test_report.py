@@ -225,3 +225,17 @@ def test_plan_text_says_the_plan_in_words():
     assert plan_line(3, result, 0.506) == (
         "[dcp] iteration 3: step 506 ms, predicted 315 ms (median error 8%) | tasks 2 at SP 1, "
         "1 at SP 2 | micro-steps/rank 3/1/0 | recompute 0-2 layers")
+
+
+def test_the_setup_line_says_lockstep_under_pipeline_stages():
+    """Issue 60 item 4: the start-up line said "schedule free" with pipeline stages, whose
+    plans are lockstep slots (`make_plan`), as the docs say."""
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.plan import build_cost_model, load_model
+    from megatron_dcp.runtime.report import setup_line
+
+    config = DCPConfig(enabled=True, hardware="h100", memory_budget_gb=80.0)
+    cost_model = build_cost_model(load_model("llama-7b"), config, 8)
+    assert "schedule free," in setup_line(config, cost_model, 8)
+    line = setup_line(config, cost_model, 8, pipelined=True)
+    assert "schedule lockstep (pipeline stages)," in line

@@ -320,11 +320,12 @@ class TrainingLog:
             self._json = None
 
 
-def setup_line(config: Any, cost_model: Any, world_size: int) -> str:
+def setup_line(config: Any, cost_model: Any, world_size: int, pipelined: bool = False) -> str:
     """What DCP will do, in one line (rank 0 prints it at start): the policy and schedule, the
     DCP world, the hardware the cost model uses and where it comes from, the memory budget with
     its static part and reserve and the tokens a degree-1 task may hold (no layer recomputed,
-    every layer recomputed), the token cap, recompute, the largest degree, long sequences."""
+    every layer recomputed), the token cap, recompute, the largest degree, long sequences.
+    ``pipelined``: the model has pipeline stages (whose plans are lockstep slots)."""
     from megatron_dcp.plan.hardware import AUTO, PRESETS
     from megatron_dcp.plan.schedule import schedule_for
     from megatron_dcp.plan.units import size_text
@@ -335,6 +336,8 @@ def setup_line(config: Any, cost_model: Any, world_size: int) -> str:
     plain, full = memory.max_tokens(1, 0), memory.max_tokens(1, memory.num_layers)
     schedule = schedule_for(config.schedule, cost_model.zero_stage,
                             getattr(cost_model.model, "expert_dcp_ranks", 1))
+    if pipelined:  # make_plan plans a pipelined model in lockstep slots
+        schedule = "lockstep (pipeline stages)"
     parts = [f"policy {config.policy}", f"schedule {schedule}",
              f"DCP world {world_size} ranks", f"hardware {cost_model.hw.name} ({source})",
              f"memory budget {size_text(memory.budget)} per rank (static "

@@ -203,7 +203,8 @@ class StepDriver:
         cost_model = build_cost_model(self.model_shape, self.config, self.world_size,
                                       self.hardware, self.zero_stage, **self.offload,
                                       **self.long)
-        return setup_line(self.config, cost_model, self.world_size)
+        return setup_line(self.config, cost_model, self.world_size,
+                          pipelined=self.model_shape.pipeline_parallel > 1)
 
     def plan(self, lengths: Sequence[int], iteration: Optional[int] = None,
              world_size: Optional[int] = None,
