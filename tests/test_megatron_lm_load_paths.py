@@ -212,3 +212,48 @@ def test_fsdp_dtensor_also_reads_the_load_folders_metadata(tmp_path):
         LoadSource(f"--non-persistent-ckpt-type global ({tmp_path / 'global'})",
                    str(tmp_path / "global" / "iter_0000007")),
         LoadSource(f"--load {tmp_path / 'run'}", str(tmp_path / "run" / "iter_0000004"))]
+
+
+@pytest.mark.slow  # launches Megatron-LM four times
+@pytest.mark.timeout(900)
+def test_the_launcher_gates_pretrained_and_non_persistent_checkpoints(tmp_path):
+    """Issue 59: through the launcher under --dcp, a TP-1 checkpoint given as
+    ``--pretrained-checkpoint`` with an empty ``--load`` at TP 2 (384 padded rows, 512 here)
+    trained another model with status 0; a crafted ``.metadata`` as ``--pretrained-checkpoint``
+    or in a newer ``--non-persistent-ckpt-type global`` checkpoint of ``--load`` ran its code.
+    Each is refused on every rank before Megatron-LM reads it, naming the flag and the file."""
+    import shutil
+
+    from test_megatron_launcher import _launch, _lm_losses
+
+    run = ["--dcp", "--ckpt-format", "torch_dist", "--vocab-size", "257"]
+    base, empty, marker = tmp_path / "base", tmp_path / "empty", tmp_path / "ran"
+    _lm_losses(_launch(run + ["--save", str(base), "--save-interval", "2", "--exit-interval",
+                              "2"], ranks=1))
+    empty.mkdir()
+    done = _launch(run + ["--pretrained-checkpoint", str(base), "--load", str(empty),
+                          "--tensor-model-parallel-size", "2", "--exit-interval", "3"])
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "iteration        3/" not in out, out[-3000:]
+    assert f"--pretrained-checkpoint {base}: checkpoint {base}/iter_0000002 holds tensors of " \
+        "another shape" in out and "(384 rows saved, 512 here)" in out, out[-6000:]
+
+    pre = tmp_path / "pre"
+    shutil.copytree(base, pre)
+    (pre / "iter_0000002" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    done = _launch(run + ["--pretrained-checkpoint", str(pre), "--exit-interval", "3"], ranks=1)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and not marker.exists(), out[-3000:]
+    assert f"--pretrained-checkpoint {pre}: {pre}/iter_0000002/.metadata asks for posix.system" \
+        in out, out[-6000:]
+
+    newer = base / "non_persistent" / "iter_0000003"
+    shutil.copytree(base / "iter_0000002", newer)
+    (base / "non_persistent" / "latest_checkpointed_iteration.txt").write_text("3")
+    (newer / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    done = _launch(run + ["--load", str(base), "--non-persistent-ckpt-type", "global",
+                          "--exit-interval", "3"], ranks=1)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and not marker.exists(), out[-3000:]
+    assert f"--non-persistent-ckpt-type global ({base}/non_persistent): {newer}/.metadata " \
+        "asks for posix.system" in out, out[-6000:]

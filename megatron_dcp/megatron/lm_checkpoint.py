@@ -334,21 +334,43 @@ def _exit_status_kept(load_checkpoint: Callable, where: Optional[str], *args: An
 
 def read_planner_state(path: str) -> Optional[dict]:
     """The planner's state in ``path`` (`PLANNER_FILE`), or None, said on stderr naming the file,
-    when it is unreadable or not a state (a truncated write): the planner then starts afresh and
-    the checkpoint itself still loads."""
+    when it is unreadable or not a state (a truncated write, JSON of other types: an iteration
+    that is no count, a hardware the profile reader refuses): the planner then starts afresh and
+    the checkpoint itself still loads. Read as JSON only, its types checked here, so that
+    nothing of it fails later, at the first step."""
     import sys
+
+    from megatron_dcp.plan.hardware import HardwareError, hardware_from_dict
 
     try:
         with open(path) as f:
             state = json.load(f)
-        if isinstance(state, dict):
-            return state
-        why = f"holds a {type(state).__name__}, not the planner's state"
-    except (OSError, ValueError) as err:
+        why = _planner_state_problem(state)
+    except (OSError, ValueError, RecursionError) as err:
         why = f"is unreadable ({type(err).__name__}: {err})"
+    if not why and state.get("hardware") is not None:
+        try:  # what load_state_dict builds from it
+            hardware_from_dict(dict(state["hardware"]), where="its 'hardware'")
+        except HardwareError as err:
+            why = f"holds a hardware profile the planner refuses ({err})"
+    if not why:
+        return state
     print(f"[dcp] {path} {why}: the planner starts afresh (its iteration and calibrated "
           "hardware are not restored); the checkpoint itself loads", file=sys.stderr, flush=True)
     return None
+
+
+def _planner_state_problem(state: Any) -> str:
+    """Why JSON ``state`` is not `StepDriver.state_dict`'s form, or ``""``."""
+    if not isinstance(state, dict):
+        return f"holds a {type(state).__name__}, not the planner's state"
+    iteration = state.get("iteration", 0)
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        return f"has iteration {iteration!r}, not a count of steps"
+    hardware = state.get("hardware")
+    if hardware is not None and not isinstance(hardware, dict):
+        return f"has hardware {type(hardware).__name__}, not a profile object"
+    return ""
 
 
 def _saved_folder(args: Any, iteration: int, non_persistent_ckpt: bool = False,
