@@ -257,3 +257,37 @@ def test_the_launcher_gates_pretrained_and_non_persistent_checkpoints(tmp_path):
     assert done.returncode != 0 and not marker.exists(), out[-3000:]
     assert f"--non-persistent-ckpt-type global ({base}/non_persistent): {newer}/.metadata " \
         "asks for posix.system" in out, out[-6000:]
+
+
+def test_the_launcher_refuses_local_non_persistent_checkpoints_before_megatron_lm():
+    """The refusal comes before Megatron-LM's own ``validate_args`` (which asks for
+    nvidia-resiliency-ext without naming --dcp's reason)."""
+    from megatron_dcp.megatron.args import DCPArgumentError
+    from megatron_dcp.megatron.lm import _validate_args
+
+    check = _validate_args(lambda args: pytest.fail("Megatron-LM's validate_args ran"))
+    with pytest.raises(DCPArgumentError, match="--non-persistent-ckpt-type local: DCP's load"):
+        check(_args(non_persistent_ckpt_type="local"))
+
+
+def test_the_planner_state_goes_where_the_load_finds_it(tmp_path):
+    """``dcp_planner.json`` is written into the folder Megatron-LM's ``save_checkpoint`` wrote,
+    a global non-persistent save's included (not a stray ``--save``/``iter_N`` holding only
+    it), and the load reads it from the folder `load_sources` names."""
+    from megatron_dcp.megatron.lm_checkpoint import _saved_folder
+
+    save = tmp_path / "run"
+    args = _args(save=str(save), load=str(save), non_persistent_ckpt_type="global")
+    assert _saved_folder(args, 3) == str(save / "iter_0000003")
+    assert _saved_folder(args, 5, non_persistent_ckpt=True) == \
+        str(save / "non_persistent" / "iter_0000005")
+    _run(save, (3,), tracker=3)
+    _run(save / "non_persistent", (5,), tracker=5)
+    assert load_sources(args)[0].folder == _saved_folder(args, 5, non_persistent_ckpt=True)
+    given = _args(save=str(save), non_persistent_ckpt_type="global",
+                  non_persistent_global_ckpt_dir=str(tmp_path / "np"))
+    assert _saved_folder(given, 5, non_persistent_ckpt=True) == str(tmp_path / "np" /
+                                                                     "iter_0000005")
+    assert _saved_folder(_args(save=str(save), non_persistent_ckpt_type="local"), 5,
+                         non_persistent_ckpt=True) is None
+    assert _saved_folder(_args(save=None), 5) is None
