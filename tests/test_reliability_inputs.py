@@ -286,6 +286,27 @@ def test_a_planner_state_of_wrong_types_is_skipped_not_fatal(tmp_path, capsys, s
     assert f"{bad} " in err and said in err and "the checkpoint itself loads" in err, err
 
 
+def test_json_inputs_nested_too_deeply_are_refused_naming_the_file(tmp_path, capsys):
+    """Issue 59: ``--dcp-hardware FILE``, a plan file and ``dcp_planner.json`` are read as JSON
+    only; JSON nested deeper than Python's reader goes (a bare ``RecursionError`` naming no
+    file before) is refused like any unreadable JSON."""
+    from megatron_dcp.megatron.lm_checkpoint import read_planner_state
+    from megatron_dcp.plan import load_hardware
+    from megatron_dcp.plan.hardware import HardwareError
+
+    deep = "[" * 100_000 + "]" * 100_000
+    profile = tmp_path / "hw.json"
+    profile.write_text(deep)
+    with pytest.raises(HardwareError, match=f"{profile}.*not readable JSON: nested too deeply"):
+        load_hardware(str(profile))
+    with pytest.raises(ValueError, match="nested too deeply"):
+        Plan.from_json(deep)
+    state = tmp_path / "dcp_planner.json"
+    state.write_text(deep)
+    assert read_planner_state(str(state)) is None
+    assert f"{state} is unreadable (RecursionError" in capsys.readouterr().err
+
+
 def test_launcher_token_ids_outside_the_tokenizers_vocabulary_are_refused():
     """Issue 48 item 4: through the launcher, ids at or above the tokenizer's vocabulary
     trained the embedding's padding rows with status 0 (or failed inside a task past them);
