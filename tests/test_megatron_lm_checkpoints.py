@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("megatron.training", reason="Megatron-LM's training package (megatron-core "
                     "0.19, Python 3.12: the .venv312 leg of make test)")
 
-from megatron_dcp.megatron.lm_checkpoint import (check_load, folder_to_load,  # noqa: E402
+from megatron_dcp.megatron.lm_checkpoint import (check_sources, load_sources,  # noqa: E402
                                                  megatron_lm_globals, save_takeover_problem)
 from megatron_dcp.runtime.checkpoint_dir import CheckpointError  # noqa: E402
 from megatron_dcp.runtime.safe_load import check_folder  # noqa: E402
@@ -42,6 +42,11 @@ def _iteration(root: Path, it: int = 2) -> Path:
     return folder
 
 
+def check_load(root: str) -> None:
+    """The launcher's gate of ``--load root`` (no process group: this process alone)."""
+    check_sources(load_sources(argparse.Namespace(load=root, ckpt_format="torch_dist")))
+
+
 def _megatron_like(folder: Path, extra: object = None) -> None:
     """A torch.distributed.checkpoint folder holding what Megatron-LM's torch_dist saves beside
     tensors: its arguments, a megatron-core enum, a numpy RNG state."""
@@ -60,10 +65,11 @@ def test_megatron_lm_checkpoint_contents_are_admitted(tmp_path):
     folder = _iteration(tmp_path)
     _megatron_like(folder)
     torch.save({"args": argparse.Namespace(x=1), "w": torch.ones(2)}, folder / "model_optim_rng.pt")
-    assert folder_to_load(str(tmp_path)) == str(folder)
+    assert [s.folder for s in load_sources(argparse.Namespace(load=str(tmp_path)))] == \
+        [str(folder)]
     assert sorted(os.path.basename(p) for p in check_folder(str(folder), megatron_lm_globals)) \
         == [".metadata", "model_optim_rng.pt"]
-    check_load(str(tmp_path))  # no process group: this process alone
+    check_load(str(tmp_path))
 
 
 def test_admitted_globals_are_megatrons_not_callables():

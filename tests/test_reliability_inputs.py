@@ -245,8 +245,8 @@ def test_a_bad_planner_state_is_named_and_never_blocks_the_checkpoint(tmp_path, 
     from megatron_dcp.megatron.lm_checkpoint import read_planner_state
 
     good = tmp_path / "good.json"
-    good.write_text('{"iteration": 4, "hardware": {}}')
-    assert read_planner_state(str(good)) == {"iteration": 4, "hardware": {}}
+    good.write_text('{"iteration": 4, "hardware": null}')
+    assert read_planner_state(str(good)) == {"iteration": 4, "hardware": None}
     truncated = tmp_path / "dcp_planner.json"
     truncated.write_text('{"iteration": 4, "hardw')
     assert read_planner_state(str(truncated)) is None
@@ -256,6 +256,55 @@ def test_a_bad_planner_state_is_named_and_never_blocks_the_checkpoint(tmp_path, 
     listed.write_text("[1, 2]")
     assert read_planner_state(str(listed)) is None
     assert "holds a list" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("state, said", [
+    ({"iteration": "four"}, "has iteration 'four', not a count of steps"),
+    ({"iteration": -1}, "has iteration -1"),
+    ({"iteration": True}, "has iteration True"),
+    ({"iteration": 4, "hardware": [1]}, "has hardware list, not a profile object"),
+    ({"iteration": 4, "hardware": {"base": "h200", "peak_flops": "fast"}},
+     "holds a hardware profile the planner refuses (its 'hardware': "),
+    ({"iteration": 4, "hardware": {"base": "h200", "speed": 1}}, "unknown key(s) speed"),
+])
+def test_a_planner_state_of_wrong_types_is_skipped_not_fatal(tmp_path, capsys, state, said):
+    """Issue 59: a ``dcp_planner.json`` of valid JSON with wrong types was returned as the
+    state and failed the good checkpoint's run at its first step (``int('four')``, the profile
+    reader); now its types are checked when read, and it is skipped with the file named."""
+    import json
+
+    from megatron_dcp.megatron.lm_checkpoint import read_planner_state
+    from megatron_dcp.plan.hardware import PRESETS
+
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"iteration": 4, "hardware": PRESETS["h200"].to_dict()}))
+    assert read_planner_state(str(good))["iteration"] == 4
+    bad = tmp_path / "dcp_planner.json"
+    bad.write_text(json.dumps(state))
+    assert read_planner_state(str(bad)) is None
+    err = capsys.readouterr().err
+    assert f"{bad} " in err and said in err and "the checkpoint itself loads" in err, err
+
+
+def test_json_inputs_nested_too_deeply_are_refused_naming_the_file(tmp_path, capsys):
+    """Issue 59: ``--dcp-hardware FILE``, a plan file and ``dcp_planner.json`` are read as JSON
+    only; JSON nested deeper than Python's reader goes (a bare ``RecursionError`` naming no
+    file before) is refused like any unreadable JSON."""
+    from megatron_dcp.megatron.lm_checkpoint import read_planner_state
+    from megatron_dcp.plan import load_hardware
+    from megatron_dcp.plan.hardware import HardwareError
+
+    deep = "[" * 100_000 + "]" * 100_000
+    profile = tmp_path / "hw.json"
+    profile.write_text(deep)
+    with pytest.raises(HardwareError, match=f"{profile}.*not readable JSON: nested too deeply"):
+        load_hardware(str(profile))
+    with pytest.raises(ValueError, match="nested too deeply"):
+        Plan.from_json(deep)
+    state = tmp_path / "dcp_planner.json"
+    state.write_text(deep)
+    assert read_planner_state(str(state)) is None
+    assert f"{state} is unreadable (RecursionError" in capsys.readouterr().err
 
 
 def test_launcher_token_ids_outside_the_tokenizers_vocabulary_are_refused():

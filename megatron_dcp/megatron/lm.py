@@ -33,6 +33,7 @@ from megatron_dcp import patching
 from megatron_dcp.config import int_flag, output_file
 from megatron_dcp.megatron.args import DCPArgumentError, add_dcp_args, validate_dcp_args
 from megatron_dcp.megatron.lm_checkpoint import (PlannerCheckpoint, gated_load_args,
+                                                 non_persistent_local_problem,
                                                  save_takeover_problem, vocab_size)
 from megatron_dcp.megatron.lm_monitor import (LMMonitor, check_monitor_args,
                                               slowest_rank_timings)
@@ -155,6 +156,9 @@ def check_args(args: argparse.Namespace) -> None:
 def _validate_args(validate_args: Callable) -> Callable:
     @functools.wraps(validate_args)
     def run(args, *rest: Any, **kwargs: Any):
+        local = non_persistent_local_problem(args) if args.dcp else ""
+        if local:  # before Megatron-LM's own check, which asks for the package without a word
+            raise DCPArgumentError("invalid DCP arguments:\n  - " + local)
         out = validate_args(args, *rest, **kwargs)
         if args.dcp:
             check_args(args)

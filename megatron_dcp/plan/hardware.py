@@ -412,6 +412,9 @@ def _load_profile(path: str) -> Hardware:
         raise HardwareError(f"hardware profile {path!r} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise HardwareError(f"hardware profile {path!r} is not readable JSON: {err}") from None
+    except RecursionError:  # Python's JSON reader on nesting deeper than its stack
+        raise HardwareError(f"hardware profile {path!r} is not readable JSON: nested too "
+                            "deeply") from None
     return hardware_from_dict(data, where=path)
 
 

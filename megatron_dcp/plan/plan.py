@@ -390,6 +390,11 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        """A plan from its JSON text; malformed input raises `ValueError`."""
-        return cls.from_dict(json.loads(text))
+        """A plan from its JSON text; malformed input raises `ValueError` (JSON nested too deep
+        for the parser among it, which Python's reader answers with `RecursionError`)."""
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ValueError("the JSON is nested too deeply to be a plan") from None
+        return cls.from_dict(data)
 
