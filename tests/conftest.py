@@ -10,13 +10,19 @@ A test is ``slow`` when it launches processes: ranks through `distributed.run_di
 with ``@pytest.mark.slow`` (or a whole file with ``pytestmark = pytest.mark.slow``);
 `tests/test_tiers.py` checks that no unmarked test calls a launcher.
 
+A test is ``megatron`` when its file imports Megatron (``megatron.*`` or
+``megatron_dcp.megatron``, at any indentation), runs it (the Megatron example, the launcher) or
+is named for it: marked here by reading the file, so no file can be missed. ``make test``'s second leg runs ``-m megatron`` on megatron-core 0.19.
+
 The test directory is on ``sys.path`` (pytest's default ``rootdir``-less import mode), so test
 files import the helpers here and in `distributed.py` by module name.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -29,7 +35,25 @@ MARKERS = {
     "slow": "launches processes (ranks, torchrun, DeepSpeed or a script); "
             "deselect with -m 'not slow'",
     "timeout": "per-test time limit in seconds (pytest-timeout)",
+    "megatron": "its file imports Megatron (set by conftest from the file's imports); the "
+                "megatron-core 0.19 leg of make test runs -m megatron",
 }
+
+_USES_MEGATRON = re.compile(r"^\s*(from|import)\s+(megatron\.|megatron_dcp\.megatron\b)"
+                            r"|pretrain_megatron\.py|megatron_dcp\.megatron\.run", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def uses_megatron(path: str) -> bool:
+    """Whether the test file at ``path`` imports Megatron (an import line, at any indentation:
+    inside a test or a rank's body too), runs it in a process, or is named for it."""
+    return "megatron" in Path(path).name or bool(_USES_MEGATRON.search(Path(path).read_text()))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    for item in items:
+        if uses_megatron(str(item.path)):
+            item.add_marker(pytest.mark.megatron)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -77,3 +77,19 @@ def test_the_check_finds_an_unmarked_launcher(tmp_path):
                     "@pytest.mark.slow\ndef test_b():\n    _launch()\n\n"
                     "def test_c():\n    assert True\n")
     assert _unmarked_launchers(path) == ["test_probe.py::test_a"]
+
+
+def test_the_megatron_marker_covers_every_file_that_imports_or_runs_megatron():
+    """Issue 58 item 6: the megatron-core 0.19 leg picked its files by name, so eight files that
+    import Megatron never ran on 0.19; it now runs ``-m megatron``, which conftest sets from
+    each file's imports (any indentation: a rank's body too), runs and name."""
+    from conftest import uses_megatron
+
+    tests = Path(__file__).resolve().parent
+    for name in ("test_nonfinite.py", "test_lm_data.py", "test_host_syncs.py",
+                 "test_reliability_inputs.py", "test_figures_monitors.py",
+                 "test_loss_memory.py", "test_nccl_device.py", "test_moe_host_syncs.py",
+                 "test_megatron_example.py", "test_megatron_launcher.py"):
+        assert uses_megatron(str(tests / name)), name
+    for name in ("test_plan.py", "test_vocabulary.py", "test_attention.py"):
+        assert not uses_megatron(str(tests / name)), name
