@@ -34,7 +34,7 @@ import torch
 from megatron_dcp.plan.plan import Plan
 
 __all__ = ["Gathered", "StageBatch", "exchange", "gather_lengths", "global_batch", "host_group",
-           "needed_by", "plan_or_made_ahead"]
+           "needed_by", "plan_or_made_ahead", "share_of"]
 
 
 class Gathered(NamedTuple):
@@ -185,3 +185,12 @@ def plan_or_made_ahead(driver: Any) -> Callable[[list[int]], tuple[Plan, float, 
         return plan, plan_s, plan_s
 
     return plan_of
+
+
+def share_of(count: int, rank: int, world_size: int) -> range:
+    """The indices of rank ``rank``'s share of a global batch of ``count`` documents: contiguous
+    and in rank order, sizes differing by at most one (``numpy.array_split``'s), so the shares
+    concatenated in rank order are the batch (`gather_lengths` orders them so)."""
+    base, extra = divmod(count, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
