@@ -100,6 +100,23 @@ def host_offload(engine: Any) -> dict[str, bool]:
             "offload_param": on_host(param) and int(engine.zero_optimization_stage()) == 3}
 
 
+def share_problem(sequences: Any, rank: int) -> str:
+    """Why this rank's share of a global batch is refused (``""``: it is not): the share must be
+    a list of 1-D integer token id tensors. Raised on every rank alike (a rank refusing alone
+    would leave the others waiting in the exchange)."""
+    if isinstance(sequences, torch.Tensor) or not isinstance(sequences, Sequence):
+        return (f"train_step(local=True): rank {rank}'s share is a "
+                f"{type(sequences).__name__}, not a list of 1-D token id tensors")
+    for i, seq in enumerate(sequences):
+        if not isinstance(seq, torch.Tensor) or seq.dim() != 1 or seq.is_floating_point() \
+                or seq.is_complex() or seq.dtype == torch.bool:
+            what = (f"a {seq.dim()}-D {seq.dtype} tensor" if isinstance(seq, torch.Tensor)
+                    else f"a {type(seq).__name__}")
+            return (f"train_step(local=True): rank {rank}'s sequence {i} is {what}: each "
+                    "sequence is a 1-D integer tensor of token ids")
+    return ""
+
+
 class DCPEngine:
     """A DeepSpeed engine (``.deepspeed``) whose ``train_step`` runs one DCP step.
 
@@ -130,6 +147,12 @@ class DCPEngine:
         self.figures = StepFigures(self.driver)
         """The figures of a step (`megatron_dcp.runtime.figures`): ``figures(result)``."""
         self.monitor = DeepSpeedMonitor(engine, self.figures, self.rank)
+        self._host_group: Any = False
+        """The gloo group a local step's lengths and tokens travel on
+        (`megatron_dcp.runtime.input_stage.host_group`; ``None``: the default group), made at
+        the first ``train_step(local=True)``."""
+        self.received_tokens: Optional[int] = None
+        """Tokens this rank received in its last ``train_step(local=True)``: its own tasks'."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -142,13 +165,18 @@ class DCPEngine:
         return self.driver.iteration
 
     def train_step(self, sequences: Sequence[torch.Tensor], plan: Optional[Plan] = None, *,
-                   next_lengths: Optional[Sequence[int]] = None) -> StepResult:
+                   next_lengths: Optional[Sequence[int]] = None,
+                   local: bool = False) -> StepResult:
         """Forward, backward, one gradient reduction and one optimizer step on a global batch.
 
-        ``sequences``: the global batch (1-D token id tensors), identical on every rank.
-        ``plan``: a plan of the caller's; default: the one made ahead for it, else planned here.
-        ``next_lengths``: the lengths of the next global batch, planned on a background thread
-        while this step runs (``dcp.plan_ahead``; `StepDriver.step`).
+        ``sequences``: the global batch (1-D token id tensors), identical on every rank; with
+        ``local=True`` this rank's own share of it (the global batch is the ranks' shares in
+        rank order, as a ``DistributedSampler``'s), and the rank receives only the tokens of
+        its own tasks (`megatron_dcp.runtime.input_stage`: lengths gathered, planned, one
+        exchange on a host group). ``plan``: a plan of the caller's (whole batch only);
+        default: the one made ahead for it, else planned here. ``next_lengths``: the lengths
+        of the next global batch (with ``local=True``: of this rank's next share), planned on a
+        background thread while this step runs (``dcp.plan_ahead``; `StepDriver.step`).
         """
         if plan is not None and self.lockstep and plan.tasks and not plan.lockstep:
             raise ValueError(f"ZeRO-{self.zero_stage} under DCP runs lockstep plans (every task "
@@ -156,8 +184,41 @@ class DCPEngine:
                              "dcp.schedule=free to run free plans with parameters and "
                              "gradients kept whole)")
         self.deepspeed.train()
-        result = self.driver.step(self._steps, sequences, plan, next_lengths=next_lengths)
+        if local:
+            if plan is not None:
+                raise ValueError("train_step(local=True) plans the gathered lengths of every "
+                                 "rank's share itself: pass plan= only with the whole batch "
+                                 "(local=False)")
+            result = self._local_step(sequences, next_lengths)
+        else:
+            result = self.driver.step(self._steps, sequences, plan, next_lengths=next_lengths)
         self.monitor.write(result)  # to DeepSpeed's monitor, where its JSON enables one
+        return result
+
+    def _local_step(self, sequences: Sequence[torch.Tensor],
+                    next_lengths: Optional[Sequence[int]]) -> StepResult:
+        """`train_step` on this rank's share: the runtime's input stage gives this rank its own
+        tasks' sequences (``None`` for the others) and the plan, which the driver runs."""
+        from megatron_dcp.runtime import input_stage
+
+        if self._host_group is False:  # every rank, at its first local step: collective
+            self._host_group = input_stage.host_group()
+        problem = share_problem(sequences, self.rank)
+        mine = [] if problem else [s.detach().reshape(-1).cpu().numpy() for s in sequences]
+        planned = input_stage.plan_or_made_ahead(self.driver)
+        times: list[float] = []
+
+        def plan_of(lengths: list[int]) -> Plan:
+            plan, plan_s, wait_s = planned(lengths)
+            times[:] = [plan_s, wait_s]
+            return plan
+
+        batch = input_stage.global_batch(mine, self.rank, problem, plan_of, self._host_group,
+                                         next_lengths=next_lengths)
+        self.received_tokens = sum(int(s.numel()) for s in batch.sequences if s is not None)
+        result = self.driver.step(self._steps, batch.sequences, batch.plan,
+                                  next_lengths=batch.next_lengths)
+        result.plan_s, result.plan_wait_s = times  # planned before the driver's step
         return result
 
     # ------------------------------------------------------------------ checkpoints

@@ -33,6 +33,7 @@ from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.integrations import hf
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
 from megatron_dcp.runtime.report import TIMELINE_INTERVAL, reset_peak_memory, trained_tokens
+from megatron_dcp.runtime.input_stage import share_of
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -157,12 +158,16 @@ def train(args, engine, dataset, sampler) -> int:
     reset_peak_memory(engine.device)  # peak_mem_mb: what training holds, not the start-up
     for it in range(start, args.train_iters):
         docs = sampler.next_batch()
-        sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
-        # the next batch is planned on a background thread while this step runs
-        result = engine.train_step(sequences,
-                                   next_lengths=training.next_lengths(sampler, args, it))
-        tokens, _ = trained_tokens(result.plan, [int(s.shape[0]) for s in sequences])
-        training.log_step(log, engine, it + 1, result, sequences=len(sequences), tokens=tokens)
+        # this rank reads its own share of the batch; the engine gathers the lengths, plans and
+        # gives each rank the tokens of its own tasks (train_step(local=True), docs/DEEPSPEED.md)
+        sequences = [torch.from_numpy(dataset[docs[i]][: args.seq_length].astype("int64"))
+                     for i in share_of(len(docs), rank, world)]
+        following = training.next_lengths(sampler, args, it)  # planned while this step runs
+        if following is not None:
+            following = [following[i] for i in share_of(len(following), rank, world)]
+        result = engine.train_step(sequences, local=True, next_lengths=following)
+        tokens, _ = trained_tokens(result.plan, result.plan.lengths)
+        training.log_step(log, engine, it + 1, result, sequences=result.sequences, tokens=tokens)
         training.save_if_due(engine, sampler, args, it + 1)  # every --save-interval, and last
     if args.save_profile and engine.dcp.enabled and rank == 0:
         engine.driver.save_profile(args.save_profile)

@@ -1,136 +1,37 @@
-"""The launcher's global batch without sending every token to every rank.
+"""The launcher's global batch without sending every token to every rank: the Megatron side of
+the runtime's lengths-first input stage (`megatron_dcp.runtime.input_stage`).
 
-Each data-parallel source (the first pipeline stage's tensor-parallel rank 0 of each
-data-parallel rank: the ranks Megatron-LM gives the batch) cuts its micro-batches into documents.
-Then, every step:
-
-1. every rank learns every document's length and whether any source refused its documents
-   (`dist.all_gather_object` of lengths only: a few bytes a document);
-2. every rank plans the batch from the lengths (the same plan everywhere: the driver checks it);
-3. each document's tokens go, in one ``all_to_all_single`` over the job, only to the ranks
-   whose data-parallel rank runs a task holding it (every tensor- and pipeline-parallel rank of
-   it), never pickled.
-
-Both collectives run on a host (gloo) group over the job (`host_group`): the tokens are host data
-at both ends (a source's documents, the step driver's sequences), and the pairs of ranks that
-exchange change every step. On the job's NCCL communicator each new pair would make NCCL set up
-a connection (about 0.23 GB of device memory on an HGX node) at an unpredictable step, beside
-two copies through the device and their host syncs.
-
-A rank's batch then holds its own tasks' documents and ``None`` for the rest (the step driver
-reads only its own tasks' sequences; the plan check compares digests of the plan, and a rank
-without the whole batch has no opinion on the batch's). Before this a 1,024-rank job received
-every token of the batch on every rank each step, pickled and padded to the largest part.
+The data-parallel sources are the ranks Megatron-LM gives the batch (the first pipeline stage's
+tensor-parallel rank 0 of each data-parallel rank); each cuts its micro-batches into `documents`
+and says what is wrong with them (`token_id_problem`). Every rank then learns every document's
+length, plans, and receives, in one exchange on a host (gloo) group, the tokens of its own
+tasks' documents only (every tensor- and pipeline-parallel rank of a data-parallel rank gets its
+tasks' documents): `global_batch`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from megatron_dcp.plan.plan import Plan
-
-
-def host_group() -> Any:
-    """Collective (every rank of the job, once): the group the batch's lengths and tokens travel
-    on: the default group where it is gloo, else a new gloo group over the job (module doc)."""
-    import torch.distributed as dist
-
-    if "gloo" in str(dist.get_backend()).lower():
-        return None
-    return dist.new_group(backend="gloo")
-
-
-def gather_lengths(mine: Optional[tuple[int, list[np.ndarray], str]],
-                   dp_rank: int, group: Any = None
-                   ) -> tuple[list[int], list[tuple[int, int]], list[int], str]:
-    """Collective (``group``: a host group over the job, `host_group`): every source's document
-    lengths. ``mine``: this rank's
-    ``(dp_rank, documents, problem)`` if it is a source, else None. Returns the batch's lengths
-    in data-parallel rank order, each document's ``(source global rank, index there)``, every
-    global rank's data-parallel rank, and the first problem a source reported ("" for none)."""
-    import torch.distributed as dist
-
-    said = (dp_rank, None if mine is None else (mine[0], [len(d) for d in mine[1]], mine[2]))
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, said, group=group)
-    dp_of = [g[0] for g in gathered]
-    sources = sorted((g[1][0], rank, g[1][1], g[1][2]) for rank, g in enumerate(gathered)
-                     if g[1] is not None)
-    lengths, where = [], []
-    for _, rank, sizes, _ in sources:
-        for i, n in enumerate(sizes):
-            lengths.append(int(n))
-            where.append((rank, i))
-    problem = next((p for *_, p in sources if p), "")
-    return lengths, where, dp_of, problem
-
-
-def needed_by(plan: Plan, dp_of: Sequence[int]) -> list[list[int]]:
-    """For each document of ``plan``, the global ranks that need its tokens: those whose
-    data-parallel rank is among the ranks of a task holding it."""
-    ranks_of: dict[int, list[int]] = {}  # data-parallel rank -> its global ranks
-    for g, d in enumerate(dp_of):
-        ranks_of.setdefault(d, []).append(g)
-    dp_ranks: list[set[int]] = [set() for _ in plan.lengths]
-    for task in plan.tasks:
-        for s in task.seqs:
-            dp_ranks[s].update(task.ranks)
-    return [sorted(g for d in wanted for g in ranks_of.get(d, ())) for wanted in dp_ranks]
-
-
-def exchange(local: list[np.ndarray], where: Sequence[tuple[int, int]],
-             lengths: Sequence[int], needs: Sequence[Sequence[int]],
-             group: Any = None) -> list[Optional[torch.Tensor]]:
-    """Collective (``group``: a host group over the job, `host_group`, whose ranks are the
-    job's): one ``all_to_all_single`` that gives this rank the tokens of every document it
-    needs (host int64 tensors) and ``None`` for the others. ``lengths``: the plan's (a
-    document the oversize policy truncated travels as its first ``lengths[s]`` tokens, the
-    prefix the step trains: `megatron_dcp.runtime.truncate`)."""
-    import torch.distributed as dist
-
-    world, me = dist.get_world_size(group), dist.get_rank(group)
-    send: list[list[int]] = [[] for _ in range(world)]  # documents this rank sends to each rank
-    receive: list[list[int]] = [[] for _ in range(world)]  # documents it gets from each rank
-    for s, ((source, _), ranks) in enumerate(zip(where, needs)):
-        for g in ranks:
-            if source == me:
-                send[g].append(s)
-            if g == me:
-                receive[source].append(s)
-    parts = [torch.from_numpy(np.asarray(local[where[s][1]][:lengths[s]], dtype=np.int64))
-             for g in range(world) for s in send[g]]
-    out_sizes = [sum(lengths[s] for s in docs) for docs in receive]
-    inputs = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-    got = torch.empty(sum(out_sizes), dtype=torch.int64)
-    dist.all_to_all_single(got, inputs, output_split_sizes=out_sizes,
-                           input_split_sizes=[sum(lengths[s] for s in docs) for docs in send],
-                           group=group)
-    sequences: list[Optional[torch.Tensor]] = [None] * len(lengths)
-    offset = 0
-    for docs in receive:
-        for s in docs:
-            sequences[s] = got[offset:offset + lengths[s]]
-            offset += lengths[s]
-    return sequences
+from megatron_dcp.runtime import input_stage
+from megatron_dcp.runtime.input_stage import (exchange, gather_lengths, host_group,  # noqa: F401
+                                              needed_by)
 
 
 def global_batch(local: Optional[list[np.ndarray]], dp_rank: int, problem: str,
                  plan_of: Callable[[list[int]], Plan],
                  group: Any = None) -> tuple[list[Optional[torch.Tensor]], Plan]:
-    """This rank's view of the step's global batch and its plan (module doc). ``local``: this
-    rank's documents if it is a source (else None); ``problem``: why a source refuses its
-    documents ("" for none): raised on every rank alike, before any plan; ``group``: the host
-    group over the job (`host_group`)."""
-    lengths, where, dp_of, first = gather_lengths(
-        None if local is None else (dp_rank, local, problem), dp_rank, group)
-    if first:
-        raise ValueError(first)
-    plan = plan_of(lengths)
-    sequences = exchange(local or [], where, plan.lengths, needed_by(plan, dp_of), group)
-    return sequences, plan
+    """This rank's view of the step's global batch and its plan
+    (`megatron_dcp.runtime.input_stage.global_batch`). ``local``: this rank's documents if it is
+    a source (else None); ``problem``: why a source refuses its documents ("" for none): raised
+    on every rank alike, before any plan; ``group``: the host group over the job
+    (`host_group`)."""
+    batch = input_stage.global_batch(local, dp_rank, problem, plan_of, group)
+    return batch.sequences, batch.plan
 
 
 def documents(batch: dict) -> list[torch.Tensor]:
