@@ -63,7 +63,7 @@ def predict(args, case: str) -> float:
     from megatron_dcp.config import DCPConfig
     from megatron_dcp.models import Decoder
     from megatron_dcp.plan import geometry, memory
-    from megatron_dcp.plan.planners import build_cost_model
+    from megatron_dcp.plan.planner import build_cost_model
 
     geometry.BF16 = memory.BF16 = 4
     shape = Decoder(_config(args), seed=0).shape()

@@ -359,7 +359,8 @@ def test_a_pipelined_step_is_predicted_by_its_simulated_schedule():
         return seconds, simulate_pipeline(slot_costs(plan, true_cm), Pipeline(2)).makespan_s \
             + OVERHEAD_S
 
-    timing = StepTiming(config, model, zero_stage=1)
+    timing = StepTiming(config, model,
+                        lambda hw, world: build_cost_model(model, config, world, hw))
     hw, bubbles = cpu_start(), []
     for lengths in _batches(6):
         plan = make_plan(lengths, world_size=WORLD, model=model, config=config, hardware=hw)
@@ -368,7 +369,7 @@ def test_a_pipelined_step_is_predicted_by_its_simulated_schedule():
             sum(s for t, s in zip(plan.tasks, seconds) if r in t.ranks) for r in range(WORLD)))
         predicted = timing.predicted_step_s(plan, hw, WORLD)
         hw = timing.calibrate(plan, dict(enumerate(seconds)), wall, predicted, 0.0, hardware=hw,
-                              world_size=WORLD, group=None, device=None)
+                              world_size=WORLD, group=None)
     assert min(bubbles) > 0.5 * OVERHEAD_S  # the check can fail: the bubble is no small part
     assert hw.step_overhead_s == pytest.approx(OVERHEAD_S, rel=0.01)
     for lengths in _batches(4, seed=99):

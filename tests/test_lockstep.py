@@ -159,11 +159,11 @@ def test_degree_choice_prunes_only_options_that_cannot_win(world, dist, hardware
     # task and the GEMM work, the same at every degree) cannot
     # undercut the work chosen: the choices equal those of timing every option (issue 30)
     from megatron_dcp.plan import choices
-    from megatron_dcp.plan.planners import _context
+    from megatron_dcp.plan.planner import Planner, PlanSettings
 
     cfg = DCPConfig(hardware=hardware, schedule="lockstep")
     lengths = sample_lengths(dist, world * 262144, seed=3, max_len=262144)
-    pctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None).pctx
+    pctx = Planner(PlanSettings(cfg, LLAMA, world, zero_stage=3)).context(lengths).pctx
     for mode in ("full", "auto"):
         pruned = [choices.SeqChoice(i, pctx.lengths[i], pctx.pairs[i]) for i in pctx.active]
         choices.degree_choice(pctx, pruned, mode)
@@ -237,14 +237,14 @@ def test_work_floors_never_exceed_a_sequences_work(hardware, curve):
 
     from megatron_dcp.plan import load_hardware
     from megatron_dcp.plan.choices import work_floor
-    from megatron_dcp.plan.planners import _context
+    from megatron_dcp.plan.planner import Planner, PlanSettings
 
     hw = load_hardware(hardware)
     if curve:
         hw = replace(hw, name="curved", pack_curve=curve)
     cfg, moe = DCPConfig(hardware=hardware), load_model("qwen3-30b-a3b")
     for model in (LLAMA, moe):
-        pctx = _context([4096] * 64, 64, model, cfg, None, 3, None, None, None, None).pctx
+        pctx = Planner(PlanSettings(cfg, model, 64, zero_stage=3)).context([4096] * 64).pctx
         pctx = replace(pctx, cm=build_cost_model(model, cfg, 64, hardware=hw, zero_stage=3))
         tm, rng = pctx.cm.time_model, random.Random(0)
         for _ in range(400):
@@ -262,11 +262,11 @@ def test_pruned_passes_could_not_have_won(world, dist):
     # (a lower bound of every full plan) is above the shortest so far: the same winner
     from megatron_dcp.plan.choices import SeqChoice, degree_choice, least_makespan
     from megatron_dcp.plan.lockstep import lockstep_candidates
-    from megatron_dcp.plan.planners import _context
+    from megatron_dcp.plan.planner import Planner, PlanSettings
 
     cfg = DCPConfig(hardware="h200", schedule="lockstep")
     lengths = sample_lengths(dist, 65536 * world, seed=2)[:4000]
-    pctx = _context(lengths, world, LLAMA, cfg, None, 3, None, None, None, None).pctx
+    pctx = Planner(PlanSettings(cfg, LLAMA, world, zero_stage=3)).context(lengths).pctx
     infos = [SeqChoice(i, pctx.lengths[i], pctx.pairs[i]) for i in pctx.active]
     per_rank, longest = degree_choice(pctx, infos, "auto")
     args = (pctx, infos, "auto", max(per_rank, longest), longest)
@@ -279,12 +279,12 @@ def test_pruned_passes_could_not_have_won(world, dist):
 
 def test_narrowed_splits_packed_tasks_over_halves_where_that_shortens_them():
     from megatron_dcp.plan.lockstep_regroup import narrowed
-    from megatron_dcp.plan.planners import _context
+    from megatron_dcp.plan.planner import Planner, PlanSettings
 
     model = replace(load_model("qwen3-30b-a3b"), expert_parallel=8)
     cfg = DCPConfig(hardware="h200", ranks_per_node=8, policy="dcp")
     lengths = [2000] * 24 + [83000, 3000]
-    pctx = _context(lengths, 64, model, cfg, None, 1, None, None, None, None).pctx
+    pctx = Planner(PlanSettings(cfg, model, 64, zero_stage=1)).context(lengths).pctx
     packed = pctx.draft(0, 8, list(range(24)), 0)
     # 83,000 tokens fit no half of a node without recompute: that task stays whole
     whole = pctx.draft(8, 8, [24, 25], 0)
@@ -303,12 +303,12 @@ def test_narrowed_splits_packed_tasks_over_halves_where_that_shortens_them():
 
 def test_merged_spreads_a_slots_longest_task_over_the_ranks_beside_it():
     from megatron_dcp.plan.lockstep_regroup import merged
-    from megatron_dcp.plan.planners import _context
+    from megatron_dcp.plan.planner import Planner, PlanSettings
 
     model = replace(load_model("qwen3-30b-a3b"), expert_parallel=8)
     cfg = DCPConfig(hardware="h200", ranks_per_node=8, policy="dcp")
     lengths = [83000] + [2000] * 40 + [64000, 60000]
-    pctx = _context(lengths, 64, model, cfg, None, 1, None, None, None, None).pctx
+    pctx = Planner(PlanSettings(cfg, model, 64, zero_stage=1)).context(lengths).pctx
     # slot 0: one long sequence alone on a node, memory-full short ones on the next node (they
     # end early), the rest of the ranks free; slot 1: two equal full tasks (nothing to gain)
     slot0 = [pctx.draft(0, 8, [0], 0), pctx.draft(8, 8, list(range(1, 41)), 0)]

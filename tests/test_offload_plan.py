@@ -10,7 +10,7 @@ import pytest
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.plan.memory import assign_long_choices
-from megatron_dcp.plan.planners import build_cost_model, make_plan
+from megatron_dcp.plan.planner import build_cost_model, make_plan
 from megatron_dcp.plan.plan import PlanError
 from megatron_dcp.plan.presets import MODEL_PRESETS
 from megatron_dcp.plan.simulate import lower_bound, simulate

@@ -143,11 +143,7 @@ def tracked_peak(tracker: MemTracker) -> dict[str, Any]:
 
 def _cost_model(driver: Any) -> Any:
     """The driver's own cost model (with pipeline stages: one stage's, as the planner's)."""
-    from megatron_dcp.plan import build_cost_model
-
-    return build_cost_model(driver.model_shape, driver.config, driver.world_size,
-                            driver.hardware, driver.zero_stage, driver.vocabulary,
-                            **driver.offload, **driver.long)
+    return driver.planner(long=driver.config.long_sequences_on).cost_model
 
 
 def budget_bytes(driver: Any) -> Optional[float]:

@@ -204,7 +204,7 @@ class StepFigures:
         error and the plan's efficiency: the lower bound of its sequences
         (`megatron_dcp.plan.lower_bound`) over the plan's own step time, both with the driver's
         hardware now and its settings (`megatron_dcp.plan.simulate`)."""
-        from megatron_dcp.plan import build_cost_model, lower_bound, simulate
+        from megatron_dcp.plan import lower_bound, simulate
         from megatron_dcp.plan.pipeline import Pipeline
 
         driver, predicted = self.driver, float(result.predicted_s)
@@ -218,8 +218,8 @@ class StepFigures:
         if not ran or shape is None or self._efficiency_s > budget:
             return out
         t0 = time.perf_counter()
-        cm = build_cost_model(shape, driver.config, plan.world_size, driver.hardware,
-                              driver.zero_stage, **driver.offload, **driver.long)
+        cm = driver.planner(plan.world_size, long=driver.config.long_sequences_on,
+                            pooled=False).cost_model
         bound = lower_bound(ran, cm, world_size=plan.world_size,
                             max_degree=driver.config.max_degree,
                             recompute_mode=driver.config.recompute,

@@ -118,12 +118,11 @@ class StepDriver:
         self.model_shape = model_shape
         self.hardware = hardware
         self.zero_stage = zero_stage
-        self.offload = {"offload_optimizer": bool(offload_optimizer),
-                        "offload_param": bool(offload_param)}
-        """The engine's host-memory offload, as `build_cost_model` and `make_plan` take it."""
-        self.long = {"long_sequences": config.long_sequences_on,
-                     "loss_tiling": bool(loss_tiling)}
-        """The long-sequence choices, as `build_cost_model` and `make_plan` take them."""
+        self.offload = (bool(offload_optimizer), bool(offload_param))  # as `PlanSettings`
+        self.loss_tiling = bool(loss_tiling)
+        self._planners: dict[tuple, Any] = {}
+        """This job's `Planner` per (DCP world, long-sequence choices, pool's vocabulary): built
+        once, moved to a new hardware by `Planner.with_hardware` (`planner`)."""
         self._plain_capacity: dict[int, int] = {}
         self.device = torch.device(device) if device is not None else None
         self.max_position = max_position
@@ -134,7 +133,9 @@ class StepDriver:
         self.tally = TrainedTally()
         """This process's training steps and those that trained a token: ``tally.check()`` once
         training ends, on every rank (status 1 when none did, saying why)."""
-        self.timing = StepTiming(config, model_shape, zero_stage, self.offload)
+        self.timing = StepTiming(
+            config, model_shape,
+            lambda hw, world: self.planner(world, pooled=False, hardware=hw).cost_model)
         """Predicted step times and the online calibration (`StepTiming`)."""
         self._ahead = PlanAhead()
         self.vocabulary: Any = None
@@ -168,47 +169,36 @@ class StepDriver:
         (`Vocabulary.for_cost_model`)."""
         if not self.config.enabled or self.world_size == 1:
             return "group pool: no sequence-parallel groups needed"
-        from megatron_dcp.plan import build_cost_model
-        from megatron_dcp.plan.pipeline import Pipeline, micro_batch_cost_model
         from megatron_dcp.plan.planners import vocabulary_for_lengths
-        from megatron_dcp.plan.vocabulary import Vocabulary
 
         if self.model_shape is None:
             raise ValueError("create_groups needs the model's shape (model_shape=)")
-        cost_model = build_cost_model(self.model_shape, self.config, self.world_size,
-                                      self.hardware, self.zero_stage, **self.offload,
-                                      **self.long)
-        if self.model_shape.pipeline_parallel > 1:  # a micro-batch's share of what 1F1B holds
-            cost_model = micro_batch_cost_model(cost_model, Pipeline.of(self.model_shape))
+        planner = self.planner(long=self.config.long_sequences_on, pooled=False)
         if lengths is None:
-            vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
+            vocabulary = planner.vocabulary
         else:
             self._ahead.close()  # one made ahead over another vocabulary
-            long = build_cost_model(self.model_shape, self.config, self.world_size,
-                                    self.hardware, self.zero_stage, **self.offload,
-                                    **{**self.long, "long_sequences": True}) \
-                if self._long_auto else None
-            vocabulary = vocabulary_for_lengths(cost_model, lengths, self.config.max_degree,
+            long = self.planner(long=True, pooled=False).cost_model if self._long_auto else None
+            # a pipeline's: a micro-batch's share of what 1F1B holds
+            vocabulary = vocabulary_for_lengths(planner.planning_cost_model, lengths,
+                                                self.config.max_degree,
                                                 recompute=self.config.recompute,
                                                 long_cost_model=long)
             self.vocabulary = vocabulary
             self._plain_capacity.clear()
+            self._planners = {key: p for key, p in self._planners.items() if not key[2]}
         return self.pool.create_all(vocabulary)
 
     def setup_line(self) -> str:
         """What this driver will do, in one line (`megatron_dcp.runtime.report.setup_line`)."""
-        from megatron_dcp.plan import build_cost_model
         from megatron_dcp.runtime.report import setup_line
-
-        cost_model = build_cost_model(self.model_shape, self.config, self.world_size,
-                                      self.hardware, self.zero_stage, **self.offload,
-                                      **self.long)
-        return setup_line(self.config, cost_model, self.world_size,
+        return setup_line(self.config, self.planner(long=self.config.long_sequences_on,
+                                                    pooled=False).cost_model, self.world_size,
                           pipelined=self.model_shape.pipeline_parallel > 1)
 
     def plan(self, lengths: Sequence[int], iteration: Optional[int] = None,
-             world_size: Optional[int] = None,
-             frame_tokens: Optional[Sequence[int]] = None, hardware: Any = None) -> Plan:
+             world_size: Optional[int] = None, frame_tokens: Any = None, hardware: Any = None
+             ) -> Plan:
         """The plan of a global batch with these lengths (deterministic: the same on every rank):
         the configured planner with DCP on, `data_parallel_plan` with it off. ``world_size``:
         plan for another DCP world (default: the pool's; a driver without a pool plans only).
@@ -218,23 +208,37 @@ class StepDriver:
         world_size = self.world_size if world_size is None else world_size
         if not self.config.enabled:
             return data_parallel_plan(lengths, world_size)
-        from megatron_dcp.plan import make_plan
-
         if self.model_shape is None:
             raise ValueError("DCP needs the model's shape to plan: pass model_shape= (a "
                              "ModelShape; the reference models' .shape() gives it) or give "
                              "every step its plan")
-        extra = {} if frame_tokens is None else {"frame_tokens": list(frame_tokens)}
-        vocabulary = self.vocabulary  # the pool's; another world plans over its default
+        planner = self.planner(world_size, long=self.long_plan(lengths, world_size),
+                               hardware=hardware)
+        return planner.plan(lengths, iteration=self.iteration if iteration is None else iteration,
+                            frame_tokens=frame_tokens)
+
+    def planner(self, world_size: Optional[int] = None, *, long: bool = False,
+                pooled: bool = True, hardware: Any = None) -> Any:
+        """This job's `megatron_dcp.plan.Planner` for a DCP world (default: the pool's), with
+        long-sequence choices or not, over the pool's vocabulary (``pooled`` and `vocabulary`
+        set for this world) or the settings' default, on ``hardware`` (default: the driver's
+        now). Built once per key; a new hardware (the calibration's fit) moves it over
+        (`Planner.with_hardware`: the time model alone is rebuilt)."""
+        from megatron_dcp.plan.planner import Planner, PlanSettings
+
+        world_size = self.world_size if world_size is None else world_size
+        hardware = self.hardware if hardware is None else hardware
+        vocabulary = self.vocabulary if pooled else None
         if vocabulary is not None and vocabulary.world_size != world_size:
-            vocabulary = None
-        long = {**self.long, "long_sequences": self.long_plan(lengths, world_size)}
-        return make_plan(lengths, world_size=world_size, model=self.model_shape,
-                         config=self.config,
-                         iteration=self.iteration if iteration is None else iteration,
-                         hardware=self.hardware if hardware is None else hardware,
-                         zero_stage=self.zero_stage, vocabulary=vocabulary, **self.offload,
-                         **long, **extra)
+            vocabulary = None  # the pool's; another world plans over its default
+        key = (world_size, bool(long), vocabulary is not None)
+        planner = self._planners.get(key)
+        planner = planner.with_hardware(hardware) if planner is not None else Planner(
+            PlanSettings(self.config, self.model_shape, world_size, hardware, self.zero_stage,
+                         vocabulary, *self.offload, bool(long), self.loss_tiling))
+        if hardware is self.hardware:  # a plan made ahead on an older fit leaves it here
+            self._planners[key] = planner
+        return planner
 
     @property
     def _long_auto(self) -> bool:
@@ -253,14 +257,11 @@ class StepDriver:
             return self.config.long_sequences == "on"
         capacity = self._plain_capacity.get(world_size)
         if capacity is None:
-            from megatron_dcp.plan import build_cost_model
-            from megatron_dcp.plan.vocabulary import Vocabulary
-
-            cost_model = build_cost_model(self.model_shape, self.config, world_size,
-                                          self.hardware, self.zero_stage, **self.offload)
+            planner = self.planner(world_size, pooled=False)  # the default's communicators
+            cost_model = planner.cost_model  # (not the pool's vocabulary: as before)
             vocabulary = self.vocabulary
             if vocabulary is None or vocabulary.world_size != world_size:
-                vocabulary = Vocabulary.for_cost_model(cost_model, self.config.max_degree)
+                vocabulary = planner.vocabulary
             top = vocabulary.sizes[-1]  # the largest group
             capacity = cost_model.memory_model.max_tokens(top, self.model_shape.num_layers) \
                 - cost_model.pad_multiple(top)
@@ -442,11 +443,9 @@ class StepDriver:
                    predicted_s: float, outside_s: float = 0.0) -> None:
         """Fit the cost model to this step's measured times (`StepTiming.calibrate`, one small
         all-reduce over the job) and plan the next step with it."""
-        device = comm_device(self.pool.job_group)
         self.hardware = self.timing.calibrate(
             plan, {t.task_id: t.total_s for t in stats.tasks}, wall_s, predicted_s, outside_s,
-            hardware=self.hardware, world_size=self.world_size, group=self.pool.job_group,
-            device=device)
+            hardware=self.hardware, world_size=self.world_size, group=self.pool.job_group)
 
     def _global_loss(self, local_loss: float,
                      bad_task: Optional[int]) -> tuple[float, dict[int, Optional[int]]]:

@@ -10,7 +10,7 @@ provisional until the next step amends it); every rank then fits the same cost m
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,16 +18,17 @@ import torch.distributed as dist
 from megatron_dcp.plan.calibration import Calibrator, pipeline_makespan
 from megatron_dcp.plan.hardware import Hardware
 from megatron_dcp.plan.plan import Plan
+from megatron_dcp.runtime.groups import comm_device
 
 
 class StepTiming:
-    """Predicted step times and the calibration state of one `StepDriver` (``config``,
-    ``model_shape`` and ``zero_stage`` are the driver's)."""
+    """Predicted step times and the calibration state of one `StepDriver` (``config`` and
+    ``model_shape`` are the driver's; ``cost_models(hardware, world_size)``: the driver's cost
+    model on that hardware for that DCP world, from its planners, `StepDriver.planner`)."""
 
-    def __init__(self, config: Any, model_shape: Any, zero_stage: int,
-                 offload: Optional[dict] = None) -> None:
-        self.config, self.model_shape, self.zero_stage = config, model_shape, zero_stage
-        self.offload = dict(offload or {})  # the driver's (`StepDriver.offload`)
+    def __init__(self, config: Any, model_shape: Any,
+                 cost_models: Callable[[Hardware, int], Any]) -> None:
+        self.config, self.model_shape, self.cost_models = config, model_shape, cost_models
         self.calibrator: Optional[Calibrator] = None
         """Made at the first calibrated step; its fit is the hardware the next plan uses."""
         self._sync_cache: tuple = (None, 0.0)
@@ -52,10 +53,7 @@ class StepTiming:
             return makespan + hardware.step_overhead_s
         hw, sync = self._sync_cache
         if hw is not hardware:
-            from megatron_dcp.plan import build_cost_model
-
-            sync = build_cost_model(self.model_shape, self.config, world_size, hardware,
-                                    self.zero_stage, **self.offload).time_model.sync_time()
+            sync = self.cost_models(hardware, world_size).time_model.sync_time()
             self._sync_cache = (hardware, sync)
         return makespan + sync
 
@@ -93,17 +91,13 @@ class StepTiming:
 
     def calibrate(self, plan: Plan, task_seconds: dict[int, float], wall_s: float,
                   predicted_s: float, outside_s: float, *, hardware: Hardware, world_size: int,
-                  group: Any, device: Optional[torch.device]) -> Hardware:
+                  group: Any) -> Hardware:
         """Share this step's measured task times (``task_seconds``: task id -> seconds on this
         rank) and wall time, and the previous step's whole iteration time, with every rank of
-        ``group`` (one small MIN all-reduce), fit the cost model to the window and return the
+        ``group`` (one small MIN all-reduce, on its device), fit the cost model to the window and return the
         fitted hardware (the next plan's)."""
         if self.calibrator is None:
-            from megatron_dcp.plan import build_cost_model
-
-            base = build_cost_model(self.model_shape, self.config, world_size,
-                                    Calibrator.uncalibrated(hardware), self.zero_stage,
-                                    **self.offload)
+            base = self.cost_models(Calibrator.uncalibrated(hardware), world_size)
             self.calibrator = Calibrator(base, hardware)
         index = {t.id: k for k, t in enumerate(plan.tasks)}
         previous = self._last_wall_s  # None on every rank alike (same calibration history)
@@ -112,6 +106,7 @@ class StepTiming:
         for task_id, seconds in task_seconds.items():
             if task_id in index:
                 values[index[task_id]] = seconds
+        device = comm_device(group) if dist.is_initialized() else None
         shared = torch.tensor(values, dtype=torch.float64, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:  # job-wide: TP peers fit alike
             dist.all_reduce(shared, op=dist.ReduceOp.MIN, group=group)
