@@ -81,3 +81,21 @@ def examples_on_path(monkeypatch: pytest.MonkeyPatch) -> Path:
     """``examples/`` first on ``sys.path`` for this test only (``import pretrain_gpt``)."""
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     return ROOT / "examples"
+
+
+def figures_driver(config, shape, hardware="h100"):
+    """A stand-in for a `StepDriver` with the members `StepFigures` reads: its settings and its
+    planners (one per DCP world, as the driver's `planner`), with no process group."""
+    from types import SimpleNamespace
+
+    from megatron_dcp.plan import load_hardware
+    from megatron_dcp.plan.planner import Planner, PlanSettings
+
+    hw = load_hardware(hardware) if hardware else None
+
+    def planner(world_size, *, long=False, pooled=True, hardware=None):
+        return Planner(PlanSettings(config, shape, world_size, hardware or hw, 1,
+                                    long_sequences=long))
+
+    return SimpleNamespace(config=config, model_shape=shape, zero_stage=1, hardware=hw,
+                           planner=planner)

@@ -7,9 +7,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from conftest import figures_driver
 
 from megatron_dcp.config import DCPConfig
-from megatron_dcp.plan import load_hardware, load_model, make_plan
+from megatron_dcp.plan import load_model, make_plan
 from megatron_dcp.plan.plan import Plan, Task
 from megatron_dcp.runtime.figures import (FIGURES, PREFIX, StepFigures, document_flops,
                                           plan_shape_figures, row_figures, scalars)
@@ -92,10 +93,7 @@ def test_plain_data_parallel_has_no_idle_share_and_no_long_choices():
 
 
 def _driver(config, shape, hardware="h100", world=8):
-    return SimpleNamespace(config=config, model_shape=shape, zero_stage=1,
-                           hardware=load_hardware(hardware) if hardware else None,
-                           offload={"offload_optimizer": False, "offload_param": False},
-                           long={"long_sequences": False, "loss_tiling": True})
+    return figures_driver(config, shape, hardware)
 
 
 def _result(plan, *, wall_s, predicted_s=0.0, skipped=False):

@@ -14,9 +14,10 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
+from conftest import figures_driver
 
 from megatron_dcp.config import DCPConfig
-from megatron_dcp.plan import load_hardware, load_model, make_plan
+from megatron_dcp.plan import load_model, make_plan
 from megatron_dcp.runtime.figures import MONITOR_EXTRA, StepFigures
 from megatron_dcp.runtime.report import TrainingLog, plan_summary
 
@@ -55,10 +56,7 @@ class DeepSpeedMonitorDouble:
 def _steps(n=4):
     """(figures of a run, ``n`` step results on 4 ranks of gpt-1b on H100s)."""
     shape, config = load_model("gpt-1b"), DCPConfig(enabled=True, hardware="h100")
-    driver = SimpleNamespace(config=config, model_shape=shape, zero_stage=1,
-                             hardware=load_hardware("h100"),
-                             offload={"offload_optimizer": False, "offload_param": False},
-                             long={"long_sequences": False, "loss_tiling": True})
+    driver = figures_driver(config, shape)
     results = []
     for it in range(1, n + 1):
         lengths = [500 * it, 9000, 300, 2000 + 100 * it]

@@ -16,17 +16,15 @@ import pytest
 
 matplotlib = pytest.importorskip("matplotlib")
 
+from conftest import figures_driver  # noqa: E402
 from megatron_dcp.config import DCPConfig  # noqa: E402
-from megatron_dcp.plan import load_hardware, load_model, make_plan  # noqa: E402
+from megatron_dcp.plan import load_model, make_plan  # noqa: E402
 from megatron_dcp.runtime.figures import StepFigures  # noqa: E402
 from megatron_dcp.runtime.report import TrainingLog, plan_summary, trained_tokens  # noqa: E402
 
 
 def _driver(config, shape):
-    return SimpleNamespace(config=config, model_shape=shape, zero_stage=1,
-                           hardware=load_hardware("h100"),
-                           offload={"offload_optimizer": False, "offload_param": False},
-                           long={"long_sequences": False, "loss_tiling": True})
+    return figures_driver(config, shape)
 
 
 def write_run_log(path: Path, iterations: int = 20, timeline_interval: int = 5) -> list:

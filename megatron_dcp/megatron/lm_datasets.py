@@ -106,5 +106,14 @@ def _install(patches: PatchSet) -> None:
 
 
 def enable_data_checks() -> None:
-    """Check the datasets Megatron-LM's flags name when its arguments are set (idempotent)."""
+    """Check the datasets Megatron-LM's flags name when its arguments are set (idempotent).
+    Without Megatron-LM's ``megatron.training`` (megatron-core 0.16's wheel) nothing reads its
+    data flags: nothing to check."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("megatron.training") is None:
+            return
+    except ModuleNotFoundError:  # no megatron at all
+        return
     patching.apply(NAME, "megatron-core", _install)
