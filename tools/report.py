@@ -104,7 +104,7 @@ def _check_row(row: dict[str, Any], where: str) -> None:
         value = row.get(key)
         if value is not None and not (isinstance(value, (int, float))
                                       and not isinstance(value, bool)):
-            raise LogError(f"{where}: {key} {str(value)[:40]!r} is not a number")
+            raise LogError(f"{where}: {key} {json.dumps(value)[:40]} is not a number")
     plan = row["plan"]
     for key, kind in (("degrees", dict), ("micro_steps_per_rank", list),
                       ("recompute_layers", list)):
@@ -113,7 +113,8 @@ def _check_row(row: dict[str, Any], where: str) -> None:
                            f"{kind.__name__}")
     for degree, count in (plan.get("degrees") or {}).items():
         if not isinstance(count, (int, float)) or isinstance(count, bool):
-            raise LogError(f"{where}: plan degrees {degree}: {str(count)[:40]!r} is not a count")
+            raise LogError(f"{where}: plan degrees {degree}: {json.dumps(count)[:40]} is not a "
+                           "count")
     if row.get("timeline") is not None:
         try:
             timeline_bars(row["timeline"])
