@@ -315,6 +315,7 @@ def run(args: argparse.Namespace, beat: Optional[Heartbeat] = None) -> dict:
         lengths = list(external.lengths)
         frames = list(external.frame_tokens) if external.frame_tokens is not None else None
     else:
+        beat.stage(f"sampling the global batch of {world:,} ranks")
         lengths, frames = load_workload(args, world)
     if frames is not None and not model.frame_tokens:
         raise PlanError(f"videos need a video model (--model video-dit or a ModelShape with "
