@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections import Counter
 from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 from megatron_dcp.config import ULYSSES_SCOPES
@@ -116,7 +117,7 @@ def member_connections(group: Sequence[int], kinds: Iterable[str],
     the ring sends to the next member and receives from the previous one (a subset of those)."""
     kinds, n = set(kinds), len(group)
     node = [r // ranks_per_node for r in group]
-    on_node = {k: node.count(k) for k in set(node)}
+    on_node = Counter(node)  # one pass (a count per node was quadratic in big groups)
     for i, r in enumerate(group):
         if ALL_TO_ALL in kinds:  # every other member, both ways
             near = on_node[node[i]] - 1
