@@ -58,6 +58,19 @@ def int_flag(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def world_size_flag(text: str) -> int:
+    """An argparse ``type`` for a tool's ``--gpus``: a whole number of ranks from 1 to the plan
+    format's ``MAX_WORLD_SIZE`` (1,048,576): a larger world is refused before minutes of work
+    that no plan could hold."""
+    from megatron_dcp.plan.plan import MAX_WORLD_SIZE  # lazy: the plan layer imports this one
+
+    value = int_flag(1)(text)
+    if value > MAX_WORLD_SIZE:
+        raise argparse.ArgumentTypeError(f"{value}: more than {MAX_WORLD_SIZE:,} ranks, the "
+                                         "plan format's cap")
+    return value
+
+
 def arg_value(args: Any, name: str, default: Any = None) -> Any:
     """``args.name`` (a parsed flag of Megatron's or the examples'), ``default`` where the
     namespace lacks it or holds None (a flag left unset)."""

@@ -66,3 +66,52 @@ class Progress:
         if self.enabled and self.done:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class Heartbeat:
+    """Lines on stderr while long work runs, also where no bar is drawn (a log file, a CI job):
+    ``with Heartbeat("dcp-simulate") as beat: beat.stage("planning dcp"); ...``. Nothing is
+    printed for work that ends within ``after`` seconds; past it, a line names the stage and the
+    time spent, again at every new stage and every ``every`` seconds within one (a thread
+    prints them, so a single long call, a planner at 100,000 ranks, is not silent)."""
+
+    def __init__(self, tool: str, after: float = 5.0, every: float = 30.0,
+                 stream: Optional[TextIO] = None):
+        import threading
+
+        self.tool, self.after, self.every = tool, after, every
+        self.stream = stream or sys.stderr
+        self.start = time.perf_counter()
+        self._stage, self._printed, self._said = "starting", 0.0, ""
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def stage(self, text: str) -> None:
+        """The work from now on (``planning dcp``); said at once when past ``after``."""
+        with self._lock:
+            self._stage = text
+        self._beat(force=True)
+
+    def _beat(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            elapsed = now - self.start
+            due = force and self._said != self._stage or now - self._printed >= self.every
+            if elapsed < self.after or not due:
+                return
+            self._printed, self._said = now, self._stage
+            erase = "\r" + " " * WIDTH + "\r" if getattr(self.stream, "isatty", bool)() else ""
+            self.stream.write(f"{erase}[{self.tool}] {elapsed:.0f} s: {self._stage} ...\n")
+            self.stream.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self._beat(force=True)
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()

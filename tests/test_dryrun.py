@@ -6,6 +6,8 @@ collective are each caught."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_dcp.dryrun.__main__ import parse_args, run
@@ -58,9 +60,10 @@ def test_swapped_collectives_and_unmatched_sends_are_caught():
     assert check_consistency({0: [send], 1: []})[0]["received"] == "no receive"
 
 
-def test_flags_are_checked():
-    with pytest.raises(ValueError, match="outside 0..15"):
+def test_flags_are_checked(capsys):
+    with pytest.raises(SystemExit):
         _run("--ranks", "3,99")
+    assert "argument --ranks: 3,99: [99] outside 0..15" in capsys.readouterr().err
 
 
 def test_a_long_task_tiles_and_its_offloaded_inputs_leave_the_device(tmp_path):
@@ -110,3 +113,74 @@ def test_long_sequences_and_optimizer_offload_follow_their_flags(tmp_path):
     assert kept["error"] == offloaded["error"] == ""
     assert offloaded["predicted_bytes"] > kept["predicted_bytes"]  # 19.3 vs 17.0 GiB
     assert offloaded["peak_bytes"] > kept["peak_bytes"]  # measured: 18.3 vs 16.0
+
+
+# ------------------------------------------------------- issue 59: flags refused before any rank
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpus", "0"], "argument --gpus: 0: must be >= 1"),
+    (["--gpus", "-4"], "argument --gpus: -4: must be >= 1"),
+    (["--gpus", "2000000"], "argument --gpus: 2000000: more than 1,048,576 ranks, the plan "
+                            "format's cap"),
+    (["--ranks", ""], "argument --ranks: '' names no rank"),
+    (["--ranks", "0,abc"], "argument --ranks: '0,abc': all, or a comma list of ranks"),
+    (["--max-len", "0"], "argument --max-len: 0: must be >= 2"),
+    (["--global-batch-tokens", "0"], "argument --global-batch-tokens: 0: must be >= 2"),
+    (["--global-batch-tokens", "-5"], "argument --global-batch-tokens: -5: must be >= 2"),
+    (["--engine", "megatron", "--sequence-parallel"], "--sequence-parallel needs --tp > 1"),
+    (["--engine", "megatron", "--tp", "2", "--zero-stage", "3"],
+     "--zero-stage 3: the Megatron engine shards only the optimizer"),
+    (["--sequence-parallel"], "--sequence-parallel: the runtime engine's reference decoder"),
+])
+def test_a_flag_that_would_run_nothing_or_something_else_is_refused(flags, message, capsys,
+                                                                    monkeypatch):
+    """Refused while parsing, naming the flag, status 2: no rank runs (it used to print
+    "consistent: True" for 0 ranks, run the default batch for 0 tokens, drop SP silently)."""
+    import megatron_dcp.dryrun.runtime_rank as ranks
+
+    monkeypatch.setattr(ranks, "run_rank", lambda *a: pytest.fail("a rank ran"))
+    from megatron_dcp.dryrun.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(flags)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and message in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("dcp-dry-run: error: ")
+
+
+def test_json_never_destroys_an_input_or_a_file_it_did_not_write(tmp_path, capsys):
+    lengths = tmp_path / "mylen.txt"
+    lengths.write_text("100\n200\n")
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    cases = [(["--lengths", str(lengths), "--json", str(lengths)],
+              f"--json {lengths} is the input --lengths {lengths}: writing it would destroy"),
+             (["--lengths", str(lengths), "--json", str(lengths), "--overwrite"], "the input"),
+             (["--json", str(notes)], f"--json {notes} already exists and was not written by "
+                                      "dcp-dry-run: add --overwrite to replace it"),
+             (["--json", "/proc/version", "--overwrite"], "--json /proc/version: cannot be "
+                                                          "written"),
+             (["--json", str(tmp_path / "no" / "r.json")], "does not exist (create it first)")]
+    for flags, message in cases:
+        with pytest.raises(SystemExit):
+            parse_args(flags)
+        assert message in capsys.readouterr().err, flags
+    assert lengths.read_text() == "100\n200\n" and notes.read_text() == '{"mine": 1}'
+    # a report dcp-dry-run wrote is its own: replaced without --overwrite
+    mine = tmp_path / "dry.json"
+    mine.write_text(json.dumps({"written_by": "dcp-dry-run (megatron-dcp)", "ok": True},
+                               indent=1))
+    assert parse_args(["--json", str(mine)]).json == str(mine)
+    assert parse_args(["--json", str(notes), "--overwrite"]).json == str(notes)
+
+
+def test_the_report_carries_its_mark_and_is_replaced_by_the_next(tmp_path):
+    from megatron_dcp.dryrun.__main__ import main
+
+    out = tmp_path / "dry.json"
+    flags = ["--gpus", "2", "--layers", "1", "--model", "gpt-1b", "--global-batch-tokens",
+             "2048", "--max-len", "1024", "--no-create-groups", "--json", str(out)]
+    assert main(flags) == 0
+    assert json.loads(out.read_text())["written_by"] == "dcp-dry-run (megatron-dcp)"
+    assert main(flags) == 0

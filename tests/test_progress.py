@@ -93,3 +93,25 @@ def test_profile_draws_the_measurements(monkeypatch, tmp_path, capsys):
     text = tty.getvalue()
     assert "profiling [" + "#" * 30 + "] 4/4" in text and "packed tasks" in text
     assert capsys.readouterr().out.count("GEMM: ") == 2
+
+
+def test_heartbeat_names_the_stage_of_long_work_also_in_a_log():
+    """Silent for work shorter than ``after``; past it a line per stage and every ``every``
+    seconds within one (a thread: one long call is not silent)."""
+    import time
+
+    from megatron_dcp.progress import Heartbeat
+
+    quick = io.StringIO()
+    with Heartbeat("dcp-simulate", after=5.0, stream=quick) as beat:
+        beat.stage("planning with dcp")
+    assert quick.getvalue() == ""
+    log = io.StringIO()
+    with Heartbeat("dcp-simulate", after=0.0, every=0.5, stream=log) as beat:
+        beat.stage("planning with dcp (1 of 2 policies)")
+        time.sleep(1.6)  # one long call: the thread speaks
+        beat.stage("simulating the dcp plan")
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("[dcp-simulate] 0 s: planning with dcp (1 of 2 policies) ...")
+    assert sum("planning with dcp" in line for line in lines) >= 2
+    assert lines[-1].endswith("simulating the dcp plan ...")

@@ -109,6 +109,11 @@ def _same_bars(ax, plan) -> bool:
         g == pytest.approx(w, abs=2e-6) for g, w in zip(got, want))
 
 
+def _bar_count(ax) -> int:
+    """Bars of a timeline panel (one per task and rank, gathered into collections)."""
+    return sum(len(c.get_paths()) for c in ax.collections)
+
+
 def test_the_timeline_panels_draw_every_task_on_its_ranks(tool, tmp_path):
     """By default the first row with a timeline and the slowest: one bar per task and rank, at
     the task's predicted start for its duration, hatched where it recomputes."""
@@ -123,10 +128,10 @@ def test_the_timeline_panels_draw_every_task_on_its_ranks(tool, tmp_path):
         "timeline of iteration 1", f"timeline of iteration {slowest}"]
     for ax, it in zip(panels, (1, slowest)):
         plan = plans[it - 1]
-        assert len(ax.collections) == sum(t.degree for t in plan.tasks)
+        assert _bar_count(ax) == sum(t.degree for t in plan.tasks)
         assert _same_bars(ax, plan)
         assert not _same_bars(ax, plans[it % 20])  # negative control: another step's plan
-        hatched = sum(bool(c.get_hatch()) for c in ax.collections)
+        hatched = sum(len(c.get_paths()) for c in ax.collections if c.get_hatch())
         assert hatched == sum(t.degree for t in plan.tasks if t.recompute_layers)
         assert ax.get_ylim() == (7.5, -0.5)  # 8 ranks, rank 0 at the top
     assert panels[-1].get_legend() is not None
@@ -141,7 +146,7 @@ def test_timeline_flag_chooses_the_iterations(tool, tmp_path):
     panels = [ax for ax in fig.axes if ax.get_title().startswith("timeline of iteration ")]
     assert [ax.get_title().split(":")[0] for ax in panels] == [
         f"timeline of iteration {i}" for i in (4, 3, 9)]
-    assert len(panels[0].collections) == sum(t.degree for t in plans[3].tasks)
+    assert _bar_count(panels[0]) == sum(t.degree for t in plans[3].tasks)
     assert [t.get_text() for t in panels[1].texts] == ["no timeline of iteration 3 in this log"]
     assert [t.get_text() for t in panels[2].texts] == ["no row of iteration 9 in this log"]
     matplotlib.pyplot.close(fig)
@@ -181,7 +186,7 @@ def test_simulate_plot_draws_through_the_shared_function(tmp_path, monkeypatch, 
                                                                   result.durations))
         assert [(t[2], t[3], tuple(t[4])) for t in tasks] == [
             (t.degree, t.recompute_layers, t.ranks) for t in plan.tasks]
-        assert len(ax.collections) == sum(t.degree for t in plan.tasks)
+        assert _bar_count(ax) == sum(t.degree for t in plan.tasks)
 
 
 def test_rows_of_the_megatron_launcher_and_older_logs(tool, tmp_path):
@@ -261,3 +266,120 @@ def test_the_page_shows_the_figure_in_a_browser(tool, tmp_path):
     broken = tmp_path / "broken.html"
     broken.write_text(re.sub(r"base64,[^\"]+", "base64,AAAA", page.read_text()))
     assert not _shows_a_figure(_screenshot(browser, broken, tmp_path / "broken.png"))
+
+
+# ---------------------------------------------------------------- issue 59: outputs and inputs
+
+_ROW = {"iteration": 1, "loss": 1.0, "tokens": 10, "step_s": 0.5, "plan": {"mode": "dcp"},
+        "timeline": {"world_size": 2, "tasks": [[0.0, 0.1, 2, 0, 0]]}}
+
+
+def _log(path: Path, *rows: dict) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in (rows or (_ROW,))))
+    return path
+
+
+def _refused(tool, argv, capsys) -> str:
+    """The one-line error of a run refused while parsing (argparse's status 2)."""
+    with pytest.raises(SystemExit) as stop:
+        tool.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_a_log_named_html_is_not_replaced_by_its_report(tool, tmp_path, capsys):
+    log = _log(tmp_path / "run.html")
+    before = log.read_bytes()
+    line = _refused(tool, [str(log)], capsys)
+    assert "the report would be written over the log itself" in line and "--out" in line
+    assert log.read_bytes() == before and not (tmp_path / "run.png").exists()
+    # an explicit --out naming the log is refused the same way, also with --overwrite
+    line = _refused(tool, [str(log), "--out", str(tmp_path / "run"), "--overwrite"], capsys)
+    assert f"is the input log {log}" in line and log.read_bytes() == before
+
+
+def test_out_never_replaces_a_file_it_did_not_write(tool, tmp_path, capsys):
+    log = _log(tmp_path / "run.jsonl")
+    notes = tmp_path / "notes.html"
+    notes.write_text("my notes")
+    line = _refused(tool, [str(log), "--out", str(tmp_path / "notes")], capsys)
+    assert line.endswith(f"--out {notes} already exists and was not written by dcp-report: add "
+                         "--overwrite to replace it, or give another path")
+    assert notes.read_text() == "my notes" and not (tmp_path / "notes.png").exists()
+    assert tool.main([str(log), "--out", str(tmp_path / "notes"), "--overwrite",
+                      "--dpi", "20"]) == 0
+    assert 'content="dcp-report (megatron-dcp)"' in notes.read_text()
+    # its own outputs: a second report replaces them without --overwrite
+    assert tool.main([str(log), "--out", str(tmp_path / "notes"), "--dpi", "20"]) == 0
+
+
+def test_out_takes_a_stem_or_a_file_with_its_suffix(tool, tmp_path, capsys):
+    log = _log(tmp_path / "run.jsonl")
+    assert tool.main([str(log), "--out", str(tmp_path / "x.png"), "--dpi", "20"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.jsonl", "x.html", "x.png"]
+    assert tool.main([str(log), "--out", str(tmp_path / "y.html"), "--dpi", "20"]) == 0
+    assert (tmp_path / "y.png").exists() and (tmp_path / "y.html").exists()
+    line = _refused(tool, [str(log), "--out", str(tmp_path / "d") + "/"], capsys)
+    assert "--out" in line and "is a folder or empty: give a stem such as" in line
+    assert not (tmp_path / "d").exists()
+
+
+def test_dpi_is_bounded(tool, tmp_path, capsys):
+    log = _log(tmp_path / "run.jsonl")
+    for dpi in ("0", "-3", "100000"):
+        assert "argument --dpi" in _refused(tool, [str(log), "--dpi", dpi], capsys)
+
+
+def _task(**change):
+    return {**_ROW, "timeline": {**_ROW["timeline"], **change}}
+
+
+@pytest.mark.parametrize("line, message", [
+    (json.dumps({**_ROW, "step_s": "fast"}), 'step_s "fast" is not a number'),
+    (json.dumps(_task(tasks=[[0, 0.1, 2, 0]])), "timeline task 0: [0, 0.1, 2, 0] is not"),
+    (json.dumps(_task(tasks=[[0, 0.1, 10**9, 0, 0]])),
+     "timeline task 0: degree 1000000000 is not a whole number from 1 to the world's 2 ranks"),
+    (json.dumps(_task(tasks=[[0, 0.1, 200000, 0, list(range(200000))]])),
+     "timeline task 0: degree 200000"),
+    (json.dumps(_task(tasks=[[0, 0.1, 2, 0, [0, 7]]])), "are not 2 distinct ranks"),
+    (json.dumps(_task(tasks=[[0, 0.1, 2, 0, 1]])), "ranks 1..2 lie outside"),
+    (json.dumps(_task(world_size=10**9)), "timeline world_size 1000000000"),
+    (json.dumps({**_ROW, "plan": {"mode": "dcp", "degrees": {"2": "x"}}}),
+     'plan degrees 2: "x" is not a count'),
+    (json.dumps({**_ROW, "plan": {"mode": "dcp", "micro_steps_per_rank": 5}}),
+     "plan micro_steps_per_rank is a int, not a list"),
+    ("[" * 100000 + "]" * 100000, "JSON nested too deeply"),
+])
+def test_a_malformed_row_is_refused_naming_its_line(tool, tmp_path, capsys, line, message):
+    log = tmp_path / "run.jsonl"
+    log.write_text(json.dumps(_ROW) + "\n" + line + "\n")
+    assert tool.main([str(log)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {log}:2: ") and message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "run.png").exists()
+
+
+def test_a_line_that_is_not_utf8_is_named(tool, tmp_path, capsys):
+    log = tmp_path / "run.jsonl"
+    log.write_bytes(json.dumps(_ROW).encode() + b'\n{"iteration": 2, "x": "\xe9"}\n')
+    assert tool.main([str(log)]) == 2
+    assert capsys.readouterr().err == (f"error: {log}:2: not UTF-8 text (byte 0xe9 at column "
+                                       "24); a log written by --log-json is UTF-8\n")
+
+
+def test_a_timeline_too_large_to_draw_says_so_at_once(tool, tmp_path):
+    """A valid timeline of 1,048,576 ranks (a crafted or a real one): counted before any rank
+    is spelled out, and the panel says it holds more bars than it draws."""
+    import time
+
+    world = 1 << 20
+    row = _task(world_size=world, tasks=[[0.0, 0.1, world, 0, 0]] * 3)
+    t0 = time.perf_counter()
+    fig = tool.draw(tool.read_log(str(_log(tmp_path / "big.jsonl", row))))
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("timeline of iteration 1"))
+    assert [t.get_text() for t in panel.texts] == [
+        "3,145,728 bars (tasks x ranks): more than the 50,000 a panel draws"]
+    assert not panel.collections and time.perf_counter() - t0 < 30
+    matplotlib.pyplot.close(fig)

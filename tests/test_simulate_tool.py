@@ -164,3 +164,83 @@ def test_idx_with_a_batch_budget_plans_a_batch_not_the_dataset(tmp_path):
     assert out["sequences"] == 6  # samples [100, 2000, 1996 | 4096 | 4096 | 4096], + 1 each
     refused = run_tool("--gpus", "4", "--idx", idx, "--global-batch-tokens", "99999999")
     assert refused.returncode == 2 and "more than the dataset holds" in refused.stderr
+
+
+# ---------------------------------------------------------------- issue 59: outputs, sizes, replay
+
+
+def _refused_at_parse(simulate, argv, capsys) -> str:
+    with pytest.raises(SystemExit) as stop:
+        simulate.parse_args(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_outputs_never_destroy_an_input_or_a_file_they_did_not_write(tools_on_path, tmp_path,
+                                                                     capsys):
+    import simulate
+
+    lengths = tmp_path / "mylen.txt"
+    lengths.write_text("100\n200\n")
+    notes = tmp_path / "notes.png"
+    notes.write_bytes(b"my picture")
+    cases = [(["--lengths", str(lengths), "--save-plan", str(lengths)],
+              f"--save-plan {lengths} is the input --lengths {lengths}: writing it would "
+              "destroy that input"),
+             (["--replay", str(lengths), "--plot", str(lengths), "--overwrite"], "the input"),
+             (["--lengths", str(lengths), "--plot", str(notes)],
+              f"--plot {notes} already exists and was not written by dcp-simulate: add "
+              "--overwrite to replace it, or give another path"),
+             (["--save-plan", str(notes)], "was not written by dcp-simulate"),
+             (["--plot", str(tmp_path / "a.png"), "--save-plan", str(tmp_path / "a.png")],
+              "--plot and --save-plan are the same file"),
+             (["--save-plan", "/proc/version", "--overwrite"], "cannot be written")]
+    for argv, message in cases:
+        assert message in _refused_at_parse(simulate, argv, capsys), argv
+    assert lengths.read_text() == "100\n200\n" and notes.read_bytes() == b"my picture"
+    assert simulate.parse_args(["--plot", str(notes), "--overwrite"]).overwrite
+
+
+def test_its_own_plot_and_plan_are_replaced_by_the_next_run(tmp_path):
+    png, plan = tmp_path / "t.png", tmp_path / "p.json"
+    flags = ["--gpus", "4", "--dist", "short", "--global-batch-tokens", "40000", "--policy",
+             "dcp", "--plot", str(png), "--save-plan", str(plan)]
+    for _ in range(2):
+        proc = run_tool(*flags)
+        assert proc.returncode == 0, proc.stderr
+    assert b"dcp-simulate (megatron-dcp)" in png.read_bytes()[:4096]
+    assert json.loads(plan.read_text())["meta"]["written_by"] == "dcp-simulate (megatron-dcp)"
+
+
+@pytest.mark.parametrize("gpus, message", [
+    ("1000000000", "argument --gpus: 1000000000: more than 1,048,576 ranks, the plan format's "
+                   "cap"),
+    ("2000000", "more than 1,048,576 ranks"),
+    ("0", "argument --gpus: 0: must be >= 1"),
+])
+def test_a_world_above_the_plan_formats_cap_is_refused_at_parse(tools_on_path, capsys, gpus,
+                                                                message):
+    import simulate
+
+    assert message in _refused_at_parse(simulate, ["--gpus", gpus], capsys)
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"iteration": 1, "step_s": 0, "predicted_s": 0.5},
+     "step_s 0 is not a positive number of seconds"),
+    ({"iteration": 1, "step_s": "fast", "predicted_s": 0.5}, 'step_s "fast" is not'),
+    ({"iteration": 1, "step_s": 1.0, "predicted_s": "x"}, 'predicted_s "x" is not'),
+    ({"iteration": 1, "step_s": 1.0, "predicted_s": 0.5, "calibration_error": "c"},
+     'calibration_error "c" is not a number'),
+])
+def test_replay_rows_of_the_wrong_type_name_their_line(tools_on_path, tmp_path, capsys, row,
+                                                       message):
+    import simulate
+
+    log = tmp_path / "run.jsonl"
+    log.write_text('{"iteration": 1, "step_s": 1.0, "predicted_s": 0.9}\n' + json.dumps(row)
+                   + "\n")
+    assert simulate.main(["--replay", str(log)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {log}:2: ") and message in err and err.count("\n") == 1

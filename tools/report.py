@@ -15,8 +15,11 @@ older log, a run without ``--dcp``) says so instead of a curve.
     dcp-report run.jsonl --out report/run      # report/run.png, report/run.html
     dcp-report run.jsonl --timeline 1,500      # the timelines of iterations 1 and 500
 
-Needs matplotlib (``pip install 'megatron-dcp[plot]'``). Exit status 0, or 2 with a one-line
-error naming the file and line of a row that is not a DCP log row.
+An existing output is replaced only when dcp-report wrote it (or with ``--overwrite``); an
+output that would be the log itself (a log named ``run.html``) is refused, before the log is
+read. Needs matplotlib (``pip install 'megatron-dcp[plot]'``). Exit status 0, or 2 with a
+one-line error naming the file and line of a row that is not a DCP log row (wrong types, a
+timeline task outside its world), or the flag of a bad argument.
 """
 
 from __future__ import annotations
@@ -35,13 +38,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python tools/report.py` in a checkout
     sys.path.insert(0, str(ROOT))
 
+from megatron_dcp.outputs import (OVERWRITE_HELP, mark, output_problem,  # noqa: E402
+                                  same_file)
 from megatron_dcp.runtime.figures import row_figures  # noqa: E402
-from megatron_dcp.runtime.report import timeline_tasks  # noqa: E402
+from megatron_dcp.runtime.report import log_rows, timeline_bars, timeline_tasks  # noqa: E402
 
 if __package__:  # tools.report, megatron_dcp_tools.report
-    from .timeline_plot import degree_colours, draw_timeline, legend_handles  # noqa: E402
+    from .timeline_plot import (MAX_BARS, crowded_note,  # noqa: E402
+                                degree_colours, draw_timeline, legend_handles)
 else:  # python tools/report.py (tools/ is first on sys.path)
-    from timeline_plot import degree_colours, draw_timeline, legend_handles  # noqa: E402
+    from timeline_plot import (MAX_BARS, crowded_note,  # noqa: E402
+                               degree_colours, draw_timeline, legend_handles)
 
 PANELS = ("loss", "tokens/s and MFU", "step time: predicted vs measured",
           "degree mix", "recompute and micro-steps", "idle share and plan efficiency",
@@ -52,31 +59,67 @@ iteration, titled ``timeline of iteration N ...``)."""
 EXTRA_HINT = "pip install 'megatron-dcp[plot]' (or: pip install matplotlib)"
 
 
+TOOL = "dcp-report"
+
+MAX_DPI = 600
+"""The largest ``--dpi``: the figure is 13 x 13 inches, 7800 pixels a side at this one."""
+
+
 class LogError(ValueError):
     """A file that is not a DCP JSON log: the message names the file and line."""
 
 
+class OutputError(ValueError):
+    """An output path that may not be written (`output_paths`): the message names it."""
+
+
 def read_log(path: str) -> list[dict[str, Any]]:
     """The rows of a DCP JSON log, each checked: a JSON object with an ``iteration`` and the
-    ``plan`` summary every DCP row carries (``{"mode": ...}``)."""
+    ``plan`` summary every DCP row carries (``{"mode": ...}``), the figures the report reads of
+    the right types, and a ``timeline`` whose tasks lie inside its world (`timeline_bars`);
+    otherwise `LogError` naming the file and line, before anything is drawn."""
     rows = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as err:
-                raise LogError(f"{path}:{number}: not JSON ({err})") from None
+    try:
+        for number, row in log_rows(path):
             plan = row.get("plan") if isinstance(row, dict) else None
             if not (isinstance(row, dict) and isinstance(row.get("iteration"), int)
                     and isinstance(plan, dict) and "mode" in plan):
                 raise LogError(f"{path}:{number}: not a DCP JSON log row (one written by "
                                "--log-json or --dcp-log-json has 'iteration' and 'plan')")
+            _check_row(row, f"{path}:{number}")
             rows.append(row)
+    except LogError:
+        raise
+    except ValueError as err:  # log_rows: the line is named
+        raise LogError(str(err)) from None
     if not rows:
         raise LogError(f"{path}: no rows")
     return rows
+
+
+def _check_row(row: dict[str, Any], where: str) -> None:
+    """`LogError` at ``where`` (``file:line``) for a row whose figures are of the wrong type (a
+    step time ``"fast"``, degrees that are not counts) or whose timeline is malformed."""
+    for key in ("step_s", "predicted_s", "loss", "tokens", "tokens_per_s"):
+        value = row.get(key)
+        if value is not None and not (isinstance(value, (int, float))
+                                      and not isinstance(value, bool)):
+            raise LogError(f"{where}: {key} {json.dumps(value)[:40]} is not a number")
+    plan = row["plan"]
+    for key, kind in (("degrees", dict), ("micro_steps_per_rank", list),
+                      ("recompute_layers", list)):
+        if plan.get(key) is not None and not isinstance(plan[key], kind):
+            raise LogError(f"{where}: plan {key} is a {type(plan[key]).__name__}, not a "
+                           f"{kind.__name__}")
+    for degree, count in (plan.get("degrees") or {}).items():
+        if not isinstance(count, (int, float)) or isinstance(count, bool):
+            raise LogError(f"{where}: plan degrees {degree}: {json.dumps(count)[:40]} is not a "
+                           "count")
+    if row.get("timeline") is not None:
+        try:
+            timeline_bars(row["timeline"])
+        except ValueError as err:
+            raise LogError(f"{where}: {err}") from None
 
 
 def _series(iterations: list[int], figures: list[dict[str, float]],
@@ -147,14 +190,22 @@ def _timelines(fig, cell, rows: Sequence[dict[str, Any]], chosen: Sequence[int])
         axes[0].set_title(PANELS[-1])
         _missing(axes[0], "timeline (rows carry one every --log-timeline-interval iterations)")
         return
-    drawn = {}
+    drawn, crowded = {}, {}
     for it in chosen:
         row = by_iteration.get(it)
         if row is not None and isinstance(row.get("timeline"), dict):
-            drawn[it] = (row, timeline_tasks(row["timeline"]))
+            bars = timeline_bars(row["timeline"])  # counted before a rank is spelled out
+            if bars > MAX_BARS:
+                crowded[it] = bars
+            else:
+                drawn[it] = (row, timeline_tasks(row["timeline"]))
     colours = degree_colours(t[2] for _, tasks in drawn.values() for t in tasks)
     end = max([s + d for _, tasks in drawn.values() for s, d, *_ in tasks] + [1e-9])
     for ax, it in zip(axes, chosen):
+        if it in crowded:
+            ax.set_title(f"{PANELS[-1]} of iteration {it}")
+            crowded_note(ax, crowded[it])
+            continue
         if it not in drawn:
             ax.set_title(f"{PANELS[-1]} of iteration {it}")
             what = "row" if it not in by_iteration else "timeline"
@@ -244,30 +295,78 @@ def write_html(path: str, png_path: str, title: str, summary: dict[str, str]) ->
                     for k, v in summary.items())
     Path(path).write_text(
         "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
+        f"<meta name=\"generator\" content=\"{mark(TOOL)}\">"
         f"<title>{html.escape(title)}</title></head>\n<body style=\"margin:0;background:#fff\">\n"
         f"<img id=\"report\" alt=\"{html.escape(title)}\" style=\"display:block;width:100%\" "
         f"src=\"data:image/png;base64,{data}\">\n"
         f"<table style=\"font-family:sans-serif;margin:1em\">{cells}</table>\n</body></html>\n")
 
 
+def output_paths(log: str, out: Optional[str] = None) -> tuple[str, str]:
+    """(PNG, page) of ``--out``: a stem (``report/run``), or a file ending in .png or .html
+    whose stem it is (``x.png`` writes x.png and x.html, not x.png.png); default: the log's
+    path without its extension. `OutputError` for a folder (``DIR/``)."""
+    if out is not None:
+        if not out or out.endswith(os.sep) or os.path.isdir(out):
+            raise OutputError(f"--out {out!r} is a folder or empty: give a stem such as "
+                              f"{os.path.join(out or 'DIR', 'run')} (writes run.png and "
+                              "run.html there)")
+        stem, suffix = os.path.splitext(out)
+        prefix = stem if suffix.lower() in (".png", ".html") else out
+    else:
+        prefix = os.path.splitext(log)[0]
+    return prefix + ".png", prefix + ".html"
+
+
+def check_outputs(log: str, out: Optional[str] = None, overwrite: bool = False
+                  ) -> tuple[str, str]:
+    """`output_paths`, each checked before the log is read (`output_problem`): neither may be
+    the log itself (a log named ``run.html``), an existing file that dcp-report did not write
+    is refused unless ``overwrite``; `OutputError` naming the path and the flag."""
+    png, page = output_paths(log, out)
+    for path in (png, page):
+        if out is None and os.path.exists(log) and same_file(path, log):
+            raise OutputError(f"{log}: the report would be written over the log itself (--out "
+                              "defaults to the log's path without its extension); give --out "
+                              f"a stem, such as {os.path.splitext(log)[0]}-report")
+        problem = output_problem(path, flag="--out", tool=TOOL, inputs=[("log", log)],
+                                 overwrite=overwrite, make_folder=True)
+        if problem:
+            raise OutputError(problem)
+    return png, page
+
+
 def report(log: str, out: Optional[str] = None, dpi: int = 80,
-           timeline: Optional[Sequence[int]] = None) -> tuple[str, str]:
-    """Write ``OUT.png`` and ``OUT.html`` of the log (``OUT``: the log's path without its
-    extension), with the timelines of the ``timeline`` iterations (default:
-    `default_timeline`); returns both paths."""
+           timeline: Optional[Sequence[int]] = None, overwrite: bool = False
+           ) -> tuple[str, str]:
+    """Write ``OUT.png`` and ``OUT.html`` of the log (`output_paths`, checked by
+    `check_outputs` first), with the timelines of the ``timeline`` iterations (default:
+    `default_timeline`); returns both paths. Both carry dcp-report's `mark` (the PNG's
+    ``Software`` text, the page's ``generator``), so a later report may replace them."""
+    png, page = check_outputs(log, out, overwrite)
     rows = read_log(log)
-    prefix = out or os.path.splitext(log)[0]
-    if os.path.dirname(prefix):
-        os.makedirs(os.path.dirname(prefix), exist_ok=True)
-    png, page = prefix + ".png", prefix + ".html"
+    if os.path.dirname(png):
+        os.makedirs(os.path.dirname(png), exist_ok=True)
     title = f"{os.path.basename(log)}: {len(rows)} iterations"
     fig = draw(rows, title, timeline)
-    fig.savefig(png, dpi=dpi)
+    fig.savefig(png, dpi=dpi, metadata={"Software": mark(TOOL)})
     import matplotlib.pyplot as plt
 
     plt.close(fig)
     write_html(page, png, title, totals(rows))
     return png, page
+
+
+def dpi_flag(text: str) -> int:
+    """``--dpi``: a whole number from 1 to `MAX_DPI`."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_DPI:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of dots per inch from 1 "
+                                         f"to {MAX_DPI} (the figure is 13 inches wide)")
+    return value
 
 
 def iterations(text: str) -> list[int]:
@@ -286,21 +385,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="dcp-report", description=__doc__.split("\n\n")[0])
     p.add_argument("log", help="a --log-json or --dcp-log-json file (one JSON row per iteration)")
     p.add_argument("--out", default=None,
-                   help="path of the outputs without extension (default: the log's)")
-    p.add_argument("--dpi", type=int, default=80, help="resolution of the PNG")
+                   help="where to write: a stem (report/run: report/run.png and "
+                        "report/run.html) or a file ending in .png or .html (its stem); "
+                        "default: the log's path without its extension. Neither may be the "
+                        "log itself")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    p.add_argument("--dpi", type=dpi_flag, default=80,
+                   help=f"resolution of the PNG (1 to {MAX_DPI}, default 80)")
     p.add_argument("--timeline", type=iterations, default=None, metavar="ITER[,ITER]",
                    help="the iterations whose timeline the last row draws (their rows carry "
                         "one: the first and every --log-timeline-interval); default: the "
                         "first row with a timeline and the slowest of them")
     args = p.parse_args(argv)
     try:
+        check_outputs(args.log, args.out, args.overwrite)
+    except OutputError as err:
+        p.error(str(err))
+    try:
         import matplotlib  # noqa: F401
     except ImportError:
         print(f"error: dcp-report needs matplotlib: {EXTRA_HINT}", file=sys.stderr)
         return 2
     try:
-        png, page = report(args.log, args.out, args.dpi, args.timeline)
-    except (LogError, OSError) as err:
+        png, page = report(args.log, args.out, args.dpi, args.timeline, args.overwrite)
+    except (LogError, OutputError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {png}\nwrote {page}")

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -50,7 +51,10 @@ from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_dcp.config import POLICIES, DCPConfig, DCPConfigError  # noqa: E402
+from megatron_dcp.config import (POLICIES, DCPConfig, DCPConfigError,  # noqa: E402
+                                 world_size_flag)
+from megatron_dcp.outputs import (OVERWRITE_HELP, mark, output_problem,  # noqa: E402
+                                  same_file)
 from megatron_dcp.plan import (PlanError, build_cost_model, load_model, lower_bound,  # noqa: E402
                                make_plan, simulate, validate_plan)
 from megatron_dcp.plan.hardware import HardwareError  # noqa: E402
@@ -58,7 +62,8 @@ from megatron_dcp.plan.pipeline import Pipeline  # noqa: E402
 from megatron_dcp.plan.plan import Plan  # noqa: E402
 from megatron_dcp.plan.presets import ModelPresetError  # noqa: E402
 from megatron_dcp.plan.vocabulary import Vocabulary  # noqa: E402
-from megatron_dcp.progress import Progress  # noqa: E402
+from megatron_dcp.progress import Heartbeat, Progress  # noqa: E402
+from megatron_dcp.runtime.report import log_rows  # noqa: E402
 from megatron_dcp.plan.workload import (DEFAULT_MAX_LEN, DISTRIBUTIONS,  # noqa: E402
                                         VIDEO_MIXES, WorkloadError, dataset_batch,
                                         read_lengths_file,
@@ -66,19 +71,24 @@ from megatron_dcp.plan.workload import (DEFAULT_MAX_LEN, DISTRIBUTIONS,  # noqa:
                                         video_workload)
 
 if __package__:  # tools.simulate, megatron_dcp_tools.simulate
-    from .timeline_plot import degree_colours, draw_timeline, legend_handles  # noqa: E402
+    from .timeline_plot import (MAX_BARS, crowded_note,  # noqa: E402
+                                degree_colours, draw_timeline, legend_handles)
 else:  # python tools/simulate.py (tools/ is first on sys.path)
-    from timeline_plot import degree_colours, draw_timeline, legend_handles  # noqa: E402
+    from timeline_plot import (MAX_BARS, crowded_note,  # noqa: E402
+                               degree_colours, draw_timeline, legend_handles)
+
+TOOL = "dcp-simulate"
 
 ORDER = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "greedy-cp")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="dcp-simulate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=None, help="DCP world size (default 32, or the "
-                                                          "--plan's)")
+    p.add_argument("--gpus", type=world_size_flag, default=None,
+                   help="DCP world size (default 32, or the --plan's; at most 1,048,576, the "
+                        "plan format's cap)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: "
                                                                    "hardware's)")
     p.add_argument("--model", default="llama-7b", help="model preset or ModelShape JSON (default "
@@ -155,7 +165,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", help="PNG: DCP plan timeline beside the bucket plan (needs "
                                   "matplotlib)")
     p.add_argument("--save-plan", help="write the DCP plan (else the first policy's) as JSON")
-    return p.parse_args(argv)
+    p.add_argument("--overwrite", action="store_true",
+                   help=OVERWRITE_HELP + "; --plot and --save-plan are never an input file")
+    args = p.parse_args(argv)
+    problem = output_problems(args)
+    if problem:
+        p.error(problem)
+    return args
+
+
+def output_problems(args: argparse.Namespace) -> str:
+    """Why ``--plot`` or ``--save-plan`` may not be written, checked before any planning
+    (`output_problem`: not an input, not a file dcp-simulate did not write without
+    ``--overwrite``, writable), or ``""``."""
+    inputs = [(f"--{name.replace('_', '-')}", getattr(args, name)) for name in
+              ("lengths", "idx", "plan", "replay", "video_shapes")]
+    inputs += [(f"--{name}", getattr(args, name)) for name in ("model", "hardware")
+               if os.path.isfile(getattr(args, name))]
+    if args.plot and args.save_plan and same_file(args.plot, args.save_plan):
+        return f"--plot and --save-plan are the same file {args.plot}: give each its own"
+    for flag, path in (("--plot", args.plot), ("--save-plan", args.save_plan)):
+        if path is not None:
+            problem = output_problem(path, flag=flag, tool=TOOL, inputs=inputs,
+                                     overwrite=args.overwrite)
+            if problem:
+                return problem
+    return ""
 
 
 def baseline_degree(text: str) -> "str | int":
@@ -235,8 +270,10 @@ def policies_of(text: str) -> list[str]:
     return names
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Plan with every policy, simulate each plan; the ``--json`` object."""
+def run(args: argparse.Namespace, beat: Optional[Heartbeat] = None) -> dict:
+    """Plan with every policy, simulate each plan; the ``--json`` object. ``beat``: told each
+    stage, so that work of minutes (a world of 100,000 ranks) says what it is doing."""
+    beat = beat or Heartbeat("dcp-simulate", after=float("inf"))
     external = None
     if args.plan:
         try:
@@ -278,11 +315,14 @@ def run(args: argparse.Namespace) -> dict:
         lengths = list(external.lengths)
         frames = list(external.frame_tokens) if external.frame_tokens is not None else None
     else:
+        beat.stage(f"sampling the global batch of {world:,} ranks")
         lengths, frames = load_workload(args, world)
     if frames is not None and not model.frame_tokens:
         raise PlanError(f"videos need a video model (--model video-dit or a ModelShape with "
                         f"frame_tokens); {model.name} is a text model")
     names = policies_of(args.policy)
+    beat.stage(f"the cost model and group vocabulary of {world:,} ranks ({sum(lengths):,} "
+               f"tokens in {len(lengths):,} sequences)")
     base = DCPConfig(hardware=args.hardware, ranks_per_node=args.gpus_per_node,
                      memory_budget_gb=args.memory_budget_gb,
                      recompute=args.recompute,
@@ -293,8 +333,9 @@ def run(args: argparse.Namespace) -> dict:
                           offload_param=args.offload_param, long_sequences=args.long_sequences)
     plans: dict[str, Plan] = {}
     with Progress("planning", total=len(names)) as bar:
-        for name in names:
+        for k, name in enumerate(names, 1):
             bar.update(0, label=name)
+            beat.stage(f"planning with {name} ({k} of {len(names)} policies)")
             t0 = time.perf_counter()
             plans[name] = make_plan(lengths, world_size=world, model=model,
                                     config=base.replace(policy=name),
@@ -306,6 +347,7 @@ def run(args: argparse.Namespace) -> dict:
         validate_plan(external, model, cost_model=cm, check_times=False)
         plans["plan:" + os.path.basename(args.plan)] = external
     first = next(iter(plans.values()))
+    beat.stage("the lower bound")
     vocab = Vocabulary.for_cost_model(cm, args.max_degree)  # the planner's own
     ran_seqs = [s for t in first.tasks for s in t.seqs]
     ran = [first.lengths[s] for s in ran_seqs]
@@ -317,6 +359,7 @@ def run(args: argparse.Namespace) -> dict:
                        recompute_mode=args.recompute, moldable=True, frame_tokens=ran_frames)
     results = {}
     for name, plan in plans.items():
+        beat.stage(f"simulating the {name} plan")
         results[name] = simulate(plan, cm, bound=bound, moldable_bound=mold, pipeline=pipe)
     ref = results.get("bucket")
     sync = cm.time_model.sync_time()
@@ -355,9 +398,11 @@ def run(args: argparse.Namespace) -> dict:
                 peak_memory_gib=r.peak_memory_gib)
     if args.save_plan:
         chosen = plans.get("dcp") or first
-        with open(args.save_plan, "w") as handle:
-            handle.write(chosen.to_json(indent=1))
+        saved = dict(chosen.to_dict(), meta={**chosen.meta, "written_by": mark(TOOL)})
+        with open(args.save_plan, "w") as handle:  # the mark: a later --save-plan may replace it
+            handle.write(json.dumps(saved, indent=1))
     if args.plot:
+        beat.stage(f"drawing --plot {args.plot}")
         shown = [(n, plans[n], results[n]) for n in ("dcp", "bucket") if n in plans] or \
             [(n, p, results[n]) for n, p in list(plans.items())[:2]]
         plot_plans(shown, args.plot, cm)
@@ -384,14 +429,20 @@ def plot_plans(shown: list, path: str, cm) -> None:
     fig, axes = plt.subplots(1, len(shown), figsize=(7 * len(shown), 1.5 + min(world, 128) * 0.12),
                              sharey=True, squeeze=False)
     for ax, (name, plan, result) in zip(axes[0], shown):
-        draw_timeline(ax, simulated_tasks(plan, result), colours, world)
+        bars = sum(t.degree for t in plan.tasks)
+        if bars > MAX_BARS:  # a world of 100,000 ranks: minutes of drawing, unreadable
+            crowded_note(ax, bars)
+        else:
+            draw_timeline(ax, simulated_tasks(plan, result), colours, world)
         ax.set_title(f"{name}: step {result.step_time_s:.2f} s, efficiency {result.efficiency:.2f}")
         ax.set_xlim(0, max(r.makespan_s for _, _, r in shown) * 1.02)
     for ax in axes[0][1:]:
         ax.set_ylabel("")
     fig.legend(handles=legend_handles(colours), loc="upper right", fontsize="small")
     fig.tight_layout(rect=(0, 0, 0.93, 1))
-    fig.savefig(path, dpi=110)
+    marked = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}.get(
+        os.path.splitext(path)[1].lower())  # where the format holds a text: a later --plot may
+    fig.savefig(path, dpi=110, metadata={marked: mark(TOOL)} if marked else None)  # replace it
     plt.close(fig)
 
 
@@ -448,25 +499,40 @@ def print_table(out: dict) -> None:
 
 
 def replay(path: str) -> dict:
-    """Predicted vs measured step time of every iteration of a ``--log-json`` file."""
+    """Predicted vs measured step time of every iteration of a ``--log-json`` file; a row whose
+    times are not positive numbers (``step_s: 0``, a string) is a `WorkloadError` naming
+    ``path:line``, as is a line that is not UTF-8 or JSON."""
     rows = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
+    try:
+        for number, row in log_rows(path):
+            if not isinstance(row, dict) or "step_s" not in row:
+                raise WorkloadError(f"{path}:{number}: not a --log-json row (no step_s)")
+            predicted = row.get("predicted_s")
+            if predicted is None or predicted == 0:  # a row without a plan's prediction
                 continue
-            try:
-                row = json.loads(line)
-                step, predicted = float(row["step_s"]), row.get("predicted_s")
-            except (ValueError, KeyError, TypeError) as err:
-                raise WorkloadError(f"{path}:{number}: not a --log-json row ({err})") from None
-            if predicted:
-                rows.append({"iteration": row.get("iteration", number), "step_s": step,
-                             "predicted_s": float(predicted),
-                             "error": float(predicted) / step - 1.0,
-                             "calibration_error": row.get("calibration_error")})
+            for key in ("step_s", "predicted_s"):
+                value = row[key]
+                if not (_number(value) and math.isfinite(value) and value > 0):
+                    raise WorkloadError(f"{path}:{number}: {key} {json.dumps(value)[:40]} is "
+                                        "not a positive number of seconds")
+            calibration = row.get("calibration_error")
+            if calibration is not None and not _number(calibration):
+                raise WorkloadError(f"{path}:{number}: calibration_error "
+                                    f"{json.dumps(calibration)[:40]} is not a number")
+            iteration = row.get("iteration", number)
+            rows.append({"iteration": iteration if isinstance(iteration, int) else number,
+                         "step_s": float(row["step_s"]), "predicted_s": float(predicted),
+                         "error": float(predicted) / row["step_s"] - 1.0,
+                         "calibration_error": calibration})
+    except ValueError as err:
+        raise err if isinstance(err, WorkloadError) else WorkloadError(str(err)) from None
     if not rows:
         raise WorkloadError(f"{path}: no row has predicted_s (a run with --dcp writes it)")
     return {"replay": path, "iterations": rows}
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def print_replay(out: dict) -> None:
@@ -492,7 +558,8 @@ def main(argv=None) -> int:
         print(json.dumps(out, indent=1)) if args.json else print_replay(out)
         return 0
     try:
-        out = run(args)
+        with Heartbeat(TOOL) as beat:
+            out = run(args, beat)
     except (PlanError, WorkloadError, HardwareError, ModelPresetError, DCPConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -16,41 +16,54 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any, Optional
 
-from megatron_dcp.config import DCPConfig, output_file
-from megatron_dcp.progress import Progress
+from megatron_dcp.config import DCPConfig, float_flag, int_flag, world_size_flag
+from megatron_dcp.outputs import OVERWRITE_HELP, mark, output_problem
+from megatron_dcp.plan.plan import MAX_WORLD_SIZE
+from megatron_dcp.progress import Heartbeat, Progress
+
+TOOL = "dcp-dry-run"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The flags, each checked here, before any rank runs (`check_args`): a bad value is a
+    one-line ``dcp-dry-run: error: argument --FLAG: ...`` with status 2, never a report of zero
+    ranks that says "consistent: True"."""
     p = argparse.ArgumentParser(prog="dcp-dry-run", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=16, help="DCP world size (default 16)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: "
-                   "the hardware preset's)")
+    p.add_argument("--gpus", type=world_size_flag, default=16,
+                   help=f"DCP world size (default 16; at most {MAX_WORLD_SIZE:,}, the plan "
+                        "format's cap)")
+    p.add_argument("--gpus-per-node", type=int_flag(1), default=None, help="ranks per node "
+                   "(default: the hardware preset's)")
     p.add_argument("--model", default="llama-7b", help="model preset or ModelShape JSON")
-    p.add_argument("--layers", type=int, default=2, help="layers to run (default 2: a layer's "
-                   "collectives repeat; the planner plans the model given with this many)")
+    p.add_argument("--layers", type=int_flag(1), default=2, help="layers to run (default 2: a "
+                   "layer's collectives repeat; the planner plans the model given with this many)")
     p.add_argument("--hardware", default="h200", help="hardware preset or profile JSON")
     p.add_argument("--engine", default="runtime", choices=("runtime", "megatron"),
                    help="runtime: DCP's step driver with the reference decoder; megatron: a "
                         "megatron-core GPTModel in Megatron's DDP through DCPForwardBackward "
                         "(DeepSpeed: not yet, see docs/DRYRUN.md)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--engine megatron)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (--engine megatron)")
-    p.add_argument("--vpp", type=int, default=1,
+    p.add_argument("--tp", type=int_flag(1), default=1,
+                   help="tensor-parallel size (--engine megatron)")
+    p.add_argument("--pp", type=int_flag(1), default=1,
+                   help="pipeline stages (--engine megatron)")
+    p.add_argument("--vpp", type=int_flag(1), default=1,
                    help="virtual pipeline stages per pipeline rank (--engine megatron, --pp > 1: "
                         "Megatron's interleaved schedule)")
-    p.add_argument("--ep", type=int, default=None,
+    p.add_argument("--ep", type=int_flag(1), default=None,
                    help="expert-parallel size of a MoE model (--engine megatron; default: the "
                         "model's, 1 for the presets)")
-    p.add_argument("--expert-tp", type=int, default=None,
+    p.add_argument("--expert-tp", type=int_flag(1), default=None,
                    help="expert tensor-parallel size (default --tp; 1: experts whole)")
     p.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron's sequence parallelism (with --tp > 1)")
+                   help="Megatron's sequence parallelism (--engine megatron with --tp > 1)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
-                   help="optimizer sharding (megatron: 1 = the distributed optimizer)")
+                   help="optimizer sharding (runtime: 0-3; megatron: 0, or 1 = the distributed "
+                        "optimizer, Megatron's only sharding)")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="optimizer states in host memory (DeepSpeed's offload_optimizer, "
                         "Megatron's --optimizer-cpu-offload)")
@@ -60,17 +73,85 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     src.add_argument("--lengths", help="file: one token count per line, or a Megatron .idx")
     src.add_argument("--corpus", action="store_true",
                      help="the embedded corpus's documents (default)")
-    p.add_argument("--global-batch-tokens", type=int, default=None,
+    p.add_argument("--global-batch-tokens", type=int_flag(2), default=None,
                    help="tokens of the batch (default: 8192 per rank)")
-    p.add_argument("--max-len", type=int, default=32768, help="longest sequence")
+    p.add_argument("--max-len", type=int_flag(2), default=32768,
+                   help="longest sequence (at least 2 tokens: a shorter one trains nothing)")
     p.add_argument("--seed", type=int, default=0, help="which documents of the corpus")
-    p.add_argument("--memory-budget-gb", type=float, default=None)
-    p.add_argument("--max-tokens-per-rank", type=int, default=None)
+    p.add_argument("--memory-budget-gb", type=float_flag(0.0), default=None)
+    p.add_argument("--max-tokens-per-rank", type=int_flag(1), default=None)
     p.add_argument("--ranks", default="all", help="all, or a comma list of ranks")
     p.add_argument("--no-create-groups", action="store_true",
                    help="skip the start-up creation and warming of the vocabulary's groups")
-    p.add_argument("--json", type=output_file, default=None, help="write the report here")
-    return p.parse_args(argv)
+    p.add_argument("--json", default=None,
+                   help="write the report here (a new file, or one dcp-dry-run wrote; never "
+                        "the --lengths file)")
+    p.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    args = p.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        p.error(problem)
+    return args
+
+
+def chosen_ranks(spec: str, world_size: int) -> list[int]:
+    """``--ranks``: ``all``, or a non-empty comma list of ranks of the world; ``ValueError``
+    naming what is wrong."""
+    if spec == "all":
+        return list(range(world_size))
+    try:
+        ranks = sorted({int(r) for r in spec.split(",") if r.strip()})
+    except ValueError:
+        raise ValueError(f"argument --ranks: {spec!r}: all, or a comma list of ranks such as "
+                         "0,3,15") from None
+    if not ranks:
+        raise ValueError(f"argument --ranks: {spec!r} names no rank: all, or a comma list of "
+                         "ranks such as 0,3,15")
+    bad = [r for r in ranks if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(f"argument --ranks: {spec}: {bad[:8]} outside 0..{world_size - 1} "
+                         f"(--gpus {world_size})")
+    return ranks
+
+
+def check_args(args: argparse.Namespace) -> str:
+    """Why the flags cannot run together, in one line naming the flag, or ``""``: an empty or
+    foreign rank list, a flag the chosen engine would silently drop (``--sequence-parallel`` at
+    TP 1, ZeRO 2/3 under Megatron, whose distributed optimizer is ZeRO 1), an output that
+    would destroy an input or a file this tool did not write, or one that cannot be written."""
+    try:
+        chosen_ranks(args.ranks, args.gpus)
+    except ValueError as err:
+        return str(err)
+    if args.engine == "runtime":
+        given = [f"--{name} {value}" for name, value in
+                 (("tp", args.tp), ("pp", args.pp), ("vpp", args.vpp)) if value > 1]
+        given += [f"--{name} {value}" for name, value in
+                  (("ep", args.ep), ("expert-tp", args.expert_tp)) if value is not None]
+        if args.sequence_parallel:
+            given.append("--sequence-parallel")
+        if given:
+            return (f"{', '.join(given)}: the runtime engine's reference decoder has no tensor, "
+                    "pipeline or expert parallelism: add --engine megatron")
+    else:
+        if args.sequence_parallel and args.tp == 1:
+            return ("--sequence-parallel needs --tp > 1 (Megatron's sequence parallelism splits "
+                    "the tensor-parallel group's activations; at --tp 1 there is none)")
+        if args.zero_stage > 1:
+            return (f"--zero-stage {args.zero_stage}: the Megatron engine shards only the "
+                    "optimizer (--zero-stage 1, its distributed optimizer) or nothing (0)")
+        if args.vpp > 1 and args.pp == 1:
+            return "--vpp > 1 needs --pp > 1 (virtual stages of a pipeline)"
+    if args.json is not None:
+        inputs = [("--lengths", args.lengths)] + [
+            (f"--{name}", value) for name, value in (("model", args.model),
+                                                     ("hardware", args.hardware))
+            if os.path.isfile(value)]
+        problem = output_problem(args.json, flag="--json", tool=TOOL, inputs=inputs,
+                                 overwrite=args.overwrite)
+        if problem:
+            return problem
+    return ""
 
 
 def _experts(args: argparse.Namespace, model: Any) -> dict:
@@ -113,11 +194,15 @@ def batch_lengths(args: argparse.Namespace) -> list[int]:
     return out
 
 
-def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> dict[str, Any]:
+def run(args: argparse.Namespace, keep_calls: bool = False, beat: Optional[Heartbeat] = None,
+        **controls: Any) -> dict[str, Any]:
     """The report of a dry run (see the module doc); ``controls``: `RankJob`'s negative
-    controls; ``keep_calls``: the report's ``calls`` holds every rank's recorded calls."""
+    controls; ``keep_calls``: the report's ``calls`` holds every rank's recorded calls;
+    ``beat``: told each stage, so that minutes of work (a world of 100,000 ranks) say what
+    they are doing."""
+    beat = beat or Heartbeat(TOOL, after=float("inf"))
     from megatron_dcp.dryrun.record import check_consistency
-    from megatron_dcp.dryrun.runtime_rank import RankJob, layers_run, run_rank, sample_ranks
+    from megatron_dcp.dryrun.runtime_rank import RankJob, layers_run, run_rank
     from megatron_dcp.plan import load_model
 
     config = DCPConfig(enabled=True, hardware=args.hardware, calibration="off",
@@ -128,8 +213,10 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
     shape = dataclasses.replace(layers_run(model, args.layers),
                                 tensor_parallel=args.tp, pipeline_parallel=args.pp,
                                 virtual_pipeline=args.vpp,
-                                sequence_parallel=args.sequence_parallel and args.tp > 1,
+                                sequence_parallel=args.sequence_parallel,
                                 **_experts(args, model))
+    beat.stage(f"reading the global batch ({args.global_batch_tokens or 8192 * args.gpus:,} "
+               "tokens)")
     job = RankJob(shape=shape, lengths=batch_lengths(args), world_size=args.gpus,
                   config=config, hardware=args.hardware, zero_stage=args.zero_stage,
                   offload_optimizer=args.offload_optimizer,
@@ -144,14 +231,17 @@ def run(args: argparse.Namespace, keep_calls: bool = False, **controls: Any) -> 
     elif args.tp > 1 or args.pp > 1 or args.vpp > 1 or shape.is_moe:
         raise ValueError("--tp/--pp > 1 and MoE models need --engine megatron (the reference "
                          "decoder has none of them)")
-    ranks = list(sample_ranks(args.gpus, args.ranks))
+    ranks = chosen_ranks(args.ranks, args.gpus)
     results = []
     with Progress("dry run: ranks", total=len(ranks)) as bar:
-        for rank in ranks:
+        for k, rank in enumerate(ranks, 1):
+            beat.stage(f"rank {rank} ({k:,} of {len(ranks):,}): its plan of "
+                       f"{len(job.lengths):,} sequences on {args.gpus:,} ranks and its step")
             results.append(run_one(job, rank))
             bar.update(label=f"rank {rank}")
     mismatches = check_consistency({r["rank"]: r["calls"] for r in results})
     report = {
+        "written_by": mark(TOOL),  # first: how a later --json knows it may replace the file
         "consistent": not mismatches, "mismatches": mismatches,
         "world_size": args.gpus, "model": args.model, "layers": job.shape.num_layers,
         "engine": args.engine, "tensor_parallel": args.tp, "zero_stage": args.zero_stage,
@@ -194,7 +284,12 @@ def print_table(report: dict[str, Any]) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    report = run(args)
+    try:
+        with Heartbeat(TOOL) as beat:
+            report = run(args, beat=beat)
+    except ValueError as err:  # a flag the run refuses (a dense model's --ep, a bad file)
+        print(f"dcp-dry-run: error: {err}", file=sys.stderr)
+        return 2
     print_table(report)
     if args.json:
         with open(args.json, "w") as f:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -177,13 +177,3 @@ def layers_run(shape: ModelShape, layers: Optional[int]) -> ModelShape:
     """``shape`` with ``layers`` layers (all when None)."""
     return shape if layers is None else dataclasses.replace(shape, num_layers=int(layers))
 
-
-def sample_ranks(world_size: int, spec: str) -> Sequence[int]:
-    """``all``, or a comma list of ranks."""
-    if spec == "all":
-        return range(world_size)
-    ranks = sorted({int(r) for r in spec.split(",") if r.strip()})
-    bad = [r for r in ranks if not 0 <= r < world_size]
-    if bad:
-        raise ValueError(f"--ranks {spec}: {bad} outside 0..{world_size - 1}")
-    return ranks

@@ -17,10 +17,11 @@ device is measured): the examples of both engines use it.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
-from megatron_dcp.plan.plan import Plan
+from megatron_dcp.plan.plan import MAX_WORLD_SIZE, Plan
 from megatron_dcp.runtime.log_file import CHECKPOINT_DIR_KEY, open_log
 
 
@@ -75,14 +76,85 @@ def plan_timeline(plan: Plan) -> dict[str, Any]:
     return {"world_size": plan.world_size, "tasks": tasks}
 
 
-def timeline_tasks(timeline: dict[str, Any]) -> list[TimelineTask]:
+def timeline_tasks(timeline: Any) -> list[TimelineTask]:
     """The tasks of a `plan_timeline` (a log row's ``timeline``), every group's ranks spelled
-    out."""
-    out = []
-    for start, duration, degree, recompute, ranks in timeline["tasks"]:
-        group = tuple(range(ranks, ranks + degree)) if isinstance(ranks, int) else tuple(ranks)
-        out.append((float(start), float(duration), int(degree), int(recompute), group))
-    return out
+    out, once `timeline_bars` has checked them (``ValueError`` naming the task)."""
+    timeline_bars(timeline)
+    return [(float(start), float(duration), degree, recompute,
+             tuple(range(ranks, ranks + degree)) if _whole(ranks) else tuple(ranks))
+            for start, duration, degree, recompute, ranks in timeline["tasks"]]
+
+
+def timeline_bars(timeline: Any) -> int:
+    """The bars a drawing of the timeline holds (one per task and rank: the sum of the
+    degrees), every task checked first without spelling out its ranks: ``ValueError`` naming
+    the task where a field has the wrong type, a time is not a finite number >= 0, or a degree
+    or rank lies outside the world (at most `MAX_WORLD_SIZE` ranks). A crafted row then cannot
+    make a reader spell out 10^9 ranks; a reader bounds what it draws by this count."""
+    if not isinstance(timeline, dict) or not isinstance(timeline.get("tasks"), list):
+        raise ValueError("timeline: not an object with a 'tasks' list")
+    world = timeline.get("world_size")
+    if not _whole(world) or not 1 <= world <= MAX_WORLD_SIZE:
+        raise ValueError(f"timeline world_size {world!r}: a whole number of ranks from 1 to "
+                         f"{MAX_WORLD_SIZE}")
+    bars = 0
+    for k, task in enumerate(timeline["tasks"]):
+        where = f"timeline task {k}"
+        if not isinstance(task, list) or len(task) != 5:
+            raise ValueError(f"{where}: {str(task)[:80]} is not [start, duration, degree, "
+                             "recompute_layers, ranks]")
+        start, duration, degree, recompute, ranks = task
+        for name, value in (("start", start), ("duration", duration)):
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{where}: {name} {value!r} is not a finite number >= 0")
+        if not _whole(degree) or not 1 <= degree <= world:
+            raise ValueError(f"{where}: degree {degree!r} is not a whole number from 1 to the "
+                             f"world's {world} ranks")
+        if not _whole(recompute) or recompute < 0:
+            raise ValueError(f"{where}: recompute_layers {recompute!r} is not a whole number "
+                             ">= 0")
+        if _whole(ranks):
+            if not 0 <= ranks <= world - degree:
+                raise ValueError(f"{where}: ranks {ranks}..{ranks + degree - 1} lie outside "
+                                 f"the world's ranks 0..{world - 1}")
+        elif isinstance(ranks, list) and len(ranks) == degree and all(map(_whole, ranks)):
+            if len(set(ranks)) != degree or min(ranks) < 0 or max(ranks) >= world:
+                raise ValueError(f"{where}: ranks {str(ranks)[:80]} are not {degree} distinct "
+                                 f"ranks of the world's 0..{world - 1}")
+        else:
+            raise ValueError(f"{where}: ranks {str(ranks)[:80]} is neither a first rank nor a "
+                             f"list of {degree} ranks (its degree)")
+        bars += degree
+    return bars
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def log_rows(path: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) of every non-blank line of a JSON log (``--log-json``), a line
+    that is not UTF-8, not JSON or nested too deep for the parser raising ``ValueError`` that
+    names ``path:line`` (a bare ``UnicodeDecodeError`` or ``RecursionError`` names neither).
+    Blank lines are skipped, so a line number is the file's, as an editor shows it."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{number}: not UTF-8 text (byte "
+                                 f"0x{raw[err.start]:02x} at column {err.start + 1}); a log "
+                                 "written by --log-json is UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except RecursionError:
+                raise ValueError(f"{path}:{number}: JSON nested too deeply to read (not a "
+                                 "log row)") from None
+            except ValueError as err:
+                raise ValueError(f"{path}:{number}: not JSON ({err})") from None
 
 
 def trained_tokens(plan: Optional[Plan], lengths: Sequence[int]) -> tuple[int, int]:
