@@ -58,12 +58,15 @@ def int_flag(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+MAX_WORLD_SIZE = 1 << 20
+"""Largest world a plan may have (a plan JSON's ``world_size``: per-rank tables are sized by it;
+the tools' ``--gpus``)."""
+
+
 def world_size_flag(text: str) -> int:
     """An argparse ``type`` for a tool's ``--gpus``: a whole number of ranks from 1 to the plan
     format's ``MAX_WORLD_SIZE`` (1,048,576): a larger world is refused before minutes of work
     that no plan could hold."""
-    from megatron_dcp.plan.plan import MAX_WORLD_SIZE  # lazy: the plan layer imports this one
-
     value = int_flag(1)(text)
     if value > MAX_WORLD_SIZE:
         raise argparse.ArgumentTypeError(f"{value}: more than {MAX_WORLD_SIZE:,} ranks, the "

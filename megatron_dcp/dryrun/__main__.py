@@ -47,20 +47,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="runtime: DCP's step driver with the reference decoder; megatron: a "
                         "megatron-core GPTModel in Megatron's DDP through DCPForwardBackward "
                         "(DeepSpeed: not yet, see docs/DRYRUN.md)")
-    p.add_argument("--tp", type=int_flag(1), default=1,
-                   help="tensor-parallel size (--engine megatron)")
-    p.add_argument("--pp", type=int_flag(1), default=1,
-                   help="pipeline stages (--engine megatron)")
-    p.add_argument("--vpp", type=int_flag(1), default=1,
-                   help="virtual pipeline stages per pipeline rank (--engine megatron, --pp > 1: "
-                        "Megatron's interleaved schedule)")
-    p.add_argument("--ep", type=int_flag(1), default=None,
-                   help="expert-parallel size of a MoE model (--engine megatron; default: the "
-                        "model's, 1 for the presets)")
-    p.add_argument("--expert-tp", type=int_flag(1), default=None,
-                   help="expert tensor-parallel size (default --tp; 1: experts whole)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron's sequence parallelism (--engine megatron with --tp > 1)")
+    _megatron_flags(p)
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3),
                    help="optimizer sharding (runtime: 0-3; megatron: 0, or 1 = the distributed "
                         "optimizer, Megatron's only sharding)")
@@ -92,6 +79,24 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if problem:
         p.error(problem)
     return args
+
+
+def _megatron_flags(p: argparse.ArgumentParser) -> None:
+    """The layout flags of ``--engine megatron``."""
+    p.add_argument("--tp", type=int_flag(1), default=1,
+                   help="tensor-parallel size (--engine megatron)")
+    p.add_argument("--pp", type=int_flag(1), default=1,
+                   help="pipeline stages (--engine megatron)")
+    p.add_argument("--vpp", type=int_flag(1), default=1,
+                   help="virtual pipeline stages per pipeline rank (--engine megatron, --pp > 1: "
+                        "Megatron's interleaved schedule)")
+    p.add_argument("--ep", type=int_flag(1), default=None,
+                   help="expert-parallel size of a MoE model (--engine megatron; default: the "
+                        "model's, 1 for the presets)")
+    p.add_argument("--expert-tp", type=int_flag(1), default=None,
+                   help="expert tensor-parallel size (default --tp; 1: experts whole)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism (--engine megatron with --tp > 1)")
 
 
 def chosen_ranks(spec: str, world_size: int) -> list[int]:
@@ -246,20 +251,25 @@ def run(args: argparse.Namespace, keep_calls: bool = False, beat: Optional[Heart
         "world_size": args.gpus, "model": args.model, "layers": job.shape.num_layers,
         "engine": args.engine, "tensor_parallel": args.tp, "zero_stage": args.zero_stage,
         "sequences": len(job.lengths), "tokens": sum(job.lengths),
-        "ranks": [{"rank": r["rank"], "collectives": len(r["calls"]),
-                   "predicted_bytes": r["predicted_bytes"], "peak_bytes": r["peak_bytes"],
-                   "budget_bytes": r["budget_bytes"],
-                   "over_budget": bool(r["budget_bytes"] is not None
-                                       and r["peak_bytes"] > r["budget_bytes"]),
-                   "peak_by_kind": r["peak_by_kind"],
-                   "cpu_tensors": r["cpu_tensors"], "host_syncs": r["host_syncs"],
-                   "bytes_received": r["bytes_received"], "seconds": r["seconds"],
-                   "error": r["error"]} for r in results]}
+        "ranks": [_rank_row(r) for r in results]}
     if keep_calls:
         report["calls"] = {r["rank"]: r["calls"] for r in results}
     report["ok"] = (report["consistent"] and not any(
         r["cpu_tensors"] or r["error"] or r["over_budget"] for r in report["ranks"]))
     return report
+
+
+def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
+    """A rank's row of the report, from what its dry run recorded."""
+    return {"rank": r["rank"], "collectives": len(r["calls"]),
+            "predicted_bytes": r["predicted_bytes"], "peak_bytes": r["peak_bytes"],
+            "budget_bytes": r["budget_bytes"],
+            "over_budget": bool(r["budget_bytes"] is not None
+                                and r["peak_bytes"] > r["budget_bytes"]),
+            "peak_by_kind": r["peak_by_kind"],
+            "cpu_tensors": r["cpu_tensors"], "host_syncs": r["host_syncs"],
+            "bytes_received": r["bytes_received"], "seconds": r["seconds"],
+            "error": r["error"]}
 
 
 def print_table(report: dict[str, Any]) -> None:

@@ -28,6 +28,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
+from megatron_dcp.config import MAX_WORLD_SIZE  # noqa: F401 - the plan format's cap, here too
+
 PLAN_FORMAT_VERSION = 1
 
 EMPTY_STEP_TOKENS = 2
@@ -192,8 +194,6 @@ def check_frame_tokens(lengths: "tuple[int, ...] | list[int]",
                              f"frame_tokens[{i}]={s}")
 
 
-MAX_WORLD_SIZE = 1 << 20
-"""Largest ``world_size`` a plan JSON may give (per-rank tables are sized by it)."""
 
 
 def _integer(value: Any, what: str, minimum: Optional[int] = None) -> int:
