@@ -205,11 +205,10 @@ class DCPEngine:
             self._host_group = input_stage.host_group()
         problem = share_problem(sequences, self.rank)
         mine = [] if problem else [s.detach().reshape(-1).cpu().numpy() for s in sequences]
-        planned = input_stage.plan_or_made_ahead(self.driver)
         times: list[float] = []
 
         def plan_of(lengths: list[int]) -> Plan:
-            plan, plan_s, wait_s = planned(lengths)
+            plan, plan_s, wait_s = self.driver.timed_plan(lengths)
             times[:] = [plan_s, wait_s]
             return plan
 

@@ -38,10 +38,6 @@ def _driver(**config) -> StepDriver:
                       model_shape=MODEL_PRESETS["llama-7b"])
 
 
-def _batch(lengths):
-    return [torch.zeros(n, dtype=torch.long) for n in lengths]
-
-
 def _plan_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "dcp-plan-ahead"]
 
@@ -50,7 +46,7 @@ def test_plan_made_ahead_equals_plan_made_in_place():
     driver = _driver()
     driver.iteration = 3
     assert driver.plan_ahead(LENGTHS)
-    plan, plan_s, wait_s = driver._plan_of(_batch(LENGTHS), None)
+    plan, plan_s, wait_s = driver.timed_plan(LENGTHS)
     assert plan.meta["made_ahead"] and plan_s > 0 and 0 <= wait_s <= plan_s + 0.05
     assert plan.digest() == driver.plan(LENGTHS, 3).digest()
     assert not _plan_threads()
@@ -75,20 +71,20 @@ def test_the_thread_plans_with_the_hardware_it_was_started_with():
     driver.plan_ahead(LENGTHS)
     driver.hardware = later  # the fit at the end of the step, before the thread plans
     go.set()
-    made = driver._plan_of(_batch(LENGTHS), None)[0]
+    made = driver.timed_plan(LENGTHS)[0]
     assert made.meta["made_ahead"] and made.digest() == plan(LENGTHS, 0, hardware=start).digest()
 
 
 def test_a_plan_for_other_inputs_is_not_used_and_errors_surface_when_taken():
     driver = _driver()
     driver.plan_ahead(LENGTHS, iteration=1)  # made for the next iteration, not this one
-    plan, plan_s, wait_s = driver._plan_of(_batch(LENGTHS), None)
+    plan, plan_s, wait_s = driver.timed_plan(LENGTHS)
     assert "made_ahead" not in plan.meta and plan_s == wait_s > 0 and plan.meta["iteration"] == 0
     driver.plan_ahead(LENGTHS[:-1])
-    assert "made_ahead" not in driver._plan_of(_batch(LENGTHS), None)[0].meta
+    assert "made_ahead" not in driver.timed_plan(LENGTHS)[0].meta
     driver.plan_ahead([WORLD * 10**7])  # fits nowhere: the planner's error, at the next step
     with pytest.raises(Exception, match="fit|memory"):
-        driver._plan_of(_batch([WORLD * 10**7]), None)
+        driver.timed_plan([WORLD * 10**7])
     assert not _plan_threads()
 
 

@@ -34,7 +34,7 @@ import torch
 from megatron_dcp.plan.plan import Plan
 
 __all__ = ["Gathered", "StageBatch", "exchange", "gather_lengths", "global_batch", "host_group",
-           "needed_by", "plan_or_made_ahead", "share_of"]
+           "needed_by", "share_of"]
 
 
 class Gathered(NamedTuple):
@@ -165,26 +165,6 @@ def global_batch(local: Optional[Sequence[Any]], dp_rank: int, problem: str,
     sequences = exchange(local or [], gathered.where, plan.lengths,
                          needed_by(plan, gathered.dp_of), group)
     return StageBatch(sequences, plan, gathered.next_lengths)
-
-
-def plan_or_made_ahead(driver: Any) -> Callable[[list[int]], tuple[Plan, float, float]]:
-    """``plan_of`` for a `megatron_dcp.runtime.step.StepDriver` that may hold a plan made ahead
-    (``driver.plan_ahead``): the one made for these lengths at this iteration if there is one,
-    else ``driver.plan(lengths)``; returns ``(plan, seconds planning, seconds waited)`` as the
-    driver's own step does. The stage hands the plan to ``driver.step(..., plan)``."""
-    import time
-
-    def plan_of(lengths: list[int]) -> tuple[Plan, float, float]:
-        t0 = time.perf_counter()
-        made = driver._ahead.take(driver._plan_key(lengths, None, driver.iteration))
-        if made is not None:
-            made[0].meta["made_ahead"] = True  # not part of the digest
-            return made
-        plan = driver.plan(lengths)
-        plan_s = time.perf_counter() - t0
-        return plan, plan_s, plan_s
-
-    return plan_of
 
 
 def share_of(count: int, rank: int, world_size: int) -> range:

@@ -310,7 +310,10 @@ class StepDriver:
         start_responder(self.config.liveness_interval_s)  # once per process: the liveness watch
         t0 = time.perf_counter()
         outside_s = self.timing.take_outside_s()  # of the previous step
-        plan, plan_s, plan_wait_s = self._plan_of(sequences, plan)
+        if plan is not None:  # given: one made ahead is not used
+            self._ahead.close()
+        plan, plan_s, plan_wait_s = (plan, 0.0, 0.0) if plan is not None else self.timed_plan(
+            [int(s.shape[0]) for s in sequences], getattr(sequences, "frame_tokens", None))
         sequences = cut_to_plan(plan, sequences)  # oversize truncate: the batch as planned
         if next_lengths is not None:  # the thread starts once this step's plan is taken
             self.plan_ahead(next_lengths, iteration=self.iteration + int(train),
@@ -348,21 +351,17 @@ class StepDriver:
                           skipped=skipped, empty=empty, truncated_sequences=cut_sequences,
                           truncated_tokens=cut_tokens)
 
-    def _plan_of(self, sequences: Sequence[torch.Tensor],
-                 plan: Optional[Plan]) -> tuple[Plan, float, float]:
-        """This step's plan with (seconds planning, seconds waited for it): the one given, the
-        one made ahead for this batch, or one made now."""
+    def timed_plan(self, lengths: Sequence[int], frame_tokens: Optional[Sequence[int]] = None
+                   ) -> tuple[Plan, float, float]:
+        """The plan of the next step's batch with (seconds planning, seconds waited for it): the
+        one `plan_ahead` made for these lengths at this iteration, else one made now (an input
+        stage that plans before `step` hands it in as ``plan``)."""
         t0 = time.perf_counter()
-        if plan is not None:
-            self._ahead.close()  # one made ahead is not used
-            return plan, 0.0, 0.0
-        lengths = [int(s.shape[0]) for s in sequences]
-        frames = getattr(sequences, "frame_tokens", None)  # a video batch: every frame size
-        made = self._ahead.take(self._plan_key(lengths, frames, self.iteration))
+        made = self._ahead.take(self._plan_key(lengths, frame_tokens, self.iteration))
         if made is not None:
             made[0].meta["made_ahead"] = True  # not part of the digest
             return made
-        plan = self.plan(lengths, frame_tokens=frames)
+        plan = self.plan(lengths, frame_tokens=frame_tokens)
         plan_s = time.perf_counter() - t0
         return plan, plan_s, plan_s
 
