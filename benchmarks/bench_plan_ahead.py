@@ -22,8 +22,6 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
-
 from megatron_dcp.config import DCPConfig  # noqa: E402
 from megatron_dcp.plan.presets import MODEL_PRESETS  # noqa: E402
 from megatron_dcp.plan.workload import sample_lengths  # noqa: E402
@@ -38,8 +36,7 @@ def run(world: int, steps: int) -> dict:
     batches = [sample_lengths("balanced", 65536 * world, seed=s) for s in range(steps)]
     rows = []
     for i, lengths in enumerate(batches):
-        fake = [torch.empty(n, dtype=torch.uint8) for n in lengths]  # only their lengths count
-        plan, plan_s, wait_s = driver._plan_of(fake, None)
+        plan, plan_s, wait_s = driver.timed_plan(lengths)
         if i + 1 < steps:
             driver.plan_ahead(batches[i + 1], iteration=i + 1)
         step_s = driver.predicted_step_s(plan)
