@@ -84,6 +84,7 @@ def test_fp16_overflow_steps_are_the_loss_scalers_and_fp16_losses_equal_plain(tm
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["skipped"] for r in rows] == [True, True, True], rows
     static = ["--fp16", "--loss-scale", "128"]
+    log = tmp_path / "static.jsonl"  # a second run: its own log (the first's is refused)
     dcp = _lm_losses(_launch(["--dcp", "--dcp-max-tokens-per-rank", "200", "--dcp-log-json",
                               str(log), *static]))
     plain = _lm_losses(_launch(PLAIN + static))
