@@ -240,3 +240,31 @@ def test_megatron_lm_dump_shows_the_values_in_effect():
     assert (args.dcp_policy, args.dcp_recompute, args.dcp_max_degree) == ("dcp", "auto", 4)
     assert args.dcp_pack_tokens is None  # "auto": its default is no value
     assert validate_dcp_args(args) == before
+
+
+@pytest.mark.parametrize("field, value", [("fp8", "hybrid"), ("fp4", "nvfp4"),
+                                          ("tp_comm_overlap", True),
+                                          ("enable_cuda_graph", True)])
+def test_a_fixed_shape_feature_set_on_the_model_config_is_refused_naming_the_field(field,
+                                                                                   value):
+    """Issue 56 item 4: a megatron-core user who sets fp8, fp4, tp_comm_overlap or CUDA graphs
+    on the TransformerConfig itself passes no flag, so only the flag check refused them and
+    the first micro-step crashed on a GPU: DCPForwardBackward refuses them by field, before
+    any collective."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_dcp.megatron.step import DCPForwardBackward
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                               calculate_per_token_loss=True)
+    object.__setattr__(config, field, value)  # as a user's config holds it (no TE check here)
+    step = DCPForwardBackward(DCPConfig(enabled=True))
+    with pytest.raises(ValueError, match=rf"DCP does not support TransformerConfig\.{field}="):
+        step._check(SimpleNamespace(config=config), forward_only=False)
+    plain = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                              calculate_per_token_loss=True)
+    from megatron_dcp.megatron.args import fixed_shape_problems
+
+    assert fixed_shape_problems(plain, config_fields=True) == []  # the control: nothing set

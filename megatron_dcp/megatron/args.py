@@ -15,7 +15,7 @@ that cannot work, at start, with a message naming the flags.
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_dcp.config import DCPConfig, DCPConfigError
 from megatron_dcp.config import arg_value as _get
@@ -145,16 +145,24 @@ FIXED_SHAPE_FEATURES = (
 """Megatron features that need the same shapes every micro-step: ``(argument, flag, why)``."""
 
 
-def fixed_shape_problems(args: argparse.Namespace) -> list[str]:
+def fixed_shape_problems(args: Any, config_fields: bool = False) -> list[str]:
     """FP8/FP4, TP communication overlap and CUDA graphs, refused by name: each would crash (or
     replay wrong shapes) at the first micro-step of a GPU run, and none runs on a CPU to show
-    it."""
-    problems = [f"--dcp does not support {flag}: {why}" for name, flag, why in FIXED_SHAPE_FEATURES
+    it. ``args``: Megatron-LM's parsed flags, or with ``config_fields`` a model's
+    ``TransformerConfig`` (the same names; a megatron-core user who sets them on the config
+    never passes a flag), each problem then naming the field."""
+    def named(name: str, flag: str, value: Any) -> str:
+        return f"TransformerConfig.{name}={value!r}" if config_fields else flag
+
+    who = "DCP" if config_fields else "--dcp"
+    problems = [f"{who} does not support {named(name, flag, _get(args, name))}: {why}"
+                for name, flag, why in FIXED_SHAPE_FEATURES
                 if _get(args, name, None) not in (None, False, "", "none")]
     impl = _get(args, "cuda_graph_impl", "none")
     if impl not in (None, "none"):
-        problems.append(f"--dcp does not support --cuda-graph-impl {impl}: a CUDA graph replays "
-                        f"the shapes it captured; {_VARIABLE_SHAPES}")
+        where = named("cuda_graph_impl", "--cuda-graph-impl", impl)
+        problems.append(f"{who} does not support {where}{'' if config_fields else ' ' + impl}: "
+                        f"a CUDA graph replays the shapes it captured; {_VARIABLE_SHAPES}")
     return problems
 
 

@@ -225,6 +225,11 @@ class DCPForwardBackward:
             raise ValueError(OVERLAP_PARAM_GATHER_PROBLEM.replace(
                 "--overlap-param-gather", "DistributedDataParallelConfig.overlap_param_gather"))
         mconfig = get_model_config(model)
+        from megatron_dcp.megatron.args import fixed_shape_problems
+
+        fixed = fixed_shape_problems(mconfig, config_fields=True)
+        if fixed:  # set on the config itself, where no flag was checked
+            raise ValueError("; ".join(fixed))
         if not forward_only and not mconfig.calculate_per_token_loss:
             raise ValueError("DCP needs calculate_per_token_loss=True in the model's "
                              "TransformerConfig (Megatron's DDP must SUM gradients over "
