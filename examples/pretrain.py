@@ -128,7 +128,10 @@ def main(argv=None) -> int:
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model's "
                          f"vocabulary only {vocab} (bytes need 257): pass --tokenizer")
-    dataset = _dataset(args.data_path, tokenizer, vocab)
+    try:  # a refused dataset is its message (the file, the line or document): no traceback
+        dataset = _dataset(args.data_path, tokenizer, vocab)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from None
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
     # the groups created at start-up: those the dataset's lengths (all of them) need

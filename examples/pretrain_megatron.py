@@ -539,7 +539,10 @@ def main(argv=None) -> int:
     chunks, shape = build_model(args, dcp_config.enabled)
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]
     optimizer = build_optimizer(args, chunks)
-    dataset = open_training_data(args)
+    try:  # a refused dataset is its message (the file, the line or document): no traceback
+        dataset = open_training_data(args)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from None
     sampler = GlobalBatchSampler(dataset.lengths, args.global_batch_tokens, seed=args.seed,
                                  max_seq_len=args.seq_length)
     # the planner's memory model: optimizer states sharded over data parallel, or not

@@ -499,3 +499,33 @@ def test_the_launcher_refuses_a_bad_dataset_before_training(tmp_path):
     assert f"megatron_dcp.megatron.run: {prefix}.idx: sequence 1 starts at byte 600, expected " \
            "1200" in out, out[-3000:]
     assert "Traceback" not in out and "iteration        1/" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("example", ["pretrain.py", "pretrain_megatron.py"])
+def test_a_refused_dataset_is_its_message_not_a_traceback(tmp_path, example):
+    """Issue 59 item 7: the examples refused a bad dataset at open, naming the file, but
+    below a traceback from every rank; now the message alone, status 1."""
+    import subprocess
+
+    from distributed import JOB_ENV, deepspeed_command
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    prefix = tmp_path / "f32"
+    _float_dataset(str(prefix))
+    data, message = ((str(empty), "empty.jsonl: no document of at least 2 tokens")
+                     if example == "pretrain.py" else
+                     (str(prefix), "f32.idx: dtype code 7 (float32) is not an integer type"))
+    if example == "pretrain.py":
+        cmd = deepspeed_command(1, "examples/pretrain.py", "--data-path", data)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               "1", "examples/pretrain_megatron.py", "--data-path", data]
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=JOB_ENV,
+                          capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "error: " in out and message in out, out[-3000:]
+    assert not [line for line in out.splitlines()
+                if line.strip().startswith("File ") and "examples/" in line], out[-3000:]
