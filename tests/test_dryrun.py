@@ -184,3 +184,18 @@ def test_the_report_carries_its_mark_and_is_replaced_by_the_next(tmp_path):
     assert main(flags) == 0
     assert json.loads(out.read_text())["written_by"] == "dcp-dry-run (megatron-dcp)"
     assert main(flags) == 0
+
+
+def test_gpus_per_node_counts_gpus_and_the_megatron_engine_derives_the_dcp_ranks():
+    """Issue 60 item 4 (and 55): --gpus-per-node said "ranks per node" and went to the planner
+    as DCP ranks per node, so TP 2 on 8-GPU nodes was planned as 8 DCP ranks a node (4 are)."""
+    from megatron_dcp.dryrun.__main__ import dcp_ranks_per_node, parse_args
+
+    megatron = parse_args(["--engine", "megatron", "--gpus", "64", "--gpus-per-node", "8",
+                           "--tp", "2", "--sequence-parallel"])
+    assert dcp_ranks_per_node(megatron) == 4
+    staged = parse_args(["--engine", "megatron", "--gpus", "16", "--gpus-per-node", "8",
+                         "--tp", "4", "--pp", "4"])
+    assert dcp_ranks_per_node(staged) == 1  # one DCP rank a stage: the world holds 1
+    assert dcp_ranks_per_node(parse_args(["--gpus", "16", "--gpus-per-node", "8"])) == 8
+    assert dcp_ranks_per_node(parse_args(["--gpus", "16"])) is None

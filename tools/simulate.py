@@ -87,10 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dcp-simulate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=world_size_flag, default=None,
-                   help="DCP world size (default 32, or the --plan's; at most 1,048,576, the "
-                        "plan format's cap)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default: "
-                                                                   "hardware's)")
+                   help="DCP world size: data-parallel ranks, each --tp x --pp GPUs (default "
+                        "32, or the --plan's; at most 1,048,576, the plan format's cap)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="DCP ranks per node, i.e. "
+                   "GPUs per node / --tp (default: the hardware's)")
     p.add_argument("--model", default="llama-7b", help="model preset or ModelShape JSON (default "
                                                        "llama-7b)")
     p.add_argument("--hardware", default="h200", help="hardware preset or profile JSON (default "

@@ -35,10 +35,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dcp-dry-run", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=world_size_flag, default=16,
-                   help=f"DCP world size (default 16; at most {MAX_WORLD_SIZE:,}, the plan "
-                        "format's cap)")
-    p.add_argument("--gpus-per-node", type=int_flag(1), default=None, help="ranks per node "
-                   "(default: the hardware preset's)")
+                   help="GPUs (ranks) of the job, default 16, at most "
+                        f"{MAX_WORLD_SIZE:,} (the plan format's cap): the DCP world with the "
+                        "runtime engine; --tp x --pp x the DCP world with --engine megatron")
+    p.add_argument("--gpus-per-node", type=int_flag(1), default=None, help="GPUs per node "
+                   "(default: the hardware preset's); with --engine megatron a node holds "
+                   "GPUs / --tp ranks of a DCP world")
     p.add_argument("--model", default="llama-7b", help="model preset or ModelShape JSON")
     p.add_argument("--layers", type=int_flag(1), default=2, help="layers to run (default 2: a "
                    "layer's collectives repeat; the planner plans the model given with this many)")
@@ -79,6 +81,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if problem:
         p.error(problem)
     return args
+
+
+def dcp_ranks_per_node(args: argparse.Namespace) -> Optional[int]:
+    """Ranks of one DCP world on a node of ``--gpus-per-node`` GPUs (None: the preset's): all of
+    them with the runtime engine; with ``--engine megatron`` Megatron's rank order puts
+    tensor-parallel ranks next to each other, so a node holds GPUs / TP ranks of a DCP world
+    (at most the world's size)."""
+    if args.gpus_per_node is None or args.engine != "megatron":
+        return args.gpus_per_node
+    world = max(1, args.gpus // (args.tp * args.pp))
+    return max(1, min(args.gpus_per_node // args.tp, world))
 
 
 def _megatron_flags(p: argparse.ArgumentParser) -> None:
@@ -213,7 +226,8 @@ def run(args: argparse.Namespace, keep_calls: bool = False, beat: Optional[Heart
     config = DCPConfig(enabled=True, hardware=args.hardware, calibration="off",
                        memory_budget_gb=args.memory_budget_gb,
                        max_tokens_per_rank=args.max_tokens_per_rank,
-                       ranks_per_node=args.gpus_per_node, long_sequences=args.long_sequences)
+                       ranks_per_node=dcp_ranks_per_node(args),
+                       long_sequences=args.long_sequences)
     model = load_model(args.model)
     shape = dataclasses.replace(layers_run(model, args.layers),
                                 tensor_parallel=args.tp, pipeline_parallel=args.pp,
