@@ -81,6 +81,20 @@ def arg_value(args: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def file_in_the_way(folder: str) -> str:
+    """Why ``folder`` cannot be a folder (``"is a file"``, ``"lies under F, which is a file"``):
+    its nearest existing path is a file; ``""`` when nothing is in the way."""
+    import os
+
+    blocker = os.path.abspath(folder)
+    while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
+        blocker = os.path.dirname(blocker)
+    if not os.path.exists(blocker) or os.path.isdir(blocker):
+        return ""
+    return "is a file" if blocker == os.path.abspath(folder) else \
+        f"lies under {blocker}, which is a file"
+
+
 def output_file(text: str) -> str:
     """An argparse ``type``: a file path the run can write (its folder exists and is writable,
     and it is not a folder; an existing file opens for writing: not a file of /proc, which root's

@@ -99,3 +99,18 @@ def figures_driver(config, shape, hardware="h100"):
 
     return SimpleNamespace(config=config, model_shape=shape, zero_stage=1, hardware=hw,
                            planner=planner)
+
+
+def load_example(name: str):
+    """``examples/NAME`` imported as a module (its siblings importable while it loads)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / name)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return module

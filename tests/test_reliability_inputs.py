@@ -3,11 +3,11 @@ examples' flags get an error naming the field (or flag) and the value, never a c
 ``ZeroDivisionError`` or a run that silently does nothing."""
 
 import copy
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_example
 
 from deepspeed_plugin.config import dcp_config_from
 from megatron_dcp.config import DCPConfig, DCPConfigError
@@ -68,14 +68,7 @@ def test_binary_lengths_file_is_a_clear_error(tmp_path):
 
 
 def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / name)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    return module
+    return load_example(name)
 
 
 def test_the_launchers_log_path_is_checked_while_parsing(tmp_path, capsys):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_example
 
 from megatron_dcp.runtime.checkpoint_dir import save_atomically
 from megatron_dcp.runtime.log_file import log_problem
@@ -28,14 +28,7 @@ PLAN = {"mode": "data-parallel", "micro_steps_per_rank": 1}
 
 
 def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / name)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    return module
+    return load_example(name)
 
 
 def _tree(root: Path) -> dict[str, str]:

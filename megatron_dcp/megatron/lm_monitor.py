@@ -20,18 +20,13 @@ def check_monitor_args(args: argparse.Namespace) -> None:
     is an error naming the extra (Megatron-LM itself would only warn, or fail later);
     ``--tensorboard-dir`` naming a file, or a path under one, a `ValueError` naming the flag
     (TensorBoard's writer failed with a traceback when Megatron-LM made it)."""
-    import os
+    from megatron_dcp.config import file_in_the_way
 
     folder = getattr(args, "tensorboard_dir", None)
-    if folder:
-        blocker = os.path.abspath(folder)
-        while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
-            blocker = os.path.dirname(blocker)
-        if os.path.exists(blocker) and not os.path.isdir(blocker):
-            where = "is a file" if blocker == os.path.abspath(folder) else \
-                f"lies under {blocker}, which is a file"
-            raise ValueError(f"--tensorboard-dir {folder} {where}: give a folder (TensorBoard "
-                             "writes its event files into it)")
+    where = file_in_the_way(folder) if folder else ""
+    if where:
+        raise ValueError(f"--tensorboard-dir {folder} {where}: give a folder (TensorBoard "
+                         "writes its event files into it)")
     check_monitor_packages(tensorboard=bool(getattr(args, "tensorboard_dir", None)),
                            asked_by="--tensorboard-dir")
     check_monitor_packages(wandb=bool(getattr(args, "wandb_project", None)),

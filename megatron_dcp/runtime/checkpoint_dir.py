@@ -40,6 +40,8 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from megatron_dcp.config import file_in_the_way
+
 MANIFEST = "dcp_manifest.json"
 LATEST = "latest"
 PARTIAL = ".partial"
@@ -280,12 +282,8 @@ def check_save_dir(save_dir: str) -> None:
     inside = inside_checkpoint_problem(save_dir)
     if inside:
         raise CheckpointError("checkpoint directory " + inside.removeprefix("--save "))
-    blocker = os.path.abspath(save_dir)
-    while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
-        blocker = os.path.dirname(blocker)
-    if os.path.exists(blocker) and not os.path.isdir(blocker):
-        where = "is a file" if blocker == os.path.abspath(save_dir) else \
-            f"lies under {blocker}, which is a file"
+    where = file_in_the_way(save_dir)
+    if where:
         raise CheckpointError(f"checkpoint directory {save_dir} {where}: give a directory")
     try:
         os.makedirs(save_dir, exist_ok=True)
