@@ -24,7 +24,11 @@ POLICIES = ("dcp", "dcp-inter", "dcp-intra", "bucket", "packed", "static", "gree
 LAYOUTS = ("auto", "ulysses", "ring", "hybrid")
 ULYSSES_SCOPES = ("any", "node")
 RECOMPUTE_MODES = ("auto", "none", "full")
-LOSS_REDUCTIONS = ("token", "sequence")
+LOSS_REDUCTIONS = ("token", "sequence", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                   "seq-mean-token-sum-norm")
+"""Loss normalisations (`megatron_dcp.runtime.targets.LossWeights`): ``token`` (= RL trainers'
+``token-mean``), ``sequence`` (= ``seq-mean-token-mean``), ``seq-mean-token-sum`` and
+``seq-mean-token-sum-norm`` (the names verl's ``loss_agg_mode`` uses)."""
 IGNORE_INDEX = -100
 """Label of a token without a next-token target (a sequence's last token, padding); the loss
 ignores it (torch's ``cross_entropy`` default)."""
@@ -188,7 +192,7 @@ class DCPConfig:
     """Token budget of one packed task of short sequences; default: chosen by the planner from memory."""
 
     loss_reduction: str = "token"
-    """Loss normalisation: token (sum over the global batch / its target tokens, exact) or sequence (mean of per-sequence means)."""
+    """Loss normalisation over the global batch (w: a target's weight, 1 unless the batch carries weights): token (= token-mean: sum of w x loss / sum of w), sequence (= seq-mean-token-mean: mean over sequences of their weighted means), seq-mean-token-sum (mean over sequences of their weighted sums), seq-mean-token-sum-norm (sum of w x loss / a constant: the batch's norm, default its longest sequence)."""
 
     oversize: str = "error"
     """A sequence that fits no degree in memory: error (name it), truncate (to the largest that fits), skip."""

@@ -43,8 +43,7 @@ from megatron_dcp.runtime.context import TaskContext
 from megatron_dcp.runtime.digests import check_plan, local_problems
 from megatron_dcp.runtime.groups import GroupPool, comm_device
 from megatron_dcp.runtime.layout import ShardLayout
-from megatron_dcp.runtime.targets import (batch_targets, packed_inputs, sequence_weighting,
-                                          target_count, weighted_loss)
+from megatron_dcp.runtime.targets import LossWeights, batch_targets, weighted_loss
 
 
 class TaskError(RuntimeError):
@@ -110,10 +109,9 @@ class StepStats:
 
 # ---------------------------------------------------------------------- building shards
 def _shard_inputs(task: Task, layout: ShardLayout, sequences: Sequence[torch.Tensor],
-                  weight_of: Callable, device: Optional[torch.device],
-                  targets: str = "next") -> tuple[torch.Tensor, ...]:
+                  loss: LossWeights, device: Optional[torch.device]) -> tuple[torch.Tensor, ...]:
     """This rank's shard of a task: host labels, then device ids, positions, labels, weights."""
-    ids, labels, weights = packed_inputs(task, sequences, weight_of, targets)
+    ids, labels, weights = loss.packed(task, sequences)
     labels_host = layout.shard(labels, IGNORE_INDEX)
     return (labels_host, _to_device(layout.shard(ids, 0), device),
             _to_device(layout.position_ids, device), _to_device(labels_host, device),
@@ -237,8 +235,14 @@ class PlanWork:
         self.digest = check_plan(plan, pool, local_problems(plan, sequences, rank, max_position),
                                  self.comm_device, sequences=sequences, config=config)
         self.groups_created = pool.ensure(plan)
-        self.weight_of = sequence_weighting(plan, loss_reduction, self.targets)
-        self.total = target_count(plan, self.targets)
+        self.weights = LossWeights(plan, sequences, loss_reduction, self.targets)
+        """Every target's loss weight (`LossWeights`)."""
+        self.total = self.weights.total
+        """T of the per-token loss: the global batch's sum of target weights."""
+        self.trained = self.weights.trained
+        """The global batch's targets with a non-zero weight (tokens trained)."""
+        self.per_token = self.weights.per_token
+        """Whether the model must return per-token losses (`LossWeights.per_token`)."""
         self.order = _rank_order(plan, rank)
         self.micro_steps = max(len(self.order), min_micro_steps)
         """This rank's micro-steps, empty ones included."""
@@ -268,9 +272,9 @@ class PlanWork:
             layout = ShardLayout.build([self.plan.lengths[s] for s in task.seqs], task.ulysses,
                                        task.ring, task.ranks.index(self.rank))
             labels_host, ids, positions, labels, weights = _shard_inputs(
-                task, layout, self.sequences, self.weight_of, self.device, self.targets)
+                task, layout, self.sequences, self.weights, self.device)
             ctx = self.pool.context_for(task, self.rank, layout)
-            ctx.sequence_weights = tuple(self.weight_of(s) for s in task.seqs)
+            ctx.sequence_weights = tuple(self.weights.per_target[s] for s in task.seqs)
         except Exception as exc:  # noqa: BLE001 - re-raised with rank / task / sequences
             raise TaskError(self.rank, task, self.plan.lengths, exc) from exc
         tokens = int((labels_host != IGNORE_INDEX).sum())
@@ -317,8 +321,7 @@ class PlanWork:
         ``0 * out.sum()`` (the graph of a real one, no gradient)."""
         if step.task is None:
             return out.sum() * 0.0
-        loss = weighted_loss(out, step.shard.labels, step.weights, self.loss_reduction,
-                              self.total)
+        loss = weighted_loss(out, step.shard.labels, step.weights, self.weights)
         if self._timing is step:
             self._clock.mark()
         return loss
@@ -357,7 +360,7 @@ class PlanWork:
         """`StepStats` of the micro-steps run (``loss``: the global loss; default: this
         rank's)."""
         local = float(self.local_loss)
-        return StepStats(loss=local if loss is None else loss, tokens=self.total,
+        return StepStats(loss=local if loss is None else loss, tokens=self.trained,
                          local_loss=local, local_tokens=self.local_tokens,
                          tasks=self._task_stats(),
                          wall_s=time.perf_counter() - self.t_start, digest=self.digest,

@@ -50,11 +50,12 @@ class StepResult:
     ``wall_s`` and ``stats``)."""
 
     loss: float
-    """Loss of the global batch (per-token mean, or the mean of per-sequence means under
-    ``loss_reduction="sequence"``), reduced over ranks."""
+    """Loss of the global batch under the loss normalisation (per-token mean by default:
+    `megatron_dcp.runtime.targets.LossWeights`), reduced over ranks."""
     tokens: int
-    """Target tokens of the global batch (next-token targets, or every token of a
-    `megatron_dcp.runtime.targets.SelfTargetBatch`)."""
+    """Target tokens the global batch trains (next-token targets, every token of a
+    `megatron_dcp.runtime.targets.SelfTargetBatch`, or a `WeightedBatch`'s targets of non-zero
+    weight; tokens run are the plan's lengths)."""
     sequences: int
     wall_s: float
     micro_steps: int
@@ -342,7 +343,7 @@ class StepDriver:
             self._calibrate(plan, stats, wall_s, predicted_s, outside_s)
         else:
             self.timing.forget_last_step()
-        return StepResult(loss=loss, tokens=work.total, sequences=len(sequences),
+        return StepResult(loss=loss, tokens=work.trained, sequences=len(sequences),
                           wall_s=wall_s, micro_steps=work.micro_steps,
                           empty_micro_steps=work.micro_steps - len(stats.tasks), plan=plan,
                           plan_s=plan_s, plan_wait_s=plan_wait_s, predicted_s=predicted_s,
@@ -377,18 +378,17 @@ class StepDriver:
             raise TypeError(f"{type(engine).__name__} is not a StepEngine: subclass "
                             "megatron_dcp.runtime.step_engine.StepEngine (its optional members get "
                             "their defaults there)")
-        per_token = self.config.loss_reduction == "sequence"
         counts = plan.micro_steps_per_rank()  # a plan for another world fails in the plan check
         work = PlanWork(plan, sequences, self.rank, pool=self.pool, config=self.config,
                         loss_reduction=self.config.loss_reduction,
                         max_position=self.max_position, device=self.device,
                         min_micro_steps=max(max(counts, default=0)
                                             if engine.equal_micro_steps else 0, 1))
-        if train and trains_nothing(work.total):
+        if train and trains_nothing(work.trained):
             return work, True
         scope = engine.reduction_scope() if train else nullcontext()
         with scope, nullcontext() if train else torch.no_grad():
-            engine.run_micro_steps(work, per_token, train)
+            engine.run_micro_steps(work, work.per_token, train)
         return work, False
 
     def _update(self, engine: StepEngine, loss: float,

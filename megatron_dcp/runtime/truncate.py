@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_dcp.plan.plan import Plan
-from megatron_dcp.runtime.targets import SelfTargetBatch
+from megatron_dcp.runtime.targets import SelfTargetBatch, WeightedBatch
 
 
 def truncated_tokens(plan: Optional[Plan]) -> tuple[int, int]:
@@ -40,6 +40,8 @@ def cut_to_plan(plan: Plan, sequences: Sequence[Optional[torch.Tensor]]
         if 0 <= i < len(out) and out[i] is not None and out[i].dim() == 1 \
                 and out[i].shape[0] > plan.lengths[i]:
             out[i] = out[i][:plan.lengths[i]]
+    if isinstance(sequences, WeightedBatch):
+        return sequences.cut(plan.lengths)
     if isinstance(sequences, SelfTargetBatch):
         frames = list(plan.frame_tokens) if plan.frame_tokens is not None \
             else sequences.frame_tokens
