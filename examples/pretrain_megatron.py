@@ -597,8 +597,8 @@ def main(argv=None) -> int:
             reports = plain_step(chunks, sequences, args, device, parallel)
         loss = iteration_loss(reports, device, parallel)
         result = reports.result if step_fn is not None else None
-        if result is not None and dcp_config.loss_reduction == "sequence":
-            loss = result.loss  # the loss optimised: the mean of per-sequence means
+        if result is not None and dcp_config.loss_reduction not in ("token", "token-mean"):
+            loss = result.loss  # the loss optimised (e.g. the mean of per-sequence means)
         # non-finite: DCP's driver stopped the step or marked it skipped; plain mode checks here
         skipped = result.skipped if result is not None else \
             check_step(it + 1, loss, skip=dcp_config.skip_nonfinite)
