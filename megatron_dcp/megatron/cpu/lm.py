@@ -38,13 +38,51 @@ def _allow_no_cuda(initialize: Callable) -> Callable:
 
 
 def _no_compile() -> None:
-    """``_compile_dependencies`` on CPU: the wheel ships the dataset helpers built
-    (``helpers_cpp``) but not their Makefile, so Megatron-LM's ``make`` fails; check the built
-    module imports and meet at the barrier Megatron-LM's version ends with."""
+    """``_compile_dependencies`` on CPU: Megatron-LM's dataset helpers (``helpers_cpp``)
+    built as Megatron-LM builds them, without its CUDA-only parts. The wheel ships them built
+    (and no Makefile): nothing to do. A source checkout (NGC-style jobs) has the Makefile and
+    no module: rank 0 runs Megatron-LM's own ``compile_helpers`` (``make`` in the datasets
+    folder), as it would plainly; every rank then meets at the barrier and imports it, or
+    stops saying how to build it (`helpers_problem`)."""
     import torch.distributed as dist
 
-    importlib.import_module("megatron.core.datasets.helpers_cpp")
+    if dist.get_rank() == 0 and helpers_problem() and os.path.exists(_helpers_makefile()):
+        from megatron.core.datasets.utils import compile_helpers
+
+        print("> compiling dataset index builder (make in megatron/core/datasets) ...",
+              flush=True)
+        try:
+            compile_helpers()
+        except SystemExit:  # Megatron-LM's failure exits; the check below says why
+            pass
     dist.barrier()
+    problem = helpers_problem()
+    if problem:
+        raise RuntimeError(problem)
+
+
+def _helpers_makefile() -> str:
+    import megatron.core.datasets as datasets
+
+    return os.path.join(os.path.dirname(os.path.abspath(datasets.__file__)), "Makefile")
+
+
+def helpers_problem() -> str:
+    """Why ``megatron.core.datasets.helpers_cpp`` cannot be imported and what to do (``""``:
+    it can): a source checkout of Megatron-LM builds it with ``make`` (a C++ compiler and
+    pybind11, which Megatron-LM's requirements list)."""
+    importlib.invalidate_caches()
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+        return ""
+    except ImportError as exc:
+        folder = os.path.dirname(_helpers_makefile())
+        how = (f"build it with `make -C {folder}` (needs g++ and `pip install pybind11`)"
+               if os.path.exists(_helpers_makefile()) else
+               "this megatron-core has neither the built module nor its Makefile: install "
+               "the megatron-core wheel, or use a complete Megatron-LM checkout")
+        return (f"Megatron-LM's dataset helpers (megatron.core.datasets.helpers_cpp) are not "
+                f"built in {folder} ({exc}); {how}")
 
 
 def _no_jit_warmup(*args: Any, **kwargs: Any) -> None:
