@@ -277,6 +277,7 @@ def main(argv=None) -> int:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_dcp.config import DCPConfig
+    from megatron_dcp.megatron.cpu.core import seed_rng
     from megatron_dcp.megatron.parallel import destroy_model_parallel
     from megatron_dcp.megatron.step import DCPForwardBackward
 
@@ -284,6 +285,7 @@ def main(argv=None) -> int:
     init(args.seed)
     rank, failed = dist.get_rank(), False
     for mode in MODES if args.loss_agg_mode == "all" else (args.loss_agg_mode,):
+        seed_rng(args.seed)  # the same policy on every rank (rank 0's reference drew numbers)
         model, shape = build_policy()
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), module=model)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr)

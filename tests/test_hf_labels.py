@@ -132,8 +132,39 @@ def _train(rank: int, world: int, stage: int, mode: str) -> dict:
         engine.deepspeed.destroy()
 
 
+def _refused(rank: int, world: int) -> str:
+    """Rank 1's share has a label short: every rank raises the same error (none waits)."""
+    import deepspeed_plugin
+    from megatron_dcp.config import DCPConfig
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
+    model = _llama()
+    engine, *_ = deepspeed_plugin.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        config={"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+                "gradient_clipping": 0.0},
+        dcp_config=DCPConfig(enabled=True, hardware="h200", liveness_interval_s=0),
+        timeout=timedelta(seconds=60))
+    try:
+        ids, labels = _data(0)
+        if rank == 1:
+            labels[0] = labels[0][:-1]
+        try:
+            engine.train_step(ids[:2], local=True, hf_labels=labels[:2])
+        except ValueError as err:
+            return str(err)
+        return "ran"
+    finally:
+        engine.driver.close()
+        engine.deepspeed.destroy()
+
+
 def _modes(rank: int, world: int, stage: int) -> dict:
-    return {mode: _train(rank, world, stage, mode) for mode in ("dcp", "local", "dp")}
+    out = {mode: _train(rank, world, stage, mode) for mode in ("dcp", "local", "dp")}
+    if stage == 2:
+        out["refused"] = _refused(rank, world)
+    return out
 
 
 @pytest.mark.slow
@@ -144,6 +175,10 @@ def test_hf_labels_with_holes_train_as_hf_computes_them(stage):
                               grace_s=70.0)
     ref = _reference()
     trained = [sum(int((lab[1:] != -100).sum()) for lab in _data(s)[1]) for s in range(STEPS)]
+    if stage == 2:
+        assert {got.pop("refused") for got in results} == {
+            "train_step(local=True): rank 1's hf_labels: sequence 0 has 40 tokens and 39 labels "
+            "(HF's labels are unshifted: one per token)"}
     for rank, got in enumerate(results):
         for mode, run in got.items():
             for i, (a, b) in enumerate(zip(run["losses"], ref, strict=True)):
