@@ -4,10 +4,10 @@ HF's labels are unshifted (the model shifts them: ``labels[i + 1]`` is the targe
 ``i``); `from_hf_labels` turns them into DCP's per-token targets and ``engine.train_step(batch,
 hf_labels=...)`` trains them, the whole batch on every rank or each rank's share
 (``local=True``: the targets travel with the tokens; so do a `WeightedBatch` share's). A tiny HF
-Llama at ZeRO-2 and ZeRO-3 (every parameter partitioned), 2 gloo ranks, SGD: every step's loss
-equals a one-process reference that calls HF's own loss (``model(input_ids, labels=,
-num_items_in_batch=)``), and the parameters equal plain DeepSpeed's, with plans that split
-sequences over both ranks."""
+Llama at every ZeRO stage (0 and 1: free plans; 2 and 3: lockstep plans, ZeRO-3 with every
+parameter partitioned), 2 gloo ranks, SGD: every step's loss equals a one-process reference that
+calls HF's own loss (``model(input_ids, labels=, num_items_in_batch=)``), and the parameters
+equal plain DeepSpeed's, with plans that split sequences over both ranks."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def _modes(rank: int, world: int, stage: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3], ids=["zero0", "zero1", "zero2", "zero3"])
 def test_hf_labels_with_holes_train_as_hf_computes_them(stage):
     results = run_distributed(_modes, 2, args=(stage,), timeout_s=380.0, group_timeout_s=60.0,
                               grace_s=70.0)
