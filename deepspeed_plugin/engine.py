@@ -20,11 +20,13 @@ import torch.distributed as dist
 
 from deepspeed_plugin.monitor import DeepSpeedMonitor
 from megatron_dcp.config import DCPConfig
+from megatron_dcp.integrations.hf_labels import from_hf_labels
 from megatron_dcp.models.common import token_losses
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.schedule import schedule_for
 from megatron_dcp.runtime.figures import StepFigures
 from megatron_dcp.runtime.step import Shard, StepDriver, StepEngine, StepResult
+from megatron_dcp.runtime.targets import WeightedBatch
 from megatron_dcp.runtime.tiling import loss_tiles_of
 
 __all__ = ["DCPEngine", "LossFn", "StepResult", "token_loss"]
@@ -117,6 +119,16 @@ def share_problem(sequences: Any, rank: int) -> str:
     return ""
 
 
+def host_share(sequences: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """This rank's share on the host, as the input stage sends it: 1-D tensors, and a
+    `WeightedBatch` kept one (its labels, weights and scales travel with the tokens)."""
+    host = [s.detach().reshape(-1).cpu() for s in sequences]
+    if isinstance(sequences, WeightedBatch):
+        return WeightedBatch(host, sequences.labels, sequences.weights, sequences.scales,
+                             norm=sequences.norm)
+    return host
+
+
 class DCPEngine:
     """A DeepSpeed engine (``.deepspeed``) whose ``train_step`` runs one DCP step.
 
@@ -165,6 +177,7 @@ class DCPEngine:
         return self.driver.iteration
 
     def train_step(self, sequences: Sequence[torch.Tensor], plan: Optional[Plan] = None, *,
+                   hf_labels: Optional[Sequence[torch.Tensor]] = None,
                    next_lengths: Optional[Sequence[int]] = None,
                    local: bool = False) -> StepResult:
         """Forward, backward, one gradient reduction and one optimizer step on a global batch.
@@ -173,7 +186,12 @@ class DCPEngine:
         ``local=True`` this rank's own share of it (the global batch is the ranks' shares in
         rank order, as a ``DistributedSampler``'s), and the rank receives only the tokens of
         its own tasks (`megatron_dcp.runtime.input_stage`: lengths gathered, planned, one
-        exchange on a host group). ``plan``: a plan of the caller's (whole batch only);
+        exchange on a host group). A `WeightedBatch` (whole or share) trains its own labels,
+        per-token weights and scales. ``hf_labels``: one tensor per sequence in Hugging Face's
+        convention (unshifted, as ``model(input_ids, labels=)`` takes them: ``hf_labels[i+1]``
+        is the target of token ``i``; -100 trains nothing, anywhere in a sequence), turned into
+        a `WeightedBatch` (`megatron_dcp.integrations.hf_labels.from_hf_labels`); with
+        ``local=True`` this rank's share's. ``plan``: a plan of the caller's (whole batch only);
         default: the one made ahead for it, else planned here. ``next_lengths``: the lengths
         of the next global batch (with ``local=True``: of this rank's next share), planned on a
         background thread while this step runs (``dcp.plan_ahead``; `StepDriver.step`).
@@ -189,22 +207,31 @@ class DCPEngine:
                 raise ValueError("train_step(local=True) plans the gathered lengths of every "
                                  "rank's share itself: pass plan= only with the whole batch "
                                  "(local=False)")
-            result = self._local_step(sequences, next_lengths)
+            result = self._local_step(sequences, next_lengths, hf_labels)
         else:
+            if hf_labels is not None:  # the same batch on every rank: refused on all alike
+                sequences = from_hf_labels(sequences, hf_labels)
             result = self.driver.step(self._steps, sequences, plan, next_lengths=next_lengths)
         self.monitor.write(result)  # to DeepSpeed's monitor, where its JSON enables one
         return result
 
     def _local_step(self, sequences: Sequence[torch.Tensor],
-                    next_lengths: Optional[Sequence[int]]) -> StepResult:
+                    next_lengths: Optional[Sequence[int]],
+                    hf_labels: Optional[Sequence[torch.Tensor]] = None) -> StepResult:
         """`train_step` on this rank's share: the runtime's input stage gives this rank its own
-        tasks' sequences (``None`` for the others) and the plan, which the driver runs."""
+        tasks' sequences (``None`` for the others) and the plan, which the driver runs; a
+        share's targets (a `WeightedBatch`, or ``hf_labels``) travel with its tokens."""
         from megatron_dcp.runtime import input_stage
 
         if self._host_group is False:  # every rank, at its first local step: collective
             self._host_group = input_stage.host_group()
         problem = share_problem(sequences, self.rank)
-        mine = [] if problem else [s.detach().reshape(-1).cpu().numpy() for s in sequences]
+        mine = [] if problem else host_share(sequences)
+        if not problem and hf_labels is not None:
+            try:  # a problem is raised on every rank alike, after the lengths are gathered
+                mine = from_hf_labels(mine, hf_labels)
+            except ValueError as err:
+                problem, mine = f"train_step(local=True): rank {self.rank}'s {err}", []
         times: list[float] = []
 
         def plan_of(lengths: list[int]) -> Plan:

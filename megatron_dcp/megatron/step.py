@@ -55,7 +55,9 @@ class StepReports(list):
 
 @dataclass
 class GlobalBatch:
-    """The sequences of one optimizer step (index = plan sequence index) and optionally its plan;
+    """The sequences of one optimizer step (index = plan sequence index; a
+    `megatron_dcp.runtime.targets.WeightedBatch` trains its own labels, per-token weights and
+    scales: loss masks, RL advantages: docs/POSTTRAINING.md) and optionally its plan;
     ``next_lengths``: the lengths of the next step's batch, planned on a background thread while
     this step runs (``DCPConfig.plan_ahead``)."""
 
@@ -199,7 +201,10 @@ class DCPForwardBackward:
         if batch.plan is not None and batch.plan.world_size != driver.world_size:
             raise ValueError(f"plan for a DCP world of {batch.plan.world_size} ranks, but the "
                              f"data-parallel size is {driver.world_size}")
-        result = driver.step(engine, list(batch.sequences), batch.plan, train=not forward_only,
+        # a list subclass (a WeightedBatch: labels, weights, scales) is passed on as it is
+        sequences = batch.sequences if isinstance(batch.sequences, list) else \
+            list(batch.sequences)
+        result = driver.step(engine, sequences, batch.plan, train=not forward_only,
                              next_lengths=batch.next_lengths)
         reports = engine.reports
         if reports:
