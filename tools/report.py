@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:  # `python tools/report.py` in a checkout
 from megatron_dcp.outputs import (OVERWRITE_HELP, mark, output_problem,  # noqa: E402
                                   same_file)
 from megatron_dcp.runtime.figures import row_figures  # noqa: E402
-from megatron_dcp.runtime.report import log_rows, timeline_bars, timeline_tasks  # noqa: E402
+from megatron_dcp.runtime.report import timeline_bars, timeline_tasks  # noqa: E402
 
 if __package__:  # tools.report, megatron_dcp_tools.report
     from .report_logs import LogError, read_baseline, read_log  # noqa: E402

@@ -266,9 +266,11 @@ charts.forEach(function(svg){
   var box=svg.viewBox.baseVal, home=[box.x,box.y,box.width,box.height], drag=null;
   var out=svg.closest('.panel').querySelector('.readout');
   function point(e){var r=svg.getBoundingClientRect();
-    return [box.x+(e.clientX-r.left)/r.width*box.width, box.y+(e.clientY-r.top)/r.height*box.height];}
+    return [box.x+(e.clientX-r.left)/r.width*box.width,
+            box.y+(e.clientY-r.top)/r.height*box.height];}
   svg.addEventListener('wheel',function(e){e.preventDefault();
-    var p=point(e), f=e.deltaY<0?0.8:1.25, w=Math.min(box.width*f,home[2]), h=Math.min(box.height*f,home[3]);
+    var p=point(e), f=e.deltaY<0?0.8:1.25;
+    var w=Math.min(box.width*f,home[2]), h=Math.min(box.height*f,home[3]);
     box.x=p[0]-(p[0]-box.x)*w/box.width; box.y=p[1]-(p[1]-box.y)*h/box.height;
     box.width=w; box.height=h;},{passive:false});
   svg.addEventListener('mousedown',function(e){drag=point(e);});
@@ -277,7 +279,8 @@ charts.forEach(function(svg){
     if(drag){var p=point(e); box.x+=drag[0]-p[0]; box.y+=drag[1]-p[1];}
     var t=e.target.querySelector&&e.target.querySelector('title');
     if(t&&out&&e.target!==svg){out.textContent=t.textContent;}});
-  svg.addEventListener('dblclick',function(){box.x=home[0];box.y=home[1];box.width=home[2];box.height=home[3];});
+  svg.addEventListener('dblclick',function(){
+    box.x=home[0]; box.y=home[1]; box.width=home[2]; box.height=home[3];});
 });
 document.body.setAttribute('data-report-ready', String(charts.length));
 })();"""

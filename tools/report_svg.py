@@ -192,7 +192,8 @@ def timeline_chart(name: str, bars: Sequence[TimelineBar], world: int,
     lane = (frame.y(0) - frame.y(1)) / 2
     for rank, start, duration, degree, recompute, kind in bars:
         top = frame.y(rank + 1) + (lane if kind == "measured" else 0)
-        style = ' stroke="#000" stroke-width="1"' if recompute else ' stroke="#fff" stroke-width="0.5"'
+        style = ' stroke="#000" stroke-width="1"' if recompute else \
+            ' stroke="#fff" stroke-width="0.5"'
         opacity = 0.55 if kind == "measured" else 1.0
         body.append(f'<rect class="task {kind}" x="{frame.x(start):.2f}" y="{top:.2f}" '
                     f'width="{max(frame.x(start + duration) - frame.x(start), 0.5):.2f}" '

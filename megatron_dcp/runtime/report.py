@@ -358,11 +358,7 @@ class TrainingLog:
         record["plan"] = plan
         if self.checkpoint_dir is not None:
             record[CHECKPOINT_DIR_KEY] = self.checkpoint_dir
-        if self.primary and self._timeline_due(iteration) and step_plan is not None \
-                and step_plan.policy != "data-parallel":
-            record["timeline"] = plan_timeline(step_plan)
-            if timeline_extra is not None:
-                record["timeline"].update(timeline_extra())
+        record.update(self._timeline(iteration, step_plan, timeline_extra))
         if self._json is not None:
             self._json.write(json.dumps(record) + "\n")
             self._json.flush()
@@ -375,6 +371,17 @@ class TrainingLog:
                   f"{_skip_text(skipped, self.skipped_steps, skipped_sequences, empty, cut)}",
                   flush=True)
         return record
+
+    def _timeline(self, iteration: int, step_plan: Optional[Plan],
+                  extra: Optional[Any]) -> dict[str, Any]:
+        """``{"timeline": ...}`` of a row that carries one (`_timeline_due`, a DCP plan), with
+        what ``extra()`` returns; else {}."""
+        if not (self.primary and self._timeline_due(iteration) and step_plan is not None
+                and step_plan.policy != "data-parallel"):
+            return {}
+        timeline = plan_timeline(step_plan)
+        timeline.update(extra() if extra is not None else {})
+        return {"timeline": timeline}
 
     def _timeline_due(self, iteration: int) -> bool:
         """Whether this row carries the timeline: the first one logged, then every
