@@ -233,24 +233,20 @@ def _degree_mix(ax, its, figs) -> None:
 
 
 def totals(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    """The run's totals for the page: iterations, tokens trained (and run, where the rows count
-    both), mean tokens/s and MFU, last loss."""
+    """The run's totals for the page: iterations, tokens trained and run (where the rows say;
+    older rows' ``tokens`` counted those run), mean tokens/s of each and MFU, last loss."""
     figs = [row_figures(r) for r in rows]
     out = {"iterations": str(len(rows))}
-
-    def total(*names: str) -> Optional[float]:
-        found = [next((f[n] for n in names if n in f), None) for f in figs]
-        return sum(v for v in found if v is not None) if any(v is not None for v in found) \
-            else None
-
-    tokens = total("tokens_trained", "tokens") or 0.0
-    run = total("tokens_run")
+    tokens = sum(f.get("tokens", 0.0) for f in figs)
     seconds = sum(f.get("step_s", 0.0) for f in figs)
-    out["tokens trained"] = f"{tokens:,.0f}"
-    if run is not None:
-        out["tokens run"] = f"{run:,.0f}"
+    out["tokens trained"] = f"{tokens:.0f}"
+    run = sum(f["tokens_run"] for f in figs if "tokens_run" in f)
+    if any("tokens_run" in f for f in figs):
+        out["tokens run"] = f"{run:.0f}"
     if seconds:
-        out["tokens/s"] = f"{tokens / seconds:,.1f}"
+        out["tokens/s trained"] = f"{tokens / seconds:.1f}"
+        if "tokens run" in out:
+            out["tokens/s run"] = f"{run / seconds:.1f}"
     mfu = [f["mfu"] for f in figs if "mfu" in f]
     if mfu:
         out["MFU (mean)"] = f"{100 * sum(mfu) / len(mfu):.2f} %"

@@ -86,8 +86,8 @@ def check_row(row: dict[str, Any], where: str) -> None:
     """`LogError` at ``where`` (``file:line``) for a row whose figures are of the wrong type (a
     step time ``"fast"``, degrees that are not counts), whose ``run`` is not an object, or whose
     timeline is malformed (its tasks, its ``measured_s`` and per-rank ``ranks`` lists)."""
-    for key in ("step_s", "predicted_s", "loss", "tokens", "tokens_per_s", "lr",
-                "peak_mem_mb", "grad_norm"):
+    for key in ("step_s", "predicted_s", "loss", "tokens", "tokens_per_s", "tokens_run",
+                "tokens_run_per_s", "lr", "peak_mem_mb", "grad_norm"):
         value = row.get(key)
         if value is not None and not _number(value):
             raise LogError(f"{where}: {key} {json.dumps(value)[:40]} is not a number")

@@ -209,7 +209,8 @@ def panels(rows, baseline=None, chosen: Sequence[int] = (), summary=None) -> dic
                                 _series(base, bfigs, "loss", "baseline loss")], "loss",
                        "loss", dashed=dashed),
         "tokens/s and MFU": _lines(
-            "tokens/s and MFU", [_series(rows, figs, "tokens_per_s", "tokens/s"),
+            "tokens/s and MFU", [_series(rows, figs, "tokens_per_s", "tokens/s trained"),
+                                 _series(rows, figs, "tokens_run_per_s", "tokens/s run"),
                                  _series(base, bfigs, "tokens_per_s", "baseline tokens/s")],
             "tokens/s", "tokens/s", right=[_series(rows, figs, "mfu", "MFU %", 100.0)],
             right_label="MFU %", dashed=dashed),
