@@ -243,7 +243,7 @@ def run_config(engine) -> dict:
     dcp = engine.dcp
     settings = {k: getattr(dcp, k) for k in ("policy", "schedule", "recompute", "calibration",
                                              "max_tokens_per_rank", "loss_reduction")
-                if hasattr(dcp, k)} if dcp.enabled else {}
+                if getattr(dcp, k, None) is not None} if dcp.enabled else {}
     return config("deepspeed", model=engine.driver.model_shape,
                   layout={"ranks": engine.world_size, "ZeRO stage": engine.zero_stage,
                           "device": str(engine.device)},

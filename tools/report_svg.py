@@ -36,13 +36,15 @@ def number(value: float) -> str:
     return f"{value:.4g}"
 
 
-def ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """About ``count`` round values from ``low`` to ``high`` (1, 2 or 5 times a power of 10)."""
+def ticks(low: float, high: float, count: int = 5, whole: bool = False) -> list[float]:
+    """About ``count`` round values from ``low`` to ``high`` (1, 2 or 5 times a power of 10;
+    ``whole``: whole numbers only, for iterations and ranks)."""
     if not high > low:
         return [low]
     raw = (high - low) / count
     power = 10 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    step = max(step, 1) if whole else step
     first = math.ceil(low / step) * step
     return [first + k * step for k in range(int((high - first) / step + 1e-9) + 1)]
 
@@ -77,11 +79,15 @@ def _axes(frame: Frame, xlabel: str, ylabel: str, right: Optional[Frame] = None,
     out = [f'<line class="axis" x1="{LEFT}" y1="{HEIGHT - BOTTOM}" x2="{WIDTH - RIGHT}" '
            f'y2="{HEIGHT - BOTTOM}"/>',
            f'<line class="axis" x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{HEIGHT - BOTTOM}"/>']
-    for v in ticks(frame.x0, frame.x1, 8):
+    for v in ticks(frame.x0, frame.x1, 8, whole=xlabel != "seconds"):
         out.append(f'<text class="tick" x="{frame.x(v):.1f}" y="{HEIGHT - BOTTOM + 14}" '
                    f'text-anchor="middle">{_esc(number(v))}</text>')
-    for v in ticks(frame.y0, frame.y1):
-        out.append(f'<text class="tick" x="{LEFT - 4}" y="{frame.y(v) + 4:.1f}" '
+    ranks = ylabel == "rank"  # a timeline: rank r is the row from r to r + 1
+    for v in ticks(frame.y0, frame.y1, whole=ranks):
+        if ranks and v >= frame.y1:
+            continue
+        at = frame.y(v + 0.5 if ranks else v)
+        out.append(f'<text class="tick" x="{LEFT - 4}" y="{at + 4:.1f}" '
                    f'text-anchor="end">{_esc(number(v))}</text>')
         out.append(f'<line class="grid" x1="{LEFT}" y1="{frame.y(v):.1f}" '
                    f'x2="{WIDTH - RIGHT}" y2="{frame.y(v):.1f}"/>')
