@@ -198,3 +198,44 @@ def test_a_baseline_that_is_neither_is_refused(tool, tmp_path, capsys):
         tool.main([str(run), "--baseline", str(tmp_path / "missing.log")])
     assert stop.value.code == 2
     assert "--baseline" in capsys.readouterr().err
+
+
+def test_per_rank_work_and_the_timeline_extras_of_a_plan(tmp_path):
+    """`rank_work` splits each task's tokens and TFLOP evenly over its ranks (sums: the plan's
+    tokens, the figures' model TFLOP); a row carries the extras only beside its timeline, the
+    calibration's measured seconds in task order; the commit is this checkout's."""
+    from types import SimpleNamespace
+
+    from megatron_dcp.config import DCPConfig
+    from megatron_dcp.plan import load_model, make_plan
+    from megatron_dcp.runtime.figures import document_flops
+    from megatron_dcp.runtime.report import TrainingLog, plan_summary
+    from megatron_dcp.runtime.run_info import TimelineExtras, rank_work, source_commit
+
+    shape, config = load_model("gpt-1b"), DCPConfig(enabled=True, hardware="h100")
+    lengths = [64 * (k % 9 + 1) for k in range(20)] + [30_000]
+    plan = make_plan(lengths, world_size=4, model=shape, config=config, hardware="h100")
+    assert any(t.degree > 1 for t in plan.tasks)
+    work = rank_work(plan, shape)
+    ran = [plan.lengths[s] for t in plan.tasks for s in t.seqs]
+    assert sum(work["tokens"]) == pytest.approx(sum(ran), rel=1e-6)
+    assert sum(work["tflop"]) == pytest.approx(document_flops(shape, ran) / 1e12, rel=1e-4)
+    long_task = next(t for t in plan.tasks if 30_000 in [plan.lengths[s] for s in t.seqs])
+    assert all(work["tokens"][r] >= 30_000 / long_task.degree for r in long_task.ranks)
+    measured = [0.1 * (k + 1) for k in range(len(plan.tasks))]
+    driver = SimpleNamespace(timing=SimpleNamespace(task_seconds=measured), model_shape=shape,
+                             hardware=None)
+    log = TrainingLog("dcp", 3, json_path=str(tmp_path / "run.jsonl"), quiet=True,
+                      timeline_interval=2)
+    rows = [log.iteration(it, loss=1.0, tokens=10, step_s=1.0, plan=plan_summary(plan),
+                          step_plan=plan,
+                          timeline_extra=TimelineExtras(driver, 2).of(plan, [5.0, 6.0]))
+            for it in (1, 2, 3)]
+    assert ["measured_s" in r.get("timeline", {}) for r in rows] == [True, True, False]
+    assert rows[0]["timeline"]["measured_s"] == pytest.approx(measured)
+    assert rows[0]["timeline"]["ranks"]["peak_mem_mb"] == [5.0, 6.0]
+    assert rows[0]["timeline"]["ranks"]["gpus_per_rank"] == [2]
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True, cwd=Path(__file__).parent).stdout.strip()
+    assert source_commit().split()[0] == head
+    assert source_commit(str(tmp_path)) == ""  # not a checkout
