@@ -1,4 +1,5 @@
-"""``dcp-report RUN.jsonl``: a picture of a training run from its DCP JSON log.
+"""``dcp-report RUN.jsonl``: a page (HTML, zoomable) and a picture (PNG) of a training run from
+its DCP JSON log.
 
 Reads the rows of ``--log-json`` (the examples) or ``--dcp-log-json`` (the Megatron-LM
 launcher) and writes ``RUN.html``, a page a team keeps open (`report_page`: inline SVG charts

@@ -55,7 +55,8 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-log-json", default=None, metavar="PATH", type=output_file,
                        help="with --dcp: one JSON row per iteration in the examples' "
                             "--log-json format (loss, tokens, step and predicted seconds, the "
-                            "plan with its degrees; dcp-simulate --replay reads it), written by "
+                            "plan with its degrees, the run's configuration in the first row; "
+                            "dcp-report draws it, dcp-simulate --replay reads it), written by "
                             "the last pipeline stage's first rank")
     group.add_argument("--dcp-overwrite-log", action="store_true",
                        help="with --dcp-log-json: replace that file if it holds another run's "
