@@ -520,6 +520,28 @@ def iteration_loss(reports, device, parallel) -> float:
     return float(summed[0] / summed[1])
 
 
+def row_extras(args, log, step_fn, plan, peak_mb: float, shape, *, tp_pp: int) -> dict:
+    """What a log row carries beside the figures (`megatron_dcp.runtime.run_info`): the run's
+    configuration in its first row; with the plan's timeline, the measured task seconds and
+    per-rank figures, every process's peak memory among them (gathered: collective, so every
+    rank calls this when the run writes a JSON log)."""
+    from megatron_dcp.runtime.run_info import TimelineExtras, gather_peak_memory, run_config
+
+    memory = gather_peak_memory(peak_mb) if log.json_path else None
+    extra: dict = {}
+    if log.primary and log.iterations == 0:
+        extra["run"] = run_config(
+            "megatron-core", model=shape,
+            layout={"ranks": dist.get_world_size(), "tensor": args.tensor_model_parallel_size,
+                    "pipeline": args.pipeline_model_parallel_size,
+                    "data": dist.get_world_size() // tp_pp},
+            hardware=args.dcp_hardware if step_fn is not None else None,
+            dcp={"policy": step_fn.driver.config.policy} if step_fn is not None else None)
+    if log.primary and step_fn is not None and plan is not None:
+        extra["timeline_extra"] = TimelineExtras(step_fn.driver, tp_pp).of(plan, memory)
+    return extra
+
+
 def main(argv=None) -> int:
     """Train; returns the process exit code."""
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
@@ -618,13 +640,16 @@ def main(argv=None) -> int:
         tokens, skipped_seqs = trained_tokens(plan, [int(s.numel()) for s in sequences])
         timings = {} if result is None else {"plan_s": result.plan_s,  # planning, and waiting
                                              "plan_wait_s": result.plan_wait_s}
+        peak = peak_memory_mb(device)
+        extra = row_extras(args, log, step_fn, plan, peak, shape, tp_pp=world // dp_size)
         log.iteration(it + 1, loss=loss, tokens=tokens, step_s=t_end - t0,
                       sequences=len(sequences), skipped=skipped, skipped_sequences=skipped_seqs,
                       predicted_s=result.predicted_s if result is not None else None,
                       calibration_error=result.calibration_error if result is not None else None,
-                      peak_mem_mb=peak_memory_mb(device),
+                      peak_mem_mb=peak, lr=float(optimizer.param_groups[0]["lr"]),
                       figures=figures(result, t_end - t0) if figures else None,
-                      plan=plan_summary(plan, micro_steps=micro, **timings), step_plan=plan)
+                      plan=plan_summary(plan, micro_steps=micro, **timings), step_plan=plan,
+                      **extra)
         last = it + 1 == args.train_iters
         if args.save and (last or (args.save_interval and (it + 1) % args.save_interval == 0)):
             save_checkpoint(args, it + 1, chunks, optimizer, sampler, step_fn, parallel)

@@ -200,21 +200,54 @@ def next_lengths(sampler, args: argparse.Namespace, iteration: int):
 def log_step(log, engine, iteration: int, result, *, tokens: int, sequences: int) -> None:
     """One row of the training log for the engine's step ``result`` (``tokens``: those trained;
     the planner's predicted time only with --dcp; the plan summary; a skipped step and the
-    sequences the oversize policy skipped; peak memory so far; the step's figures, as
-    DeepSpeed's monitor gets them: `megatron_dcp.runtime.figures`; the plan's timeline when
-    due, ``--log-timeline-interval``)."""
+    sequences the oversize policy skipped; peak memory so far; the learning rate; the step's
+    figures, as DeepSpeed's monitor gets them: `megatron_dcp.runtime.figures`; the plan's
+    timeline when due, ``--log-timeline-interval``, with the measured task times and per-rank
+    figures: `megatron_dcp.runtime.run_info`; the run's configuration in the first row).
+    Collective with a JSON log (every process's peak memory is gathered): every rank."""
     from megatron_dcp.runtime.report import peak_memory_mb, plan_summary
+    from megatron_dcp.runtime.run_info import TimelineExtras, gather_peak_memory
 
     summary = plan_summary(result.plan, micro_steps=result.micro_steps, plan_s=result.plan_s,
                            plan_wait_s=result.plan_wait_s)
     skipped_sequences = len(result.plan.skipped) if result.plan is not None else 0
+    peak = peak_memory_mb(engine.device)
+    memory = gather_peak_memory(peak) if log.json_path else None
+    extra: dict[str, Any] = {}
+    if log.primary and log.iterations == 0:
+        extra["run"] = run_config(engine)
+    if log.primary and result.plan is not None and engine.dcp.enabled:
+        extra["timeline_extra"] = TimelineExtras(engine.driver).of(result.plan, memory)
     log.iteration(iteration, loss=result.loss, tokens=tokens, step_s=result.wall_s,
                   skipped=result.skipped, skipped_sequences=skipped_sequences,
                   predicted_s=result.predicted_s if engine.dcp.enabled else None,
                   calibration_error=result.calibration_error, sequences=sequences,
-                  grad_norm=result.grad_norm, peak_mem_mb=peak_memory_mb(engine.device),
+                  grad_norm=result.grad_norm, peak_mem_mb=peak, lr=learning_rate(engine),
                   figures=engine.figures(result) if log.primary else None, plan=summary,
-                  step_plan=result.plan)
+                  step_plan=result.plan, **extra)
+
+
+def learning_rate(engine) -> Any:
+    """The optimizer's learning rate (its first parameter group's), None where unknown."""
+    try:
+        return float(engine.deepspeed.get_lr()[0])
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
+
+
+def run_config(engine) -> dict:
+    """The ``run`` object of the log's first row (`megatron_dcp.runtime.run_info.run_config`):
+    DeepSpeed, the model's shape, the ranks and ZeRO stage, the DCP settings."""
+    from megatron_dcp.runtime.run_info import run_config as config
+
+    dcp = engine.dcp
+    settings = {k: getattr(dcp, k) for k in ("policy", "schedule", "recompute", "calibration",
+                                             "max_tokens_per_rank", "loss_reduction")
+                if getattr(dcp, k, None) is not None} if dcp.enabled else {}
+    return config("deepspeed", model=engine.driver.model_shape,
+                  layout={"ranks": engine.world_size, "ZeRO stage": engine.zero_stage,
+                          "device": str(engine.device)},
+                  hardware=dcp.hardware if dcp.enabled else None, dcp=settings)
 
 
 @contextlib.contextmanager

@@ -73,6 +73,9 @@ def test_deepspeed_monitor_csv_equals_the_json_log(tmp_path, tools_on_path):
         for step, r in zip(steps, rows):
             assert {k: v for k, v in history[step].items() if k.startswith("dcp/")} == \
                 pytest.approx({"dcp/" + k: v for k, v in r["figures"].items()}, rel=1e-12)
+    from test_report_page import assert_report_fields
+
+    assert_report_fields(rows, engine="deepspeed")
     import report
 
     assert report.main([str(log), "--dpi", "40"]) == 0
@@ -92,3 +95,6 @@ def test_megatron_example_rows_carry_the_figures(tmp_path):
         assert figures["step_s"] == row["step_s"] and figures["tokens"] == row["tokens"]
         assert figures["loss"] == pytest.approx(row["loss"], rel=1e-6)
         assert {"mfu", "model_tflop", "plan_efficiency", "micro_steps_max"} <= set(figures)
+    from test_report_page import assert_report_fields
+
+    assert_report_fields(rows, engine="megatron-core")

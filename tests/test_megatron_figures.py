@@ -14,6 +14,7 @@ pytest.importorskip("megatron.training", reason="Megatron-LM's training package 
 pytestmark = pytest.mark.slow  # every test here launches processes
 
 from test_megatron_launcher import _launch  # noqa: E402
+from test_report_page import assert_report_fields  # noqa: E402
 
 
 @pytest.mark.timeout(300)
@@ -30,6 +31,7 @@ def test_launcher_rows_carry_the_figures(tmp_path):
         assert {"mfu", "model_tflop", "tokens_per_s", "plan_efficiency",
                 "micro_steps_max", "step_s"} <= set(figures)
     assert any(r["figures"].get("tokens_degree_2", 0) > 0 for r in rows)  # documents split
+    assert_report_fields(rows, engine="megatron-lm")
 
 
 @pytest.mark.timeout(120)

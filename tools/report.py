@@ -1,33 +1,36 @@
-"""``dcp-report RUN.jsonl``: a picture of a training run from its DCP JSON log.
+"""``dcp-report RUN.jsonl``: a page (HTML, zoomable) and a picture (PNG) of a training run from
+its DCP JSON log.
 
 Reads the rows of ``--log-json`` (the examples) or ``--dcp-log-json`` (the Megatron-LM
-launcher) and writes ``RUN.png`` and ``RUN.html`` (the page embeds the image and a table of the
-run's totals), then prints both paths. Panels: loss; tokens/s and MFU; predicted vs measured
-step time; the mix of sequence-parallel degrees over the iterations (tokens per degree where the
-rows carry the figures of `megatron_dcp.runtime.figures`, else tasks per degree); recomputed
-layers and micro-steps per rank; the plan's idle share and efficiency; and a last row with the
-timeline (ranks x time, tasks coloured by degree, recompute hatched) of chosen iterations, from
-the ``timeline`` the rows carry every ``--log-timeline-interval`` iterations, drawn as
+launcher) and writes ``RUN.html``, a page a team keeps open (`report_page`: inline SVG charts
+that zoom and pan, no network), and ``RUN.png`` (the same run as one image, also embedded in
+the page), then prints both paths. The page: the run's configuration (the ``run`` object of its
+first row: model, layout, flags, commit) and totals; loss and tokens/s (with a plain run's
+drawn over them: ``--baseline LOG``, a --log-json or Megatron-LM's console log) and MFU;
+tokens/s and TFLOP/s per rank and memory per rank (carried with the timeline); grad norm and
+learning rate; planning time and calibration error; predicted vs measured step time; the mix of
+sequence-parallel degrees; recomputed layers and micro-steps; idle share and plan efficiency;
+the predicted timeline of chosen iterations beside the measured task times (``measured_s``)
+and what the step spent outside its tasks. The PNG's panels are `PANELS`, its last row drawn as
 ``dcp-simulate --plot`` draws a plan (`timeline_plot`). A panel whose figures a log lacks (an
 older log, a run without ``--dcp``) says so instead of a curve.
 
     dcp-report runs/demo.jsonl                 # runs/demo.png, runs/demo.html
     dcp-report run.jsonl --out report/run      # report/run.png, report/run.html
     dcp-report run.jsonl --timeline 1,500      # the timelines of iterations 1 and 500
+    dcp-report run.jsonl --baseline plain.log  # a plain run's loss and tokens/s over the run's
 
 An existing output is replaced only when dcp-report wrote it (or with ``--overwrite``); an
 output that would be the log itself (a log named ``run.html``) is refused, before the log is
 read. Needs matplotlib (``pip install 'megatron-dcp[plot]'``). Exit status 0, or 2 with a
 one-line error naming the file and line of a row that is not a DCP log row (wrong types, a
-timeline task outside its world), or the flag of a bad argument.
+timeline task outside its world; Megatron-LM's console log is named as one, with the flag that
+writes the rows: ``--dcp-log-json``), or the flag of a bad argument.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import html
-import json
 import os
 import re
 import sys
@@ -41,12 +44,16 @@ if str(ROOT) not in sys.path:  # `python tools/report.py` in a checkout
 from megatron_dcp.outputs import (OVERWRITE_HELP, mark, output_problem,  # noqa: E402
                                   same_file)
 from megatron_dcp.runtime.figures import row_figures  # noqa: E402
-from megatron_dcp.runtime.report import log_rows, timeline_bars, timeline_tasks  # noqa: E402
+from megatron_dcp.runtime.report import timeline_bars, timeline_tasks  # noqa: E402
 
 if __package__:  # tools.report, megatron_dcp_tools.report
+    from .report_logs import LogError, read_baseline, read_log  # noqa: E402
+    from .report_page import panels, write_page  # noqa: E402
     from .timeline_plot import (MAX_BARS, crowded_note,  # noqa: E402
                                 degree_colours, draw_timeline, legend_handles)
 else:  # python tools/report.py (tools/ is first on sys.path)
+    from report_logs import LogError, read_baseline, read_log  # noqa: E402
+    from report_page import panels, write_page  # noqa: E402
     from timeline_plot import (MAX_BARS, crowded_note,  # noqa: E402
                                degree_colours, draw_timeline, legend_handles)
 
@@ -65,61 +72,8 @@ MAX_DPI = 600
 """The largest ``--dpi``: the figure is 13 x 13 inches, 7800 pixels a side at this one."""
 
 
-class LogError(ValueError):
-    """A file that is not a DCP JSON log: the message names the file and line."""
-
-
 class OutputError(ValueError):
     """An output path that may not be written (`output_paths`): the message names it."""
-
-
-def read_log(path: str) -> list[dict[str, Any]]:
-    """The rows of a DCP JSON log, each checked: a JSON object with an ``iteration`` and the
-    ``plan`` summary every DCP row carries (``{"mode": ...}``), the figures the report reads of
-    the right types, and a ``timeline`` whose tasks lie inside its world (`timeline_bars`);
-    otherwise `LogError` naming the file and line, before anything is drawn."""
-    rows = []
-    try:
-        for number, row in log_rows(path):
-            plan = row.get("plan") if isinstance(row, dict) else None
-            if not (isinstance(row, dict) and isinstance(row.get("iteration"), int)
-                    and isinstance(plan, dict) and "mode" in plan):
-                raise LogError(f"{path}:{number}: not a DCP JSON log row (one written by "
-                               "--log-json or --dcp-log-json has 'iteration' and 'plan')")
-            _check_row(row, f"{path}:{number}")
-            rows.append(row)
-    except LogError:
-        raise
-    except ValueError as err:  # log_rows: the line is named
-        raise LogError(str(err)) from None
-    if not rows:
-        raise LogError(f"{path}: no rows")
-    return rows
-
-
-def _check_row(row: dict[str, Any], where: str) -> None:
-    """`LogError` at ``where`` (``file:line``) for a row whose figures are of the wrong type (a
-    step time ``"fast"``, degrees that are not counts) or whose timeline is malformed."""
-    for key in ("step_s", "predicted_s", "loss", "tokens", "tokens_per_s"):
-        value = row.get(key)
-        if value is not None and not (isinstance(value, (int, float))
-                                      and not isinstance(value, bool)):
-            raise LogError(f"{where}: {key} {json.dumps(value)[:40]} is not a number")
-    plan = row["plan"]
-    for key, kind in (("degrees", dict), ("micro_steps_per_rank", list),
-                      ("recompute_layers", list)):
-        if plan.get(key) is not None and not isinstance(plan[key], kind):
-            raise LogError(f"{where}: plan {key} is a {type(plan[key]).__name__}, not a "
-                           f"{kind.__name__}")
-    for degree, count in (plan.get("degrees") or {}).items():
-        if not isinstance(count, (int, float)) or isinstance(count, bool):
-            raise LogError(f"{where}: plan degrees {degree}: {json.dumps(count)[:40]} is not a "
-                           "count")
-    if row.get("timeline") is not None:
-        try:
-            timeline_bars(row["timeline"])
-        except ValueError as err:
-            raise LogError(f"{where}: {err}") from None
 
 
 def _series(iterations: list[int], figures: list[dict[str, float]],
@@ -138,9 +92,11 @@ def _degree_names(figures: list[dict[str, float]]) -> tuple[str, list[str]]:
 
 
 def draw(rows: Sequence[dict[str, Any]], title: str = "",
-         timeline: Optional[Sequence[int]] = None):
+         timeline: Optional[Sequence[int]] = None,
+         baseline: Optional[Sequence[dict[str, Any]]] = None):
     """The report's figure (matplotlib ``Figure``): one axes per `PANELS` entry, titled so, the
-    last row a timeline panel per iteration of ``timeline`` (default: `default_timeline`)."""
+    last row a timeline panel per iteration of ``timeline`` (default: `default_timeline`);
+    ``baseline``'s rows (a plain run) dashed over the loss and tokens/s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,6 +124,13 @@ def draw(rows: Sequence[dict[str, Any]], title: str = "",
     _lines(panels["idle share and plan efficiency"], its, figs,
            [("idle_share", "idle share"), ("plan_efficiency", "efficiency vs lower bound")])
     _timelines(fig, grid[3, :], rows, default_timeline(rows) if timeline is None else timeline)
+    if baseline:
+        bits, bfigs = [int(r["iteration"]) for r in baseline], [row_figures(r) for r in baseline]
+        for name, key in (("loss", "loss"), ("tokens/s and MFU", "tokens_per_s")):
+            x, y = _series(bits, bfigs, key)
+            if x:
+                panels[name].plot(x, y, linestyle="--", color="grey", label="baseline")
+                panels[name].legend(fontsize="small")
     return fig
 
 
@@ -271,14 +234,20 @@ def _degree_mix(ax, its, figs) -> None:
 
 
 def totals(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    """The run's totals for the page: iterations, tokens, mean tokens/s and MFU, last loss."""
+    """The run's totals for the page: iterations, tokens trained and run (where the rows say;
+    older rows' ``tokens`` counted those run), mean tokens/s of each and MFU, last loss."""
     figs = [row_figures(r) for r in rows]
     out = {"iterations": str(len(rows))}
     tokens = sum(f.get("tokens", 0.0) for f in figs)
     seconds = sum(f.get("step_s", 0.0) for f in figs)
     out["tokens trained"] = f"{tokens:.0f}"
+    run = sum(f["tokens_run"] for f in figs if "tokens_run" in f)
+    if any("tokens_run" in f for f in figs):
+        out["tokens run"] = f"{run:.0f}"
     if seconds:
-        out["tokens/s"] = f"{tokens / seconds:.1f}"
+        out["tokens/s trained"] = f"{tokens / seconds:.1f}"
+        if "tokens run" in out:
+            out["tokens/s run"] = f"{run / seconds:.1f}"
     mfu = [f["mfu"] for f in figs if "mfu" in f]
     if mfu:
         out["MFU (mean)"] = f"{100 * sum(mfu) / len(mfu):.2f} %"
@@ -286,20 +255,6 @@ def totals(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
         out["last loss"] = f"{figs[-1]['loss']:.4f}"
     out["mode"] = str(rows[-1]["plan"]["mode"])
     return out
-
-
-def write_html(path: str, png_path: str, title: str, summary: dict[str, str]) -> None:
-    """A page embedding the PNG (base64: the page stands alone) and a table of ``summary``."""
-    data = base64.b64encode(Path(png_path).read_bytes()).decode("ascii")
-    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                    for k, v in summary.items())
-    Path(path).write_text(
-        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\">"
-        f"<meta name=\"generator\" content=\"{mark(TOOL)}\">"
-        f"<title>{html.escape(title)}</title></head>\n<body style=\"margin:0;background:#fff\">\n"
-        f"<img id=\"report\" alt=\"{html.escape(title)}\" style=\"display:block;width:100%\" "
-        f"src=\"data:image/png;base64,{data}\">\n"
-        f"<table style=\"font-family:sans-serif;margin:1em\">{cells}</table>\n</body></html>\n")
 
 
 def output_paths(log: str, out: Optional[str] = None) -> tuple[str, str]:
@@ -337,23 +292,28 @@ def check_outputs(log: str, out: Optional[str] = None, overwrite: bool = False
 
 
 def report(log: str, out: Optional[str] = None, dpi: int = 80,
-           timeline: Optional[Sequence[int]] = None, overwrite: bool = False
-           ) -> tuple[str, str]:
+           timeline: Optional[Sequence[int]] = None, overwrite: bool = False,
+           baseline: Optional[str] = None) -> tuple[str, str]:
     """Write ``OUT.png`` and ``OUT.html`` of the log (`output_paths`, checked by
     `check_outputs` first), with the timelines of the ``timeline`` iterations (default:
-    `default_timeline`); returns both paths. Both carry dcp-report's `mark` (the PNG's
+    `default_timeline`) and the loss and tokens/s of the plain run's log ``baseline`` drawn
+    over the run's; returns both paths. Both carry dcp-report's `mark` (the PNG's
     ``Software`` text, the page's ``generator``), so a later report may replace them."""
     png, page = check_outputs(log, out, overwrite)
     rows = read_log(log)
+    base = read_baseline(baseline) if baseline else None
     if os.path.dirname(png):
         os.makedirs(os.path.dirname(png), exist_ok=True)
     title = f"{os.path.basename(log)}: {len(rows)} iterations"
-    fig = draw(rows, title, timeline)
+    if baseline:
+        title += f" (baseline: {os.path.basename(baseline)})"
+    chosen = default_timeline(rows) if timeline is None else list(timeline)
+    fig = draw(rows, title, chosen, base)
     fig.savefig(png, dpi=dpi, metadata={"Software": mark(TOOL)})
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    write_html(page, png, title, totals(rows))
+    write_page(page, title, panels(rows, base, chosen, totals(rows)), png, mark(TOOL))
     return png, page
 
 
@@ -396,7 +356,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="the iterations whose timeline the last row draws (their rows carry "
                         "one: the first and every --log-timeline-interval); default: the "
                         "first row with a timeline and the slowest of them")
+    p.add_argument("--baseline", default=None, metavar="LOG",
+                   help="a plain run's log (an examples' --log-json without --dcp, or "
+                        "Megatron-LM's console output): its loss and tokens/s drawn dashed "
+                        "over this run's")
     args = p.parse_args(argv)
+    if args.baseline and not os.path.isfile(args.baseline):
+        p.error(f"argument --baseline: {args.baseline}: no such file (give a plain run's "
+                "--log-json or Megatron-LM's console log)")
     try:
         check_outputs(args.log, args.out, args.overwrite)
     except OutputError as err:
@@ -407,7 +374,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: dcp-report needs matplotlib: {EXTRA_HINT}", file=sys.stderr)
         return 2
     try:
-        png, page = report(args.log, args.out, args.dpi, args.timeline, args.overwrite)
+        png, page = report(args.log, args.out, args.dpi, args.timeline, args.overwrite,
+                           args.baseline)
     except (LogError, OutputError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

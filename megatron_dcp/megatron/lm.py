@@ -36,6 +36,7 @@ from megatron_dcp.megatron.lm_checkpoint import (PlannerCheckpoint, gated_load_a
                                                  non_persistent_local_problem,
                                                  save_takeover_problem, vocab_size)
 from megatron_dcp.megatron.lm_monitor import (LMMonitor, check_monitor_args,
+                                              launcher_run_config, learning_rate,
                                               slowest_rank_timings)
 from megatron_dcp.patching import PatchSet
 from megatron_dcp.runtime.figures import StepFigures
@@ -54,7 +55,8 @@ def add_launcher_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dcp-log-json", default=None, metavar="PATH", type=output_file,
                        help="with --dcp: one JSON row per iteration in the examples' "
                             "--log-json format (loss, tokens, step and predicted seconds, the "
-                            "plan with its degrees; dcp-simulate --replay reads it), written by "
+                            "plan with its degrees, the run's configuration in the first row; "
+                            "dcp-report draws it, dcp-simulate --replay reads it), written by "
                             "the last pipeline stage's first rank")
     group.add_argument("--dcp-overwrite-log", action="store_true",
                        help="with --dcp-log-json: replace that file if it holds another run's "
@@ -181,6 +183,7 @@ def _forward_backward_func(get_func: Callable, saved: PlannerCheckpoint) -> Call
         if saved.step is None:
             saved.step = LMForwardBackward(get_args(), resume=saved.loaded)
         saved.step.schedule = schedule
+        saved.step.learning_rate = saved.learning_rate
         return saved.step
 
     return run
@@ -200,6 +203,9 @@ def _train_step(train_step: Callable, saved: PlannerCheckpoint) -> Callable:
             return train_step(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs)
         own = "step" in vars(optimizer)
         step = optimizer.step
+        saved.learning_rate = learning_rate(optimizer)  # this step's, for the JSON row
+        if saved.step is not None:  # made when Megatron-LM's train() asked for the function
+            saved.step.learning_rate = saved.learning_rate
 
         def gated_step(*args: Any, **kw: Any):
             if saved.step is not None and saved.step.skip_update:
@@ -346,6 +352,7 @@ class LMForwardBackward:
         self._host_group: Any = False
         """The gloo group the batch's lengths and tokens travel on (`lm_data.host_group`;
         ``None``: the default group), made at the first step."""
+        self.learning_rate: Optional[float] = None  # the optimizer's, set by _train_step
         self.skip_update = False
         """The last step was skipped: Megatron-LM's optimizer step must not run (`_train_step`;
         with fp16 the loss scaler's own ``step()`` skips, so it runs)."""
@@ -448,7 +455,12 @@ class LMForwardBackward:
             return
         result, seconds = slowest_rank_timings(  # a collective: every rank
             result, now - since if since is not None else result.wall_s)
-        from megatron_dcp.runtime.report import plan_line, plan_summary
+        from megatron_dcp.runtime.report import peak_memory_mb, plan_line, plan_summary
+        from megatron_dcp.runtime.run_info import TimelineExtras, gather_peak_memory
+
+        peak = peak_memory_mb(torch.device("cuda", torch.cuda.current_device())
+                              if torch.cuda.is_available() else None)
+        memory = gather_peak_memory(peak) if self.args.dcp_log_json else None  # every rank
 
         if line_due and self.writer:
             print(plan_line(self.iteration, result, seconds), flush=True)
@@ -461,10 +473,16 @@ class LMForwardBackward:
         if not self.log_path:
             return
         left_out = len(result.plan.skipped) if result.plan is not None else 0  # oversize skip
+        extra = {"run": launcher_run_config(self.args, self.step.driver.model_shape)} \
+            if self.log.iterations == 0 else {}
+        if result.plan is not None:
+            extra["timeline_extra"] = TimelineExtras(self.step.driver, self.figures.gpus_per_rank
+                                                     ).of(result.plan, memory)
         self.log.iteration(self.iteration, loss=float(summed[0] / summed[1]),
                            tokens=result.tokens, step_s=seconds, plan=plan_summary(
                                result.plan, plan_s=result.plan_s, plan_wait_s=result.plan_wait_s),
                            predicted_s=result.predicted_s,
                            calibration_error=result.calibration_error, skipped=result.skipped,
                            skipped_sequences=left_out, sequences=result.sequences,
-                           figures=figures, step_plan=result.plan)
+                           figures=figures, step_plan=result.plan, peak_mem_mb=peak,
+                           lr=self.learning_rate, **extra)

@@ -263,6 +263,7 @@ class PlannerCheckpoint:
     def __init__(self) -> None:
         self.step: Any = None  # the launcher's LMForwardBackward (lm.py imports this module)
         self.loaded: Optional[dict] = None
+        self.learning_rate: Optional[float] = None  # the optimizer's at this train_step
 
     def wrap_save(self, save_checkpoint: Callable) -> Callable:
         @functools.wraps(save_checkpoint)

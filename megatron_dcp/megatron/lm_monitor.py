@@ -99,4 +99,34 @@ class LMMonitor:
             self.wandb.log({name: value for name, value, _ in events}, iteration)
 
 
-__all__ = ["LMMonitor", "PREFIX", "check_monitor_args", "slowest_rank_timings"]
+def learning_rate(optimizer: Any) -> Optional[float]:
+    """The learning rate of Megatron-LM's optimizer (its first parameter group's: what its own
+    line prints as ``learning rate``), None where it has none."""
+    try:
+        return float(optimizer.param_groups[0]["lr"])
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return None
+
+
+def launcher_run_config(args: argparse.Namespace, shape: Any) -> dict[str, Any]:
+    """The ``run`` object of the launcher's first ``--dcp-log-json`` row
+    (`megatron_dcp.runtime.run_info.run_config`): Megatron-LM, the model's shape, the job's
+    layout (ranks, tensor / pipeline / context / data parallel, sequence parallel, batch
+    sizes, sequence length), the cost model's hardware and DCP's settings."""
+    from megatron_dcp.runtime.run_info import run_config
+
+    layout = {"ranks": args.world_size, "tensor": args.tensor_model_parallel_size,
+              "pipeline": args.pipeline_model_parallel_size,
+              "context": getattr(args, "context_parallel_size", 1),
+              "data": getattr(args, "data_parallel_size", None),
+              "sequence parallel": bool(getattr(args, "sequence_parallel", False)),
+              "global batch": args.global_batch_size, "micro batch": args.micro_batch_size,
+              "seq length": args.seq_length}
+    dcp = {k.removeprefix("dcp_"): v for k, v in sorted(vars(args).items())
+           if k.startswith("dcp_") and v not in (None, False) and "log" not in k}
+    return run_config("megatron-lm", model=shape, layout=layout,
+                      hardware=getattr(args, "dcp_hardware", None), dcp=dcp)
+
+
+__all__ = ["LMMonitor", "PREFIX", "check_monitor_args", "launcher_run_config", "learning_rate",
+           "slowest_rank_timings"]

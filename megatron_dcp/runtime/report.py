@@ -309,6 +309,7 @@ class TrainingLog:
         self.skipped_sequences = 0
         self.truncated_tokens = 0
         self.checkpoint_dir = checkpoint_dir
+        self.json_path = json_path  # the same on every rank (only the primary writes it)
         self._json = open_log(json_path, resume_at, flag=log_flag) \
             if (json_path and primary) else None
 
@@ -316,14 +317,16 @@ class TrainingLog:
                   plan: dict[str, Any], predicted_s: Optional[float] = None,
                   calibration_error: Optional[float] = None, skipped: bool = False,
                   skipped_sequences: int = 0, step_plan: Optional[Plan] = None,
-                  **extra: Any) -> dict[str, Any]:
+                  timeline_extra: Optional[Any] = None, **extra: Any) -> dict[str, Any]:
         """Record one iteration (1-based ``iteration``); returns the JSON record.
         ``tokens``: tokens trained (`trained_tokens`); ``predicted_s``: the step time the cost
         model predicted (DCP); ``calibration_error``: the online calibration's current median
         relative error of that prediction; ``skipped``: the step applied no update (a non-finite
         loss skipped, an fp16 overflow): it trained no tokens; ``skipped_sequences``: sequences
         of the batch the oversize policy left out; ``step_plan``: the step's DCP plan, whose
-        `plan_timeline` the row carries when due (``timeline_interval``). An ``extra``
+        `plan_timeline` the row carries when due (``timeline_interval``), with what
+        ``timeline_extra()`` returns, called then only (measured task seconds, per-rank
+        figures: `megatron_dcp.runtime.run_info.TimelineExtras`). An ``extra``
         ``sequences`` (the batch's count) is recorded like ``tokens``: the sequences trained
         (without those left out; none in a skipped step), the batch's count as
         ``batch_sequences``. The sequences the oversize policy truncated and the tokens cut from
@@ -355,9 +358,7 @@ class TrainingLog:
         record["plan"] = plan
         if self.checkpoint_dir is not None:
             record[CHECKPOINT_DIR_KEY] = self.checkpoint_dir
-        if self.primary and self._timeline_due(iteration) and step_plan is not None \
-                and step_plan.policy != "data-parallel":
-            record["timeline"] = plan_timeline(step_plan)
+        record.update(self._timeline(iteration, step_plan, timeline_extra))
         if self._json is not None:
             self._json.write(json.dumps(record) + "\n")
             self._json.flush()
@@ -370,6 +371,17 @@ class TrainingLog:
                   f"{_skip_text(skipped, self.skipped_steps, skipped_sequences, empty, cut)}",
                   flush=True)
         return record
+
+    def _timeline(self, iteration: int, step_plan: Optional[Plan],
+                  extra: Optional[Any]) -> dict[str, Any]:
+        """``{"timeline": ...}`` of a row that carries one (`_timeline_due`, a DCP plan), with
+        what ``extra()`` returns; else {}."""
+        if not (self.primary and self._timeline_due(iteration) and step_plan is not None
+                and step_plan.policy != "data-parallel"):
+            return {}
+        timeline = plan_timeline(step_plan)
+        timeline.update(extra() if extra is not None else {})
+        return {"timeline": timeline}
 
     def _timeline_due(self, iteration: int) -> bool:
         """Whether this row carries the timeline: the first one logged, then every

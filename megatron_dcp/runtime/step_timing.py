@@ -39,6 +39,10 @@ class StepTiming:
         self._outside_reported = False
         """Whether the caller reports time outside the steps (then a step's wall time is
         provisional until the next step)."""
+        self.task_seconds: Optional[list[Optional[float]]] = None
+        """The last step's measured seconds per task of its plan (in plan order; the fastest of
+        a task's ranks, as the calibration fits them; None: not run), or None when that step
+        was not calibrated: what a log row's timeline carries as ``measured_s``."""
 
     def predicted_step_s(self, plan: Plan, hardware: Hardware, world_size: int) -> float:
         """The step time the cost model predicts for ``plan``: its makespan (a pipeline's: the
@@ -83,6 +87,7 @@ class StepTiming:
     def forget_last_step(self) -> None:
         """The step just run is not calibrated: time reported outside it amends nothing."""
         self._last_wall_s = None
+        self.task_seconds = None
 
     def restart(self) -> None:
         """A new window from the hardware given next (after loading a checkpoint)."""
@@ -112,6 +117,7 @@ class StepTiming:
             dist.all_reduce(shared, op=dist.ReduceOp.MIN, group=group)
         measured = shared.tolist()
         seconds_of = [v if v != float("inf") else None for v in measured[:-3]]
+        self.task_seconds = seconds_of
         wall, iteration_s, reported = (-v for v in measured[-3:])
         if previous is not None:
             self.calibrator.amend_last_wall(iteration_s)
