@@ -140,3 +140,16 @@ def test_flags_are_refused_at_parse_time(flags, message, tiny, capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args([*tiny, *flags])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_rank_measures_the_same_first_in_a_process_or_after_others(tiny):
+    """Two TP peers (the same work) one after the other in this process: the same memory to the
+    byte. The flash backward's per-device constants (16 bytes, cached at a process's first
+    backward) were counted only by the first rank a process ran, so ``--jobs 2`` differed
+    from ``--jobs 1`` on the Megatron path."""
+    report = run(parse_args([*tiny, "--engine", "megatron", "--gpus", "8", "--tp", "2",
+                             "--pp", "2", "--layers", "2", "--sequence-parallel", "--ranks",
+                             "0,1", "--worst-case", "--memory-budget-gb", "8"]))
+    first, second = report["ranks"]
+    assert first["error"] == second["error"] == ""
+    assert first["peak_by_kind"] == second["peak_by_kind"]
