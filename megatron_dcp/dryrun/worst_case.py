@@ -72,11 +72,17 @@ class WorstCase:
                 "ranks_at_capacity": self.at_capacity, "dcp_ranks": self.world}
 
     def line(self) -> str:
-        return (f"worst case: {len(self.lengths):,} sequences, {self.capacity:,} tokens a DCP "
+        text = (f"worst case: {len(self.lengths):,} sequences, {self.capacity:,} tokens a DCP "
                 f"rank (what a task holds with no layer recomputed under the {self.bound}); "
                 f"the plan gives {self.at_capacity:,} of {self.world:,} DCP ranks a task of "
-                "that many" + ("" if self.at_capacity >= self.world else
-                               " (the others' tasks hold less: the planner packed them so)"))
+                "that many")
+        if self.at_capacity < self.world:
+            text += (f"; NOT the worst case on {self.world - self.at_capacity:,} of them: the "
+                     "planner cut their share into "
+                     "smaller tasks (with --pp it sizes micro-batches for the pipeline's bubble;"
+                     " lockstep slots keep sequences apart: a --max-len at least the capacity "
+                     "gives one sequence a rank)")
+        return text
 
 
 def worst_case(shape: ModelShape, config: DCPConfig, world: int, *, hardware: str,
