@@ -1,5 +1,6 @@
 """``dcp-dry-run`` / ``python -m megatron_dcp.dryrun``: every rank of a real-size DCP job, one
-after another on this CPU, on the meta device under torch's fake process group.
+after another on this CPU (or in ``--jobs N`` worker processes), on the meta device under
+torch's fake process group.
 
     dcp-dry-run --gpus 64 --gpus-per-node 8 --model llama-7b --corpus --ranks all --json dry.json
     dcp-dry-run --gpus 1024 --model llama-7b --lengths lengths.txt --ranks 0,511,1023
@@ -8,7 +9,8 @@ Each rank plans the batch as training would and runs its step through DCP's runt
 (`megatron_dcp.dryrun.runtime_rank`); its collectives are recorded and checked against every
 other rank's (`megatron_dcp.dryrun.record.check_consistency`). The exit status is 0 only when
 every group's members issued the same collectives, no host tensor reached a collective and every
-rank's step ran. Printed: a table per rank; ``--json``: the whole report.
+rank's step ran. Printed: a line per rank as it finishes, with a running summary (flushed: a
+log shows them), then a table per rank; ``--json``: the whole report.
 """
 
 from __future__ import annotations
@@ -124,8 +126,11 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
                         "budget: each DCP rank gets sequences (of at most --max-len tokens) "
                         "filling the most tokens a rank holds with no layer recomputed under the "
                         "memory budget and --max-tokens-per-rank, x the pipeline stages with "
-                        "--pp (default --global-batch-tokens: that many a rank); the plan that "
-                        "uses the most memory. Not with --lengths or --corpus")
+                        "--pp (default --global-batch-tokens: that many a rank): the plan that "
+                        "uses the most memory. A first line says on how many ranks the plan's "
+                        "task holds that much (with --pp, or lockstep slots and a --max-len "
+                        "below it, not every rank's: see docs/DRYRUN.md). Not with --lengths "
+                        "or --corpus")
 
 
 def chosen_ranks(spec: str, world_size: int) -> list[int]:
@@ -319,7 +324,8 @@ def _run_ranks(args: argparse.Namespace, job: Any, beat: Heartbeat,
         lines = RankLines(len(ranks), bar.note)
         bar.note(f"dry run: {len(ranks):,} of {args.gpus:,} ranks, {len(job.lengths):,} "
                  f"sequences ({sum(job.lengths):,} tokens), "
-                 + (f"{jobs} worker processes" if jobs > 1 else "one rank at a time")
+                 + (f"{jobs} worker processes ({os.cpu_count()} cores here)" if jobs > 1
+                    else "one rank at a time")
                  + "; a line per rank as it finishes")
 
         def done(raw: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
@@ -72,10 +73,16 @@ def run_ranks(job: Any, ranks: list[int], engine: str, jobs: int,
 
 
 def _worker(conn: Connection, job: Any, engine: str, exit_at: Optional[int]) -> None:
-    """A worker process: dry-run each rank it is sent, send back its row; stop at ``None``."""
+    """A worker process: dry-run each rank it is sent, send back its row; stop at ``None`` or
+    when the parent is gone. Ctrl-C is the parent's to handle (it stops the workers), so a
+    terminal's interrupt does not print a traceback from every worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     run_one = rank_function(engine)
     while True:
-        rank = conn.recv()
+        try:
+            rank = conn.recv()
+        except EOFError:
+            return
         if rank is None:
             return
         if rank == exit_at:
