@@ -142,6 +142,7 @@ def test_flags_are_refused_at_parse_time(flags, message, tiny, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.megatron  # --engine megatron: the megatron-core 0.19 leg runs it too
 def test_a_rank_measures_the_same_first_in_a_process_or_after_others(tiny):
     """Two TP peers (the same work) one after the other in this process: the same memory to the
     byte. The flash backward's per-device constants (16 bytes, cached at a process's first
