@@ -154,3 +154,46 @@ def test_a_rank_measures_the_same_first_in_a_process_or_after_others(tiny):
     first, second = report["ranks"]
     assert first["error"] == second["error"] == ""
     assert first["peak_by_kind"] == second["peak_by_kind"]
+
+
+def _children(pid: int) -> list[int]:
+    import os
+
+    out = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if name.isdigit() and int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(name))
+    return out
+
+
+@pytest.mark.slow  # a dry run in a subprocess, with worker processes
+@pytest.mark.timeout(300)
+def test_a_terminated_run_leaves_no_worker_behind(tiny):
+    """A scheduler's SIGTERM to ``dcp-dry-run --jobs 2``: the run stops (status 143) and its
+    workers with it; they ran on, orphaned, for a rank each (minutes at real depth)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_dcp.dryrun", *tiny, "--gpus", "16",
+                             "--global-batch-tokens", "65536", "--jobs", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while len(_children(proc.pid)) < 3 and time.time() < deadline:  # 2 workers, 1 tracker
+        time.sleep(0.1)
+    workers_ = _children(proc.pid)
+    assert len(workers_) >= 3, "no workers started"
+    proc.send_signal(signal.SIGTERM)
+    status = proc.wait(timeout=60)
+    time.sleep(2)
+    left = [pid for pid in workers_ if os.path.exists(f"/proc/{pid}")
+            and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    for pid in left:  # the test's own cleanup, then the verdict
+        os.kill(pid, signal.SIGKILL)
+    assert left == [] and status == 143

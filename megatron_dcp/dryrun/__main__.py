@@ -379,6 +379,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as err:  # a flag the run refuses (a dense model's --ep, a bad file)
         print(f"dcp-dry-run: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the workers are stopped (workers.run_ranks)
+        print("dcp-dry-run: interrupted", file=sys.stderr)
+        return 130
     print_table(report)
     if args.json:
         with open(args.json, "w") as f:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
@@ -90,6 +91,10 @@ def _worker(conn: Connection, job: Any, engine: str, exit_at: Optional[int]) -> 
         conn.send(guarded(run_one, job, rank))
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 class _Pool:
     """``jobs`` worker processes, each running one rank at a time (module doc)."""
 
@@ -101,6 +106,9 @@ class _Pool:
 
     def run(self, ranks: list[int], done: Callable[[Row], None]) -> list[Row]:
         pending, rows = deque(ranks), []
+        restore = None
+        if threading.current_thread() is threading.main_thread():  # a scheduler's SIGTERM: stop
+            restore = signal.signal(signal.SIGTERM, _terminated)  # the workers too (finally)
         try:
             for _ in range(self.jobs):
                 self._start(pending)
@@ -117,6 +125,8 @@ class _Pool:
             for proc, _, _ in self.busy.values():  # an interrupt: no worker outlives the run
                 proc.kill()
                 proc.join()
+            if restore is not None:
+                signal.signal(signal.SIGTERM, restore)
         return rows
 
     def _start(self, pending: deque) -> None:
