@@ -119,14 +119,15 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
     """How the ranks run (``--jobs``) and which batch they run (``--worst-case``)."""
     p.add_argument("--jobs", type=int_flag(1), default=1,
                    help="worker processes running ranks side by side (default 1: one rank after "
-                        "another in this process); each takes a core and about 1 GB of host "
-                        "memory; the report is the same as with --jobs 1")
+                        "another in this process); each takes a core and 0.5-1 GB of host "
+                        "memory (torch, Megatron); the report is the same as with --jobs 1")
     p.add_argument("--worst-case", action="store_true",
                    help="instead of a sampled batch, one that puts every rank's task at the "
                         "budget: each DCP rank gets sequences (of at most --max-len tokens) "
                         "filling the most tokens a rank holds with no layer recomputed under the "
                         "memory budget and --max-tokens-per-rank, x the pipeline stages with "
-                        "--pp (default --global-batch-tokens: that many a rank): the plan that "
+                        "--pp (--global-batch-tokens, when given: that many tokens in the same "
+                        "pattern): the plan that "
                         "uses the most memory. A first line says on how many ranks the plan's "
                         "task holds that much (with --pp, or lockstep slots and a --max-len "
                         "below it, not every rank's: see docs/DRYRUN.md). Not with --lengths "
