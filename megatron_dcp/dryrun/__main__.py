@@ -1,5 +1,6 @@
 """``dcp-dry-run`` / ``python -m megatron_dcp.dryrun``: every rank of a real-size DCP job, one
-after another on this CPU, on the meta device under torch's fake process group.
+after another on this CPU (or in ``--jobs N`` worker processes), on the meta device under
+torch's fake process group.
 
     dcp-dry-run --gpus 64 --gpus-per-node 8 --model llama-7b --corpus --ranks all --json dry.json
     dcp-dry-run --gpus 1024 --model llama-7b --lengths lengths.txt --ranks 0,511,1023
@@ -8,7 +9,8 @@ Each rank plans the batch as training would and runs its step through DCP's runt
 (`megatron_dcp.dryrun.runtime_rank`); its collectives are recorded and checked against every
 other rank's (`megatron_dcp.dryrun.record.check_consistency`). The exit status is 0 only when
 every group's members issued the same collectives, no host tensor reached a collective and every
-rank's step ran. Printed: a table per rank; ``--json``: the whole report.
+rank's step ran. Printed: a line per rank as it finishes, with a running summary (flushed: a
+log shows them), then a table per rank; ``--json``: the whole report.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--memory-budget-gb", type=float_flag(0.0), default=None)
     p.add_argument("--max-tokens-per-rank", type=int_flag(1), default=None)
     p.add_argument("--ranks", default="all", help="all, or a comma list of ranks")
+    _run_flags(p)
     p.add_argument("--no-create-groups", action="store_true",
                    help="skip the start-up creation and warming of the vocabulary's groups")
     p.add_argument("--json", default=None,
@@ -110,6 +113,25 @@ def _megatron_flags(p: argparse.ArgumentParser) -> None:
                    help="expert tensor-parallel size (default --tp; 1: experts whole)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism (--engine megatron with --tp > 1)")
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    """How the ranks run (``--jobs``) and which batch they run (``--worst-case``)."""
+    p.add_argument("--jobs", type=int_flag(1), default=1,
+                   help="worker processes running ranks side by side (default 1: one rank after "
+                        "another in this process); each takes a core and 0.5-1 GB of host "
+                        "memory (torch, Megatron); the report is the same as with --jobs 1")
+    p.add_argument("--worst-case", action="store_true",
+                   help="instead of a sampled batch, one that puts every rank's task at the "
+                        "budget: each DCP rank gets sequences (of at most --max-len tokens) "
+                        "filling the most tokens a rank holds with no layer recomputed under the "
+                        "memory budget and --max-tokens-per-rank, x the pipeline stages with "
+                        "--pp (--global-batch-tokens, when given: that many tokens in the same "
+                        "pattern): the plan that "
+                        "uses the most memory. A first line says on how many ranks the plan's "
+                        "task holds that much (with --pp, or lockstep slots and a --max-len "
+                        "below it, not every rank's: see docs/DRYRUN.md). Not with --lengths "
+                        "or --corpus")
 
 
 def chosen_ranks(spec: str, world_size: int) -> list[int]:
@@ -160,6 +182,9 @@ def check_args(args: argparse.Namespace) -> str:
                     "optimizer (--zero-stage 1, its distributed optimizer) or nothing (0)")
         if args.vpp > 1 and args.pp == 1:
             return "--vpp > 1 needs --pp > 1 (virtual stages of a pipeline)"
+    if args.worst_case and (args.lengths or args.corpus):
+        return (f"--worst-case builds its own batch (every rank's task at the budget): leave "
+                f"out {'--lengths' if args.lengths else '--corpus'}")
     if args.json is not None:
         inputs = [("--lengths", args.lengths)] + [
             (f"--{name}", value) for name, value in (("model", args.model),
@@ -217,10 +242,12 @@ def run(args: argparse.Namespace, keep_calls: bool = False, beat: Optional[Heart
     """The report of a dry run (see the module doc); ``controls``: `RankJob`'s negative
     controls; ``keep_calls``: the report's ``calls`` holds every rank's recorded calls;
     ``beat``: told each stage, so that minutes of work (a world of 100,000 ranks) say what
-    they are doing."""
+    they are doing; ``worker_exit_at``: a negative control (`workers.run_ranks`'s
+    ``exit_at``)."""
     beat = beat or Heartbeat(TOOL, after=float("inf"))
+    exit_at = controls.pop("worker_exit_at", None)
     from megatron_dcp.dryrun.record import check_consistency
-    from megatron_dcp.dryrun.runtime_rank import RankJob, layers_run, run_rank
+    from megatron_dcp.dryrun.runtime_rank import RankJob, layers_run
     from megatron_dcp.plan import load_model
 
     config = DCPConfig(enabled=True, hardware=args.hardware, calibration="off",
@@ -234,36 +261,28 @@ def run(args: argparse.Namespace, keep_calls: bool = False, beat: Optional[Heart
                                 virtual_pipeline=args.vpp,
                                 sequence_parallel=args.sequence_parallel,
                                 **_experts(args, model))
-    beat.stage(f"reading the global batch ({args.global_batch_tokens or 8192 * args.gpus:,} "
-               "tokens)")
-    job = RankJob(shape=shape, lengths=batch_lengths(args), world_size=args.gpus,
+    lengths, worst = _batch(args, shape, config, beat)
+    job = RankJob(shape=shape, lengths=lengths, world_size=args.gpus,
                   config=config, hardware=args.hardware, zero_stage=args.zero_stage,
                   offload_optimizer=args.offload_optimizer,
                   create_groups=not args.no_create_groups, **controls)
-    run_one = run_rank
     if args.engine == "megatron":
-        from megatron_dcp.dryrun.megatron_rank import refused, run_megatron_rank
+        from megatron_dcp.dryrun.megatron_rank import refused
 
         if refused(job):
             raise ValueError(refused(job))
-        run_one = run_megatron_rank
     elif args.tp > 1 or args.pp > 1 or args.vpp > 1 or shape.is_moe:
         raise ValueError("--tp/--pp > 1 and MoE models need --engine megatron (the reference "
                          "decoder has none of them)")
-    ranks = chosen_ranks(args.ranks, args.gpus)
-    results = []
-    with Progress("dry run: ranks", total=len(ranks)) as bar:
-        for k, rank in enumerate(ranks, 1):
-            beat.stage(f"rank {rank} ({k:,} of {len(ranks):,}): its plan of "
-                       f"{len(job.lengths):,} sequences on {args.gpus:,} ranks and its step")
-            results.append(run_one(job, rank))
-            bar.update(label=f"rank {rank}")
-    mismatches = check_consistency({r["rank"]: r["calls"] for r in results})
+    results = _run_ranks(args, job, beat, exit_at)
+    mismatches = check_consistency({r["rank"]: r["calls"] for r in results
+                                    if r.get("ran", True)})
     report = {
         "written_by": mark(TOOL),  # first: how a later --json knows it may replace the file
         "consistent": not mismatches, "mismatches": mismatches,
         "world_size": args.gpus, "model": args.model, "layers": job.shape.num_layers,
         "engine": args.engine, "tensor_parallel": args.tp, "zero_stage": args.zero_stage,
+        "worst_case": worst,
         "sequences": len(job.lengths), "tokens": sum(job.lengths),
         "ranks": [_rank_row(r) for r in results]}
     if keep_calls:
@@ -271,6 +290,53 @@ def run(args: argparse.Namespace, keep_calls: bool = False, beat: Optional[Heart
     report["ok"] = (report["consistent"] and not any(
         r["cpu_tensors"] or r["error"] or r["over_budget"] for r in report["ranks"]))
     return report
+
+
+def _batch(args: argparse.Namespace, shape: Any, config: DCPConfig,
+           beat: Heartbeat) -> tuple[list[int], Optional[dict]]:
+    """The global batch's lengths, and with ``--worst-case`` what its plan does with them (the
+    report's ``worst_case``; also printed)."""
+    if not args.worst_case:
+        beat.stage(f"reading the global batch ({args.global_batch_tokens or 8192 * args.gpus:,}"
+                   " tokens)")
+        return batch_lengths(args), None
+    from megatron_dcp.dryrun.worst_case import worst_case
+
+    beat.stage("building the worst-case batch (every rank's task at the budget)")
+    world = args.gpus // (args.tp * args.pp) if args.engine == "megatron" else args.gpus
+    worst = worst_case(shape, config, max(1, world), hardware=args.hardware,
+                       zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
+                       max_len=args.max_len, total=args.global_batch_tokens,
+                       pooled=not args.no_create_groups)
+    print(worst.line(), flush=True)
+    return worst.lengths, worst.report()
+
+
+def _run_ranks(args: argparse.Namespace, job: Any, beat: Heartbeat,
+               exit_at: Optional[int]) -> list[dict[str, Any]]:
+    """Every chosen rank's record, serially or in ``--jobs`` workers (`workers.run_ranks`), a
+    line for each as it finishes (`workers.RankLines`: on stdout, flushed, so that a log shows
+    them), the progress bar drawn on a terminal and the heartbeat told what runs."""
+    from megatron_dcp.dryrun.workers import RankLines, run_ranks
+
+    ranks = chosen_ranks(args.ranks, args.gpus)
+    jobs = min(args.jobs, len(ranks))
+    with Progress("dry run: ranks", total=len(ranks)) as bar:
+        lines = RankLines(len(ranks), bar.note)
+        bar.note(f"dry run: {len(ranks):,} of {args.gpus:,} ranks, {len(job.lengths):,} "
+                 f"sequences ({sum(job.lengths):,} tokens), "
+                 + (f"{jobs} worker processes ({os.cpu_count()} cores here)" if jobs > 1
+                    else "one rank at a time")
+                 + "; a line per rank as it finishes")
+
+        def done(raw: dict[str, Any]) -> None:
+            lines(_rank_row(raw))
+            bar.update(label=f"rank {raw['rank']}")
+            beat.stage(f"running ranks ({lines.done:,} of {len(ranks):,} done)")
+
+        beat.stage(f"{len(ranks):,} ranks, each its plan of {len(job.lengths):,} sequences on "
+                   f"{args.gpus:,} ranks and its step")
+        return run_ranks(job, ranks, args.engine, jobs, done, exit_at)
 
 
 def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
@@ -314,6 +380,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as err:  # a flag the run refuses (a dense model's --ep, a bad file)
         print(f"dcp-dry-run: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the workers are stopped (workers.run_ranks)
+        print("dcp-dry-run: interrupted", file=sys.stderr)
+        return 130
     print_table(report)
     if args.json:
         with open(args.json, "w") as f:

@@ -263,6 +263,10 @@ class FakeJob:
                                 world_size=self.world_size)
         stack = self._stack
         stack.callback(_destroy)
+        # every rank as in a process of its own (a rank in --jobs' worker, or after others in
+        # this one, measures the same): the flash backward's per-device constants (16 bytes,
+        # made at a process's first backward) are made again
+        backends._device_state.cache_clear()
         job_device = lambda group=None: JOB_DEVICE  # noqa: E731
         own = groups.comm_device
         for module in [m for name, m in sys.modules.items() if name.startswith("megatron_dcp")]:
