@@ -25,6 +25,7 @@ from megatron_dcp.plan.plan import Plan
 from megatron_dcp.plan.schedule import schedule_for
 from megatron_dcp.runtime.figures import StepFigures
 from megatron_dcp.runtime.step import Shard, StepDriver, StepEngine, StepResult
+from megatron_dcp.runtime.targets import WeightedBatch
 from megatron_dcp.runtime.tiling import loss_tiles_of
 
 __all__ = ["DCPEngine", "LossFn", "StepResult", "token_loss"]
@@ -205,6 +206,9 @@ class DCPEngine:
             self._host_group = input_stage.host_group()
         problem = share_problem(sequences, self.rank)
         mine = [] if problem else [s.detach().reshape(-1).cpu().numpy() for s in sequences]
+        if not problem and isinstance(sequences, WeightedBatch):  # labels, weights travel too
+            mine = WeightedBatch(mine, sequences.labels, sequences.weights, sequences.scales,
+                                 norm=sequences.norm)
         times: list[float] = []
 
         def plan_of(lengths: list[int]) -> Plan:
