@@ -63,7 +63,7 @@ def _steps(n=4):
         plan = make_plan(lengths, world_size=4, model=shape, config=config, hardware="h100")
         results.append(SimpleNamespace(plan=plan, loss=3.0 / it, grad_norm=0.5, wall_s=40.0,
                                        skipped=False, predicted_s=0.3, calibration_error=0.2,
-                                       plan_s=0.01, plan_wait_s=0.0))
+                                       plan_s=0.01, plan_wait_s=0.0, tokens=plan.target_tokens))
     return StepFigures(driver), results
 
 

@@ -100,7 +100,8 @@ def read_log(path: str) -> list[dict[str, Any]]:
 def _check_row(row: dict[str, Any], where: str) -> None:
     """`LogError` at ``where`` (``file:line``) for a row whose figures are of the wrong type (a
     step time ``"fast"``, degrees that are not counts) or whose timeline is malformed."""
-    for key in ("step_s", "predicted_s", "loss", "tokens", "tokens_per_s"):
+    for key in ("step_s", "predicted_s", "loss", "tokens", "tokens_per_s", "tokens_run",
+                "tokens_run_per_s"):
         value = row.get(key)
         if value is not None and not (isinstance(value, (int, float))
                                       and not isinstance(value, bool)):
@@ -249,7 +250,9 @@ def _lines(ax, its, figs, named: list[tuple[str, str]], ylabel: str = "") -> boo
 
 
 def _throughput(ax, its, figs) -> None:
-    if not _lines(ax, its, figs, [("tokens_per_s", "tokens/s")], ylabel="tokens/s"):
+    # trained (weight > 0) and run (what MFU counts): a loss mask sets them apart
+    if not _lines(ax, its, figs, [("tokens_per_s", "tokens/s trained"),
+                                  ("tokens_run_per_s", "tokens/s run")], ylabel="tokens/s"):
         return
     x, mfu = _series(its, figs, "mfu")
     if x:
@@ -271,14 +274,20 @@ def _degree_mix(ax, its, figs) -> None:
 
 
 def totals(rows: Sequence[dict[str, Any]]) -> dict[str, str]:
-    """The run's totals for the page: iterations, tokens, mean tokens/s and MFU, last loss."""
+    """The run's totals for the page: iterations, tokens trained and run (where the rows say;
+    older rows' ``tokens`` counted those run), mean tokens/s of each and MFU, last loss."""
     figs = [row_figures(r) for r in rows]
     out = {"iterations": str(len(rows))}
     tokens = sum(f.get("tokens", 0.0) for f in figs)
     seconds = sum(f.get("step_s", 0.0) for f in figs)
     out["tokens trained"] = f"{tokens:.0f}"
+    run = sum(f["tokens_run"] for f in figs if "tokens_run" in f)
+    if any("tokens_run" in f for f in figs):
+        out["tokens run"] = f"{run:.0f}"
     if seconds:
-        out["tokens/s"] = f"{tokens / seconds:.1f}"
+        out["tokens/s trained"] = f"{tokens / seconds:.1f}"
+        if "tokens run" in out:
+            out["tokens/s run"] = f"{run / seconds:.1f}"
     mfu = [f["mfu"] for f in figs if "mfu" in f]
     if mfu:
         out["MFU (mean)"] = f"{100 * sum(mfu) / len(mfu):.2f} %"

@@ -326,6 +326,7 @@ class TrainingLog:
         self.iterations = 0
         self.tokens = 0
         self.tokens_run = 0
+        self._run_rows = 0  # rows that knew their tokens run (the final line needs all)
         self.seconds = 0.0
         self.skipped_steps = 0
         self.skipped_sequences = 0
@@ -365,6 +366,7 @@ class TrainingLog:
         if tokens_run is None and step_plan is not None:
             tokens_run = _planned_tokens(step_plan)
         self.tokens_run += tokens_run or 0
+        self._run_rows += tokens_run is not None
         self.seconds += step_s
         self.skipped_steps += int(skipped)
         self.skipped_sequences += skipped_sequences
@@ -416,9 +418,9 @@ class TrainingLog:
                      ((self.skipped_steps, "steps"), (self.skipped_sequences, "sequences")) if n]
             if self.truncated_tokens:
                 skips.append(f"{self.truncated_tokens} tokens truncated")
-            run = f" ({self.tokens_run} run)" if self.tokens_run != self.tokens else ""
+            run = f" ({self.tokens_run} run)" if self._run_rows == self.iterations else ""
             print(f"done: {self.mode}, {self.iterations} iterations, {self.tokens} tokens "
-                  f"trained{run}, {rate:.0f} tokens/s trained" +
+                  f"trained{run}, {rate:.0f} tokens/s{' trained' if run else ''}" +
                   "".join(f", {t}" for t in skips), flush=True)
         if self._json is not None:
             self._json.close()
