@@ -199,8 +199,9 @@ class DCPForwardBackward:
         if batch.plan is not None and batch.plan.world_size != driver.world_size:
             raise ValueError(f"plan for a DCP world of {batch.plan.world_size} ranks, but the "
                              f"data-parallel size is {driver.world_size}")
-        result = driver.step(engine, list(batch.sequences), batch.plan, train=not forward_only,
-                             next_lengths=batch.next_lengths)
+        sequences = batch.sequences  # a WeightedBatch (a list) keeps its loss weights
+        result = driver.step(engine, sequences if isinstance(sequences, list) else list(sequences),
+                             batch.plan, train=not forward_only, next_lengths=batch.next_lengths)
         reports = engine.reports
         if reports:
             self._report_keys = tuple(reports[0])
