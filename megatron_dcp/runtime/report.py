@@ -361,23 +361,14 @@ class TrainingLog:
         empty = skipped and step_plan is not None and step_plan.target_tokens == 0
         self.truncated_tokens += cut[1]
         self.iterations += 1
-        tokens = 0 if skipped else tokens
-        self.tokens += tokens
-        if tokens_run is None and step_plan is not None:
-            tokens_run = _planned_tokens(step_plan)
-        self.tokens_run += tokens_run or 0
-        self._run_rows += tokens_run is not None
         self.seconds += step_s
         self.skipped_steps += int(skipped)
         self.skipped_sequences += skipped_sequences
-        record = {"iteration": iteration, "loss": loss, "tokens": tokens,
-                  "tokens_per_s": tokens / step_s if step_s > 0 else 0.0, "step_s": step_s,
-                  "skipped": skipped, "skipped_steps": self.skipped_steps,
+        record = {"iteration": iteration, "loss": loss,
+                  **self._tokens(0 if skipped else tokens, tokens_run, step_s, step_plan),
+                  "step_s": step_s, "skipped": skipped, "skipped_steps": self.skipped_steps,
                   "skipped_sequences": skipped_sequences, "truncated_sequences": cut[0],
                   "truncated_tokens": cut[1]}
-        if tokens_run is not None:
-            record["tokens_run"] = tokens_run
-            record["tokens_run_per_s"] = tokens_run / step_s if step_s > 0 else 0.0
         if predicted_s is not None:
             record["predicted_s"] = predicted_s
             record["calibration_error"] = calibration_error
@@ -403,6 +394,21 @@ class TrainingLog:
                   f"{_skip_text(skipped, self.skipped_steps, skipped_sequences, empty, cut)}",
                   flush=True)
         return record
+
+    def _tokens(self, tokens: int, tokens_run: Optional[int], step_s: float,
+                step_plan: Optional[Plan]) -> dict[str, Any]:
+        """A row's tokens trained and run (``step_plan``'s where not given; none without
+        either) with their rates, added to the run's totals."""
+        if tokens_run is None and step_plan is not None:
+            tokens_run = _planned_tokens(step_plan)
+        self.tokens += tokens
+        self.tokens_run += tokens_run or 0
+        self._run_rows += tokens_run is not None
+        out = {"tokens": tokens, "tokens_per_s": tokens / step_s if step_s > 0 else 0.0}
+        if tokens_run is not None:
+            out.update(tokens_run=tokens_run,
+                       tokens_run_per_s=tokens_run / step_s if step_s > 0 else 0.0)
+        return out
 
     def _timeline_due(self, iteration: int) -> bool:
         """Whether this row carries the timeline: the first one logged, then every
