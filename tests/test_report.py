@@ -101,6 +101,23 @@ def test_tokens_trained_and_run_apart_in_rows_and_lines(tmp_path, capsys):
     assert out[2] == "done: dcp, 2 iterations, 300 tokens trained (1400 run), 75 tokens/s trained"
 
 
+def test_a_step_whose_targets_are_all_masked_is_skipped_as_empty(capsys):
+    """A loss mask over the whole batch: the plan has targets, none of non-zero weight; the
+    driver skips the step (`trains_nothing`) and the line says why, not "non-finite"."""
+    from megatron_dcp.plan.plan import Plan, Task
+
+    plan = Plan(tasks=(Task(id=0, ranks=(0,), seqs=(0,), start=0.0),), lengths=(50,),
+                world_size=1, policy="dcp")
+    log = TrainingLog("dcp", 2)
+    log.iteration(1, loss=0.0, tokens=0, step_s=1.0, skipped=True, plan=plan_summary(plan),
+                  step_plan=plan)
+    log.iteration(2, loss=float("nan"), tokens=49, step_s=1.0, skipped=True,
+                  plan=plan_summary(plan), step_plan=plan)
+    out = capsys.readouterr().out.splitlines()
+    assert "SKIPPED step (no trained token; 1 so far)" in out[0]
+    assert "SKIPPED step (non-finite; 2 so far)" in out[1]
+
+
 def test_skipped_steps_and_sequences_are_counted_and_train_no_tokens(tmp_path, capsys):
     """Issue 22: a skipped step (non-finite) and oversize-skipped sequences are shown and
     counted; tokens and tokens/s cover trained tokens only."""

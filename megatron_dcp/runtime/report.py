@@ -354,11 +354,14 @@ class TrainingLog:
         (without those left out; none in a skipped step), the batch's count as
         ``batch_sequences``. The sequences the oversize policy truncated and the tokens cut from
         them are read from ``step_plan`` (`Plan.truncated`): ``truncated_sequences`` and
-        ``truncated_tokens``; a step of ``step_plan`` with no target token is a skipped step
-        for that reason (``SKIPPED step (no trained token ...)``)."""
+        ``truncated_tokens``; a skipped step of ``step_plan`` with no target token, or ``tokens``
+        0 (every target masked), is skipped for that reason (``SKIPPED step (no trained token
+        ...)``)."""
         cut = (len(step_plan.truncated), step_plan.truncated_tokens) \
             if step_plan is not None else (0, 0)
-        empty = skipped and step_plan is not None and step_plan.target_tokens == 0
+        # no target at all, or none of non-zero weight (a loss mask over the whole batch)
+        empty = skipped and (tokens == 0 or (step_plan is not None
+                                             and step_plan.target_tokens == 0))
         self.truncated_tokens += cut[1]
         self.iterations += 1
         self.seconds += step_s
