@@ -343,9 +343,8 @@ class TrainingLog:
                   **extra: Any) -> dict[str, Any]:
         """Record one iteration (1-based ``iteration``); returns the JSON record.
         ``tokens``: tokens trained (targets of non-zero weight: `StepResult.tokens`);
-        ``tokens_run``: tokens the step ran (default: ``step_plan``'s, `tokens_run`; none
-        without either); ``predicted_s``: the step time the cost
-        model predicted (DCP); ``calibration_error``: the online calibration's current median
+        ``tokens_run``: tokens run (default: ``step_plan``'s, `tokens_run`); ``predicted_s``:
+        the step time the cost model predicted (DCP); ``calibration_error``: the online calibration's current median
         relative error of that prediction; ``skipped``: the step applied no update (a non-finite
         loss skipped, an fp16 overflow): it trained no tokens; ``skipped_sequences``: sequences
         of the batch the oversize policy left out; ``step_plan``: the step's DCP plan, whose
@@ -360,8 +359,7 @@ class TrainingLog:
         cut = (len(step_plan.truncated), step_plan.truncated_tokens) \
             if step_plan is not None else (0, 0)
         # no target at all, or none of non-zero weight (a loss mask over the whole batch)
-        empty = skipped and (tokens == 0 or (step_plan is not None
-                                             and step_plan.target_tokens == 0))
+        empty = skipped and (tokens == 0 or getattr(step_plan, "target_tokens", 1) == 0)
         self.truncated_tokens += cut[1]
         self.iterations += 1
         self.seconds += step_s
