@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow  # every test here launches processes
@@ -154,6 +155,35 @@ def test_megatron_example_trains_the_mask_as_megatron_does(tmp_path):
     # Megatron's plain loss_mask and DCP's weights: the mask's trained targets, both
     assert dcp[0]["tokens"] == plain[0]["tokens"] == trained_targets(batch)
     assert dcp[0]["tokens"] < dcp[0]["tokens_run"] == sum(len(t) for t, _ in batch)
+
+
+@pytest.mark.timeout(300)
+def test_a_mask_that_does_not_line_up_is_refused_at_start(tmp_path):
+    """The Megatron example (torchrun, 1 rank) refuses a mask of another dataset: the message
+    naming both files, status 1, no traceback (the DeepSpeed example's same refusal:
+    tests/test_loss_mask_data.py)."""
+    import subprocess
+
+    from distributed import JOB_ENV
+
+    from megatron_dcp.data import IndexedDataset, IndexedDatasetWriter
+
+    prefix = masked_dataset(tmp_path)
+    old = IndexedDataset(prefix)
+    with IndexedDatasetWriter(prefix + "_mask", np.uint8) as writer:  # one document short
+        for i in range(len(old) - 1):
+            writer.add_document(np.ones(int(old.lengths[i]), np.uint8))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "1", "examples/pretrain_megatron.py", "--data-path", prefix]
+    done = subprocess.run(cmd, cwd=ROOT, env=JOB_ENV, capture_output=True, text=True,
+                          timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-3000:]
+    assert (f"error: the loss mask {prefix}_mask.bin/.idx does not line up with the tokens "
+            f"{prefix}.bin/.idx: {len(old) - 1} documents, the tokens {len(old)}") in out, \
+        out[-3000:]
+    assert not [line for line in out.splitlines()
+                if line.strip().startswith("File ") and "examples/" in line], out[-3000:]
 
 
 if __name__ == "__main__":
