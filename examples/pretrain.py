@@ -6,7 +6,9 @@
 
 Data: the embedded corpus (Python standard library docstrings and sources, long-tailed, no
 download) or a Megatron indexed dataset (``--data-path PREFIX``, built by
-tools/build_indexed_dataset.py), byte-level tokens. Global batches hold up to
+tools/build_indexed_dataset.py), byte-level tokens; where a loss mask ``PREFIX_mask.bin/.idx``
+lies beside it (``dcp-build-dataset --prompt-key/--response-key``: SFT), only the targets it
+marks are trained (docs/USAGE.md, "Loss masks"). Global batches hold up to
 ``--global-batch-tokens`` tokens (documents cut at ``--seq-length``); the same batches are used
 with and without ``--dcp``. Model: the reference Decoder (RoPE, GQA, SwiGLU, RMSNorm), or a
 Hugging Face causal LM (``--hf-model DIR``: Llama, Qwen2, Mistral; weights optional, else a random
@@ -27,13 +29,14 @@ import deepspeed
 import deepspeed_plugin
 import training  # examples/training.py: the flags, config and checkpoints the examples share
 from megatron_dcp.config import float_flag, int_flag, output_file
-from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, embedded_dataset,
-                               open_dataset, read_documents)
+from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, MaskedDataset,
+                               embedded_dataset, open_dataset, read_documents, target_weights)
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.integrations import hf
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
-from megatron_dcp.runtime.report import TIMELINE_INTERVAL, reset_peak_memory, trained_tokens
+from megatron_dcp.runtime.report import TIMELINE_INTERVAL, reset_peak_memory
 from megatron_dcp.runtime.input_stage import share_of
+from megatron_dcp.runtime.targets import WeightedBatch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,7 +99,23 @@ def _dataset(path, tokenizer, vocab_size=None):
             raise ValueError(f"--data-path {path}: no document of at least 2 tokens "
                              f"({len(documents)} documents: an empty file, or blank lines only)")
         return InMemoryTokenDataset(documents, path)
-    return open_dataset(path, vocab_size)
+    return open_dataset(path, vocab_size, loss_mask=True)  # PREFIX_mask beside it: SFT
+
+
+def share(dataset, docs, seq_length: int) -> list:
+    """The token tensors of documents ``docs`` cut at ``seq_length``; of a `MaskedDataset` a
+    `WeightedBatch` whose targets weigh by its mask (`megatron_dcp.data.target_weights`: the
+    target of position j, token j + 1, is trained where the mask of j + 1 is 1)."""
+    sequences = [torch.from_numpy(dataset[d][:seq_length].astype("int64")) for d in docs]
+    if not isinstance(dataset, MaskedDataset):
+        return sequences
+    return WeightedBatch(sequences, weights=[
+        torch.from_numpy(target_weights(dataset.mask(d)[:seq_length])) for d in docs])
+
+
+def _mask_text(dataset) -> str:
+    """``, loss mask PREFIX_mask`` for a dataset with one (the start-up line), else ``""``."""
+    return f", loss mask {dataset.mask_prefix}" if isinstance(dataset, MaskedDataset) else ""
 
 
 def _save_hf(engine, directory: str) -> None:
@@ -150,7 +169,8 @@ def train(args, engine, dataset, sampler) -> int:
     log = training.training_log(args, mode, start, primary=rank == 0)
     if rank == 0 and not args.quiet:
         print(f"pretrain: {mode}, {world} ranks, ZeRO {engine.zero_stage}, data "
-              f"{args.data_path or 'embedded corpus'} ({len(dataset)} documents), model "
+              f"{args.data_path or 'embedded corpus'} ({len(dataset)} documents"
+              f"{_mask_text(dataset)}), model "
               f"{args.hf_model or f'{args.num_layers}x{args.hidden_size}'}", flush=True)
     if rank == 0 and engine.dcp.enabled and engine.device.type == "cpu" and \
             engine.dcp.hardware in ("h200", "h100", "a100"):
@@ -163,14 +183,15 @@ def train(args, engine, dataset, sampler) -> int:
         docs = sampler.next_batch()
         # this rank reads its own share of the batch; the engine gathers the lengths, plans and
         # gives each rank the tokens of its own tasks (train_step(local=True), docs/DEEPSPEED.md)
-        sequences = [torch.from_numpy(dataset[docs[i]][: args.seq_length].astype("int64"))
-                     for i in share_of(len(docs), rank, world)]
+        sequences = share(dataset, [docs[i] for i in share_of(len(docs), rank, world)],
+                          args.seq_length)
         following = training.next_lengths(sampler, args, it)  # planned while this step runs
         if following is not None:
             following = [following[i] for i in share_of(len(following), rank, world)]
         result = engine.train_step(sequences, local=True, next_lengths=following)
-        tokens, _ = trained_tokens(result.plan, result.plan.lengths)
-        training.log_step(log, engine, it + 1, result, sequences=result.sequences, tokens=tokens)
+        # tokens trained: targets of non-zero weight (the log adds the tokens run, the plan's)
+        training.log_step(log, engine, it + 1, result, sequences=result.sequences,
+                          tokens=result.tokens)
         training.save_if_due(engine, sampler, args, it + 1)  # every --save-interval, and last
     if args.save_profile and engine.dcp.enabled and rank == 0:
         engine.driver.save_profile(args.save_profile)

@@ -19,7 +19,9 @@ rest of the layer is the same in both modes (`layer_spec`: Transformer Engine's 
 else Megatron's local one). Precision: bf16 on CUDA, fp32 on CPU (`params_dtype`; ``--bf16`` or
 ``--fp32`` choose); in bf16 the model runs in Megatron's ``Float16Module``, gradients are
 accumulated and reduced in fp32 and Megatron's optimizer keeps fp32 master weights.
-Data: the embedded corpus or ``--data-path PREFIX`` (Megatron ``.bin/.idx``), byte tokens,
+Data: the embedded corpus or ``--data-path PREFIX`` (Megatron ``.bin/.idx``; a loss mask
+``PREFIX_mask.bin/.idx`` beside it trains only the targets it marks, in both modes: docs/USAGE.md,
+"Loss masks"), byte tokens,
 global batches of up to ``--global-batch-tokens`` tokens, identical in both modes. The optimizer
 is torch AdamW on Megatron DDP's ``main_grad``, or with ``--use-distributed-optimizer``
 Megatron's own distributed optimizer (Adam states and the gradient reduce-scatter sharded over
@@ -61,7 +63,7 @@ from megatron_dcp.runtime.log_file import checkpoint_dir, log_problem
 from megatron_dcp.runtime.nonfinite import check_step
 from megatron_dcp.runtime.report import (TIMELINE_INTERVAL, TrainingLog, check_resume_point,
                                          peak_memory_mb, plan_summary, reset_peak_memory,
-                                         trained_tokens)
+                                         tokens_run)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -234,8 +236,9 @@ def padded_vocab_size(args) -> int:
 
 def open_training_data(args):
     """The embedded corpus or ``--data-path``, every token id checked against the tokenizer's
-    vocabulary (257 bytes and EOD), not the padded one: the padding rows are no tokens."""
-    return open_dataset(args.data_path, ByteTokenizer.vocab_size)
+    vocabulary (257 bytes and EOD), not the padded one: the padding rows are no tokens; with
+    its loss mask where ``PREFIX_mask.bin/.idx`` lies beside it (`global_batch`)."""
+    return open_dataset(args.data_path, ByteTokenizer.vocab_size, loss_mask=True)
 
 
 def model_shape(args):
@@ -416,17 +419,41 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
+def global_batch(dataset, docs, seq_length: int) -> list:
+    """The token tensors of documents ``docs`` cut at ``seq_length``; of a `MaskedDataset` a
+    `WeightedBatch` whose targets weigh by its mask (`megatron_dcp.data.target_weights`: the
+    target of position j, token j + 1, is trained where the mask of j + 1 is 1)."""
+    from megatron_dcp.data import MaskedDataset, target_weights
+    from megatron_dcp.runtime.targets import WeightedBatch
+
+    sequences = [torch.from_numpy(dataset[d][:seq_length].astype("int64")) for d in docs]
+    if not isinstance(dataset, MaskedDataset):
+        return sequences
+    return WeightedBatch(sequences, weights=[
+        torch.from_numpy(target_weights(dataset.mask(d)[:seq_length])) for d in docs])
+
+
+def _mask_text(dataset) -> str:
+    """``, loss mask PREFIX_mask`` for a dataset with one (the start-up line), else ``""``."""
+    return f", loss mask {dataset.mask_prefix}" if hasattr(dataset, "mask_prefix") else ""
+
+
 def plain_micro_batches(sequences, dp_rank: int, dp_size: int, device, multiple: int = 1):
     """Megatron plain data parallel: this rank's sequences, one micro-batch each, padded at the
     end to a ``multiple`` of tokens (``--sequence-parallel``: the TP size; the attention is
-    causal, so no token attends to the padding, which has no loss)."""
-    for seq in sequences[dp_rank::dp_size]:
+    causal, so no token attends to the padding, which has no loss); Megatron's ``loss_mask``
+    is a `WeightedBatch`'s weights (a loss mask), else 1 for every next-token target."""
+    weights = getattr(sequences, "weights", None)
+    for i in range(dp_rank, len(sequences), dp_size):
+        seq = sequences[i]
         n = seq.numel()
         pad = -n % multiple
         ids = torch.cat([seq, seq.new_zeros(pad)]).to(device).view(1, -1)
         labels = torch.cat([seq[1:], seq.new_zeros(1 + pad)]).to(device).view(1, -1)
         mask = torch.zeros(1, n + pad, device=device)
         mask[0, :n - 1] = 1.0  # the last token has no next-token target
+        if weights is not None:
+            mask[0, :n] = weights[i].to(device=device, dtype=mask.dtype)
         n += pad
         yield {"tokens": ids, "labels": labels, "loss_mask": mask, "attention_mask": None,
                "position_ids": torch.arange(n, device=device).view(1, -1)}
@@ -506,10 +533,11 @@ def plain_step(chunks, sequences, args, device, parallel):
             num_microbatches=count, seq_length=args.seq_length, micro_batch_size=1, **extra)
 
 
-def iteration_loss(reports, device, parallel) -> float:
+def iteration_loss(reports, device, parallel) -> tuple[float, int]:
     """Megatron's loss reduction: (loss, tokens) summed over micro-steps and data-parallel ranks
-    on the last pipeline stage, broadcast over the pipeline (every rank returns it);
-    ``parallel``: Megatron's layout of the job."""
+    on the last pipeline stage, broadcast over the pipeline (every rank returns it: the loss
+    and the tokens trained, those of its loss mask); ``parallel``: Megatron's layout of the
+    job."""
     summed = torch.zeros(2, dtype=torch.float64, device=device)
     for r in reports:
         summed += r["lm loss"].to(device).double()
@@ -517,7 +545,7 @@ def iteration_loss(reports, device, parallel) -> float:
     if parallel.pipeline > 1:
         group = parallel.pipeline_group
         dist.broadcast(summed, src=dist.get_process_group_ranks(group)[-1], group=group)
-    return float(summed[0] / summed[1])
+    return float(summed[0] / summed[1]), int(summed[1])
 
 
 def row_extras(args, log, step_fn, plan, peak_mb: float, shape, *, tp_pp: int) -> dict:
@@ -594,14 +622,14 @@ def main(argv=None) -> int:
         print(f"pretrain_megatron: {mode}, {world} ranks (tp {args.tensor_model_parallel_size}, "
               f"pp {args.pipeline_model_parallel_size}, "
               f"dp {dp_size}), data {args.data_path or 'embedded corpus'} ({len(dataset)} "
-              f"documents), model {args.num_layers}x{args.hidden_size} "
+              f"documents{_mask_text(dataset)}), model {args.num_layers}x{args.hidden_size} "
               f"{str(params_dtype(args)).removeprefix('torch.')}", flush=True)
     figures = StepFigures(step_fn.driver) if step_fn is not None and rank == 0 else None
     reset_peak_memory(device)  # peak_mem_mb: what training holds, not the start-up
     for it in range(start, args.train_iters):
         t0 = time.perf_counter()
         docs = sampler.next_batch()
-        sequences = [torch.from_numpy(dataset[d][: args.seq_length].astype("int64")) for d in docs]
+        sequences = global_batch(dataset, docs, args.seq_length)
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad(set_to_none=True)
@@ -617,7 +645,7 @@ def main(argv=None) -> int:
             t_out = time.perf_counter()
         else:
             reports = plain_step(chunks, sequences, args, device, parallel)
-        loss = iteration_loss(reports, device, parallel)
+        loss, trained = iteration_loss(reports, device, parallel)
         result = reports.result if step_fn is not None else None
         if result is not None and dcp_config.loss_reduction not in ("token", "token-mean"):
             loss = result.loss  # the loss optimised (e.g. the mean of per-sequence means)
@@ -637,12 +665,13 @@ def main(argv=None) -> int:
         micro = [len(sequences[r::dp_size]) for r in range(dp_size)]
         if step_fn is not None:  # the calibration learns the iteration, optimizer step included
             step_fn.driver.add_time_outside_step((t_in - t0) + (t_end - t_out))
-        tokens, skipped_seqs = trained_tokens(plan, [int(s.numel()) for s in sequences])
+        run, skipped_seqs = tokens_run(plan, [int(s.numel()) for s in sequences])
         timings = {} if result is None else {"plan_s": result.plan_s,  # planning, and waiting
                                              "plan_wait_s": result.plan_wait_s}
         peak = peak_memory_mb(device)
         extra = row_extras(args, log, step_fn, plan, peak, shape, tp_pp=world // dp_size)
-        log.iteration(it + 1, loss=loss, tokens=tokens, step_s=t_end - t0,
+        tokens = result.tokens if result is not None else trained  # trained: weight > 0
+        log.iteration(it + 1, loss=loss, tokens=tokens, tokens_run=run, step_s=t_end - t0,
                       sequences=len(sequences), skipped=skipped, skipped_sequences=skipped_seqs,
                       predicted_s=result.predicted_s if result is not None else None,
                       calibration_error=result.calibration_error if result is not None else None,

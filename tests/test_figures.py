@@ -96,10 +96,12 @@ def _driver(config, shape, hardware="h100", world=8):
     return figures_driver(config, shape, hardware)
 
 
-def _result(plan, *, wall_s, predicted_s=0.0, skipped=False):
+def _result(plan, *, wall_s, predicted_s=0.0, skipped=False, tokens=None):
+    """A step result of ``plan``; ``tokens`` trained (default: every next-token target)."""
+    tokens = plan.target_tokens if tokens is None else tokens
     return SimpleNamespace(plan=plan, loss=2.5, grad_norm=1.25, wall_s=wall_s, skipped=skipped,
                            predicted_s=predicted_s, calibration_error=0.1, plan_s=0.02,
-                           plan_wait_s=0.005)
+                           plan_wait_s=0.005, tokens=tokens)
 
 
 def test_step_figures_mfu_efficiency_and_skipped_steps():
@@ -109,10 +111,13 @@ def test_step_figures_mfu_efficiency_and_skipped_steps():
     plan = make_plan(lengths, world_size=8, model=shape, config=config, hardware="h100")
     figures = StepFigures(_driver(config, shape))
     predicted = plan.makespan + 0.05
-    result = _result(plan, wall_s=2 * predicted, predicted_s=predicted)
+    trained = 12345  # a loss mask trains fewer tokens than the step runs
+    result = _result(plan, wall_s=2 * predicted, predicted_s=predicted, tokens=trained)
     fig = figures(result)
     assert set(fig) - set(FIGURES) <= {k for k in fig if k.startswith("tokens_degree_")}
-    assert fig["tokens"] == sum(lengths) and fig["tokens_per_s"] == sum(lengths) / (2 * predicted)
+    assert fig["tokens"] == trained and fig["tokens_per_s"] == trained / (2 * predicted)
+    assert fig["tokens_run"] == sum(lengths)
+    assert fig["tokens_run_per_s"] == sum(lengths) / (2 * predicted)
     assert fig["model_tflop"] == pytest.approx(document_flops(shape, lengths) / 1e12)
     assert fig["tflops_per_gpu"] == pytest.approx(fig["model_tflop"] / (2 * predicted) / 8)
     assert fig["mfu"] == pytest.approx(fig["tflops_per_gpu"] * 1e12 / 9.89e14)
@@ -126,6 +131,7 @@ def test_step_figures_mfu_efficiency_and_skipped_steps():
     assert figures(result) is fig  # asked twice (log and dashboard): computed once
     skipped = figures(_result(plan, wall_s=1.0, predicted_s=predicted, skipped=True))
     assert skipped["skipped"] == 1 and skipped["skipped_steps"] == 1 and skipped["tokens"] == 0
+    assert skipped["tokens_run"] == sum(lengths)  # it ran (and cost) them all the same
     assert fig["skipped_steps"] == 0
 
 

@@ -63,7 +63,7 @@ def _steps(n=4):
         plan = make_plan(lengths, world_size=4, model=shape, config=config, hardware="h100")
         results.append(SimpleNamespace(plan=plan, loss=3.0 / it, grad_norm=0.5, wall_s=40.0,
                                        skipped=False, predicted_s=0.3, calibration_error=0.2,
-                                       plan_s=0.01, plan_wait_s=0.0))
+                                       plan_s=0.01, plan_wait_s=0.0, tokens=plan.target_tokens))
     return StepFigures(driver), results
 
 
@@ -94,7 +94,12 @@ def test_megatron_writers_get_every_figure_at_the_log_interval(tmp_path):
     assert [(values, step) for values, step in wandb.logged] == \
         [({"dcp/" + k: v for k, v in logged[it].items()}, it) for it in (2, 4)]
     names = set(wandb.logged[0][0])
-    assert {"dcp/mfu", "dcp/tokens_per_s", "dcp/plan_efficiency", "dcp/idle_share"} <= names
+    assert {"dcp/mfu", "dcp/tokens_per_s", "dcp/plan_efficiency", "dcp/idle_share",
+            "dcp/tokens_run", "dcp/tokens_run_per_s"} <= names
+    # trained (the targets: n - 1 a sequence here) apart from run (the plan's lengths)
+    first = wandb.logged[0][0]
+    assert first["dcp/tokens"] == results[1].plan.target_tokens
+    assert first["dcp/tokens_run"] == sum(results[1].plan.lengths)
     assert any(name.startswith("dcp/tokens_degree_") for name in names)
 
 
@@ -182,7 +187,7 @@ def test_deepspeed_csv_monitor_files_hold_the_figures(tmp_path, monkeypatch):
         engine.global_samples = it
         monitor.write(r)
     logged = _json_figures(tmp_path, figures, results)
-    for name in ("mfu", "tokens_per_s", "loss", "micro_steps_max"):
+    for name in ("mfu", "tokens_per_s", "tokens_run_per_s", "loss", "micro_steps_max"):
         with open(tmp_path / "run" / f"dcp_{name}.csv") as f:
             rows = list(csv.reader(f))
         assert rows[0] == ["step", name]

@@ -79,16 +79,55 @@ def test_lockstep_summary_counts_slots_and_peak_memory_is_measured():
         assert peak_memory_mb() < high - 200  # measured from the reset, not since the start
 
 
+def test_tokens_trained_and_run_apart_in_rows_and_lines(tmp_path, capsys):
+    """Issue 57 item 4: a loss mask trains fewer tokens than the step runs. A row's ``tokens``
+    and ``tokens_per_s`` are the trained ones, ``tokens_run`` and ``tokens_run_per_s`` the run
+    ones (given, or the step plan's lengths); the lines say which is which."""
+    from megatron_dcp.plan.plan import Plan, Task
+
+    plan = Plan(tasks=(Task(id=0, ranks=(0,), seqs=(0, 1), start=0.0),), lengths=(300, 700),
+                world_size=1, policy="dcp")
+    path = tmp_path / "log.jsonl"
+    log = TrainingLog("dcp", 2, json_path=str(path))
+    log.iteration(1, loss=2.0, tokens=250, step_s=2.0, plan=plan_summary(plan), step_plan=plan)
+    log.iteration(2, loss=2.0, tokens=50, tokens_run=400, step_s=2.0,
+                  plan=plan_summary(None, micro_steps=1))
+    log.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["tokens"], r["tokens_run"]) for r in rows] == [(250, 1000), (50, 400)]
+    assert [(r["tokens_per_s"], r["tokens_run_per_s"]) for r in rows] == [(125, 500), (25, 200)]
+    out = capsys.readouterr().out.splitlines()
+    assert " tokens 250 trained/1000 run 125 tok/s trained " in out[0]
+    assert out[2] == "done: dcp, 2 iterations, 300 tokens trained (1400 run), 75 tokens/s trained"
+
+
+def test_a_step_whose_targets_are_all_masked_is_skipped_as_empty(capsys):
+    """A loss mask over the whole batch: the plan has targets, none of non-zero weight; the
+    driver skips the step (`trains_nothing`) and the line says why, not "non-finite"."""
+    from megatron_dcp.plan.plan import Plan, Task
+
+    plan = Plan(tasks=(Task(id=0, ranks=(0,), seqs=(0,), start=0.0),), lengths=(50,),
+                world_size=1, policy="dcp")
+    log = TrainingLog("dcp", 2)
+    log.iteration(1, loss=0.0, tokens=0, step_s=1.0, skipped=True, plan=plan_summary(plan),
+                  step_plan=plan)
+    log.iteration(2, loss=float("nan"), tokens=49, step_s=1.0, skipped=True,
+                  plan=plan_summary(plan), step_plan=plan)
+    out = capsys.readouterr().out.splitlines()
+    assert "SKIPPED step (no trained token; 1 so far)" in out[0]
+    assert "SKIPPED step (non-finite; 2 so far)" in out[1]
+
+
 def test_skipped_steps_and_sequences_are_counted_and_train_no_tokens(tmp_path, capsys):
     """Issue 22: a skipped step (non-finite) and oversize-skipped sequences are shown and
     counted; tokens and tokens/s cover trained tokens only."""
     from megatron_dcp.plan.plan import Plan, Task
-    from megatron_dcp.runtime.report import trained_tokens
+    from megatron_dcp.runtime.report import tokens_run
 
     plan = Plan(tasks=(Task(id=0, ranks=(0,), seqs=(0,), start=0.0),), lengths=(100, 900),
                 world_size=1, policy="dcp", skipped=(1,))
-    assert trained_tokens(plan, [100, 900]) == (100, 1)
-    assert trained_tokens(None, [100, 900]) == (1000, 0)
+    assert tokens_run(plan, [100, 900]) == (100, 1)
+    assert tokens_run(None, [100, 900]) == (1000, 0)
     path = tmp_path / "log.jsonl"
     log = TrainingLog("dcp", 2, json_path=str(path))
     log.iteration(1, loss=2.0, tokens=100, step_s=1.0, plan={"mode": "x", "micro_steps_per_rank":

@@ -17,7 +17,7 @@ from conftest import figures_driver  # noqa: E402
 from megatron_dcp.config import DCPConfig  # noqa: E402
 from megatron_dcp.plan import load_model, make_plan  # noqa: E402
 from megatron_dcp.runtime.figures import StepFigures  # noqa: E402
-from megatron_dcp.runtime.report import TrainingLog, plan_summary, trained_tokens  # noqa: E402
+from megatron_dcp.runtime.report import TrainingLog, plan_summary  # noqa: E402
 
 
 def _driver(config, shape):
@@ -40,8 +40,9 @@ def write_run_log(path: Path, iterations: int = 20, timeline_interval: int = 5) 
         predicted = plan.makespan + 0.02
         result = SimpleNamespace(plan=plan, loss=8.0 / it, grad_norm=1.0, skipped=it == 7,
                                  wall_s=predicted * (1.3 - 0.01 * it), predicted_s=predicted,
-                                 calibration_error=0.3 / it, plan_s=0.01, plan_wait_s=0.001)
-        log.iteration(it, loss=result.loss, tokens=trained_tokens(plan, lengths)[0],
+                                 calibration_error=0.3 / it, plan_s=0.01, plan_wait_s=0.001,
+                                 tokens=plan.target_tokens)
+        log.iteration(it, loss=result.loss, tokens=result.tokens,
                       step_s=result.wall_s, plan=plan_summary(plan, plan_s=0.01),
                       predicted_s=predicted, calibration_error=result.calibration_error,
                       skipped=result.skipped, figures=figures(result), step_plan=plan)
@@ -200,13 +201,33 @@ def test_rows_of_the_megatron_launcher_and_older_logs(tool, tmp_path):
     axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
     assert axes["loss"].get_lines() and axes["degree mix"].collections
     assert axes["degree mix"].get_ylabel() == "tasks"
-    assert [t.get_text() for t in axes["tokens/s and MFU"].texts] == ["no tokens/s in this log"]
+    assert [t.get_text() for t in axes["tokens/s and MFU"].texts] == [
+        "no tokens/s trained / tokens/s run in this log"]
     assert [t.get_text() for t in axes["timeline"].texts] == [
         "no timeline (rows carry one every --log-timeline-interval iterations) in this log"]
     assert not axes["timeline"].collections
     matplotlib.pyplot.close(fig)
     assert tool.main([str(log), "--out", str(tmp_path / "out" / "r")]) == 0
     assert (tmp_path / "out" / "r.png").exists() and (tmp_path / "out" / "r.html").exists()
+
+
+def test_tokens_trained_and_run_are_apart(tool, tmp_path):
+    """A loss mask trains fewer tokens than the step runs: the throughput panel draws both
+    rates under their own names and the page's totals give both counts."""
+    rows = [{"iteration": i, "loss": 2.0, "tokens": 300, "tokens_run": 1000, "step_s": 2.0,
+             "tokens_per_s": 150.0, "tokens_run_per_s": 500.0, "plan": {"mode": "dcp"}}
+            for i in (1, 2)]
+    log = tmp_path / "masked.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fig = tool.draw(tool.read_log(str(log)))
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    lines = {line.get_label(): list(line.get_ydata())
+             for line in axes["tokens/s and MFU"].get_lines()}
+    assert lines == {"tokens/s trained": [150.0, 150.0], "tokens/s run": [500.0, 500.0]}
+    matplotlib.pyplot.close(fig)
+    got = tool.totals(tool.read_log(str(log)))
+    assert (got["tokens trained"], got["tokens run"]) == ("600", "2000")
+    assert (got["tokens/s trained"], got["tokens/s run"]) == ("150.0", "500.0")
 
 
 @pytest.mark.parametrize("second_line", ['{"epoch": 1, "acc": 0.5}', "not json",

@@ -212,7 +212,9 @@ def _lines(ax, its, figs, named: list[tuple[str, str]], ylabel: str = "") -> boo
 
 
 def _throughput(ax, its, figs) -> None:
-    if not _lines(ax, its, figs, [("tokens_per_s", "tokens/s")], ylabel="tokens/s"):
+    # trained (weight > 0) and run (what MFU counts): a loss mask sets them apart
+    if not _lines(ax, its, figs, [("tokens_per_s", "tokens/s trained"),
+                                  ("tokens_run_per_s", "tokens/s run")], ylabel="tokens/s"):
         return
     x, mfu = _series(its, figs, "mfu")
     if x:

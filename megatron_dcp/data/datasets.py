@@ -11,6 +11,7 @@ from typing import Optional, Protocol, Sequence
 import numpy as np
 
 from megatron_dcp.data.indexed import IndexedDataset
+from megatron_dcp.data.loss_mask import mask_files, open_masked
 from megatron_dcp.data.tokenizer import ByteTokenizer
 
 EMBEDDED_CORPUS = Path(__file__).parent / "corpus" / "pystdlib.jsonl.gz"
@@ -55,11 +56,13 @@ def embedded_dataset(tokenizer: Optional[ByteTokenizer] = None) -> InMemoryToken
     return InMemoryTokenDataset(docs, name="embedded:pystdlib")
 
 
-def open_dataset(data_path: Optional[str] = None,
-                 vocab_size: Optional[int] = None) -> TokenDataset:
+def open_dataset(data_path: Optional[str] = None, vocab_size: Optional[int] = None,
+                 loss_mask: bool = False) -> TokenDataset:
     """``--data-path PREFIX`` (a Megatron ``.bin/.idx`` pair) or, when None, the embedded corpus.
     ``vocab_size``: check every token id of an indexed dataset against it now
-    (`IndexedDataset.check_vocabulary`)."""
+    (`IndexedDataset.check_vocabulary`). ``loss_mask``: where ``PREFIX_mask.bin/.idx`` lie
+    beside it, a `MaskedDataset` with that loss mask (`megatron_dcp.data.loss_mask`; half a
+    mask, or one whose documents are not the tokens', is refused naming the files)."""
     if data_path is None:
         return embedded_dataset()
     if data_path.endswith((".bin", ".idx")):
@@ -71,4 +74,10 @@ def open_dataset(data_path: Optional[str] = None,
                          f"(--data-path {data_path})")
     if vocab_size is not None:
         dataset.check_vocabulary(vocab_size)
-    return dataset
+    found = mask_files(data_path) if loss_mask else []
+    if len(found) == 1:  # a mask that lost a file: training without it would be silent
+        other = found[0][:-4] + (".idx" if found[0].endswith(".bin") else ".bin")
+        raise ValueError(f"the loss mask {found[0]} lies beside {data_path}.bin/.idx without "
+                         f"its {other}: rebuild the dataset (dcp-build-dataset), or remove "
+                         f"{found[0]} to train every token")
+    return open_masked(data_path, dataset) if found else dataset

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from typing import Iterator
+from typing import Iterator, Sequence
 
 
 def _open_bytes(path: str):
@@ -26,6 +26,14 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
 def read_jsonl(path: str, key: str = "text") -> Iterator[str]:
     """Yield ``obj[key]`` of every non-empty line; a bad line (not UTF-8, not JSON, no such
     string field) raises naming file and line number."""
+    for (text,) in read_jsonl_fields(path, (key,)):
+        yield text
+
+
+def read_jsonl_fields(path: str, keys: Sequence[str]) -> Iterator[tuple[str, ...]]:
+    """Yield the string fields ``keys`` of every non-empty line (a prompt and its response:
+    ``dcp-build-dataset --prompt-key/--response-key``); a bad line (not UTF-8, not JSON, a field
+    missing or not a string) raises naming file, line and field."""
     for lineno, line in _lines(path):
         if not line.strip():
             continue
@@ -33,12 +41,13 @@ def read_jsonl(path: str, key: str = "text") -> Iterator[str]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or key not in obj:
-            raise ValueError(f"{path}:{lineno}: no {key!r} field in this JSON line")
-        if not isinstance(obj[key], str):
-            raise ValueError(f"{path}:{lineno}: field {key!r} is {type(obj[key]).__name__}, "
-                             "not a string")
-        yield obj[key]
+        for key in keys:
+            if not isinstance(obj, dict) or key not in obj:
+                raise ValueError(f"{path}:{lineno}: no {key!r} field in this JSON line")
+            if not isinstance(obj[key], str):
+                raise ValueError(f"{path}:{lineno}: field {key!r} is {type(obj[key]).__name__}, "
+                                 "not a string")
+        yield tuple(obj[key] for key in keys)
 
 
 def read_text_documents(path: str) -> Iterator[str]:

@@ -8,6 +8,11 @@ get under a ``dcp/`` prefix (Megatron-LM's TensorBoard and W&B writers:
 `deepspeed_plugin.monitor`), so a dashboard shows exactly what the log holds. `row_figures`
 reads the figures back from a log row, also from a row written before rows carried them.
 
+Tokens: ``tokens`` are those trained (targets of non-zero loss weight, `StepResult.tokens`),
+``tokens_run`` those the plan ran (its lengths); a masked token (an SFT prompt) runs and costs
+compute without being trained, so model FLOPs and MFU count the tokens run, and each count has
+its own rate (``tokens_per_s``, ``tokens_run_per_s``).
+
 Model FLOPs are counted per document (`document_flops`): the linear terms per token, causal
 attention per document (the sum of each document's ``L(L+1)/2`` query/key pairs), with the cost
 model's own formula (`TimeModel.model_flops`). A packed sample's ``seq_length^2`` would count the
@@ -27,14 +32,19 @@ from megatron_dcp.plan.plan import Plan
 FIGURES: dict[str, str] = {
     "loss": "loss of the global batch",
     "grad_norm": "gradient norm before clipping (where the engine reports it)",
-    "tokens": "tokens trained (a skipped step trains none)",
+    "tokens": "tokens trained: targets of non-zero loss weight (a loss mask leaves prompts out; "
+              "a skipped step trains none)",
+    "tokens_run": "tokens the step ran (the plan's lengths): a masked token still costs "
+                  "compute, so MFU counts these",
     "sequences": "sequences trained",
     "tokens_per_s": "tokens trained per second of the measured step",
+    "tokens_run_per_s": "tokens run per second of the measured step",
     "step_s": "measured step time, seconds",
     "predicted_s": "step time the cost model predicted, seconds (DCP)",
     "prediction_error": "predicted_s / step_s - 1 of this step (DCP)",
     "calibration_error": "the online calibration's median |predicted / measured - 1| (DCP)",
-    "model_tflop": "model TFLOP of the step (all ranks), attention counted per document",
+    "model_tflop": "model TFLOP of the step (all ranks): the tokens run, attention counted per "
+                   "document",
     "tflops_per_gpu": "model TFLOP/s per GPU: model_tflop / step_s / GPUs",
     "mfu": "model FLOPs utilisation: tflops_per_gpu over the hardware's peak",
     "plan_efficiency": "lower bound of the step / the plan's step, by the cost model: 1 is best "
@@ -172,9 +182,11 @@ class StepFigures:
         out: dict[str, float] = {"loss": float(result.loss)}
         if result.grad_norm is not None:
             out["grad_norm"] = float(result.grad_norm)
-        tokens = sum(ran) if trained else 0
-        out.update(tokens=float(tokens), sequences=float(trained), step_s=step_s,
-                   tokens_per_s=tokens / step_s if step_s > 0 else 0.0)
+        tokens = int(result.tokens) if trained else 0  # targets of non-zero weight
+        run = sum(ran)  # what the step computed, trained or not
+        out.update(tokens=float(tokens), tokens_run=float(run), sequences=float(trained),
+                   step_s=step_s, tokens_per_s=tokens / step_s if step_s > 0 else 0.0,
+                   tokens_run_per_s=run / step_s if step_s > 0 else 0.0)
         out.update(self._flops(plan, ran, step_s))
         if self.driver.config.enabled:
             out.update(self._prediction(result, plan, ran, step_s))
@@ -238,7 +250,8 @@ def _ran_frames(plan: Plan) -> Optional[list[int]]:
     return None if frames is None else [frames[s] for t in plan.tasks for s in t.seqs]
 
 
-_ROW_NUMBERS = ("loss", "grad_norm", "tokens", "sequences", "tokens_per_s", "step_s",
+_ROW_NUMBERS = ("loss", "grad_norm", "tokens", "tokens_run", "sequences", "tokens_per_s",
+                "tokens_run_per_s", "step_s",
                 "predicted_s", "calibration_error", "skipped_steps", "skipped_sequences")
 
 

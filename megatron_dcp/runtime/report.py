@@ -8,9 +8,11 @@ progress bar, writes the ``--log-json`` lines (one JSON object per iteration: ``
 ``predicted_s`` and ``calibration_error``, ``plan``, every ``timeline_interval`` iterations
 ``timeline``, ``checkpoint_dir`` (whose resume continues this log: `log_file`), and whatever
 else the caller adds, e.g. `peak_memory_mb`) and the final
-throughput line. Tokens are the tokens trained: a sequence
-the oversize policy skipped is counted as skipped (``skipped_sequences``), not as trained
-(`trained_tokens`), and a skipped step trains none. Pure Python (torch only where a CUDA
+throughput line. ``tokens`` are the tokens trained (targets of non-zero loss weight: a loss mask
+leaves prompts out; a skipped step trains none), ``tokens_run`` those the step ran (the plan's
+lengths, `tokens_run`: a masked token still costs compute; MFU counts these), each with its
+rate (``tokens_per_s``, ``tokens_run_per_s``). A sequence the oversize policy skipped is counted
+as skipped (``skipped_sequences``), neither trained nor run. Pure Python (torch only where a CUDA
 device is measured): the examples of both engines use it.
 """
 
@@ -157,13 +159,23 @@ def log_rows(path: str) -> Iterator[tuple[int, Any]]:
                 raise ValueError(f"{path}:{number}: not JSON ({err})") from None
 
 
-def trained_tokens(plan: Optional[Plan], lengths: Sequence[int]) -> tuple[int, int]:
-    """(tokens trained, sequences skipped) of a global batch of sequences with these lengths:
+def tokens_run(plan: Optional[Plan], lengths: Sequence[int]) -> tuple[int, int]:
+    """(tokens run, sequences skipped) of a global batch of sequences with these lengths:
     without a plan every token; with one, the sequences in its tasks at their planned lengths
-    (``dcp.oversize`` truncate shortens them, skip leaves them out)."""
+    (``dcp.oversize`` truncate shortens them, skip leaves them out). Tokens run cost compute
+    whether or not they are trained (a masked prompt token runs): what MFU counts."""
     if plan is None:
         return sum(int(n) for n in lengths), 0
     return sum(plan.lengths[s] for t in plan.tasks for s in t.seqs), len(plan.skipped)
+
+
+trained_tokens = tokens_run
+"""The old name of `tokens_run` (from before loss masks, when every token run was trained)."""
+
+
+def _planned_tokens(plan: Plan) -> int:
+    """The tokens ``plan`` runs (`tokens_run`)."""
+    return tokens_run(plan, plan.lengths)[0]
 
 
 def check_resume_point(start: int, train_iters: int, load: str, *, primary: bool) -> None:
@@ -266,6 +278,15 @@ def _prediction_text(predicted_s: Optional[float], error: Optional[float]) -> st
     return text + (f" (median error {error * 100:.0f}%)" if error is not None else "")
 
 
+def _tokens_text(record: dict[str, Any]) -> str:
+    """``tokens 900 trained/1000 run 450 tok/s trained`` of a log row (the old ``tokens 900
+    450 tok/s`` where the tokens run are not known)."""
+    if "tokens_run" not in record:
+        return f"tokens {record['tokens']} {record['tokens_per_s']:.0f} tok/s"
+    return (f"tokens {record['tokens']} trained/{record['tokens_run']} run "
+            f"{record['tokens_per_s']:.0f} tok/s trained")
+
+
 def _mfu_text(figures: Optional[dict[str, float]]) -> str:
     """`` MFU 41.3%`` from a step's figures (`megatron_dcp.runtime.figures`), where known."""
     return f" MFU {figures['mfu'] * 100:.1f}%" if figures and "mfu" in figures else ""
@@ -304,6 +325,8 @@ class TrainingLog:
         self.quiet = quiet
         self.iterations = 0
         self.tokens = 0
+        self.tokens_run = 0
+        self._run_rows = 0  # rows that knew their tokens run (the final line needs all)
         self.seconds = 0.0
         self.skipped_steps = 0
         self.skipped_sequences = 0
@@ -314,13 +337,15 @@ class TrainingLog:
             if (json_path and primary) else None
 
     def iteration(self, iteration: int, *, loss: float, tokens: int, step_s: float,
-                  plan: dict[str, Any], predicted_s: Optional[float] = None,
+                  plan: dict[str, Any], tokens_run: Optional[int] = None,
+                  predicted_s: Optional[float] = None,
                   calibration_error: Optional[float] = None, skipped: bool = False,
                   skipped_sequences: int = 0, step_plan: Optional[Plan] = None,
                   timeline_extra: Optional[Any] = None, **extra: Any) -> dict[str, Any]:
         """Record one iteration (1-based ``iteration``); returns the JSON record.
-        ``tokens``: tokens trained (`trained_tokens`); ``predicted_s``: the step time the cost
-        model predicted (DCP); ``calibration_error``: the online calibration's current median
+        ``tokens``: tokens trained (targets of non-zero weight: `StepResult.tokens`);
+        ``tokens_run``: tokens run (default: ``step_plan``'s, `tokens_run`); ``predicted_s``:
+        the step time the cost model predicted (DCP); ``calibration_error``: the online calibration's current median
         relative error of that prediction; ``skipped``: the step applied no update (a non-finite
         loss skipped, an fp16 overflow): it trained no tokens; ``skipped_sequences``: sequences
         of the batch the oversize policy left out; ``step_plan``: the step's DCP plan, whose
@@ -331,21 +356,21 @@ class TrainingLog:
         (without those left out; none in a skipped step), the batch's count as
         ``batch_sequences``. The sequences the oversize policy truncated and the tokens cut from
         them are read from ``step_plan`` (`Plan.truncated`): ``truncated_sequences`` and
-        ``truncated_tokens``; a step of ``step_plan`` with no target token is a skipped step
-        for that reason (``SKIPPED step (no trained token ...)``)."""
+        ``truncated_tokens``; a skipped step of ``step_plan`` with no target token, or ``tokens``
+        0 (every target masked), is skipped for that reason (``SKIPPED step (no trained token
+        ...)``)."""
         cut = (len(step_plan.truncated), step_plan.truncated_tokens) \
             if step_plan is not None else (0, 0)
-        empty = skipped and step_plan is not None and step_plan.target_tokens == 0
+        # no target at all, or none of non-zero weight (a loss mask over the whole batch)
+        empty = skipped and (tokens == 0 or getattr(step_plan, "target_tokens", 1) == 0)
         self.truncated_tokens += cut[1]
         self.iterations += 1
-        tokens = 0 if skipped else tokens
-        self.tokens += tokens
         self.seconds += step_s
         self.skipped_steps += int(skipped)
         self.skipped_sequences += skipped_sequences
-        record = {"iteration": iteration, "loss": loss, "tokens": tokens,
-                  "tokens_per_s": tokens / step_s if step_s > 0 else 0.0, "step_s": step_s,
-                  "skipped": skipped, "skipped_steps": self.skipped_steps,
+        record = {"iteration": iteration, "loss": loss,
+                  **self._tokens(0 if skipped else tokens, tokens_run, step_s, step_plan),
+                  "step_s": step_s, "skipped": skipped, "skipped_steps": self.skipped_steps,
                   "skipped_sequences": skipped_sequences, "truncated_sequences": cut[0],
                   "truncated_tokens": cut[1]}
         if predicted_s is not None:
@@ -364,8 +389,8 @@ class TrainingLog:
             self._json.flush()
         if self.primary and not self.quiet:
             print(f"{progress_bar(iteration, self.train_iters)} iter {iteration}/"
-                  f"{self.train_iters} loss {loss:.4f} tokens {tokens} "
-                  f"{record['tokens_per_s']:.0f} tok/s{_mfu_text(extra.get('figures'))} "
+                  f"{self.train_iters} loss {loss:.4f} {_tokens_text(record)}"
+                  f"{_mfu_text(extra.get('figures'))} "
                   f"step {step_s * 1e3:.0f} ms"
                   f"{_prediction_text(predicted_s, calibration_error)} | {plan_text(plan)}"
                   f"{_skip_text(skipped, self.skipped_steps, skipped_sequences, empty, cut)}",
@@ -383,6 +408,21 @@ class TrainingLog:
         timeline.update(extra() if extra is not None else {})
         return {"timeline": timeline}
 
+    def _tokens(self, tokens: int, tokens_run: Optional[int], step_s: float,
+                step_plan: Optional[Plan]) -> dict[str, Any]:
+        """A row's tokens trained and run (``step_plan``'s where not given; none without
+        either) with their rates, added to the run's totals."""
+        if tokens_run is None and step_plan is not None:
+            tokens_run = _planned_tokens(step_plan)
+        self.tokens += tokens
+        self.tokens_run += tokens_run or 0
+        self._run_rows += tokens_run is not None
+        out = {"tokens": tokens, "tokens_per_s": tokens / step_s if step_s > 0 else 0.0}
+        if tokens_run is not None:
+            out.update(tokens_run=tokens_run,
+                       tokens_run_per_s=tokens_run / step_s if step_s > 0 else 0.0)
+        return out
+
     def _timeline_due(self, iteration: int) -> bool:
         """Whether this row carries the timeline: the first one logged, then every
         ``timeline_interval`` iterations."""
@@ -397,8 +437,10 @@ class TrainingLog:
                      ((self.skipped_steps, "steps"), (self.skipped_sequences, "sequences")) if n]
             if self.truncated_tokens:
                 skips.append(f"{self.truncated_tokens} tokens truncated")
+            run = f" ({self.tokens_run} run)" if self._run_rows == self.iterations else ""
             print(f"done: {self.mode}, {self.iterations} iterations, {self.tokens} tokens "
-                  f"trained, {rate:.0f} tokens/s" + "".join(f", {t}" for t in skips), flush=True)
+                  f"trained{run}, {rate:.0f} tokens/s{' trained' if run else ''}" +
+                  "".join(f", {t}" for t in skips), flush=True)
         if self._json is not None:
             self._json.close()
             self._json = None
