@@ -143,7 +143,9 @@ class MegatronStepEngine(StepEngine):
         optimizer step is the caller's. Before that, one all-reduce over the job finds the ranks
         whose own gradients are not finite (`nonfinite_gradient_ranks`: ``nonfinite_ranks``);
         then the gradient norm is ``nan`` on every rank (`StepDriver` stops or skips the step
-        before the update), else ``None`` (not computed: Megatron's optimizer does)."""
+        before the update), else ``None`` (not computed: Megatron's optimizer does). With the
+        overlapped reduction the buckets the last backward did not start are started first, and
+        each bucket's own gradients were probed just before its reduction started."""
         import torch.distributed as dist
 
         from megatron_dcp.runtime.groups import comm_device
