@@ -195,6 +195,24 @@ def test_both_overlaps_equal_plain_megatron_lm(tmp_path, pp):
     assert [1, 0] in counts and [1, 1] in counts, counts  # a step with an idle rank
 
 
+@pytest.mark.timeout(600)
+def test_both_overlaps_with_virtual_pipeline_stages_equal_plain_megatron_lm(tmp_path):
+    """The interleaved schedule (DP 2 x PP 2, 2 virtual stages a rank) with both overlaps: DCP
+    counts each model chunk's last backward where the schedule switches gradient sync on; the lm
+    loss lines are plain Megatron-LM's with steps where one rank has no task."""
+    extra = OVERLAPS + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "1"]
+    log = tmp_path / "dcp.jsonl"
+    dcp = _lm_losses(_launch(["--dcp", "--dcp-policy", "packed", "--dcp-max-degree", "1",
+                              "--dcp-pack-tokens", "1028", "--dcp-log-json", str(log), *extra],
+                             ranks=4))
+    plain = _lm_losses(_launch(PLAIN + extra, ranks=4))
+    _same_losses(dcp, plain)
+    counts = [r["plan"]["micro_steps_per_rank"] for r in map(json.loads,
+                                                             log.read_text().splitlines())]
+    assert [1, 0] in counts, counts
+
+
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
        "--moe-token-dispatcher-type", "alltoall", "--no-bias-gelu-fusion"]
 

@@ -6,11 +6,13 @@ different numbers of tasks (rank 0 four, rank 1 two; Ulysses, ring, recompute), 
 plan again. With ``overlap_grad_reduce`` + ``overlap_param_gather`` (buckets of 2,000 elements:
 several bucket groups) the losses and the parameters after every update equal those of the same
 steps without the overlaps; from the third step the bucket groups start inside each rank's last
-backward (the second step learned that shape); no rank hangs. Before, ``overlap_param_gather``
-was refused.
+backward (the second step learned that shape); no rank hangs; a skipped step leaves no reduction
+in flight. Before, ``overlap_param_gather`` was refused.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -22,8 +24,10 @@ pytestmark = pytest.mark.slow
 STEPS = ("idle", "uneven", "uneven", "idle")
 
 
-def _train(rank, world_size, overlaps: bool):
-    """The four steps; returns (losses, buckets started early per step, final parameters)."""
+def _train(rank, world_size, overlaps: bool, nan_step=None):
+    """The four steps; returns (losses, buckets started early per step, final parameters).
+    ``nan_step``: that step's loss is ``nan`` on rank 0 and the step is skipped
+    (``skip_nonfinite``: no optimizer step)."""
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -46,15 +50,24 @@ def _train(rank, world_size, overlaps: bool):
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=1e-2, clip_grad=0.0, params_dtype=torch.float32,
             use_distributed_optimizer=True), [ddp])
-        step = DCPForwardBackward(DCPConfig(enabled=True))
+        step = DCPForwardBackward(DCPConfig(enabled=True, skip_nonfinite=True))
         losses, early = [], []
-        for name in STEPS:
+        for i, name in enumerate(STEPS):
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            result = step(forward_step_func=forward_step, data_iterator=iter(
+            poison = i == nan_step and rank == 0
+
+            def forward(data_iterator, model):
+                out, loss_func = forward_step(data_iterator, model)
+                return (out * float("nan") if poison else out), loss_func
+
+            result = step(forward_step_func=forward, data_iterator=iter(
                 [GlobalBatch(_sequences(), plans[name])]), model=[ddp], num_microbatches=1,
                 seq_length=0, micro_batch_size=1).result
-            optimizer.step()
+            if result.skipped != (i == nan_step):
+                raise AssertionError(f"step {i}: skipped {result.skipped}")
+            if not result.skipped:
+                optimizer.step()
             losses.append(result.loss)
             reduction = next(iter(step._reductions.values()))
             early.append((reduction.early, reduction.buckets) if reduction else None)
@@ -67,17 +80,25 @@ def _train(rank, world_size, overlaps: bool):
 
 
 def _both(rank, world_size):
-    return _train(rank, world_size, False), _train(rank, world_size, True)
+    return [(_train(rank, world_size, False, nan), _train(rank, world_size, True, nan))
+            for nan in (None, 2)]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_both_overlaps_under_dcp_equal_the_steps_without_them():
-    results = run_distributed(_both, world_size=2, timeout_s=280)
-    for rank, ((losses, _, params), (o_losses, early, o_params)) in enumerate(results):
+    """Also with a skipped step (a ``nan`` loss on rank 0 in the third step, whose bucket groups
+    start inside the last backward; ``skip_nonfinite``): the reductions started are finished on
+    every rank, and the next step runs and equals the one without the overlaps."""
+    launched = run_distributed(_both, world_size=2, timeout_s=380)
+    for rank, ((losses, _, params), (o_losses, _, o_params)) in (
+            (rank, pair) for rank, runs in enumerate(launched) for pair in runs):
         for a, b in zip(o_losses, losses):
-            assert abs(a - b) <= 1e-6 * abs(b), (rank, o_losses, losses)
+            assert (math.isnan(a) and math.isnan(b)) or abs(a - b) <= 1e-6 * abs(b), \
+                (rank, o_losses, losses)
         for name, p in params.items():
             assert torch.allclose(o_params[name], p, rtol=1e-6, atol=1e-7), (rank, name)
+    results = [runs[0] for runs in launched]
+    for rank, (_, (o_losses, early, o_params)) in enumerate(results):
         buckets = early[0][1]
         assert buckets >= 3, early  # several bucket groups
         assert early[0][0] == 0 and early[1][0] == 0, early  # shapes not yet learned

@@ -14,8 +14,7 @@ from megatron_dcp.runtime.overlap import Bucket, OrderedReduction, OverlapError,
 
 
 class Chain(torch.nn.Module):
-    """Three layers; ``twice`` runs the last one a second time in its own backward (as a tile
-    whose graph is recomputed and run backward on its own)."""
+    """Three layers: a backward finishes the last layer's gradients first."""
 
     def __init__(self) -> None:
         super().__init__()
