@@ -117,6 +117,7 @@ class OrderedReduction:
     def begin(self, key: Hashable) -> None:
         """A new step whose last micro-step has shape ``key`` (`shape_key`): nothing dispatched,
         nothing counted; early dispatch only where that shape's counts are learned."""
+        self.armed = False  # (also after a step that failed inside its backward)
         self.key, self.counts, self._late, self.probes = key, {}, [], []
         self.next = [0] * len(self.domains)
         self.early = 0
