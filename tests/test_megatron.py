@@ -398,23 +398,11 @@ def test_gpt_sequence_mean_loss_under_dcp_matches_single_process(launches, refer
 @pytest.mark.timeout(300)
 def test_gpt_overlap_grad_reduce_under_dcp_matches_single_process(launches, reference):
     """Megatron DDP with ``overlap_grad_reduce`` and small buckets: under DCP every micro-step
-    runs in ``no_sync``, so no bucket is reduced inside a task's backward; the reduction runs
-    once, in ``finish``, on every rank (rank 1 has fewer tasks than rank 0)."""
+    runs in ``no_sync`` and the bucket groups are started in each rank's last backward once its
+    shape is learned (this single step learns it: they start after it, in order, on every rank;
+    rank 1 has fewer tasks than rank 0). Started inside the backward:
+    tests/test_megatron_overlap.py."""
     _check(launches("overlap_grad_reduce"), reference, 2)
-
-
-def test_overlap_param_gather_is_refused_before_any_collective():
-    """A rank without a task runs no forward, so the all-gathers Megatron dispatches from forward
-    pre-hooks would hang: the step refuses the setting at once."""
-    from types import SimpleNamespace
-
-    from megatron_dcp.config import DCPConfig
-    from megatron_dcp.megatron.step import DCPForwardBackward
-
-    model = SimpleNamespace(ddp_config=SimpleNamespace(overlap_param_gather=True))
-    step = DCPForwardBackward(DCPConfig(enabled=True))
-    with pytest.raises(ValueError, match="overlap_param_gather.*runs no forward"):
-        step(forward_step_func=None, data_iterator=iter([]), model=[model])
 
 
 @pytest.mark.slow

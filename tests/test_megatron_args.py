@@ -59,8 +59,6 @@ def test_disabled_is_fine_but_knobs_without_dcp_fail():
     ("--dcp --calculate-per-token-loss --context-parallel-size 2", "--context-parallel-size 1"),
     ("--dcp --calculate-per-token-loss --hybrid-context-parallel", "--hybrid-context-parallel"),
     ("--dcp --calculate-per-token-loss --recompute-granularity selective", "selective"),
-    ("--dcp --calculate-per-token-loss --overlap-grad-reduce --overlap-param-gather",
-     "--overlap-param-gather: .* runs no forward"),
     ("--dcp --calculate-per-token-loss --dcp-max-degree 8", "exceeds the DCP world size 4"),
     ("--dcp --calculate-per-token-loss --tensor-model-parallel-size 2 --dcp-attention-layout "
      "ulysses --dcp-max-degree 4 --num-attention-heads 4", "divisible by the degree"),
@@ -197,7 +195,6 @@ def test_megatron_lm_namespace_defaults_with_dcp():
 
 
 @pytest.mark.parametrize("megatron, message", [
-    (dict(overlap_param_gather=True, overlap_grad_reduce=True), "--overlap-param-gather"),
     (dict(context_parallel_size=2), "--context-parallel-size 1"),
     (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
     (dict(recompute_granularity="selective"), "selective"),
@@ -217,6 +214,9 @@ def test_megatron_lm_namespace_acceptances():
                      dict(num_attention_heads=8, num_query_groups=2, group_query_attention=True,
                           tensor_model_parallel_size=2),
                      dict(max_seqlen_per_dp_cp_rank=4096),
+                     # issue 56: both overlaps (tests/test_megatron_overlap.py)
+                     dict(overlap_param_gather=True, overlap_grad_reduce=True,
+                          use_distributed_optimizer=True),
                      dict(sequence_parallel=True, tensor_model_parallel_size=2,
                           pipeline_model_parallel_size=2),
                      # interleaved pipelines (Megatron-LM sets the size from either flag)

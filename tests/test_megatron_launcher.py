@@ -165,6 +165,54 @@ def test_dcp_lm_loss_equals_plain_megatron_lm_on_4_ranks(tmp_path, layout):
     assert rows[0]["loss"] == pytest.approx(plain[1], rel=1e-5)
 
 
+OVERLAPS = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+            "--ddp-bucket-size", "2000"]
+"""Megatron-LM's recipe flags for both overlaps (issue 56, items 1 and 2), with buckets small
+enough that the tiny model has several (5 to 7 bucket groups a stage)."""
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("pp", [1, 2], ids=["dp2", "dp2xpp2"])
+def test_both_overlaps_equal_plain_megatron_lm(tmp_path, pp):
+    """``--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather`` under
+    ``--dcp`` (the gradient reduction inside each rank's last micro-step, the parameter
+    all-gathers dispatched when a rank's micro-steps start): Megatron-LM's lm loss lines are
+    plain Megatron-LM's with the same flags, with plans that split documents over both ranks
+    and with plans where one rank has no task (packed at degree 1 into one 1,028-token bin: the
+    other rank runs an empty micro-step, or an empty pipeline slot). Before, the flag was
+    refused."""
+    extra = OVERLAPS + ["--pipeline-model-parallel-size", str(pp)]
+    split, idle = tmp_path / "split.jsonl", tmp_path / "idle.jsonl"
+    runs = {"split": ["--dcp-max-tokens-per-rank", "200", "--dcp-log-json", str(split)],
+            "idle": ["--dcp-policy", "packed", "--dcp-max-degree", "1", "--dcp-pack-tokens",
+                     "1028", "--dcp-log-json", str(idle)]}
+    plain = _lm_losses(_launch(PLAIN + extra, ranks=2 * pp))
+    for name, flags in runs.items():
+        _same_losses(_lm_losses(_launch(["--dcp", *flags, *extra], ranks=2 * pp)), plain)
+    _rows_that_split(split)
+    counts = [r["plan"]["micro_steps_per_rank"] for r in map(json.loads,
+                                                             idle.read_text().splitlines())]
+    assert [1, 0] in counts and [1, 1] in counts, counts  # a step with an idle rank
+
+
+@pytest.mark.timeout(600)
+def test_both_overlaps_with_virtual_pipeline_stages_equal_plain_megatron_lm(tmp_path):
+    """The interleaved schedule (DP 2 x PP 2, 2 virtual stages a rank) with both overlaps: DCP
+    counts each model chunk's last backward where the schedule switches gradient sync on; the lm
+    loss lines are plain Megatron-LM's with steps where one rank has no task."""
+    extra = OVERLAPS + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "1"]
+    log = tmp_path / "dcp.jsonl"
+    dcp = _lm_losses(_launch(["--dcp", "--dcp-policy", "packed", "--dcp-max-degree", "1",
+                              "--dcp-pack-tokens", "1028", "--dcp-log-json", str(log), *extra],
+                             ranks=4))
+    plain = _lm_losses(_launch(PLAIN + extra, ranks=4))
+    _same_losses(dcp, plain)
+    counts = [r["plan"]["micro_steps_per_rank"] for r in map(json.loads,
+                                                             log.read_text().splitlines())]
+    assert [1, 0] in counts, counts
+
+
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
        "--moe-token-dispatcher-type", "alltoall", "--no-bias-gelu-fusion"]
 

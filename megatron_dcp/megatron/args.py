@@ -46,14 +46,6 @@ def dcp_world_size(args: argparse.Namespace, world_size: Optional[int] = None) -
     return world // model_parallel
 
 
-OVERLAP_PARAM_GATHER_PROBLEM = (
-    "--dcp does not support --overlap-param-gather: Megatron dispatches the parameter "
-    "all-gathers of buckets 2..n from forward pre-hooks, and under DCP a rank without a task in "
-    "a step runs no forward, so the other ranks would wait for it (a hang); without the flag "
-    "the distributed optimizer gathers parameters once after its step. --overlap-grad-reduce is "
-    "supported (the reduction runs once, when every rank's tasks are done)")
-
-
 def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None) -> DCPConfig:
     """Check DCP flags against Megatron's and return the `DCPConfig` (``enabled`` = ``--dcp``).
 
@@ -81,8 +73,6 @@ def validate_dcp_args(args: argparse.Namespace, world_size: Optional[int] = None
         problems.append("--dcp needs --calculate-per-token-loss: Megatron's DDP must SUM gradients "
                         "over data-parallel ranks; DCP scales every loss by 1/T of the global "
                         "batch")
-    if _get(args, "overlap_param_gather", False):
-        problems.append(OVERLAP_PARAM_GATHER_PROBLEM)
     problems += _dropout_problems(args)
     problems += _recompute_and_head_problems(args, config)
     problems += fixed_shape_problems(args)

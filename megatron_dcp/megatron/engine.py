@@ -4,7 +4,11 @@ call of `DCPForwardBackward` without pipeline parallelism, over the job's Megatr
 
 Each micro-step is one call of Megatron's ``forward_step_func`` on a one-micro-batch iterator that
 carries the task and its recomputed layers as ``packed_seq_params``; the micro-steps run in DDP's
-``no_sync`` and the gradients are finalised once (``finalize_model_grads``). With pipeline
+``no_sync`` and the gradients are finalised once (``finalize_model_grads``). With DDP's
+``overlap_grad_reduce`` the bucket groups are reduced inside the rank's last micro-step's
+backward, in one order on every rank (``reduction``), and with ``overlap_param_gather`` the
+parameter all-gathers are dispatched when the micro-steps start (`megatron_dcp.megatron.overlap`).
+With pipeline
 parallelism `megatron_dcp.megatron.pipeline_engine.MegatronPipelineEngine` runs the same
 micro-steps through Megatron's schedule.
 """
@@ -17,7 +21,10 @@ from typing import Callable, Optional
 import torch
 
 from megatron_dcp.config import IGNORE_INDEX
+from megatron_dcp.megatron.overlap import param_gathers
 from megatron_dcp.megatron.parallel import MegatronParallel
+from megatron_dcp.runtime.executor import PlanWork
+from megatron_dcp.runtime.overlap import OrderedReduction, shape_key
 from megatron_dcp.runtime.step import Shard, StepEngine
 
 
@@ -43,10 +50,22 @@ class MegatronStepEngine(StepEngine):
         self.reports: list[dict] = []
         self.nonfinite_ranks: dict[int, None] = {}
         """Global ranks whose own gradients were not finite in the last `finish`."""
+        self.reduction: Optional[OrderedReduction] = None
+        """The overlapped gradient reduction of the model (DDP's ``overlap_grad_reduce``; kept
+        by the step across calls: it learns per micro-step shape), ``None``: reduced in
+        `finish`."""
+        self._task = None  # the task of the micro-step whose forward ran last
+
+    def run_micro_steps(self, work: PlanWork, per_token: bool, train: bool) -> None:
+        """The driver's loop, with DDP's parameter all-gathers dispatched before it
+        (`param_gathers`)."""
+        with param_gathers(self.chunks):
+            super().run_micro_steps(work, per_token, train)
 
     def forward_loss(self, shard: Shard, per_token: bool) -> torch.Tensor:
         """Megatron's ``forward_step_func`` and ``loss_func`` on one shard; the task (and its
         recomputed layers) travels in the micro-batch's ``packed_seq_params``."""
+        self._task = shard.task
         output_tensor, loss_func, loss_mask = self._forward(shard)
         loss_sum, _num_tokens, _report = self._loss(loss_func, output_tensor)
         if per_token:  # the driver weights every token by its sequence's 1/(S * targets)
@@ -98,9 +117,19 @@ class MegatronStepEngine(StepEngine):
         return outputs
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
+        """One micro-step's backward; in the rank's last one (``last``) the overlapped
+        reduction starts the bucket groups whose gradients are final (``reduction``)."""
         if self.mconfig.grad_scale_func is not None:
             loss = self.mconfig.grad_scale_func(loss)
-        loss.backward()
+        reduction = self.reduction if last else None
+        if reduction is not None:
+            reduction.begin(shape_key(self._task))
+            reduction.arm()
+        try:
+            loss.backward()
+        finally:
+            if reduction is not None:
+                reduction.disarm()
 
     def reduction_scope(self):
         stack = ExitStack()
@@ -114,19 +143,36 @@ class MegatronStepEngine(StepEngine):
         optimizer step is the caller's. Before that, one all-reduce over the job finds the ranks
         whose own gradients are not finite (`nonfinite_gradient_ranks`: ``nonfinite_ranks``);
         then the gradient norm is ``nan`` on every rank (`StepDriver` stops or skips the step
-        before the update), else ``None`` (not computed: Megatron's optimizer does)."""
+        before the update), else ``None`` (not computed: Megatron's optimizer does). With the
+        overlapped reduction the buckets the last backward did not start are started first, and
+        each bucket's own gradients were probed just before its reduction started."""
         import torch.distributed as dist
 
         from megatron_dcp.runtime.groups import comm_device
         from megatron_dcp.runtime.nonfinite import nonfinite_gradient_ranks
 
+        reduction = self.reduction
+        if reduction is not None:  # the rest of the buckets; their probes before each
+            reduction.dispatch_rest()
         grads = [getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None
-                 else p.grad for c in self.chunks for p in c.parameters() if p.requires_grad]
+                 else p.grad for c in self.chunks for p in c.parameters()
+                 if p.requires_grad and not (reduction is not None and reduction.covers(p))]
+        grads += reduction.probes if reduction is not None else []
         self.nonfinite_ranks = nonfinite_gradient_ranks(grads, dist.get_rank(),
                                                         dist.get_world_size(), None,
                                                         comm_device())
         self._reduce()
         return float("nan") if self.nonfinite_ranks else None
+
+    def skip_update(self) -> None:
+        """A skipped step (the caller skips the optimizer): the reductions the last backward
+        started are finished (with the rest, in order, on every rank: every rank skips
+        alike), so the next step starts with none in flight."""
+        if self.reduction is not None:
+            self.reduction.dispatch_rest()
+            for chunk in self.chunks:
+                if hasattr(chunk, "finish_grad_sync"):
+                    chunk.finish_grad_sync()
 
     @property
     def scales_loss(self) -> bool:

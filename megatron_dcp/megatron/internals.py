@@ -30,6 +30,8 @@ _MOE = "megatron_dcp/megatron/moe.py"
 _ENGINE = "megatron_dcp/megatron/engine.py"
 _PARALLEL = "megatron_dcp/megatron/parallel.py"
 _PIPE = "megatron_dcp/megatron/pipeline_engine.py"
+_OVERLAP = "megatron_dcp/megatron/overlap.py"
+_BUCKETS = "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup."
 _LOSS_TILES = "megatron_dcp/megatron/loss_tiles.py"
 _CKPT = "megatron_dcp/megatron/checkpointing.py"
 _LM = "megatron_dcp/megatron/lm.py"
@@ -136,8 +138,15 @@ INTERNALS: dict[str, str] = {
     "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.no_sync": _ENGINE,
     "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.finish_grad_sync":
         _ENGINE,
+    # the overlaps under DCP (overlap.py): DDP's bucket groups, started and waited for in
+    # one order on every rank (bucket_groups, param_gather_handle ... are instance attributes)
     "megatron.core.distributed.distributed_data_parallel_config:"
-    "DistributedDataParallelConfig.overlap_param_gather": _STEP,
+    "DistributedDataParallelConfig.overlap_param_gather": _OVERLAP,
+    "megatron.core.distributed.distributed_data_parallel_config:"
+    "DistributedDataParallelConfig.overlap_grad_reduce": _OVERLAP,
+    _BUCKETS + "start_grad_sync": _OVERLAP,
+    _BUCKETS + "start_param_sync": _OVERLAP,
+    _BUCKETS + "finish_param_sync(skip_next_bucket_dispatch)": _OVERLAP,
     # the job's parallel layout (MegatronParallel), built once, and the groups' teardown
     _PS + "get_data_parallel_group": _PARALLEL,
     _PS + "model_parallel_is_initialized": _PARALLEL,

@@ -18,13 +18,15 @@ from typing import Optional
 import torch
 
 from megatron_dcp.megatron.engine import MegatronStepEngine, token_losses
+from megatron_dcp.megatron.overlap import param_gathers
 from megatron_dcp.megatron.parallel import MegatronParallel
 from megatron_dcp.plan.pipeline import interleaved_micro_batches
 from megatron_dcp.runtime.executor import Clock, MicroStep, PlanWork
+from megatron_dcp.runtime.overlap import shape_key
 
 
 @contextmanager
-def schedule_settings(mconfig, interleaved: bool, timers=None):
+def schedule_settings(mconfig, interleaved: bool, timers=None, reduction=None):
     """The ``TransformerConfig`` fields Megatron's pipeline schedule reads, set for one DCP
     schedule call and restored after it (also when it fails). Megatron's schedules take these
     from the model's config only, so there is no other way to pass them:
@@ -35,12 +37,18 @@ def schedule_settings(mconfig, interleaved: bool, timers=None):
       gradient sync switched on inside the schedule and no finalisation at its end (DCP
       finalises once, in ``finish``, with its own 1/T weighting instead of Megatron's
       1/tokens; ``finish`` reads the caller's ``finalize_model_grads_func`` again, restored);
+      with DDP's ``overlap_grad_reduce`` (``reduction``, an `OrderedReduction`) the
+      ``no_sync_func`` is `_sync_windows`: where the schedule switches gradient sync on (each
+      model chunk's last backward) the overlapped reduction counts and starts buckets, the
+      DDP itself staying in ``no_sync`` (`megatron_dcp.megatron.overlap`);
     * interleaved: ``batch_p2p_comm=False``: P2P without ``batch_isend_irecv``
       (`pipeline_communication`);
     * ``timers``: `SlotTimers`, which time every micro-batch for the calibration and pass every
       call on to the caller's timers."""
     settings = dict(_SCHEDULE_SETTINGS, **({"batch_p2p_comm": False} if interleaved else {}),
-                    **({"timers": timers} if timers is not None else {}))
+                    **({"timers": timers} if timers is not None else {}),
+                    **({"no_sync_func": functools.partial(_sync_windows, reduction)}
+                       if reduction is not None else {}))
     saved = {name: getattr(mconfig, name) for name in settings}
     try:
         for name, value in settings.items():
@@ -49,6 +57,18 @@ def schedule_settings(mconfig, interleaved: bool, timers=None):
     finally:
         for name, value in saved.items():
             setattr(mconfig, name, value)
+
+
+@contextmanager
+def _sync_windows(reduction):
+    """The schedule's ``no_sync_func`` with an overlapped reduction: gradient sync off (the
+    schedule enters it) disarms the reduction, sync on (it exits, before a model chunk's last
+    backward) arms it."""
+    reduction.disarm()
+    try:
+        yield
+    finally:
+        reduction.arm()
 
 
 _SCHEDULE_SETTINGS = {"variable_seq_lengths": True, "no_sync_func": None, "grad_sync_func": None,
@@ -264,7 +284,11 @@ class MegatronPipelineEngine(MegatronStepEngine):
                              SlotTimers(self.mconfig.timers, cuda=work.on_cuda))
         # interleaved: one iterator per chunk, each over every micro-batch
         data = [iter(steps) for _ in self.chunks] if interleaved else iter(steps)
-        with schedule_settings(self.mconfig, interleaved, call.timers):
+        reduction = self.reduction if train else None
+        if reduction is not None:  # every chunk's last backward is the last micro-batch's
+            reduction.begin(shape_key(steps[-1].shard.task))
+        with param_gathers(self.chunks), \
+                schedule_settings(self.mconfig, interleaved, call.timers, reduction):
             get_forward_backward_func(self.parallel.pipeline, len(self.chunks) if interleaved
                                       else None)(
                 forward_step_func=call.forward_step, data_iterator=data, model=self.chunks,
@@ -272,6 +296,8 @@ class MegatronPipelineEngine(MegatronStepEngine):
                 forward_only=not train,
                 **pipeline_communication(self.mconfig, self.parallel, self.p2p_communicator,
                                          self._slot_shapes(steps, interleaved)))
+        if reduction is not None:
+            reduction.disarm()
         times = {id(step): (f, b) for step, f, b in call.timers.seconds()}  # this stage's
         for step in steps:
             work.record(step, call.losses.get(id(step)), *times.get(id(step), (None, None)))

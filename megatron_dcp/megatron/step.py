@@ -9,7 +9,9 @@
 ``data_iterator`` yields one global batch per call; the step is the engine-neutral
 `megatron_dcp.runtime.step.StepDriver` and `MegatronStepEngine` (`megatron_dcp.megatron.engine`)
 is Megatron's side of it (micro-batches that carry the task and its recomputed layers as
-``packed_seq_params``, DDP's ``no_sync``, one ``finalize_model_grads``); with pipeline
+``packed_seq_params``, DDP's ``no_sync``, one ``finalize_model_grads``; DDP's overlapped
+gradient reduction and parameter all-gather in one order on every rank,
+`megatron_dcp.megatron.overlap`); with pipeline
 parallelism `MegatronPipelineEngine` (`megatron_dcp.megatron.pipeline_engine`) runs them through
 Megatron's own schedule. Nothing of Megatron is patched: the layers of `get_gpt_layer_dcp_spec`
 read the task from their call. A long task's MLP tiles and offloaded layers run in
@@ -36,10 +38,12 @@ import torch
 
 from megatron_dcp.config import DCPConfig
 from megatron_dcp.megatron.engine import MegatronStepEngine
+from megatron_dcp.megatron.overlap import grad_reduction
 from megatron_dcp.megatron.parallel import MegatronParallel, job_parallel
 from megatron_dcp.megatron.pipeline_engine import MegatronPipelineEngine
 from megatron_dcp.plan.plan import Plan
 from megatron_dcp.runtime.groups import GroupPool, comm_device
+from megatron_dcp.runtime.overlap import OrderedReduction
 from megatron_dcp.runtime.step import StepDriver, StepResult
 
 
@@ -102,6 +106,7 @@ class DCPForwardBackward:
         self._driver: Optional[StepDriver] = None
         self._parallel = parallel
         self._checked: set[int] = set()  # ids of the models checked (once, at their first step)
+        self._reductions: dict[tuple, Optional[OrderedReduction]] = {}  # per model (its chunks)
         self._report_keys: tuple[str, ...] = ("lm loss",)
 
     @property
@@ -194,6 +199,8 @@ class DCPForwardBackward:
             self._check(chunk, forward_only)
         kind = MegatronPipelineEngine if parallel.pipeline > 1 else MegatronStepEngine
         engine = kind(chunks, forward_step_func, forward_only, parallel, p2p_communicator)
+        if not forward_only:
+            engine.reduction = self._reduction(chunks)
         batch = next(data_iterator)
         if not isinstance(batch, GlobalBatch):
             batch = GlobalBatch(sequences=list(batch))
@@ -214,6 +221,15 @@ class DCPForwardBackward:
             reports.append({k: torch.zeros(2, device=device) for k in self._report_keys})
         return StepReports(reports, result)
 
+    def _reduction(self, chunks: list) -> Optional[OrderedReduction]:
+        """The model's overlapped gradient reduction (`grad_reduction`: DDP's
+        ``overlap_grad_reduce``), made at its first training step and kept (its hooks stay on
+        the parameters; it learns per micro-step shape)."""
+        key = tuple(id(chunk) for chunk in chunks)
+        if key not in self._reductions:
+            self._reductions[key] = grad_reduction(chunks)
+        return self._reductions[key]
+
     def close(self) -> None:
         """Join the driver's planning thread (call once training ends)."""
         if self._driver is not None:
@@ -224,11 +240,6 @@ class DCPForwardBackward:
         hooks that tile a task's loss (`install_loss_tiles`)."""
         from megatron.core.utils import get_model_config
 
-        if getattr(getattr(model, "ddp_config", None), "overlap_param_gather", False):
-            from megatron_dcp.megatron.args import OVERLAP_PARAM_GATHER_PROBLEM
-
-            raise ValueError(OVERLAP_PARAM_GATHER_PROBLEM.replace(
-                "--overlap-param-gather", "DistributedDataParallelConfig.overlap_param_gather"))
         mconfig = get_model_config(model)
         from megatron_dcp.megatron.args import fixed_shape_problems
 
