@@ -206,6 +206,7 @@ INTERNALS: dict[str, str] = {
     _LM_CHECKPOINTING + "get_rng_state": _LM_CPU,
     _INITIALIZE + "initialize_megatron(allow_no_cuda)": _LM_CPU,
     _INITIALIZE + "_compile_dependencies": _LM_CPU,
+    "megatron.core.datasets.utils:compile_helpers": _LM_CPU,
     _INITIALIZE + "set_jit_fusion_options": _LM_CPU,
     _INITIALIZE + "_set_random_seed(inference_rng_tracker)": _LM_CPU,
     _INITIALIZE + "_initialize_distributed": _LM_CPU,

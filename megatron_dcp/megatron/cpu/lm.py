@@ -62,9 +62,11 @@ def _no_compile() -> None:
 
 
 def _helpers_makefile() -> str:
-    import megatron.core.datasets as datasets
+    """Megatron-LM's Makefile of the helpers: in the folder of ``megatron.core.datasets``."""
+    import importlib.util
 
-    return os.path.join(os.path.dirname(os.path.abspath(datasets.__file__)), "Makefile")
+    spec = importlib.util.find_spec("megatron.core.datasets")
+    return os.path.join(os.path.abspath(list(spec.submodule_search_locations)[0]), "Makefile")
 
 
 def helpers_problem() -> str:
