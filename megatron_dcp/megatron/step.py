@@ -194,12 +194,15 @@ class DCPForwardBackward:
         engine = kind(chunks, forward_step_func, forward_only, parallel, p2p_communicator)
         batch = next(data_iterator)
         if not isinstance(batch, GlobalBatch):
-            batch = GlobalBatch(sequences=list(batch))
+            batch = GlobalBatch(sequences=batch)
         driver = self.driver
         if batch.plan is not None and batch.plan.world_size != driver.world_size:
             raise ValueError(f"plan for a DCP world of {batch.plan.world_size} ranks, but the "
                              f"data-parallel size is {driver.world_size}")
-        result = driver.step(engine, list(batch.sequences), batch.plan, train=not forward_only,
+        sequences = batch.sequences  # a WeightedBatch stays one (its labels, loss weights)
+        if not isinstance(sequences, list):
+            sequences = list(sequences)
+        result = driver.step(engine, sequences, batch.plan, train=not forward_only,
                              next_lengths=batch.next_lengths)
         reports = engine.reports
         if reports:
