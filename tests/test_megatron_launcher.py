@@ -279,20 +279,23 @@ def test_virtual_pipeline_stages_equal_plain_megatron_lm(tmp_path):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("pp", [1, 2], ids=["dp2", "dp2xpp2"])
 def test_eod_mask_loss_equals_plain_megatron_lm(tmp_path, pp):
-    """``--eod-mask-loss`` (issue 45, item 1): the target of each document's EOD token is masked
-    in DCP's loss as in Megatron-LM's, and DCP divides by the same token count: the lm loss
-    lines are plain Megatron-LM's while the plans split documents. A 4,096-token vocabulary:
-    Megatron's mock documents then hold their EOD id at their end only (with 255 ids it recurs
-    inside them, which DCP refuses, naming the document)."""
-    extra = ["--eod-mask-loss", "--vocab-size", "4096", "--pipeline-model-parallel-size",
-             str(pp)]
+    """``--eod-mask-loss`` with EOD ids inside documents (issue 57, item 2): with 255 ids
+    Megatron's mock documents (ids ``1, 2, ...`` modulo the vocabulary) hold the EOD id 254
+    every 255 tokens, not only at their end; the target of each EOD token is masked in DCP's
+    loss as in Megatron-LM's (the batch's own loss mask travels with the tokens) and DCP
+    divides by the same token count: the lm loss lines are plain Megatron-LM's while the plans
+    split documents. Before, DCP refused it ("sample 0 has loss-masked tokens inside its
+    document")."""
+    extra = ["--eod-mask-loss", "--pipeline-model-parallel-size", str(pp)]
     log = tmp_path / "dcp.jsonl"
     dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log), "--dcp-max-tokens-per-rank",
                               "200", *extra], ranks=2 * pp))
     plain = _lm_losses(_launch(PLAIN + extra, ranks=2 * pp))
     _same_losses(dcp, plain)
     rows = _rows_that_split(log)
-    assert any(r["tokens"] < 4 * SEQ for r in rows), rows  # an EOD target was masked
+    # tokens run: Megatron-LM's (global batch x --seq-length); trained: fewer (EOD targets)
+    assert all(r["tokens_run"] == 4 * SEQ for r in rows), rows
+    assert any(r["tokens"] < 4 * SEQ for r in rows), rows
 
 
 @pytest.mark.timeout(900)

@@ -256,12 +256,18 @@ def enable_dcp() -> None:
 def model_shape_from_args(args: argparse.Namespace):
     """The planner's `ModelShape` of Megatron-LM's GPT from its parsed ``args``
     (`megatron_dcp.megatron.moe_shape.megatron_model_shape`): the padded vocabulary, and
-    ``--seq-length`` + 1 positions (a document of a sample carries the target of its last
-    token, the sample's extra token)."""
+    ``--seq-length`` positions (a document of a sample is its tokens, with their labels: the
+    sample's extra token is its last label, not a token)."""
     from megatron_dcp.megatron.moe_shape import megatron_model_shape
 
     return megatron_model_shape(args, vocab_size=args.padded_vocab_size,
-                                max_position=args.seq_length + 1, name="megatron-lm-gpt")
+                                max_position=args.seq_length, name="megatron-lm-gpt")
+
+
+def tokens_run(plan) -> int:
+    """The tokens the step's plan runs (trained or masked: a masked token costs its compute),
+    beside `StepResult.tokens`, the tokens trained."""
+    return sum(plan.lengths[s] for t in plan.tasks for s in t.seqs) if plan is not None else 0
 
 
 class TaskModel:
@@ -376,7 +382,7 @@ class LMForwardBackward:
             if iterator is None:
                 raise ValueError("--dcp: the first pipeline stage's tensor-parallel rank 0 has "
                                  "no data iterator")
-            mine = [d.numpy() for batch in local for d in documents(batch)]
+            mine = documents(*local)  # tokens with Megatron-LM's labels and loss masks
             problem = token_id_problem(mine, self.vocab_size)  # raised on every rank alike
         if self._host_group is False:  # every rank, at its first step: collective
             self._host_group = host_group()
@@ -435,7 +441,9 @@ class LMForwardBackward:
 
     def _log(self, reports, group) -> None:
         """One JSON row: the loss as Megatron-LM's ``lm loss`` (the reports summed over
-        micro-steps and data-parallel ranks), the tokens, the plan."""
+        micro-steps and data-parallel ranks), the tokens trained (``tokens``: targets of
+        non-zero loss mask, the ``lm loss`` report's count) and run (``tokens_run``: the
+        samples' tokens, Megatron-LM's global batch x ``--seq-length``), the plan."""
         import torch.distributed as dist
 
         from megatron_dcp.runtime.groups import comm_device
@@ -479,7 +487,8 @@ class LMForwardBackward:
             extra["timeline_extra"] = TimelineExtras(self.step.driver, self.figures.gpus_per_rank
                                                      ).of(result.plan, memory)
         self.log.iteration(self.iteration, loss=float(summed[0] / summed[1]),
-                           tokens=result.tokens, step_s=seconds, plan=plan_summary(
+                           tokens=result.tokens, tokens_run=tokens_run(result.plan),
+                           step_s=seconds, plan=plan_summary(
                                result.plan, plan_s=result.plan_s, plan_wait_s=result.plan_wait_s),
                            predicted_s=result.predicted_s,
                            calibration_error=result.calibration_error, skipped=result.skipped,

@@ -203,7 +203,7 @@ class DCPForwardBackward:
             engine.reduction = self._reduction(chunks)
         batch = next(data_iterator)
         if not isinstance(batch, GlobalBatch):
-            batch = GlobalBatch(sequences=list(batch))
+            batch = GlobalBatch(sequences=batch)
         driver = self.driver
         if batch.plan is not None and batch.plan.world_size != driver.world_size:
             raise ValueError(f"plan for a DCP world of {batch.plan.world_size} ranks, but the "

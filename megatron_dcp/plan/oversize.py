@@ -49,9 +49,21 @@ def apply_oversize(pctx: PlanContext, policy: str) -> list[int]:
             raise PlanError(
                 f"sequence {i} has {n} tokens{video} and {why}; the largest length that fits is "
                 f"{max(fit_len, 0)} tokens (set dcp.oversize to truncate or skip, raise "
-                f"{raise_what}){_long_hint(pctx, n, top, too_long_model)}"
+                f"{raise_what}){_cap_hint(pctx, n, top, too_long_model)}"
+                f"{_long_hint(pctx, n, top, too_long_model)}"
             )
     return skipped
+
+
+def _cap_hint(pctx: PlanContext, tokens: int, degree: int, too_long_model: bool) -> str:
+    """Where the token cap is what a sequence fails, the cap that holds it on ``degree`` ranks:
+    the number to use (sequence length = ranks x tokens per rank)."""
+    cap = pctx.cm.memory_model.max_tokens_per_rank
+    need = -(-pctx.padded(tokens, degree) // degree)
+    if too_long_model or cap is None or need <= cap:
+        return ""
+    return (f"; dcp.max_tokens_per_rank {need} holds its {tokens} tokens on {degree} "
+            f"rank{'s' * (degree != 1)}, where the memory budget allows")
 
 
 def _long_hint(pctx: PlanContext, tokens: int, degree: int, too_long_model: bool) -> str:

@@ -7,13 +7,15 @@ the launcher's tests: it knows nothing of DCP.
 
 As Megatron-LM's script it parses Megatron-LM's flags (``parse_and_validate_args``), builds the
 model from them (``gpt_config_from_args``: ``--spec`` names a layer spec), builds Megatron's
-mock GPT dataset on the ranks that read data, and hands a ``forward_step`` that reads one
+mock GPT dataset (``--sft``: its SFT dataset over a JSONL of conversations) on the ranks that
+read data, and hands a ``forward_step`` that reads one
 micro-batch (TP rank 0 reads, ``get_batch_on_this_tp_rank`` broadcasts), turns the batch's
 ``cu_seqlens`` into THD ``PackedSeqParams`` and returns the per-token losses with a per-token
 ``loss_func`` (loss sum, tokens, ``lm loss`` report). The project cannot ship Megatron-LM's own
 file; this one is written here, to the same interfaces.
 """
 
+import json
 from functools import partial
 
 import torch
@@ -24,6 +26,7 @@ from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import flatten_batch_for_packed_sequences, get_batch_on_this_tp_rank
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
+from megatron.training.datasets.sft_dataset import SFTDataset
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split
@@ -37,7 +40,7 @@ def read_micro_batch(data_iterator):
     """This rank's micro-batch: read on TP rank 0, broadcast to the other TP ranks."""
     args = get_args()
     first, last = mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage()
-    packed = args.dataloader_inter_document_masking
+    packed = args.dataloader_inter_document_masking or args.sft  # samples with cu_seqlens
     if not (first or last) and not packed:
         return {}
     batch = {}
@@ -82,9 +85,34 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch.get("loss_mask"))
 
 
+class JsonLines:
+    """The conversations of a JSONL file, one ``messages`` list a line: what Megatron-LM's
+    ``SFTLowLevelDataset`` reads with Hugging Face ``datasets`` (not in this environment)."""
+
+    def __init__(self, path: str) -> None:
+        with open(path, encoding="utf-8") as f:
+            self.rows = [json.loads(line)["messages"] for line in f if line.strip()]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, idx: int) -> list:
+        return self.rows[idx]
+
+
+class JsonSFTDataset(SFTDataset):
+    """Megatron-LM's SFT dataset (its packing, masks and ``cu_seqlens``), over `JsonLines`."""
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> JsonLines:
+        return JsonLines(dataset_path)
+
+
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
     """Megatron's mock GPT dataset (``--mock-data``: documents of random lengths, each ending in
-    EOD), else its GPT dataset over ``--data-path`` (Megatron's indexed ``.bin``/``.idx``)."""
+    EOD), its SFT dataset (``--sft``: packed conversations from the JSONL ``--data-path``
+    names, prompts and padding masked), else its GPT dataset over ``--data-path`` (Megatron's
+    indexed ``.bin``/``.idx``)."""
     args = get_args()
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
@@ -93,14 +121,16 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
-        inter_document_masking=args.dataloader_inter_document_masking)
+        inter_document_masking=args.dataloader_inter_document_masking,
+        context_parallel_size=args.context_parallel_size)
 
     def built_here():
         return mpu.get_tensor_model_parallel_rank() == 0 and (
-            is_first_or_last_pipeline_stage(vp_stage) or args.dataloader_inter_document_masking)
+            is_first_or_last_pipeline_stage(vp_stage) or args.dataloader_inter_document_masking
+            or args.sft)
 
     print_rank_0("> building GPT datasets ...")
-    kind = MockGPTDataset if args.mock_data else GPTDataset
+    kind = JsonSFTDataset if args.sft else MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples, built_here,
                                          config).build()
 
