@@ -42,11 +42,12 @@ def _targets(lengths, seed: int = 3, scales: bool = True):
     return batch, labels, weights, (scale if scales else None)
 
 
-def _reference(lengths, mode, norm=None, cut=None):
+def _reference(lengths, mode, norm=None, cut=None, scaled=True):
     """Loss and gradients on one process from the modes' formulas (``cut``: sequence -> kept
     tokens, the truncated prefix keeping its targets)."""
     model = build_model("decoder")
     batch, labels, weights, scales = _targets(lengths)
+    scales = scales if scaled else [1.0] * len(batch)
     terms, sums = [], []
     for s, ids in enumerate(batch):
         n = (cut or {}).get(s, len(ids))
@@ -88,7 +89,7 @@ def _plans(world: int) -> list[dict]:
                        task(3, [2], [0, 2, 5], start=0.2, recompute_layers=1)], L, 4)]
 
 
-def _run(rank: int, world: int, modes, stage: bool):
+def _run(rank: int, world: int, modes, stage: bool, scaled: bool = True):
     import torch.distributed as dist
 
     from megatron_dcp.plan.plan import Plan
@@ -101,7 +102,8 @@ def _run(rank: int, world: int, modes, stage: bool):
     for mode in modes:
         plan = Plan.from_dict(_plans(world)[0])
         model = build_model("decoder")
-        batch, labels, weights, scales = _targets(plan.lengths)
+        batch, labels, weights, scales = _targets(plan.lengths, scales=scaled)
+        scales = scales or [None] * len(batch)
         if stage:  # each rank the source of a contiguous share; document 0 truncated to 7
             share = input_stage.share_of(len(batch), rank, world)
             local = WeightedBatch([batch[i] for i in share], [labels[i] for i in share],
@@ -142,12 +144,12 @@ def test_every_mode_is_exact_under_any_plan(world):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
-def test_weights_travel_through_the_lengths_first_stage(world):
+@pytest.mark.parametrize("world, scaled", [(2, True), (4, True), (2, False)])
+def test_weights_travel_through_the_lengths_first_stage(world, scaled):
     modes = ("token-mean", "seq-mean-token-mean")
-    results = run_distributed(_run, world, args=(modes, True))
+    results = run_distributed(_run, world, args=(modes, True, scaled))
     for mode in modes:
-        ref_loss, ref_grads = _reference(LENGTHS, mode, cut={0: 7})
+        ref_loss, ref_grads = _reference(LENGTHS, mode, cut={0: 7}, scaled=scaled)
         for rank, res in enumerate(results):
             loss, _, grads = res[mode]
             assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (mode, rank, loss, ref_loss)

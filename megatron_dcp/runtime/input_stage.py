@@ -203,8 +203,9 @@ def global_batch(local: Optional[Sequence[Any]], dp_rank: int, problem: str,
     if gathered.targets is None:
         return StageBatch(sequences, plan, gathered.next_lengths)
     mine = local if isinstance(local, WeightedBatch) else WeightedBatch(local or [])
-    columns = exchange_targets(mine, gathered.where, plan.lengths, needs, group)
     has_scale = [t[2] for t in gathered.targets]
+    columns = exchange_targets(mine, gathered.where, plan.lengths, needs, group,
+                               scales=any(has_scale))
     sums = [(t[0], t[1]) for t in gathered.targets]
     if plan.truncated:  # the kept prefixes' figures, from their sources
         sums = _truncated_sums(mine, gathered.where, plan, sums, group)
@@ -218,17 +219,19 @@ def global_batch(local: Optional[Sequence[Any]], dp_rank: int, problem: str,
 
 def exchange_targets(local: WeightedBatch, where: Sequence[tuple[int, int]],
                      lengths: Sequence[int], needs: Sequence[Sequence[int]],
-                     group: Any = None) -> list[Optional[torch.Tensor]]:
-    """Collective, like `exchange`: each needed document's ``[n, 3]`` float64 (label, weight,
-    scale: 1 where the document has none) from its source, ``None`` for the others. A label
-    id travels exactly as a float64 (ids are far below 2^53)."""
+                     group: Any = None, scales: bool = True) -> list[Optional[torch.Tensor]]:
+    """Collective, like `exchange`: each needed document's float64 rows (label, weight and,
+    where the batch has any (``scales``: the same on every rank), scale: 1 where the document
+    has none) from its source, ``None`` for the others. A label id travels exactly as a float64
+    (ids are far below 2^53)."""
     columns = []
     for i, seq in enumerate(local):
-        scale = local.scales[i] if local.scales[i] is not None else \
-            torch.ones(int(seq.shape[0]), dtype=torch.float64)
-        columns.append(torch.stack([local.labels[i].to(torch.float64), local.weights[i],
-                                    scale], dim=1))
-    return exchange(columns, where, lengths, needs, group, columns=3)
+        parts = [local.labels[i].to(torch.float64), local.weights[i]]
+        if scales:
+            parts.append(local.scales[i] if local.scales[i] is not None else
+                         torch.ones(int(seq.shape[0]), dtype=torch.float64))
+        columns.append(torch.stack(parts, dim=1))
+    return exchange(columns, where, lengths, needs, group, columns=2 + int(scales))
 
 
 def _truncated_sums(local: WeightedBatch, where: Sequence[tuple[int, int]], plan: Plan,
