@@ -71,20 +71,9 @@ def _saved_bytes(config, layer, tokens: int) -> int:
     layout = ShardLayout.build([tokens], 1, 1, 0)
     params = DCPTaskParams.of(TaskContext(task=task, group_rank=0, layout=layout))
     rope = RotaryEmbedding(config.kv_channels, rotary_percent=1.0)(params.max_seqlen_q)
-    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     x = torch.randn(tokens, 1, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope, packed_seq_params=params)
-    out.float().sum().backward()  # the graph is whole: what was saved is what backward uses
-    return sum(seen.values())
+    return _saved(lambda: layer(x, attention_mask=None, rotary_pos_emb=rope,
+                                packed_seq_params=params), layer.parameters())
 
 
 def _measure(rank, world_size):
@@ -98,12 +87,7 @@ def _measure(rank, world_size):
     parallel_state.initialize_model_parallel()
     seed_rng(3)
     plain = kernels.run_forward
-
-    def flash_dtype(block, q, *args, **kwargs):  # flash's output dtype (module doc)
-        out, lse = plain(block, q, *args, **kwargs)
-        return out.to(q.dtype), lse.float()
-
-    kernels.run_forward = flash_dtype
+    kernels.run_forward = _flash_dtype(kernels)
     results = {}
     for i, width in enumerate(WIDTHS):
         for fused in (False, True):
@@ -126,6 +110,57 @@ def test_megatron_local_rows_equal_the_bytes_a_real_layer_saves():
                              [(s.name, s.bytes) for s in layer_saved(shape)])
     # the fused SwiGLU saves two FFN-wide tensors less a token (silu's output, up + offset)
     assert measured[(0, False, 16)] - measured[(0, True, 16)] == 16 * 2 * 2 * WIDTHS[0][3]
+
+
+def _flash_dtype(kernels):
+    plain = kernels.run_forward
+
+    def run_forward(block, q, *args, **kwargs):  # flash's output dtype (module doc)
+        out, lse = plain(block, q, *args, **kwargs)
+        return out.to(q.dtype), lse.float()
+    return run_forward
+
+
+def test_the_dcp_decoder_row_equals_the_bytes_its_layer_saves(monkeypatch):
+    """DCP's reference decoder layer (bf16, outside a task: local attention), two widths, two
+    token counts; RoPE's tables are the model's (one per forward), left out like parameters."""
+    from megatron_dcp.models.common import rope_tables
+    from megatron_dcp.models.decoder import DecoderConfig, DecoderLayer
+    from megatron_dcp.runtime import kernels
+
+    monkeypatch.setattr(kernels, "run_forward", _flash_dtype(kernels))
+    torch.manual_seed(0)
+    for h, heads, kv, f, _ in WIDTHS:
+        config = DecoderConfig(hidden_size=h, num_heads=heads, num_kv_heads=kv,
+                               ffn_hidden_size=f)
+        layer = DecoderLayer(config).to(torch.bfloat16)
+        shape = ModelShape(num_layers=1, hidden_size=h, num_heads=heads, num_kv_heads=kv,
+                           ffn_hidden_size=f, vocab_size=64, layer_memory="dcp-decoder")
+        for tokens in TOKENS:
+            cos, sin = rope_tables(torch.arange(tokens), config.head_dim, config.rope_theta,
+                                   torch.bfloat16)
+            model = [*layer.parameters(), cos, sin]
+            x = torch.randn(tokens, h, dtype=torch.bfloat16, requires_grad=True)
+            got = _saved(lambda: layer(x, cos, sin, None), model)
+            assert got == layer_bytes(shape) * tokens, (h, heads, tokens, got)
+
+
+def _saved(forward, model) -> int:
+    """Bytes of the unique storages autograd saves in ``forward()``, ``model``'s left out."""
+    weights = {p.untyped_storage().data_ptr() for p in model}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    out = out[0] if isinstance(out, tuple) else out
+    out.float().sum().backward()  # the graph is whole: what was saved is what backward uses
+    return sum(seen.values())
 
 
 def test_rows_split_by_tensor_and_sequence_parallelism():

@@ -162,7 +162,30 @@ def _te_ends(x: Dims) -> list:
                   "megatron/core/tensor_parallel/layers.py ColumnParallelLinear")]
 
 
+def _dcp_decoder(x: Dims) -> list:
+    common, kernels = "megatron_dcp/models/common.py", "megatron_dcp/runtime/kernels.py"
+    return [
+        Saved("attn_norm: the layer's input and rstd (bf16)", BF16 * x.h + BF16,
+              common + " _RMSNormFunction"),
+        Saved("wq/wk/wv input (the norm's output)", BF16 * x.h, "torch/nn/modules/linear.py"),
+        Saved("q and k after RoPE, v, the attention output (wo's saved input) and its "
+              "log-sum-exp", BF16 * (2 * x.q + 2 * x.kv) + FP32 * x.heads,
+              kernels + " LocalAttention"),
+        Saved("mlp_norm: its input and rstd", BF16 * x.h + BF16, common + " _RMSNormFunction"),
+        Saved("w_gate/w_up input (the norm's output)", BF16 * x.h, "torch/nn/modules/linear.py"),
+        Saved("SwiGLU: gate and up", 2 * BF16 * (x.f if x.gated else 0), common + " _SwiGLU"),
+        Saved("w_down input", BF16 * x.f, "torch/nn/modules/linear.py"),
+    ]
+
+
+def _dcp_decoder_ends(x: Dims) -> list:
+    return [Saved("final norm: its input and rstd; the output projection's input",
+                  2 * BF16 * x.h + BF16, "megatron_dcp/models/decoder.py Decoder")]
+
+
 LAYER_ROWS: dict[str, Row] = {
+    "dcp-decoder": Row("DCP's reference decoder (megatron_dcp.models.decoder)", "measured",
+                       _dcp_decoder, _dcp_decoder_ends),
     "megatron-local": Row("Megatron's local layer, no fusions", "measured",
                           _megatron_local(False), _megatron_local_ends),
     "megatron-local-swiglu": Row("Megatron's local layer, fused SwiGLU "
