@@ -145,6 +145,53 @@ def test_the_dcp_decoder_row_equals_the_bytes_its_layer_saves(monkeypatch):
             assert got == layer_bytes(shape) * tokens, (h, heads, tokens, got)
 
 
+def _hf_saved(kind: str, layers: int, width, tokens: int) -> tuple[int, ModelShape]:
+    """Saved bytes of a forward of a tiny HF ``kind`` model (bf16, eager, DCP's attention) of
+    ``layers`` layers over a degree-1 task of ``tokens`` tokens, and its planner shape."""
+    import transformers
+
+    from megatron_dcp.integrations.hf import DCPCausalLM, model_shape
+    from megatron_dcp.plan.plan import Task
+    from megatron_dcp.runtime.context import TaskContext
+    from megatron_dcp.runtime.layout import ShardLayout
+
+    h, heads, kv, f, d = width
+    name = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}[kind]
+    config = getattr(transformers, name)(
+        vocab_size=64, hidden_size=h, intermediate_size=f, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=d or h // heads,
+        max_position_embeddings=256, tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model = DCPCausalLM(hf)
+    ctx = TaskContext(task=Task(id=0, ranks=(0,), seqs=(0,)), group_rank=0,
+                      layout=ShardLayout.build([tokens], 1, 1, 0))
+    ids = torch.randint(0, 64, (tokens,))
+    got = _saved(lambda: model(ids, torch.arange(tokens), ctx),
+                 [*model.parameters(), *model.buffers()])
+    return got, model_shape(hf)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_the_hf_eager_row_equals_the_bytes_hf_layers_save(kind, monkeypatch):
+    """A layer (two layers' bytes less one's) and the model's ends (the rest; HF's head saves
+    its input, not the logits), two widths, two token counts, through `DCPCausalLM` and the
+    planner's `model_shape`."""
+    pytest.importorskip("transformers")
+    from megatron_dcp.plan.layer_memory import ends_bytes
+    from megatron_dcp.runtime import kernels
+
+    monkeypatch.setattr(kernels, "run_forward", _flash_dtype(kernels))
+    for width in WIDTHS:
+        for tokens in TOKENS:
+            one, shape = _hf_saved(kind, 1, width, tokens)
+            two, _ = _hf_saved(kind, 2, width, tokens)
+            assert shape.layer_memory == "hf-eager"
+            assert two - one == layer_bytes(shape) * tokens, (width, tokens, two - one)
+            assert 2 * one - two == ends_bytes(shape) * tokens, (width, tokens, 2 * one - two)
+
+
 def _saved(forward, model) -> int:
     """Bytes of the unique storages autograd saves in ``forward()``, ``model``'s left out."""
     weights = {p.untyped_storage().data_ptr() for p in model}
@@ -179,7 +226,7 @@ def test_rows_split_by_tensor_and_sequence_parallelism():
 
 
 def test_an_unknown_row_is_refused_with_the_known_ones():
-    with pytest.raises(ValueError, match="layer_memory='megatron'.*known: megatron-local"):
+    with pytest.raises(ValueError, match="layer_memory='megatron'.*known: .*megatron-local"):
         ModelShape(num_layers=1, hidden_size=8, num_heads=2, ffn_hidden_size=8, vocab_size=8,
                    layer_memory="megatron")
     with pytest.raises(ValueError, match="loss_memory='x'.*megatron-vocab-parallel"):

@@ -183,7 +183,35 @@ def _dcp_decoder_ends(x: Dims) -> list:
                   2 * BF16 * x.h + BF16, "megatron_dcp/models/decoder.py Decoder")]
 
 
+def _hf_norm(x: Dims) -> Saved:
+    return Saved("RMSNorm: the fp32 input, rstd, the bf16 normalised product", FP32 * x.h + FP32
+                 + BF16 * x.h, "transformers/models/llama/modeling_llama.py LlamaRMSNorm")
+
+
+def _hf_eager(x: Dims) -> list:
+    model = "transformers/models/llama/modeling_llama.py "
+    return [
+        _hf_norm(x),
+        Saved("q/k/v_proj input (the norm's output)", BF16 * x.h, model + "LlamaAttention"),
+        Saved("q and k after RoPE, v, the attention output (o_proj's saved input) and its "
+              "log-sum-exp", BF16 * (2 * x.q + 2 * x.kv) + FP32 * x.heads,
+              "megatron_dcp/integrations/hf.py hf_attention -> megatron_dcp/runtime/kernels.py"),
+        _hf_norm(x),
+        Saved("gate/up_proj input", BF16 * x.h, model + "LlamaMLP"),
+        Saved("gate and up outputs, silu(gate), their product (down_proj's input)",
+              4 * BF16 * x.f, model + "LlamaMLP, transformers/activations.py SiLU"),
+    ]
+
+
+def _hf_eager_ends(x: Dims) -> list:
+    return [_hf_norm(x),
+            Saved("lm_head input; RoPE's cos and sin; position ids", BF16 * x.h
+                  + 2 * BF16 * x.d + 8, "transformers/models/llama/modeling_llama.py")]
+
+
 LAYER_ROWS: dict[str, Row] = {
+    "hf-eager": Row("Hugging Face Llama/Qwen2/Mistral decoder layer (DCP's attention)",
+                    "measured", _hf_eager, _hf_eager_ends),
     "dcp-decoder": Row("DCP's reference decoder (megatron_dcp.models.decoder)", "measured",
                        _dcp_decoder, _dcp_decoder_ends),
     "megatron-local": Row("Megatron's local layer, no fusions", "measured",
