@@ -127,6 +127,7 @@ class MemoryModel:
         self.logit_bytes = (BF16 + 4 if entry is None else entry) * v / tp
         """Bytes per local token of the logits and the loss's temporaries (`loss_bytes`)."""
         self.ends_bytes = ends_bytes(m)  # embedding output, final norm (the layer row's)
+        self._head_bytes = self.logit_bytes + self.ends_bytes  # what token_bytes adds
         self._loss_chunk = (LOSS_CHUNK_COPIES * 4 * v if entry is None else 0.0,
                             loss_chunk_tokens(v))
         """The chunked loss's fp32 chunk (none with a loss row): bytes a token, tokens."""
@@ -179,7 +180,7 @@ class MemoryModel:
         recompute_buffer = self.act_bytes if recompute_layers else 0
         kept = (self.num_layers - recompute_layers) * self.act_bytes \
             + recompute_layers * self.recomputed_layer_bytes
-        return kept + recompute_buffer + self.logit_bytes + self.ends_bytes
+        return kept + recompute_buffer + self._head_bytes
 
     def kept_token_bytes(self, recompute_layers: int) -> float:
         """Bytes per local token a micro-batch keeps from its forward to its backward: what a
