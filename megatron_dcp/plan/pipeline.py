@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel
-from megatron_dcp.plan.memory import BF16
+from megatron_dcp.plan.memory import BF16, MLP_GRAD_FRACTION
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import EMPTY_STEP_TOKENS, Plan, PlanError, padded_length
 
@@ -137,7 +137,8 @@ class SlotCost:
     """Bytes per rank needed on top while it runs on any stage (the recompute buffer)."""
     head: list[float] = field(default_factory=list)
     """Bytes per rank on top while it runs on the last stage only (the last virtual stage's
-    chunk): the logits and loss, the model's ends (`MemoryModel.logit_bytes`, ``ends_bytes``)."""
+    chunk): the logits and loss, the model's ends (`MemoryModel.logit_bytes`, ``ends_bytes``),
+    less the layer backward's workspace that ``running`` counts (the two never overlap)."""
 
     @property
     def time(self) -> float:
@@ -167,10 +168,13 @@ def slot_costs(plan: Plan, cm: CostModel) -> list[SlotCost]:
         forward = durations[k] / (3.0 + c / n)
         mm = cm.memory_model
         kept, head = mm.kept_token_bytes(c), mm.logit_bytes + mm.ends_bytes
-        run = mm.token_bytes(c) - kept - head
+        # a layer's backward (the MLP's gradients, three hidden-wide ones) and the P2P buffers
+        # (the received activation or gradient, the one sent): where no loss runs, the peak
+        bwd = MLP_GRAD_FRACTION * mm.mlp_token_bytes + 5 * mm.recomputed_layer_bytes
+        run = mm.token_bytes(c) - kept - head + bwd
         costs.append(SlotCost(forward, durations[k] - forward, p2p_time(max(local[k]), cm),
                               [x * kept for x in local[k]], [x * run for x in local[k]],
-                              [x * head for x in local[k]]))
+                              [x * max(0.0, head - bwd) for x in local[k]]))
     return costs
 
 
