@@ -124,15 +124,23 @@ def test_megatron_moe_expert_tp1_groups_inside_tp_pairs_plan_free():
     assert moe == {(2, 3)}
 
 
-def test_a_rank_over_its_memory_budget_fails_the_run_and_is_named(capsys):
-    """13 GiB a rank leaves 5.35 GiB for activations: the planner's plan fits it by its model
-    (4.94 GiB), while Megatron's local layer keeps more than the model counts (7.5 GiB measured,
-    docs/DESIGN.md "Measuring"): the run fails and names the ranks. When the memory model learns
-    the local layer this plan changes and the control needs another way over the budget."""
+def test_a_rank_over_its_memory_budget_fails_the_run_and_is_named(capsys, tmp_path):
+    """A model planned as Transformer Engine's layer (its row, counted: about 60 % of what
+    Megatron's local layer keeps) and run as the local layer, the only one a CPU builds: 13 GiB
+    a rank, the plan fits by the model, the measured activations do not; the run fails and
+    names the ranks. (Before the planner learned the local layer, its own plan was over.)"""
     pytest.importorskip("megatron.core")
+    import dataclasses
+    import json
+
+    from megatron_dcp.plan import load_model
+
+    shape = tmp_path / "te.json"
+    shape.write_text(json.dumps(dataclasses.replace(
+        load_model("llama-7b"), layer_memory="transformer-engine").to_dict()))
     args = parse_args(["--engine", "megatron", "--gpus", "4", "--tp", "2", "--sequence-parallel",
                        "--layers", "1", "--global-batch-tokens", "65536",
-                       "--memory-budget-gb", "13"])
+                       "--memory-budget-gb", "13", "--model", str(shape)])
     report = run(args)
     for r in report["ranks"]:
         assert r["over_budget"] == (r["peak_bytes"] > r["budget_bytes"])

@@ -38,7 +38,9 @@ def test_dense_args_give_todays_shape():
     assert model_shape_from_args(args) == ModelShape(
         num_layers=4, hidden_size=32, num_heads=4, ffn_hidden_size=128, vocab_size=256,
         num_kv_heads=4, max_position=128, name="megatron-lm-gpt", tensor_parallel=1,
-        pipeline_parallel=1, sequence_parallel=False)
+        pipeline_parallel=1, sequence_parallel=False,
+        # no Transformer Engine here: Megatron's local layer, its vocabulary-parallel loss
+        layer_memory="megatron-local", loss_memory="megatron-vocab-parallel")
 
 
 def test_launcher_shape_is_moe():

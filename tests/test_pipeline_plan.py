@@ -82,6 +82,18 @@ def test_peak_memory_counts_the_window():
     assert result.peak_bytes == [pytest.approx(2.0 + 8.0 + 0.5), pytest.approx(8.0 + 0.5)]
 
 
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_the_logits_count_on_the_last_stage_only(virtual):
+    """The logits, loss and model ends (`SlotCost.head`) run on the last stage's last chunk:
+    the other stages' peaks leave them out (issue 55: every stage was charged them)."""
+    costs = [SlotCost(1, 2, 0.0, [4.0], [0.5], [100.0]) for _ in range(4)]
+    result = simulate_pipeline(costs, Pipeline(2, virtual))
+    without = simulate_pipeline([SlotCost(1, 2, 0.0, [4.0], [0.5]) for _ in range(4)],
+                                Pipeline(2, virtual))
+    assert result.peak_bytes[0] == pytest.approx(without.peak_bytes[0])
+    assert result.peak_bytes[1] == pytest.approx(without.peak_bytes[1] + 100.0)
+
+
 def test_plan_fits_only_in_the_right_order():
     cm = _cost_model(pipeline_parallel=2)
     free = cm.memory_model.budget - cm.memory_model.static_memory - cm.memory_model.reserve

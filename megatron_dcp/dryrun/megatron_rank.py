@@ -23,6 +23,7 @@ not have); MoE models with leading dense layers are refused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from typing import Any, Iterator
@@ -196,6 +197,22 @@ class _BufferList(list):
         return torch.nn.Module.buffers(self.module, recurse)
 
 
+def local_layer_shape(shape: Any) -> Any:
+    """``shape`` planned with the memory rows of the model the dry run builds (Megatron's local
+    layer, no fusions; Megatron's vocabulary-parallel loss), unless the shape names its own."""
+    return dataclasses.replace(shape, layer_memory=shape.layer_memory or "megatron-local",
+                               loss_memory=shape.loss_memory or "megatron-vocab-parallel")
+
+
+def grad_buffers(chunks: list) -> list:
+    """Megatron DDP's gradient buffers (fp32 ``main_grad`` storage, made before the step): given
+    to the tracker as external, so that their first in-place ``add_`` in backward does not count
+    them as activations (the planner counts gradients in the static memory)."""
+    return [b.grad_data for c in chunks
+            for b in list(c.buffers) + list(getattr(c, "expert_parallel_buffers", []))
+            if getattr(b, "grad_data", None) is not None]
+
+
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
     losses = output.view(-1).float()
     loss = (losses * loss_mask.view(-1).float()).sum()
@@ -217,6 +234,7 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
 
     start = time.perf_counter()
     out: dict[str, Any] = {"rank": rank}
+    job = dataclasses.replace(job, shape=local_layer_shape(job.shape))
     with FakeJob(job.world_size, rank) as fake, megatron_on_meta():
         from megatron.core import parallel_state, tensor_parallel
 
@@ -233,7 +251,7 @@ def run_megatron_rank(job: RankJob, rank: int) -> dict[str, Any]:
                                                         force_reset_rng=True)
         chunks = build_model(job.shape, job.zero_stage)
         tracker = MemTracker()
-        tracker.track_external(*chunks)
+        tracker.track_external(*chunks, *grad_buffers(chunks))
         error, plan, step = "", None, None
         stage = parallel_state.get_pipeline_model_parallel_rank()
         try:

@@ -199,7 +199,8 @@ def sliding_window(config: Any) -> Optional[int]:
 
 def model_shape(model: nn.Module) -> ModelShape:
     """The planner's `ModelShape` of an HF causal LM (its text config and its modules: tied
-    embeddings and q/k/v biases as the model has them; experts: `_moe_fields`)."""
+    embeddings and q/k/v biases as the model has them; experts: `_moe_fields`); a dense one's
+    layers keep what HF's eager layer saves (`megatron_dcp.plan.layer_memory`, ``hf-eager``)."""
     config = model.config.get_text_config()
     heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -215,7 +216,8 @@ def model_shape(model: nn.Module) -> ModelShape:
                       head_dim=int(head_dim), tied_embeddings=tied, qkv_bias=qkv_bias,
                       gated_mlp=True, causal=True,
                       max_position=getattr(config, "max_position_embeddings", None),
-                      name=str(getattr(config, "model_type", "hf")), **_moe_fields(config))
+                      name=str(getattr(config, "model_type", "hf")), **_moe_fields(config),
+                      layer_memory=None if _moe_fields(config) else "hf-eager")
 
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")

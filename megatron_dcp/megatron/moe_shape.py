@@ -7,6 +7,7 @@ Kept apart from `megatron_dcp.megatron.moe` so that building a shape needs no me
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Optional
 
 from megatron_dcp.config import arg_value as _get
@@ -114,4 +115,23 @@ def megatron_model_shape(args: Any, *, vocab_size: int, max_position: int, name:
                       pipeline_parallel=_get(args, "pipeline_model_parallel_size", 1),
                       virtual_pipeline=_get(args, "virtual_pipeline_model_parallel_size", 1),
                       sequence_parallel=bool(_get(args, "sequence_parallel", False)),
-                      **moe_shape_fields(args))
+                      **moe_shape_fields(args), **memory_rows(args))
+
+
+def memory_rows(args: Any) -> dict:
+    """``layer_memory`` and ``loss_memory`` (`megatron_dcp.plan.layer_memory`) of the model
+    ``args`` build: Transformer Engine's layer where ``--transformer-impl transformer_engine``
+    (the default; examples/pretrain_megatron.py detects) and TE is installed, else Megatron's
+    local layer (as `megatron_dcp.megatron.lm_spec` builds it), with the fused SwiGLU where
+    ``--bias-swiglu-fusion`` is on; TE's cross-entropy where ``--cross-entropy-loss-fusion``
+    with ``--cross-entropy-fusion-impl te``, else Megatron's vocabulary-parallel one."""
+    from megatron_dcp.plan.layer_memory import megatron_layer_row
+
+    te = _get(args, "transformer_impl", "transformer_engine") == "transformer_engine" \
+        and importlib.util.find_spec("transformer_engine") is not None  # Megatron's HAVE_TE
+    layer = megatron_layer_row("transformer_engine" if te else "local",
+                               bool(_get(args, "bias_swiglu_fusion", False)))
+    te_loss = te and bool(_get(args, "cross_entropy_loss_fusion", False)) \
+        and _get(args, "cross_entropy_fusion_impl", "native") == "te"
+    return {"layer_memory": layer,
+            "loss_memory": "te-parallel-cross-entropy" if te_loss else "megatron-vocab-parallel"}

@@ -22,6 +22,7 @@ import math
 from typing import Any, NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.hardware import Hardware
+from megatron_dcp.plan.layer_memory import layer_bytes
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import PlanError, pad_multiple
 from megatron_dcp.plan.vocabulary import ulysses_degrees
@@ -102,6 +103,8 @@ class Geometry:
         self.act_bytes = BF16 * (3 * h + (split if tp == 1 else split / tp))
         if tp > 1 and m.sequence_parallel:  # norms and layer inputs split along the sequence
             self.act_bytes = BF16 * (3 * h + split) / tp
+        if m.layer_memory is not None:  # the implementation's saved tensors (a dense layer)
+            self.act_bytes = layer_bytes(m)
         self.zero_params = self.params
         """Parameters per tensor-parallel rank that ZeRO shards over the DCP world, counted so
         that ``zero_params / world`` is a rank's shard: the parameters themselves for a dense

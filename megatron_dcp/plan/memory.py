@@ -16,12 +16,12 @@ the loss's backward, and 4 B per entry for their gradient (the chunked loss's, 2
 softmax Megatron's vocabulary-parallel loss saves for backward (4 B). The chunked loss
 (`megatron_dcp.models.common.token_losses`) never holds a whole fp32 copy of the logits;
 ``F.cross_entropy(logits.float())`` held 12 B per entry with fp32 logits (measured on CPU,
-docs/BENCHMARKS.md; the chunked loss 8), more with bf16 ones. Ring attention saves its merged
-output in the input dtype (the tensor it returns, which the next layer keeps anyway), so it adds
-nothing to ``A``. ``A`` (`Geometry.act_bytes`: bytes per token per layer, flash attention, no
-dropout) = 2 B x (5h + 2*kv_dim + 3f) for a gated MLP (2f otherwise): norm inputs/outputs,
-q/k/v, attention output, MLP intermediates. Local tokens count the padding of
-`megatron_dcp.plan.plan.padded_length`, the runtime's own rule.
+docs/BENCHMARKS.md; the chunked loss 8). Ring attention saves its merged output in the input
+dtype, so it adds nothing to ``A``. ``A`` (`Geometry.act_bytes`: bytes per token per layer,
+flash attention, no dropout) = 2 B x (5h + 2*kv_dim + 3f) for a gated MLP (2f otherwise), or
+the sum of the saved tensors of the model's implementation row with the model's ends and its
+loss row (`megatron_dcp.plan.layer_memory`; then no chunk workspace). Local tokens count the
+padding of `megatron_dcp.plan.plan.padded_length`, the runtime's own rule.
 
 Megatron tensor parallelism (``model.tensor_parallel = tp``): parameters and the head's logits
 divide by ``tp``; of ``A``, the head-/FFN-split part (q, k, v, attention output, MLP
@@ -45,6 +45,7 @@ from dataclasses import replace
 from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.geometry import BF16, Geometry
+from megatron_dcp.plan.layer_memory import ends_bytes, loss_entry_bytes
 from megatron_dcp.plan.plan import Plan, PlanError, Task, padded_length
 from megatron_dcp.plan.units import count_text, size_text
 from megatron_dcp.plan.vocabulary import Communicators
@@ -60,8 +61,7 @@ takes `loss_chunk_tokens` tokens per chunk."""
 LOSS_CHUNK_COPIES = 1
 """fp32 tensors of one chunk alive at once in the chunked loss (logits minus their max in
 forward, the softmax gradient in backward)."""
-HOST_LINK_BANDWIDTH = 25e9
-"""Device <-> pinned host bytes/s per GPU and direction when the hardware gives none."""
+HOST_LINK_BANDWIDTH = 25e9  # device <-> pinned host bytes/s per GPU and direction, by default
 MLP_TILE_TOKENS = 16384
 """Local tokens per MLP tile of a tiled task (its MLP intermediates are this many tokens')."""
 LOSS_TILE_BYTES = 2 * 2**30
@@ -70,8 +70,7 @@ MLP_GRAD_FRACTION = 4 / 3
 """Gradients of the MLP intermediates alive while a layer's backward runs, as a fraction of
 the intermediates (a gated MLP's three ``f``-wide tensors: four ``f``-wide gradients, measured on
 CPU)."""
-TILE_LAUNCH_S = 30e-6
-"""Seconds of launches and checkpoint bookkeeping per extra tile per layer and pass."""
+TILE_LAUNCH_S = 30e-6  # s of launches and checkpoint bookkeeping per extra tile, layer, pass
 
 
 class LongChoice(NamedTuple):
@@ -124,11 +123,14 @@ class MemoryModel:
         self.recomputed_layer_bytes = BF16 * m.hidden_size
         if tp > 1 and m.sequence_parallel:  # layer inputs split along the sequence
             self.recomputed_layer_bytes = BF16 * m.hidden_size / tp
-        v = m.vocab_size
-        self.logit_bytes = (BF16 + 4) * v if tp == 1 else (BF16 + 4) * v / tp
-        """Bytes per local token of the bf16 logits and their gradient (`loss_bytes`)."""
-        self._loss_chunk = (LOSS_CHUNK_COPIES * 4 * v, loss_chunk_tokens(v))
-        """The chunked loss's fp32 tensor of one chunk: bytes per token and tokens per chunk."""
+        v, entry = m.vocab_size, loss_entry_bytes(m)  # entry: the model's loss row's, or None
+        self.logit_bytes = (BF16 + 4 if entry is None else entry) * v / tp
+        """Bytes per local token of the logits and the loss's temporaries (`loss_bytes`)."""
+        self.ends_bytes = ends_bytes(m)  # embedding output, final norm (the layer row's)
+        self._head_bytes = self.logit_bytes + self.ends_bytes  # what token_bytes adds
+        self._loss_chunk = (LOSS_CHUNK_COPIES * 4 * v if entry is None else 0.0,
+                            loss_chunk_tokens(v))
+        """The chunked loss's fp32 chunk (none with a loss row): bytes a token, tokens."""
         self.communicators = communicators
         hbm = hardware.hbm_bytes * memory_fraction
         self.budget = float(memory_budget) if memory_budget is not None else hbm
@@ -178,7 +180,7 @@ class MemoryModel:
         recompute_buffer = self.act_bytes if recompute_layers else 0
         kept = (self.num_layers - recompute_layers) * self.act_bytes \
             + recompute_layers * self.recomputed_layer_bytes
-        return kept + recompute_buffer + self.logit_bytes
+        return kept + recompute_buffer + self._head_bytes
 
     def kept_token_bytes(self, recompute_layers: int) -> float:
         """Bytes per local token a micro-batch keeps from its forward to its backward: what a

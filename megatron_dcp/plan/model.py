@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+from megatron_dcp.plan.layer_memory import check_rows
+
 
 def expert_dcp_ranks(expert_parallel: int, expert_tp: int, tensor_parallel: int) -> int:
     """Ranks of the DCP world one expert-parallel group spans: ``EP x ETP / TP`` (Megatron
@@ -77,6 +79,13 @@ class ModelShape:
     expert_tensor_parallel: Optional[int] = None
     """Expert tensor-parallel size ETP (``--expert-tensor-parallel-size``): each expert is split
     over ETP ranks; default (``None``) ``tensor_parallel``. It divides ``tensor_parallel``."""
+    layer_memory: Optional[str] = None
+    """The implementation whose saved tensors a layer keeps (`megatron_dcp.plan.layer_memory`
+    ``LAYER_ROWS``: ``megatron-local``, ``megatron-local-swiglu``, ``transformer-engine``);
+    ``None``: the planner's own formula (a fused layer). Dense models only (MoE: the formula)."""
+    loss_memory: Optional[str] = None
+    """The loss implementation (``LOSS_ROWS``: ``megatron-vocab-parallel``,
+    ``te-parallel-cross-entropy``); ``None``: DCP's chunked loss."""
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"):
@@ -113,6 +122,7 @@ class ModelShape:
             raise ValueError(f"model.num_layers={self.num_layers} is not divisible by "
                              f"pipeline_parallel x virtual_pipeline = {chunks}")
         self._check_experts()
+        check_rows(self.layer_memory, self.loss_memory)
 
     def _check_experts(self) -> None:
         """The MoE fields: consistent, or all at their dense defaults."""

@@ -21,8 +21,9 @@ rank's peak on every stage is within the budget.
 The order of the slots (the bubble-aware post-pass) is `megatron_dcp.plan.pipeline_order`'s.
 
 Model simplifications: a forward is ``1 / (3 + c/N)`` of a slot's stage time and the backward the
-rest (the cost model's passes); every stage counts the embedding and the head (the stage shape
-keeps them: conservative for time and memory); P2P sends each rank's local tokens x hidden in bf16
+rest (the cost model's passes); every stage counts the embedding and the head in its time and
+parameters (the stage shape keeps them: conservative), the logits and loss in memory only on the
+last stage (`SlotCost.head`); P2P sends each rank's local tokens x hidden in bf16
 over the inter-node link, hidden behind nothing: every tensor-parallel rank sends the whole
 activation, or with sequence parallelism (``model.sequence_parallel``) its 1/TP of the tokens
 (the shard padded to a multiple of TP, as the runtime pads it).
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple, Optional, Sequence
 
 from megatron_dcp.plan.cost import CostModel
-from megatron_dcp.plan.memory import BF16
+from megatron_dcp.plan.memory import BF16, MLP_GRAD_FRACTION
 from megatron_dcp.plan.model import ModelShape
 from megatron_dcp.plan.plan import EMPTY_STEP_TOKENS, Plan, PlanError, padded_length
 
@@ -133,7 +134,11 @@ class SlotCost:
     kept: list[float]
     """Bytes per rank held from its forward to its backward."""
     running: list[float]
-    """Bytes per rank needed on top while it runs (recompute buffer, logits)."""
+    """Bytes per rank needed on top while it runs on any stage (the recompute buffer)."""
+    head: list[float] = field(default_factory=list)
+    """Bytes per rank on top while it runs on the last stage only (the last virtual stage's
+    chunk): the logits and loss, the model's ends (`MemoryModel.logit_bytes`, ``ends_bytes``),
+    less the layer backward's workspace that ``running`` counts (the two never overlap)."""
 
     @property
     def time(self) -> float:
@@ -161,9 +166,15 @@ def slot_costs(plan: Plan, cm: CostModel) -> list[SlotCost]:
     costs = []
     for k, c in enumerate(depths):
         forward = durations[k] / (3.0 + c / n)
-        kept, total = cm.memory_model.kept_token_bytes(c), cm.memory_model.token_bytes(c)
+        mm = cm.memory_model
+        kept, head = mm.kept_token_bytes(c), mm.logit_bytes + mm.ends_bytes
+        # a layer's backward (the MLP's gradients, three hidden-wide ones) and the P2P buffers
+        # (the received activation or gradient, the one sent): where no loss runs, the peak
+        bwd = MLP_GRAD_FRACTION * mm.mlp_token_bytes + 5 * mm.recomputed_layer_bytes
+        run = mm.token_bytes(c) - kept - head + bwd
         costs.append(SlotCost(forward, durations[k] - forward, p2p_time(max(local[k]), cm),
-                              [x * kept for x in local[k]], [x * (total - kept) for x in local[k]]))
+                              [x * kept for x in local[k]], [x * run for x in local[k]],
+                              [x * max(0.0, head - bwd) for x in local[k]]))
     return costs
 
 
@@ -350,13 +361,14 @@ def _memory(ops: Sequence[Sequence[Op]], seq: Sequence[SlotCost],
             pipe: Pipeline, cm: Optional[CostModel]) -> tuple[list[float], list[float]]:
     """Per stage: the highest memory of any rank in its op order (a chunk's forward adds its
     share of the micro-batch's kept bytes, its backward frees it; the running op's extra bytes on
-    top) and the most micro-batches in flight."""
-    v = pipe.virtual
+    top, its logits and loss on the last stage's last chunk only) and the most micro-batches in
+    flight."""
+    v, last = pipe.virtual, len(ops) - 1
     base = cm.memory_model.static_memory + cm.memory_model.reserve if cm is not None else 0.0
     world = len(seq[0].kept)
     shares = {}  # micro-batch -> its kept bytes / V per rank
     peaks, counts = [], []
-    for device in ops:
+    for stage, device in enumerate(ops):
         hold = [0.0] * world
         peak = [0.0] * world
         count = most = 0
@@ -370,7 +382,10 @@ def _memory(ops: Sequence[Sequence[Op]], seq: Sequence[SlotCost],
                 hold = list(map(operator.add, hold, share))
                 if count > most:
                     most = count
-            peak = list(map(max, peak, map(operator.add, hold, seq[k].running)))
+            running = seq[k].running
+            if seq[k].head and stage == last and op.chunk == v - 1:  # logits, loss, ends
+                running = list(map(operator.add, running, seq[k].head))
+            peak = list(map(max, peak, map(operator.add, hold, running)))
             if not op.forward:
                 count -= 1
                 hold = list(map(operator.sub, hold, share))

@@ -450,9 +450,11 @@ def setup_line(config: Any, cost_model: Any, world_size: int, pipelined: bool = 
     """What DCP will do, in one line (rank 0 prints it at start): the policy and schedule, the
     DCP world, the hardware the cost model uses and where it comes from, the memory budget with
     its static part and reserve and the tokens a degree-1 task may hold (no layer recomputed,
-    every layer recomputed), the token cap, recompute, the largest degree, long sequences.
+    every layer recomputed), the layer memory's implementation row and whether it is measured
+    or counted (`megatron_dcp.plan.layer_memory.describe`), the token cap, recompute, the largest degree, long sequences.
     ``pipelined``: the model has pipeline stages (whose plans are lockstep slots)."""
     from megatron_dcp.plan.hardware import AUTO, PRESETS
+    from megatron_dcp.plan.layer_memory import describe
     from megatron_dcp.plan.schedule import schedule_for
     from megatron_dcp.plan.units import size_text
 
@@ -468,7 +470,8 @@ def setup_line(config: Any, cost_model: Any, world_size: int, pipelined: bool = 
              f"DCP world {world_size} ranks", f"hardware {cost_model.hw.name} ({source})",
              f"memory budget {size_text(memory.budget)} per rank (static "
              f"{size_text(memory.static_memory)}, reserve {size_text(memory.reserve)}): a "
-             f"degree-1 task holds {plain} tokens, {full} with every layer recomputed"]
+             f"degree-1 task holds {plain} tokens, {full} with every layer recomputed",
+             describe(cost_model.model)]
     if config.max_tokens_per_rank is not None:
         parts.append(f"at most {config.max_tokens_per_rank} tokens per rank")
     parts += [f"recompute {config.recompute}",
