@@ -1,11 +1,14 @@
 """Per-token loss masks, weights and scales (issue 57): a `WeightedBatch` trains exactly what one
 device computes on the whole batch, under every loss normalisation (RL trainers' four modes),
-whatever the plan (degrees 1-4: Ulysses, ring, hybrid, ranks without a task), and through the
+whatever the plan (degrees 1-4: Ulysses, ring, hybrid, ranks without a task, MLP and loss tiles,
+an offloaded layer input), and through the
 lengths-first input stage (labels, weights and scales travel with the tokens; a truncated
 document's figures are its kept prefix's). Real gloo processes at 1, 2 and 4 ranks against a
 single-process reference written from the modes' definitions (verl's ``loss_agg_mode``)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -78,11 +81,12 @@ def _plans(world: int) -> list[dict]:
     if world == 1:
         return [plan_dict([task(0, [0], [0, 1, 2], recompute_layers=1),
                            task(1, [0], [3, 4, 5, 6, 7], start=0.1)], L, 1)]
-    if world == 2:
+    if world == 2:  # task 2 tiles its MLP and loss and offloads a recomputed layer's input
+        long = replace(task(2, [0], [0, 2, 5], start=0.2, recompute_layers=2), mlp_tiles=2,
+                       loss_tiles=3, offload_layers=1)
         return [plan_dict([task(0, [0, 1], [3], ulysses=2), task(1, [0, 1], [6, 1], ulysses=1,
                                                                  start=0.1),
-                           task(2, [0], [0, 2, 5], start=0.2, recompute_layers=2),
-                           task(3, [1], [4, 7], start=0.2)], L, 2)]
+                           long, task(3, [1], [4, 7], start=0.2)], L, 2)]
     return [plan_dict([task(0, [0, 1, 2, 3], [3], ulysses=2), task(1, [0, 1, 2], [6, 1],
                                                                    ulysses=1, start=0.1),
                        task(2, [0, 1], [4, 7], ulysses=2, start=0.2),
