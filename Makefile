@@ -78,7 +78,7 @@ test: venv
 	$(PYTEST) tests
 	$(MAKE) --no-print-directory test312
 
-# the edit loop: single-process tests only (no rank launches), under 3 minutes
+# the edit loop: single-process tests only (no rank launches); its time: docs/BENCHMARKS.md
 .PHONY: test-fast
 test-fast: venv
 	$(PYTEST) -m "not slow" tests
