@@ -68,7 +68,7 @@ def test_the_megatron_engines_nonfinite_check_runs_on_the_job_device(monkeypatch
     second = torch.nn.Linear(2, 2)
     second.weight.grad = torch.ones(2, 2)
     stub = types.SimpleNamespace(chunks=[torch.nn.Sequential(first, second)],
-                                 _reduce=lambda: None)
+                                 _reduce=lambda: None, reduction=None)
     assert engine_module.MegatronStepEngine.finish(stub) is None
     assert asked == [JOB]
 

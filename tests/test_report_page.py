@@ -200,6 +200,7 @@ def test_a_baseline_that_is_neither_is_refused(tool, tmp_path, capsys):
     assert "--baseline" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # runs git (the commit)
 def test_per_rank_work_and_the_timeline_extras_of_a_plan(tmp_path):
     """`rank_work` splits each task's tokens and TFLOP evenly over its ranks (sums: the plan's
     tokens, the figures' model TFLOP); a row carries the extras only beside its timeline, the
