@@ -93,11 +93,11 @@ def _rows_that_split(log: Path) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_dcp_lm_loss_equals_plain_megatron_lm_at_dp2(tmp_path):
     log = tmp_path / "dcp.jsonl"
-    # a memory budget that holds 200 tokens at degree 1 and a small pack budget: the planner
-    # splits the long documents over both ranks (degree 2) and packs the short ones
+    # a memory budget that holds 200 tokens at degree 1 with every layer recomputed and a small
+    # pack budget: the planner splits the long documents over both ranks (degree 2), packs the rest
     launched = _launch(["--dcp", "--dcp-log-json", str(log), "--dcp-hardware", "h200",
                         "--dcp-pack-tokens", "128",
-                        "--dcp-memory-budget-gb", f"{_budget_gb(200):.6f}"])
+                        "--dcp-memory-budget-gb", f"{_budget_gb(200, recompute=2):.6f}"])
     dcp = _lm_losses(launched)
     # beside Megatron-LM's line at each --log-interval (1 here): the plan in words
     lines = re.findall(r"\[dcp\] iteration (\d+): step \d+ ms, predicted \d+ ms.*\| tasks .* at "
@@ -154,7 +154,7 @@ def test_dcp_lm_loss_equals_plain_megatron_lm_on_4_ranks(tmp_path, layout):
     log = tmp_path / "dcp.jsonl"
     dcp = _lm_losses(_launch(["--dcp", "--dcp-log-json", str(log), "--dcp-hardware", "h200",
                               "--dcp-pack-tokens", "128", "--dcp-memory-budget-gb",
-                              f"{_budget_gb(200, layout.get('tp', 1), layout.get('sp', False)):.6f}",
+                              f"{_budget_gb(200, layout.get('tp', 1), layout.get('sp', False), recompute=2):.6f}",
                               *extra], ranks=4))
     plain = _lm_losses(_launch(PLAIN + extra, ranks=4))
     _same_losses(dcp, plain)
@@ -179,8 +179,8 @@ def test_both_overlaps_equal_plain_megatron_lm(tmp_path, pp):
     all-gathers dispatched when a rank's micro-steps start): Megatron-LM's lm loss lines are
     plain Megatron-LM's with the same flags, with plans that split documents over both ranks
     and with plans where one rank has no task (packed at degree 1 into one 1,028-token bin: the
-    other rank runs an empty micro-step, or an empty pipeline slot). Before, the flag was
-    refused."""
+    other rank runs an empty micro-step, or an empty pipeline slot; ranks busy alike in the
+    split run). Before, the flag was refused."""
     extra = OVERLAPS + ["--pipeline-model-parallel-size", str(pp)]
     split, idle = tmp_path / "split.jsonl", tmp_path / "idle.jsonl"
     runs = {"split": ["--dcp-max-tokens-per-rank", "200", "--dcp-log-json", str(split)],
@@ -192,7 +192,7 @@ def test_both_overlaps_equal_plain_megatron_lm(tmp_path, pp):
     _rows_that_split(split)
     counts = [r["plan"]["micro_steps_per_rank"] for r in map(json.loads,
                                                              idle.read_text().splitlines())]
-    assert [1, 0] in counts and [1, 1] in counts, counts  # a step with an idle rank
+    assert [1, 0] in counts, counts  # a step with an idle rank
 
 
 @pytest.mark.timeout(600)
