@@ -30,13 +30,13 @@ import deepspeed_plugin
 import training  # examples/training.py: the flags, config and checkpoints the examples share
 from megatron_dcp.config import float_flag, int_flag, output_file
 from megatron_dcp.data import (GlobalBatchSampler, InMemoryTokenDataset, MaskedDataset,
-                               embedded_dataset, open_dataset, read_documents, target_weights)
+                               embedded_dataset, open_dataset, read_documents)
 from megatron_dcp.data.tokenizer import ByteTokenizer
 from megatron_dcp.integrations import hf
 from megatron_dcp.models.decoder import Decoder, DecoderConfig
 from megatron_dcp.runtime.report import TIMELINE_INTERVAL, reset_peak_memory
 from megatron_dcp.runtime.input_stage import share_of
-from megatron_dcp.runtime.targets import WeightedBatch
+from megatron_dcp.data.loss_mask import dataset_batch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,17 +100,6 @@ def _dataset(path, tokenizer, vocab_size=None):
                              f"({len(documents)} documents: an empty file, or blank lines only)")
         return InMemoryTokenDataset(documents, path)
     return open_dataset(path, vocab_size, loss_mask=True)  # PREFIX_mask beside it: SFT
-
-
-def share(dataset, docs, seq_length: int) -> list:
-    """The token tensors of documents ``docs`` cut at ``seq_length``; of a `MaskedDataset` a
-    `WeightedBatch` whose targets weigh by its mask (`megatron_dcp.data.target_weights`: the
-    target of position j, token j + 1, is trained where the mask of j + 1 is 1)."""
-    sequences = [torch.from_numpy(dataset[d][:seq_length].astype("int64")) for d in docs]
-    if not isinstance(dataset, MaskedDataset):
-        return sequences
-    return WeightedBatch(sequences, weights=[
-        torch.from_numpy(target_weights(dataset.mask(d)[:seq_length])) for d in docs])
 
 
 def _mask_text(dataset) -> str:
@@ -183,7 +172,7 @@ def train(args, engine, dataset, sampler) -> int:
         docs = sampler.next_batch()
         # this rank reads its own share of the batch; the engine gathers the lengths, plans and
         # gives each rank the tokens of its own tasks (train_step(local=True), docs/DEEPSPEED.md)
-        sequences = share(dataset, [docs[i] for i in share_of(len(docs), rank, world)],
+        sequences = dataset_batch(dataset, [docs[i] for i in share_of(len(docs), rank, world)],
                           args.seq_length)
         following = training.next_lengths(sampler, args, it)  # planned while this step runs
         if following is not None:

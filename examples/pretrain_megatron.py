@@ -61,6 +61,7 @@ from megatron_dcp.runtime.figures import StepFigures
 from megatron_dcp.runtime.groups import before_init_process_group, destroy_process_groups
 from megatron_dcp.runtime.log_file import checkpoint_dir, log_problem
 from megatron_dcp.runtime.nonfinite import check_step
+from megatron_dcp.data.loss_mask import dataset_batch
 from megatron_dcp.runtime.report import (TIMELINE_INTERVAL, TrainingLog, check_resume_point,
                                          peak_memory_mb, plan_summary, reset_peak_memory,
                                          tokens_run)
@@ -419,20 +420,6 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def global_batch(dataset, docs, seq_length: int) -> list:
-    """The token tensors of documents ``docs`` cut at ``seq_length``; of a `MaskedDataset` a
-    `WeightedBatch` whose targets weigh by its mask (`megatron_dcp.data.target_weights`: the
-    target of position j, token j + 1, is trained where the mask of j + 1 is 1)."""
-    from megatron_dcp.data import MaskedDataset, target_weights
-    from megatron_dcp.runtime.targets import WeightedBatch
-
-    sequences = [torch.from_numpy(dataset[d][:seq_length].astype("int64")) for d in docs]
-    if not isinstance(dataset, MaskedDataset):
-        return sequences
-    return WeightedBatch(sequences, weights=[
-        torch.from_numpy(target_weights(dataset.mask(d)[:seq_length])) for d in docs])
-
-
 def _mask_text(dataset) -> str:
     """``, loss mask PREFIX_mask`` for a dataset with one (the start-up line), else ``""``."""
     return f", loss mask {dataset.mask_prefix}" if hasattr(dataset, "mask_prefix") else ""
@@ -629,7 +616,7 @@ def main(argv=None) -> int:
     for it in range(start, args.train_iters):
         t0 = time.perf_counter()
         docs = sampler.next_batch()
-        sequences = global_batch(dataset, docs, args.seq_length)
+        sequences = dataset_batch(dataset, docs, args.seq_length)
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad(set_to_none=True)

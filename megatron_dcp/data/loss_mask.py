@@ -20,7 +20,7 @@ writes for one JSONL line.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -113,3 +113,19 @@ def open_masked(prefix: str, tokens: Optional[IndexedDataset] = None) -> MaskedD
         raise ValueError(f"{where}.bin holds the value {high if high > 1 else low}: a loss mask "
                          f"holds 0 (not trained) or 1 (trained); {fix}")
     return MaskedDataset(tokens, mask)
+
+
+def dataset_batch(dataset: Any, docs: Sequence[int], seq_length: int) -> list:
+    """The token tensors of documents ``docs`` of an indexed dataset, cut at ``seq_length``;
+    of a `MaskedDataset` a `megatron_dcp.runtime.targets.WeightedBatch` whose targets weigh by
+    its mask (`target_weights`: the target of position j, token j + 1, is trained where the
+    mask of j + 1 is 1). The examples' global batch."""
+    import torch
+
+    from megatron_dcp.runtime.targets import WeightedBatch
+
+    sequences = [torch.from_numpy(dataset[d][:seq_length].astype("int64")) for d in docs]
+    if not isinstance(dataset, MaskedDataset):
+        return sequences
+    return WeightedBatch(sequences, weights=[
+        torch.from_numpy(target_weights(dataset.mask(d)[:seq_length])) for d in docs])
